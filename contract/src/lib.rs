@@ -1,0 +1,9 @@
+//! The contracts between the driver and the runtime: the metrics lines a rank prints on stdout
+//! and the PipeDream stage-config format. Both binaries depend on this crate; it never links
+//! libtorch, so the driver builds without it.
+
+pub mod metrics;
+pub mod stage_config;
+
+pub use metrics::{Event, Iteration, RunConfig, Start, Summary, SCHEMA_VERSION};
+pub use stage_config::{Stage, StageConfig, StageConfigError, StagePlan};

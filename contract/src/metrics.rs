@@ -1,0 +1,206 @@
+//! The metrics line format: one JSON object per line on a rank's stdout, tagged by `event`.
+//!
+//! Documented for users in `docs/metrics.md`. Fields are only ever added (with a serde default so
+//! older lines still parse); a change of meaning bumps [`SCHEMA_VERSION`].
+
+use serde::{Deserialize, Serialize};
+
+/// Version of the metrics line format, carried by every `start` event.
+pub const SCHEMA_VERSION: u32 = 1;
+
+/// One line of a rank's stdout.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum Event {
+    /// Printed once, before the first iteration.
+    Start(Start),
+    /// Printed after every training iteration (one optimizer step).
+    Iteration(Iteration),
+    /// Printed once, after the last iteration.
+    Summary(Summary),
+}
+
+impl Event {
+    /// Parses one stdout line. Lines that are not metrics events give `None`, so a consumer can
+    /// treat them as plain log output.
+    pub fn parse_line(line: &str) -> Option<Event> {
+        let line = line.trim();
+        if !line.starts_with('{') {
+            return None;
+        }
+        serde_json::from_str(line).ok()
+    }
+
+    /// Renders the event as one line of JSON, without the trailing newline.
+    pub fn to_line(&self) -> String {
+        serde_json::to_string(self).expect("metrics events always serialize")
+    }
+}
+
+/// The configuration a rank resolved from its arguments and environment.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunConfig {
+    /// Model name as given to `--model`.
+    pub model: String,
+    /// Samples per iteration for this rank's pipeline (the minibatch).
+    pub batch_size: usize,
+    /// Iterations (optimizer steps) to run.
+    pub iterations: u64,
+    /// Learning rate.
+    pub lr: f64,
+    /// `sgd` or `adam`.
+    pub optimizer: String,
+    /// Seed for parameters and synthetic data.
+    pub seed: u64,
+    /// Data source, as given to `--data`.
+    pub data: String,
+    /// `cpu`, `cuda` or `cuda:N`.
+    pub device: String,
+    /// Intra-op threads used by libtorch.
+    pub threads: usize,
+    /// Pipeline schedule (`none` for a single stage).
+    #[serde(default = "default_schedule")]
+    pub schedule: String,
+    /// Microbatches per minibatch.
+    #[serde(default = "one")]
+    pub microbatches: usize,
+}
+
+fn default_schedule() -> String {
+    "none".to_string()
+}
+
+fn one() -> usize {
+    1
+}
+
+/// The `start` event.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Start {
+    /// Version of this format; see [`SCHEMA_VERSION`].
+    pub schema_version: u32,
+    /// This process's rank.
+    pub rank: usize,
+    /// Number of ranks in the job.
+    pub world_size: usize,
+    /// The pipeline stage this rank runs.
+    pub stage: usize,
+    /// Number of pipeline stages.
+    pub num_stages: usize,
+    /// Modules in the whole model, the loss included.
+    pub num_modules: usize,
+    /// Parameters in the whole model.
+    pub num_params: u64,
+    /// Index of the first module this rank runs.
+    pub first_module: usize,
+    /// One past the index of the last module this rank runs.
+    pub end_module: usize,
+    /// Parameters held by this rank.
+    pub stage_params: u64,
+    /// The resolved configuration.
+    pub config: RunConfig,
+}
+
+/// The `iteration` event: what one rank did during one optimizer step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Iteration {
+    /// Iteration index, from 0.
+    pub iteration: u64,
+    /// This process's rank.
+    pub rank: usize,
+    /// The pipeline stage this rank runs.
+    pub stage: usize,
+    /// Mean loss over the iteration's samples; only the last stage knows it, others print `null`.
+    pub loss: Option<f64>,
+    /// Samples that went through the whole pipeline in this iteration.
+    pub samples: u64,
+    /// Wall-clock seconds of the iteration.
+    pub time_s: f64,
+    /// `samples / time_s`.
+    pub samples_per_sec: f64,
+    /// Seconds spent in forward, backward and optimizer work.
+    pub compute_s: f64,
+    /// Seconds spent waiting for communication to complete.
+    pub comm_wait_s: f64,
+    /// Seconds neither computing nor waiting on a transfer (pipeline bubbles).
+    pub idle_s: f64,
+    /// Peak memory so far, in bytes: resident set on CPU, allocator peak on CUDA.
+    pub peak_mem_bytes: Option<u64>,
+}
+
+/// The `summary` event.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Summary {
+    /// This process's rank.
+    pub rank: usize,
+    /// The pipeline stage this rank runs.
+    pub stage: usize,
+    /// Iterations run.
+    pub iterations: u64,
+    /// Leading iterations left out of the means below.
+    pub warmup_iterations: u64,
+    /// Mean of the per-iteration samples/s after warm-up.
+    pub samples_per_sec_mean: f64,
+    /// Standard deviation of the per-iteration samples/s after warm-up.
+    pub samples_per_sec_std: f64,
+    /// Wall-clock seconds of all iterations.
+    pub time_s: f64,
+    /// Sum of compute seconds over all iterations.
+    pub compute_s: f64,
+    /// Sum of communication-wait seconds over all iterations.
+    pub comm_wait_s: f64,
+    /// Sum of idle seconds over all iterations.
+    pub idle_s: f64,
+    /// Loss of the last iteration, on the last stage.
+    pub final_loss: Option<f64>,
+    /// Peak memory in bytes.
+    pub peak_mem_bytes: Option<u64>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn iteration() -> Iteration {
+        Iteration {
+            iteration: 3,
+            rank: 1,
+            stage: 1,
+            loss: Some(2.25),
+            samples: 32,
+            time_s: 0.5,
+            samples_per_sec: 64.0,
+            compute_s: 0.4,
+            comm_wait_s: 0.05,
+            idle_s: 0.05,
+            peak_mem_bytes: Some(1 << 20),
+        }
+    }
+
+    #[test]
+    fn events_round_trip_through_one_line() {
+        let event = Event::Iteration(iteration());
+        let line = event.to_line();
+        assert!(
+            line.starts_with(r#"{"event":"iteration","iteration":3,"#),
+            "{line}"
+        );
+        assert!(!line.contains('\n'));
+        assert_eq!(Event::parse_line(&line), Some(event));
+    }
+
+    #[test]
+    fn plain_log_lines_are_not_events() {
+        assert_eq!(Event::parse_line("epoch 1 done"), None);
+        assert_eq!(Event::parse_line(r#"{"event":"unknown_kind"}"#), None);
+        assert_eq!(Event::parse_line(""), None);
+    }
+
+    #[test]
+    fn a_first_stage_reports_no_loss_as_null() {
+        let mut it = iteration();
+        it.loss = None;
+        let line = Event::Iteration(it).to_line();
+        assert!(line.contains(r#""loss":null"#), "{line}");
+    }
+}

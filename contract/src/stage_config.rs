@@ -1,0 +1,360 @@
+//! PipeDream's stage-config JSON (`module_to_stage_map`, `stage_to_rank_map`,
+//! `stage_to_depth_map`), read as is, and its validation into a [`StagePlan`].
+//!
+//! A stage is a contiguous slice of the model's module list (the loss is the last module) run by
+//! one or more ranks; several ranks on one stage replicate it (data parallelism inside the stage).
+
+use std::collections::BTreeMap;
+use std::ops::Range;
+
+use serde::{Deserialize, Serialize};
+
+/// The file as PipeDream writes it. Stage ids are JSON object keys, hence strings.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StageConfig {
+    /// For each module of the model (the loss last), the stage that runs it.
+    pub module_to_stage_map: Vec<usize>,
+    /// For each stage, the ranks that run it.
+    pub stage_to_rank_map: BTreeMap<String, Vec<usize>>,
+    /// For each stage, how many microbatches it admits before its first backward (warm-up depth).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stage_to_depth_map: Option<BTreeMap<String, usize>>,
+}
+
+/// What is wrong with a stage config; each names the entry to change.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum StageConfigError {
+    #[error("stage config is not valid JSON of PipeDream's format: {0}")]
+    Json(String),
+    #[error(
+        "module_to_stage_map has {got} entries but the model has {expected} modules (the loss included); \
+         `runtime modules --model NAME` lists them"
+    )]
+    ModuleCount { got: usize, expected: usize },
+    #[error(
+        "module_to_stage_map[{index}] is stage {stage}, but stages must be numbered from 0 and cover \
+         contiguous runs of modules in order (stage {expected} expected there)"
+    )]
+    NotContiguous {
+        index: usize,
+        stage: usize,
+        expected: String,
+    },
+    #[error("stage_to_rank_map key {key:?} is not a stage number")]
+    BadStageKey { key: String },
+    #[error("stage {stage} runs modules but has no entry in stage_to_rank_map")]
+    StageWithoutRanks { stage: usize },
+    #[error("stage_to_rank_map names stage {stage}, which no module is mapped to")]
+    UnknownStage { stage: usize },
+    #[error("rank {rank} appears in both stage {first} and stage {second} of stage_to_rank_map")]
+    RankInTwoStages {
+        rank: usize,
+        first: usize,
+        second: usize,
+    },
+    #[error("rank {rank} in stage {stage} of stage_to_rank_map is outside 0..{world_size} (the world size)")]
+    RankOutOfRange {
+        rank: usize,
+        stage: usize,
+        world_size: usize,
+    },
+    #[error(
+        "rank {rank} is in no stage of stage_to_rank_map; ranks 0..{world_size} must each run one stage"
+    )]
+    RankUnassigned { rank: usize, world_size: usize },
+    #[error("stage_to_depth_map key {key:?} is not a stage of this config")]
+    BadDepthKey { key: String },
+}
+
+/// One validated stage.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Stage {
+    /// Stage number, from 0.
+    pub id: usize,
+    /// The modules it runs.
+    pub modules: Range<usize>,
+    /// The ranks that run it, in the order given (replicas).
+    pub ranks: Vec<usize>,
+    /// Warm-up depth, if the config gave one.
+    pub depth: Option<usize>,
+}
+
+/// A validated stage config for a given model and world size.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StagePlan {
+    /// Stages in pipeline order.
+    pub stages: Vec<Stage>,
+    /// Total ranks.
+    pub world_size: usize,
+}
+
+impl StageConfig {
+    /// Parses PipeDream's JSON.
+    pub fn from_json(text: &str) -> Result<StageConfig, StageConfigError> {
+        serde_json::from_str(text).map_err(|e| StageConfigError::Json(e.to_string()))
+    }
+
+    /// Checks the config against the model's module count and the world size.
+    pub fn validate(&self, num_modules: usize, world_size: usize) -> Result<StagePlan, StageConfigError> {
+        let map = &self.module_to_stage_map;
+        if map.len() != num_modules {
+            return Err(StageConfigError::ModuleCount {
+                got: map.len(),
+                expected: num_modules,
+            });
+        }
+        let mut ranges: Vec<Range<usize>> = Vec::new();
+        for (index, &stage) in map.iter().enumerate() {
+            let current = ranges.len().checked_sub(1);
+            if Some(stage) == current {
+                ranges.last_mut().expect("current stage exists").end = index + 1;
+            } else if stage == ranges.len() {
+                ranges.push(index..index + 1);
+            } else {
+                let expected = match current {
+                    Some(c) => format!("{c} or {}", c + 1),
+                    None => "0".to_string(),
+                };
+                return Err(StageConfigError::NotContiguous {
+                    index,
+                    stage,
+                    expected,
+                });
+            }
+        }
+
+        let mut ranks_of: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+        for (key, ranks) in &self.stage_to_rank_map {
+            let stage =
+                parse_stage_key(key).ok_or_else(|| StageConfigError::BadStageKey { key: key.clone() })?;
+            if stage >= ranges.len() {
+                return Err(StageConfigError::UnknownStage { stage });
+            }
+            ranks_of.insert(stage, ranks.clone());
+        }
+        let mut owner: Vec<Option<usize>> = vec![None; world_size];
+        for (&stage, ranks) in &ranks_of {
+            for &rank in ranks {
+                let slot = owner.get_mut(rank).ok_or(StageConfigError::RankOutOfRange {
+                    rank,
+                    stage,
+                    world_size,
+                })?;
+                if let Some(first) = *slot {
+                    return Err(StageConfigError::RankInTwoStages {
+                        rank,
+                        first,
+                        second: stage,
+                    });
+                }
+                *slot = Some(stage);
+            }
+        }
+        if let Some(rank) = owner.iter().position(Option::is_none) {
+            return Err(StageConfigError::RankUnassigned { rank, world_size });
+        }
+
+        let mut depths: BTreeMap<usize, usize> = BTreeMap::new();
+        for (key, &depth) in self.stage_to_depth_map.iter().flatten() {
+            match parse_stage_key(key) {
+                Some(stage) if stage < ranges.len() => depths.insert(stage, depth),
+                _ => return Err(StageConfigError::BadDepthKey { key: key.clone() }),
+            };
+        }
+
+        let stages = ranges
+            .into_iter()
+            .enumerate()
+            .map(|(id, modules)| {
+                let ranks = ranks_of.remove(&id).filter(|r| !r.is_empty());
+                let ranks = ranks.ok_or(StageConfigError::StageWithoutRanks { stage: id })?;
+                Ok(Stage {
+                    id,
+                    modules,
+                    ranks,
+                    depth: depths.get(&id).copied(),
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(StagePlan { stages, world_size })
+    }
+}
+
+fn parse_stage_key(key: &str) -> Option<usize> {
+    key.trim().parse().ok()
+}
+
+impl StagePlan {
+    /// Every rank holds the whole model: pure data parallelism.
+    pub fn data_parallel(num_modules: usize, world_size: usize) -> StagePlan {
+        StagePlan {
+            stages: vec![Stage {
+                id: 0,
+                modules: 0..num_modules,
+                ranks: (0..world_size).collect(),
+                depth: None,
+            }],
+            world_size,
+        }
+    }
+
+    /// The stage that `rank` runs. Panics if the rank is outside the plan, which validation rules out.
+    pub fn stage_of_rank(&self, rank: usize) -> &Stage {
+        self.stages
+            .iter()
+            .find(|s| s.ranks.contains(&rank))
+            .unwrap_or_else(|| panic!("rank {rank} is in no stage of a validated plan"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan(json: &str, modules: usize, world: usize) -> Result<StagePlan, StageConfigError> {
+        StageConfig::from_json(json).and_then(|c| c.validate(modules, world))
+    }
+
+    #[test]
+    fn pipedreams_hybrid_example_validates() {
+        let p = plan(
+            r#"{"module_to_stage_map": [0,1,1], "stage_to_rank_map": {"0": [0,1,2], "1": [3]}}"#,
+            3,
+            4,
+        )
+        .unwrap();
+        assert_eq!(p.stages.len(), 2);
+        assert_eq!(p.stages[0].modules, 0..1);
+        assert_eq!(p.stages[1].modules, 1..3);
+        assert_eq!(p.stages[0].ranks, vec![0, 1, 2]);
+        assert_eq!(p.stage_of_rank(3).id, 1);
+    }
+
+    #[test]
+    fn depth_map_is_carried() {
+        let p = plan(
+            r#"{"module_to_stage_map": [0,0,1], "stage_to_rank_map": {"0": [0], "1": [1]}, "stage_to_depth_map": {"0": 2, "1": 1}}"#,
+            3,
+            2,
+        )
+        .unwrap();
+        assert_eq!(p.stages[0].depth, Some(2));
+        assert_eq!(p.stages[1].depth, Some(1));
+    }
+
+    #[test]
+    fn each_inconsistency_names_the_wrong_entry() {
+        use StageConfigError::*;
+        let cases: &[(&str, usize, usize, StageConfigError)] = &[
+            (
+                r#"{"module_to_stage_map": [0,1], "stage_to_rank_map": {"0": [0], "1": [1]}}"#,
+                3,
+                2,
+                ModuleCount { got: 2, expected: 3 },
+            ),
+            (
+                r#"{"module_to_stage_map": [0,1,0], "stage_to_rank_map": {"0": [0], "1": [1]}}"#,
+                3,
+                2,
+                NotContiguous {
+                    index: 2,
+                    stage: 0,
+                    expected: "1 or 2".into(),
+                },
+            ),
+            (
+                r#"{"module_to_stage_map": [1,1,1], "stage_to_rank_map": {"1": [0]}}"#,
+                3,
+                1,
+                NotContiguous {
+                    index: 0,
+                    stage: 1,
+                    expected: "0".into(),
+                },
+            ),
+            (
+                r#"{"module_to_stage_map": [0,1,1], "stage_to_rank_map": {"0": [0]}}"#,
+                3,
+                1,
+                StageWithoutRanks { stage: 1 },
+            ),
+            (
+                r#"{"module_to_stage_map": [0,1,1], "stage_to_rank_map": {"0": [0], "1": []}}"#,
+                3,
+                1,
+                StageWithoutRanks { stage: 1 },
+            ),
+            (
+                r#"{"module_to_stage_map": [0,1,1], "stage_to_rank_map": {"0": [0], "1": [0]}}"#,
+                3,
+                1,
+                RankInTwoStages {
+                    rank: 0,
+                    first: 0,
+                    second: 1,
+                },
+            ),
+            (
+                r#"{"module_to_stage_map": [0,1,1], "stage_to_rank_map": {"0": [0], "1": [2]}}"#,
+                3,
+                2,
+                RankOutOfRange {
+                    rank: 2,
+                    stage: 1,
+                    world_size: 2,
+                },
+            ),
+            (
+                r#"{"module_to_stage_map": [0,1,1], "stage_to_rank_map": {"0": [0], "1": [1]}}"#,
+                3,
+                3,
+                RankUnassigned {
+                    rank: 2,
+                    world_size: 3,
+                },
+            ),
+            (
+                r#"{"module_to_stage_map": [0,0,0], "stage_to_rank_map": {"0": [0], "2": [1]}}"#,
+                3,
+                2,
+                UnknownStage { stage: 2 },
+            ),
+            (
+                r#"{"module_to_stage_map": [0,0,0], "stage_to_rank_map": {"zero": [0]}}"#,
+                3,
+                1,
+                BadStageKey { key: "zero".into() },
+            ),
+            (
+                r#"{"module_to_stage_map": [0,0,0], "stage_to_rank_map": {"0": [0]}, "stage_to_depth_map": {"4": 1}}"#,
+                3,
+                1,
+                BadDepthKey { key: "4".into() },
+            ),
+        ];
+        for (json, modules, world, expected) in cases {
+            assert_eq!(&plan(json, *modules, *world).unwrap_err(), expected, "{json}");
+        }
+    }
+
+    #[test]
+    fn unknown_keys_and_bad_json_are_rejected() {
+        let err = StageConfig::from_json(
+            r#"{"module_to_stage_map": [0], "stage_to_rank_map": {"0": [0]}, "stages": 1}"#,
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("unknown field `stages`"), "{err}");
+        assert!(matches!(
+            StageConfig::from_json("[1,2]"),
+            Err(StageConfigError::Json(_))
+        ));
+    }
+
+    #[test]
+    fn data_parallel_plan_puts_every_rank_on_one_stage() {
+        let p = StagePlan::data_parallel(5, 3);
+        assert_eq!(p.stages.len(), 1);
+        assert_eq!(p.stage_of_rank(2).modules, 0..5);
+    }
+}
