@@ -1,1 +1,58 @@
-fn main() {}
+//! The `runtime` binary: parse arguments, run, and map the outcome to an exit code
+//! (0 success, 1 the run failed, 2 a bad argument).
+
+mod cli;
+mod config;
+mod data;
+mod inspect;
+mod metrics;
+mod models;
+mod train;
+
+use std::process::ExitCode;
+
+use clap::Parser;
+
+use crate::config::Command;
+
+const EXIT_FAILED: u8 = 1;
+const EXIT_USAGE: u8 = 2;
+
+fn main() -> ExitCode {
+    let cli = match cli::Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) if !e.use_stderr() => {
+            let _ = e.print(); // --help, --version
+            return ExitCode::SUCCESS;
+        }
+        Err(e) => {
+            // One line: clap's reason, without its usage block.
+            let rendered = e.render().to_string();
+            let reason = rendered
+                .lines()
+                .next()
+                .unwrap_or("bad arguments")
+                .trim_start_matches("error: ");
+            eprintln!("runtime: error: {reason} (see runtime --help)");
+            return ExitCode::from(EXIT_USAGE);
+        }
+    };
+    let command = match cli.into_command() {
+        Ok(command) => command,
+        Err(e) => {
+            eprintln!("runtime: error: {e}");
+            return ExitCode::from(EXIT_USAGE);
+        }
+    };
+    let result = match command {
+        Command::Train(config) => train::run(&config, &mut metrics::Emitter::new(std::io::stdout())),
+        Command::Modules(config) => inspect::run(&config, &mut std::io::stdout().lock()),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("runtime: error: {e:#}");
+            ExitCode::from(EXIT_FAILED)
+        }
+    }
+}

@@ -1,0 +1,273 @@
+//! The validated configuration of a run: what the CLI resolves to, with per-model defaults
+//! filled in, before anything is built.
+
+use stagehand_contract::RunConfig;
+
+use crate::data::{DataError, DataSpec};
+use crate::models::{ModelOptions, MODEL_NAMES};
+
+/// What the process was asked to do.
+#[derive(Debug)]
+pub enum Command {
+    /// Train (the default).
+    Train(TrainConfig),
+    /// List the model's modules.
+    Modules(ModulesConfig),
+}
+
+/// A bad argument; the message names the flag and what to change.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{flag}: {reason}")]
+    Invalid { flag: &'static str, reason: String },
+    #[error("--model: unknown model {name:?}; known models: {known}", known = MODEL_NAMES.join(", "))]
+    UnknownModel { name: String },
+    #[error(transparent)]
+    Data(#[from] DataError),
+}
+
+/// A model name with its sizes resolved.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelChoice {
+    pub name: String,
+    pub options: ModelOptions,
+}
+
+/// Sizes given on the command line; `None` takes the model's default.
+#[derive(Debug, Default)]
+pub struct ModelOverrides {
+    pub num_classes: Option<i64>,
+    pub image_size: Option<i64>,
+    pub layers: Option<usize>,
+    pub hidden: Option<i64>,
+    pub heads: Option<i64>,
+    pub seq_len: Option<i64>,
+    pub vocab_size: Option<i64>,
+    pub dropout: Option<f64>,
+}
+
+impl ModelChoice {
+    /// Fills in the defaults of model `name`, taking the class count and image size from the
+    /// dataset where it fixes them.
+    pub fn resolve(
+        name: String,
+        data: Option<&DataSpec>,
+        o: ModelOverrides,
+    ) -> Result<ModelChoice, ConfigError> {
+        if !MODEL_NAMES.contains(&name.as_str()) {
+            return Err(ConfigError::UnknownModel { name });
+        }
+        let is_mlp = name == "mlp";
+        let is_transformer = name == "transformer";
+        if let (true, Some(spec)) = (is_transformer, data) {
+            if !matches!(spec, DataSpec::Synthetic) {
+                return Err(ConfigError::Invalid {
+                    flag: "--data",
+                    reason: format!(
+                        "the transformer trains on synthetic tokens only; {spec} is an image dataset"
+                    ),
+                });
+            }
+        }
+        let data_classes = data.map(DataSpec::num_classes).transpose()?.flatten();
+        let num_classes = match (o.num_classes, data_classes) {
+            (Some(n), Some(d)) if n < d => {
+                return Err(ConfigError::Invalid {
+                    flag: "--num-classes",
+                    reason: format!("{n} is fewer than the {d} classes of the dataset"),
+                })
+            }
+            (Some(n), _) => n,
+            (None, Some(d)) => d,
+            (None, None) if is_mlp => 10,
+            (None, None) => 1000,
+        };
+        let default_image = match data {
+            Some(DataSpec::Cifar10(_)) => 32,
+            _ if is_mlp => 32,
+            _ => 224,
+        };
+        let options = ModelOptions {
+            num_classes,
+            image_size: o.image_size.unwrap_or(default_image),
+            layers: o.layers.unwrap_or(if is_transformer { 12 } else { 4 }),
+            hidden: o.hidden.unwrap_or(if is_transformer { 768 } else { 1024 }),
+            heads: o.heads.unwrap_or(12),
+            seq_len: o.seq_len.unwrap_or(128),
+            vocab_size: o.vocab_size.unwrap_or(30522),
+            dropout: o.dropout.unwrap_or(match name.as_str() {
+                "vgg16" | "vgg16_bn" => 0.5,
+                "transformer" => 0.1,
+                _ => 0.0,
+            }),
+        };
+        check_options(&name, &options)?;
+        Ok(ModelChoice { name, options })
+    }
+}
+
+fn check_options(name: &str, o: &ModelOptions) -> Result<(), ConfigError> {
+    let invalid = |flag, reason: String| Err(ConfigError::Invalid { flag, reason });
+    if o.num_classes < 1 {
+        return invalid("--num-classes", "must be at least 1".into());
+    }
+    let min_image = if name.starts_with("vgg") || name.starts_with("resnet") {
+        32
+    } else {
+        1
+    };
+    if o.image_size < min_image {
+        return invalid(
+            "--image-size",
+            format!("{name} needs images of at least {min_image} pixels"),
+        );
+    }
+    if o.layers < 1 || o.hidden < 1 || o.seq_len < 1 || o.vocab_size < 1 {
+        return invalid(
+            "--layers/--hidden/--seq-len/--vocab-size",
+            "must be at least 1".into(),
+        );
+    }
+    if name == "transformer" && (o.heads < 1 || o.hidden % o.heads != 0) {
+        return invalid(
+            "--heads",
+            format!("{} heads do not divide hidden size {}", o.heads, o.hidden),
+        );
+    }
+    if !(0.0..1.0).contains(&o.dropout) {
+        return invalid("--dropout", format!("{} is not in [0, 1)", o.dropout));
+    }
+    Ok(())
+}
+
+/// The optimizer and its hyper-parameters (the learning rate is in [`TrainConfig`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum OptimizerKind {
+    Sgd { momentum: f64, weight_decay: f64 },
+    Adam { weight_decay: f64 },
+}
+
+/// Where tensors live.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum DeviceSpec {
+    Cpu,
+    Cuda(usize),
+}
+
+impl DeviceSpec {
+    pub fn parse(text: &str) -> Result<DeviceSpec, ConfigError> {
+        let bad = || ConfigError::Invalid {
+            flag: "--device",
+            reason: format!("{text:?} is not cpu, cuda or cuda:N"),
+        };
+        match text {
+            "cpu" => Ok(DeviceSpec::Cpu),
+            "cuda" => Ok(DeviceSpec::Cuda(0)),
+            other => {
+                let index = other.strip_prefix("cuda:").ok_or_else(bad)?;
+                index.parse().map(DeviceSpec::Cuda).map_err(|_| bad())
+            }
+        }
+    }
+
+    pub fn tch(self) -> tch::Device {
+        match self {
+            DeviceSpec::Cpu => tch::Device::Cpu,
+            DeviceSpec::Cuda(i) => tch::Device::Cuda(i),
+        }
+    }
+}
+
+impl std::fmt::Display for DeviceSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DeviceSpec::Cpu => write!(f, "cpu"),
+            DeviceSpec::Cuda(i) => write!(f, "cuda:{i}"),
+        }
+    }
+}
+
+/// A validated training run.
+#[derive(Debug, Clone)]
+pub struct TrainConfig {
+    pub model: ModelChoice,
+    pub batch_size: usize,
+    pub iterations: u64,
+    pub lr: f64,
+    pub optimizer: OptimizerKind,
+    pub seed: u64,
+    pub data: DataSpec,
+    pub device: DeviceSpec,
+    /// Intra-op threads; `None` leaves libtorch's default.
+    pub threads: Option<usize>,
+    /// Leading iterations left out of the summary's throughput.
+    pub warmup: u64,
+}
+
+impl TrainConfig {
+    /// The configuration as the `start` event reports it.
+    pub fn to_run_config(&self, threads: usize) -> RunConfig {
+        RunConfig {
+            model: self.model.name.clone(),
+            batch_size: self.batch_size,
+            iterations: self.iterations,
+            lr: self.lr,
+            optimizer: match self.optimizer {
+                OptimizerKind::Sgd { .. } => "sgd".into(),
+                OptimizerKind::Adam { .. } => "adam".into(),
+            },
+            seed: self.seed,
+            data: self.data.to_string(),
+            device: self.device.to_string(),
+            threads,
+            schedule: "none".into(),
+            microbatches: 1,
+        }
+    }
+}
+
+/// A validated `runtime modules` request.
+#[derive(Debug)]
+pub struct ModulesConfig {
+    pub model: ModelChoice,
+    pub batch_size: usize,
+    pub json: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_follow_the_model_and_the_data() {
+        let mlp = ModelChoice::resolve("mlp".into(), Some(&DataSpec::Synthetic), Default::default()).unwrap();
+        assert_eq!((mlp.options.num_classes, mlp.options.image_size), (10, 32));
+        let vgg = ModelChoice::resolve("vgg16".into(), None, Default::default()).unwrap();
+        assert_eq!(
+            (
+                vgg.options.num_classes,
+                vgg.options.image_size,
+                vgg.options.dropout
+            ),
+            (1000, 224, 0.5)
+        );
+    }
+
+    #[test]
+    fn bad_values_name_the_flag() {
+        let heads = ModelOverrides {
+            heads: Some(5),
+            hidden: Some(64),
+            ..Default::default()
+        };
+        let err = ModelChoice::resolve("transformer".into(), None, heads).unwrap_err();
+        assert_eq!(err.to_string(), "--heads: 5 heads do not divide hidden size 64");
+        let err = DeviceSpec::parse("gpu0").unwrap_err();
+        assert_eq!(err.to_string(), "--device: \"gpu0\" is not cpu, cuda or cuda:N");
+        assert_eq!(DeviceSpec::parse("cuda:3").unwrap(), DeviceSpec::Cuda(3));
+        let err = ModelChoice::resolve("lenet".into(), None, Default::default()).unwrap_err();
+        assert!(err
+            .to_string()
+            .starts_with("--model: unknown model \"lenet\"; known models: mlp, vgg16"));
+    }
+}

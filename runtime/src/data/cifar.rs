@@ -1,0 +1,146 @@
+//! CIFAR-10 in its binary format: `data_batch_N.bin` files of 3073-byte records (a label byte,
+//! then 32x32 red, green and blue planes).
+//!
+//! tch's `vision::cifar::load_dir` insists on all six files of 10,000 records each; this reader
+//! accepts any whole number of records in whichever training files exist, so small extracts and
+//! test fixtures load too, and says which file is wrong when one is.
+
+use std::path::{Path, PathBuf};
+
+use tch::{Kind, Tensor};
+
+use super::{normalize, permutation, resize, BatchRequest, Batches, DataError};
+use crate::models::InputKind;
+
+pub const CLASSES: i64 = 10;
+const SIDE: i64 = 32;
+const RECORD: usize = 1 + 3 * (SIDE * SIDE) as usize;
+
+fn train_files(dir: &Path) -> Vec<PathBuf> {
+    (1..=5)
+        .map(|i| dir.join(format!("data_batch_{i}.bin")))
+        .filter(|p| p.is_file())
+        .collect()
+}
+
+/// Whether `dir` holds CIFAR-10 binary training files.
+pub fn looks_like(dir: &Path) -> bool {
+    !train_files(dir).is_empty()
+}
+
+pub struct Cifar10 {
+    images: Tensor,
+    labels: Tensor,
+    order: Tensor,
+    cursor: i64,
+    epoch: u64,
+    request: BatchRequest,
+    size: i64,
+}
+
+impl Cifar10 {
+    pub fn open(dir: &Path, request: BatchRequest) -> Result<Cifar10, DataError> {
+        let InputKind::Image { size, .. } = request.input else {
+            return Err(DataError::WrongKind {
+                what: "CIFAR-10",
+                input: request.input,
+            });
+        };
+        if !dir.is_dir() {
+            return Err(DataError::malformed(
+                dir,
+                "expected a folder of CIFAR-10 binary files (data_batch_1.bin ...)",
+            ));
+        }
+        let files = train_files(dir);
+        if files.is_empty() {
+            return Err(DataError::malformed(
+                dir,
+                "no data_batch_1.bin ... data_batch_5.bin in this folder",
+            ));
+        }
+        let mut bytes = Vec::new();
+        for file in &files {
+            let content = std::fs::read(file).map_err(DataError::io(file))?;
+            if content.is_empty() || content.len() % RECORD != 0 {
+                return Err(DataError::malformed(
+                    file,
+                    format!(
+                        "{} bytes is not a whole number of {RECORD}-byte CIFAR-10 records",
+                        content.len()
+                    ),
+                ));
+            }
+            bytes.extend_from_slice(&content);
+        }
+        let records = Tensor::from_slice(&bytes).view([-1, RECORD as i64]);
+        let labels = records.select(1, 0).to_kind(Kind::Int64);
+        if labels.max().int64_value(&[]) >= CLASSES {
+            return Err(DataError::malformed(dir, "a record has a label byte above 9"));
+        }
+        // Replicas read disjoint, interleaved shards.
+        let shard = Tensor::arange_start_step(
+            request.shard.index as i64,
+            labels.size()[0],
+            request.shard.count as i64,
+            (Kind::Int64, tch::Device::Cpu),
+        );
+        if shard.size()[0] == 0 {
+            return Err(DataError::malformed(
+                dir,
+                format!("too few records for {} replicas", request.shard.count),
+            ));
+        }
+        let images = records
+            .narrow(1, 1, RECORD as i64 - 1)
+            .view([-1, 3, SIDE, SIDE])
+            .index_select(0, &shard);
+        let labels = labels.index_select(0, &shard);
+        let mut data = Cifar10 {
+            order: Tensor::new(),
+            images,
+            labels,
+            cursor: 0,
+            epoch: 0,
+            request,
+            size,
+        };
+        data.shuffle();
+        Ok(data)
+    }
+
+    fn shuffle(&mut self) {
+        let order = permutation(
+            self.labels.size()[0] as usize,
+            self.request.seed.wrapping_add(self.epoch),
+        );
+        self.order = Tensor::from_slice(&order.into_iter().map(|i| i as i64).collect::<Vec<_>>());
+        self.cursor = 0;
+        self.epoch += 1;
+    }
+}
+
+impl Batches for Cifar10 {
+    fn next_batch(&mut self) -> Result<(Tensor, Tensor), DataError> {
+        let n = self.order.size()[0];
+        let batch = self.request.batch_size as i64;
+        let mut picked = Vec::new();
+        let mut count = 0;
+        while count < batch {
+            if self.cursor == n {
+                self.shuffle();
+            }
+            let take = (batch - count).min(n - self.cursor);
+            picked.push(self.order.narrow(0, self.cursor, take));
+            self.cursor += take;
+            count += take;
+        }
+        let index = Tensor::cat(&picked, 0);
+        let images = resize(normalize(&self.images.index_select(0, &index)), self.size);
+        let labels = self.labels.index_select(0, &index);
+        Ok((
+            images.to_device(self.request.device),
+            labels.to_device(self.request.device),
+        ))
+    }
+}

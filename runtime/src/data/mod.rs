@@ -1,0 +1,181 @@
+//! Training data: where batches come from (synthetic, CIFAR-10 binary, an ImageFolder tree) and
+//! the [`Batches`] stream the training loop pulls from.
+
+mod cifar;
+mod image_folder;
+mod synthetic;
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use tch::{Device, Tensor};
+
+use crate::models::InputKind;
+
+/// The `--data` argument, parsed.
+#[derive(Debug, Clone, PartialEq)]
+pub enum DataSpec {
+    /// Deterministic data made from the seed.
+    Synthetic,
+    /// A folder of CIFAR-10 binary files (`data_batch_N.bin`).
+    Cifar10(PathBuf),
+    /// A folder with one subfolder of images per class.
+    ImageFolder(PathBuf),
+}
+
+/// A dataset that is missing or malformed; the message names the path and what was expected.
+#[derive(Debug, thiserror::Error)]
+pub enum DataError {
+    #[error("--data: {spec:?} is not `synthetic`, `cifar10:DIR`, `imagefolder:DIR` or an existing folder")]
+    BadSpec { spec: String },
+    #[error("--data: {path}: {reason}")]
+    Malformed { path: PathBuf, reason: String },
+    #[error("--data: cannot read {path}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("--data: {what} data does not fit model input {input:?}")]
+    WrongKind { what: &'static str, input: InputKind },
+}
+
+impl DataError {
+    fn malformed(path: &Path, reason: impl Into<String>) -> DataError {
+        DataError::Malformed {
+            path: path.to_path_buf(),
+            reason: reason.into(),
+        }
+    }
+
+    fn io(path: &Path) -> impl FnOnce(std::io::Error) -> DataError + '_ {
+        move |source| DataError::Io {
+            path: path.to_path_buf(),
+            source,
+        }
+    }
+}
+
+impl DataSpec {
+    /// Parses `synthetic`, `cifar10:DIR`, `imagefolder:DIR`, or a folder whose layout tells the format.
+    pub fn parse(text: &str) -> Result<DataSpec, DataError> {
+        if text == "synthetic" {
+            return Ok(DataSpec::Synthetic);
+        }
+        if let Some(dir) = text.strip_prefix("cifar10:") {
+            return Ok(DataSpec::Cifar10(dir.into()));
+        }
+        if let Some(dir) = text.strip_prefix("imagefolder:") {
+            return Ok(DataSpec::ImageFolder(dir.into()));
+        }
+        let path = Path::new(text);
+        if path.is_dir() {
+            return Ok(if cifar::looks_like(path) {
+                DataSpec::Cifar10(path.into())
+            } else {
+                DataSpec::ImageFolder(path.into())
+            });
+        }
+        Err(DataError::BadSpec {
+            spec: text.to_string(),
+        })
+    }
+
+    /// Classes the dataset defines, if it fixes them.
+    pub fn num_classes(&self) -> Result<Option<i64>, DataError> {
+        match self {
+            DataSpec::Synthetic => Ok(None),
+            DataSpec::Cifar10(_) => Ok(Some(cifar::CLASSES)),
+            DataSpec::ImageFolder(dir) => Ok(Some(image_folder::class_dirs(dir)?.len() as i64)),
+        }
+    }
+}
+
+impl fmt::Display for DataSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DataSpec::Synthetic => write!(f, "synthetic"),
+            DataSpec::Cifar10(dir) => write!(f, "cifar10:{}", dir.display()),
+            DataSpec::ImageFolder(dir) => write!(f, "imagefolder:{}", dir.display()),
+        }
+    }
+}
+
+/// Which part of the data a rank reads: replicas of a stage read disjoint shards.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Shard {
+    pub index: usize,
+    pub count: usize,
+}
+
+impl Shard {
+    pub const WHOLE: Shard = Shard { index: 0, count: 1 };
+}
+
+/// What every batch source needs to know.
+#[derive(Debug, Clone, Copy)]
+pub struct BatchRequest {
+    pub input: InputKind,
+    pub batch_size: usize,
+    pub seed: u64,
+    pub shard: Shard,
+    pub device: Device,
+}
+
+/// An endless stream of `(input, target)` batches on the requested device.
+pub trait Batches: Send {
+    fn next_batch(&mut self) -> Result<(Tensor, Tensor), DataError>;
+}
+
+/// Opens the dataset described by `spec` as a stream of batches.
+pub fn open(spec: &DataSpec, request: BatchRequest) -> Result<Box<dyn Batches>, DataError> {
+    match spec {
+        DataSpec::Synthetic => Ok(Box::new(synthetic::Synthetic::new(request))),
+        DataSpec::Cifar10(dir) => Ok(Box::new(cifar::Cifar10::open(dir, request)?)),
+        DataSpec::ImageFolder(dir) => Ok(Box::new(image_folder::ImageFolder::open(dir, request)?)),
+    }
+}
+
+/// ImageNet's per-channel mean and standard deviation, which torchvision models expect.
+fn normalize(images: &Tensor) -> Tensor {
+    let opts = (tch::Kind::Float, images.device());
+    let mean = Tensor::from_slice(&[0.485f32, 0.456, 0.406])
+        .to_device(opts.1)
+        .view([1, 3, 1, 1]);
+    let std = Tensor::from_slice(&[0.229f32, 0.224, 0.225])
+        .to_device(opts.1)
+        .view([1, 3, 1, 1]);
+    (images.to_kind(opts.0) / 255.0 - mean) / std
+}
+
+/// Resizes a float `[n, 3, h, w]` batch to `size` x `size` if it is not already.
+fn resize(images: Tensor, size: i64) -> Tensor {
+    let dims = images.size();
+    if dims[2] == size && dims[3] == size {
+        images
+    } else {
+        images.upsample_bilinear2d([size, size], false, None, None)
+    }
+}
+
+/// A permutation of `0..n` from `seed`, made without touching libtorch's global generator (which
+/// dropout and initialisation use), so data order never changes the model's random stream.
+fn permutation(n: usize, seed: u64) -> Vec<usize> {
+    let mut state = seed;
+    let mut next = move || {
+        // splitmix64
+        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    };
+    let mut order: Vec<usize> = (0..n).collect();
+    for i in (1..n).rev() {
+        order.swap(i, (next() % (i as u64 + 1)) as usize);
+    }
+    order
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,200 @@
+//! Models as ordered lists of modules, the loss last (PipeDream's convention), so that any
+//! contiguous slice of the list can become a pipeline stage.
+//!
+//! A [`ModelDef`] describes the model without allocating it; [`ModelDef::build`] builds a slice of
+//! it into a var store. Each module is initialised from its own seed, so a stage holding modules
+//! `a..b` gets exactly the parameters those modules have in the whole model: pipeline ranks and a
+//! single process start from the same weights.
+
+mod layers;
+mod mlp;
+mod resnet;
+mod transformer;
+mod vgg;
+
+use std::ops::Range;
+
+use tch::{nn, Kind, Tensor};
+
+/// Sizes that the model families read; each family documents which ones it uses.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelOptions {
+    /// Output classes of image models.
+    pub num_classes: i64,
+    /// Side of the square input images.
+    pub image_size: i64,
+    /// Hidden layers (mlp) or encoder layers (transformer).
+    pub layers: usize,
+    /// Hidden width (mlp) or hidden size (transformer).
+    pub hidden: i64,
+    /// Attention heads (transformer).
+    pub heads: i64,
+    /// Sequence length (transformer).
+    pub seq_len: i64,
+    /// Vocabulary size (transformer).
+    pub vocab_size: i64,
+    /// Dropout probability.
+    pub dropout: f64,
+}
+
+/// What a model consumes at its first module.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum InputKind {
+    /// Float images `[batch, 3, size, size]` with class targets `[batch]`.
+    Image { size: i64, classes: i64 },
+    /// Token ids `[batch, seq_len]` with a target token per position `[batch, seq_len]`.
+    Tokens { seq_len: i64, vocab: i64 },
+}
+
+/// The last module of every model.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Loss {
+    /// Cross-entropy of logits `[batch, classes]` against `[batch]`.
+    CrossEntropy,
+    /// Cross-entropy of logits `[batch, seq, vocab]` against `[batch, seq]`, averaged per token.
+    TokenCrossEntropy,
+}
+
+impl Loss {
+    /// Mean loss of `output` against `target`; a shape mismatch is an error, not a panic.
+    pub fn compute(self, output: &Tensor, target: &Tensor) -> Result<Tensor, tch::TchError> {
+        match self {
+            Loss::CrossEntropy => cross_entropy(output, target),
+            Loss::TokenCrossEntropy => {
+                let vocab = *output.size().last().unwrap_or(&1);
+                cross_entropy(&output.f_reshape([-1, vocab])?, &target.f_reshape([-1])?)
+            }
+        }
+    }
+}
+
+/// torch's `cross_entropy` (what `torch.nn.functional.cross_entropy` calls), mean over samples.
+fn cross_entropy(logits: &Tensor, target: &Tensor) -> Result<Tensor, tch::TchError> {
+    logits.f_cross_entropy_loss(target, None::<Tensor>, tch::Reduction::Mean, -100, 0.0)
+}
+
+/// A module of the model's list: its name (the torchvision/BERT path of its parameters) and how
+/// to build it.
+pub struct ModuleDef {
+    pub name: String,
+    build: Box<dyn Fn(&nn::Path) -> Box<dyn nn::ModuleT> + Send + Sync>,
+}
+
+impl ModuleDef {
+    fn new<M, F>(name: impl Into<String>, build: F) -> ModuleDef
+    where
+        M: nn::ModuleT + 'static,
+        F: Fn(&nn::Path) -> M + Send + Sync + 'static,
+    {
+        ModuleDef {
+            name: name.into(),
+            build: Box::new(move |p| Box::new(build(p))),
+        }
+    }
+}
+
+/// A model: its modules in order, then the loss.
+pub struct ModelDef {
+    pub name: String,
+    pub modules: Vec<ModuleDef>,
+    pub loss: Loss,
+    pub input: InputKind,
+}
+
+/// A model name the runtime does not know.
+#[derive(Debug, thiserror::Error)]
+#[error("unknown model {0:?}; known models: {known}", known = MODEL_NAMES.join(", "))]
+pub struct UnknownModel(pub String);
+
+/// Every model `--model` accepts.
+pub const MODEL_NAMES: &[&str] = &[
+    "mlp",
+    "vgg16",
+    "vgg16_bn",
+    "resnet50",
+    "resnet101",
+    "resnet152",
+    "transformer",
+];
+
+impl ModelDef {
+    /// The model called `name`, sized by `options`.
+    pub fn named(name: &str, options: &ModelOptions) -> Result<ModelDef, UnknownModel> {
+        let (modules, loss, input) = match name {
+            "mlp" => mlp::modules(options),
+            "vgg16" => vgg::vgg16(options, false),
+            "vgg16_bn" => vgg::vgg16(options, true),
+            "resnet50" => resnet::resnet(options, [3, 4, 6, 3]),
+            "resnet101" => resnet::resnet(options, [3, 4, 23, 3]),
+            "resnet152" => resnet::resnet(options, [3, 8, 36, 3]),
+            "transformer" => transformer::modules(options),
+            other => return Err(UnknownModel(other.to_string())),
+        };
+        Ok(ModelDef {
+            name: name.to_string(),
+            modules,
+            loss,
+            input,
+        })
+    }
+
+    /// Modules in the list, the loss included.
+    pub fn num_modules(&self) -> usize {
+        self.modules.len() + 1
+    }
+
+    /// Name of module `index`, the loss being the last.
+    pub fn module_name(&self, index: usize) -> &str {
+        self.modules.get(index).map_or("loss", |m| m.name.as_str())
+    }
+
+    /// Builds modules `range` (indices into the list; the loss index builds nothing) under `root`,
+    /// each initialised from a seed derived from `seed` and its index.
+    pub fn build(&self, root: &nn::Path, range: Range<usize>, seed: u64) -> Vec<Box<dyn nn::ModuleT>> {
+        let end = range.end.min(self.modules.len());
+        (range.start..end)
+            .map(|index| {
+                tch::manual_seed(module_seed(seed, index));
+                (self.modules[index].build)(root)
+            })
+            .collect()
+    }
+
+    /// Parameter count of each module, the loss (0) included. Builds each module alone in a
+    /// scratch var store, so at most one module's parameters exist at a time.
+    pub fn param_counts(&self) -> Vec<u64> {
+        let mut counts: Vec<u64> = (0..self.modules.len())
+            .map(|index| {
+                let vs = nn::VarStore::new(tch::Device::Cpu);
+                tch::no_grad(|| drop(self.build(&vs.root(), index..index + 1, 0)));
+                count_params(&vs)
+            })
+            .collect();
+        counts.push(0);
+        counts
+    }
+
+    /// A deterministic input batch of the model's kind, for shape inference and listings.
+    pub fn example_input(&self, batch: i64) -> Tensor {
+        match self.input {
+            InputKind::Image { size, .. } => {
+                Tensor::zeros([batch, 3, size, size], (Kind::Float, tch::Device::Cpu))
+            }
+            InputKind::Tokens { seq_len, .. } => {
+                Tensor::zeros([batch, seq_len], (Kind::Int64, tch::Device::Cpu))
+            }
+        }
+    }
+}
+
+/// Trainable parameters in a var store.
+pub fn count_params(vs: &nn::VarStore) -> u64 {
+    vs.trainable_variables().iter().map(|t| t.numel() as u64).sum()
+}
+
+fn module_seed(seed: u64, index: usize) -> i64 {
+    (seed.wrapping_mul(1_000_003).wrapping_add(index as u64) & (i64::MAX as u64)) as i64
+}
+
+#[cfg(test)]
+mod tests;
