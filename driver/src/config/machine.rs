@@ -1,0 +1,128 @@
+//! A `machines` entry: PipeDream's `host:gpu` string (one rank on that GPU), a bare `host` (one
+//! CPU rank), or a mapping with SSH details and a list of GPUs (one rank per GPU).
+
+use std::fmt;
+use std::path::PathBuf;
+
+use serde::de::{self, MapAccess, Visitor};
+use serde::{Deserialize, Deserializer, Serialize};
+
+/// One machine entry, normalised.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Machine {
+    /// `localhost`/`local` for the local engine, otherwise an SSH destination.
+    pub host: String,
+    /// SSH user, if not the destination's default.
+    pub user: Option<String>,
+    /// SSH port, if not 22.
+    pub port: Option<u16>,
+    /// SSH identity file.
+    pub identity_file: Option<PathBuf>,
+    /// GPUs, one rank each; empty means one CPU rank.
+    pub gpus: Vec<u32>,
+}
+
+/// The mapping form, kept strict so a typo is an error.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct MachineMapping {
+    host: String,
+    #[serde(default)]
+    user: Option<String>,
+    #[serde(default)]
+    port: Option<u16>,
+    #[serde(default)]
+    identity_file: Option<PathBuf>,
+    #[serde(default)]
+    gpus: Vec<u32>,
+}
+
+impl Machine {
+    /// Parses `host` or `host:gpu`.
+    fn from_short(text: &str) -> Result<Machine, String> {
+        let text = text.trim();
+        let (host, gpus) = match text.rsplit_once(':') {
+            Some((host, gpu)) => {
+                let gpu = gpu.parse::<u32>().map_err(|_| {
+                    format!(
+                        "machine `{text}`: `{gpu}` is not a GPU index; expected `host:gpu` such as `node1:0`"
+                    )
+                })?;
+                (host, vec![gpu])
+            }
+            None => (text, Vec::new()),
+        };
+        if host.is_empty() {
+            return Err(format!(
+                "machine `{text}` has an empty host; expected `host:gpu` or `host`"
+            ));
+        }
+        Ok(Machine {
+            host: host.to_string(),
+            user: None,
+            port: None,
+            identity_file: None,
+            gpus,
+        })
+    }
+
+    /// Whether this entry means the local Docker engine.
+    pub fn is_local(&self) -> bool {
+        matches!(self.host.as_str(), "localhost" | "local" | "127.0.0.1")
+    }
+}
+
+impl<'de> Deserialize<'de> for Machine {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct MachineVisitor;
+
+        impl<'de> Visitor<'de> for MachineVisitor {
+            type Value = Machine;
+
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("`host:gpu`, `host`, or a mapping with host, user, port, identity_file, gpus")
+            }
+
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Machine, E> {
+                Machine::from_short(v).map_err(E::custom)
+            }
+
+            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Machine, A::Error> {
+                let m = MachineMapping::deserialize(de::value::MapAccessDeserializer::new(map))?;
+                if m.host.trim().is_empty() {
+                    return Err(de::Error::custom("machine mapping has an empty host"));
+                }
+                Ok(Machine {
+                    host: m.host,
+                    user: m.user,
+                    port: m.port,
+                    identity_file: m.identity_file,
+                    gpus: m.gpus,
+                })
+            }
+        }
+
+        deserializer.deserialize_any(MachineVisitor)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pipedream_strings_name_one_gpu() {
+        let m = Machine::from_short("node1:3").unwrap();
+        assert_eq!((m.host.as_str(), m.gpus.as_slice()), ("node1", &[3][..]));
+        assert!(Machine::from_short("localhost").unwrap().gpus.is_empty());
+        assert!(Machine::from_short("local").unwrap().is_local());
+        assert!(!Machine::from_short("node1").unwrap().is_local());
+    }
+
+    #[test]
+    fn bad_gpu_indices_say_what_was_expected() {
+        let err = Machine::from_short("node1:x").unwrap_err();
+        assert!(err.contains("`x` is not a GPU index"), "{err}");
+        assert!(Machine::from_short(":0").is_err());
+    }
+}

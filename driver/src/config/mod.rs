@@ -1,0 +1,159 @@
+//! The experiment YAML as typed serde structs, PipeDream's key names wherever the meaning is the
+//! same. Parsing (and the choice of YAML crate) lives in [`yaml`]; each non-trivial element has its
+//! own module with its own `Deserialize`.
+
+mod container;
+mod machine;
+mod mount;
+mod yaml;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+pub use container::Container;
+pub use machine::Machine;
+pub use mount::Mount;
+pub use yaml::{load, ConfigError, Loaded};
+
+use crate::cli::Backend;
+
+/// One experiment file, as written.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExperimentFile {
+    /// Experiment name used in the record folder; defaults to the file's stem.
+    #[serde(default)]
+    pub name: Option<String>,
+    /// Where ranks run: `docker` (default) or `process`.
+    #[serde(default)]
+    pub backend: Option<Backend>,
+    /// One entry per rank (`host:gpu`, `host`) or a mapping for a host with several GPUs.
+    pub machines: Vec<Machine>,
+    /// An image name, or `{build: DIR}`; by default the build context `docker/`.
+    #[serde(default)]
+    pub container: Option<Container>,
+    /// The model the runtime builds (PipeDream's `module`).
+    #[serde(default, alias = "model")]
+    pub module: Option<String>,
+    /// A PipeDream stage config JSON, relative to this file.
+    #[serde(default)]
+    pub config_file: Option<PathBuf>,
+    /// Samples per iteration of one pipeline (the minibatch).
+    #[serde(default)]
+    pub batch_size: Option<u32>,
+    /// Optimizer steps to run.
+    #[serde(default)]
+    pub iterations: Option<u64>,
+    /// Learning rate.
+    #[serde(default, alias = "lr")]
+    pub learning_rate: Option<f64>,
+    /// `sgd` or `adam`.
+    #[serde(default)]
+    pub optimizer: Option<Optimizer>,
+    /// Seed for parameters and synthetic data.
+    #[serde(default)]
+    pub seed: Option<u64>,
+    /// `gloo` or `nccl`.
+    #[serde(default)]
+    pub distributed_backend: Option<DistributedBackend>,
+    /// Data given to the runtime's `--data`; a path that exists is mounted into containers.
+    #[serde(default)]
+    pub data_dir: Option<String>,
+    /// `cpu` or `cuda`; defaults to `cuda` when the machines name GPUs.
+    #[serde(default)]
+    pub device: Option<Device>,
+    /// Intra-op threads per rank.
+    #[serde(default)]
+    pub threads: Option<u32>,
+    /// Pipeline schedule.
+    #[serde(default)]
+    pub schedule: Option<Schedule>,
+    /// Microbatches per minibatch.
+    #[serde(default)]
+    pub microbatches: Option<u32>,
+    /// Where record folders go, relative to the current directory (default `experiments/`).
+    #[serde(default)]
+    pub log_directory: Option<PathBuf>,
+    /// Extra environment for every rank.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Extra bind mounts for every container.
+    #[serde(default)]
+    pub mounts: Vec<Mount>,
+    /// Launch this program and arguments instead of the runtime, with the same rank environment.
+    #[serde(default)]
+    pub command: Option<Vec<String>>,
+    /// Shared memory per container, in MiB (default 2048).
+    #[serde(default)]
+    pub shm_size_mb: Option<u64>,
+}
+
+/// The runtime's optimizers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Optimizer {
+    Sgd,
+    Adam,
+}
+
+/// Collective backends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DistributedBackend {
+    Gloo,
+    Nccl,
+}
+
+/// Device kinds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Device {
+    Cpu,
+    Cuda,
+}
+
+/// Pipeline schedules the runtime knows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Schedule {
+    Gpipe,
+    #[serde(rename = "1f1b")]
+    OneFOneB,
+    Pipedream,
+}
+
+impl Optimizer {
+    /// The runtime's spelling.
+    pub fn as_arg(self) -> &'static str {
+        match self {
+            Optimizer::Sgd => "sgd",
+            Optimizer::Adam => "adam",
+        }
+    }
+}
+
+impl DistributedBackend {
+    /// The runtime's spelling.
+    pub fn as_arg(self) -> &'static str {
+        match self {
+            DistributedBackend::Gloo => "gloo",
+            DistributedBackend::Nccl => "nccl",
+        }
+    }
+}
+
+impl Schedule {
+    /// The runtime's spelling.
+    pub fn as_arg(self) -> &'static str {
+        match self {
+            Schedule::Gpipe => "gpipe",
+            Schedule::OneFOneB => "1f1b",
+            Schedule::Pipedream => "pipedream",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

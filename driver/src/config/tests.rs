@@ -1,0 +1,115 @@
+//! Parsing tests: good files, and snapshots of the message each malformed file gets.
+
+use std::path::Path;
+
+use super::yaml::parse;
+use super::*;
+
+fn ok(text: &str) -> ExperimentFile {
+    parse(Path::new("exp.yml"), text).unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn err(text: &str) -> String {
+    parse(Path::new("exp.yml"), text)
+        .expect_err("the file should be rejected")
+        .to_string()
+}
+
+#[test]
+fn pipedream_keys_parse() {
+    let f = ok("
+module: vgg16
+machines: [node1:0, 'node2:1']
+container: stagehand:latest
+config_file: vgg16_2pipe.json
+batch_size: 64
+learning_rate: 0.01
+distributed_backend: nccl
+data_dir: /data/imagenet
+log_directory: /tmp/exp
+schedule: 1f1b
+microbatches: 4
+iterations: 10
+");
+    assert_eq!(f.module.as_deref(), Some("vgg16"));
+    assert_eq!(f.machines.len(), 2);
+    assert_eq!(f.machines[1].host, "node2");
+    assert_eq!(f.machines[1].gpus, vec![1]);
+    assert_eq!(f.container, Some(Container::Image("stagehand:latest".into())));
+    assert_eq!(f.schedule, Some(Schedule::OneFOneB));
+    assert_eq!(f.distributed_backend, Some(DistributedBackend::Nccl));
+}
+
+#[test]
+fn mappings_model_alias_command_env_and_mounts_parse() {
+    let f = ok("
+model: mlp
+backend: process
+machines:
+  - localhost
+  - host: gpu-box
+    user: alice
+    port: 2222
+    identity_file: ~/.ssh/id_ed25519
+    gpus: [0, 1]
+container: {build: ../docker/local}
+env: {OMP_NUM_THREADS: '1'}
+mounts: ['/data:/data:ro', {source: ./x, target: /x}]
+command: [python3, train.py, --epochs, '1']
+");
+    assert_eq!(f.module.as_deref(), Some("mlp"));
+    assert_eq!(f.backend, Some(crate::cli::Backend::Process));
+    assert_eq!(f.machines[1].port, Some(2222));
+    assert_eq!(f.machines[1].gpus, vec![0, 1]);
+    assert_eq!(f.container, Some(Container::Build("../docker/local".into())));
+    assert_eq!(f.env["OMP_NUM_THREADS"], "1");
+    assert!(f.mounts[0].read_only);
+    assert_eq!(f.mounts[1].target, std::path::PathBuf::from("/x"));
+    assert_eq!(f.command.as_ref().unwrap()[1], "train.py");
+}
+
+#[test]
+fn malformed_files_get_located_messages() {
+    let cases: &[(&str, &str)] = &[
+        ("unknown_key", "machines: [localhost]\nbatch_sise: 32\n"),
+        ("missing_machines", "module: mlp\n"),
+        ("machines_not_a_list", "machines: localhost\n"),
+        ("bad_gpu_index", "machines:\n  - node1:0\n  - node1:first\n"),
+        ("unknown_machine_key", "machines:\n  - host: node1\n    gpu: 0\n"),
+        ("batch_size_text", "machines: [localhost]\nbatch_size: lots\n"),
+        ("negative_iterations", "machines: [localhost]\niterations: -3\n"),
+        ("unknown_schedule", "machines: [localhost]\nschedule: zigzag\n"),
+        ("unknown_backend", "machines: [localhost]\nbackend: kubernetes\n"),
+        (
+            "container_both",
+            "machines: [localhost]\ncontainer: {image: a, build: b}\n",
+        ),
+        (
+            "relative_mount_target",
+            "machines: [localhost]\nmounts: ['/data:data']\n",
+        ),
+        (
+            "command_not_list",
+            "machines: [localhost]\ncommand: python3 train.py\n",
+        ),
+        ("bad_indentation", "machines:\n  - localhost\n - node1\n"),
+        ("tab_indentation", "machines:\n\t- localhost\n"),
+        ("env_not_mapping", "machines: [localhost]\nenv: [A=1]\n"),
+        ("empty_file", ""),
+        ("list_at_top", "- localhost\n- node1\n"),
+        ("duplicate_key", "machines: [localhost]\nmachines: [node1]\n"),
+        ("unclosed_bracket", "machines: [localhost\n"),
+    ];
+    for (name, text) in cases {
+        let message = err(text);
+        assert!(message.starts_with("exp.yml:"), "{name}: {message}");
+        insta::assert_snapshot!(*name, message);
+    }
+}
+
+#[test]
+fn a_missing_file_names_the_path() {
+    let e = load(Path::new("/nonexistent/exp.yml")).unwrap_err();
+    assert!(e.to_string().contains("/nonexistent/exp.yml"), "{e}");
+    assert!(std::error::Error::source(&e).is_some());
+}

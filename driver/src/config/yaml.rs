@@ -1,0 +1,182 @@
+//! Reading an experiment file: the only place that knows which YAML crate is used, so it can be
+//! swapped. Every error carries `file:line:column` and what was expected there.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use super::ExperimentFile;
+
+/// A parsed experiment file with what is needed to point back into it.
+#[derive(Debug, Clone)]
+pub struct Loaded {
+    /// The path as given.
+    pub path: PathBuf,
+    /// The text as read, kept for the record (`config.given.yml`).
+    pub text: String,
+    /// The typed content.
+    pub file: ExperimentFile,
+}
+
+/// A position in the experiment file, 1-based.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Location {
+    /// Line, from 1.
+    pub line: usize,
+    /// Column, from 1.
+    pub column: usize,
+}
+
+/// What is wrong with an experiment file.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read experiment file {}", path.display())]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{}:{}: {message}", path.display(), Position(*location))]
+    Invalid {
+        path: PathBuf,
+        location: Option<Location>,
+        message: String,
+    },
+}
+
+/// Renders `line:column`, or `?` when the YAML crate gave no position.
+struct Position(Option<Location>);
+
+impl fmt::Display for Position {
+    fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        match self.0 {
+            Some(l) => write!(f, "{}:{}", l.line, l.column),
+            None => f.write_str("1:1"),
+        }
+    }
+}
+
+/// Reads and parses an experiment file.
+pub fn load(path: &Path) -> Result<Loaded, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let file = parse(path, &text)?;
+    Ok(Loaded {
+        path: path.to_path_buf(),
+        text,
+        file,
+    })
+}
+
+/// Parses experiment YAML; `path` is only used in messages.
+pub fn parse(path: &Path, text: &str) -> Result<ExperimentFile, ConfigError> {
+    serde_norway::from_str(text).map_err(|e| {
+        let location = e.location().map(|l| Location {
+            line: l.line(),
+            column: l.column(),
+        });
+        ConfigError::Invalid {
+            path: path.to_path_buf(),
+            location,
+            message: describe(&e.to_string(), text, location),
+        }
+    })
+}
+
+/// The crate's message without its trailing ` at line N column M` (we print the position first,
+/// as compilers do), with serde's jargon turned into what a user of the file reads and a hint
+/// where one helps.
+fn describe(message: &str, text: &str, location: Option<Location>) -> String {
+    let mut message = strip_position(message).replace("invalid type: ", "wrong type: ");
+    message = message.replace(
+        "expected struct ExperimentFile",
+        "expected a mapping of experiment keys such as `machines:`",
+    );
+    for int in ["u16", "u32", "u64"] {
+        message = message.replace(&format!("expected {int}"), "expected a whole number, 0 or more");
+    }
+    let line = location
+        .and_then(|l| text.lines().nth(l.line.saturating_sub(1)))
+        .unwrap_or("");
+    if message.contains("missing field `machines`") {
+        message.push_str("; list one `host:gpu` (or `localhost`) per rank");
+    } else if line.starts_with(|c: char| c.is_whitespace()) && line.contains('\t') {
+        message.push_str("; indent with spaces, YAML does not allow tabs");
+    } else if message.contains("did not find expected key")
+        || message.contains("mapping values are not allowed")
+    {
+        message.push_str("; check this line's indentation against the lines above it");
+    } else if let Some(hint) = did_you_mean(&message) {
+        message.push_str(&hint);
+    }
+    message
+}
+
+/// Removes ` at line N column M` wherever the crate put it.
+fn strip_position(message: &str) -> String {
+    let Some(start) = message.find(" at line ") else {
+        return message.to_string();
+    };
+    let rest = &message[start + " at line ".len()..];
+    let digits = |s: &str| s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let after_line = &rest[digits(rest)..];
+    match after_line.strip_prefix(" column ") {
+        Some(col) => format!("{}{}", &message[..start], &col[digits(col)..]),
+        None => message.to_string(),
+    }
+}
+
+/// For `unknown field `x`, expected one of ...`, suggests the closest expected key.
+fn did_you_mean(message: &str) -> Option<String> {
+    let rest = message.split("unknown field `").nth(1)?;
+    let (unknown, rest) = rest.split_once('`')?;
+    let candidates = rest.split('`').skip(1).step_by(2);
+    let (distance, best) = candidates.map(|c| (edit_distance(unknown, c), c)).min()?;
+    (distance <= 2).then(|| format!("; did you mean `{best}`?"))
+}
+
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut prev = row[0];
+        row[0] = i + 1;
+        for (j, cb) in b.iter().enumerate() {
+            let cur = row[j + 1];
+            row[j + 1] = (prev + usize::from(ca != *cb)).min(row[j] + 1).min(cur + 1);
+            prev = cur;
+        }
+    }
+    row[b.len()]
+}
+
+impl Loaded {
+    /// Where a top-level key is written, for errors found after parsing (cross-field checks).
+    pub fn locate(&self, key: &str) -> Option<Location> {
+        self.text.lines().enumerate().find_map(|(i, line)| {
+            let rest = line.strip_prefix(key)?;
+            rest.trim_start().starts_with(':').then_some(Location {
+                line: i + 1,
+                column: 1,
+            })
+        })
+    }
+
+    /// An error about a top-level key, located where the key is written.
+    pub fn error_at(&self, key: &str, message: impl Into<String>) -> ConfigError {
+        ConfigError::Invalid {
+            path: self.path.clone(),
+            location: self.locate(key),
+            message: message.into(),
+        }
+    }
+
+    /// The directory relative paths in the file are resolved against.
+    pub fn base_dir(&self) -> PathBuf {
+        match self.path.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+            _ => PathBuf::from("."),
+        }
+    }
+}

@@ -1,0 +1,375 @@
+//! The docker backend: one container per rank, or one per host with the host's ranks started in it
+//! through the exec API. Every container carries the experiment's label, and only containers with
+//! that label are ever stopped or removed.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use bollard::container::LogOutput;
+use bollard::errors::Error as DockerError;
+use bollard::exec::{CreateExecOptions, StartExecResults};
+use bollard::models::{ContainerCreateBody, DeviceRequest, HostConfig, Mount as DockerMount, MountType};
+use bollard::query_parameters::{
+    CreateContainerOptionsBuilder, ListContainersOptionsBuilder, LogsOptionsBuilder,
+    RemoveContainerOptionsBuilder, WaitContainerOptions,
+};
+use futures_util::future::join_all;
+use futures_util::{Stream as FutStream, StreamExt};
+use tokio::sync::mpsc::UnboundedSender;
+
+use super::lines::LineSplitter;
+use super::{classify_line, LaunchError};
+use crate::cli::ContainerMode;
+use crate::events::{Event, Stream};
+use crate::hosts::Host;
+use crate::plan::{Plan, RankPlan};
+
+/// Label holding the experiment id; the only thing cleanup selects on.
+pub const LABEL_EXPERIMENT: &str = "stagehand.experiment";
+/// Label holding the experiment name.
+pub const LABEL_NAME: &str = "stagehand.name";
+/// Label holding the rank (or ranks, comma-separated, for a per-host container).
+pub const LABEL_RANK: &str = "stagehand.rank";
+/// How long stopping every container may take.
+pub const STOP_DEADLINE: Duration = Duration::from_secs(10);
+
+/// Containers of one experiment across its hosts.
+pub struct DockerLauncher {
+    hosts: Vec<Host>,
+    id: String,
+}
+
+impl DockerLauncher {
+    /// Prepares to launch on `hosts` (from preflight, in plan order) under experiment `id`.
+    pub fn new(hosts: Vec<Host>, id: String) -> DockerLauncher {
+        DockerLauncher { hosts, id }
+    }
+
+    /// Creates and starts every container and rank; events go to `tx`.
+    pub async fn start(&self, plan: &Plan, tx: UnboundedSender<Event>) -> Result<(), LaunchError> {
+        match plan.container_mode {
+            ContainerMode::PerRank => {
+                let created = join_all(plan.ranks.iter().map(|r| {
+                    let host = &self.hosts[r.host];
+                    let labels = self.labels(plan, &r.rank.to_string());
+                    let name = format!("{}-r{}", self.id, r.rank);
+                    let body = container_body(plan, host, labels, &r.gpus, Some(r));
+                    create(host, name, body)
+                }))
+                .await;
+                let ids = created.into_iter().collect::<Result<Vec<_>, _>>()?;
+                for (r, id) in plan.ranks.iter().zip(&ids) {
+                    let host = &self.hosts[r.host];
+                    host.docker
+                        .start_container(id, None::<bollard::query_parameters::StartContainerOptions>)
+                        .await
+                        .map_err(|source| LaunchError::Docker {
+                            host: host.name.clone(),
+                            action: "start a container",
+                            source,
+                        })?;
+                    let _ = tx.send(Event::RankStarted {
+                        rank: r.rank,
+                        host: host.name.clone(),
+                        handle: short(id),
+                    });
+                    tokio::spawn(follow_container(host.clone(), id.clone(), r.rank, tx.clone()));
+                }
+            }
+            ContainerMode::PerHost => {
+                let created = join_all(plan.hosts.iter().enumerate().map(|(i, h)| {
+                    let host = &self.hosts[i];
+                    let ranks: Vec<String> = h.ranks.iter().map(|r| r.to_string()).collect();
+                    let labels = self.labels(plan, &ranks.join(","));
+                    let name = format!("{}-h{i}", self.id);
+                    let body = container_body(plan, host, labels, &h.gpus, None);
+                    async move {
+                        let id = create(host, name, body).await?;
+                        host.docker
+                            .start_container(&id, None::<bollard::query_parameters::StartContainerOptions>)
+                            .await
+                            .map_err(|source| LaunchError::Docker {
+                                host: host.name.clone(),
+                                action: "start a container",
+                                source,
+                            })?;
+                        Ok::<_, LaunchError>(id)
+                    }
+                }))
+                .await;
+                let ids = created.into_iter().collect::<Result<Vec<_>, _>>()?;
+                for r in &plan.ranks {
+                    let host = &self.hosts[r.host];
+                    let container = &ids[r.host];
+                    let exec = host
+                        .docker
+                        .create_exec(
+                            container,
+                            CreateExecOptions {
+                                cmd: Some(r.argv.clone()),
+                                env: Some(env_list(r)),
+                                attach_stdout: Some(true),
+                                attach_stderr: Some(true),
+                                ..Default::default()
+                            },
+                        )
+                        .await
+                        .map_err(|source| LaunchError::Docker {
+                            host: host.name.clone(),
+                            action: "create an exec",
+                            source,
+                        })?;
+                    let started = host.docker.start_exec(&exec.id, None).await.map_err(|source| {
+                        LaunchError::Docker {
+                            host: host.name.clone(),
+                            action: "start an exec",
+                            source,
+                        }
+                    })?;
+                    let output = match started {
+                        StartExecResults::Attached { output, .. } => output,
+                        StartExecResults::Detached => {
+                            return Err(LaunchError::Docker {
+                                host: host.name.clone(),
+                                action: "attach to an exec",
+                                source: DockerError::DockerStreamError {
+                                    error: "exec started detached".into(),
+                                },
+                            })
+                        }
+                    };
+                    let _ = tx.send(Event::RankStarted {
+                        rank: r.rank,
+                        host: host.name.clone(),
+                        handle: format!("{} exec {}", short(container), short(&exec.id)),
+                    });
+                    tokio::spawn(follow_exec(host.clone(), exec.id, output, r.rank, tx.clone()));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn labels(&self, plan: &Plan, rank: &str) -> HashMap<String, String> {
+        HashMap::from([
+            (LABEL_EXPERIMENT.to_string(), self.id.clone()),
+            (LABEL_NAME.to_string(), plan.name.clone()),
+            (LABEL_RANK.to_string(), rank.to_string()),
+        ])
+    }
+
+    /// Removes (force, so killed) every container labelled with this experiment on every host,
+    /// concurrently, within [`STOP_DEADLINE`]. Returns what could not be removed.
+    pub async fn remove_all(&self) -> Vec<LaunchError> {
+        let work = join_all(self.hosts.iter().map(|h| remove_labelled(h, &self.id)));
+        match tokio::time::timeout(STOP_DEADLINE, work).await {
+            Ok(results) => results.into_iter().flatten().collect(),
+            Err(_) => vec![LaunchError::CleanupTimeout {
+                seconds: STOP_DEADLINE.as_secs(),
+            }],
+        }
+    }
+}
+
+async fn create(host: &Host, name: String, body: ContainerCreateBody) -> Result<String, LaunchError> {
+    let options = CreateContainerOptionsBuilder::default().name(&name).build();
+    host.docker
+        .create_container(Some(options), body)
+        .await
+        .map(|r| r.id)
+        .map_err(|source| LaunchError::Docker {
+            host: host.name.clone(),
+            action: "create a container",
+            source,
+        })
+}
+
+fn env_list(rank: &RankPlan) -> Vec<String> {
+    rank.env.iter().map(|(k, v)| format!("{k}={v}")).collect()
+}
+
+/// The container for one rank (`rank` given) or for a host's ranks (an idle init process the
+/// ranks are exec'd into).
+fn container_body(
+    plan: &Plan,
+    host: &Host,
+    labels: HashMap<String, String>,
+    gpus: &[u32],
+    rank: Option<&RankPlan>,
+) -> ContainerCreateBody {
+    let mounts = plan
+        .mounts
+        .iter()
+        .map(|m| DockerMount {
+            source: Some(m.source.display().to_string()),
+            target: Some(m.target.display().to_string()),
+            typ: Some(MountType::BIND),
+            read_only: Some(m.read_only),
+            ..Default::default()
+        })
+        .collect();
+    let device_requests = (!gpus.is_empty()).then(|| {
+        vec![DeviceRequest {
+            driver: Some("nvidia".into()),
+            device_ids: Some(gpus.iter().map(|g| g.to_string()).collect()),
+            capabilities: Some(vec![vec!["gpu".into()]]),
+            ..Default::default()
+        }]
+    });
+    let (cmd, env) = match rank {
+        Some(r) => (r.argv.clone(), env_list(r)),
+        None => (vec!["sleep".into(), "infinity".into()], Vec::new()),
+    };
+    ContainerCreateBody {
+        image: Some(host.image.clone()),
+        cmd: Some(cmd),
+        // The image's entrypoint must not wrap our argument vector in a shell.
+        entrypoint: Some(Vec::new()),
+        env: Some(env),
+        labels: Some(labels),
+        host_config: Some(HostConfig {
+            network_mode: Some("host".into()),
+            ipc_mode: Some("host".into()),
+            shm_size: Some(plan.shm_size_bytes as i64),
+            mounts: Some(mounts),
+            device_requests,
+            init: Some(true),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+/// Streams a container's output into events, then reports its exit.
+async fn follow_container(host: Host, id: String, rank: usize, tx: UnboundedSender<Event>) {
+    let options = LogsOptionsBuilder::default()
+        .follow(true)
+        .stdout(true)
+        .stderr(true)
+        .build();
+    let logs = host.docker.logs(&id, Some(options));
+    let lost = forward(logs, rank, &tx).await;
+    let mut wait = host.docker.wait_container(&id, None::<WaitContainerOptions>);
+    let exit_code = match wait.next().await {
+        Some(Ok(r)) => Some(r.status_code),
+        Some(Err(DockerError::DockerContainerWaitError { code, .. })) => Some(code),
+        // Removed by the driver while stopping: no exit code to report.
+        Some(Err(DockerError::DockerResponseServerError { status_code: 404, .. })) | None => None,
+        Some(Err(e)) => {
+            let _ = tx.send(Event::HostLost {
+                host: host.name.clone(),
+                reason: e.to_string(),
+            });
+            None
+        }
+    };
+    if let Some(reason) = lost {
+        if exit_code.is_none() {
+            let _ = tx.send(Event::HostLost {
+                host: host.name.clone(),
+                reason,
+            });
+        }
+    }
+    let _ = tx.send(Event::RankExited { rank, exit_code });
+}
+
+/// Streams an exec's output into events, then reports its exit code.
+async fn follow_exec(
+    host: Host,
+    exec: String,
+    output: impl FutStream<Item = Result<LogOutput, DockerError>> + Unpin,
+    rank: usize,
+    tx: UnboundedSender<Event>,
+) {
+    let _ = forward(output, rank, &tx).await;
+    // The exec may still be winding down for a moment after its output closes.
+    let mut exit_code = None;
+    for _ in 0..20 {
+        match host.docker.inspect_exec(&exec).await {
+            Ok(i) if i.running == Some(true) => tokio::time::sleep(Duration::from_millis(50)).await,
+            Ok(i) => {
+                exit_code = i.exit_code;
+                break;
+            }
+            Err(_) => break,
+        }
+    }
+    let _ = tx.send(Event::RankExited { rank, exit_code });
+}
+
+/// Forwards a Docker output stream line by line; returns the error that ended it, if any.
+async fn forward(
+    mut stream: impl FutStream<Item = Result<LogOutput, DockerError>> + Unpin,
+    rank: usize,
+    tx: &UnboundedSender<Event>,
+) -> Option<String> {
+    let mut out = LineSplitter::default();
+    let mut err = LineSplitter::default();
+    let mut failure = None;
+    while let Some(item) = stream.next().await {
+        match item {
+            Ok(LogOutput::StdOut { message }) | Ok(LogOutput::Console { message }) => {
+                for line in out.push(&message) {
+                    let _ = tx.send(classify_line(rank, Stream::Stdout, line));
+                }
+            }
+            Ok(LogOutput::StdErr { message }) => {
+                for line in err.push(&message) {
+                    let _ = tx.send(classify_line(rank, Stream::Stderr, line));
+                }
+            }
+            Ok(LogOutput::StdIn { .. }) => {}
+            Err(e) => {
+                failure = Some(e.to_string());
+                break;
+            }
+        }
+    }
+    for (splitter, kind) in [(&mut out, Stream::Stdout), (&mut err, Stream::Stderr)] {
+        if let Some(line) = splitter.finish() {
+            let _ = tx.send(classify_line(rank, kind, line));
+        }
+    }
+    failure
+}
+
+/// Removes every container on `host` labelled with experiment `id`.
+async fn remove_labelled(host: &Host, id: &str) -> Vec<LaunchError> {
+    let filters = HashMap::from([("label", vec![format!("{LABEL_EXPERIMENT}={id}")])]);
+    let options = ListContainersOptionsBuilder::default()
+        .all(true)
+        .filters(&filters)
+        .build();
+    let containers = match host.docker.list_containers(Some(options)).await {
+        Ok(c) => c,
+        Err(source) => {
+            return vec![LaunchError::Docker {
+                host: host.name.clone(),
+                action: "list the experiment's containers",
+                source,
+            }]
+        }
+    };
+    let removals = containers.into_iter().filter_map(|c| c.id).map(|cid| async move {
+        let options = RemoveContainerOptionsBuilder::default()
+            .force(true)
+            .v(true)
+            .build();
+        match host.docker.remove_container(&cid, Some(options)).await {
+            Ok(()) | Err(DockerError::DockerResponseServerError { status_code: 404, .. }) => None,
+            // 409: removal already in progress (a concurrent stop); it will finish.
+            Err(DockerError::DockerResponseServerError { status_code: 409, .. }) => None,
+            Err(source) => Some(LaunchError::Docker {
+                host: host.name.clone(),
+                action: "remove a container",
+                source,
+            }),
+        }
+    });
+    join_all(removals).await.into_iter().flatten().collect()
+}
+
+fn short(id: &str) -> String {
+    id.chars().take(12).collect()
+}

@@ -1,0 +1,199 @@
+//! Launching ranks and supervising them: the backends start ranks and turn their output into
+//! events; [`supervise`] watches the events, stops every rank when one fails or the user
+//! interrupts, and decides the run's status.
+
+pub mod docker;
+mod lines;
+pub mod process;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use tokio::signal::unix::Signal;
+use tokio::sync::mpsc::UnboundedReceiver;
+
+use crate::events::{Event, Status, StopCause, Stream};
+use crate::hosts::context::ContextError;
+use crate::plan::Plan;
+use crate::reporters::Reporters;
+
+/// How long ranks get to report their exit after being stopped before the driver gives up on them.
+const EXIT_DEADLINE: Duration = Duration::from_secs(15);
+
+/// Failures while preparing hosts or starting ranks.
+#[derive(Debug, thiserror::Error)]
+pub enum LaunchError {
+    #[error("cannot start rank {rank}: `{program}`; check that it exists and is executable (build the runtime with `cargo build --release -p stagehand-runtime`, or pass --runtime)")]
+    Spawn {
+        rank: usize,
+        program: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("program {} for the ranks does not exist; build the runtime with `cargo build --release -p stagehand-runtime`, pass --runtime, or set `command:`", path.display())]
+    ProgramMissing { path: PathBuf },
+    #[error("cannot reach the Docker engine on {host}; is it running, and may this user use its socket? (or use --backend process)")]
+    Connect {
+        host: String,
+        #[source]
+        source: bollard::errors::Error,
+    },
+    #[error("host {host} is not local and SSH hosts are not supported yet; use `localhost` in machines")]
+    RemoteHost { host: String },
+    #[error("docker on {host} could not {action}")]
+    Docker {
+        host: String,
+        action: &'static str,
+        #[source]
+        source: bollard::errors::Error,
+    },
+    #[error("host {host} has GPUs {gpus:?} requested but its engine has no nvidia runtime or CDI devices; install nvidia-container-toolkit there or use CPU machines")]
+    NoGpuRuntime { host: String, gpus: Vec<u32> },
+    #[error("image {image} does not exist on {host}; build it there, or name a build context with `container: {{build: DIR}}`")]
+    ImageMissing { host: String, image: String },
+    #[error("building the image from {} on {host} failed: {message}", context.display())]
+    ImageBuild {
+        host: String,
+        context: PathBuf,
+        message: String,
+    },
+    #[error(transparent)]
+    Context {
+        #[from]
+        source: ContextError,
+    },
+    #[error("removing the experiment's containers took longer than {seconds} s; list them with `docker ps -a --filter label=stagehand.experiment`")]
+    CleanupTimeout { seconds: u64 },
+    #[error("interrupted before the ranks started")]
+    Interrupted,
+}
+
+/// Turns an output line into an event: metrics lines on stdout become [`Event::Metrics`].
+pub fn classify_line(rank: usize, stream: Stream, line: String) -> Event {
+    if stream == Stream::Stdout {
+        if let Some(event) = stagehand_contract::Event::parse_line(&line) {
+            return Event::Metrics { rank, line, event };
+        }
+    }
+    Event::LineLogged { rank, stream, line }
+}
+
+/// A started backend.
+pub enum Launcher {
+    /// Local processes.
+    Process(process::ProcessLauncher),
+    /// Docker containers.
+    Docker(docker::DockerLauncher),
+}
+
+impl Launcher {
+    async fn stop_all(&self) {
+        match self {
+            Launcher::Process(p) => p.stop_all().await,
+            Launcher::Docker(d) => {
+                for e in d.remove_all().await {
+                    eprintln!("warning: {}", crate::error_chain(&e));
+                }
+            }
+        }
+    }
+}
+
+/// Signals that stop a run: SIGINT (Ctrl-C) and SIGTERM.
+pub struct StopSignals {
+    /// SIGINT.
+    pub int: Signal,
+    /// SIGTERM.
+    pub term: Signal,
+}
+
+impl StopSignals {
+    /// Installs the handlers; from now on these signals are the driver's to act on.
+    pub fn install() -> std::io::Result<StopSignals> {
+        use tokio::signal::unix::{signal, SignalKind};
+        Ok(StopSignals {
+            int: signal(SignalKind::interrupt())?,
+            term: signal(SignalKind::terminate())?,
+        })
+    }
+
+    /// Resolves when either signal arrives.
+    pub async fn recv(&mut self) {
+        tokio::select! {
+            _ = self.int.recv() => {}
+            _ = self.term.recv() => {}
+        }
+    }
+}
+
+/// Feeds events to the reporters until every rank has exited; stops all ranks on the first failure
+/// or signal. Returns the run's status.
+pub async fn supervise(
+    plan: &Plan,
+    launcher: &Launcher,
+    mut events: UnboundedReceiver<Event>,
+    reporters: &mut Reporters,
+    signals: &mut StopSignals,
+) -> Status {
+    let mut exited = 0;
+    let mut cause: Option<StopCause> = None;
+    let mut deadline: Option<tokio::time::Instant> = None;
+    loop {
+        let until_deadline = async {
+            match deadline {
+                Some(d) => tokio::time::sleep_until(d).await,
+                None => std::future::pending().await,
+            }
+        };
+        let event = tokio::select! {
+            e = events.recv() => match e {
+                Some(e) => e,
+                None => break,
+            },
+            _ = signals.recv(), if cause.is_none() => {
+                let c = StopCause::Interrupted;
+                cause = Some(c.clone());
+                deadline = Some(tokio::time::Instant::now() + EXIT_DEADLINE);
+                reporters.report(&Event::Stopping(c));
+                launcher.stop_all().await;
+                continue;
+            }
+            _ = until_deadline => break,
+        };
+        reporters.report(&event);
+        let stop = match &event {
+            Event::RankExited { rank, exit_code } => {
+                exited += 1;
+                (*exit_code != Some(0)).then(|| StopCause::RankFailed {
+                    rank: *rank,
+                    host: plan.host_of(*rank).name.clone(),
+                    exit_code: *exit_code,
+                })
+            }
+            Event::HostLost { host, reason } => Some(StopCause::HostLost {
+                host: host.clone(),
+                reason: reason.clone(),
+            }),
+            Event::HostReady(_)
+            | Event::RankStarted { .. }
+            | Event::LineLogged { .. }
+            | Event::Metrics { .. }
+            | Event::Stopping(_)
+            | Event::Finished { .. } => None,
+        };
+        if let (Some(c), None) = (stop, &cause) {
+            cause = Some(c.clone());
+            deadline = Some(tokio::time::Instant::now() + EXIT_DEADLINE);
+            reporters.report(&Event::Stopping(c));
+            launcher.stop_all().await;
+        }
+        if exited == plan.world_size() {
+            break;
+        }
+    }
+    match cause {
+        None => Status::Succeeded,
+        Some(StopCause::Interrupted) => Status::Interrupted,
+        Some(StopCause::RankFailed { .. } | StopCause::HostLost { .. }) => Status::Failed,
+    }
+}

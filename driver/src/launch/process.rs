@@ -1,0 +1,130 @@
+//! The process backend: ranks as local child processes, each in its own process group so the
+//! driver alone decides when they stop (a terminal Ctrl-C reaches only the driver).
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use nix::sys::signal::{killpg, Signal};
+use nix::unistd::Pid;
+use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader};
+use tokio::process::Command;
+use tokio::sync::mpsc::UnboundedSender;
+
+use super::{classify_line, LaunchError};
+use crate::events::{Event, Stream};
+use crate::plan::Plan;
+
+/// Time between SIGTERM and SIGKILL when stopping ranks.
+const GRACE: Duration = Duration::from_secs(3);
+
+/// Running child processes.
+pub struct ProcessLauncher {
+    groups: Vec<Pid>,
+}
+
+impl ProcessLauncher {
+    /// Starts every rank; events go to `tx`.
+    pub fn start(plan: &Plan, tx: UnboundedSender<Event>) -> Result<ProcessLauncher, LaunchError> {
+        let mut launcher = ProcessLauncher { groups: Vec::new() };
+        for rank in &plan.ranks {
+            let program = &rank.argv[0];
+            let mut cmd = Command::new(program);
+            cmd.args(&rank.argv[1..])
+                .envs(&rank.env)
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .process_group(0)
+                .kill_on_drop(true);
+            let mut child = match cmd.spawn() {
+                Ok(c) => c,
+                Err(source) => {
+                    launcher.kill_now();
+                    return Err(LaunchError::Spawn {
+                        rank: rank.rank,
+                        program: program.clone(),
+                        source,
+                    });
+                }
+            };
+            let pid = child.id().expect("a just-spawned child has a pid");
+            launcher.groups.push(Pid::from_raw(pid as i32));
+            let _ = tx.send(Event::RankStarted {
+                rank: rank.rank,
+                host: plan.host_of(rank.rank).name.clone(),
+                handle: format!("pid {pid}"),
+            });
+            let out = tokio::spawn(forward(
+                child.stdout.take().expect("piped"),
+                rank.rank,
+                Stream::Stdout,
+                tx.clone(),
+            ));
+            let err = tokio::spawn(forward(
+                child.stderr.take().expect("piped"),
+                rank.rank,
+                Stream::Stderr,
+                tx.clone(),
+            ));
+            let tx = tx.clone();
+            let r = rank.rank;
+            tokio::spawn(async move {
+                let _ = out.await;
+                let _ = err.await;
+                let exit_code = match child.wait().await {
+                    Ok(status) => exit_code(status),
+                    Err(_) => None,
+                };
+                let _ = tx.send(Event::RankExited { rank: r, exit_code });
+            });
+        }
+        Ok(launcher)
+    }
+
+    /// Asks every rank's process group to stop, then kills what is left after a grace period.
+    pub async fn stop_all(&self) {
+        self.signal_all(Signal::SIGTERM);
+        let groups = self.groups.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(GRACE).await;
+            for g in groups {
+                let _ = killpg(g, Signal::SIGKILL);
+            }
+        });
+    }
+
+    fn kill_now(&self) {
+        self.signal_all(Signal::SIGKILL);
+    }
+
+    fn signal_all(&self, signal: Signal) {
+        for &g in &self.groups {
+            // ESRCH just means the group is already gone.
+            let _ = killpg(g, signal);
+        }
+    }
+}
+
+/// Exit code as a shell reports it: 128 + signal for a killed process.
+fn exit_code(status: std::process::ExitStatus) -> Option<i64> {
+    use std::os::unix::process::ExitStatusExt;
+    status
+        .code()
+        .map(i64::from)
+        .or_else(|| status.signal().map(|s| 128 + i64::from(s)))
+}
+
+async fn forward(stream: impl AsyncRead + Unpin, rank: usize, kind: Stream, tx: UnboundedSender<Event>) {
+    let mut reader = BufReader::new(stream);
+    let mut buf = Vec::new();
+    // Bytes, not `lines()`: a rank printing invalid UTF-8 must not silence the rest of its output.
+    while let Ok(n) = reader.read_until(b'\n', &mut buf).await {
+        if n == 0 {
+            break;
+        }
+        let line = String::from_utf8_lossy(&buf);
+        let line = line.trim_end_matches(['\n', '\r']).to_string();
+        buf.clear();
+        let _ = tx.send(classify_line(rank, kind, line));
+    }
+}

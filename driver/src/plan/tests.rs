@@ -1,0 +1,170 @@
+//! Resolution tests: rank layout, environments, argument vectors and cross-field checks.
+
+use std::path::{Path, PathBuf};
+
+use super::*;
+use crate::cli::{Progress, Verbosity};
+
+fn options(backend: Option<Backend>, mode: ContainerMode) -> Options {
+    Options {
+        config_file: PathBuf::from("exp.yml"),
+        container_mode: mode,
+        output_dir: None,
+        backend,
+        runtime: PathBuf::from("/opt/stagehand/runtime"),
+        torch_venv: PathBuf::from("/nonexistent/venv"),
+        mount_directories: Vec::new(),
+        verbosity: Verbosity::Normal,
+        progress: Progress::Off,
+    }
+}
+
+fn loaded(dir: &Path, text: &str) -> Loaded {
+    let path = dir.join("exp.yml");
+    std::fs::write(&path, text).unwrap();
+    crate::config::load(&path).unwrap()
+}
+
+fn resolve_text(text: &str, opts: &Options) -> Result<Plan, ConfigError> {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("two.json"),
+        r#"{"module_to_stage_map": [0,0,1,1], "stage_to_rank_map": {"0": [0], "1": [1]}}"#,
+    )
+    .unwrap();
+    resolve(&loaded(dir.path(), text), opts, 29500)
+}
+
+fn flag<'a>(argv: &'a [String], name: &str) -> Option<&'a str> {
+    argv.iter().position(|a| a == name).map(|i| argv[i + 1].as_str())
+}
+
+#[test]
+fn data_parallel_ranks_get_torchrun_environments() {
+    let plan = resolve_text(
+        "machines: [localhost, localhost]\nmodule: mlp\nbatch_size: 8\niterations: 3\nenv: {OMP_NUM_THREADS: '1'}\n",
+        &options(Some(Backend::Process), ContainerMode::PerRank),
+    )
+    .unwrap();
+    assert_eq!(plan.world_size(), 2);
+    assert_eq!(plan.hosts.len(), 1);
+    assert_eq!(plan.master_addr, "127.0.0.1");
+    let r1 = &plan.ranks[1];
+    assert_eq!(r1.env["RANK"], "1");
+    assert_eq!(r1.env["WORLD_SIZE"], "2");
+    assert_eq!(r1.env["LOCAL_RANK"], "1");
+    assert_eq!(r1.env["MASTER_PORT"], "29500");
+    assert_eq!(r1.env["OMP_NUM_THREADS"], "1");
+    assert_eq!(r1.argv[0], "/opt/stagehand/runtime");
+    assert_eq!(flag(&r1.argv, "--model"), Some("mlp"));
+    assert_eq!(flag(&r1.argv, "--device"), Some("cpu"));
+    assert_eq!(flag(&r1.argv, "--rank"), Some("1"));
+    assert_eq!(flag(&r1.argv, "--world-size"), Some("2"));
+}
+
+#[test]
+fn a_single_rank_gets_no_distributed_flags() {
+    let plan = resolve_text(
+        "machines: [localhost]\nmodule: mlp\n",
+        &options(None, ContainerMode::PerRank),
+    )
+    .unwrap();
+    assert_eq!(plan.backend, Backend::Docker);
+    assert_eq!(flag(&plan.ranks[0].argv, "--rank"), None);
+    assert_eq!(flag(&plan.ranks[0].argv, "--master-port"), None);
+}
+
+#[test]
+fn stage_configs_place_ranks_and_are_passed_by_absolute_path() {
+    let plan = resolve_text(
+        "machines: ['node1:0', 'node2:0']\nmodule: vgg16\nconfig_file: two.json\nschedule: 1f1b\nmicrobatches: 4\n",
+        &options(None, ContainerMode::PerRank),
+    )
+    .unwrap();
+    assert_eq!(plan.ranks[1].stage, Some(1));
+    assert_eq!(plan.master_addr, "node1");
+    let argv = &plan.ranks[0].argv;
+    assert!(Path::new(flag(argv, "--stage-config").unwrap()).is_absolute());
+    assert_eq!(flag(argv, "--schedule"), Some("1f1b"));
+    assert_eq!(flag(argv, "--device"), Some("cuda:0"));
+    assert!(plan
+        .mounts
+        .iter()
+        .any(|m| m.target.ends_with("two.json") && m.read_only));
+}
+
+#[test]
+fn gpus_are_numbered_as_each_container_sees_them() {
+    let text = "machines:\n  - host: box\n    gpus: [2, 3]\n";
+    let per_rank = resolve_text(text, &options(None, ContainerMode::PerRank)).unwrap();
+    assert_eq!(per_rank.world_size(), 2);
+    assert_eq!(flag(&per_rank.ranks[1].argv, "--device"), Some("cuda:0"));
+    assert_eq!(per_rank.ranks[1].gpus, vec![3]);
+    let per_host = resolve_text(text, &options(None, ContainerMode::PerHost)).unwrap();
+    assert_eq!(flag(&per_host.ranks[1].argv, "--device"), Some("cuda:1"));
+    assert_eq!(per_host.hosts[0].gpus, vec![2, 3]);
+}
+
+#[test]
+fn command_replaces_the_runtime_and_keeps_the_rank_environment() {
+    let plan = resolve_text(
+        "machines: [localhost, localhost]\ncommand: [python3, 'train.py; rm -rf /', --x]\nmodule: mlp\n",
+        &options(Some(Backend::Process), ContainerMode::PerRank),
+    )
+    .unwrap();
+    assert_eq!(plan.ranks[0].argv, vec!["python3", "train.py; rm -rf /", "--x"]);
+    assert_eq!(plan.ranks[0].env["WORLD_SIZE"], "2");
+}
+
+#[test]
+fn cross_field_mistakes_point_at_their_key() {
+    let cases = [
+        ("machines: []\n", "exp.yml:1:1: machines is empty"),
+        (
+            "machines: [node1]\nbackend: process\n",
+            "host `node1` is not local",
+        ),
+        (
+            "machines: [a, b, c]\nconfig_file: two.json\n",
+            "the machines list gives 3 ranks",
+        ),
+        (
+            "machines: [a]\nconfig_file: missing.json\n",
+            "cannot read stage config",
+        ),
+        (
+            "machines: [a, b]\nschedule: gpipe\n",
+            "a schedule needs a `config_file`",
+        ),
+        ("machines: [a]\ndevice: cuda\n", "device is cuda but"),
+        ("machines: [a]\ncommand: []\n", "command is empty"),
+        (
+            "name: 'my exp'\nmachines: [a]\n",
+            "name `my exp` may only contain",
+        ),
+    ];
+    for (text, expected) in cases {
+        let e = resolve_text(text, &options(None, ContainerMode::PerRank))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(expected), "{text:?}: {e}");
+        assert!(e.contains("exp.yml:"), "{e}");
+    }
+    let e = resolve_text(
+        "machines: [a, b, c]\n\nconfig_file: two.json\n",
+        &options(None, ContainerMode::PerRank),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("exp.yml:3:1:"), "{e}");
+}
+
+#[test]
+fn output_dir_overrides_log_directory() {
+    let mut o = options(None, ContainerMode::PerRank);
+    let plan = resolve_text("machines: [localhost]\nlog_directory: /tmp/a\n", &o).unwrap();
+    assert_eq!(plan.log_directory, PathBuf::from("/tmp/a"));
+    o.output_dir = Some(PathBuf::from("/tmp/b"));
+    let plan = resolve_text("machines: [localhost]\nlog_directory: /tmp/a\n", &o).unwrap();
+    assert_eq!(plan.log_directory, PathBuf::from("/tmp/b"));
+}

@@ -1,0 +1,252 @@
+//! The record folder `<log_directory>/<UTC timestamp>_<name>/`: configs, hosts, git state, rank
+//! logs, `metrics.jsonl` and `summary.json`, written as the run goes so a crash keeps what was
+//! gathered. Whole files are replaced atomically; logs and metrics are appended line by line.
+
+mod files;
+pub mod summary;
+
+use std::collections::{BTreeMap, VecDeque};
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use jiff::Timestamp;
+
+use self::summary::{Failure, RankOutcome, Summary, FORMAT_VERSION};
+use super::stats::Stats;
+use super::Reporter;
+use crate::config::Loaded;
+use crate::events::{Event, HostFacts, Status, StopCause};
+use crate::plan::Plan;
+
+/// Lines kept per rank for the failure report.
+const LAST_LINES: usize = 20;
+/// How often `summary.json` is rewritten while only metrics arrive.
+const SUMMARY_EVERY: Duration = Duration::from_secs(1);
+
+/// A record file could not be written.
+#[derive(Debug, thiserror::Error)]
+pub enum RecordError {
+    #[error("cannot create record folder {}; check --output-dir or log_directory", path.display())]
+    CreateDir {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot write record file {}", path.display())]
+    Write {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// A created record folder.
+#[derive(Debug, Clone)]
+pub struct Record {
+    /// The folder.
+    pub dir: PathBuf,
+    /// Its name, also the experiment id used in container labels.
+    pub id: String,
+    /// When the run started.
+    pub started: Timestamp,
+}
+
+impl Record {
+    /// Creates a fresh folder under `parent` named by the UTC time and `name`.
+    pub fn create(parent: &Path, name: &str) -> Result<Record, RecordError> {
+        let started = Timestamp::now();
+        let stamp = started.strftime("%Y%m%dT%H%M%SZ").to_string();
+        std::fs::create_dir_all(parent).map_err(|source| RecordError::CreateDir {
+            path: parent.to_path_buf(),
+            source,
+        })?;
+        for n in 0.. {
+            let id = if n == 0 {
+                format!("{stamp}_{name}")
+            } else {
+                format!("{stamp}_{name}-{n}")
+            };
+            let dir = parent.join(&id);
+            match std::fs::create_dir(&dir) {
+                Ok(()) => return Ok(Record { dir, id, started }),
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+                Err(source) => return Err(RecordError::CreateDir { path: dir, source }),
+            }
+        }
+        unreachable!("some suffix is free")
+    }
+
+    /// Writes what is known before launch: the configs and the git state.
+    pub fn write_setup(&self, loaded: &Loaded, plan: &Plan) -> Result<(), RecordError> {
+        files::write_atomic(&self.dir.join("config.given.yml"), loaded.text.as_bytes())?;
+        let resolved = serde_json::json!({ "experiment": loaded.file, "plan": plan });
+        files::write_json(&self.dir.join("config.resolved.json"), &resolved)?;
+        let (git, diff) = files::git_state();
+        files::write_json(&self.dir.join("git.json"), &git)?;
+        files::write_atomic(&self.dir.join("git.diff"), diff.as_bytes())
+    }
+}
+
+/// Writes the record as events arrive.
+pub struct RecordReporter {
+    record: Record,
+    summary: Summary,
+    hosts: Vec<HostFacts>,
+    logs: BTreeMap<usize, File>,
+    metrics: Option<File>,
+    last_lines: BTreeMap<usize, VecDeque<String>>,
+    stats: Stats,
+    last_write: Instant,
+}
+
+impl RecordReporter {
+    /// Starts the record for `plan` in `record`, writing an initial `summary.json`.
+    pub fn new(record: Record, plan: &Plan) -> Result<RecordReporter, RecordError> {
+        let summary = Summary {
+            format_version: FORMAT_VERSION,
+            id: record.id.clone(),
+            name: plan.name.clone(),
+            status: Status::Running,
+            started_at: record.started.to_string(),
+            ended_at: None,
+            duration_s: 0.0,
+            backend: format!("{:?}", plan.backend).to_lowercase(),
+            world_size: plan.world_size(),
+            iterations_done: 0,
+            throughput: None,
+            stages: Vec::new(),
+            ranks: plan
+                .ranks
+                .iter()
+                .map(|r| RankOutcome {
+                    rank: r.rank,
+                    host: plan.hosts[r.host].name.clone(),
+                    handle: None,
+                    exit_code: None,
+                    exited: false,
+                })
+                .collect(),
+            failure: None,
+        };
+        let mut reporter = RecordReporter {
+            record,
+            summary,
+            hosts: Vec::new(),
+            logs: BTreeMap::new(),
+            metrics: None,
+            last_lines: BTreeMap::new(),
+            stats: Stats::default(),
+            last_write: Instant::now(),
+        };
+        reporter.write_summary()?;
+        Ok(reporter)
+    }
+
+    fn append(file: &mut File, path: &Path, line: &str) -> Result<(), RecordError> {
+        let mut bytes = Vec::with_capacity(line.len() + 1);
+        bytes.extend_from_slice(line.as_bytes());
+        bytes.push(b'\n');
+        file.write_all(&bytes).map_err(|source| RecordError::Write {
+            path: path.to_path_buf(),
+            source,
+        })
+    }
+
+    fn open_append(path: &Path) -> Result<File, RecordError> {
+        OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .map_err(|source| RecordError::Write {
+                path: path.to_path_buf(),
+                source,
+            })
+    }
+
+    fn log_line(&mut self, rank: usize, line: &str) -> Result<(), RecordError> {
+        let kept = self.last_lines.entry(rank).or_default();
+        if kept.len() == LAST_LINES {
+            kept.pop_front();
+        }
+        kept.push_back(line.to_string());
+        let path = self.record.dir.join(format!("rank-{rank}.log"));
+        let file = match self.logs.entry(rank) {
+            std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::btree_map::Entry::Vacant(e) => e.insert(Self::open_append(&path)?),
+        };
+        Self::append(file, &path, line)
+    }
+
+    fn write_summary(&mut self) -> Result<(), RecordError> {
+        let now = Timestamp::now();
+        self.summary.duration_s = now.duration_since(self.record.started).as_secs_f64();
+        self.summary.iterations_done = self.stats.iterations_done();
+        self.summary.throughput = self.stats.throughput();
+        self.summary.stages = self.stats.stage_shares();
+        self.last_write = Instant::now();
+        files::write_json(&self.record.dir.join("summary.json"), &self.summary)
+    }
+}
+
+impl Reporter for RecordReporter {
+    fn report(&mut self, event: &Event) -> Result<(), RecordError> {
+        match event {
+            Event::HostReady(facts) => {
+                self.hosts.push(facts.clone());
+                files::write_json(&self.record.dir.join("hosts.json"), &self.hosts)?;
+            }
+            Event::RankStarted { rank, handle, .. } => {
+                if let Some(r) = self.summary.ranks.get_mut(*rank) {
+                    r.handle = Some(handle.clone());
+                }
+                self.write_summary()?;
+            }
+            Event::LineLogged { rank, line, .. } => self.log_line(*rank, line)?,
+            Event::Metrics { rank, line, event } => {
+                self.log_line(*rank, line)?;
+                self.stats.record(event);
+                let path = self.record.dir.join("metrics.jsonl");
+                if self.metrics.is_none() {
+                    self.metrics = Some(Self::open_append(&path)?);
+                }
+                Self::append(self.metrics.as_mut().expect("opened above"), &path, line)?;
+                if self.last_write.elapsed() >= SUMMARY_EVERY {
+                    self.write_summary()?;
+                }
+            }
+            Event::RankExited { rank, exit_code } => {
+                if let Some(r) = self.summary.ranks.get_mut(*rank) {
+                    r.exit_code = *exit_code;
+                    r.exited = true;
+                }
+                self.write_summary()?;
+            }
+            Event::HostLost { .. } => {}
+            Event::Stopping(cause) => {
+                if self.summary.failure.is_none() {
+                    let last_lines = match cause {
+                        StopCause::RankFailed { rank, .. } => self
+                            .last_lines
+                            .get(rank)
+                            .map(|l| l.iter().cloned().collect())
+                            .unwrap_or_default(),
+                        StopCause::HostLost { .. } | StopCause::Interrupted => Vec::new(),
+                    };
+                    self.summary.failure = Some(Failure {
+                        cause: cause.clone(),
+                        last_lines,
+                    });
+                }
+                self.write_summary()?;
+            }
+            Event::Finished { status } => {
+                self.summary.status = *status;
+                self.summary.ended_at = Some(Timestamp::now().to_string());
+                self.write_summary()?;
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,210 @@
+//! Throughput and time shares computed from the ranks' metrics lines; shared by the progress bar
+//! and the record so both show the same numbers.
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+use stagehand_contract::Event as Metrics;
+
+/// Per-stage sums of where time went.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct StageShares {
+    /// Stage number.
+    pub stage: usize,
+    /// Ranks seen reporting for this stage.
+    pub ranks: Vec<usize>,
+    /// Fraction of the stage's time spent computing.
+    pub compute_share: f64,
+    /// Fraction spent waiting on communication.
+    pub comm_share: f64,
+    /// Fraction spent idle (pipeline bubbles).
+    pub idle_share: f64,
+}
+
+/// Mean and spread of the whole job's samples/s.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Throughput {
+    /// Mean samples/s over the measured iterations.
+    pub samples_per_sec_mean: f64,
+    /// Standard deviation of samples/s over the measured iterations.
+    pub samples_per_sec_std: f64,
+    /// Iterations measured (the first is left out as warm-up when there are several).
+    pub iterations_measured: usize,
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+struct Sums {
+    compute: f64,
+    comm: f64,
+    idle: f64,
+}
+
+/// Accumulates metrics events from every rank.
+#[derive(Debug, Default)]
+pub struct Stats {
+    /// Stage of each rank, from its `start` event or its iterations.
+    stage_of: BTreeMap<usize, usize>,
+    num_stages: Option<usize>,
+    /// Per iteration: samples/s summed over the last stage's ranks, and how many reported.
+    per_iteration: BTreeMap<u64, (f64, usize)>,
+    sums: BTreeMap<usize, Sums>,
+}
+
+impl Stats {
+    /// Takes one metrics event.
+    pub fn record(&mut self, event: &Metrics) {
+        match event {
+            Metrics::Start(s) => {
+                self.stage_of.insert(s.rank, s.stage);
+                self.num_stages = Some(s.num_stages);
+            }
+            Metrics::Iteration(it) => {
+                self.stage_of.insert(it.rank, it.stage);
+                let sums = self.sums.entry(it.stage).or_default();
+                sums.compute += it.compute_s;
+                sums.comm += it.comm_wait_s;
+                sums.idle += it.idle_s;
+                if self.is_last_stage(it.stage) {
+                    let entry = self.per_iteration.entry(it.iteration).or_insert((0.0, 0));
+                    entry.0 += it.samples_per_sec;
+                    entry.1 += 1;
+                }
+            }
+            Metrics::Summary(_) => {}
+        }
+    }
+
+    fn is_last_stage(&self, stage: usize) -> bool {
+        match self.num_stages {
+            Some(n) => stage + 1 == n,
+            None => true,
+        }
+    }
+
+    fn last_stage_ranks(&self) -> usize {
+        let last = self.num_stages.map(|n| n.saturating_sub(1)).unwrap_or(0);
+        self.stage_of.values().filter(|&&s| s == last).count().max(1)
+    }
+
+    /// Iterations every rank of the last stage has finished.
+    pub fn iterations_done(&self) -> u64 {
+        let need = self.last_stage_ranks();
+        self.per_iteration.values().filter(|(_, n)| *n >= need).count() as u64
+    }
+
+    /// Samples/s of the latest iteration every last-stage rank has reported.
+    pub fn latest_samples_per_sec(&self) -> Option<f64> {
+        let need = self.last_stage_ranks();
+        self.per_iteration
+            .values()
+            .rev()
+            .find(|(_, n)| *n >= need)
+            .map(|(s, _)| *s)
+    }
+
+    /// Mean and spread over complete iterations, leaving out the first as warm-up when possible.
+    pub fn throughput(&self) -> Option<Throughput> {
+        let need = self.last_stage_ranks();
+        let complete: Vec<f64> = self
+            .per_iteration
+            .values()
+            .filter(|(_, n)| *n >= need)
+            .map(|(s, _)| *s)
+            .collect();
+        let measured = if complete.len() > 1 {
+            &complete[1..]
+        } else {
+            &complete[..]
+        };
+        if measured.is_empty() {
+            return None;
+        }
+        let n = measured.len() as f64;
+        let mean = measured.iter().sum::<f64>() / n;
+        let var = measured.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / n;
+        Some(Throughput {
+            samples_per_sec_mean: mean,
+            samples_per_sec_std: var.sqrt(),
+            iterations_measured: measured.len(),
+        })
+    }
+
+    /// Compute, communication and idle shares per stage.
+    pub fn stage_shares(&self) -> Vec<StageShares> {
+        self.sums
+            .iter()
+            .map(|(&stage, s)| {
+                let total = s.compute + s.comm + s.idle;
+                let share = |x: f64| if total > 0.0 { x / total } else { 0.0 };
+                StageShares {
+                    stage,
+                    ranks: self
+                        .stage_of
+                        .iter()
+                        .filter(|(_, &st)| st == stage)
+                        .map(|(&r, _)| r)
+                        .collect(),
+                    compute_share: share(s.compute),
+                    comm_share: share(s.comm),
+                    idle_share: share(s.idle),
+                }
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use stagehand_contract::Iteration;
+
+    fn it(iteration: u64, rank: usize, stage: usize, sps: f64) -> Metrics {
+        Metrics::Iteration(Iteration {
+            iteration,
+            rank,
+            stage,
+            loss: None,
+            samples: 8,
+            time_s: 8.0 / sps,
+            samples_per_sec: sps,
+            compute_s: 0.6,
+            comm_wait_s: 0.3,
+            idle_s: 0.1,
+            peak_mem_bytes: None,
+        })
+    }
+
+    #[test]
+    fn data_parallel_ranks_add_up_and_warmup_is_left_out() {
+        let mut s = Stats::default();
+        for (i, sps) in [(0, 1.0), (1, 10.0), (2, 14.0)] {
+            s.record(&it(i, 0, 0, sps));
+            s.record(&it(i, 1, 0, sps));
+        }
+        let t = s.throughput().unwrap();
+        assert_eq!(t.iterations_measured, 2);
+        assert!((t.samples_per_sec_mean - 24.0).abs() < 1e-9, "{t:?}");
+        assert!((t.samples_per_sec_std - 4.0).abs() < 1e-9, "{t:?}");
+        assert_eq!(s.iterations_done(), 3);
+        assert_eq!(s.latest_samples_per_sec(), Some(28.0));
+    }
+
+    #[test]
+    fn only_complete_iterations_count() {
+        let mut s = Stats::default();
+        s.record(&it(0, 0, 0, 5.0));
+        s.record(&it(0, 1, 0, 5.0));
+        s.record(&it(1, 0, 0, 5.0));
+        assert_eq!(s.iterations_done(), 1);
+    }
+
+    #[test]
+    fn shares_are_per_stage_fractions() {
+        let mut s = Stats::default();
+        s.record(&it(0, 0, 0, 5.0));
+        let shares = s.stage_shares();
+        assert_eq!(shares.len(), 1);
+        assert!((shares[0].compute_share - 0.6).abs() < 1e-9);
+        assert!((shares[0].comm_share + shares[0].idle_share - 0.4).abs() < 1e-9);
+    }
+}

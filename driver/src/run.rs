@@ -1,0 +1,184 @@
+//! One experiment from start to end: config -> plan -> preflight -> record -> launch -> supervise
+//! -> cleanup. Each failure is returned with the exit code it maps to.
+
+use std::collections::BTreeMap;
+
+use tokio::sync::mpsc;
+
+use crate::cli::{Backend, Options};
+use crate::config::{self, ConfigError};
+use crate::events::{Event, Status};
+use crate::exit_codes;
+use crate::hosts;
+use crate::launch::{
+    self, docker::DockerLauncher, process::ProcessLauncher, LaunchError, Launcher, StopSignals,
+};
+use crate::plan;
+use crate::reporters::progress::{self, ProgressReporter};
+use crate::reporters::record::{Record, RecordError, RecordReporter};
+use crate::reporters::terminal::TerminalReporter;
+use crate::reporters::{Reporter, Reporters};
+
+/// Why a run did not succeed.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error("invalid experiment file")]
+    Config(#[from] ConfigError),
+    #[error("cannot pick a free master port on this machine")]
+    Port(#[source] std::io::Error),
+    #[error("preflight failed; nothing was started")]
+    Preflight(#[source] LaunchError),
+    #[error("cannot start the ranks; every container started so far was removed")]
+    Launch(#[source] LaunchError),
+    #[error("cannot write the record")]
+    Record(#[from] RecordError),
+    #[error("cannot install the Ctrl-C handler")]
+    Signals(#[source] std::io::Error),
+    #[error("experiment {id} {status}; see {}", dir.display())]
+    Finished {
+        id: String,
+        status: &'static str,
+        dir: std::path::PathBuf,
+    },
+    #[error("some of the experiment's containers could not be removed")]
+    Cleanup(#[source] LaunchError),
+}
+
+impl RunError {
+    /// The documented exit code for this failure.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            RunError::Config(_) => exit_codes::INVALID_CONFIG,
+            RunError::Port(_) | RunError::Preflight(_) | RunError::Signals(_) => exit_codes::PREFLIGHT_FAILED,
+            RunError::Launch(LaunchError::Interrupted) => exit_codes::INTERRUPTED,
+            RunError::Launch(_) => exit_codes::EXPERIMENT_FAILED,
+            RunError::Record(_) => exit_codes::RECORD_FAILED,
+            RunError::Finished { status, .. } if *status == "was interrupted" => exit_codes::INTERRUPTED,
+            RunError::Finished { .. } => exit_codes::EXPERIMENT_FAILED,
+            RunError::Cleanup(_) => exit_codes::CLEANUP_FAILED,
+        }
+    }
+}
+
+/// Runs the experiment the options name.
+pub async fn run(options: Options) -> Result<(), RunError> {
+    let loaded = config::load(&options.config_file)?;
+    let port = plan::free_local_port().map_err(RunError::Port)?;
+    let plan = plan::resolve(&loaded, &options, port)?;
+    let mut signals = StopSignals::install().map_err(RunError::Signals)?;
+    let verbose = options.verbosity == crate::cli::Verbosity::Verbose;
+
+    if loaded.file.command.is_none() {
+        let runtime = &plan.ranks[0].argv[0];
+        if !std::path::Path::new(runtime).exists() {
+            return Err(RunError::Preflight(LaunchError::ProgramMissing {
+                path: runtime.into(),
+            }));
+        }
+    }
+
+    // Preflight every host concurrently before anything starts anywhere.
+    let prepared = match plan.backend {
+        Backend::Process => None,
+        Backend::Docker => {
+            let work = futures_util::future::join_all(
+                plan.hosts.iter().map(|h| hosts::prepare(h, &plan.image, verbose)),
+            );
+            let results = tokio::select! {
+                r = work => r,
+                _ = signals.recv() => return Err(RunError::Launch(LaunchError::Interrupted)),
+            };
+            Some(
+                results
+                    .into_iter()
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(RunError::Preflight)?,
+            )
+        }
+    };
+
+    let record = Record::create(&plan.log_directory, &plan.name)?;
+    record.write_setup(&loaded, &plan)?;
+    let bar = progress::bar(options.progress, plan.iterations);
+    let rank_hosts: BTreeMap<usize, String> = plan
+        .ranks
+        .iter()
+        .map(|r| (r.rank, plan.hosts[r.host].name.clone()))
+        .collect();
+    let reporters: Vec<Box<dyn Reporter>> = vec![
+        Box::new(RecordReporter::new(record.clone(), &plan)?),
+        Box::new(TerminalReporter::new(options.verbosity, bar.clone(), rank_hosts)),
+        Box::new(ProgressReporter::new(bar)),
+    ];
+    let mut reporters = Reporters::new(reporters);
+    if options.verbosity != crate::cli::Verbosity::Quiet {
+        let how = match plan.backend {
+            Backend::Process => "local processes".to_string(),
+            Backend::Docker => format!("docker containers ({:?})", plan.container_mode).to_lowercase(),
+        };
+        eprintln!(
+            "driver: experiment {} with {} ranks as {how}; record in {}",
+            record.id,
+            plan.world_size(),
+            record.dir.display()
+        );
+    }
+
+    let (tx, rx) = mpsc::unbounded_channel();
+    let (status, cleanup) = match prepared {
+        None => {
+            let launcher = ProcessLauncher::start(&plan, tx).map_err(RunError::Launch)?;
+            let launcher = Launcher::Process(launcher);
+            let status = launch::supervise(&plan, &launcher, rx, &mut reporters, &mut signals).await;
+            (status, Vec::new())
+        }
+        Some(prepared) => {
+            let (hosts, facts): (Vec<_>, Vec<_>) = prepared.into_iter().unzip();
+            for f in facts {
+                reporters.report(&Event::HostReady(f));
+            }
+            let docker = DockerLauncher::new(hosts, record.id.clone());
+            let started = docker.start(&plan, tx).await;
+            let launcher = Launcher::Docker(docker);
+            let status = match started {
+                Ok(()) => launch::supervise(&plan, &launcher, rx, &mut reporters, &mut signals).await,
+                Err(e) => {
+                    let Launcher::Docker(d) = &launcher else {
+                        unreachable!()
+                    };
+                    d.remove_all().await;
+                    reporters.report(&Event::Finished {
+                        status: Status::Failed,
+                    });
+                    return Err(RunError::Launch(e));
+                }
+            };
+            let Launcher::Docker(d) = &launcher else {
+                unreachable!()
+            };
+            (status, d.remove_all().await)
+        }
+    };
+    reporters.report(&Event::Finished { status });
+    if let Some(e) = cleanup.into_iter().next() {
+        return Err(RunError::Cleanup(e));
+    }
+    let status = match status {
+        Status::Succeeded => {
+            eprintln!(
+                "driver: experiment {} succeeded; record in {}",
+                record.id,
+                record.dir.display()
+            );
+            return Ok(());
+        }
+        Status::Failed => "failed",
+        Status::Interrupted => "was interrupted",
+        Status::Running => unreachable!("supervise returns a final status"),
+    };
+    Err(RunError::Finished {
+        id: record.id,
+        status,
+        dir: record.dir,
+    })
+}
