@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use tokio::sync::mpsc;
 
-use crate::cli::{Backend, Options};
+use crate::cli::{Backend, ContainerMode, Options};
 use crate::config::{self, ConfigError};
 use crate::events::{Event, Status};
 use crate::exit_codes;
@@ -113,11 +113,14 @@ pub async fn run(options: Options) -> Result<(), RunError> {
     let mut reporters = Reporters::new(reporters);
     if options.verbosity != crate::cli::Verbosity::Quiet {
         let how = match plan.backend {
-            Backend::Process => "local processes".to_string(),
-            Backend::Docker => format!("docker containers ({:?})", plan.container_mode).to_lowercase(),
+            Backend::Process => "local processes",
+            Backend::Docker => match plan.container_mode {
+                ContainerMode::PerRank => "docker containers, one per rank",
+                ContainerMode::PerHost => "docker containers, one per host",
+            },
         };
         eprintln!(
-            "driver: experiment {} with {} ranks as {how}; record in {}",
+            "driver: experiment {} with {} rank(s) as {how}; record in {}",
             record.id,
             plan.world_size(),
             record.dir.display()

@@ -165,12 +165,16 @@ impl RecordReporter {
             })
     }
 
-    fn log_line(&mut self, rank: usize, line: &str) -> Result<(), RecordError> {
+    /// Keeps a human log line for the failure report (metrics lines are in `metrics.jsonl`).
+    fn keep_line(&mut self, rank: usize, line: &str) {
         let kept = self.last_lines.entry(rank).or_default();
         if kept.len() == LAST_LINES {
             kept.pop_front();
         }
         kept.push_back(line.to_string());
+    }
+
+    fn log_line(&mut self, rank: usize, line: &str) -> Result<(), RecordError> {
         let path = self.record.dir.join(format!("rank-{rank}.log"));
         let file = match self.logs.entry(rank) {
             std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
@@ -203,7 +207,10 @@ impl Reporter for RecordReporter {
                 }
                 self.write_summary()?;
             }
-            Event::LineLogged { rank, line, .. } => self.log_line(*rank, line)?,
+            Event::LineLogged { rank, line, .. } => {
+                self.keep_line(*rank, line);
+                self.log_line(*rank, line)?;
+            }
             Event::Metrics { rank, line, event } => {
                 self.log_line(*rank, line)?;
                 self.stats.record(event);
