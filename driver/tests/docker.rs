@@ -1,0 +1,281 @@
+//! The docker backend against the machine's real engine, on the local base image
+//! (scripts/base-image.sh), with the fake rank and the real runtime bind-mounted in.
+
+use std::time::{Duration, Instant};
+
+use crate::util::*;
+
+fn fake_rank_config(h: &Harness, args: &str) -> std::path::PathBuf {
+    base_image();
+    h.config(&format!(
+        "machines: [localhost, localhost]\ncontainer: {{build: '{}'}}\ncommand: ['{FAKE_RANK}', {args}]\n",
+        local_context().display()
+    ))
+}
+
+fn hosts_json(dir: &std::path::Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(dir.join("hosts.json")).expect("hosts.json")).unwrap()
+}
+
+#[test]
+fn one_container_per_rank_succeeds_and_leaves_nothing() {
+    let h = Harness::new("dk-rank");
+    let config = fake_rank_config(&h, "--iterations, '3'");
+    let run = h.run(&config, &["-v"]);
+    assert_eq!(run.code(), 0, "{}", run.stderr());
+    let (dir, summary) = h.summary();
+    assert_eq!(summary["status"], "succeeded");
+    assert_eq!(summary["backend"], "docker");
+    assert_eq!(summary["iterations_done"], 3);
+    let hosts = hosts_json(&dir);
+    assert_eq!(hosts[0]["host"], "localhost");
+    assert!(
+        hosts[0]["docker_version"]
+            .as_str()
+            .unwrap()
+            .starts_with(char::is_numeric),
+        "{hosts}"
+    );
+    assert!(
+        hosts[0]["image_id"].as_str().unwrap().starts_with("sha256:"),
+        "{hosts}"
+    );
+    let log = std::fs::read_to_string(dir.join("rank-1.log")).unwrap();
+    assert!(log.contains("fake-rank 1/2 master 127.0.0.1:"), "{log}");
+    // Two distinct containers ran, one per rank.
+    let handles: Vec<&str> = summary["ranks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["handle"].as_str().unwrap())
+        .collect();
+    assert_ne!(handles[0], handles[1]);
+    h.assert_no_containers();
+}
+
+#[test]
+fn one_container_per_host_runs_every_rank_inside_it() {
+    let h = Harness::new("dk-host");
+    let config = fake_rank_config(&h, "--iterations, '3'");
+    let run = h.run(&config, &["--launch-single-container"]);
+    assert_eq!(run.code(), 0, "{}", run.stderr());
+    let (dir, summary) = h.summary();
+    assert_eq!(summary["status"], "succeeded");
+    let handles: Vec<String> = summary["ranks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            r["handle"]
+                .as_str()
+                .unwrap()
+                .split(' ')
+                .next()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    assert_eq!(handles[0], handles[1], "both ranks in one container");
+    assert!(std::fs::read_to_string(dir.join("rank-0.log"))
+        .unwrap()
+        .contains("local_rank 0"));
+    assert!(std::fs::read_to_string(dir.join("rank-1.log"))
+        .unwrap()
+        .contains("local_rank 1"));
+    h.assert_no_containers();
+}
+
+#[test]
+fn an_unchanged_context_is_not_rebuilt() {
+    base_image();
+    let h = Harness::new("dk-cache");
+    let ctx = h.dir.path().join("ctx");
+    std::fs::create_dir(&ctx).unwrap();
+    std::fs::write(
+        ctx.join("Dockerfile"),
+        format!("FROM stagehand-base:bookworm\nLABEL test={}\n", h.name),
+    )
+    .unwrap();
+    let config = h.config(&format!(
+        "machines: [localhost]\ncontainer: {{build: ctx}}\ncommand: ['{FAKE_RANK}', --iterations, '1']\n"
+    ));
+    /// Removes the test's image however the test ends.
+    struct RemoveImage(String);
+    impl Drop for RemoveImage {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("docker")
+                .args(["rmi", &self.0])
+                .output();
+        }
+    }
+    let context_hash_tag = |run: &str| {
+        let dir = std::fs::read_dir(h.dir.path().join(run))
+            .ok()?
+            .next()?
+            .ok()?
+            .path();
+        hosts_json(&dir)[0]["image"].as_str().map(str::to_string)
+    };
+    let first = h.run_into(&config, &h.dir.path().join("a"), &[]);
+    let _cleanup = context_hash_tag("a").map(RemoveImage);
+    assert_eq!(first.code(), 0, "{}", first.stderr());
+    let second = h.run_into(&config, &h.dir.path().join("b"), &[]);
+    assert_eq!(second.code(), 0, "{}", second.stderr());
+    let built = |sub: &str| {
+        let dir = std::fs::read_dir(h.dir.path().join(sub))
+            .unwrap()
+            .next()
+            .unwrap()
+            .unwrap()
+            .path();
+        hosts_json(&dir)[0].clone()
+    };
+    let (a, b) = (built("a"), built("b"));
+    assert_eq!(a["image_built"], true, "{a}");
+    assert_eq!(b["image_built"], false, "{b}");
+    assert_eq!(a["image_id"], b["image_id"]);
+    let tag = a["image"].as_str().unwrap();
+    assert!(
+        tag.starts_with("stagehand-ctx:"),
+        "tagged by the context hash: {tag}"
+    );
+    h.assert_no_containers();
+    docker(&["rmi", tag]);
+}
+
+#[test]
+fn a_killed_container_fails_the_run_and_everything_is_removed() {
+    let h = Harness::new("dk-kill");
+    let config = fake_rank_config(&h, "--iterations, '100000', --sleep-ms, '50'");
+    let child = h.spawn(&config, &[]);
+    h.wait_for_running(2, Duration::from_secs(60));
+    let victim = containers_with_label("stagehand.rank=1")
+        .into_iter()
+        .find(|id| h.containers().contains(id));
+    let victim = victim.expect("rank 1's container carries its rank label");
+    let killed_at = Instant::now();
+    docker(&["kill", &victim]);
+    let out = wait_with_deadline(child, Duration::from_secs(30));
+    assert!(
+        killed_at.elapsed() < Duration::from_secs(10),
+        "stopping took {:?}",
+        killed_at.elapsed()
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (_, summary) = h.summary();
+    assert_eq!(summary["status"], "failed");
+    assert_eq!(summary["failure"]["cause"]["rank"], 1);
+    assert_eq!(summary["failure"]["cause"]["exit_code"], 137);
+    h.assert_no_containers();
+}
+
+#[test]
+fn sigint_removes_every_container_and_records_interrupted() {
+    let h = Harness::new("dk-int");
+    let config = fake_rank_config(&h, "--iterations, '1', --hang");
+    let child = h.spawn(&config, &["--launch-single-container"]);
+    h.wait_for_running(1, Duration::from_secs(60));
+    let record = wait_for_record(&h.records(), Duration::from_secs(10));
+    wait_for_text(&record.join("rank-1.log"), "hanging", Duration::from_secs(20));
+    let sent = Instant::now();
+    interrupt(&child);
+    let out = wait_with_deadline(child, Duration::from_secs(30));
+    assert!(
+        sent.elapsed() < Duration::from_secs(10),
+        "stopping took {:?}",
+        sent.elapsed()
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(130),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (_, summary) = h.summary();
+    assert_eq!(summary["status"], "interrupted");
+    h.assert_no_containers();
+}
+
+#[test]
+fn only_the_experiments_own_containers_are_touched() {
+    base_image();
+    let h = Harness::new("dk-bystander");
+    let bystander_label = format!("stagehand.test-bystander={}", h.name);
+    let bystander = docker(&[
+        "run",
+        "-d",
+        "--label",
+        &bystander_label,
+        "--label",
+        "stagehand.experiment=someone-else",
+        "stagehand-base:bookworm",
+        "sleep",
+        "300",
+    ]);
+    let bystander = bystander.trim().to_string();
+    let config = fake_rank_config(&h, "--iterations, '100', --fail-rank, '0', --fail-at, '1'");
+    let run = h.run(&config, &[]);
+    let survived = docker(&["inspect", "-f", "{{.State.Running}}", &bystander]);
+    docker(&["rm", "-f", &bystander]);
+    assert_eq!(run.code(), 1, "{}", run.stderr());
+    assert_eq!(survived.trim(), "true", "an unrelated container was stopped");
+    h.assert_no_containers();
+}
+
+#[test]
+fn preflight_failures_name_the_host_and_start_nothing() {
+    base_image();
+    let h = Harness::new("dk-preflight");
+    let cases = [
+        (
+            "machines: [localhost]\ncontainer: no-such-image:1\ncommand: [/bin/true]\n",
+            "image no-such-image:1 does not exist on localhost",
+        ),
+        (
+            "machines: [localhost, node9.invalid]\ncontainer: {build: ctx}\ncommand: [/bin/true]\n",
+            "host node9.invalid is not local",
+        ),
+        (
+            "machines: [localhost]\ncontainer: {build: missing-ctx}\ncommand: [/bin/true]\n",
+            "cannot read build context",
+        ),
+    ];
+    std::fs::create_dir(h.dir.path().join("ctx")).unwrap();
+    std::fs::write(
+        h.dir.path().join("ctx/Dockerfile"),
+        "FROM stagehand-base:bookworm\n",
+    )
+    .unwrap();
+    for (body, expected) in cases {
+        let config = h.config(body);
+        let run = h.run(&config, &[]);
+        assert_eq!(run.code(), 3, "{body}: {}", run.stderr());
+        assert!(run.stderr().contains(expected), "{body}: {}", run.stderr());
+        assert!(run.stderr().contains("nothing was started"), "{}", run.stderr());
+        assert!(!h.records().exists(), "no record when nothing started");
+        h.assert_no_containers();
+    }
+}
+
+#[test]
+fn the_quickstart_trains_the_real_runtime_in_a_container() {
+    runtime();
+    base_image();
+    let h = Harness::new("dk-quickstart");
+    let run = h.run(&workspace().join("driver_configs/quickstart.yml"), &[]);
+    assert_eq!(run.code(), 0, "{}", run.stderr());
+    let (dir, summary) = h.summary();
+    assert_eq!(summary["name"], "quickstart");
+    assert_eq!(summary["status"], "succeeded");
+    assert_eq!(summary["iterations_done"], 20);
+    assert!(summary["throughput"]["samples_per_sec_mean"].as_f64().unwrap() > 0.0);
+    let metrics = lines(&dir.join("metrics.jsonl"));
+    assert!(metrics[0].contains(r#""model":"mlp""#), "{metrics:?}");
+    let id = summary["id"].as_str().unwrap();
+    assert!(containers_with_label(&format!("stagehand.experiment={id}")).is_empty());
+}

@@ -1,0 +1,143 @@
+//! The process backend: ranks as local child processes.
+
+use std::time::Duration;
+
+use crate::util::*;
+
+#[test]
+fn two_ranks_succeed_and_the_record_has_everything() {
+    let h = Harness::new("proc-ok");
+    let config = h.config(&format!(
+        "backend: process\nmachines: [localhost, localhost]\niterations: 4\n\
+         env: {{EXTRA: 'x'}}\ncommand: ['{FAKE_RANK}', --iterations, '4', --sleep-ms, '30']\n"
+    ));
+    let run = h.run(&config, &[]);
+    assert_eq!(run.code(), 0, "{}", run.stderr());
+    let (dir, summary) = h.summary();
+    assert_eq!(summary["status"], "succeeded");
+    assert_eq!(summary["format_version"], 1);
+    assert_eq!(summary["world_size"], 2);
+    assert_eq!(summary["iterations_done"], 4);
+    let mean = summary["throughput"]["samples_per_sec_mean"].as_f64().unwrap();
+    assert!(mean > 100.0, "two ranks of 8 samples per ~30 ms: {mean}");
+    assert!(summary["stages"][0]["compute_share"].as_f64().unwrap() > 0.5);
+    assert!(summary["ended_at"].is_string());
+    for file in [
+        "config.given.yml",
+        "config.resolved.json",
+        "git.json",
+        "git.diff",
+        "rank-0.log",
+        "rank-1.log",
+    ] {
+        assert!(dir.join(file).exists(), "{file} missing");
+    }
+    // start + 4 iterations + summary, for each rank.
+    assert_eq!(lines(&dir.join("metrics.jsonl")).len(), 12);
+    let log = std::fs::read_to_string(dir.join("rank-1.log")).unwrap();
+    assert!(log.contains("fake-rank 1/2 master 127.0.0.1:"), "{log}");
+    assert!(log.contains("local_rank 1"), "{log}");
+    // Terminal lines are prefixed by host and rank.
+    assert!(
+        run.stderr()
+            .contains("[localhost r1] fake-rank 1: iteration 3 done"),
+        "{}",
+        run.stderr()
+    );
+}
+
+#[test]
+fn quiet_prints_only_the_outcome() {
+    let h = Harness::new("proc-quiet");
+    let config = h.config(&format!(
+        "backend: process\nmachines: [localhost]\ncommand: ['{FAKE_RANK}', --iterations, '2']\n"
+    ));
+    let run = h.run(&config, &["-q"]);
+    assert_eq!(run.code(), 0, "{}", run.stderr());
+    assert!(!run.stderr().contains("[localhost r0]"), "{}", run.stderr());
+    assert!(run.stdout().is_empty(), "{}", run.stdout());
+}
+
+#[test]
+fn a_failing_rank_stops_the_others_and_is_recorded() {
+    let h = Harness::new("proc-fail");
+    let config = h.config(&format!(
+        "backend: process\nmachines: [localhost, localhost]\n\
+         command: ['{FAKE_RANK}', --iterations, '1000', --sleep-ms, '50', --fail-rank, '1', --fail-at, '3', --exit-code, '7']\n"
+    ));
+    let run = h.run(&config, &[]);
+    assert_eq!(run.code(), 1, "{}", run.stderr());
+    assert!(run.elapsed < Duration::from_secs(20), "took {:?}", run.elapsed);
+    assert!(
+        run.stderr()
+            .contains("rank 1 on localhost failed with exit code 7"),
+        "{}",
+        run.stderr()
+    );
+    let (_, summary) = h.summary();
+    assert_eq!(summary["status"], "failed");
+    let cause = &summary["failure"]["cause"];
+    assert_eq!(cause["kind"], "rank_failed");
+    assert_eq!(cause["rank"], 1);
+    assert_eq!(cause["exit_code"], 7);
+    let last = summary["failure"]["last_lines"].as_array().unwrap();
+    assert!(
+        last.last()
+            .unwrap()
+            .as_str()
+            .unwrap()
+            .contains("failing on purpose"),
+        "{last:?}"
+    );
+    // Rank 0 was stopped by the driver (SIGTERM), not left running.
+    assert_eq!(summary["ranks"][0]["exited"], true);
+    assert_ne!(summary["ranks"][0]["exit_code"], 0);
+}
+
+#[test]
+fn sigint_stops_every_rank_and_records_interrupted() {
+    let h = Harness::new("proc-int");
+    let config = h.config(&format!(
+        "backend: process\nmachines: [localhost, localhost]\ncommand: ['{FAKE_RANK}', --iterations, '1', --hang]\n"
+    ));
+    let child = h.spawn(&config, &[]);
+    let record = wait_for_record(&h.records(), Duration::from_secs(20));
+    wait_for_text(&record.join("rank-1.log"), "hanging", Duration::from_secs(20));
+    wait_for_text(&record.join("rank-0.log"), "hanging", Duration::from_secs(20));
+    interrupt(&child);
+    let out = wait_with_deadline(child, Duration::from_secs(15));
+    assert_eq!(
+        out.status.code(),
+        Some(130),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (_, summary) = h.summary();
+    assert_eq!(summary["status"], "interrupted");
+    assert_eq!(summary["failure"]["cause"]["kind"], "interrupted");
+    for rank in summary["ranks"].as_array().unwrap() {
+        assert_eq!(rank["exited"], true, "{rank}");
+        let pid = rank["handle"].as_str().unwrap().trim_start_matches("pid ");
+        assert!(
+            !std::path::Path::new(&format!("/proc/{pid}")).exists(),
+            "rank process {pid} still exists"
+        );
+    }
+}
+
+#[test]
+fn the_real_runtime_trains_as_a_process() {
+    let runtime = runtime();
+    let h = Harness::new("proc-runtime");
+    let config = h.config(
+        "backend: process\nmachines: [localhost]\nmodule: mlp\nbatch_size: 16\niterations: 3\nthreads: 1\n",
+    );
+    let run = h.run(&config, &["--runtime", runtime.to_str().unwrap()]);
+    assert_eq!(run.code(), 0, "{}", run.stderr());
+    let (dir, summary) = h.summary();
+    assert_eq!(summary["status"], "succeeded");
+    assert_eq!(summary["iterations_done"], 3);
+    let metrics = lines(&dir.join("metrics.jsonl"));
+    assert!(metrics[0].contains(r#""model":"mlp""#), "{metrics:?}");
+    assert!(metrics.last().unwrap().contains(r#""event":"summary""#));
+}

@@ -1,0 +1,8 @@
+//! The driver's integration tests: the real binary against real processes and the machine's real
+//! Docker engine. Every test checks that none of its containers are left behind.
+
+mod util;
+
+mod cli;
+mod docker;
+mod process;

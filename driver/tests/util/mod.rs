@@ -1,0 +1,307 @@
+//! The integration tests' harness: a scratch folder per test, the driver binary run on a YAML
+//! written there, its record read back, and the Docker engine asked (through the docker CLI, as
+//! an independent witness) whether any of the test's containers remain.
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// The driver under test.
+pub const DRIVER: &str = env!("CARGO_BIN_EXE_driver");
+/// The stand-in rank program.
+pub const FAKE_RANK: &str = env!("CARGO_BIN_EXE_fake-rank");
+
+static COUNTER: AtomicUsize = AtomicUsize::new(0);
+
+/// The workspace root.
+pub fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
+}
+
+/// The real runtime, built by `cargo build --release -p stagehand-runtime` (scripts/setup.sh).
+pub fn runtime() -> PathBuf {
+    let path = std::env::var_os("STAGEHAND_RUNTIME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace().join("target/release/runtime"));
+    assert!(
+        path.exists(),
+        "the end-to-end tests need the real runtime at {}; build it with scripts/setup.sh \
+         (cargo build --release -p stagehand-runtime)",
+        path.display()
+    );
+    path
+}
+
+/// Makes sure the local base image exists (scripts/base-image.sh is idempotent), once per run.
+pub fn base_image() {
+    static DONE: OnceLock<()> = OnceLock::new();
+    DONE.get_or_init(|| {
+        let status = Command::new(workspace().join("scripts/base-image.sh"))
+            .status()
+            .expect("run base-image.sh");
+        assert!(status.success(), "scripts/base-image.sh failed");
+    });
+}
+
+/// The local CPU build context.
+pub fn local_context() -> PathBuf {
+    workspace().join("docker/local")
+}
+
+/// One test's scratch space and experiment name.
+pub struct Harness {
+    /// Scratch folder (YAML files, records).
+    pub dir: tempfile::TempDir,
+    /// Unique experiment name; containers carry it in the `stagehand.name` label.
+    pub name: String,
+}
+
+/// What a finished driver run left.
+pub struct Run {
+    pub output: Output,
+    pub elapsed: Duration,
+}
+
+impl Run {
+    pub fn code(&self) -> i32 {
+        self.output.status.code().unwrap_or(-1)
+    }
+
+    pub fn stderr(&self) -> String {
+        String::from_utf8_lossy(&self.output.stderr).into_owned()
+    }
+
+    pub fn stdout(&self) -> String {
+        String::from_utf8_lossy(&self.output.stdout).into_owned()
+    }
+}
+
+impl Harness {
+    pub fn new(test: &str) -> Harness {
+        let n = COUNTER.fetch_add(1, Ordering::SeqCst);
+        Harness {
+            dir: tempfile::tempdir().expect("scratch dir"),
+            name: format!("t-{test}-{}-{n}", std::process::id()),
+        }
+    }
+
+    /// Writes the experiment file, with `name:` set to this harness's name.
+    pub fn config(&self, body: &str) -> PathBuf {
+        let path = self.dir.path().join("exp.yml");
+        std::fs::write(&path, format!("name: {}\n{body}", self.name)).unwrap();
+        path
+    }
+
+    /// The record folder parent.
+    pub fn records(&self) -> PathBuf {
+        self.dir.path().join("records")
+    }
+
+    fn command(&self, config: &Path, args: &[&str]) -> Command {
+        self.command_into(config, &self.records(), args)
+    }
+
+    fn command_into(&self, config: &Path, records: &Path, args: &[&str]) -> Command {
+        let mut cmd = Command::new(DRIVER);
+        cmd.arg("--config-file")
+            .arg(config)
+            .arg("--output-dir")
+            .arg(records)
+            .args(args)
+            .env("STAGEHAND_RUNTIME", runtime_or_placeholder())
+            .current_dir(self.dir.path())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        cmd
+    }
+
+    /// Runs the driver to completion (at most 120 s).
+    pub fn run(&self, config: &Path, args: &[&str]) -> Run {
+        let start = Instant::now();
+        let child = self.command(config, args).spawn().expect("start driver");
+        let output = wait_with_deadline(child, Duration::from_secs(120));
+        Run {
+            output,
+            elapsed: start.elapsed(),
+        }
+    }
+
+    /// Runs the driver to completion with its record under `records`.
+    pub fn run_into(&self, config: &Path, records: &Path, args: &[&str]) -> Run {
+        let start = Instant::now();
+        let child = self
+            .command_into(config, records, args)
+            .spawn()
+            .expect("start driver");
+        let output = wait_with_deadline(child, Duration::from_secs(120));
+        Run {
+            output,
+            elapsed: start.elapsed(),
+        }
+    }
+
+    /// Starts the driver and returns it running.
+    pub fn spawn(&self, config: &Path, args: &[&str]) -> Child {
+        self.command(config, args).spawn().expect("start driver")
+    }
+
+    /// The only record folder written so far, and its summary.
+    pub fn summary(&self) -> (PathBuf, Value) {
+        let dirs: Vec<PathBuf> = std::fs::read_dir(self.records())
+            .expect("records folder")
+            .map(|e| e.unwrap().path())
+            .collect();
+        assert_eq!(dirs.len(), 1, "expected one record folder, found {dirs:?}");
+        let text = std::fs::read_to_string(dirs[0].join("summary.json")).expect("summary.json");
+        (
+            dirs[0].clone(),
+            serde_json::from_str(&text).expect("summary.json is JSON"),
+        )
+    }
+
+    /// Ids of the containers (running or not) labelled with this test's experiment name.
+    pub fn containers(&self) -> Vec<String> {
+        containers_with_label(&format!("stagehand.name={}", self.name))
+    }
+
+    /// Asserts that the engine holds none of this test's containers.
+    pub fn assert_no_containers(&self) {
+        let left = self.containers();
+        assert!(left.is_empty(), "containers left behind: {left:?}");
+    }
+
+    /// Waits until `n` containers of this test are running.
+    pub fn wait_for_running(&self, n: usize, timeout: Duration) -> Vec<String> {
+        let start = Instant::now();
+        loop {
+            let running = docker(&[
+                "ps",
+                "-q",
+                "--filter",
+                &format!("label=stagehand.name={}", self.name),
+            ]);
+            let ids: Vec<String> = running.lines().map(str::to_string).collect();
+            if ids.len() >= n {
+                return ids;
+            }
+            assert!(
+                start.elapsed() < timeout,
+                "only {} of {n} containers running",
+                ids.len()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+impl Drop for Harness {
+    fn drop(&mut self) {
+        // A failed assertion must not leak containers into the next test run.
+        for id in self.containers() {
+            let _ = Command::new("docker").args(["rm", "-f", &id]).output();
+        }
+    }
+}
+
+fn runtime_or_placeholder() -> PathBuf {
+    std::env::var_os("STAGEHAND_RUNTIME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace().join("target/release/runtime"))
+}
+
+/// Runs the docker CLI and returns its stdout.
+pub fn docker(args: &[&str]) -> String {
+    let out = Command::new("docker").args(args).output().expect("docker CLI");
+    assert!(
+        out.status.success(),
+        "docker {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+pub fn containers_with_label(label: &str) -> Vec<String> {
+    docker(&["ps", "-aq", "--filter", &format!("label={label}")])
+        .lines()
+        .map(str::to_string)
+        .collect()
+}
+
+/// Waits for a child, killing it past the deadline so a hung driver fails the test.
+pub fn wait_with_deadline(mut child: Child, deadline: Duration) -> Output {
+    let start = Instant::now();
+    loop {
+        if child.try_wait().expect("wait").is_some() {
+            return child.wait_with_output().expect("output");
+        }
+        if start.elapsed() > deadline {
+            let _ = child.kill();
+            let out = child.wait_with_output().expect("output");
+            panic!(
+                "driver did not finish within {deadline:?}; stderr:\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Sends SIGINT to a child, as Ctrl-C would.
+pub fn interrupt(child: &Child) {
+    let status = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .expect("kill");
+    assert!(status.success());
+}
+
+/// Waits until `path` contains `needle` (a log the driver writes as the run goes).
+pub fn wait_for_text(path: &Path, needle: &str, timeout: Duration) {
+    let start = Instant::now();
+    loop {
+        if std::fs::read_to_string(path).is_ok_and(|t| t.contains(needle)) {
+            return;
+        }
+        assert!(
+            start.elapsed() < timeout,
+            "{} never contained {needle:?}",
+            path.display()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The record folder of a run still going (created before the ranks start).
+pub fn wait_for_record(records: &Path, timeout: Duration) -> PathBuf {
+    let start = Instant::now();
+    loop {
+        if let Some(Ok(entry)) = std::fs::read_dir(records).ok().and_then(|mut d| d.next()) {
+            return entry.path();
+        }
+        assert!(
+            start.elapsed() < timeout,
+            "no record folder appeared in {}",
+            records.display()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Lines of a text file.
+pub fn lines(path: &Path) -> Vec<String> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .map(str::to_string)
+        .collect()
+}
