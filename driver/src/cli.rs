@@ -44,6 +44,10 @@ pub struct Cli {
     #[arg(long = "mount-directories", alias = "mount_directories", value_name = "DIR", num_args = 1..)]
     mount_directories: Vec<PathBuf>,
 
+    /// An ssh_config file to use for SSH hosts instead of ~/.ssh/config (as `ssh -F`).
+    #[arg(long = "ssh-config", env = "STAGEHAND_SSH_CONFIG", value_name = "FILE")]
+    ssh_config: Option<PathBuf>,
+
     /// Print only failures and the final result.
     #[arg(long, short = 'q', conflicts_with = "verbose")]
     quiet: bool,
@@ -120,6 +124,8 @@ pub struct Options {
     pub torch_venv: PathBuf,
     /// Extra directories mounted at the same path in every container.
     pub mount_directories: Vec<PathBuf>,
+    /// ssh_config file for SSH hosts, instead of ~/.ssh/config.
+    pub ssh_config: Option<PathBuf>,
     /// Terminal verbosity.
     pub verbosity: Verbosity,
     /// Progress bar.
@@ -157,6 +163,7 @@ impl Cli {
             runtime: self.runtime,
             torch_venv: self.torch_venv.unwrap_or_else(default_torch_venv),
             mount_directories: self.mount_directories,
+            ssh_config: self.ssh_config,
             verbosity,
             progress: if self.no_progress || verbosity == Verbosity::Quiet {
                 Progress::Off

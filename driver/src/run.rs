@@ -67,6 +67,9 @@ pub async fn run(options: Options) -> Result<(), RunError> {
     let plan = plan::resolve(&loaded, &options, port)?;
     let mut signals = StopSignals::install().map_err(RunError::Signals)?;
     let verbose = options.verbosity == crate::cli::Verbosity::Verbose;
+    let ssh = hosts::SshOptions {
+        config_file: options.ssh_config.clone(),
+    };
 
     if loaded.file.command.is_none() {
         let runtime = &plan.ranks[0].argv[0];
@@ -82,7 +85,9 @@ pub async fn run(options: Options) -> Result<(), RunError> {
         Backend::Process => None,
         Backend::Docker => {
             let work = futures_util::future::join_all(
-                plan.hosts.iter().map(|h| hosts::prepare(h, &plan.image, verbose)),
+                plan.hosts
+                    .iter()
+                    .map(|h| hosts::prepare(h, &plan.image, &ssh, verbose)),
             );
             let results = tokio::select! {
                 r = work => r,
@@ -140,7 +145,7 @@ pub async fn run(options: Options) -> Result<(), RunError> {
             for f in facts {
                 reporters.report(&Event::HostReady(f));
             }
-            let docker = DockerLauncher::new(hosts, record.id.clone());
+            let docker = DockerLauncher::new(hosts, record.id.clone(), ssh.clone());
             let started = docker.start(&plan, tx).await;
             let launcher = Launcher::Docker(docker);
             let status = match started {

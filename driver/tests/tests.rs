@@ -6,3 +6,4 @@ mod util;
 mod cli;
 mod docker;
 mod process;
+mod ssh;

@@ -1,5 +1,6 @@
 //! A `machines` entry: PipeDream's `host:gpu` string (one rank on that GPU), a bare `host` (one
-//! CPU rank), or a mapping with SSH details and a list of GPUs (one rank per GPU).
+//! CPU rank), or a mapping with SSH details and a list of GPUs (one rank per GPU). `localhost` and
+//! `local` mean the local engine; any other host is reached over SSH.
 
 use std::fmt;
 use std::path::PathBuf;
@@ -20,6 +21,21 @@ pub struct Machine {
     pub identity_file: Option<PathBuf>,
     /// GPUs, one rank each; empty means one CPU rank.
     pub gpus: Vec<u32>,
+    /// How the SSH host key is checked.
+    pub host_key_check: HostKeyCheck,
+    /// The Docker socket on the host.
+    pub docker_socket: Option<PathBuf>,
+}
+
+/// SSH host key checking, as `ssh -o StrictHostKeyChecking`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum HostKeyCheck {
+    /// The key must already be in known_hosts (the default).
+    #[default]
+    Strict,
+    /// An unknown host's key is added; a changed key is still refused.
+    AcceptNew,
 }
 
 /// The mapping form, kept strict so a typo is an error.
@@ -35,6 +51,10 @@ struct MachineMapping {
     identity_file: Option<PathBuf>,
     #[serde(default)]
     gpus: Vec<u32>,
+    #[serde(default)]
+    host_key_check: HostKeyCheck,
+    #[serde(default)]
+    docker_socket: Option<PathBuf>,
 }
 
 impl Machine {
@@ -63,12 +83,14 @@ impl Machine {
             port: None,
             identity_file: None,
             gpus,
+            host_key_check: HostKeyCheck::Strict,
+            docker_socket: None,
         })
     }
 
     /// Whether this entry means the local Docker engine.
     pub fn is_local(&self) -> bool {
-        matches!(self.host.as_str(), "localhost" | "local" | "127.0.0.1")
+        matches!(self.host.as_str(), "localhost" | "local")
     }
 }
 
@@ -80,7 +102,10 @@ impl<'de> Deserialize<'de> for Machine {
             type Value = Machine;
 
             fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("`host:gpu`, `host`, or a mapping with host, user, port, identity_file, gpus")
+                f.write_str(
+                    "`host:gpu`, `host`, or a mapping with host, user, port, identity_file, gpus, \
+                     host_key_check, docker_socket",
+                )
             }
 
             fn visit_str<E: de::Error>(self, v: &str) -> Result<Machine, E> {
@@ -98,6 +123,8 @@ impl<'de> Deserialize<'de> for Machine {
                     port: m.port,
                     identity_file: m.identity_file,
                     gpus: m.gpus,
+                    host_key_check: m.host_key_check,
+                    docker_socket: m.docker_socket,
                 })
             }
         }

@@ -3,7 +3,7 @@
 //! own module with its own `Deserialize`.
 
 mod container;
-mod machine;
+pub mod machine;
 mod mount;
 mod yaml;
 

@@ -1,12 +1,17 @@
 //! Hosts: reaching each machine's Docker engine and making sure it can run the experiment
-//! (preflight). The local engine is reached over its unix socket; an SSH host would slot in at
-//! [`connect`] as another way to get a [`bollard::Docker`] handle (bollard's `ssh` feature or a
-//! socket forwarded by the openssh crate), with everything after it unchanged.
+//! (preflight). The local engine is reached over its unix socket, any other host through an SSH
+//! connection that forwards its socket ([`ssh`]); after [`connect`] both are a plain
+//! [`bollard::Docker`] handle.
 
 pub mod context;
 pub mod image;
+pub mod ssh;
+
+use std::sync::Arc;
 
 use bollard::Docker;
+
+pub use ssh::SshOptions;
 
 use crate::events::HostFacts;
 use crate::launch::LaunchError;
@@ -17,39 +22,43 @@ use crate::plan::{HostPlan, ImageSource};
 pub struct Host {
     /// Name as in the experiment file.
     pub name: String,
+    /// The host's part of the plan, kept to reconnect after a lost connection.
+    pub plan: HostPlan,
     /// The engine.
     pub docker: Docker,
     /// The image tag containers run.
     pub image: String,
+    /// The SSH connection the engine is reached through, for a remote host; held, never read:
+    /// dropping the last clone closes the connection.
+    pub _tunnel: Option<Arc<ssh::Tunnel>>,
 }
 
 /// Connects to a host's engine and agrees on an API version (servers here speak 1.41).
-pub async fn connect(host: &HostPlan) -> Result<Docker, LaunchError> {
+pub async fn connect(
+    host: &HostPlan,
+    ssh: &SshOptions,
+) -> Result<(Docker, Option<Arc<ssh::Tunnel>>), LaunchError> {
     if !host.machine.is_local() {
-        return Err(LaunchError::RemoteHost {
-            host: host.name.clone(),
-        });
+        let (docker, tunnel) = ssh::connect(host, ssh).await?;
+        return Ok((docker, Some(tunnel)));
     }
-    let docker = Docker::connect_with_local_defaults().map_err(|source| LaunchError::Connect {
+    let connect_err = |source| LaunchError::Connect {
         host: host.name.clone(),
         source,
-    })?;
-    docker
-        .negotiate_version()
-        .await
-        .map_err(|source| LaunchError::Connect {
-            host: host.name.clone(),
-            source,
-        })
+    };
+    let docker = Docker::connect_with_local_defaults().map_err(connect_err)?;
+    let docker = docker.negotiate_version().await.map_err(connect_err)?;
+    Ok((docker, None))
 }
 
 /// Preflight for one host: engine reachable, GPUs usable when asked for, image present or built.
 pub async fn prepare(
     host: &HostPlan,
     image: &ImageSource,
+    ssh: &SshOptions,
     verbose: bool,
 ) -> Result<(Host, HostFacts), LaunchError> {
-    let docker = connect(host).await?;
+    let (docker, tunnel) = connect(host, ssh).await?;
     let docker_err = |action: &'static str| {
         let host = host.name.clone();
         move |source| LaunchError::Docker { host, action, source }
@@ -78,12 +87,12 @@ pub async fn prepare(
         image: Some(prepared.tag.clone()),
         image_built: prepared.built,
     };
-    Ok((
-        Host {
-            name: host.name.clone(),
-            docker,
-            image: prepared.tag,
-        },
-        facts,
-    ))
+    let host = Host {
+        name: host.name.clone(),
+        plan: host.clone(),
+        docker,
+        image: prepared.tag,
+        _tunnel: tunnel,
+    };
+    Ok((host, facts))
 }

@@ -21,7 +21,7 @@ use super::lines::LineSplitter;
 use super::{classify_line, LaunchError};
 use crate::cli::ContainerMode;
 use crate::events::{Event, Stream};
-use crate::hosts::Host;
+use crate::hosts::{Host, SshOptions};
 use crate::plan::{Plan, RankPlan};
 
 /// Label holding the experiment id; the only thing cleanup selects on.
@@ -37,12 +37,13 @@ pub const STOP_DEADLINE: Duration = Duration::from_secs(10);
 pub struct DockerLauncher {
     hosts: Vec<Host>,
     id: String,
+    ssh: SshOptions,
 }
 
 impl DockerLauncher {
     /// Prepares to launch on `hosts` (from preflight, in plan order) under experiment `id`.
-    pub fn new(hosts: Vec<Host>, id: String) -> DockerLauncher {
-        DockerLauncher { hosts, id }
+    pub fn new(hosts: Vec<Host>, id: String, ssh: SshOptions) -> DockerLauncher {
+        DockerLauncher { hosts, id, ssh }
     }
 
     /// Creates and starts every container and rank; events go to `tx`.
@@ -161,12 +162,31 @@ impl DockerLauncher {
     /// Removes (force, so killed) every container labelled with this experiment on every host,
     /// concurrently, within [`STOP_DEADLINE`]. Returns what could not be removed.
     pub async fn remove_all(&self) -> Vec<LaunchError> {
-        let work = join_all(self.hosts.iter().map(|h| remove_labelled(h, &self.id)));
+        let work = join_all(self.hosts.iter().map(|h| self.remove_on(h)));
         match tokio::time::timeout(STOP_DEADLINE, work).await {
             Ok(results) => results.into_iter().flatten().collect(),
             Err(_) => vec![LaunchError::CleanupTimeout {
                 seconds: STOP_DEADLINE.as_secs(),
             }],
+        }
+    }
+}
+
+impl DockerLauncher {
+    /// Removes the experiment's containers on one host; when its connection was lost, connects
+    /// again once so a lost SSH session does not leave containers behind.
+    async fn remove_on(&self, host: &Host) -> Vec<LaunchError> {
+        let errors = remove_labelled(&host.docker, &host.name, &self.id).await;
+        if errors.is_empty() {
+            return errors;
+        }
+        match crate::hosts::connect(&host.plan, &self.ssh).await {
+            Ok((docker, _tunnel)) => remove_labelled(&docker, &host.name, &self.id).await,
+            Err(e) => {
+                let mut errors = errors;
+                errors.push(e);
+                errors
+            }
         }
     }
 }
@@ -282,7 +302,7 @@ async fn follow_exec(
     rank: usize,
     tx: UnboundedSender<Event>,
 ) {
-    let _ = forward(output, rank, &tx).await;
+    let lost = forward(output, rank, &tx).await;
     // The exec may still be winding down for a moment after its output closes.
     let mut exit_code = None;
     for _ in 0..20 {
@@ -292,7 +312,16 @@ async fn follow_exec(
                 exit_code = i.exit_code;
                 break;
             }
-            Err(_) => break,
+            // The container was removed by the driver while stopping.
+            Err(DockerError::DockerResponseServerError { status_code: 404, .. }) => break,
+            Err(e) => {
+                let reason = lost.unwrap_or_else(|| e.to_string());
+                let _ = tx.send(Event::HostLost {
+                    host: host.name.clone(),
+                    reason,
+                });
+                break;
+            }
         }
     }
     let _ = tx.send(Event::RankExited { rank, exit_code });
@@ -335,17 +364,17 @@ async fn forward(
 }
 
 /// Removes every container on `host` labelled with experiment `id`.
-async fn remove_labelled(host: &Host, id: &str) -> Vec<LaunchError> {
+async fn remove_labelled(docker: &bollard::Docker, host: &str, id: &str) -> Vec<LaunchError> {
     let filters = HashMap::from([("label", vec![format!("{LABEL_EXPERIMENT}={id}")])]);
     let options = ListContainersOptionsBuilder::default()
         .all(true)
         .filters(&filters)
         .build();
-    let containers = match host.docker.list_containers(Some(options)).await {
+    let containers = match docker.list_containers(Some(options)).await {
         Ok(c) => c,
         Err(source) => {
             return vec![LaunchError::Docker {
-                host: host.name.clone(),
+                host: host.to_string(),
                 action: "list the experiment's containers",
                 source,
             }]
@@ -356,12 +385,12 @@ async fn remove_labelled(host: &Host, id: &str) -> Vec<LaunchError> {
             .force(true)
             .v(true)
             .build();
-        match host.docker.remove_container(&cid, Some(options)).await {
+        match docker.remove_container(&cid, Some(options)).await {
             Ok(()) | Err(DockerError::DockerResponseServerError { status_code: 404, .. }) => None,
             // 409: removal already in progress (a concurrent stop); it will finish.
             Err(DockerError::DockerResponseServerError { status_code: 409, .. }) => None,
             Err(source) => Some(LaunchError::Docker {
-                host: host.name.clone(),
+                host: host.to_string(),
                 action: "remove a container",
                 source,
             }),

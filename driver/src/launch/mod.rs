@@ -38,8 +38,8 @@ pub enum LaunchError {
         #[source]
         source: bollard::errors::Error,
     },
-    #[error("host {host} is not local and SSH hosts are not supported yet; use `localhost` in machines")]
-    RemoteHost { host: String },
+    #[error(transparent)]
+    Ssh(#[from] crate::hosts::ssh::SshError),
     #[error("docker on {host} could not {action}")]
     Docker {
         host: String,

@@ -1,7 +1,7 @@
 //! Terminal lines: each rank's output prefixed with host and rank, and what the driver is doing.
 //! Printed around the progress bar so the two do not garble each other.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use indicatif::ProgressBar;
 
@@ -15,6 +15,7 @@ pub struct TerminalReporter {
     verbosity: Verbosity,
     bar: ProgressBar,
     hosts: BTreeMap<usize, String>,
+    lost: BTreeSet<String>,
 }
 
 impl TerminalReporter {
@@ -24,6 +25,7 @@ impl TerminalReporter {
             verbosity,
             bar,
             hosts,
+            lost: BTreeSet::new(),
         }
     }
 
@@ -79,7 +81,13 @@ impl Reporter for TerminalReporter {
                     self.err(format!("{} exited with code {code}", self.prefix(*rank)));
                 }
             }
-            Event::HostLost { host, reason } => self.err(format!("driver: lost host {host}: {reason}")),
+            Event::HostLost { host, reason } => {
+                if self.lost.insert(host.clone()) {
+                    self.err(format!(
+                        "driver: lost the connection to {host}'s Docker engine: {reason}"
+                    ));
+                }
+            }
             Event::Stopping(cause) => {
                 let why = match cause {
                     StopCause::RankFailed {

@@ -4,6 +4,8 @@
 
 #![allow(dead_code)]
 
+pub mod sshd;
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -1,0 +1,155 @@
+//! SSH hosts: one multiplexed SSH connection per host (the system `ssh` client as a ControlMaster,
+//! driven by the openssh crate, so `~/.ssh/config`, agents and keys work as with `ssh`), with the
+//! host's Docker socket forwarded to a local unix socket that bollard talks to. Every API call to
+//! that host, streams included, goes through the one connection.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bollard::Docker;
+use openssh::{ForwardType, KnownHosts, Session, SessionBuilder, Socket};
+
+use crate::config::machine::HostKeyCheck;
+use crate::plan::HostPlan;
+
+/// Where the Docker socket is on a host unless the machine entry says otherwise.
+const DEFAULT_REMOTE_SOCKET: &str = "/var/run/docker.sock";
+/// How long the SSH handshake may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Timeout for each Docker API request through the tunnel.
+const API_TIMEOUT_S: u64 = 120;
+
+/// Why an SSH host could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum SshError {
+    #[error("cannot open an SSH connection to {host}; check that `ssh {host}` works without a password prompt and that its host key is in known_hosts")]
+    Connect {
+        host: String,
+        #[source]
+        source: openssh::Error,
+    },
+    #[error("cannot forward the Docker socket {remote} of {host} over SSH; is the path right (`docker_socket:`) and is stream-local forwarding allowed by its sshd?")]
+    Forward {
+        host: String,
+        remote: String,
+        #[source]
+        source: openssh::Error,
+    },
+    #[error("cannot make a local folder for the SSH control socket of {host}")]
+    TempDir {
+        host: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot talk to the Docker engine of {host} through SSH")]
+    Docker {
+        host: String,
+        #[source]
+        source: bollard::errors::Error,
+    },
+}
+
+/// An open SSH connection with the Docker socket forwarded; closed when dropped.
+pub struct Tunnel {
+    session: Option<Session>,
+    /// Holds the control socket and the forwarded socket.
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Tunnel {
+    fn drop(&mut self) {
+        // Dropping the session stops its ControlMaster; nothing else to undo.
+        drop(self.session.take());
+    }
+}
+
+/// SSH settings that apply to every host.
+#[derive(Debug, Clone, Default)]
+pub struct SshOptions {
+    /// An ssh_config file to use instead of `~/.ssh/config` (`ssh -F`).
+    pub config_file: Option<PathBuf>,
+}
+
+/// Opens the connection and returns a Docker handle through it, plus the tunnel to keep alive.
+pub async fn connect(host: &HostPlan, options: &SshOptions) -> Result<(Docker, Arc<Tunnel>), SshError> {
+    let m = &host.machine;
+    let dir = tempfile::Builder::new()
+        .prefix("stagehand-ssh-")
+        .tempdir()
+        .map_err(|source| SshError::TempDir {
+            host: host.name.clone(),
+            source,
+        })?;
+    let mut builder = SessionBuilder::default();
+    builder
+        .control_directory(dir.path())
+        .connect_timeout(CONNECT_TIMEOUT)
+        .server_alive_interval(Duration::from_secs(5))
+        .known_hosts_check(match m.host_key_check {
+            HostKeyCheck::Strict => KnownHosts::Strict,
+            HostKeyCheck::AcceptNew => KnownHosts::Add,
+        });
+    if let Some(user) = &m.user {
+        builder.user(user.clone());
+    }
+    if let Some(port) = m.port {
+        builder.port(port);
+    }
+    if let Some(key) = &m.identity_file {
+        builder.keyfile(key);
+    }
+    if let Some(config) = &options.config_file {
+        builder.config_file(config);
+    }
+    let session = builder
+        .connect(&m.host)
+        .await
+        .map_err(|source| SshError::Connect {
+            host: host.name.clone(),
+            source,
+        })?;
+
+    let remote = m
+        .docker_socket
+        .clone()
+        .unwrap_or_else(|| PathBuf::from(DEFAULT_REMOTE_SOCKET));
+    let local = dir.path().join("docker.sock");
+    session
+        .request_port_forward(
+            ForwardType::Local,
+            Socket::UnixSocket {
+                path: local.as_path().into(),
+            },
+            Socket::UnixSocket {
+                path: remote.as_path().into(),
+            },
+        )
+        .await
+        .map_err(|source| SshError::Forward {
+            host: host.name.clone(),
+            remote: remote.display().to_string(),
+            source,
+        })?;
+    let tunnel = Arc::new(Tunnel {
+        session: Some(session),
+        _dir: dir,
+    });
+    let docker = Docker::connect_with_unix(
+        &local.display().to_string(),
+        API_TIMEOUT_S,
+        bollard::API_DEFAULT_VERSION,
+    )
+    .map_err(|source| SshError::Docker {
+        host: host.name.clone(),
+        source,
+    })?;
+    let docker = docker
+        .negotiate_version()
+        .await
+        .map_err(|source| SshError::Docker {
+            host: host.name.clone(),
+            source,
+        })?;
+    Ok((docker, tunnel))
+}

@@ -1,0 +1,108 @@
+//! SSH hosts: a real sshd on loopback, several loopback addresses as distinct hosts, each reached
+//! through one SSH connection forwarding its Docker socket.
+
+use std::time::{Duration, Instant};
+
+use crate::util::sshd::{Sshd, TRUSTED, UNKNOWN_KEY, UNREACHABLE};
+use crate::util::*;
+
+fn config(h: &Harness, machines: &[&str], args: &str) -> std::path::PathBuf {
+    base_image();
+    h.config(&format!(
+        "machines: [{}]\ncontainer: {{build: '{}'}}\ncommand: ['{FAKE_RANK}', {args}]\n",
+        machines.join(", "),
+        local_context().display()
+    ))
+}
+
+#[test]
+fn two_ssh_hosts_run_their_ranks_in_both_container_modes() {
+    let sshd = Sshd::start();
+    let ssh_config = sshd.config();
+    for mode in [&[][..], &["--launch-single-container"][..]] {
+        let h = Harness::new("ssh-ok");
+        let exp = config(&h, &TRUSTED, "--iterations, '3'");
+        let mut args = vec!["--ssh-config", ssh_config.to_str().unwrap()];
+        args.extend_from_slice(mode);
+        let run = h.run(&exp, &args);
+        assert_eq!(run.code(), 0, "{mode:?}: {}", run.stderr());
+        let (dir, summary) = h.summary();
+        assert_eq!(summary["status"], "succeeded");
+        assert_eq!(summary["ranks"][1]["host"], TRUSTED[1]);
+        let hosts: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("hosts.json")).unwrap()).unwrap();
+        assert_eq!(hosts.as_array().unwrap().len(), 2, "{hosts}");
+        // The master is the first machine, as the other ranks reach it.
+        let log = std::fs::read_to_string(dir.join("rank-1.log")).unwrap();
+        assert!(log.contains(&format!("master {}:", TRUSTED[0])), "{log}");
+        assert!(
+            run.stderr().contains(&format!("[{} r1]", TRUSTED[1])),
+            "{}",
+            run.stderr()
+        );
+        h.assert_no_containers();
+    }
+}
+
+#[test]
+fn an_unreachable_host_fails_preflight_and_starts_nothing_anywhere() {
+    let sshd = Sshd::start();
+    let h = Harness::new("ssh-unreachable");
+    let exp = config(&h, &[TRUSTED[0], UNREACHABLE], "--iterations, '3'");
+    let run = h.run(&exp, &["--ssh-config", sshd.config().to_str().unwrap()]);
+    assert_eq!(run.code(), 3, "{}", run.stderr());
+    assert!(
+        run.stderr()
+            .contains(&format!("cannot open an SSH connection to {UNREACHABLE}")),
+        "{}",
+        run.stderr()
+    );
+    assert!(run.stderr().contains("nothing was started"), "{}", run.stderr());
+    assert!(!h.records().exists());
+    h.assert_no_containers();
+}
+
+#[test]
+fn an_unknown_host_key_is_refused() {
+    let sshd = Sshd::start();
+    let h = Harness::new("ssh-hostkey");
+    let exp = config(&h, &[UNKNOWN_KEY], "--iterations, '1'");
+    let run = h.run(&exp, &["--ssh-config", sshd.config().to_str().unwrap()]);
+    assert_eq!(run.code(), 3, "{}", run.stderr());
+    assert!(
+        run.stderr()
+            .contains(&format!("cannot open an SSH connection to {UNKNOWN_KEY}")),
+        "{}",
+        run.stderr()
+    );
+    h.assert_no_containers();
+}
+
+#[test]
+fn a_killed_ssh_session_fails_the_run_and_every_container_is_removed() {
+    let sshd = Sshd::start();
+    let h = Harness::new("ssh-lost");
+    let exp = config(&h, &TRUSTED, "--iterations, '1', --hang");
+    let child = h.spawn(&exp, &["--ssh-config", sshd.config().to_str().unwrap()]);
+    h.wait_for_running(2, Duration::from_secs(60));
+    let record = wait_for_record(&h.records(), Duration::from_secs(10));
+    wait_for_text(&record.join("rank-1.log"), "hanging", Duration::from_secs(20));
+    let killed_at = Instant::now();
+    assert!(sshd.kill_sessions() > 0, "no SSH session to kill");
+    let out = wait_with_deadline(child, Duration::from_secs(30));
+    assert!(
+        killed_at.elapsed() < Duration::from_secs(10),
+        "stopping took {:?}",
+        killed_at.elapsed()
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (_, summary) = h.summary();
+    assert_eq!(summary["status"], "failed");
+    assert_eq!(summary["failure"]["cause"]["kind"], "host_lost", "{summary}");
+    h.assert_no_containers();
+}
