@@ -237,8 +237,8 @@ fn preflight_failures_name_the_host_and_start_nothing() {
             "image no-such-image:1 does not exist on localhost",
         ),
         (
-            "machines: [localhost, node9.invalid]\ncontainer: {build: ctx}\ncommand: [/bin/true]\n",
-            "host node9.invalid is not local",
+            "machines: [localhost, 127.0.0.9]\ncontainer: {build: ctx}\ncommand: [/bin/true]\n",
+            "cannot open an SSH connection to 127.0.0.9",
         ),
         (
             "machines: [localhost]\ncontainer: {build: missing-ctx}\ncommand: [/bin/true]\n",
