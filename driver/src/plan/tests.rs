@@ -169,3 +169,23 @@ fn output_dir_overrides_log_directory() {
     let plan = resolve_text("machines: [localhost]\nlog_directory: /tmp/a\n", &o).unwrap();
     assert_eq!(plan.log_directory, PathBuf::from("/tmp/b"));
 }
+
+#[test]
+fn every_shipped_config_resolves() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../driver_configs");
+    let mut seen = 0;
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "yml") {
+            let loaded = crate::config::load(&path).unwrap_or_else(|e| panic!("{e}"));
+            let plan = resolve(&loaded, &options(None, ContainerMode::PerHost), 29500)
+                .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            assert!(plan.world_size() >= 1);
+            seen += 1;
+        }
+    }
+    assert!(
+        seen >= 4,
+        "quickstart, 2-stage, data-parallel and hybrid configs ship"
+    );
+}
