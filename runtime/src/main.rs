@@ -26,13 +26,11 @@ fn main() -> ExitCode {
             return ExitCode::SUCCESS;
         }
         Err(e) => {
-            // One line: clap's reason, without its usage block.
+            // One line: clap's first paragraph (the reason and any names it lists), without usage.
             let rendered = e.render().to_string();
-            let reason = rendered
-                .lines()
-                .next()
-                .unwrap_or("bad arguments")
-                .trim_start_matches("error: ");
+            let paragraph = rendered.split("\n\n").next().unwrap_or("bad arguments");
+            let reason = paragraph.split_whitespace().collect::<Vec<_>>().join(" ");
+            let reason = reason.trim_start_matches("error: ");
             eprintln!("runtime: error: {reason} (see runtime --help)");
             return ExitCode::from(EXIT_USAGE);
         }

@@ -1,0 +1,111 @@
+//! Harness for the runtime's integration tests: runs the real `runtime` binary and parses its
+//! stdout as the metrics contract.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use stagehand_contract::{Event, Iteration, Start, Summary};
+
+pub fn runtime() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_runtime"))
+}
+
+/// A finished run with its events.
+pub struct Run {
+    pub output: Output,
+    pub events: Vec<Event>,
+}
+
+impl Run {
+    pub fn stderr(&self) -> String {
+        String::from_utf8_lossy(&self.output.stderr).into_owned()
+    }
+
+    pub fn start(&self) -> &Start {
+        self.events
+            .iter()
+            .find_map(|e| match e {
+                Event::Start(s) => Some(s),
+                _ => None,
+            })
+            .expect("a start event")
+    }
+
+    pub fn iterations(&self) -> Vec<&Iteration> {
+        self.events
+            .iter()
+            .filter_map(|e| match e {
+                Event::Iteration(i) => Some(i),
+                _ => None,
+            })
+            .collect()
+    }
+
+    pub fn summary(&self) -> &Summary {
+        self.events
+            .iter()
+            .find_map(|e| match e {
+                Event::Summary(s) => Some(s),
+                _ => None,
+            })
+            .expect("a summary event")
+    }
+
+    pub fn losses(&self) -> Vec<f64> {
+        self.iterations()
+            .iter()
+            .map(|i| i.loss.expect("a single process knows its loss"))
+            .collect()
+    }
+}
+
+/// Runs `runtime` with `args`; every stdout line must be a metrics event.
+pub fn run(args: &[&str]) -> Run {
+    let output = runtime().args(args).output().expect("runtime starts");
+    let stdout = String::from_utf8(output.stdout.clone()).expect("stdout is UTF-8");
+    let events = stdout
+        .lines()
+        .map(|line| {
+            Event::parse_line(line).unwrap_or_else(|| panic!("stdout line is not a metrics event: {line}"))
+        })
+        .collect();
+    Run { output, events }
+}
+
+/// Runs `runtime` and asserts it succeeded.
+pub fn run_ok(args: &[&str]) -> Run {
+    let run = run(args);
+    assert!(
+        run.output.status.success(),
+        "runtime {args:?} failed:\n{}",
+        run.stderr()
+    );
+    run
+}
+
+/// Writes CIFAR-10 binary records (label `i % 10`, pixels equal to `label * 20`).
+pub fn write_cifar(dir: &Path, records: usize) {
+    let mut bytes = Vec::new();
+    for i in 0..records {
+        let label = (i % 10) as u8;
+        bytes.push(label);
+        bytes.extend(std::iter::repeat_n(label * 20, 3072));
+    }
+    std::fs::write(dir.join("data_batch_1.bin"), bytes).unwrap();
+}
+
+/// Writes an ImageFolder tree of PNGs: `classes` subfolders of `per_class` images each.
+pub fn write_image_folder(dir: &Path, classes: usize, per_class: usize) {
+    for c in 0..classes {
+        let class = dir.join(format!("class_{c}"));
+        std::fs::create_dir_all(&class).unwrap();
+        for i in 0..per_class {
+            let image = tch::Tensor::full(
+                [3, 20, 24],
+                (c * 60 + i) as i64,
+                (tch::Kind::Uint8, tch::Device::Cpu),
+            );
+            tch::vision::image::save(&image, class.join(format!("{i}.png"))).unwrap();
+        }
+    }
+}
