@@ -26,6 +26,8 @@ pub struct HostFacts {
     pub image: Option<String>,
     /// Whether the image was built in this run (false: it already existed).
     pub image_built: bool,
+    /// Files the host lacked, copied into the containers through the Docker API.
+    pub copied_in: Vec<String>,
 }
 
 /// How a run ended.

@@ -87,7 +87,7 @@ pub async fn run(options: Options) -> Result<(), RunError> {
             let work = futures_util::future::join_all(
                 plan.hosts
                     .iter()
-                    .map(|h| hosts::prepare(h, &plan.image, &ssh, verbose)),
+                    .map(|h| hosts::prepare(h, &plan.image, &plan.mounts, &ssh, verbose)),
             );
             let results = tokio::select! {
                 r = work => r,

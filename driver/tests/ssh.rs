@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::util::sshd::{Sshd, TRUSTED, UNKNOWN_KEY, UNREACHABLE};
+use crate::util::sshd::{Sshd, BARE, TRUSTED, UNKNOWN_KEY, UNREACHABLE};
 use crate::util::*;
 
 fn config(h: &Harness, machines: &[&str], args: &str) -> std::path::PathBuf {
@@ -104,5 +104,65 @@ fn a_killed_ssh_session_fails_the_run_and_every_container_is_removed() {
     let (_, summary) = h.summary();
     assert_eq!(summary["status"], "failed");
     assert_eq!(summary["failure"]["cause"]["kind"], "host_lost", "{summary}");
+    h.assert_no_containers();
+}
+
+#[test]
+fn code_is_copied_into_containers_on_a_host_that_lacks_it() {
+    let sshd = Sshd::start();
+    let ssh_config = sshd.config();
+    for mode in [&[][..], &["--launch-single-container"][..]] {
+        let h = Harness::new("ssh-copy");
+        let exp = config(&h, &[TRUSTED[0], BARE], "--iterations, '2'");
+        let mut args = vec!["--ssh-config", ssh_config.to_str().unwrap()];
+        args.extend_from_slice(mode);
+        let run = h.run(&exp, &args);
+        assert_eq!(run.code(), 0, "{mode:?}: {}", run.stderr());
+        let (dir, summary) = h.summary();
+        assert_eq!(summary["status"], "succeeded");
+        let hosts: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("hosts.json")).unwrap()).unwrap();
+        let copied = |host: &str| {
+            let h = hosts
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|h| h["host"] == host)
+                .unwrap();
+            h["copied_in"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|p| p.as_str().unwrap().to_string())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(copied(BARE), vec![FAKE_RANK.to_string()], "{hosts}");
+        assert!(copied(TRUSTED[0]).is_empty(), "{hosts}");
+        assert!(std::fs::read_to_string(dir.join("rank-1.log"))
+            .unwrap()
+            .contains("iteration 1 done"));
+        h.assert_no_containers();
+    }
+}
+
+#[test]
+fn a_data_dir_missing_on_a_host_fails_preflight() {
+    let sshd = Sshd::start();
+    let h = Harness::new("ssh-nodata");
+    base_image();
+    let data = h.dir.path().join("data");
+    std::fs::create_dir(&data).unwrap();
+    let exp = h.config(&format!(
+        "machines: [{BARE}]\ncontainer: {{build: '{}'}}\ndata_dir: data\ncommand: ['{FAKE_RANK}']\n",
+        local_context().display()
+    ));
+    let run = h.run(&exp, &["--ssh-config", sshd.config().to_str().unwrap()]);
+    assert_eq!(run.code(), 3, "{}", run.stderr());
+    assert!(
+        run.stderr()
+            .contains(&format!("{} does not exist on {BARE}", data.display())),
+        "{}",
+        run.stderr()
+    );
     h.assert_no_containers();
 }

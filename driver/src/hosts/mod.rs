@@ -7,15 +7,17 @@ pub mod context;
 pub mod image;
 pub mod ssh;
 
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use bollard::Docker;
 
 pub use ssh::SshOptions;
 
+use crate::config::Mount;
 use crate::events::HostFacts;
 use crate::launch::LaunchError;
-use crate::plan::{HostPlan, ImageSource};
+use crate::plan::{HostPlan, ImageSource, PlannedMount, WhenMissing};
 
 /// A host whose engine answered.
 #[derive(Clone)]
@@ -28,6 +30,10 @@ pub struct Host {
     pub docker: Docker,
     /// The image tag containers run.
     pub image: String,
+    /// Bind mounts whose source exists on this host.
+    pub mounts: Vec<Mount>,
+    /// Files this host lacks, copied into each container before it starts.
+    pub copies: Vec<PathBuf>,
     /// The SSH connection the engine is reached through, for a remote host; held, never read:
     /// dropping the last clone closes the connection.
     pub _tunnel: Option<Arc<ssh::Tunnel>>,
@@ -55,10 +61,30 @@ pub async fn connect(
 pub async fn prepare(
     host: &HostPlan,
     image: &ImageSource,
+    planned: &[PlannedMount],
     ssh: &SshOptions,
     verbose: bool,
 ) -> Result<(Host, HostFacts), LaunchError> {
     let (docker, tunnel) = connect(host, ssh).await?;
+    let mut mounts = Vec::new();
+    let mut copies = Vec::new();
+    for p in planned {
+        let exists = match &tunnel {
+            None => p.mount.source.exists(),
+            Some(t) => t.path_exists(&host.name, &p.mount.source).await?,
+        };
+        match (exists, p.when_missing) {
+            (true, _) => mounts.push(p.mount.clone()),
+            (false, WhenMissing::Copy) => copies.push(p.mount.source.clone()),
+            (false, WhenMissing::Skip) => {}
+            (false, WhenMissing::Fail) => {
+                return Err(LaunchError::MountMissing {
+                    host: host.name.clone(),
+                    path: p.mount.source.clone(),
+                })
+            }
+        }
+    }
     let docker_err = |action: &'static str| {
         let host = host.name.clone();
         move |source| LaunchError::Docker { host, action, source }
@@ -86,12 +112,15 @@ pub async fn prepare(
         image_id: Some(prepared.id.clone()),
         image: Some(prepared.tag.clone()),
         image_built: prepared.built,
+        copied_in: copies.iter().map(|p| p.display().to_string()).collect(),
     };
     let host = Host {
         name: host.name.clone(),
         plan: host.clone(),
         docker,
         image: prepared.tag,
+        mounts,
+        copies,
         _tunnel: tunnel,
     };
     Ok((host, facts))

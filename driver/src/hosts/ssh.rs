@@ -64,6 +64,24 @@ impl Drop for Tunnel {
     }
 }
 
+impl Tunnel {
+    /// Whether `path` exists on the host (`test -e`, its argument quoted by the openssh crate).
+    pub async fn path_exists(&self, host: &str, path: &std::path::Path) -> Result<bool, SshError> {
+        let session = self.session.as_ref().expect("a live tunnel has a session");
+        let status = session
+            .command("test")
+            .arg("-e")
+            .arg(path.display().to_string())
+            .status()
+            .await
+            .map_err(|source| SshError::Connect {
+                host: host.to_string(),
+                source,
+            })?;
+        Ok(status.success())
+    }
+}
+
 /// SSH settings that apply to every host.
 #[derive(Debug, Clone, Default)]
 pub struct SshOptions {

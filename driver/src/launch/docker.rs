@@ -11,7 +11,7 @@ use bollard::exec::{CreateExecOptions, StartExecResults};
 use bollard::models::{ContainerCreateBody, DeviceRequest, HostConfig, Mount as DockerMount, MountType};
 use bollard::query_parameters::{
     CreateContainerOptionsBuilder, ListContainersOptionsBuilder, LogsOptionsBuilder,
-    RemoveContainerOptionsBuilder, WaitContainerOptions,
+    RemoveContainerOptionsBuilder, UploadToContainerOptionsBuilder, WaitContainerOptions,
 };
 use futures_util::future::join_all;
 use futures_util::{Stream as FutStream, StreamExt};
@@ -191,9 +191,11 @@ impl DockerLauncher {
     }
 }
 
+/// Creates a container and copies in the files the host lacks, so it is ready to start.
 async fn create(host: &Host, name: String, body: ContainerCreateBody) -> Result<String, LaunchError> {
     let options = CreateContainerOptionsBuilder::default().name(&name).build();
-    host.docker
+    let id = host
+        .docker
         .create_container(Some(options), body)
         .await
         .map(|r| r.id)
@@ -201,7 +203,40 @@ async fn create(host: &Host, name: String, body: ContainerCreateBody) -> Result<
             host: host.name.clone(),
             action: "create a container",
             source,
-        })
+        })?;
+    if !host.copies.is_empty() {
+        let tar = pack_files(host)?;
+        let options = UploadToContainerOptionsBuilder::default().path("/").build();
+        host.docker
+            .upload_to_container(&id, Some(options), bollard::body_full(tar.into()))
+            .await
+            .map_err(|source| LaunchError::Docker {
+                host: host.name.clone(),
+                action: "copy code into a container",
+                source,
+            })?;
+    }
+    Ok(id)
+}
+
+/// A tar of the files a host lacks, each at its absolute path, modes kept (binaries stay executable).
+fn pack_files(host: &Host) -> Result<Vec<u8>, LaunchError> {
+    let mut builder = tar::Builder::new(Vec::new());
+    for path in &host.copies {
+        let fail = |source| LaunchError::Pack {
+            host: host.name.clone(),
+            path: path.clone(),
+            source,
+        };
+        let mut file = std::fs::File::open(path).map_err(fail)?;
+        let inside = path.strip_prefix("/").unwrap_or(path);
+        builder.append_file(inside, &mut file).map_err(fail)?;
+    }
+    builder.into_inner().map_err(|source| LaunchError::Pack {
+        host: host.name.clone(),
+        path: "/".into(),
+        source,
+    })
 }
 
 fn env_list(rank: &RankPlan) -> Vec<String> {
@@ -217,7 +252,7 @@ fn container_body(
     gpus: &[u32],
     rank: Option<&RankPlan>,
 ) -> ContainerCreateBody {
-    let mounts = plan
+    let mounts = host
         .mounts
         .iter()
         .map(|m| DockerMount {

@@ -49,6 +49,15 @@ pub enum LaunchError {
     },
     #[error("host {host} has GPUs {gpus:?} requested but its engine has no nvidia runtime or CDI devices; install nvidia-container-toolkit there or use CPU machines")]
     NoGpuRuntime { host: String, gpus: Vec<u32> },
+    #[error("{} does not exist on {host}; create it there, or drop it from data_dir, mounts or --mount-directories", path.display())]
+    MountMissing { host: String, path: PathBuf },
+    #[error("cannot pack {} to copy it into the containers on {host}", path.display())]
+    Pack {
+        host: String,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("image {image} does not exist on {host}; build it there, or name a build context with `container: {{build: DIR}}`")]
     ImageMissing { host: String, image: String },
     #[error("building the image from {} on {host} failed: {message}", context.display())]

@@ -26,6 +26,27 @@ pub enum ImageSource {
     Build(PathBuf),
 }
 
+/// What to do with a mount whose source path a host lacks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WhenMissing {
+    /// Copy the file from this machine into the containers through the Docker API (code).
+    Copy,
+    /// Leave it out (the image provides it, as the GPU image does the torch environment).
+    Skip,
+    /// Fail preflight, naming the host and the path (data and user mounts).
+    Fail,
+}
+
+/// A bind mount and its fallback.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PlannedMount {
+    /// The mount.
+    pub mount: Mount,
+    /// What to do where the source path does not exist.
+    pub when_missing: WhenMissing,
+}
+
 /// One distinct host and the ranks it runs.
 #[derive(Debug, Clone, Serialize)]
 pub struct HostPlan {
@@ -81,8 +102,9 @@ pub struct Plan {
     pub iterations: Option<u64>,
     /// Samples per iteration of one pipeline, when known.
     pub batch_size: Option<u32>,
-    /// Bind mounts for every container (host path = container path for code and data).
-    pub mounts: Vec<Mount>,
+    /// Bind mounts for every container (host path = container path for code and data), each
+    /// with what to do on a host that lacks the source path.
+    pub mounts: Vec<PlannedMount>,
     /// Shared memory per container in bytes.
     pub shm_size_bytes: u64,
     /// Where the record folder goes.
@@ -212,50 +234,47 @@ pub fn resolve(loaded: &Loaded, options: &Options, master_port: u16) -> Result<P
 
     let runtime = absolute(&options.runtime);
     let stage_config_path = stages.as_ref().map(|(p, _)| p.clone());
-    let mut mounts = Vec::new();
     let program = match &file.command {
         Some(argv) => PathBuf::from(&argv[0]),
         None => runtime.clone(),
     };
-    for path in [
-        Some(program),
-        stage_config_path.clone(),
-        Some(options.torch_venv.clone()),
-    ]
-    .into_iter()
-    .flatten()
-    {
-        if path.is_absolute() && path.exists() {
-            mounts.push(Mount {
-                source: path.clone(),
-                target: path,
-                read_only: true,
-            });
+    let mut mounts = Vec::new();
+    let mut same_path = |path: PathBuf, read_only: bool, when_missing: WhenMissing| {
+        let mount = Mount {
+            source: path.clone(),
+            target: path,
+            read_only,
+        };
+        mounts.push(PlannedMount { mount, when_missing });
+    };
+    // Code reaches containers by a bind mount where the host has the path, else it is copied in.
+    for path in [Some(program), stage_config_path.clone()].into_iter().flatten() {
+        if path.is_absolute() && path.is_file() {
+            same_path(path, true, WhenMissing::Copy);
         }
+    }
+    // The torch environment is optional: the GPU image carries its own at the same path.
+    if options.torch_venv.is_absolute() && options.torch_venv.exists() {
+        same_path(options.torch_venv.clone(), true, WhenMissing::Skip);
     }
     if let Some(data) = &file.data_dir {
         let p = base.join(data);
         if p.exists() {
-            mounts.push(Mount {
-                source: p.clone(),
-                target: p,
-                read_only: true,
-            });
+            same_path(p, true, WhenMissing::Fail);
         }
     }
     for dir in &options.mount_directories {
-        let p = absolute(dir);
-        mounts.push(Mount {
-            source: p.clone(),
-            target: p,
-            read_only: false,
-        });
+        same_path(absolute(dir), false, WhenMissing::Fail);
     }
     for m in &file.mounts {
-        mounts.push(Mount {
+        let mount = Mount {
             source: base.join(&m.source),
             target: m.target.clone(),
             read_only: m.read_only,
+        };
+        mounts.push(PlannedMount {
+            mount,
+            when_missing: WhenMissing::Fail,
         });
     }
 

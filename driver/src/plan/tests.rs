@@ -88,10 +88,13 @@ fn stage_configs_place_ranks_and_are_passed_by_absolute_path() {
     assert!(Path::new(flag(argv, "--stage-config").unwrap()).is_absolute());
     assert_eq!(flag(argv, "--schedule"), Some("1f1b"));
     assert_eq!(flag(argv, "--device"), Some("cuda:0"));
-    assert!(plan
+    let stage_mount = plan
         .mounts
         .iter()
-        .any(|m| m.target.ends_with("two.json") && m.read_only));
+        .find(|m| m.mount.target.ends_with("two.json"))
+        .unwrap();
+    assert!(stage_mount.mount.read_only);
+    assert_eq!(stage_mount.when_missing, WhenMissing::Copy);
 }
 
 #[test]

@@ -19,6 +19,9 @@ pub struct Sshd {
 pub const TRUSTED: [&str; 2] = ["127.0.0.2", "127.0.0.3"];
 /// An address sshd listens on whose host key the client does not know.
 pub const UNKNOWN_KEY: &str = "127.0.0.4";
+/// A trusted address where every `test -e PATH` fails (a ForceCommand wrapper), so every path
+/// looks missing there: the driver must copy code in instead of mounting it.
+pub const BARE: &str = "127.0.0.5";
 /// An address nothing listens on.
 pub const UNREACHABLE: &str = "127.0.0.9";
 
@@ -58,10 +61,18 @@ impl Sshd {
         std::fs::copy(d.join("id_ed25519.pub"), d.join("authorized_keys")).unwrap();
         // Privilege separation needs this folder when sshd runs as root.
         let _ = std::fs::create_dir_all("/run/sshd");
+        let bare = d.join("bare.sh");
+        std::fs::write(
+            &bare,
+            "#!/bin/sh\ncase \"$SSH_ORIGINAL_COMMAND\" in\n    test\\ *) exit 1 ;;\nesac\n\
+             exec /bin/sh -c \"$SSH_ORIGINAL_COMMAND\"\n",
+        )
+        .unwrap();
+        std::fs::set_permissions(&bare, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
         let port = free_port();
         let listen: String = TRUSTED
             .iter()
-            .chain([&UNKNOWN_KEY])
+            .chain([&UNKNOWN_KEY, &BARE])
             .map(|a| format!("ListenAddress {a}\n"))
             .collect();
         std::fs::write(
@@ -70,7 +81,8 @@ impl Sshd {
                 "Port {port}\n{listen}HostKey {0}/host_key\nAuthorizedKeysFile {0}/authorized_keys\n\
                  PidFile {0}/sshd.pid\nStrictModes no\nUsePAM no\nPasswordAuthentication no\n\
                  KbdInteractiveAuthentication no\nPermitRootLogin prohibit-password\n\
-                 AllowStreamLocalForwarding yes\nLogLevel ERROR\n",
+                 AllowStreamLocalForwarding yes\nLogLevel ERROR\n\
+                 Match LocalAddress {BARE}\n  ForceCommand {0}/bare.sh\n",
                 d.display()
             ),
         )
@@ -79,6 +91,7 @@ impl Sshd {
         let host_key: Vec<&str> = host_key.split_whitespace().take(2).collect();
         let known: String = TRUSTED
             .iter()
+            .chain([&BARE])
             .map(|a| format!("[{a}]:{port} {}\n", host_key.join(" ")))
             .collect();
         std::fs::write(d.join("known_hosts"), known).unwrap();
