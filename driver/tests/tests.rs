@@ -5,5 +5,6 @@ mod util;
 
 mod cli;
 mod docker;
+mod pipeline;
 mod process;
 mod ssh;

@@ -1,0 +1,54 @@
+//! The real runtime as a 2-stage CPU pipeline, end to end, with the process backend and in both
+//! container modes. Ignored until the runtime takes its pipeline flags (`--stage-config`,
+//! `--schedule`, `--rank`, ...); run with `cargo test -p stagehand-driver -- --ignored pipeline`.
+
+use crate::util::*;
+
+fn two_stage_mlp(h: &Harness, backend: &str) -> std::path::PathBuf {
+    std::fs::write(
+        h.dir.path().join("mlp_2stage.json"),
+        r#"{"module_to_stage_map": [0,0,0,1,1,1], "stage_to_rank_map": {"0": [0], "1": [1]}}"#,
+    )
+    .unwrap();
+    h.config(&format!(
+        "backend: {backend}\nmachines: [localhost, localhost]\ncontainer: {{build: '{}'}}\nmodule: mlp\n\
+         config_file: mlp_2stage.json\nschedule: gpipe\nmicrobatches: 2\nbatch_size: 8\niterations: 3\n\
+         distributed_backend: gloo\nthreads: 1\n",
+        local_context().display()
+    ))
+}
+
+fn check(h: &Harness, run: &Run) {
+    assert_eq!(run.code(), 0, "{}", run.stderr());
+    let (_, summary) = h.summary();
+    assert_eq!(summary["status"], "succeeded");
+    assert_eq!(summary["iterations_done"], 3);
+    assert_eq!(summary["stages"].as_array().unwrap().len(), 2, "{summary}");
+    h.assert_no_containers();
+}
+
+#[test]
+#[ignore = "needs the runtime's pipeline flags (--stage-config, --rank, ...)"]
+fn a_two_stage_pipeline_runs_as_processes() {
+    let runtime = runtime();
+    let h = Harness::new("pipe-proc");
+    let run = h.run(
+        &two_stage_mlp(&h, "process"),
+        &["--runtime", runtime.to_str().unwrap()],
+    );
+    check(&h, &run);
+}
+
+#[test]
+#[ignore = "needs the runtime's pipeline flags (--stage-config, --rank, ...)"]
+fn a_two_stage_pipeline_runs_in_both_container_modes() {
+    let runtime = runtime();
+    base_image();
+    for mode in [&[][..], &["--launch-single-container"][..]] {
+        let h = Harness::new("pipe-docker");
+        let mut args = vec!["--runtime", runtime.to_str().unwrap()];
+        args.extend_from_slice(mode);
+        let run = h.run(&two_stage_mlp(&h, "docker"), &args);
+        check(&h, &run);
+    }
+}
