@@ -7,6 +7,7 @@ mod data;
 mod inspect;
 mod metrics;
 mod models;
+mod pipeline;
 mod train;
 
 use std::process::ExitCode;

@@ -1,0 +1,221 @@
+//! Schedules as action lists: exact orders for small pipelines, and properties (every
+//! microbatch forward then backward once, bounded in-flight work, deadlock freedom) over many
+//! plans, checked by an executor independent of the simulation.
+
+use stagehand_contract::{Stage, StagePlan};
+
+use super::*;
+use Action::{Backward as B, Forward as F, Step};
+
+/// A plan with `replicas[s]` ranks on stage `s`, ranks numbered stage by stage.
+fn plan(replicas: &[usize], depths: Option<&[usize]>) -> StagePlan {
+    let mut next = 0;
+    let stages = replicas
+        .iter()
+        .enumerate()
+        .map(|(id, &n)| {
+            let ranks = (next..next + n).collect();
+            next += n;
+            Stage {
+                id,
+                modules: id..id + 1,
+                ranks,
+                depth: depths.map(|d| d[id]),
+            }
+        })
+        .collect();
+    StagePlan {
+        stages,
+        world_size: next,
+    }
+}
+
+#[test]
+fn gpipe_runs_all_forwards_then_all_backwards() {
+    let t = timeline(&plan(&[1, 1], None), Schedule::GPipe, 3).unwrap();
+    for rank in 0..2 {
+        assert_eq!(t.actions[rank], [F(0), F(1), F(2), B(0), B(1), B(2), Step]);
+    }
+}
+
+#[test]
+fn one_f_one_b_warms_up_then_alternates() {
+    let t = timeline(&plan(&[1, 1], None), Schedule::OneFOneB, 4).unwrap();
+    assert_eq!(
+        t.actions[0],
+        [F(0), F(1), B(0), F(2), B(1), F(3), B(2), B(3), Step]
+    );
+    assert_eq!(
+        t.actions[1],
+        [F(0), B(0), F(1), B(1), F(2), B(2), F(3), B(3), Step]
+    );
+}
+
+#[test]
+fn pipedream_steps_after_every_backward_and_never_flushes() {
+    let t = timeline(&plan(&[1, 1], None), Schedule::PipeDream, 3).unwrap();
+    assert_eq!(
+        t.actions[0],
+        [F(0), F(1), B(0), Step, F(2), B(1), Step, B(2), Step]
+    );
+    assert_eq!(
+        t.actions[1],
+        [F(0), B(0), Step, F(1), B(1), Step, F(2), B(2), Step]
+    );
+}
+
+#[test]
+fn depth_one_makes_pipedream_synchronous() {
+    let t = timeline(&plan(&[1, 1, 1], Some(&[1, 1, 1])), Schedule::PipeDream, 2).unwrap();
+    for rank in 0..3 {
+        assert_eq!(t.actions[rank], [F(0), B(0), Step, F(1), B(1), Step]);
+    }
+}
+
+#[test]
+fn replicas_take_microbatches_round_robin() {
+    let p = plan(&[3, 1], None);
+    let t = timeline(&p, Schedule::GPipe, 6).unwrap();
+    assert_eq!(t.actions[0], [F(0), F(3), B(0), B(3), Step]);
+    assert_eq!(t.actions[2], [F(2), F(5), B(2), B(5), Step]);
+    assert_eq!(t.actions[3].len(), 13);
+    assert_eq!(rank_for(&p, 0, 4), 1);
+    assert_eq!(rank_for(&p, 1, 4), 3);
+}
+
+/// Runs the lists with blocking semantics in any interleaving: repeatedly advance any rank whose
+/// next action's inputs exist. Independent of the simulation's time steps.
+fn executes(p: &StagePlan, t: &Timeline) -> bool {
+    use std::collections::HashSet;
+    let mut pos = vec![0usize; p.world_size];
+    let mut fwd: HashSet<(usize, usize)> = HashSet::new();
+    let mut bwd: HashSet<(usize, usize)> = HashSet::new();
+    let mut steps = vec![0usize; p.world_size];
+    let stage_of = |r: usize| p.stage_of_rank(r).id;
+    loop {
+        let mut moved = false;
+        for rank in 0..p.world_size {
+            let Some(&action) = t.actions[rank].get(pos[rank]) else {
+                continue;
+            };
+            let s = stage_of(rank);
+            let ok = match action {
+                F(g) => s == 0 || fwd.contains(&(s - 1, g)),
+                B(g) => fwd.contains(&(s, g)) && (s + 1 == p.stages.len() || bwd.contains(&(s + 1, g))),
+                // A step is a collective among the stage's replicas: all must have reached it.
+                Step => p.stages[s].ranks.iter().all(|&q| {
+                    steps[q] > steps[rank]
+                        || t.actions[q].get(pos[q]) == Some(&Step) && steps[q] == steps[rank]
+                }),
+            };
+            if ok {
+                match action {
+                    F(g) => drop(fwd.insert((s, g))),
+                    B(g) => drop(bwd.insert((s, g))),
+                    Step => steps[rank] += 1,
+                }
+                pos[rank] += 1;
+                moved = true;
+            }
+        }
+        if !moved {
+            return (0..p.world_size).all(|r| pos[r] == t.actions[r].len())
+                && (0..t.microbatches).all(|g| bwd.contains(&(0, g)));
+        }
+    }
+}
+
+#[test]
+fn every_plan_completes_with_bounded_in_flight_work() {
+    let shapes: &[&[usize]] = &[
+        &[1],
+        &[4],
+        &[1, 1],
+        &[1, 1, 1, 1],
+        &[3, 1],
+        &[1, 3],
+        &[2, 1, 2],
+        &[4, 2],
+        &[2, 2, 1, 1],
+    ];
+    for &shape in shapes {
+        for schedule in [Schedule::GPipe, Schedule::OneFOneB, Schedule::PipeDream] {
+            for microbatches in [4, 8, 12] {
+                let p = plan(shape, None);
+                if validate(&p, schedule, microbatches).is_err() {
+                    continue;
+                }
+                let t = timeline(&p, schedule, microbatches).unwrap();
+                assert!(
+                    executes(&p, &t),
+                    "{shape:?} {schedule} m={microbatches} does not run"
+                );
+                for (rank, actions) in t.actions.iter().enumerate() {
+                    let s = p.stage_of_rank(rank).id;
+                    let mine: Vec<usize> = (0..microbatches)
+                        .filter(|&g| rank_for(&p, s, g) == rank)
+                        .collect();
+                    let forwards: Vec<usize> = actions
+                        .iter()
+                        .filter_map(|a| if let F(g) = a { Some(*g) } else { None })
+                        .collect();
+                    let backwards: Vec<usize> = actions
+                        .iter()
+                        .filter_map(|a| if let B(g) = a { Some(*g) } else { None })
+                        .collect();
+                    assert_eq!(forwards, mine, "{shape:?} {schedule} rank {rank}");
+                    assert_eq!(backwards, mine, "{shape:?} {schedule} rank {rank}");
+                    let steps = actions.iter().filter(|a| **a == Step).count();
+                    let expected_steps = if schedule == Schedule::PipeDream {
+                        mine.len()
+                    } else {
+                        1
+                    };
+                    assert_eq!(steps, expected_steps, "{shape:?} {schedule} rank {rank}");
+                    if schedule != Schedule::GPipe {
+                        let mut in_flight = 0usize;
+                        for a in actions {
+                            match a {
+                                F(_) => in_flight += 1,
+                                B(_) => in_flight -= 1,
+                                Step => {}
+                            }
+                            assert!(
+                                in_flight <= depth(&p, s),
+                                "{shape:?} {schedule} rank {rank} exceeds its depth"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn plans_that_cannot_run_are_rejected_with_what_to_change() {
+    let p = plan(&[3, 1], None);
+    let err = validate(&p, Schedule::OneFOneB, 2).unwrap_err();
+    assert_eq!(
+        err,
+        ScheduleError::TooFewMicrobatches {
+            stage: 0,
+            replicas: 3,
+            microbatches: 2
+        }
+    );
+    assert!(err.to_string().contains("use --microbatches 3 or more"));
+    assert_eq!(
+        validate(&p, Schedule::PipeDream, 4),
+        Err(ScheduleError::UnevenReplicas {
+            stage: 0,
+            replicas: 3
+        })
+    );
+    assert_eq!(validate(&p, Schedule::GPipe, 4), Ok(()));
+    let zero = plan(&[1, 1], Some(&[2, 0]));
+    assert_eq!(
+        validate(&zero, Schedule::OneFOneB, 4),
+        Err(ScheduleError::ZeroDepth { stage: 1 })
+    );
+}
