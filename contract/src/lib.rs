@@ -5,5 +5,5 @@
 pub mod metrics;
 pub mod stage_config;
 
-pub use metrics::{Event, Iteration, RunConfig, Start, Summary, SCHEMA_VERSION};
+pub use metrics::{Event, Iteration, RunConfig, Start, Summary, Trace, SCHEMA_VERSION};
 pub use stage_config::{Stage, StageConfig, StageConfigError, StagePlan};

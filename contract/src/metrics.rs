@@ -18,6 +18,8 @@ pub enum Event {
     Iteration(Iteration),
     /// Printed once, after the last iteration.
     Summary(Summary),
+    /// With `--trace`: the weights one microbatch's forward and backward used on one rank.
+    Trace(Trace),
 }
 
 impl Event {
@@ -155,6 +157,27 @@ pub struct Summary {
     pub final_loss: Option<f64>,
     /// Peak memory in bytes.
     pub peak_mem_bytes: Option<u64>,
+}
+
+/// The `trace` event (only with `runtime --trace`): which weights a microbatch's forward and
+/// backward ran with on one rank. PipeDream's weight stashing makes the two equal even when the
+/// stage stepped in between.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Trace {
+    /// This process's rank.
+    pub rank: usize,
+    /// The pipeline stage this rank runs.
+    pub stage: usize,
+    /// Global microbatch number.
+    pub microbatch: u64,
+    /// Optimizer steps the stage had taken when the forward ran.
+    pub forward_version: u64,
+    /// Steps the stage had taken when the backward ran.
+    pub steps_at_backward: u64,
+    /// Sum of the stage's first parameter as the forward saw it.
+    pub forward_checksum: f64,
+    /// Sum of the stage's first parameter as the backward saw it.
+    pub backward_checksum: f64,
 }
 
 #[cfg(test)]

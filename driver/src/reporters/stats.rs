@@ -70,7 +70,7 @@ impl Stats {
                     entry.1 += 1;
                 }
             }
-            Metrics::Summary(_) => {}
+            Metrics::Summary(_) | Metrics::Trace(_) => {}
         }
     }
 
