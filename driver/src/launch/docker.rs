@@ -48,105 +48,96 @@ impl DockerLauncher {
 
     /// Creates and starts every container and rank; events go to `tx`.
     pub async fn start(&self, plan: &Plan, tx: UnboundedSender<Event>) -> Result<(), LaunchError> {
-        match plan.container_mode {
+        // Every host (and every rank's container) is brought up concurrently, so launching on many
+        // hosts takes about as long as on one.
+        let results = match plan.container_mode {
             ContainerMode::PerRank => {
-                let created = join_all(plan.ranks.iter().map(|r| {
-                    let host = &self.hosts[r.host];
-                    let labels = self.labels(plan, &r.rank.to_string());
-                    let name = format!("{}-r{}", self.id, r.rank);
-                    let body = container_body(plan, host, labels, &r.gpus, Some(r));
-                    create(host, name, body)
-                }))
-                .await;
-                let ids = created.into_iter().collect::<Result<Vec<_>, _>>()?;
-                for (r, id) in plan.ranks.iter().zip(&ids) {
-                    let host = &self.hosts[r.host];
-                    host.docker
-                        .start_container(id, None::<bollard::query_parameters::StartContainerOptions>)
-                        .await
-                        .map_err(|source| LaunchError::Docker {
-                            host: host.name.clone(),
-                            action: "start a container",
-                            source,
-                        })?;
-                    let _ = tx.send(Event::RankStarted {
-                        rank: r.rank,
-                        host: host.name.clone(),
-                        handle: short(id),
-                    });
-                    tokio::spawn(follow_container(host.clone(), id.clone(), r.rank, tx.clone()));
-                }
+                join_all(plan.ranks.iter().map(|r| self.start_rank(plan, r, &tx))).await
             }
             ContainerMode::PerHost => {
-                let created = join_all(plan.hosts.iter().enumerate().map(|(i, h)| {
-                    let host = &self.hosts[i];
-                    let ranks: Vec<String> = h.ranks.iter().map(|r| r.to_string()).collect();
-                    let labels = self.labels(plan, &ranks.join(","));
-                    let name = format!("{}-h{i}", self.id);
-                    let body = container_body(plan, host, labels, &h.gpus, None);
-                    async move {
-                        let id = create(host, name, body).await?;
-                        host.docker
-                            .start_container(&id, None::<bollard::query_parameters::StartContainerOptions>)
-                            .await
-                            .map_err(|source| LaunchError::Docker {
-                                host: host.name.clone(),
-                                action: "start a container",
-                                source,
-                            })?;
-                        Ok::<_, LaunchError>(id)
-                    }
-                }))
-                .await;
-                let ids = created.into_iter().collect::<Result<Vec<_>, _>>()?;
-                for r in &plan.ranks {
-                    let host = &self.hosts[r.host];
-                    let container = &ids[r.host];
-                    let exec = host
-                        .docker
-                        .create_exec(
-                            container,
-                            CreateExecOptions {
-                                cmd: Some(r.argv.clone()),
-                                env: Some(env_list(r)),
-                                attach_stdout: Some(true),
-                                attach_stderr: Some(true),
-                                ..Default::default()
-                            },
-                        )
-                        .await
-                        .map_err(|source| LaunchError::Docker {
-                            host: host.name.clone(),
-                            action: "create an exec",
-                            source,
-                        })?;
-                    let started = host.docker.start_exec(&exec.id, None).await.map_err(|source| {
-                        LaunchError::Docker {
-                            host: host.name.clone(),
-                            action: "start an exec",
-                            source,
-                        }
-                    })?;
-                    let output = match started {
-                        StartExecResults::Attached { output, .. } => output,
-                        StartExecResults::Detached => {
-                            return Err(LaunchError::Docker {
-                                host: host.name.clone(),
-                                action: "attach to an exec",
-                                source: DockerError::DockerStreamError {
-                                    error: "exec started detached".into(),
-                                },
-                            })
-                        }
-                    };
-                    let _ = tx.send(Event::RankStarted {
-                        rank: r.rank,
-                        host: host.name.clone(),
-                        handle: format!("{} exec {}", short(container), short(&exec.id)),
-                    });
-                    tokio::spawn(follow_exec(host.clone(), exec.id, output, r.rank, tx.clone()));
-                }
+                join_all(
+                    plan.hosts
+                        .iter()
+                        .enumerate()
+                        .map(|(i, _)| self.start_host(plan, i, &tx)),
+                )
+                .await
             }
+        };
+        results.into_iter().collect()
+    }
+
+    /// One container running one rank.
+    async fn start_rank(
+        &self,
+        plan: &Plan,
+        r: &RankPlan,
+        tx: &UnboundedSender<Event>,
+    ) -> Result<(), LaunchError> {
+        let host = &self.hosts[r.host];
+        let labels = self.labels(plan, &r.rank.to_string());
+        let body = container_body(plan, host, labels, &r.gpus, Some(r));
+        let id = create(host, format!("{}-r{}", self.id, r.rank), body).await?;
+        start(host, &id).await?;
+        let _ = tx.send(Event::RankStarted {
+            rank: r.rank,
+            host: host.name.clone(),
+            handle: short(&id),
+        });
+        tokio::spawn(follow_container(host.clone(), id, r.rank, tx.clone()));
+        Ok(())
+    }
+
+    /// One container per host, its ranks started inside it through the exec API.
+    async fn start_host(
+        &self,
+        plan: &Plan,
+        index: usize,
+        tx: &UnboundedSender<Event>,
+    ) -> Result<(), LaunchError> {
+        let host = &self.hosts[index];
+        let host_plan = &plan.hosts[index];
+        let ranks: Vec<String> = host_plan.ranks.iter().map(|r| r.to_string()).collect();
+        let labels = self.labels(plan, &ranks.join(","));
+        let body = container_body(plan, host, labels, &host_plan.gpus, None);
+        let container = create(host, format!("{}-h{index}", self.id), body).await?;
+        start(host, &container).await?;
+        for &rank in &host_plan.ranks {
+            let r = &plan.ranks[rank];
+            let docker_err = |action: &'static str| {
+                let host = host.name.clone();
+                move |source| LaunchError::Docker { host, action, source }
+            };
+            let options = CreateExecOptions {
+                cmd: Some(r.argv.clone()),
+                env: Some(env_list(r)),
+                attach_stdout: Some(true),
+                attach_stderr: Some(true),
+                ..Default::default()
+            };
+            let exec = host
+                .docker
+                .create_exec(&container, options)
+                .await
+                .map_err(docker_err("create an exec"))?;
+            let started = host
+                .docker
+                .start_exec(&exec.id, None)
+                .await
+                .map_err(docker_err("start an exec"))?;
+            let StartExecResults::Attached { output, .. } = started else {
+                let source = DockerError::DockerStreamError {
+                    error: "exec started detached".into(),
+                };
+                return Err(docker_err("attach to an exec")(source));
+            };
+            let handle = format!("{} exec {}", short(&container), short(&exec.id));
+            let _ = tx.send(Event::RankStarted {
+                rank,
+                host: host.name.clone(),
+                handle,
+            });
+            tokio::spawn(follow_exec(host.clone(), exec.id, output, rank, tx.clone()));
         }
         Ok(())
     }
@@ -189,6 +180,17 @@ impl DockerLauncher {
             }
         }
     }
+}
+
+async fn start(host: &Host, id: &str) -> Result<(), LaunchError> {
+    host.docker
+        .start_container(id, None::<bollard::query_parameters::StartContainerOptions>)
+        .await
+        .map_err(|source| LaunchError::Docker {
+            host: host.name.clone(),
+            action: "start a container",
+            source,
+        })
 }
 
 /// Creates a container and copies in the files the host lacks, so it is ready to start.

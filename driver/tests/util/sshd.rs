@@ -16,7 +16,7 @@ pub struct Sshd {
 }
 
 /// Addresses sshd listens on and whose host key the client trusts.
-pub const TRUSTED: [&str; 2] = ["127.0.0.2", "127.0.0.3"];
+pub const TRUSTED: [&str; 4] = ["127.0.0.2", "127.0.0.3", "127.0.0.6", "127.0.0.7"];
 /// An address sshd listens on whose host key the client does not know.
 pub const UNKNOWN_KEY: &str = "127.0.0.4";
 /// A trusted address where every `test -e PATH` fails (a ForceCommand wrapper), so every path
