@@ -12,7 +12,7 @@ log() { printf 'setup: %s\n' "$*" >&2; }
 
 # Debian packages: gcc/g++ build the C++ parts, debootstrap makes the local base image,
 # openssh-server gives the tests a real sshd.
-apt_packages=(g++ debootstrap openssh-server openssh-client)
+apt_packages=(g++ debootstrap openssh-server openssh-client libgloo-dev)
 missing=()
 for pkg in "${apt_packages[@]}"; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")

@@ -2,6 +2,7 @@
 //! (0 success, 1 the run failed, 2 a bad argument).
 
 mod cli;
+mod comm;
 mod config;
 mod data;
 mod inspect;

@@ -1,0 +1,329 @@
+// The C ABI between the runtime's Rust `comm` module and PyTorch's own c10d (libtorch_cpu.so,
+// libtorch_cuda.so): TCPStore, PrefixStore, ProcessGroupGloo and, with USE_C10D_NCCL,
+// ProcessGroupNCCL.
+//
+// Rules this file keeps:
+// - Every entry point returns nullptr on success or a malloc'd error message (free it with
+//   sh_error_free); no C++ exception ever crosses into Rust.
+// - The process groups are only constructed here and then used through the virtual
+//   c10d::Backend / c10d::Work interface. Debian's gloo headers are an older commit than the gloo
+//   compiled into libtorch, so nothing here touches gloo types beyond passing the device that
+//   libtorch itself created back to libtorch.
+// - Tensors arrive as `at::Tensor*` (what tch's `Tensor::as_ptr()` points at).
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#ifdef USE_C10D_NCCL
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
+struct sh_store {
+  c10::intrusive_ptr<c10d::Store> store;
+  uint16_t port;
+};
+
+struct sh_pg {
+  c10::intrusive_ptr<c10d::Backend> backend;
+  std::chrono::milliseconds timeout;
+};
+
+struct sh_work {
+  // One operation, or several for an all-reduce over tensors of several dtypes.
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  // The backend outlives its pending work even if the Rust side drops the group first.
+  c10::intrusive_ptr<c10d::Backend> backend;
+};
+
+namespace {
+
+char* dup_message(const std::string& message) {
+  char* out = static_cast<char*>(std::malloc(message.size() + 1));
+  if (out != nullptr) {
+    std::memcpy(out, message.c_str(), message.size() + 1);
+  }
+  return out;
+}
+
+// A c10::Error's what() carries a C++ backtrace; users need the first line's reason only.
+std::string first_line(const char* text) {
+  std::string message(text == nullptr ? "" : text);
+  auto end = message.find('\n');
+  if (end != std::string::npos) {
+    message.resize(end);
+  }
+  return message.empty() ? std::string("unknown error") : message;
+}
+
+// Runs `body`, turning any exception into an error message.
+template <typename F>
+char* guarded(F&& body) noexcept {
+  try {
+    body();
+    return nullptr;
+  } catch (const c10::Error& e) {
+    return dup_message(first_line(e.what_without_backtrace()));
+  } catch (const std::exception& e) {
+    return dup_message(first_line(e.what()));
+  } catch (...) {
+    return dup_message("unknown C++ exception");
+  }
+}
+
+std::chrono::milliseconds millis(int64_t ms) {
+  return std::chrono::milliseconds(ms);
+}
+
+c10::intrusive_ptr<c10d::Store> prefixed(sh_store* store, const char* prefix) {
+  TORCH_CHECK(store != nullptr, "no store");
+  return c10::make_intrusive<c10d::PrefixStore>(std::string(prefix), store->store);
+}
+
+void finish_work(sh_pg* pg, std::vector<c10::intrusive_ptr<c10d::Work>> works, sh_work** out) {
+  for (const auto& work : works) {
+    TORCH_CHECK(work, "the backend returned no work handle");
+  }
+  *out = new sh_work{std::move(works), pg->backend};
+}
+
+void finish_work(sh_pg* pg, c10::intrusive_ptr<c10d::Work> work, sh_work** out) {
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  works.push_back(std::move(work));
+  finish_work(pg, std::move(works), out);
+}
+
+}  // namespace
+
+extern "C" {
+
+void sh_error_free(char* message) {
+  std::free(message);
+}
+
+int sh_has_nccl(void) {
+#ifdef USE_C10D_NCCL
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// `listen_fd` >= 0 (master only): a bound, listening socket the store takes over.
+char* sh_store_connect(
+    const char* host,
+    uint16_t port,
+    int64_t world_size,
+    int is_master,
+    int64_t timeout_ms,
+    int listen_fd,
+    sh_store** out) {
+  *out = nullptr;
+  return guarded([&] {
+    c10d::TCPStoreOptions opts;
+    opts.port = port;
+    opts.isServer = is_master != 0;
+    opts.numWorkers = static_cast<std::size_t>(world_size);
+    opts.waitWorkers = true;
+    opts.timeout = millis(timeout_ms);
+    if (listen_fd >= 0) {
+      opts.masterListenFd = listen_fd;
+    }
+    auto store = c10::make_intrusive<c10d::TCPStore>(std::string(host), opts);
+    uint16_t bound = store->getPort();
+    *out = new sh_store{std::move(store), bound};
+  });
+}
+
+uint16_t sh_store_port(const sh_store* store) {
+  return store->port;
+}
+
+void sh_store_free(sh_store* store) {
+  delete store;
+}
+
+char* sh_store_set(sh_store* store, const char* key, const uint8_t* data, size_t len) {
+  return guarded([&] {
+    std::vector<uint8_t> value(data, data + len);
+    store->store->set(std::string(key), value);
+  });
+}
+
+// On success *data is malloc'd (free with sh_bytes_free).
+char* sh_store_get(sh_store* store, const char* key, uint8_t** data, size_t* len) {
+  *data = nullptr;
+  *len = 0;
+  return guarded([&] {
+    std::vector<uint8_t> value = store->store->get(std::string(key));
+    auto* buffer = static_cast<uint8_t*>(std::malloc(value.empty() ? 1 : value.size()));
+    TORCH_CHECK(buffer != nullptr, "out of memory");
+    if (!value.empty()) {
+      std::memcpy(buffer, value.data(), value.size());
+    }
+    *data = buffer;
+    *len = value.size();
+  });
+}
+
+void sh_bytes_free(uint8_t* data) {
+  std::free(data);
+}
+
+// Exactly one of `hostname` / `interface` is non-null: the address or network interface this
+// rank's gloo device binds to, which the other ranks must be able to reach.
+char* sh_pg_gloo(
+    sh_store* store,
+    const char* prefix,
+    const char* hostname,
+    const char* interface,
+    int64_t rank,
+    int64_t size,
+    int64_t timeout_ms,
+    sh_pg** out) {
+  *out = nullptr;
+  return guarded([&] {
+    auto options = c10d::ProcessGroupGloo::Options::create(millis(timeout_ms));
+    if (interface != nullptr) {
+      options->devices.push_back(
+          c10d::ProcessGroupGloo::createDeviceForInterface(std::string(interface)));
+    } else {
+      TORCH_CHECK(hostname != nullptr, "neither a hostname nor an interface for the gloo device");
+      options->devices.push_back(
+          c10d::ProcessGroupGloo::createDeviceForHostname(std::string(hostname)));
+    }
+    c10::intrusive_ptr<c10d::Backend> backend = c10::make_intrusive<c10d::ProcessGroupGloo>(
+        prefixed(store, prefix), static_cast<int>(rank), static_cast<int>(size), options);
+    *out = new sh_pg{std::move(backend), millis(timeout_ms)};
+  });
+}
+
+char* sh_pg_nccl(
+    sh_store* store,
+    const char* prefix,
+    int64_t rank,
+    int64_t size,
+    int64_t timeout_ms,
+    sh_pg** out) {
+  *out = nullptr;
+#ifdef USE_C10D_NCCL
+  return guarded([&] {
+    auto options = c10d::ProcessGroupNCCL::Options::create();
+    options->timeout = millis(timeout_ms);
+    c10::intrusive_ptr<c10d::Backend> backend = c10::make_intrusive<c10d::ProcessGroupNCCL>(
+        prefixed(store, prefix), static_cast<int>(rank), static_cast<int>(size), options);
+    *out = new sh_pg{std::move(backend), millis(timeout_ms)};
+  });
+#else
+  (void)store;
+  (void)prefix;
+  (void)rank;
+  (void)size;
+  (void)timeout_ms;
+  return dup_message("this runtime was built without the `nccl` feature");
+#endif
+}
+
+void sh_pg_free(sh_pg* pg) {
+  delete pg;
+}
+
+char* sh_pg_send(sh_pg* pg, const void* tensor, int64_t dst, int64_t tag, sh_work** out) {
+  *out = nullptr;
+  return guarded([&] {
+    std::vector<at::Tensor> tensors{*static_cast<const at::Tensor*>(tensor)};
+    finish_work(
+        pg, pg->backend->send(tensors, static_cast<int>(dst), static_cast<int>(tag)), out);
+  });
+}
+
+char* sh_pg_recv(sh_pg* pg, void* tensor, int64_t src, int64_t tag, sh_work** out) {
+  *out = nullptr;
+  return guarded([&] {
+    std::vector<at::Tensor> tensors{*static_cast<at::Tensor*>(tensor)};
+    finish_work(
+        pg, pg->backend->recv(tensors, static_cast<int>(src), static_cast<int>(tag)), out);
+  });
+}
+
+// c10d's allreduce wants tensors of one dtype and shape; allreduce_coalesced allows different
+// shapes of one dtype. So: one coalesced all-reduce per dtype, in order of first appearance (the
+// same on every rank that passes the same list), and a plain one for a dtype with a single tensor.
+char* sh_pg_all_reduce_sum(sh_pg* pg, const void* const* tensors, size_t n, sh_work** out) {
+  *out = nullptr;
+  return guarded([&] {
+    std::vector<std::vector<at::Tensor>> groups;
+    for (size_t i = 0; i < n; ++i) {
+      const auto& tensor = *static_cast<const at::Tensor*>(tensors[i]);
+      auto same = [&](const std::vector<at::Tensor>& group) {
+        return group.front().scalar_type() == tensor.scalar_type() &&
+            group.front().device() == tensor.device();
+      };
+      auto it = std::find_if(groups.begin(), groups.end(), same);
+      if (it == groups.end()) {
+        groups.push_back({tensor});
+      } else {
+        it->push_back(tensor);
+      }
+    }
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    for (auto& group : groups) {
+      if (group.size() == 1) {
+        c10d::AllreduceOptions opts;
+        opts.reduceOp = c10d::ReduceOp::SUM;
+        opts.timeout = pg->timeout;
+        works.push_back(pg->backend->allreduce(group, opts));
+      } else {
+        c10d::AllreduceCoalescedOptions opts;
+        opts.reduceOp = c10d::ReduceOp::SUM;
+        opts.timeout = pg->timeout;
+        works.push_back(pg->backend->allreduce_coalesced(group, opts));
+      }
+    }
+    finish_work(pg, std::move(works), out);
+  });
+}
+
+char* sh_pg_barrier(sh_pg* pg, sh_work** out) {
+  *out = nullptr;
+  return guarded([&] {
+    c10d::BarrierOptions opts;
+    opts.timeout = pg->timeout;
+    finish_work(pg, pg->backend->barrier(opts), out);
+  });
+}
+
+// Waits at most `timeout_ms`; a timeout or a failed peer is an error.
+char* sh_work_wait(sh_work* work, int64_t timeout_ms) {
+  return guarded([&] {
+    auto deadline = std::chrono::steady_clock::now() + millis(timeout_ms);
+    for (auto& one : work->works) {
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          deadline - std::chrono::steady_clock::now());
+      bool done = one->wait(std::max(left, std::chrono::milliseconds(1)));
+      TORCH_CHECK(done, "timed out after ", timeout_ms, "ms");
+    }
+  });
+}
+
+void sh_work_free(sh_work* work) {
+  delete work;
+}
+
+}  // extern "C"

@@ -1,0 +1,102 @@
+//! The C ABI of `csrc/c10d_bridge.cpp`, and turning its error strings into Rust strings.
+//!
+//! Every fallible bridge call returns null on success or a malloc'd, NUL-terminated message that
+//! the caller owns; [`check`] takes that ownership.
+
+use std::ffi::{c_char, c_int, c_void, CStr};
+
+/// Opaque C++ handles (`sh_store`, `sh_pg`, `sh_work`).
+#[repr(C)]
+pub struct RawStore {
+    _private: [u8; 0],
+}
+#[repr(C)]
+pub struct RawGroup {
+    _private: [u8; 0],
+}
+#[repr(C)]
+pub struct RawWork {
+    _private: [u8; 0],
+}
+
+extern "C" {
+    fn sh_error_free(message: *mut c_char);
+    pub fn sh_has_nccl() -> c_int;
+
+    pub fn sh_store_connect(
+        host: *const c_char,
+        port: u16,
+        world_size: i64,
+        is_master: c_int,
+        timeout_ms: i64,
+        listen_fd: c_int,
+        out: *mut *mut RawStore,
+    ) -> *mut c_char;
+    pub fn sh_store_port(store: *const RawStore) -> u16;
+    pub fn sh_store_free(store: *mut RawStore);
+    pub fn sh_store_set(store: *mut RawStore, key: *const c_char, data: *const u8, len: usize)
+        -> *mut c_char;
+    pub fn sh_store_get(
+        store: *mut RawStore,
+        key: *const c_char,
+        data: *mut *mut u8,
+        len: *mut usize,
+    ) -> *mut c_char;
+    pub fn sh_bytes_free(data: *mut u8);
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn sh_pg_gloo(
+        store: *mut RawStore,
+        prefix: *const c_char,
+        hostname: *const c_char,
+        interface: *const c_char,
+        rank: i64,
+        size: i64,
+        timeout_ms: i64,
+        out: *mut *mut RawGroup,
+    ) -> *mut c_char;
+    pub fn sh_pg_nccl(
+        store: *mut RawStore,
+        prefix: *const c_char,
+        rank: i64,
+        size: i64,
+        timeout_ms: i64,
+        out: *mut *mut RawGroup,
+    ) -> *mut c_char;
+    pub fn sh_pg_free(pg: *mut RawGroup);
+    pub fn sh_pg_send(
+        pg: *mut RawGroup,
+        tensor: *const c_void,
+        dst: i64,
+        tag: i64,
+        out: *mut *mut RawWork,
+    ) -> *mut c_char;
+    pub fn sh_pg_recv(
+        pg: *mut RawGroup,
+        tensor: *mut c_void,
+        src: i64,
+        tag: i64,
+        out: *mut *mut RawWork,
+    ) -> *mut c_char;
+    pub fn sh_pg_all_reduce_sum(
+        pg: *mut RawGroup,
+        tensors: *const *const c_void,
+        n: usize,
+        out: *mut *mut RawWork,
+    ) -> *mut c_char;
+    pub fn sh_pg_barrier(pg: *mut RawGroup, out: *mut *mut RawWork) -> *mut c_char;
+    pub fn sh_work_wait(work: *mut RawWork, timeout_ms: i64) -> *mut c_char;
+    pub fn sh_work_free(work: *mut RawWork);
+}
+
+/// Takes ownership of a bridge call's result: `Ok` for null, else the message, freed here.
+pub fn check(message: *mut c_char) -> Result<(), String> {
+    if message.is_null() {
+        return Ok(());
+    }
+    // SAFETY: the bridge returns either null or a NUL-terminated malloc'd string it gives up.
+    let text = unsafe { CStr::from_ptr(message) }.to_string_lossy().into_owned();
+    // SAFETY: freed exactly once, with the allocator that made it.
+    unsafe { sh_error_free(message) };
+    Err(text)
+}

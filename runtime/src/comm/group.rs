@@ -1,0 +1,503 @@
+//! Process groups (Gloo or NCCL over a set of ranks) and the asynchronous work they return.
+
+use std::cell::Cell;
+use std::ffi::{c_void, CString};
+use std::marker::PhantomData;
+use std::net::{IpAddr, SocketAddr, ToSocketAddrs, UdpSocket};
+use std::ptr::NonNull;
+use std::time::Duration;
+
+use tch::Tensor;
+
+use super::{ffi, millis, nccl_available, CommError, Store};
+
+/// Which c10d backend a group runs on; subgroups inherit it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Backend {
+    /// Gloo, with the device bound as described.
+    Gloo(GlooDevice),
+    Nccl,
+}
+
+/// Where this rank's gloo device listens for its peers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum GlooDevice {
+    /// `GLOO_SOCKET_IFNAME`, as in PyTorch.
+    Interface(String),
+    /// The local address this host uses to reach the store.
+    Address(String),
+}
+
+/// A c10d process group over some of the world's ranks. `Send`: use it from one thread at a time
+/// (c10d matches operations by the order each rank issues them).
+pub struct ProcessGroup {
+    raw: NonNull<ffi::RawGroup>,
+    backend: Backend,
+    /// This rank's index in `ranks`.
+    rank: usize,
+    /// World rank of each group rank, ascending.
+    ranks: Vec<usize>,
+    world_rank: usize,
+    world_size: usize,
+    timeout: Duration,
+    _not_sync: PhantomData<Cell<()>>,
+}
+
+// SAFETY: the C++ backend is thread-safe to move between threads; `!Sync` keeps use to one thread
+// at a time.
+unsafe impl Send for ProcessGroup {}
+
+impl ProcessGroup {
+    /// Gloo over all ranks (`rank` of `world_size`), rendezvous through `store`. Collective/p2p
+    /// ops time out after `timeout`.
+    ///
+    /// The gloo device binds to the interface named by `GLOO_SOCKET_IFNAME` if set, else to the
+    /// local address this host uses to reach the store's address.
+    pub fn gloo(
+        store: &Store,
+        rank: usize,
+        world_size: usize,
+        timeout: Duration,
+    ) -> Result<ProcessGroup, CommError> {
+        let device = gloo_device(store).map_err(|reason| CommError::Op {
+            op: "gloo setup",
+            peer: None,
+            reason,
+        })?;
+        let ranks: Vec<usize> = (0..world_size).collect();
+        Self::create(
+            store,
+            &store.next_world_prefix(),
+            Backend::Gloo(device),
+            rank,
+            &ranks,
+            rank,
+            world_size,
+            timeout,
+        )
+    }
+
+    /// NCCL over all ranks (only with the `nccl` feature; without it returns
+    /// CommError::Unsupported).
+    ///
+    /// NCCL ignores `tag`s (messages between two ranks match in issue order), and `wait` only makes
+    /// the current CUDA stream wait for the operation. A stuck NCCL operation is caught by
+    /// ProcessGroupNCCL's watchdog after `timeout`, which by default tears the process down.
+    pub fn nccl(
+        store: &Store,
+        rank: usize,
+        world_size: usize,
+        timeout: Duration,
+    ) -> Result<ProcessGroup, CommError> {
+        if !nccl_available() {
+            return Err(CommError::Unsupported(
+                "the nccl backend: this runtime was built without the `nccl` cargo feature; \
+                 rebuild with `--features nccl` where CUDA and NCCL headers exist"
+                    .into(),
+            ));
+        }
+        let ranks: Vec<usize> = (0..world_size).collect();
+        Self::create(
+            store,
+            &store.next_world_prefix(),
+            Backend::Nccl,
+            rank,
+            &ranks,
+            rank,
+            world_size,
+            timeout,
+        )
+    }
+
+    /// A group of `ranks` (global ranks, sorted) using the same backend, rendezvous under a
+    /// PrefixStore named `name`. Every rank of the world must call it with the same arguments
+    /// (like torch.distributed.new_group); returns None on ranks not in `ranks`.
+    ///
+    /// `name` must be unique among the job's groups.
+    pub fn subgroup(
+        &self,
+        store: &Store,
+        name: &str,
+        ranks: &[usize],
+    ) -> Result<Option<ProcessGroup>, CommError> {
+        if ranks.is_empty() {
+            return Err(CommError::Invalid(format!("group {name:?} has no ranks")));
+        }
+        if !ranks.windows(2).all(|w| w[0] < w[1]) {
+            return Err(CommError::Invalid(format!(
+                "the ranks of group {name:?} must be sorted and distinct, got {ranks:?}"
+            )));
+        }
+        if let Some(&bad) = ranks.iter().find(|&&r| r >= self.world_size) {
+            return Err(CommError::Invalid(format!(
+                "group {name:?} names rank {bad}, but the world has {} ranks",
+                self.world_size
+            )));
+        }
+        let Some(rank) = ranks.iter().position(|&r| r == self.world_rank) else {
+            return Ok(None);
+        };
+        Self::create(
+            store,
+            &format!("stagehand/group/{name}"),
+            self.backend.clone(),
+            rank,
+            ranks,
+            self.world_rank,
+            self.world_size,
+            self.timeout,
+        )
+        .map(Some)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn create(
+        store: &Store,
+        prefix: &str,
+        backend: Backend,
+        rank: usize,
+        ranks: &[usize],
+        world_rank: usize,
+        world_size: usize,
+        timeout: Duration,
+    ) -> Result<ProcessGroup, CommError> {
+        let size = ranks.len();
+        if rank >= size {
+            return Err(CommError::Invalid(format!(
+                "rank {rank} is outside a group of {size} ranks"
+            )));
+        }
+        let invalid = |what: &str| CommError::Invalid(format!("{what} contains a NUL byte"));
+        let prefix_c = CString::new(prefix).map_err(|_| invalid("the group name"))?;
+        let mut raw = std::ptr::null_mut();
+        let (op, result) = match &backend {
+            Backend::Gloo(device) => {
+                let (host, iface) = match device {
+                    GlooDevice::Address(a) => (Some(a.as_str()), None),
+                    GlooDevice::Interface(i) => (None, Some(i.as_str())),
+                };
+                let host = host
+                    .map(CString::new)
+                    .transpose()
+                    .map_err(|_| invalid("the address"))?;
+                let iface = iface
+                    .map(CString::new)
+                    .transpose()
+                    .map_err(|_| invalid("GLOO_SOCKET_IFNAME"))?;
+                // SAFETY: live store, valid C strings (or null), valid out-pointer.
+                let result = ffi::check(unsafe {
+                    ffi::sh_pg_gloo(
+                        store.raw(),
+                        prefix_c.as_ptr(),
+                        host.as_ref().map_or(std::ptr::null(), |h| h.as_ptr()),
+                        iface.as_ref().map_or(std::ptr::null(), |i| i.as_ptr()),
+                        rank as i64,
+                        size as i64,
+                        millis(timeout),
+                        &mut raw,
+                    )
+                });
+                ("gloo group setup", result)
+            }
+            Backend::Nccl => {
+                // SAFETY: live store, valid C string, valid out-pointer.
+                let result = ffi::check(unsafe {
+                    ffi::sh_pg_nccl(
+                        store.raw(),
+                        prefix_c.as_ptr(),
+                        rank as i64,
+                        size as i64,
+                        millis(timeout),
+                        &mut raw,
+                    )
+                });
+                ("nccl group setup", result)
+            }
+        };
+        result.map_err(|reason| CommError::Op {
+            op,
+            peer: None,
+            reason: format!(
+                "{reason} (group {prefix:?} of ranks {ranks:?}, rendezvous at {}:{}); \
+                 did every rank of the group start and create it?",
+                store.addr(),
+                store.port()
+            ),
+        })?;
+        let raw = NonNull::new(raw).ok_or_else(|| CommError::Op {
+            op,
+            peer: None,
+            reason: "the bridge returned no group".into(),
+        })?;
+        Ok(ProcessGroup {
+            raw,
+            backend,
+            rank,
+            ranks: ranks.to_vec(),
+            world_rank,
+            world_size,
+            timeout,
+            _not_sync: PhantomData,
+        })
+    }
+
+    /// This rank's rank within the group.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// How many ranks the group has.
+    pub fn size(&self) -> usize {
+        self.ranks.len()
+    }
+
+    /// The world rank of each group rank, ascending.
+    pub fn ranks(&self) -> &[usize] {
+        &self.ranks
+    }
+
+    /// How long operations (and [`Work::wait`]) may take before they fail.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Asynchronous point-to-point; `dst`/`src` are ranks within this group. `tag` disambiguates
+    /// concurrent messages (gloo; tags must be below 2^31).
+    pub fn send(&self, tensor: &Tensor, dst: usize, tag: u32) -> Result<Work, CommError> {
+        let peer = self.peer("send", dst)?;
+        let tag = checked_tag("send", peer, tag)?;
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: live group; `as_ptr` points at the C++ at::Tensor, which the bridge copies
+        // (a reference-counted handle) before returning.
+        let result = ffi::check(unsafe {
+            ffi::sh_pg_send(
+                self.raw.as_ptr(),
+                tensor.as_ptr() as *const c_void,
+                dst as i64,
+                tag,
+                &mut raw,
+            )
+        });
+        self.work("send", Some(peer), result, raw, vec![tensor.shallow_clone()])
+    }
+
+    /// Asynchronous receive into `tensor` (which must have the sender's shape and dtype). Its
+    /// contents are defined once the returned work has been waited for.
+    pub fn recv(&self, tensor: &mut Tensor, src: usize, tag: u32) -> Result<Work, CommError> {
+        let peer = self.peer("recv", src)?;
+        let tag = checked_tag("recv", peer, tag)?;
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: as in `send`.
+        let result = ffi::check(unsafe {
+            ffi::sh_pg_recv(
+                self.raw.as_ptr(),
+                tensor.as_mut_ptr() as *mut c_void,
+                src as i64,
+                tag,
+                &mut raw,
+            )
+        });
+        self.work("recv", Some(peer), result, raw, vec![tensor.shallow_clone()])
+    }
+
+    /// Asynchronous in-place sum all-reduce of every tensor in the list.
+    pub fn all_reduce_sum(&self, tensors: &[Tensor]) -> Result<Work, CommError> {
+        let pointers: Vec<*const c_void> = tensors.iter().map(|t| t.as_ptr() as *const c_void).collect();
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: live group; `pointers` holds `len` valid at::Tensor pointers for the call.
+        let result = ffi::check(unsafe {
+            ffi::sh_pg_all_reduce_sum(self.raw.as_ptr(), pointers.as_ptr(), pointers.len(), &mut raw)
+        });
+        let kept = tensors.iter().map(Tensor::shallow_clone).collect();
+        self.work("all_reduce_sum", None, result, raw, kept)
+    }
+
+    /// Blocks until every rank of the group has reached the barrier (or the timeout passes).
+    pub fn barrier(&self) -> Result<(), CommError> {
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: live group, valid out-pointer.
+        let result = ffi::check(unsafe { ffi::sh_pg_barrier(self.raw.as_ptr(), &mut raw) });
+        self.work("barrier", None, result, raw, Vec::new())?.wait()
+    }
+
+    /// The world rank of group rank `rank`, or an error naming the group's size.
+    fn peer(&self, op: &'static str, rank: usize) -> Result<usize, CommError> {
+        if rank == self.rank {
+            return Err(CommError::Invalid(format!(
+                "{op} with itself (rank {rank} of group {:?})",
+                self.ranks
+            )));
+        }
+        self.ranks.get(rank).copied().ok_or_else(|| {
+            CommError::Invalid(format!(
+                "{op} with rank {rank}, but the group has {} ranks ({:?})",
+                self.ranks.len(),
+                self.ranks
+            ))
+        })
+    }
+
+    fn work(
+        &self,
+        op: &'static str,
+        peer: Option<usize>,
+        result: Result<(), String>,
+        raw: *mut ffi::RawWork,
+        tensors: Vec<Tensor>,
+    ) -> Result<Work, CommError> {
+        let context = WorkContext {
+            op,
+            peer,
+            ranks: self.ranks.clone(),
+            timeout: self.timeout,
+        };
+        if let Err(reason) = result {
+            return Err(context.error(reason));
+        }
+        let raw =
+            NonNull::new(raw).ok_or_else(|| context.error("the bridge returned no work handle".into()))?;
+        Ok(Work {
+            raw: Some(raw),
+            _tensors: tensors,
+            context,
+        })
+    }
+}
+
+impl Drop for ProcessGroup {
+    fn drop(&mut self) {
+        // SAFETY: live handle, freed only here; pending works hold their own reference to the
+        // C++ backend.
+        unsafe { ffi::sh_pg_free(self.raw.as_ptr()) };
+    }
+}
+
+impl std::fmt::Debug for ProcessGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProcessGroup")
+            .field("backend", &self.backend)
+            .field("rank", &self.rank)
+            .field("ranks", &self.ranks)
+            .field("timeout", &self.timeout)
+            .finish()
+    }
+}
+
+/// What an error from a work needs to name.
+struct WorkContext {
+    op: &'static str,
+    peer: Option<usize>,
+    ranks: Vec<usize>,
+    timeout: Duration,
+}
+
+impl WorkContext {
+    fn error(&self, reason: String) -> CommError {
+        let hint = match self.peer {
+            Some(peer) => format!("is rank {peer} still running? (timeout {:?})", self.timeout),
+            None => format!(
+                "are all ranks {:?} still running and calling it? (timeout {:?})",
+                self.ranks, self.timeout
+            ),
+        };
+        CommError::Op {
+            op: self.op,
+            peer: self.peer,
+            reason: format!("{}; {hint}", lowercase_first(&reason)),
+        }
+    }
+}
+
+/// An operation in flight. It keeps its tensors alive until [`Work::wait`] returns or it is
+/// dropped; dropping it without waiting still waits (up to the group's timeout) so that no
+/// tensor is released while c10d may still read or write it, and ignores the outcome.
+pub struct Work {
+    raw: Option<NonNull<ffi::RawWork>>,
+    _tensors: Vec<Tensor>,
+    context: WorkContext,
+}
+
+// SAFETY: c10d works may be waited for from any thread; the tensors are `Send`.
+unsafe impl Send for Work {}
+
+impl Work {
+    /// Waits until the operation has completed; errors include timeouts and a dead peer.
+    pub fn wait(mut self) -> Result<(), CommError> {
+        self.finish().map_err(|reason| self.context.error(reason))
+    }
+
+    fn finish(&mut self) -> Result<(), String> {
+        let Some(raw) = self.raw.take() else {
+            return Ok(());
+        };
+        // SAFETY: a live work handle, waited for and freed exactly once.
+        let result = ffi::check(unsafe { ffi::sh_work_wait(raw.as_ptr(), millis(self.context.timeout)) });
+        unsafe { ffi::sh_work_free(raw.as_ptr()) };
+        result
+    }
+}
+
+impl Drop for Work {
+    fn drop(&mut self) {
+        let _ = self.finish();
+    }
+}
+
+impl std::fmt::Debug for Work {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Work")
+            .field("op", &self.context.op)
+            .field("peer", &self.context.peer)
+            .field("pending", &self.raw.is_some())
+            .finish()
+    }
+}
+
+fn checked_tag(op: &'static str, peer: usize, tag: u32) -> Result<i64, CommError> {
+    if tag > i32::MAX as u32 {
+        return Err(CommError::Invalid(format!(
+            "{op} with rank {peer}: tag {tag} is above c10d's limit {}",
+            i32::MAX
+        )));
+    }
+    Ok(i64::from(tag))
+}
+
+fn lowercase_first(text: &str) -> String {
+    let mut chars = text.chars();
+    match chars.next() {
+        Some(first) => first.to_lowercase().chain(chars).collect(),
+        None => String::new(),
+    }
+}
+
+/// The gloo device for this rank: `GLOO_SOCKET_IFNAME` if set, else the local address of the
+/// route to the store (loopback when the store is on this host), found by "connecting" a UDP
+/// socket, which sends nothing.
+fn gloo_device(store: &Store) -> Result<GlooDevice, String> {
+    if let Some(iface) = std::env::var("GLOO_SOCKET_IFNAME").ok().filter(|s| !s.is_empty()) {
+        return Ok(GlooDevice::Interface(iface));
+    }
+    let target: SocketAddr = (store.addr(), store.port())
+        .to_socket_addrs()
+        .map_err(|e| format!("cannot resolve the store address {}: {e}", store.addr()))?
+        .next()
+        .ok_or_else(|| format!("the store address {} resolves to nothing", store.addr()))?;
+    if target.ip().is_unspecified() {
+        return Ok(GlooDevice::Address(IpAddr::from([127, 0, 0, 1]).to_string()));
+    }
+    let bind: SocketAddr = match target {
+        SocketAddr::V4(_) => (IpAddr::from([0, 0, 0, 0]), 0).into(),
+        SocketAddr::V6(_) => (IpAddr::from([0u16; 8]), 0).into(),
+    };
+    let probe = UdpSocket::bind(bind)
+        .and_then(|s| s.connect(target).map(|()| s))
+        .and_then(|s| s.local_addr())
+        .map_err(|e| {
+            format!(
+                "cannot find a local address that reaches the store at {target}: {e}; \
+                 set GLOO_SOCKET_IFNAME to the network interface to use"
+            )
+        })?;
+    Ok(GlooDevice::Address(probe.ip().to_string()))
+}

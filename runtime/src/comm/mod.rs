@@ -1,0 +1,65 @@
+//! Communication between ranks through PyTorch's own c10d: the TCPStore rendezvous, Gloo process
+//! groups for CPU tensors and, with the `nccl` feature, NCCL for CUDA tensors.
+//!
+//! The C++ side is `csrc/c10d_bridge.cpp`, compiled by `build.rs` against the torch wheel's headers
+//! (and Debian's gloo headers); this module is its safe face.
+//!
+//! - [`Store`] is the rendezvous (rank 0 hosts it; the others connect).
+//! - [`ProcessGroup`] runs asynchronous point-to-point and all-reduce operations; each returns a
+//!   [`Work`] that keeps its tensors alive until [`Work::wait`] or drop.
+//! - Everything is bounded by a timeout: a rendezvous that cannot complete and a peer that dies or
+//!   stops answering surface as a [`CommError`] naming the address or rank, never as a hang.
+
+// The API is complete for the stage runtime; not every part of it has a caller in every build.
+#![allow(dead_code, unused_imports)]
+
+mod ffi;
+mod group;
+mod store;
+#[cfg(test)]
+mod tests;
+
+use std::time::Duration;
+
+pub use group::{ProcessGroup, Work};
+pub use store::Store;
+
+/// What went wrong talking to other ranks.
+#[derive(Debug, thiserror::Error)]
+pub enum CommError {
+    /// The store could not be hosted or reached, or the ranks did not all join in time.
+    #[error("rendezvous with rank 0 at {addr}:{port} failed: {reason}")]
+    Rendezvous { addr: String, port: u16, reason: String },
+    /// Creating a group or running an operation failed (a dead peer, a timeout, a bad tensor).
+    /// `peer` is the world rank of the other side of a point-to-point operation.
+    #[error("{op}{} failed: {reason}", describe_peer(*.peer))]
+    Op {
+        op: &'static str,
+        peer: Option<usize>,
+        reason: String,
+    },
+    /// The requested backend or operation is not built into this runtime.
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+    /// The caller passed something no rank could agree on (ranks out of range, a tag too large).
+    #[error("invalid argument: {0}")]
+    Invalid(String),
+}
+
+fn describe_peer(peer: Option<usize>) -> String {
+    match peer {
+        Some(rank) => format!(" with rank {rank}"),
+        None => String::new(),
+    }
+}
+
+/// Whether this runtime was built with the `nccl` feature (ProcessGroupNCCL compiled in).
+pub fn nccl_available() -> bool {
+    // SAFETY: a pure query with no arguments.
+    unsafe { ffi::sh_has_nccl() != 0 }
+}
+
+/// A timeout as the bridge takes it: whole milliseconds, at least one.
+fn millis(timeout: Duration) -> i64 {
+    i64::try_from(timeout.as_millis()).unwrap_or(i64::MAX).max(1)
+}

@@ -1,0 +1,211 @@
+//! The rendezvous store: c10d's TCPStore, hosted by rank 0 and reached by every other rank.
+
+use std::ffi::CString;
+use std::net::TcpListener;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use super::{ffi, millis, CommError};
+
+/// A connection to the job's TCPStore. Rank 0 hosts it (and must outlive everyone's use of it);
+/// the key/value operations are thread-safe.
+pub struct Store {
+    raw: NonNull<ffi::RawStore>,
+    addr: String,
+    port: u16,
+    world_size: usize,
+    timeout: Duration,
+    /// How many world groups this rank has created on the store, so each gets its own key space.
+    world_groups: AtomicUsize,
+}
+
+// SAFETY: c10d::TCPStore serialises its operations with an internal mutex, and the handle is only
+// freed by Drop.
+unsafe impl Send for Store {}
+unsafe impl Sync for Store {}
+
+impl Store {
+    /// Rank 0 listens on `addr:port`; others connect. Fails (no hang) after `timeout`.
+    ///
+    /// Rank 0 returns once all `world_size` ranks have connected; the others return once
+    /// connected. `port` 0 on rank 0 picks a free port (see [`Store::port`]).
+    pub fn connect(
+        addr: &str,
+        port: u16,
+        world_size: usize,
+        is_master: bool,
+        timeout: Duration,
+    ) -> Result<Store, CommError> {
+        Self::open(addr, port, world_size, is_master, timeout, None)
+    }
+
+    /// Rank 0's side of [`Store::connect`] on a socket the caller already bound, so there is no
+    /// window in which another process can take the port (tests, launchers that pick a port).
+    pub fn host(listener: TcpListener, world_size: usize, timeout: Duration) -> Result<Store, CommError> {
+        use std::os::fd::IntoRawFd;
+        let local = listener.local_addr().map_err(|e| CommError::Rendezvous {
+            addr: "?".into(),
+            port: 0,
+            reason: format!("the given listener has no local address: {e}"),
+        })?;
+        let fd = listener.into_raw_fd();
+        Self::open(
+            &local.ip().to_string(),
+            local.port(),
+            world_size,
+            true,
+            timeout,
+            Some(fd),
+        )
+    }
+
+    fn open(
+        addr: &str,
+        port: u16,
+        world_size: usize,
+        is_master: bool,
+        timeout: Duration,
+        listen_fd: Option<i32>,
+    ) -> Result<Store, CommError> {
+        let fail = |reason: String| CommError::Rendezvous {
+            addr: addr.to_string(),
+            port,
+            reason,
+        };
+        if world_size == 0 {
+            return Err(fail("the world size is 0".into()));
+        }
+        let host = CString::new(addr).map_err(|_| fail("the address contains a NUL byte".into()))?;
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: valid C string and out-pointer; the bridge takes over `listen_fd` if given.
+        let result = ffi::check(unsafe {
+            ffi::sh_store_connect(
+                host.as_ptr(),
+                port,
+                world_size as i64,
+                i32::from(is_master),
+                millis(timeout),
+                listen_fd.unwrap_or(-1),
+                &mut raw,
+            )
+        });
+        if let Err(message) = result {
+            return Err(fail(rendezvous_reason(
+                &message, is_master, port, world_size, timeout,
+            )));
+        }
+        let raw = NonNull::new(raw).ok_or_else(|| fail("the bridge returned no store".into()))?;
+        // SAFETY: a live store handle.
+        let port = unsafe { ffi::sh_store_port(raw.as_ptr()) };
+        Ok(Store {
+            raw,
+            addr: addr.to_string(),
+            port,
+            world_size,
+            timeout,
+            world_groups: AtomicUsize::new(0),
+        })
+    }
+
+    /// The address rank 0 hosts the store on, as given.
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    /// The store's port (the one actually bound when rank 0 asked for port 0).
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    pub fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    /// The timeout every wait on the store (and every group's rendezvous) is bounded by.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Sets `key` to `value` for every rank to read.
+    pub fn set(&self, key: &str, value: &[u8]) -> Result<(), CommError> {
+        let key_c = self.key(key)?;
+        // SAFETY: live handle, valid key, `value` readable for its length.
+        ffi::check(unsafe {
+            ffi::sh_store_set(self.raw.as_ptr(), key_c.as_ptr(), value.as_ptr(), value.len())
+        })
+        .map_err(|reason| self.op_error("store set", key, reason))
+    }
+
+    /// The value of `key`, waiting (up to the store's timeout) until some rank has set it.
+    pub fn get(&self, key: &str) -> Result<Vec<u8>, CommError> {
+        let key_c = self.key(key)?;
+        let mut data = std::ptr::null_mut();
+        let mut len = 0usize;
+        // SAFETY: live handle, valid key and out-pointers.
+        ffi::check(unsafe { ffi::sh_store_get(self.raw.as_ptr(), key_c.as_ptr(), &mut data, &mut len) })
+            .map_err(|reason| self.op_error("store get", key, reason))?;
+        // SAFETY: on success `data` holds `len` bytes malloc'd by the bridge, freed once here.
+        let value = unsafe { std::slice::from_raw_parts(data, len) }.to_vec();
+        unsafe { ffi::sh_bytes_free(data) };
+        Ok(value)
+    }
+
+    fn key(&self, key: &str) -> Result<CString, CommError> {
+        CString::new(format!("user/{key}"))
+            .map_err(|_| CommError::Invalid(format!("store key {key:?} contains a NUL byte")))
+    }
+
+    fn op_error(&self, op: &'static str, key: &str, reason: String) -> CommError {
+        CommError::Op {
+            op,
+            peer: None,
+            reason: format!(
+                "key {key:?} on the store at {}:{}: {reason}; is rank 0 still running?",
+                self.addr, self.port
+            ),
+        }
+    }
+
+    /// A fresh key-space name for the next world group this rank creates. Every rank creates its
+    /// world groups in the same order, so the names agree.
+    pub(super) fn next_world_prefix(&self) -> String {
+        format!(
+            "stagehand/world/{}",
+            self.world_groups.fetch_add(1, Ordering::Relaxed)
+        )
+    }
+
+    pub(super) fn raw(&self) -> *mut ffi::RawStore {
+        self.raw.as_ptr()
+    }
+}
+
+impl Drop for Store {
+    fn drop(&mut self) {
+        // SAFETY: the handle is live and freed only here; process groups hold their own
+        // references to the C++ store.
+        unsafe { ffi::sh_store_free(self.raw.as_ptr()) };
+    }
+}
+
+/// c10d's message plus what the user should check.
+fn rendezvous_reason(
+    message: &str,
+    is_master: bool,
+    port: u16,
+    world_size: usize,
+    timeout: Duration,
+) -> String {
+    let lower = message.to_lowercase();
+    let hint = if !is_master {
+        "is rank 0 running and the port reachable?".to_string()
+    } else if lower.contains("address already in use") || lower.contains("eaddrinuse") {
+        format!("is another process using port {port}?")
+    } else if lower.contains("timed out") || lower.contains("timeout") {
+        format!("did all {world_size} ranks start and point at this address and port?")
+    } else {
+        "can this host bind that address and port?".to_string()
+    };
+    format!("after {timeout:?}: {message}; {hint}")
+}

@@ -1,0 +1,415 @@
+//! Ranks as threads of the test process (each with its own Store and ProcessGroup) on a fresh
+//! loopback port, plus one rank as a real child process that gets killed.
+
+use std::net::TcpListener;
+use std::sync::{Arc, Barrier};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use tch::{Kind, Tensor};
+
+use super::{CommError, ProcessGroup, Store};
+
+const TIMEOUT: Duration = Duration::from_secs(20);
+
+/// Runs `body` as `n` ranks on threads and returns their results by rank. Rank 0 hosts the store
+/// on a port the OS picked; every store lives until all ranks are done.
+fn world<T, F>(n: usize, body: F) -> Vec<T>
+where
+    T: Send + 'static,
+    F: Fn(usize, &Store) -> T + Send + Sync + 'static,
+{
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let body = Arc::new(body);
+    let done = Arc::new(Barrier::new(n));
+    let mut listener = Some(listener);
+    let handles: Vec<_> = (0..n)
+        .map(|rank| {
+            let (body, done) = (body.clone(), done.clone());
+            let listener = if rank == 0 { listener.take() } else { None };
+            thread::spawn(move || {
+                let store = match listener {
+                    Some(l) => Store::host(l, n, TIMEOUT),
+                    None => Store::connect("127.0.0.1", port, n, false, TIMEOUT),
+                }
+                .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+                let out = body(rank, &store);
+                done.wait();
+                out
+            })
+        })
+        .collect();
+    handles
+        .into_iter()
+        .map(|h| h.join().expect("a rank panicked"))
+        .collect()
+}
+
+fn gloo(store: &Store, rank: usize, timeout: Duration) -> ProcessGroup {
+    ProcessGroup::gloo(store, rank, store.world_size(), timeout)
+        .unwrap_or_else(|e| panic!("rank {rank}: {e}"))
+}
+
+fn samples() -> Vec<Tensor> {
+    vec![
+        Tensor::from_slice(&[1.5f32, -2.0, 3.25]),
+        Tensor::arange(24, (Kind::Float, tch::Device::Cpu)).reshape([2, 3, 4]),
+        Tensor::from_slice(&[i64::MAX, -7, 0, 42]).reshape([2, 2]),
+        Tensor::from_slice(&[0.1f64]),
+        Tensor::ones([1, 1, 1, 5], (Kind::Int64, tch::Device::Cpu)),
+    ]
+}
+
+#[test]
+fn store_rendezvous_shares_keys_between_ranks() {
+    let seen = world(3, |rank, store| {
+        assert_eq!(store.world_size(), 3);
+        store
+            .set(&format!("hello/{rank}"), format!("from {rank}").as_bytes())
+            .unwrap();
+        (0..3)
+            .map(|r| String::from_utf8(store.get(&format!("hello/{r}")).unwrap()).unwrap())
+            .collect::<Vec<_>>()
+    });
+    for values in seen {
+        assert_eq!(values, ["from 0", "from 1", "from 2"]);
+    }
+}
+
+#[test]
+fn send_recv_moves_tensors_of_several_shapes_and_dtypes() {
+    world(2, |rank, store| {
+        let pg = gloo(store, rank, TIMEOUT);
+        assert_eq!((pg.rank(), pg.size()), (rank, 2));
+        for (i, sample) in samples().into_iter().enumerate() {
+            if rank == 0 {
+                pg.send(&sample, 1, i as u32).unwrap().wait().unwrap();
+            } else {
+                let mut got = sample.zeros_like();
+                pg.recv(&mut got, 0, i as u32).unwrap().wait().unwrap();
+                assert_eq!(got, sample, "sample {i}");
+                assert_eq!(got.kind(), sample.kind());
+            }
+        }
+    });
+}
+
+#[test]
+fn concurrent_sends_with_different_tags_reach_their_own_recvs() {
+    world(2, |rank, store| {
+        let pg = gloo(store, rank, TIMEOUT);
+        let tags = [3u32, 11, 7, 0];
+        if rank == 0 {
+            let sent: Vec<Tensor> = tags
+                .iter()
+                .map(|&t| Tensor::full([1000], t as f64, (Kind::Float, tch::Device::Cpu)))
+                .collect();
+            let works: Vec<_> = sent
+                .iter()
+                .zip(tags)
+                .map(|(t, tag)| pg.send(t, 1, tag).unwrap())
+                .collect();
+            for w in works {
+                w.wait().unwrap();
+            }
+        } else {
+            // Posted in the opposite order from the sends.
+            let mut got: Vec<Tensor> = tags
+                .iter()
+                .map(|_| Tensor::zeros([1000], (Kind::Float, tch::Device::Cpu)))
+                .collect();
+            let works: Vec<_> = got
+                .iter_mut()
+                .zip(tags)
+                .rev()
+                .map(|(t, tag)| pg.recv(t, 0, tag).unwrap())
+                .collect();
+            for w in works {
+                w.wait().unwrap();
+            }
+            for (t, tag) in got.iter().zip(tags) {
+                assert_eq!(t.min().double_value(&[]), tag as f64);
+                assert_eq!(t.max().double_value(&[]), tag as f64);
+            }
+        }
+    });
+}
+
+#[test]
+fn all_reduce_sums_over_the_world_and_over_a_subgroup() {
+    let results = world(3, |rank, store| {
+        let pg = gloo(store, rank, TIMEOUT);
+        let value = (rank + 1) as f64;
+        let tensors = vec![
+            Tensor::full([4], value, (Kind::Float, tch::Device::Cpu)),
+            Tensor::full([2, 3], value as i64, (Kind::Int64, tch::Device::Cpu)),
+            Tensor::full([3, 5], 10.0 * value, (Kind::Float, tch::Device::Cpu)),
+        ];
+        pg.all_reduce_sum(&tensors).unwrap().wait().unwrap();
+        assert_eq!(
+            tensors[2],
+            Tensor::full([3, 5], 60.0, (Kind::Float, tch::Device::Cpu))
+        );
+        let world_sum = (tensors[0].double_value(&[0]), tensors[1].int64_value(&[1, 2]));
+
+        let sub = pg.subgroup(store, "evens", &[0, 2]).unwrap();
+        let sub_sum = sub.map(|sub| {
+            assert_eq!(sub.size(), 2);
+            assert_eq!(sub.rank(), rank / 2);
+            assert_eq!(sub.ranks(), [0, 2]);
+            let t = vec![Tensor::full([3], value, (Kind::Float, tch::Device::Cpu))];
+            sub.all_reduce_sum(&t).unwrap().wait().unwrap();
+            // Point-to-point inside the subgroup uses subgroup ranks.
+            let mut other = Tensor::zeros([1], (Kind::Int64, tch::Device::Cpu));
+            let mine = Tensor::from_slice(&[rank as i64]);
+            let peer = 1 - sub.rank();
+            let send = sub.send(&mine, peer, 5).unwrap();
+            sub.recv(&mut other, peer, 5).unwrap().wait().unwrap();
+            send.wait().unwrap();
+            (t[0].double_value(&[2]), other.int64_value(&[0]))
+        });
+        pg.barrier().unwrap();
+        (world_sum, sub_sum)
+    });
+    for (rank, (world_sum, sub_sum)) in results.into_iter().enumerate() {
+        assert_eq!(world_sum, (6.0, 6), "rank {rank}");
+        match rank {
+            1 => assert_eq!(sub_sum, None),
+            _ => assert_eq!(sub_sum, Some((4.0, 2 - rank as i64))),
+        }
+    }
+}
+
+#[test]
+fn barrier_waits_for_the_slowest_rank() {
+    let waited = world(3, |rank, store| {
+        let pg = gloo(store, rank, TIMEOUT);
+        pg.barrier().unwrap();
+        if rank == 2 {
+            thread::sleep(Duration::from_millis(400));
+        }
+        let start = Instant::now();
+        pg.barrier().unwrap();
+        start.elapsed()
+    });
+    assert!(waited[0] >= Duration::from_millis(300), "{waited:?}");
+    assert!(waited[1] >= Duration::from_millis(300), "{waited:?}");
+}
+
+#[test]
+fn bad_arguments_are_errors_not_panics() {
+    world(2, |rank, store| {
+        let pg = gloo(store, rank, TIMEOUT);
+        let t = Tensor::zeros([2], (Kind::Float, tch::Device::Cpu));
+        let err = pg.send(&t, rank, 0).unwrap_err();
+        assert!(matches!(err, CommError::Invalid(_)), "{err}");
+        let err = pg.send(&t, 5, 0).unwrap_err();
+        assert!(err.to_string().contains("2 ranks"), "{err}");
+        let err = pg.send(&t, 1 - rank, u32::MAX).unwrap_err();
+        assert!(err.to_string().contains("tag"), "{err}");
+        let err = pg.subgroup(store, "bad", &[1, 0]).unwrap_err();
+        assert!(err.to_string().contains("sorted"), "{err}");
+        let err = pg.subgroup(store, "bad", &[0, 9]).unwrap_err();
+        assert!(err.to_string().contains("rank 9"), "{err}");
+        if !super::nccl_available() {
+            let err = ProcessGroup::nccl(store, rank, 2, TIMEOUT).unwrap_err();
+            assert!(matches!(err, CommError::Unsupported(_)), "{err}");
+        }
+        pg.barrier().unwrap();
+    });
+}
+
+#[test]
+fn a_tensor_c10d_rejects_is_an_error() {
+    world(2, |rank, store| {
+        let pg = gloo(store, rank, TIMEOUT);
+        if rank == 0 {
+            let strided = Tensor::zeros([4, 4], (Kind::Float, tch::Device::Cpu)).transpose(0, 1);
+            let err = pg.send(&strided, 1, 0).unwrap_err();
+            assert!(
+                matches!(
+                    err,
+                    CommError::Op {
+                        op: "send",
+                        peer: Some(1),
+                        ..
+                    }
+                ),
+                "{err}"
+            );
+            assert!(err.to_string().contains("contiguous"), "{err}");
+        }
+        pg.barrier().unwrap();
+    });
+}
+
+use super::Work;
+
+#[test]
+fn rendezvous_with_nobody_listening_times_out_naming_the_address() {
+    let port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let start = Instant::now();
+    let err = Store::connect("127.0.0.1", port, 2, false, Duration::from_secs(2))
+        .err()
+        .unwrap();
+    let elapsed = start.elapsed();
+    let message = err.to_string();
+    assert!(matches!(err, CommError::Rendezvous { .. }), "{message}");
+    assert!(message.contains(&format!("127.0.0.1:{port}")), "{message}");
+    assert!(message.contains("is rank 0 running"), "{message}");
+    assert!(elapsed < Duration::from_secs(6), "took {elapsed:?}: {message}");
+}
+
+#[test]
+fn a_master_whose_ranks_never_come_times_out() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let start = Instant::now();
+    let err = Store::host(listener, 3, Duration::from_secs(2)).err().unwrap();
+    assert!(start.elapsed() < Duration::from_secs(6), "{err}");
+    assert!(err.to_string().contains("did all 3 ranks start"), "{err}");
+}
+
+#[test]
+fn recv_from_a_rank_that_dropped_its_group_fails_within_the_timeout() {
+    let timeout = Duration::from_secs(3);
+    world(2, move |rank, store| {
+        let pg = gloo(store, rank, timeout);
+        pg.barrier().unwrap();
+        if rank == 1 {
+            drop(pg);
+            return;
+        }
+        let start = Instant::now();
+        let mut t = Tensor::zeros([16], (Kind::Float, tch::Device::Cpu));
+        let err = pg.recv(&mut t, 1, 0).and_then(Work::wait).unwrap_err();
+        assert!(
+            start.elapsed() < timeout + Duration::from_secs(2),
+            "{:?}",
+            start.elapsed()
+        );
+        assert!(matches!(err, CommError::Op { peer: Some(1), .. }), "{err}");
+        assert!(err.to_string().contains("rank 1"), "{err}");
+    });
+}
+
+#[test]
+fn recv_from_a_silent_rank_times_out() {
+    let timeout = Duration::from_secs(1);
+    world(2, move |rank, store| {
+        let pg = gloo(store, rank, timeout);
+        if rank == 0 {
+            let start = Instant::now();
+            let mut t = Tensor::zeros([16], (Kind::Float, tch::Device::Cpu));
+            let err = pg.recv(&mut t, 1, 0).and_then(Work::wait).unwrap_err();
+            let elapsed = start.elapsed();
+            assert!(elapsed >= Duration::from_millis(900), "{elapsed:?} {err}");
+            assert!(elapsed < Duration::from_secs(4), "{elapsed:?} {err}");
+            assert!(err.to_string().contains("rank 1"), "{err}");
+        }
+        // Keep rank 1's group alive (and silent) until rank 0 has seen the timeout.
+        store.set(&format!("silent/{rank}"), b"done").unwrap();
+        store.get(&format!("silent/{}", 1 - rank)).unwrap();
+    });
+}
+
+/// The child half of `ops_with_a_killed_process_fail_within_the_timeout`; does nothing unless
+/// that test started this process.
+#[test]
+#[ignore = "run by another test as a child process"]
+fn child_rank() {
+    let Ok(port) = std::env::var("STAGEHAND_COMM_CHILD_PORT") else {
+        return;
+    };
+    let store = Store::connect("127.0.0.1", port.parse().unwrap(), 2, false, TIMEOUT).unwrap();
+    let pg = gloo(&store, 1, TIMEOUT);
+    let t = vec![Tensor::ones([4], (Kind::Float, tch::Device::Cpu))];
+    pg.all_reduce_sum(&t).unwrap().wait().unwrap();
+    // Wait to be killed.
+    thread::sleep(Duration::from_secs(60));
+}
+
+#[test]
+fn ops_with_a_killed_process_fail_within_the_timeout() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "comm::tests::child_rank",
+            "--exact",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("STAGEHAND_COMM_CHILD_PORT", port.to_string())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let timeout = Duration::from_secs(5);
+    let store = Store::host(listener, 2, TIMEOUT).unwrap();
+    let pg = gloo(&store, 0, timeout);
+    let t = vec![Tensor::ones([4], (Kind::Float, tch::Device::Cpu))];
+    pg.all_reduce_sum(&t).unwrap().wait().unwrap();
+    assert_eq!(t[0].double_value(&[0]), 2.0);
+
+    let mut pending = Tensor::zeros([1 << 16], (Kind::Float, tch::Device::Cpu));
+    let recv = pg.recv(&mut pending, 1, 9).unwrap();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let start = Instant::now();
+    let err = recv.wait().unwrap_err();
+    assert!(
+        start.elapsed() < timeout + Duration::from_secs(2),
+        "{:?} {err}",
+        start.elapsed()
+    );
+    assert!(err.to_string().contains("rank 1"), "{err}");
+
+    // Later operations fail too, without hanging.
+    let start = Instant::now();
+    let result = pg.all_reduce_sum(&t).and_then(Work::wait);
+    assert!(result.is_err());
+    assert!(
+        start.elapsed() < timeout + Duration::from_secs(2),
+        "{:?}",
+        start.elapsed()
+    );
+}
+
+/// 2-rank send/recv throughput of a 64 MiB float tensor: `cargo test --release -p
+/// stagehand-runtime comm::tests::send_recv_throughput -- --ignored --nocapture`.
+#[test]
+#[ignore = "a measurement, not a check"]
+fn send_recv_throughput() {
+    const ROUNDS: usize = 20;
+    let elements = 16 << 20; // 64 MiB of f32
+    let rates = world(2, move |rank, store| {
+        let pg = gloo(store, rank, TIMEOUT);
+        let mut t = Tensor::ones([elements], (Kind::Float, tch::Device::Cpu));
+        let step = |pg: &ProcessGroup, t: &mut Tensor| {
+            if rank == 0 {
+                pg.send(t, 1, 0).unwrap().wait().unwrap();
+            } else {
+                pg.recv(t, 0, 0).unwrap().wait().unwrap();
+            }
+        };
+        for _ in 0..3 {
+            step(&pg, &mut t);
+        }
+        pg.barrier().unwrap();
+        let start = Instant::now();
+        for _ in 0..ROUNDS {
+            step(&pg, &mut t);
+        }
+        pg.barrier().unwrap();
+        (ROUNDS as f64) * (elements as f64) * 4.0 / start.elapsed().as_secs_f64()
+    });
+    println!(
+        "64 MiB send/recv over gloo on loopback: {:.2} GB/s",
+        rates[1] / 1e9
+    );
+}
