@@ -80,33 +80,53 @@ fn driver_launch(driver: &Path, config: &Path, ssh_config: &Path, out: &Path, ra
     elapsed.expect("every rank started")
 }
 
-/// PipeDream's way: one `ssh host docker run -d ...` after another.
-fn cli_launch(hosts: &[&str], ssh_config: &Path, image: &str, fake_rank: &Path, label: &str) -> Duration {
+/// PipeDream's way: one `ssh host docker run -d ...` after another (or, with `parallel`, all at
+/// once: the floor this machine allows, since every "host" here shares its two cores and engine).
+fn cli_launch(
+    hosts: &[&str],
+    ssh_config: &Path,
+    image: &str,
+    fake_rank: &Path,
+    label: &str,
+    parallel: bool,
+) -> Duration {
     let start = Instant::now();
+    let mut running = Vec::new();
+    let mount = format!("{0}:{0}:ro", fake_rank.display());
     for (rank, host) in hosts.iter().enumerate() {
-        let mount = format!("{0}:{0}:ro", fake_rank.display());
-        let status = Command::new("ssh")
+        let rank_env = format!("RANK={rank}");
+        let docker_run = [
+            "docker",
+            "run",
+            "-d",
+            "--network",
+            "host",
+            "--label",
+            label,
+            "-v",
+            &mount,
+            "-e",
+            &rank_env,
+        ];
+        let mut child = Command::new("ssh")
             .arg("-F")
             .arg(ssh_config)
             .arg(host)
-            .args([
-                "docker",
-                "run",
-                "-d",
-                "--network",
-                "host",
-                "--label",
-                label,
-                "-v",
-                &mount,
-            ])
-            .args(["-e", &format!("RANK={rank}"), image])
+            .args(docker_run)
+            .arg(image)
             .arg(fake_rank)
             .args(["--iterations", "1", "--hang"])
             .stdout(Stdio::null())
-            .status()
+            .spawn()
             .unwrap();
-        assert!(status.success());
+        if parallel {
+            running.push(child);
+        } else {
+            assert!(child.wait().unwrap().success());
+        }
+    }
+    for mut child in running {
+        assert!(child.wait().unwrap().success());
     }
     let elapsed = start.elapsed();
     let ids = Command::new("docker")
@@ -159,11 +179,15 @@ fn main() {
     let image = hosts[0]["image"].as_str().unwrap().to_string();
 
     println!("launch until every rank runs (median of {REPEATS}), one rank per host, hosts over SSH:");
-    println!("{:>6}  {:>12}  {:>16}", "hosts", "driver", "docker CLI 1-by-1");
+    println!(
+        "{:>6}  {:>10}  {:>18}  {:>20}",
+        "hosts", "driver", "docker CLI 1-by-1", "docker CLI all at once"
+    );
     for n in [1usize, 4] {
         let hosts = &sshd::TRUSTED[..n];
         let mut driver_times = Vec::new();
         let mut cli_times = Vec::new();
+        let mut parallel_times = Vec::new();
         for i in 0..REPEATS {
             let name = format!("bench-{n}-{i}");
             let config = write_config(scratch.path(), &name, hosts, &fake_rank, &context);
@@ -174,18 +198,30 @@ fn main() {
                 &scratch.path().join(&name),
                 n,
             ));
+            let label = format!("stagehand.bench={name}");
             cli_times.push(cli_launch(
                 hosts,
                 &sshd.config(),
                 &image,
                 &fake_rank,
-                &format!("stagehand.bench={name}"),
+                &label,
+                false,
+            ));
+            parallel_times.push(cli_launch(
+                hosts,
+                &sshd.config(),
+                &image,
+                &fake_rank,
+                &label,
+                true,
             ));
         }
+        let ms = |v: Vec<Duration>| median(v).as_secs_f64() * 1000.0;
         println!(
-            "{n:>6}  {:>10.0}ms  {:>14.0}ms",
-            median(driver_times).as_secs_f64() * 1000.0,
-            median(cli_times).as_secs_f64() * 1000.0
+            "{n:>6}  {:>8.0}ms  {:>16.0}ms  {:>18.0}ms",
+            ms(driver_times),
+            ms(cli_times),
+            ms(parallel_times)
         );
     }
 }

@@ -66,14 +66,18 @@ pub async fn prepare(
     verbose: bool,
 ) -> Result<(Host, HostFacts), LaunchError> {
     let (docker, tunnel) = connect(host, ssh).await?;
+    // One remote check per path, all at once over the multiplexed connection.
+    let checks = futures_util::future::join_all(planned.iter().map(|p| async {
+        match &tunnel {
+            None => Ok(p.mount.source.exists()),
+            Some(t) => t.path_exists(&host.name, &p.mount.source).await,
+        }
+    }))
+    .await;
     let mut mounts = Vec::new();
     let mut copies = Vec::new();
-    for p in planned {
-        let exists = match &tunnel {
-            None => p.mount.source.exists(),
-            Some(t) => t.path_exists(&host.name, &p.mount.source).await?,
-        };
-        match (exists, p.when_missing) {
+    for (p, exists) in planned.iter().zip(checks) {
+        match (exists?, p.when_missing) {
             (true, _) => mounts.push(p.mount.clone()),
             (false, WhenMissing::Copy) => copies.push(p.mount.source.clone()),
             (false, WhenMissing::Skip) => {}

@@ -1,5 +1,6 @@
 //! SSH hosts: one multiplexed SSH connection per host (the system `ssh` client as a ControlMaster,
-//! driven by the openssh crate, so `~/.ssh/config`, agents and keys work as with `ssh`), with the
+//! driven by the openssh crate over the mux protocol, so `~/.ssh/config`, agents and keys work as
+//! with `ssh` and no further ssh process is spawned per request), with the
 //! host's Docker socket forwarded to a local unix socket that bollard talks to. Every API call to
 //! that host, streams included, goes through the one connection.
 
@@ -121,7 +122,7 @@ pub async fn connect(host: &HostPlan, options: &SshOptions) -> Result<(Docker, A
         builder.config_file(config);
     }
     let session = builder
-        .connect(&m.host)
+        .connect_mux(&m.host)
         .await
         .map_err(|source| SshError::Connect {
             host: host.name.clone(),
