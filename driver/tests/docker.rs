@@ -241,6 +241,10 @@ fn preflight_failures_name_the_host_and_start_nothing() {
             "cannot open an SSH connection to 127.0.0.9",
         ),
         (
+            "machines: ['localhost:0']\ncontainer: {build: ctx}\ncommand: [/bin/true]\n",
+            "localhost has GPUs [0] requested but its engine has no nvidia runtime",
+        ),
+        (
             "machines: [localhost]\ncontainer: {build: missing-ctx}\ncommand: [/bin/true]\n",
             "cannot read build context",
         ),

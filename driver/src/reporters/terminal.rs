@@ -1,5 +1,6 @@
 //! Terminal lines: each rank's output prefixed with host and rank, and what the driver is doing.
-//! Printed around the progress bar so the two do not garble each other.
+//! [`TerminalReporter::render`] decides the text (snapshot-tested); printing goes around the
+//! progress bar so the two do not garble each other.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -34,59 +35,53 @@ impl TerminalReporter {
         format!("[{host} r{rank}]")
     }
 
-    fn out(&self, text: String) {
-        self.bar.suspend(|| println!("{text}"));
-    }
-
-    fn err(&self, text: String) {
-        self.bar.suspend(|| eprintln!("{text}"));
-    }
-}
-
-impl Reporter for TerminalReporter {
-    fn report(&mut self, event: &Event) -> Result<(), RecordError> {
+    /// The line an event shows, and on which stream, at this verbosity.
+    pub fn render(&mut self, event: &Event) -> Option<(Stream, String)> {
         let normal = self.verbosity != Verbosity::Quiet;
         let verbose = self.verbosity == Verbosity::Verbose;
+        let err = |text: String| Some((Stream::Stderr, text));
         match event {
-            Event::HostReady(facts) => {
-                if verbose {
-                    let image = facts.image.as_deref().unwrap_or("-");
-                    let built = if facts.image_built { " (built)" } else { "" };
-                    self.err(format!("driver: host {} ready, image {image}{built}", facts.host));
-                }
-            }
-            Event::RankStarted { rank, host, handle } => {
-                if verbose {
-                    self.err(format!("driver: rank {rank} started on {host} ({handle})"));
-                }
-            }
+            Event::HostReady(facts) => verbose.then(|| {
+                let image = facts.image.as_deref().unwrap_or("-");
+                let built = if facts.image_built { " (built)" } else { "" };
+                let copied = match facts.copied_in.len() {
+                    0 => String::new(),
+                    n => format!(", {n} file(s) copied in"),
+                };
+                (
+                    Stream::Stderr,
+                    format!("driver: host {} ready, image {image}{built}{copied}", facts.host),
+                )
+            }),
+            Event::RankStarted { rank, host, handle } => verbose.then(|| {
+                (
+                    Stream::Stderr,
+                    format!("driver: rank {rank} started on {host} ({handle})"),
+                )
+            }),
             Event::LineLogged { rank, stream, line } => {
-                if normal {
-                    let text = format!("{} {line}", self.prefix(*rank));
-                    match stream {
-                        Stream::Stdout => self.out(text),
-                        Stream::Stderr => self.err(text),
-                    }
-                }
+                normal.then(|| (*stream, format!("{} {line}", self.prefix(*rank))))
             }
             Event::Metrics { rank, line, .. } => {
-                if verbose {
-                    self.out(format!("{} {line}", self.prefix(*rank)));
-                }
+                verbose.then(|| (Stream::Stdout, format!("{} {line}", self.prefix(*rank))))
             }
             Event::RankExited { rank, exit_code } => {
                 let failed = *exit_code != Some(0);
-                if failed || verbose {
-                    let code = exit_code.map_or("none (killed)".to_string(), |c| c.to_string());
-                    self.err(format!("{} exited with code {code}", self.prefix(*rank)));
-                }
+                let code = exit_code.map_or("none (killed)".to_string(), |c| c.to_string());
+                (failed || verbose).then(|| {
+                    (
+                        Stream::Stderr,
+                        format!("{} exited with code {code}", self.prefix(*rank)),
+                    )
+                })
             }
             Event::HostLost { host, reason } => {
-                if self.lost.insert(host.clone()) {
-                    self.err(format!(
-                        "driver: lost the connection to {host}'s Docker engine: {reason}"
-                    ));
+                if !self.lost.insert(host.clone()) {
+                    return None;
                 }
+                err(format!(
+                    "driver: lost the connection to {host}'s Docker engine: {reason}"
+                ))
             }
             Event::Stopping(cause) => {
                 let why = match cause {
@@ -101,10 +96,108 @@ impl Reporter for TerminalReporter {
                     StopCause::HostLost { host, .. } => format!("host {host} was lost"),
                     StopCause::Interrupted => "interrupted".to_string(),
                 };
-                self.err(format!("driver: {why}; stopping every rank"));
+                err(format!("driver: {why}; stopping every rank"))
             }
-            Event::Finished { .. } => {}
+            Event::Finished { .. } => None,
+        }
+    }
+}
+
+impl Reporter for TerminalReporter {
+    fn report(&mut self, event: &Event) -> Result<(), RecordError> {
+        match self.render(event) {
+            Some((Stream::Stdout, text)) => self.bar.suspend(|| println!("{text}")),
+            Some((Stream::Stderr, text)) => self.bar.suspend(|| eprintln!("{text}")),
+            None => {}
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::events::{HostFacts, Status};
+
+    fn events() -> Vec<Event> {
+        let start = r#"{"event":"iteration","iteration":0,"rank":1,"stage":0,"loss":null,"samples":8,"time_s":0.1,"samples_per_sec":80.0,"compute_s":0.1,"comm_wait_s":0.0,"idle_s":0.0,"peak_mem_bytes":null}"#;
+        vec![
+            Event::HostReady(HostFacts {
+                host: "node1".into(),
+                docker_version: Some("20.10.24".into()),
+                gpus: vec![],
+                image_id: Some("sha256:abc".into()),
+                image: Some("stagehand-local:0123".into()),
+                image_built: true,
+                copied_in: vec!["/opt/runtime".into()],
+            }),
+            Event::RankStarted {
+                rank: 0,
+                host: "localhost".into(),
+                handle: "pid 42".into(),
+            },
+            Event::RankStarted {
+                rank: 1,
+                host: "node1".into(),
+                handle: "3c2b7efebcf9".into(),
+            },
+            Event::LineLogged {
+                rank: 0,
+                stream: Stream::Stderr,
+                line: "runtime: training mlp".into(),
+            },
+            Event::Metrics {
+                rank: 1,
+                line: start.into(),
+                event: stagehand_contract::Event::parse_line(start).unwrap(),
+            },
+            Event::RankExited {
+                rank: 0,
+                exit_code: Some(0),
+            },
+            Event::HostLost {
+                host: "node1".into(),
+                reason: "connection reset".into(),
+            },
+            Event::HostLost {
+                host: "node1".into(),
+                reason: "connection reset again".into(),
+            },
+            Event::Stopping(StopCause::HostLost {
+                host: "node1".into(),
+                reason: "connection reset".into(),
+            }),
+            Event::RankExited {
+                rank: 1,
+                exit_code: None,
+            },
+            Event::Stopping(StopCause::RankFailed {
+                rank: 1,
+                host: "node1".into(),
+                exit_code: Some(137),
+            }),
+            Event::Stopping(StopCause::Interrupted),
+            Event::Finished {
+                status: Status::Failed,
+            },
+        ]
+    }
+
+    fn transcript(verbosity: Verbosity) -> String {
+        let hosts = BTreeMap::from([(0, "localhost".to_string()), (1, "node1".to_string())]);
+        let mut r = TerminalReporter::new(verbosity, ProgressBar::hidden(), hosts);
+        events()
+            .iter()
+            .filter_map(|e| r.render(e))
+            .map(|(stream, text)| format!("{}: {text}", if stream == Stream::Stdout { "out" } else { "err" }))
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    #[test]
+    fn each_verbosity_shows_what_it_promises() {
+        insta::assert_snapshot!("quiet", transcript(Verbosity::Quiet));
+        insta::assert_snapshot!("normal", transcript(Verbosity::Normal));
+        insta::assert_snapshot!("verbose", transcript(Verbosity::Verbose));
     }
 }

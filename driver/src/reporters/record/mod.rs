@@ -257,3 +257,6 @@ impl Reporter for RecordReporter {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests;

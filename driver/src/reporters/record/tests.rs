@@ -1,0 +1,179 @@
+//! The record folder written from a scripted sequence of events.
+
+use std::path::Path;
+
+use serde_json::Value;
+
+use super::*;
+use crate::cli::{ContainerMode, Options, Progress, Verbosity};
+use crate::events::Stream;
+
+fn plan(dir: &Path) -> (Loaded, Plan) {
+    let path = dir.join("exp.yml");
+    std::fs::write(
+        &path,
+        "name: rec\nbackend: process\nmachines: [localhost, localhost]\ncommand: [/bin/true]\n",
+    )
+    .unwrap();
+    let loaded = crate::config::load(&path).unwrap();
+    let options = Options {
+        config_file: path,
+        container_mode: ContainerMode::PerRank,
+        output_dir: None,
+        backend: None,
+        runtime: "/nonexistent/runtime".into(),
+        torch_venv: "/nonexistent/venv".into(),
+        mount_directories: Vec::new(),
+        ssh_config: None,
+        verbosity: Verbosity::Quiet,
+        progress: Progress::Off,
+    };
+    let plan = crate::plan::resolve(&loaded, &options, 29500).unwrap();
+    (loaded, plan)
+}
+
+fn metrics(line: &str) -> Event {
+    let event = stagehand_contract::Event::parse_line(line).unwrap();
+    let rank = match &event {
+        stagehand_contract::Event::Iteration(i) => i.rank,
+        _ => 0,
+    };
+    Event::Metrics {
+        rank,
+        line: line.to_string(),
+        event,
+    }
+}
+
+fn iteration(i: u64, rank: usize) -> Event {
+    metrics(&format!(
+        r#"{{"event":"iteration","iteration":{i},"rank":{rank},"stage":0,"loss":1.0,"samples":8,"time_s":0.1,"samples_per_sec":80.0,"compute_s":0.08,"comm_wait_s":0.02,"idle_s":0.0,"peak_mem_bytes":null}}"#
+    ))
+}
+
+fn summary(dir: &Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap()).unwrap()
+}
+
+#[test]
+fn folders_are_named_by_utc_time_and_never_reused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let a = Record::create(tmp.path(), "exp").unwrap();
+    let b = Record::create(tmp.path(), "exp").unwrap();
+    assert_ne!(a.dir, b.dir);
+    let (stamp, name) = a.id.split_once('_').unwrap();
+    assert_eq!(name, "exp");
+    assert_eq!(stamp.len(), "20261122T093000Z".len(), "{stamp}");
+    assert!(stamp.ends_with('Z') && stamp.as_bytes()[8] == b'T', "{stamp}");
+}
+
+#[test]
+fn a_failed_run_is_recorded_as_it_goes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (loaded, plan) = plan(tmp.path());
+    let record = Record::create(&tmp.path().join("records"), &plan.name).unwrap();
+    record.write_setup(&loaded, &plan).unwrap();
+    let dir = record.dir.clone();
+    let mut r = RecordReporter::new(record, &plan).unwrap();
+    assert_eq!(
+        summary(&dir)["status"],
+        "running",
+        "a summary exists before any rank starts"
+    );
+    assert_eq!(summary(&dir)["format_version"], FORMAT_VERSION);
+
+    r.report(&Event::RankStarted {
+        rank: 0,
+        host: "localhost".into(),
+        handle: "pid 1".into(),
+    })
+    .unwrap();
+    r.report(&Event::RankStarted {
+        rank: 1,
+        host: "localhost".into(),
+        handle: "pid 2".into(),
+    })
+    .unwrap();
+    for i in 0..3 {
+        r.report(&iteration(i, 0)).unwrap();
+        r.report(&iteration(i, 1)).unwrap();
+    }
+    r.report(&Event::LineLogged {
+        rank: 1,
+        stream: Stream::Stderr,
+        line: "out of memory".into(),
+    })
+    .unwrap();
+    r.report(&Event::RankExited {
+        rank: 1,
+        exit_code: Some(9),
+    })
+    .unwrap();
+    assert_eq!(
+        summary(&dir)["ranks"][1]["exit_code"],
+        9,
+        "exits are written when they happen"
+    );
+    let cause = StopCause::RankFailed {
+        rank: 1,
+        host: "localhost".into(),
+        exit_code: Some(9),
+    };
+    r.report(&Event::Stopping(cause)).unwrap();
+    r.report(&Event::RankExited {
+        rank: 0,
+        exit_code: Some(143),
+    })
+    .unwrap();
+    r.report(&Event::Finished {
+        status: Status::Failed,
+    })
+    .unwrap();
+
+    let s = summary(&dir);
+    assert_eq!(s["status"], "failed");
+    assert!(s["ended_at"].is_string());
+    assert_eq!(s["iterations_done"], 3);
+    assert_eq!(s["throughput"]["samples_per_sec_mean"], 160.0);
+    assert_eq!(s["throughput"]["iterations_measured"], 2);
+    assert!((s["stages"][0]["compute_share"].as_f64().unwrap() - 0.8).abs() < 1e-9);
+    assert_eq!(s["failure"]["cause"]["rank"], 1);
+    assert_eq!(s["failure"]["last_lines"], serde_json::json!(["out of memory"]));
+    assert_eq!(
+        std::fs::read_to_string(dir.join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .count(),
+        6
+    );
+    assert_eq!(
+        std::fs::read_to_string(dir.join("rank-1.log"))
+            .unwrap()
+            .lines()
+            .count(),
+        4
+    );
+    assert_eq!(
+        std::fs::read_to_string(dir.join("config.given.yml")).unwrap(),
+        loaded.text
+    );
+    let mut names: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(
+        names,
+        [
+            "config.given.yml",
+            "config.resolved.json",
+            "git.diff",
+            "git.json",
+            "metrics.jsonl",
+            "rank-0.log",
+            "rank-1.log",
+            "summary.json"
+        ],
+        "no temporary files are left from atomic writes"
+    );
+}
