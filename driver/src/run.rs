@@ -67,6 +67,9 @@ pub async fn run(options: Options) -> Result<(), RunError> {
     let plan = plan::resolve(&loaded, &options, port)?;
     let mut signals = StopSignals::install().map_err(RunError::Signals)?;
     let verbose = options.verbosity == crate::cli::Verbosity::Verbose;
+    if plan.backend == Backend::Process && options.container_mode == ContainerMode::PerHost {
+        eprintln!("warning: --launch-single-container is ignored with the process backend");
+    }
     let ssh = hosts::SshOptions {
         config_file: options.ssh_config.clone(),
     };
