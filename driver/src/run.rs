@@ -28,7 +28,7 @@ pub enum RunError {
     Port(#[source] std::io::Error),
     #[error("preflight failed; nothing was started")]
     Preflight(#[source] LaunchError),
-    #[error("cannot start the ranks; every container started so far was removed")]
+    #[error("cannot start the ranks; every rank started so far was stopped")]
     Launch(#[source] LaunchError),
     #[error("cannot write the record")]
     Record(#[from] RecordError),
@@ -74,13 +74,14 @@ pub async fn run(options: Options) -> Result<(), RunError> {
         config_file: options.ssh_config.clone(),
     };
 
-    if loaded.file.command.is_none() {
-        let runtime = &plan.ranks[0].argv[0];
-        if !std::path::Path::new(runtime).exists() {
-            return Err(RunError::Preflight(LaunchError::ProgramMissing {
-                path: runtime.into(),
-            }));
-        }
+    // The runtime must exist here (it is mounted or copied into containers); a `command:` program
+    // must exist here only when it runs here (in containers it may come with the image).
+    let program = &plan.ranks[0].argv[0];
+    let must_exist_here = loaded.file.command.is_none() || plan.backend == Backend::Process;
+    if must_exist_here && find_program(program).is_none() {
+        return Err(RunError::Preflight(LaunchError::ProgramMissing {
+            path: program.into(),
+        }));
     }
 
     // Preflight every host concurrently before anything starts anywhere.
@@ -138,7 +139,15 @@ pub async fn run(options: Options) -> Result<(), RunError> {
     let (tx, rx) = mpsc::unbounded_channel();
     let (status, cleanup) = match prepared {
         None => {
-            let launcher = ProcessLauncher::start(&plan, tx).map_err(RunError::Launch)?;
+            let launcher = match ProcessLauncher::start(&plan, tx) {
+                Ok(l) => l,
+                Err(e) => {
+                    reporters.report(&Event::Finished {
+                        status: Status::Failed,
+                    });
+                    return Err(RunError::Launch(e));
+                }
+            };
             let launcher = Launcher::Process(launcher);
             let status = launch::supervise(&plan, &launcher, rx, &mut reporters, &mut signals).await;
             (status, Vec::new())
@@ -192,4 +201,17 @@ pub async fn run(options: Options) -> Result<(), RunError> {
         status,
         dir: record.dir,
     })
+}
+
+/// Where `program` would be found: a path as given, or a bare name on `PATH`.
+fn find_program(program: &str) -> Option<std::path::PathBuf> {
+    let path = std::path::Path::new(program);
+    if program.contains('/') {
+        return path.is_file().then(|| path.to_path_buf());
+    }
+    std::env::var_os("PATH")
+        .iter()
+        .flat_map(std::env::split_paths)
+        .map(|dir| dir.join(program))
+        .find(|p| p.is_file())
 }

@@ -141,3 +141,18 @@ fn the_real_runtime_trains_as_a_process() {
     assert!(metrics[0].contains(r#""model":"mlp""#), "{metrics:?}");
     assert!(metrics.last().unwrap().contains(r#""event":"summary""#));
 }
+
+#[test]
+fn a_missing_program_fails_preflight() {
+    let h = Harness::new("proc-missing");
+    let config = h.config("backend: process\nmachines: [localhost]\ncommand: [no-such-program-here, --x]\n");
+    let run = h.run(&config, &[]);
+    assert_eq!(run.code(), 3, "{}", run.stderr());
+    assert!(
+        run.stderr()
+            .contains("program no-such-program-here for the ranks does not exist"),
+        "{}",
+        run.stderr()
+    );
+    assert!(!h.records().exists());
+}
