@@ -44,6 +44,10 @@ pub struct Cli {
     #[arg(long = "mount-directories", alias = "mount_directories", value_name = "DIR", num_args = 1..)]
     mount_directories: Vec<PathBuf>,
 
+    /// The master port (default: a free port the driver picks); checked free on the first machine.
+    #[arg(long = "master-port", value_name = "PORT")]
+    master_port: Option<u16>,
+
     /// An ssh_config file to use for SSH hosts instead of ~/.ssh/config (as `ssh -F`).
     #[arg(long = "ssh-config", env = "STAGEHAND_SSH_CONFIG", value_name = "FILE")]
     ssh_config: Option<PathBuf>,
@@ -124,6 +128,8 @@ pub struct Options {
     pub torch_venv: PathBuf,
     /// Extra directories mounted at the same path in every container.
     pub mount_directories: Vec<PathBuf>,
+    /// Master port chosen by the user, if any.
+    pub master_port: Option<u16>,
     /// ssh_config file for SSH hosts, instead of ~/.ssh/config.
     pub ssh_config: Option<PathBuf>,
     /// Terminal verbosity.
@@ -163,6 +169,7 @@ impl Cli {
             runtime: self.runtime,
             torch_venv: self.torch_venv.unwrap_or_else(default_torch_venv),
             mount_directories: self.mount_directories,
+            master_port: self.master_port,
             ssh_config: self.ssh_config,
             verbosity,
             progress: if self.no_progress || verbosity == Verbosity::Quiet {

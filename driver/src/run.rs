@@ -63,7 +63,10 @@ impl RunError {
 /// Runs the experiment the options name.
 pub async fn run(options: Options) -> Result<(), RunError> {
     let loaded = config::load(&options.config_file)?;
-    let port = plan::free_local_port().map_err(RunError::Port)?;
+    let port = match options.master_port {
+        Some(p) => p,
+        None => plan::free_local_port().map_err(RunError::Port)?,
+    };
     let plan = plan::resolve(&loaded, &options, port)?;
     let mut signals = StopSignals::install().map_err(RunError::Signals)?;
     let verbose = options.verbosity == crate::cli::Verbosity::Verbose;
@@ -105,6 +108,33 @@ pub async fn run(options: Options) -> Result<(), RunError> {
             )
         }
     };
+
+    // The master port must be free where rank 0 listens; a port the driver picked is replaced
+    // when the first machine has it taken, a port the user chose is reported.
+    let master = prepared.as_ref().and_then(|p| p.first()).map(|(host, _)| host);
+    let mut plan = plan;
+    for attempt in 0.. {
+        match hosts::master_port_free(master, plan.master_port).await {
+            Some(true) => break,
+            Some(false) if options.master_port.is_none() && attempt < 5 => {
+                let port = plan::free_local_port().map_err(RunError::Port)?;
+                plan = plan::resolve(&loaded, &options, port)?;
+            }
+            Some(false) => {
+                let host = plan.hosts[0].name.clone();
+                return Err(RunError::Preflight(LaunchError::PortInUse {
+                    host,
+                    port: plan.master_port,
+                }));
+            }
+            None => {
+                let (port, host) = (plan.master_port, &plan.hosts[0].name);
+                eprintln!("warning: could not check that master port {port} is free on {host}");
+                break;
+            }
+        }
+    }
+    let plan = plan;
 
     let record = Record::create(&plan.log_directory, &plan.name)?;
     record.write_setup(&loaded, &plan)?;

@@ -156,3 +156,22 @@ fn a_missing_program_fails_preflight() {
     );
     assert!(!h.records().exists());
 }
+
+#[test]
+fn a_master_port_in_use_fails_preflight() {
+    let taken = std::net::TcpListener::bind("0.0.0.0:0").unwrap();
+    let port = taken.local_addr().unwrap().port().to_string();
+    let h = Harness::new("proc-port");
+    let config = h.config(&format!(
+        "backend: process\nmachines: [localhost]\ncommand: ['{FAKE_RANK}']\n"
+    ));
+    let run = h.run(&config, &["--master-port", &port]);
+    assert_eq!(run.code(), 3, "{}", run.stderr());
+    assert!(
+        run.stderr()
+            .contains(&format!("master port {port} is in use on localhost")),
+        "{}",
+        run.stderr()
+    );
+    assert!(!h.records().exists());
+}

@@ -166,3 +166,43 @@ fn a_data_dir_missing_on_a_host_fails_preflight() {
     );
     h.assert_no_containers();
 }
+
+#[test]
+fn a_master_port_in_use_on_the_first_host_fails_preflight() {
+    let sshd = Sshd::start();
+    // The "remote" host is this machine, so a port held here is held there.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port().to_string();
+    let h = Harness::new("ssh-port");
+    let exp = config(&h, &TRUSTED[..2], "--iterations, '1'");
+    let run = h.run(
+        &exp,
+        &[
+            "--ssh-config",
+            sshd.config().to_str().unwrap(),
+            "--master-port",
+            &port,
+        ],
+    );
+    assert_eq!(run.code(), 3, "{}", run.stderr());
+    assert!(
+        run.stderr()
+            .contains(&format!("master port {port} is in use on {}", TRUSTED[0])),
+        "{}",
+        run.stderr()
+    );
+    h.assert_no_containers();
+    // A free port passes the same check.
+    drop(taken);
+    let run = h.run(
+        &exp,
+        &[
+            "--ssh-config",
+            sshd.config().to_str().unwrap(),
+            "--master-port",
+            &port,
+        ],
+    );
+    assert_eq!(run.code(), 0, "{}", run.stderr());
+    h.assert_no_containers();
+}

@@ -129,3 +129,12 @@ pub async fn prepare(
     };
     Ok((host, facts))
 }
+
+/// Whether the master port is free on the first machine (where rank 0 listens). `None` when it
+/// cannot be told (the check itself failed); the run goes on then.
+pub async fn master_port_free(host: Option<&Host>, port: u16) -> Option<bool> {
+    match host.and_then(|h| h._tunnel.as_ref()) {
+        None => Some(std::net::TcpListener::bind(("0.0.0.0", port)).is_ok()),
+        Some(tunnel) => tunnel.port_free(port).await.ok(),
+    }
+}

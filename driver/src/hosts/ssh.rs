@@ -83,6 +83,44 @@ impl Tunnel {
     }
 }
 
+impl Tunnel {
+    /// Whether nothing listens on `port` of the host's loopback: a forwarded connection to it is
+    /// refused (closed at once) when the port is free, and stays open when something listens.
+    pub async fn port_free(&self, port: u16) -> Result<bool, openssh::Error> {
+        let session = self.session.as_ref().expect("a live tunnel has a session");
+        let local = crate::plan::free_local_port().map_err(openssh::Error::Connect)?;
+        let listen = Socket::TcpSocket {
+            host: "127.0.0.1".into(),
+            port: local,
+        };
+        let remote = Socket::TcpSocket {
+            host: "127.0.0.1".into(),
+            port,
+        };
+        session
+            .request_port_forward(ForwardType::Local, listen.clone(), remote.clone())
+            .await?;
+        let free = probe(local).await;
+        let _ = session
+            .close_port_forward(ForwardType::Local, listen, remote)
+            .await;
+        Ok(free)
+    }
+}
+
+/// Connects to the local end of a forward and waits briefly: closed at once means refused.
+async fn probe(local: u16) -> bool {
+    use tokio::io::AsyncReadExt;
+    let Ok(mut stream) = tokio::net::TcpStream::connect(("127.0.0.1", local)).await else {
+        return true;
+    };
+    let mut byte = [0u8; 1];
+    match tokio::time::timeout(Duration::from_millis(500), stream.read(&mut byte)).await {
+        Ok(Ok(0)) | Ok(Err(_)) => true,
+        Ok(Ok(_)) | Err(_) => false,
+    }
+}
+
 /// SSH settings that apply to every host.
 #[derive(Debug, Clone, Default)]
 pub struct SshOptions {

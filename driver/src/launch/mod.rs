@@ -58,6 +58,8 @@ pub enum LaunchError {
         #[source]
         source: std::io::Error,
     },
+    #[error("master port {port} is in use on {host}; pass another with --master-port, or leave it out to get a free one")]
+    PortInUse { host: String, port: u16 },
     #[error("image {image} does not exist on {host}; build it there, or name a build context with `container: {{build: DIR}}`")]
     ImageMissing { host: String, image: String },
     #[error("building the image from {} on {host} failed: {message}", context.display())]

@@ -14,6 +14,7 @@ fn options(backend: Option<Backend>, mode: ContainerMode) -> Options {
         runtime: PathBuf::from("/opt/stagehand/runtime"),
         torch_venv: PathBuf::from("/nonexistent/venv"),
         mount_directories: Vec::new(),
+        master_port: None,
         ssh_config: None,
         verbosity: Verbosity::Normal,
         progress: Progress::Off,

@@ -24,6 +24,7 @@ fn plan(dir: &Path) -> (Loaded, Plan) {
         runtime: "/nonexistent/runtime".into(),
         torch_venv: "/nonexistent/venv".into(),
         mount_directories: Vec::new(),
+        master_port: None,
         ssh_config: None,
         verbosity: Verbosity::Quiet,
         progress: Progress::Off,
