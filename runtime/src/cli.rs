@@ -1,12 +1,19 @@
 //! Command-line arguments. The clap types stop here: [`Cli::into_command`] turns them into the
 //! validated [`crate::config`] types the rest of the runtime works with.
 
+use std::path::PathBuf;
+use std::time::Duration;
+
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use stagehand_contract::StageConfig;
 
 use crate::config::{
-    Command, ConfigError, DeviceSpec, ModelChoice, ModulesConfig, OptimizerKind, TrainConfig,
+    Backend, Command, ConfigError, DeviceSpec, DistConfig, ModelChoice, ModulesConfig, OptimizerKind,
+    TrainConfig,
 };
 use crate::data::DataSpec;
+use crate::p2p::P2pConfig;
+use crate::pipeline::schedule::Schedule;
 
 /// One training process (rank) of a model split across ranks.
 ///
@@ -30,6 +37,25 @@ pub struct Cli {
 enum Sub {
     /// Print the model's module list (index, name, parameters, output shape), to write stage configs by hand.
     Modules(ModulesArgs),
+    /// Measure point-to-point throughput between two ranks (used by bench/).
+    #[command(hide = true)]
+    P2pBench(P2pArgs),
+}
+
+#[derive(Debug, Args)]
+struct P2pArgs {
+    #[arg(long, env = "RANK")]
+    rank: usize,
+    #[arg(long, env = "MASTER_ADDR", default_value = "127.0.0.1")]
+    master_addr: String,
+    #[arg(long, env = "MASTER_PORT", default_value_t = 29500)]
+    master_port: u16,
+    /// Bytes per message.
+    #[arg(long, default_value_t = 64 << 20)]
+    bytes: usize,
+    /// Messages to time.
+    #[arg(long, default_value_t = 20)]
+    rounds: usize,
 }
 
 #[derive(Debug, Args)]
@@ -101,6 +127,67 @@ struct TrainArgs {
     /// Leading iterations left out of the summary's throughput.
     #[arg(long, default_value_t = 1)]
     warmup: u64,
+    /// At the end, write this rank's parameters to DIR/rank-N.safetensors.
+    #[arg(long, value_name = "DIR")]
+    save_params: Option<PathBuf>,
+    /// Print a `trace` event per microbatch: the weights its forward and backward used.
+    #[arg(long)]
+    trace: bool,
+    #[command(flatten)]
+    dist: DistArgs,
+}
+
+/// The launch contract (torchrun's variables as fallbacks), stage config and schedule.
+#[derive(Debug, Args)]
+struct DistArgs {
+    /// This process's rank.
+    #[arg(long, env = "RANK", default_value_t = 0)]
+    rank: usize,
+    /// Number of ranks.
+    #[arg(long, env = "WORLD_SIZE", default_value_t = 1)]
+    world_size: usize,
+    /// Address of rank 0, which hosts the rendezvous store.
+    #[arg(long, env = "MASTER_ADDR", default_value = "127.0.0.1")]
+    master_addr: String,
+    /// Port of the rendezvous store on rank 0.
+    #[arg(long, env = "MASTER_PORT", default_value_t = 29500)]
+    master_port: u16,
+    /// Rank within this host; picks the GPU when --device is plain `cuda`.
+    #[arg(long, env = "LOCAL_RANK", default_value_t = 0)]
+    local_rank: usize,
+    /// Communication backend [default: gloo on CPU, nccl on CUDA].
+    #[arg(long, value_enum)]
+    backend: Option<BackendArg>,
+    /// PipeDream stage config (JSON: module_to_stage_map, stage_to_rank_map, stage_to_depth_map).
+    /// Without one, every rank holds the whole model (data parallelism).
+    #[arg(long)]
+    stage_config: Option<PathBuf>,
+    /// Pipeline schedule.
+    #[arg(long, value_enum, default_value_t = ScheduleArg::OneFOneB)]
+    schedule: ScheduleArg,
+    /// Microbatches per minibatch [default: the number of stages or the largest replica count].
+    #[arg(long)]
+    microbatches: Option<usize>,
+    /// Seconds any rendezvous or communication may wait before the rank gives up.
+    #[arg(long, default_value_t = 60.0)]
+    comm_timeout: f64,
+    /// Slow one rank's compute by a factor, as RANK=FACTOR (straggler emulation); repeatable.
+    #[arg(long, value_name = "RANK=FACTOR")]
+    slowdown: Vec<String>,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum BackendArg {
+    Gloo,
+    Nccl,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum ScheduleArg {
+    Gpipe,
+    #[value(name = "1f1b")]
+    OneFOneB,
+    Pipedream,
 }
 
 #[derive(Debug, Args)]
@@ -130,6 +217,21 @@ impl Cli {
                 batch_size: positive("--batch-size", m.batch_size)?,
                 json: m.json,
             })),
+            Some(Sub::P2pBench(p)) => {
+                if p.rank > 1 {
+                    return Err(ConfigError::Invalid {
+                        flag: "--rank",
+                        reason: "p2p-bench runs ranks 0 and 1".into(),
+                    });
+                }
+                Ok(Command::P2pBench(P2pConfig {
+                    rank: p.rank,
+                    master_addr: p.master_addr,
+                    master_port: p.master_port,
+                    bytes: positive("--bytes", p.bytes)?,
+                    rounds: positive("--rounds", p.rounds)?,
+                }))
+            }
             None => self.train.into_config().map(Command::Train),
         }
     }
@@ -154,7 +256,12 @@ impl TrainArgs {
                 reason: format!("{} is not a positive number", self.lr),
             });
         }
+        let device = match self.device.as_str() {
+            "cuda" => DeviceSpec::Cuda(self.dist.local_rank),
+            other => DeviceSpec::parse(other)?,
+        };
         Ok(TrainConfig {
+            dist: self.dist.into_config(device)?,
             model,
             batch_size: positive("--batch-size", self.batch_size)?,
             iterations: self.iterations,
@@ -162,9 +269,90 @@ impl TrainArgs {
             optimizer,
             seed: self.seed,
             data,
-            device: DeviceSpec::parse(&self.device)?,
+            device,
             threads: self.threads.map(|t| positive("--threads", t)).transpose()?,
             warmup: self.warmup,
+            save_params: self.save_params,
+            trace: self.trace,
+        })
+    }
+}
+
+impl DistArgs {
+    fn into_config(self, device: DeviceSpec) -> Result<DistConfig, ConfigError> {
+        let invalid = |flag, reason: String| ConfigError::Invalid { flag, reason };
+        if self.world_size == 0 {
+            return Err(invalid("--world-size", "must be at least 1".into()));
+        }
+        if self.rank >= self.world_size {
+            return Err(invalid(
+                "--rank",
+                format!("{} is not below --world-size {}", self.rank, self.world_size),
+            ));
+        }
+        if self.microbatches == Some(0) {
+            return Err(invalid("--microbatches", "must be at least 1".into()));
+        }
+        if !(self.comm_timeout.is_finite() && self.comm_timeout > 0.0) {
+            return Err(invalid(
+                "--comm-timeout",
+                format!("{} is not a positive number of seconds", self.comm_timeout),
+            ));
+        }
+        let stage_config = match &self.stage_config {
+            None => None,
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .map_err(|e| invalid("--stage-config", format!("cannot read {}: {e}", path.display())))?;
+                let config = StageConfig::from_json(&text)
+                    .map_err(|e| invalid("--stage-config", format!("{}: {e}", path.display())))?;
+                Some(config)
+            }
+        };
+        let mut slowdown = 1.0;
+        for spec in &self.slowdown {
+            let parsed = spec
+                .split_once('=')
+                .and_then(|(r, f)| Some((r.parse::<usize>().ok()?, f.parse::<f64>().ok()?)));
+            match parsed {
+                Some((rank, factor)) if factor >= 1.0 && factor.is_finite() => {
+                    if rank == self.rank {
+                        slowdown = factor;
+                    }
+                }
+                _ => {
+                    return Err(invalid(
+                        "--slowdown",
+                        format!("{spec:?} is not RANK=FACTOR with a factor of at least 1"),
+                    ))
+                }
+            }
+        }
+        let backend = match (self.backend, device) {
+            (Some(BackendArg::Gloo), _) | (None, DeviceSpec::Cpu) => Backend::Gloo,
+            (Some(BackendArg::Nccl), DeviceSpec::Cpu) => {
+                return Err(invalid(
+                    "--backend",
+                    "nccl needs CUDA tensors; use --device cuda or --backend gloo".into(),
+                ))
+            }
+            (Some(BackendArg::Nccl), _) | (None, DeviceSpec::Cuda(_)) => Backend::Nccl,
+        };
+        Ok(DistConfig {
+            rank: self.rank,
+            world_size: self.world_size,
+            master_addr: self.master_addr,
+            master_port: self.master_port,
+            backend,
+            stage_config,
+            schedule: match self.schedule {
+                ScheduleArg::Gpipe => Schedule::GPipe,
+                ScheduleArg::OneFOneB => Schedule::OneFOneB,
+                ScheduleArg::Pipedream => Schedule::PipeDream,
+            },
+            microbatches: self.microbatches,
+            comm_timeout: Duration::from_secs_f64(self.comm_timeout),
+            slowdown,
         })
     }
 }

@@ -1,7 +1,11 @@
 //! The validated configuration of a run: what the CLI resolves to, with per-model defaults
 //! filled in, before anything is built.
 
-use stagehand_contract::RunConfig;
+use std::time::Duration;
+
+use stagehand_contract::{RunConfig, StageConfig};
+
+use crate::pipeline::schedule::Schedule;
 
 use crate::data::{DataError, DataSpec};
 use crate::models::{ModelOptions, MODEL_NAMES};
@@ -13,6 +17,8 @@ pub enum Command {
     Train(TrainConfig),
     /// List the model's modules.
     Modules(ModulesConfig),
+    /// Measure point-to-point throughput.
+    P2pBench(crate::p2p::P2pConfig),
 }
 
 /// A bad argument; the message names the flag and what to change.
@@ -202,11 +208,43 @@ pub struct TrainConfig {
     pub threads: Option<usize>,
     /// Leading iterations left out of the summary's throughput.
     pub warmup: u64,
+    /// Where this rank sits in the job and how it talks to the others.
+    pub dist: DistConfig,
+    /// Folder to write each rank's final parameters to.
+    pub save_params: Option<std::path::PathBuf>,
+    /// Emit `trace` events.
+    pub trace: bool,
+}
+
+/// `--backend`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Backend {
+    Gloo,
+    Nccl,
+}
+
+/// The distributed side of a run: launch contract, stage config and schedule.
+#[derive(Debug, Clone)]
+pub struct DistConfig {
+    pub rank: usize,
+    pub world_size: usize,
+    pub master_addr: String,
+    pub master_port: u16,
+    pub backend: Backend,
+    /// PipeDream stage config; `None` is pure data parallelism over `world_size` ranks.
+    pub stage_config: Option<StageConfig>,
+    pub schedule: Schedule,
+    /// Microbatches per minibatch; `None` takes the plan's default.
+    pub microbatches: Option<usize>,
+    /// Bound on every rendezvous and communication wait.
+    pub comm_timeout: Duration,
+    /// Compute slow-down factor of this rank (straggler emulation), 1 for none.
+    pub slowdown: f64,
 }
 
 impl TrainConfig {
     /// The configuration as the `start` event reports it.
-    pub fn to_run_config(&self, threads: usize) -> RunConfig {
+    pub fn to_run_config(&self, threads: usize, microbatches: usize, stages: usize) -> RunConfig {
         RunConfig {
             model: self.model.name.clone(),
             batch_size: self.batch_size,
@@ -220,8 +258,12 @@ impl TrainConfig {
             data: self.data.to_string(),
             device: self.device.to_string(),
             threads,
-            schedule: "none".into(),
-            microbatches: 1,
+            schedule: if stages > 1 {
+                self.dist.schedule.to_string()
+            } else {
+                "none".into()
+            },
+            microbatches,
         }
     }
 }

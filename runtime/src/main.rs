@@ -8,6 +8,7 @@ mod data;
 mod inspect;
 mod metrics;
 mod models;
+mod p2p;
 mod pipeline;
 mod train;
 
@@ -47,6 +48,7 @@ fn main() -> ExitCode {
     let result = match command {
         Command::Train(config) => train::run(&config, &mut metrics::Emitter::new(std::io::stdout())),
         Command::Modules(config) => inspect::run(&config, &mut std::io::stdout().lock()),
+        Command::P2pBench(config) => p2p::run(&config, &mut std::io::stdout().lock()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -109,3 +109,71 @@ pub fn write_image_folder(dir: &Path, classes: usize, per_class: usize) {
         }
     }
 }
+
+/// A loopback port nobody listens on right now.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Runs `world` ranks of `runtime` as local processes on a fresh port, each with `args` plus its
+/// launch flags, and waits for all (killing them after `limit`).
+pub fn run_ranks(world: usize, args: &[&str], limit: std::time::Duration) -> Vec<Run> {
+    let port = free_port().to_string();
+    let world_s = world.to_string();
+    let children: Vec<_> = (0..world)
+        .map(|rank| {
+            let rank = rank.to_string();
+            runtime()
+                .args(args)
+                .args([
+                    "--world-size",
+                    &world_s,
+                    "--rank",
+                    &rank,
+                    "--master-port",
+                    &port,
+                    "--comm-timeout",
+                    "30",
+                ])
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .expect("runtime starts")
+        })
+        .collect();
+    let deadline = std::time::Instant::now() + limit;
+    children
+        .into_iter()
+        .map(|mut child| {
+            loop {
+                if child.try_wait().unwrap().is_some() {
+                    break;
+                }
+                if std::time::Instant::now() > deadline {
+                    let _ = child.kill();
+                    break;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            let output = child.wait_with_output().unwrap();
+            let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+            let events = stdout.lines().filter_map(Event::parse_line).collect();
+            Run { output, events }
+        })
+        .collect()
+}
+
+/// Reads a `--save-params` folder into one map of parameter name to tensor, over every rank.
+pub fn read_params(dir: &Path) -> std::collections::BTreeMap<String, tch::Tensor> {
+    let mut params = std::collections::BTreeMap::new();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        for (name, tensor) in tch::Tensor::read_safetensors(entry.unwrap().path()).unwrap() {
+            params.insert(name, tensor);
+        }
+    }
+    params
+}

@@ -1,18 +1,25 @@
-//! Training: builds the stage a rank runs, pulls batches, runs the iterations, and reports each
-//! one as a metrics event.
+//! Training: resolves the rank's place in the plan, builds its stage, connects to its peers,
+//! runs its schedule, and reports each iteration as a metrics event. One process holding the
+//! whole model is the same path with a one-stage, one-rank plan and no peers.
 
+mod optim;
 mod stage;
 
 use std::io::Write;
-use std::time::Instant;
+use std::time::Duration;
 
 use anyhow::{bail, Context};
-use stagehand_contract::{Event, Iteration, Start, Summary, SCHEMA_VERSION};
+use stagehand_contract::{Event, Iteration, StagePlan, Start, Summary, SCHEMA_VERSION};
+use tch::Kind;
 
-use crate::config::{DeviceSpec, TrainConfig};
+use crate::comm::{ProcessGroup, Store};
+use crate::config::{Backend, DeviceSpec, DistConfig, TrainConfig};
 use crate::data::{self, BatchRequest, Shard};
 use crate::metrics::{peak_rss_bytes, Emitter, Throughput};
-use crate::models::ModelDef;
+use crate::models::{InputKind, ModelDef};
+use crate::pipeline::schedule::{self, Action, Schedule};
+use crate::pipeline::{Executor, Links, TensorSpec};
+pub use optim::Optimizer;
 pub use stage::Stage;
 
 /// Checks that the requested device exists before anything is allocated on it.
@@ -26,118 +33,256 @@ fn check_device(device: DeviceSpec) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Trains one process holding the whole model.
+/// The plan of stages: the config's, or every rank on one stage (data parallelism).
+fn stage_plan(dist: &DistConfig, num_modules: usize) -> anyhow::Result<StagePlan> {
+    match &dist.stage_config {
+        Some(config) => config
+            .validate(num_modules, dist.world_size)
+            .context("--stage-config"),
+        None => Ok(StagePlan::data_parallel(num_modules, dist.world_size)),
+    }
+}
+
+/// This rank's actions over the whole run. GPipe and 1F1B flush every iteration, so one
+/// iteration's list repeats with microbatch numbers shifted; PipeDream runs one long stream.
+fn rank_actions(
+    plan: &StagePlan,
+    dist: &DistConfig,
+    microbatches: usize,
+    iterations: u64,
+) -> anyhow::Result<Vec<Action>> {
+    let iterations = iterations as usize;
+    if dist.schedule == Schedule::PipeDream {
+        let timeline = schedule::timeline(plan, dist.schedule, microbatches * iterations)?;
+        return Ok(timeline.actions[dist.rank].clone());
+    }
+    let one = schedule::timeline(plan, dist.schedule, microbatches)?;
+    let mine = &one.actions[dist.rank];
+    Ok((0..iterations)
+        .flat_map(|it| {
+            mine.iter().map(move |a| match *a {
+                Action::Forward(g) => Action::Forward(g + it * microbatches),
+                Action::Backward(g) => Action::Backward(g + it * microbatches),
+                Action::Step => Action::Step,
+            })
+        })
+        .collect())
+}
+
+/// Rendezvous with the other ranks: the world group, and this stage's replica group.
+fn connect(dist: &DistConfig, plan: &StagePlan) -> anyhow::Result<Links> {
+    if dist.world_size == 1 {
+        return Ok(Links {
+            world: None,
+            replicas: None,
+        });
+    }
+    let timeout = dist.comm_timeout;
+    let store = Store::connect(
+        &dist.master_addr,
+        dist.master_port,
+        dist.world_size,
+        dist.rank == 0,
+        timeout,
+    )?;
+    let world = match dist.backend {
+        Backend::Gloo => ProcessGroup::gloo(&store, dist.rank, dist.world_size, timeout)?,
+        Backend::Nccl => ProcessGroup::nccl(&store, dist.rank, dist.world_size, timeout)?,
+    };
+    let mut replicas = None;
+    for stage in plan.stages.iter().filter(|s| s.ranks.len() > 1) {
+        let mut ranks = stage.ranks.clone();
+        ranks.sort_unstable();
+        if let Some(group) = world.subgroup(&store, &format!("stage{}", stage.id), &ranks)? {
+            replicas = Some(group);
+        }
+    }
+    Ok(Links {
+        world: Some(world),
+        replicas,
+    })
+}
+
+/// Shapes of one microbatch's input and target at the first stage.
+fn first_specs(input: InputKind, micro_size: i64) -> (TensorSpec, TensorSpec) {
+    match input {
+        InputKind::Image { size, .. } => (
+            TensorSpec {
+                shape: vec![micro_size, 3, size, size],
+                kind: Kind::Float,
+            },
+            TensorSpec {
+                shape: vec![micro_size],
+                kind: Kind::Int64,
+            },
+        ),
+        InputKind::Tokens { seq_len, .. } => (
+            TensorSpec {
+                shape: vec![micro_size, seq_len],
+                kind: Kind::Int64,
+            },
+            TensorSpec {
+                shape: vec![micro_size, seq_len],
+                kind: Kind::Int64,
+            },
+        ),
+    }
+}
+
+/// Trains this rank's part of the model.
 pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Result<()> {
     if let Some(threads) = config.threads {
         tch::set_num_threads(threads as i32);
     }
     check_device(config.device)?;
+    let dist = &config.dist;
     let device = config.device.tch();
     let model = ModelDef::named(&config.model.name, &config.model.options)?;
+
+    // Everything that can be wrong with the plan is found before talking to any other rank.
+    let plan = stage_plan(dist, model.num_modules())?;
+    let max_replicas = plan.stages.iter().map(|s| s.ranks.len()).max().unwrap_or(1);
+    let microbatches = dist.microbatches.unwrap_or(plan.stages.len().max(max_replicas));
+    schedule::validate(&plan, dist.schedule, microbatches)?;
+    if config.batch_size % microbatches != 0 {
+        bail!(
+            "--batch-size {} is not divisible by --microbatches {microbatches}",
+            config.batch_size
+        );
+    }
+    let micro_size = (config.batch_size / microbatches) as i64;
+    let actions = rank_actions(&plan, dist, microbatches, config.iterations)?;
+    let my_stage = plan.stage_of_rank(dist.rank).clone();
     let num_params: u64 = model.param_counts().iter().sum();
-    let range = 0..model.num_modules();
-    let mut stage = Stage::build(
-        &model,
-        range.clone(),
-        config.seed,
-        device,
-        config.optimizer,
-        config.lr,
-    )
-    .context("building the model")?;
-    let request = BatchRequest {
-        input: model.input,
-        batch_size: config.batch_size,
-        seed: config.seed,
-        shard: Shard::WHOLE,
-        device,
+
+    let stage = Stage::build(&model, my_stage.modules.clone(), config.seed, device);
+    let optimizer = Optimizer::new(config.optimizer, config.lr, stage.params());
+    let data = if my_stage.id == 0 {
+        // Every first-stage replica reads the same minibatches and takes its own microbatches.
+        let request = BatchRequest {
+            input: model.input,
+            batch_size: config.batch_size,
+            seed: config.seed,
+            shard: Shard::WHOLE,
+            device,
+        };
+        Some(data::open(&config.data, request)?)
+    } else {
+        None
     };
-    let mut batches = data::open(&config.data, request)?;
+    let links = connect(dist, &plan)?;
+    let mut executor = Executor {
+        plan: plan.clone(),
+        rank: dist.rank,
+        stage_id: my_stage.id,
+        schedule: dist.schedule,
+        microbatches,
+        micro_size,
+        stage,
+        optimizer,
+        links,
+        data,
+        device,
+        slowdown: dist.slowdown,
+        trace: config.trace,
+        input_spec: None,
+        output_spec: None,
+        target_spec: None,
+    };
+    executor.learn_shapes(first_specs(model.input, micro_size))?;
 
     out.emit(&Event::Start(Start {
         schema_version: SCHEMA_VERSION,
-        rank: 0,
-        world_size: 1,
-        stage: 0,
-        num_stages: 1,
+        rank: dist.rank,
+        world_size: dist.world_size,
+        stage: my_stage.id,
+        num_stages: plan.stages.len(),
         num_modules: model.num_modules(),
         num_params,
-        first_module: range.start,
-        end_module: range.end,
-        stage_params: stage.num_params(),
-        config: config.to_run_config(tch::get_num_threads() as usize),
+        first_module: my_stage.modules.start,
+        end_module: my_stage.modules.end,
+        stage_params: executor.stage.num_params(),
+        config: config.to_run_config(tch::get_num_threads() as usize, microbatches, plan.stages.len()),
     }))?;
     eprintln!(
-        "runtime: training {} ({} parameters, {} modules) on {} with batch {} for {} iterations",
+        "runtime: rank {} of {}: stage {} of {} (modules {}..{}) of {} on {}, {} microbatches of {}",
+        dist.rank,
+        dist.world_size,
+        my_stage.id,
+        plan.stages.len(),
+        my_stage.modules.start,
+        my_stage.modules.end,
         model.name,
-        num_params,
-        model.num_modules(),
         config.device,
-        config.batch_size,
-        config.iterations
+        microbatches,
+        micro_size
     );
 
     let mut throughput = Throughput::default();
-    let (mut total, mut compute_total, mut idle_total) = (0.0, 0.0, 0.0);
+    let mut totals = (Duration::ZERO, Duration::ZERO, Duration::ZERO);
     let mut last_loss = None;
-    for iteration in 0..config.iterations {
-        let started = Instant::now();
-        let (input, target) = batches.next_batch()?;
-        let data_wait = started.elapsed().as_secs_f64();
-
-        stage.zero_grad();
-        let output = stage.forward(&input, true);
-        let loss = stage
-            .loss(&output, &target)
-            .expect("a whole model ends with its loss")
-            .context("computing the loss")?;
-        loss.backward();
-        stage.step();
-        let loss = loss.double_value(&[]);
-        if !loss.is_finite() {
-            bail!("loss became {loss} at iteration {iteration}; lower --lr");
-        }
-
-        let time_s = started.elapsed().as_secs_f64();
-        let samples_per_sec = config.batch_size as f64 / time_s;
-        if iteration >= config.warmup {
+    let (rank, stage_id, batch) = (dist.rank, my_stage.id, config.batch_size);
+    executor.run(&actions, |report| {
+        let time_s = report.time.as_secs_f64();
+        let compute_s = report.timing.compute.as_secs_f64();
+        let comm_wait_s = report.timing.comm.as_secs_f64();
+        let samples_per_sec = batch as f64 / time_s;
+        if report.iteration >= config.warmup {
             throughput.push(samples_per_sec);
         }
-        total += time_s;
-        compute_total += time_s - data_wait;
-        idle_total += data_wait;
-        last_loss = Some(loss);
+        totals.0 += report.time;
+        totals.1 += report.timing.compute;
+        totals.2 += report.timing.comm;
+        last_loss = report.loss.or(last_loss);
+        for trace in report.traces {
+            out.emit(&Event::Trace(trace))?;
+        }
         out.emit(&Event::Iteration(Iteration {
-            iteration,
-            rank: 0,
-            stage: 0,
-            loss: Some(loss),
-            samples: config.batch_size as u64,
+            iteration: report.iteration,
+            rank,
+            stage: stage_id,
+            loss: report.loss,
+            samples: batch as u64,
             time_s,
             samples_per_sec,
-            compute_s: time_s - data_wait,
-            comm_wait_s: 0.0,
-            idle_s: data_wait,
+            compute_s,
+            comm_wait_s,
+            idle_s: (time_s - compute_s - comm_wait_s).max(0.0),
             peak_mem_bytes: peak_rss_bytes(),
         }))?;
-    }
+        Ok(())
+    })?;
 
+    if let Some(dir) = &config.save_params {
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("--save-params: cannot create {}", dir.display()))?;
+        let path = dir.join(format!("rank-{rank}.safetensors"));
+        executor
+            .stage
+            .save(&path)
+            .with_context(|| format!("--save-params: cannot write {}", path.display()))?;
+    }
+    let (time, compute, comm) = (
+        totals.0.as_secs_f64(),
+        totals.1.as_secs_f64(),
+        totals.2.as_secs_f64(),
+    );
     let summary = Summary {
-        rank: 0,
-        stage: 0,
+        rank,
+        stage: stage_id,
         iterations: config.iterations,
         warmup_iterations: config.warmup.min(config.iterations),
         samples_per_sec_mean: throughput.mean(),
         samples_per_sec_std: throughput.std(),
-        time_s: total,
-        compute_s: compute_total,
-        comm_wait_s: 0.0,
-        idle_s: idle_total,
+        time_s: time,
+        compute_s: compute,
+        comm_wait_s: comm,
+        idle_s: (time - compute - comm).max(0.0),
         final_loss: last_loss,
         peak_mem_bytes: peak_rss_bytes(),
     };
     eprintln!(
-        "runtime: done: {:.1} samples/s (std {:.1}), final loss {}",
+        "runtime: rank {rank} done: {:.1} samples/s (std {:.1}), final loss {}",
         summary.samples_per_sec_mean,
         summary.samples_per_sec_std,
         last_loss.map_or("-".to_string(), |l| format!("{l:.4}"))

@@ -1,12 +1,11 @@
-//! A stage: a contiguous slice of the model's modules with its own parameters and optimizer. A
-//! single-process run is one stage holding every module, the loss included.
+//! A stage: a contiguous slice of the model's modules with its own parameters. A single-process
+//! run is one stage holding every module, the loss included.
 
 use std::ops::Range;
 
-use tch::nn::{self, OptimizerConfig};
+use tch::nn;
 use tch::{Device, Tensor};
 
-use crate::config::OptimizerKind;
 use crate::models::{count_params, Loss, ModelDef};
 
 pub struct Stage {
@@ -14,50 +13,30 @@ pub struct Stage {
     /// The loss, when the stage ends the model.
     loss: Option<Loss>,
     vs: nn::VarStore,
-    optimizer: nn::Optimizer,
 }
 
 impl Stage {
-    /// Builds modules `range` of `model` on `device` with an optimizer over their parameters.
-    pub fn build(
-        model: &ModelDef,
-        range: Range<usize>,
-        seed: u64,
-        device: Device,
-        optimizer: OptimizerKind,
-        lr: f64,
-    ) -> Result<Stage, tch::TchError> {
+    /// Builds modules `range` of `model` on `device`.
+    pub fn build(model: &ModelDef, range: Range<usize>, seed: u64, device: Device) -> Stage {
         let vs = nn::VarStore::new(device);
         let layers = model.build(&vs.root(), range.clone(), seed);
         let loss = (range.end == model.num_modules()).then_some(model.loss);
-        let optimizer = match optimizer {
-            OptimizerKind::Sgd {
-                momentum,
-                weight_decay,
-            } => nn::Sgd {
-                momentum,
-                dampening: 0.0,
-                wd: weight_decay,
-                nesterov: false,
-            }
-            .build(&vs, lr)?,
-            OptimizerKind::Adam { weight_decay } => nn::Adam {
-                wd: weight_decay,
-                ..Default::default()
-            }
-            .build(&vs, lr)?,
-        };
-        Ok(Stage {
-            layers,
-            loss,
-            vs,
-            optimizer,
-        })
+        Stage { layers, loss, vs }
     }
 
     /// Parameters this stage holds.
     pub fn num_params(&self) -> u64 {
         count_params(&self.vs)
+    }
+
+    /// The trainable parameters, in the var store's creation order (the same on every replica).
+    pub fn params(&self) -> Vec<Tensor> {
+        self.vs.trainable_variables()
+    }
+
+    /// Writes the stage's parameters and buffers (torchvision/BERT names) as safetensors.
+    pub fn save(&self, path: &std::path::Path) -> Result<(), tch::TchError> {
+        self.vs.save(path)
     }
 
     /// Runs the stage's layers (not the loss) on `input`.
@@ -70,15 +49,5 @@ impl Stage {
     /// The loss of `output` against `target`; `None` if this stage does not end the model.
     pub fn loss(&self, output: &Tensor, target: &Tensor) -> Option<Result<Tensor, tch::TchError>> {
         self.loss.map(|loss| loss.compute(output, target))
-    }
-
-    /// Drops the gradients of the last step (set to none, as PyTorch does by default).
-    pub fn zero_grad(&mut self) {
-        self.optimizer.zero_grad();
-    }
-
-    /// Applies the optimizer to the accumulated gradients.
-    pub fn step(&mut self) {
-        self.optimizer.step();
     }
 }

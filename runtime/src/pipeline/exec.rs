@@ -1,0 +1,555 @@
+//! Runs one rank's action list: forwards and backwards of its microbatches, the activations,
+//! targets and gradients that cross stage boundaries (asynchronous c10d point-to-point), the
+//! replicas' gradient all-reduce and the optimizer step, with PipeDream's weight stashing.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use stagehand_contract::{StagePlan, Trace};
+use tch::{Device, Kind, Tensor};
+
+use super::schedule::{rank_for, Action, Schedule};
+use super::wire::{self, header, header_buffer, read_header, Tag, TensorSpec};
+use crate::comm::{ProcessGroup, Work};
+use crate::data::Batches;
+use crate::train::{Optimizer, Stage};
+
+/// The process groups a rank talks through; `None` in a single-process run.
+pub struct Links {
+    /// Every rank: point-to-point between stages.
+    pub world: Option<ProcessGroup>,
+    /// This stage's replicas, when there are several: the gradient all-reduce.
+    pub replicas: Option<ProcessGroup>,
+}
+
+/// Where time went during one iteration.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Timing {
+    pub compute: Duration,
+    /// Waiting on all-reduces and on sends to complete.
+    pub comm: Duration,
+}
+
+/// What a finished iteration reports.
+#[derive(Debug)]
+pub struct IterationReport {
+    pub iteration: u64,
+    pub time: Duration,
+    pub timing: Timing,
+    /// Mean loss over the minibatch (last stage only).
+    pub loss: Option<f64>,
+    /// With tracing on, the weights each finished microbatch used.
+    pub traces: Vec<Trace>,
+}
+
+/// A microbatch between its forward and its backward.
+struct InFlight {
+    /// The stage's input, which needs a gradient to send back (stages after the first).
+    input: Option<Tensor>,
+    /// The stage's output, or the scaled loss on the last stage.
+    output: Tensor,
+    /// Parameters as they were at the forward, when a step happens before the backward.
+    stash: Option<Vec<Tensor>>,
+    /// Optimizer steps taken before the forward.
+    version: u64,
+    /// With tracing on, the first parameter's sum as the forward saw it.
+    checksum: Option<f64>,
+}
+
+pub struct Executor {
+    pub plan: StagePlan,
+    pub rank: usize,
+    pub stage_id: usize,
+    pub schedule: Schedule,
+    /// Microbatches per minibatch (iteration).
+    pub microbatches: usize,
+    /// Samples per microbatch.
+    pub micro_size: i64,
+    pub stage: Stage,
+    pub optimizer: Optimizer,
+    pub links: Links,
+    pub data: Option<Box<dyn Batches>>,
+    pub device: Device,
+    /// Compute slow-down factor (straggler emulation).
+    pub slowdown: f64,
+    /// Record which weights each microbatch used.
+    pub trace: bool,
+    /// Shapes crossing into and out of this stage, learned at start.
+    pub input_spec: Option<TensorSpec>,
+    pub output_spec: Option<TensorSpec>,
+    pub target_spec: Option<TensorSpec>,
+}
+
+/// Mutable state while the action list runs.
+#[derive(Default)]
+struct Progress {
+    in_flight: HashMap<usize, InFlight>,
+    sends: Vec<Work>,
+    /// The minibatch the first stage is slicing: (index, inputs, targets).
+    batch: Option<(usize, Tensor, Tensor)>,
+    timing: Timing,
+    losses: Vec<Tensor>,
+    traces: Vec<Trace>,
+    /// Receives posted ahead of the action that needs them, by tag.
+    posted: HashMap<u32, (Tensor, Work)>,
+}
+
+impl Executor {
+    fn num_stages(&self) -> usize {
+        self.plan.stages.len()
+    }
+
+    fn is_first(&self) -> bool {
+        self.stage_id == 0
+    }
+
+    fn is_last(&self) -> bool {
+        self.stage_id + 1 == self.num_stages()
+    }
+
+    fn replicas(&self) -> usize {
+        self.plan.stages[self.stage_id].ranks.len()
+    }
+
+    fn world(&self) -> &ProcessGroup {
+        self.links
+            .world
+            .as_ref()
+            .expect("a multi-stage plan has a world group")
+    }
+
+    /// The first stage's inputs and targets of global microbatch `g`.
+    fn microbatch(&mut self, progress: &mut Progress, g: usize) -> anyhow::Result<(Tensor, Tensor)> {
+        let index = g / self.microbatches;
+        if progress.batch.as_ref().is_none_or(|(i, _, _)| *i != index) {
+            let data = self.data.as_mut().expect("the first stage has data");
+            let (x, y) = data.next_batch()?;
+            progress.batch = Some((index, x, y));
+        }
+        let (_, x, y) = progress.batch.as_ref().expect("just loaded");
+        let start = (g % self.microbatches) as i64 * self.micro_size;
+        Ok((
+            x.narrow(0, start, self.micro_size),
+            y.narrow(0, start, self.micro_size),
+        ))
+    }
+
+    /// Starts receiving `tag` from `src` into a fresh buffer, unless already started.
+    fn post_recv(
+        &self,
+        progress: &mut Progress,
+        spec: &TensorSpec,
+        src: usize,
+        tag: u32,
+    ) -> anyhow::Result<()> {
+        if !progress.posted.contains_key(&tag) {
+            let mut tensor = spec.empty(self.device);
+            let work = self.world().recv(&mut tensor, src, tag)?;
+            progress.posted.insert(tag, (tensor, work));
+        }
+        Ok(())
+    }
+
+    /// The tensor `tag` from `src`, waiting for it to arrive.
+    fn recv(
+        &self,
+        progress: &mut Progress,
+        spec: &TensorSpec,
+        src: usize,
+        tag: u32,
+    ) -> anyhow::Result<Tensor> {
+        self.post_recv(progress, spec, src, tag)?;
+        let (tensor, work) = progress.posted.remove(&tag).expect("just posted");
+        work.wait()?;
+        Ok(tensor)
+    }
+
+    /// Posts the receives `action` will need, so the transfer overlaps the work before it.
+    fn prefetch(&self, progress: &mut Progress, action: Action) -> anyhow::Result<()> {
+        match action {
+            Action::Forward(g) if !self.is_first() => {
+                let prev = rank_for(&self.plan, self.stage_id - 1, g);
+                self.post_recv(
+                    progress,
+                    self.input_spec.as_ref().expect("learned"),
+                    prev,
+                    Tag::Activation.of(g),
+                )?;
+                self.post_recv(
+                    progress,
+                    self.target_spec.as_ref().expect("learned"),
+                    prev,
+                    Tag::Target.of(g),
+                )
+            }
+            Action::Backward(g) if !self.is_last() => {
+                let next = rank_for(&self.plan, self.stage_id + 1, g);
+                self.post_recv(
+                    progress,
+                    self.output_spec.as_ref().expect("learned"),
+                    next,
+                    Tag::Gradient.of(g),
+                )
+            }
+            Action::Forward(_) | Action::Backward(_) | Action::Step => Ok(()),
+        }
+    }
+
+    fn send(&self, progress: &mut Progress, tensor: &Tensor, dst: usize, tag: u32) -> anyhow::Result<()> {
+        let work = self.world().send(&tensor.contiguous(), dst, tag)?;
+        progress.sends.push(work);
+        Ok(())
+    }
+
+    fn forward(&mut self, progress: &mut Progress, g: usize, stash: bool) -> anyhow::Result<()> {
+        let s = self.stage_id;
+        let (input, target) = if self.is_first() {
+            let (x, y) = self.microbatch(progress, g)?;
+            (x, Some(y))
+        } else {
+            let prev = rank_for(&self.plan, s - 1, g);
+            let input = self.recv(
+                progress,
+                self.input_spec.as_ref().expect("learned at start"),
+                prev,
+                Tag::Activation.of(g),
+            )?;
+            let target = self.recv(
+                progress,
+                self.target_spec.as_ref().expect("learned at start"),
+                prev,
+                Tag::Target.of(g),
+            )?;
+            (input.set_requires_grad(true), Some(target))
+        };
+        let target = target.expect("every forward has a target");
+        let stash =
+            stash.then(|| tch::no_grad(|| self.optimizer.params().iter().map(|p| p.data().copy()).collect()));
+        let scale = match self.schedule {
+            Schedule::PipeDream => 1.0,
+            Schedule::GPipe | Schedule::OneFOneB => 1.0 / self.microbatches as f64,
+        };
+        let output = timed(
+            self.slowdown,
+            &mut progress.timing,
+            || -> anyhow::Result<Tensor> {
+                let out = self.stage.forward(&input, true);
+                match self.stage.loss(&out, &target) {
+                    Some(loss) => Ok(loss.context("computing the loss")? * scale),
+                    None => Ok(out),
+                }
+            },
+        )?;
+        if self.is_last() {
+            progress.losses.push(output.detach() / scale);
+        } else {
+            let next = rank_for(&self.plan, s + 1, g);
+            self.send(progress, &output, next, Tag::Activation.of(g))?;
+            self.send(progress, &target, next, Tag::Target.of(g))?;
+        }
+        let input = (!self.is_first()).then_some(input);
+        let version = self.optimizer.steps();
+        let checksum = self.trace.then(|| self.checksum());
+        progress.in_flight.insert(
+            g,
+            InFlight {
+                input,
+                output,
+                stash,
+                version,
+                checksum,
+            },
+        );
+        Ok(())
+    }
+
+    fn backward(&mut self, progress: &mut Progress, g: usize) -> anyhow::Result<()> {
+        let s = self.stage_id;
+        let flight = progress
+            .in_flight
+            .remove(&g)
+            .expect("a backward follows its forward");
+        let grad = if self.is_last() {
+            None
+        } else {
+            let next = rank_for(&self.plan, s + 1, g);
+            Some(self.recv(
+                progress,
+                self.output_spec.as_ref().expect("learned at start"),
+                next,
+                Tag::Gradient.of(g),
+            )?)
+        };
+        // Weight stashing: run the backward against the weights the forward used.
+        let mut params: Vec<Tensor> = self
+            .optimizer
+            .params()
+            .iter()
+            .map(Tensor::shallow_clone)
+            .collect();
+        let live: Option<Vec<Tensor>> = flight.stash.as_ref().map(|stash| {
+            params
+                .iter_mut()
+                .zip(stash)
+                .map(|(p, old)| {
+                    let live = p.data();
+                    p.set_data(old);
+                    live
+                })
+                .collect()
+        });
+        if let Some(forward_checksum) = flight.checksum {
+            progress.traces.push(Trace {
+                rank: self.rank,
+                stage: s,
+                microbatch: g as u64,
+                forward_version: flight.version,
+                steps_at_backward: self.optimizer.steps(),
+                forward_checksum,
+                backward_checksum: self.checksum(),
+            });
+        }
+        timed(self.slowdown, &mut progress.timing, || match &grad {
+            None => flight.output.backward(),
+            Some(grad) => backward_with_grad(&flight.output, grad),
+        });
+        if let Some(live) = live {
+            for (p, live) in params.iter_mut().zip(&live) {
+                p.set_data(live);
+            }
+        }
+        if let Some(input) = &flight.input {
+            let prev = rank_for(&self.plan, s - 1, g);
+            let grad = input.grad();
+            if !grad.defined() {
+                bail!(
+                    "stage {s} produced no gradient for its input; its modules do not depend on their input"
+                );
+            }
+            self.send(progress, &grad, prev, Tag::Gradient.of(g))?;
+        }
+        Ok(())
+    }
+
+    /// Sum of the first parameter's current values (weights as the next kernel will see them).
+    fn checksum(&self) -> f64 {
+        self.optimizer
+            .params()
+            .first()
+            .map_or(0.0, |p| p.data().sum(Kind::Double).double_value(&[]))
+    }
+
+    fn step(&mut self, progress: &mut Progress) -> anyhow::Result<()> {
+        let started = Instant::now();
+        for work in progress.sends.drain(..) {
+            work.wait()?;
+        }
+        if let Some(group) = &self.links.replicas {
+            let mut tensors = self.optimizer.grads();
+            if self.schedule == Schedule::PipeDream {
+                // Each replica stepped on its own microbatch: average, as data parallelism does.
+                let replicas = self.replicas() as f64;
+                tch::no_grad(|| {
+                    for t in &mut tensors {
+                        let _ = t.g_mul_scalar_(1.0 / replicas);
+                    }
+                });
+            }
+            all_reduce_buckets(group, &tensors)?;
+        }
+        progress.timing.comm += started.elapsed();
+        let slowdown = self.slowdown;
+        timed(slowdown, &mut progress.timing, || self.optimizer.step());
+        self.optimizer.zero_grad();
+        Ok(())
+    }
+
+    /// Learns the shapes crossing this stage's boundaries: receives the upstream header from
+    /// every rank of the previous stage (they must agree), runs one forward without gradients to
+    /// learn its own output, and sends the header to every rank of the next stage. `first` is the
+    /// (input, target) spec of a microbatch, used by the first stage.
+    pub fn learn_shapes(&mut self, first: (TensorSpec, TensorSpec)) -> anyhow::Result<()> {
+        let s = self.stage_id;
+        let (input, target) = if self.is_first() {
+            first
+        } else {
+            let mut agreed: Option<(TensorSpec, TensorSpec)> = None;
+            for &prev in &self.plan.stages[s - 1].ranks {
+                let mut buffer = header_buffer().to_device(self.device);
+                self.world().recv(&mut buffer, prev, Tag::Header.of(0))?.wait()?;
+                let specs = read_header(&buffer.to_device(Device::Cpu))
+                    .with_context(|| format!("rank {prev} sent a malformed shape header"))?;
+                match &agreed {
+                    Some(a) if *a != specs => bail!(
+                        "replicas of stage {} disagree on the shapes they send: {a:?} vs {specs:?} from rank {prev}",
+                        s - 1
+                    ),
+                    _ => agreed = Some(specs),
+                }
+            }
+            agreed.expect("a stage has at least one rank")
+        };
+        let output = tch::no_grad(|| self.stage.forward(&input.zeros(self.device), false));
+        if !self.is_last() {
+            let output = TensorSpec::of(&output);
+            let header = header(&output, &target)
+                .map_err(anyhow::Error::msg)?
+                .to_device(self.device);
+            let sends = self.plan.stages[s + 1]
+                .ranks
+                .iter()
+                .map(|&next| self.world().send(&header, next, Tag::Header.of(0)))
+                .collect::<Result<Vec<_>, _>>()?;
+            for work in sends {
+                work.wait()?;
+            }
+            self.output_spec = Some(output);
+        }
+        self.input_spec = Some(input);
+        self.target_spec = Some(target);
+        Ok(())
+    }
+
+    /// Runs `actions` (this rank's list over all iterations), calling `report` as each iteration
+    /// completes on this rank.
+    pub fn run(
+        &mut self,
+        actions: &[Action],
+        mut report: impl FnMut(IterationReport) -> anyhow::Result<()>,
+    ) -> anyhow::Result<()> {
+        let stash_needed = wire::stash_needed(actions);
+        // This rank's last local microbatch of each iteration: the iteration ends with the step after its backward.
+        let mut last_of_iteration: HashMap<usize, usize> = HashMap::new();
+        for a in actions {
+            if let Action::Forward(g) = a {
+                last_of_iteration.insert(g / self.microbatches, *g);
+            }
+        }
+        let mut progress = Progress::default();
+        let mut started = Instant::now();
+        let mut pending_end: Option<usize> = None;
+        for (index, &action) in actions.iter().enumerate() {
+            self.prefetch(&mut progress, action)?;
+            if let Some(&next) = actions.get(index + 1) {
+                self.prefetch(&mut progress, next)?;
+            }
+            match action {
+                Action::Forward(g) => self.forward(&mut progress, g, stash_needed.contains(&g))?,
+                Action::Backward(g) => {
+                    self.backward(&mut progress, g)?;
+                    let iteration = g / self.microbatches;
+                    if last_of_iteration[&iteration] == g {
+                        pending_end = Some(iteration);
+                    }
+                }
+                Action::Step => {
+                    self.step(&mut progress)?;
+                    if let Some(iteration) = pending_end.take() {
+                        let loss = self.take_loss(&mut progress)?;
+                        let time = started.elapsed();
+                        let traces = std::mem::take(&mut progress.traces);
+                        report(IterationReport {
+                            iteration: iteration as u64,
+                            time,
+                            timing: progress.timing,
+                            loss,
+                            traces,
+                        })?;
+                        progress.timing = Timing::default();
+                        started = Instant::now();
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The mean loss of the iteration's microbatches on this rank (summed over the replicas of
+    /// the last stage for GPipe and 1F1B, so every replica reports the whole minibatch's loss).
+    fn take_loss(&self, progress: &mut Progress) -> anyhow::Result<Option<f64>> {
+        if !self.is_last() {
+            return Ok(None);
+        }
+        let losses = std::mem::take(&mut progress.losses);
+        let total = Tensor::stack(&losses, 0).sum(Kind::Double).reshape([1]);
+        let mut count = losses.len() as f64;
+        if let (Some(group), false) = (&self.links.replicas, self.schedule == Schedule::PipeDream) {
+            group.all_reduce_sum(std::slice::from_ref(&total))?.wait()?;
+            count = self.microbatches as f64;
+        }
+        let loss = total.double_value(&[0]) / count;
+        if !loss.is_finite() {
+            bail!("loss became {loss}; lower --lr");
+        }
+        Ok(Some(loss))
+    }
+}
+
+/// Runs `f` as compute: timed, and stretched by the slow-down factor (straggler emulation).
+fn timed<T>(slowdown: f64, timing: &mut Timing, f: impl FnOnce() -> T) -> T {
+    let started = Instant::now();
+    let value = f();
+    let mut spent = started.elapsed();
+    if slowdown > 1.0 {
+        let extra = spent.mul_f64(slowdown - 1.0);
+        std::thread::sleep(extra);
+        spent += extra;
+    }
+    timing.compute += spent;
+    value
+}
+
+/// Gradients are all-reduced in flat buckets of about this many bytes: few collectives, and
+/// no bucket so large that its copy dominates (PyTorch's DDP uses 25 MiB).
+const BUCKET_BYTES: usize = 25 << 20;
+
+/// Sums `tensors` across `group` in place: packs them into flat buckets (c10d's list all-reduce
+/// means one tensor per device, so a list of different tensors cannot go in one call), starts
+/// every bucket's all-reduce, then waits and unpacks.
+fn all_reduce_buckets(group: &ProcessGroup, tensors: &[Tensor]) -> anyhow::Result<()> {
+    let mut buckets: Vec<Vec<&Tensor>> = vec![Vec::new()];
+    let mut bytes = 0;
+    for t in tensors {
+        let size = t.numel() * t.kind().elt_size_in_bytes();
+        if bytes + size > BUCKET_BYTES && !buckets.last().expect("one bucket").is_empty() {
+            buckets.push(Vec::new());
+            bytes = 0;
+        }
+        bytes += size;
+        buckets.last_mut().expect("one bucket").push(t);
+    }
+    let flats: Vec<(Vec<&Tensor>, Tensor)> = tch::no_grad(|| {
+        buckets
+            .into_iter()
+            .filter(|b| !b.is_empty())
+            .map(|bucket| {
+                let flat = Tensor::cat(&bucket.iter().map(|t| t.reshape([-1])).collect::<Vec<_>>(), 0);
+                (bucket, flat)
+            })
+            .collect()
+    });
+    let works = flats
+        .iter()
+        .map(|(_, flat)| group.all_reduce_sum(std::slice::from_ref(flat)))
+        .collect::<Result<Vec<_>, _>>()?;
+    for work in works {
+        work.wait()?;
+    }
+    tch::no_grad(|| {
+        for (bucket, flat) in &flats {
+            let mut offset = 0;
+            for t in bucket {
+                let n = t.numel() as i64;
+                t.data().copy_(&flat.narrow(0, offset, n).view_as(t));
+                offset += n;
+            }
+        }
+    });
+    Ok(())
+}
+
+/// Backward of `output` given the gradient of the loss with respect to it.
+fn backward_with_grad(output: &Tensor, grad: &Tensor) {
+    (output * grad).sum(Kind::Float).backward();
+}

@@ -1,0 +1,179 @@
+//! What crosses stage boundaries: message tags and the shape headers exchanged at start, so
+//! receivers allocate buffers of whatever shape the model produces.
+
+use std::collections::HashSet;
+
+use tch::{Device, Kind, Tensor};
+
+use super::schedule::Action;
+
+/// The kinds of message between two ranks; a tag is unique per kind and global microbatch.
+#[derive(Debug, Clone, Copy)]
+pub enum Tag {
+    Activation = 0,
+    Target = 1,
+    Gradient = 2,
+    Header = 3,
+}
+
+impl Tag {
+    pub fn of(self, microbatch: usize) -> u32 {
+        ((microbatch as u64 * 4 + self as u64) % (1 << 31)) as u32
+    }
+}
+
+const MAX_DIMS: usize = 8;
+const HEADER_LEN: i64 = 2 * (MAX_DIMS as i64 + 2);
+
+/// Shape and element type of a tensor that crosses a boundary.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TensorSpec {
+    pub shape: Vec<i64>,
+    pub kind: Kind,
+}
+
+impl TensorSpec {
+    pub fn of(tensor: &Tensor) -> TensorSpec {
+        TensorSpec {
+            shape: tensor.size(),
+            kind: tensor.kind(),
+        }
+    }
+
+    pub fn empty(&self, device: Device) -> Tensor {
+        Tensor::empty(self.shape.as_slice(), (self.kind, device))
+    }
+
+    pub fn zeros(&self, device: Device) -> Tensor {
+        Tensor::zeros(self.shape.as_slice(), (self.kind, device))
+    }
+
+    fn encode(&self, out: &mut Vec<i64>) -> Result<(), String> {
+        if self.shape.len() > MAX_DIMS {
+            return Err(format!(
+                "a tensor of {} dimensions crosses a stage boundary; at most {MAX_DIMS} are supported",
+                self.shape.len()
+            ));
+        }
+        out.push(self.shape.len() as i64);
+        out.push(
+            kind_code(self.kind)
+                .ok_or_else(|| format!("tensors of kind {:?} cannot cross a stage boundary", self.kind))?,
+        );
+        out.extend(self.shape.iter().copied());
+        out.extend(std::iter::repeat_n(0, MAX_DIMS - self.shape.len()));
+        Ok(())
+    }
+
+    fn decode(values: &[i64]) -> Option<TensorSpec> {
+        let ndim = usize::try_from(values[0]).ok().filter(|&n| n <= MAX_DIMS)?;
+        Some(TensorSpec {
+            kind: code_kind(values[1])?,
+            shape: values[2..2 + ndim].to_vec(),
+        })
+    }
+}
+
+/// The header a stage sends downstream at start: its output and the target's spec.
+pub fn header(output: &TensorSpec, target: &TensorSpec) -> Result<Tensor, String> {
+    let mut values = Vec::with_capacity(HEADER_LEN as usize);
+    output.encode(&mut values)?;
+    target.encode(&mut values)?;
+    Ok(Tensor::from_slice(&values))
+}
+
+/// An empty header buffer to receive into.
+pub fn header_buffer() -> Tensor {
+    Tensor::zeros([HEADER_LEN], (Kind::Int64, Device::Cpu))
+}
+
+/// Reads a received header back into (activation, target) specs.
+pub fn read_header(header: &Tensor) -> Option<(TensorSpec, TensorSpec)> {
+    let values = Vec::<i64>::try_from(header).ok()?;
+    let half = values.len() / 2;
+    Some((
+        TensorSpec::decode(&values[..half])?,
+        TensorSpec::decode(&values[half..])?,
+    ))
+}
+
+fn kind_code(kind: Kind) -> Option<i64> {
+    Some(match kind {
+        Kind::Float => 0,
+        Kind::Int64 => 1,
+        Kind::Half => 2,
+        Kind::BFloat16 => 3,
+        Kind::Double => 4,
+        Kind::Int => 5,
+        _ => return None,
+    })
+}
+
+fn code_kind(code: i64) -> Option<Kind> {
+    Some(match code {
+        0 => Kind::Float,
+        1 => Kind::Int64,
+        2 => Kind::Half,
+        3 => Kind::BFloat16,
+        4 => Kind::Double,
+        5 => Kind::Int,
+        _ => return None,
+    })
+}
+
+/// Microbatches whose forward and backward have an optimizer step between them on this rank:
+/// only those need their weights stashed.
+pub fn stash_needed(actions: &[Action]) -> HashSet<usize> {
+    let mut open: HashSet<usize> = HashSet::new();
+    let mut needed = HashSet::new();
+    for action in actions {
+        match action {
+            Action::Forward(g) => drop(open.insert(*g)),
+            Action::Backward(g) => drop(open.remove(g)),
+            Action::Step => needed.extend(open.iter().copied()),
+        }
+    }
+    needed
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use Action::{Backward as B, Forward as F, Step};
+
+    #[test]
+    fn headers_round_trip() {
+        let out = TensorSpec {
+            shape: vec![4, 512, 7, 7],
+            kind: Kind::Float,
+        };
+        let target = TensorSpec {
+            shape: vec![4, 128],
+            kind: Kind::Int64,
+        };
+        let h = header(&out, &target).unwrap();
+        assert_eq!(h.size(), [HEADER_LEN]);
+        assert_eq!(read_header(&h), Some((out, target)));
+        let too_deep = TensorSpec {
+            shape: vec![1; 9],
+            kind: Kind::Float,
+        };
+        assert!(header(&too_deep, &too_deep).unwrap_err().contains("9 dimensions"));
+    }
+
+    #[test]
+    fn tags_differ_per_kind_and_microbatch() {
+        let tags: HashSet<u32> = (0..100)
+            .flat_map(|g| [Tag::Activation, Tag::Target, Tag::Gradient, Tag::Header].map(|t| t.of(g)))
+            .collect();
+        assert_eq!(tags.len(), 400);
+    }
+
+    #[test]
+    fn only_microbatches_spanning_a_step_are_stashed() {
+        let actions = [F(0), F(1), B(0), Step, F(2), B(1), Step, B(2), Step];
+        assert_eq!(stash_needed(&actions), HashSet::from([1, 2]));
+        let flushing = [F(0), F(1), B(0), B(1), Step];
+        assert!(stash_needed(&flushing).is_empty());
+    }
+}

@@ -1,0 +1,449 @@
+//! Several ranks as local processes over gloo on loopback: every schedule and split trains the
+//! same model as one process does, PipeDream stashes weights, and failures end every rank.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use stagehand_contract::Event;
+
+use crate::util::{free_port, read_params, run_ok, run_ranks, runtime, Run};
+
+const LIMIT: Duration = Duration::from_secs(120);
+
+/// A small MLP (modules layers.0..3, head, loss), without --iterations and --lr.
+const MLP_BASE: &str =
+    "--model mlp --layers 4 --hidden 64 --image-size 8 --batch-size 16 --threads 1 --seed 3";
+
+/// The MLP for 4 iterations at lr 0.05.
+const MLP: &str = "--model mlp --layers 4 --hidden 64 --image-size 8 --batch-size 16 --threads 1 --seed 3 --iterations 4 --lr 0.05";
+
+fn words(text: &str) -> Vec<&str> {
+    text.split_whitespace().collect()
+}
+
+fn write(dir: &Path, name: &str, json: &str) -> String {
+    let path = dir.join(name);
+    std::fs::write(&path, json).unwrap();
+    path.to_str().unwrap().to_string()
+}
+
+fn args<'a>(base: &[&'a str], extra: &[&'a str]) -> Vec<&'a str> {
+    base.iter().chain(extra).copied().collect()
+}
+
+/// Losses the last stage reported, per iteration (every replica of it reports the same).
+fn last_stage_losses(runs: &[Run]) -> Vec<f64> {
+    for (rank, run) in runs.iter().enumerate() {
+        assert!(
+            run.output.status.success(),
+            "rank {rank} failed:\n{}",
+            run.stderr()
+        );
+    }
+    let last = runs.iter().max_by_key(|r| r.start().stage).unwrap();
+    last.losses()
+}
+
+fn assert_close(what: &str, ours: &[f64], reference: &[f64]) {
+    assert_eq!(ours.len(), reference.len(), "{what}");
+    for (a, b) in ours.iter().zip(reference) {
+        assert!(
+            (a - b).abs() <= 1e-4 * b.abs().max(1e-3),
+            "{what}: {ours:?} vs {reference:?}"
+        );
+    }
+}
+
+fn assert_same_params(what: &str, dir: &Path, reference: &Path) {
+    let ours = read_params(dir);
+    let theirs = read_params(reference);
+    assert_eq!(
+        ours.keys().collect::<Vec<_>>(),
+        theirs.keys().collect::<Vec<_>>(),
+        "{what}"
+    );
+    for (name, tensor) in &ours {
+        assert!(
+            tensor.allclose(&theirs[name], 1e-4, 1e-6, false),
+            "{what}: parameter {name} differs"
+        );
+    }
+}
+
+/// One process with the whole model: the reference every split must reproduce.
+fn reference(base: &[&str], dir: &Path) -> Vec<f64> {
+    let params = dir.to_str().unwrap();
+    run_ok(&args(base, &["--save-params", params])).losses()
+}
+
+#[test]
+fn gpipe_and_1f1b_match_single_process_training_for_every_split() {
+    let tmp = tempfile::tempdir().unwrap();
+    let single = tmp.path().join("single");
+    let expected = reference(&words(MLP), &single);
+    assert!(
+        expected.last() < expected.first(),
+        "the reference learns: {expected:?}"
+    );
+
+    let two = write(
+        tmp.path(),
+        "two.json",
+        r#"{"module_to_stage_map": [0,0,0,1,1,1], "stage_to_rank_map": {"0": [0], "1": [1]}}"#,
+    );
+    let three = write(
+        tmp.path(),
+        "three.json",
+        r#"{"module_to_stage_map": [0,0,1,1,2,2], "stage_to_rank_map": {"0": [0], "1": [1], "2": [2]}}"#,
+    );
+    let first_replicated = write(
+        tmp.path(),
+        "2-1.json",
+        r#"{"module_to_stage_map": [0,0,0,1,1,1], "stage_to_rank_map": {"0": [0,1], "1": [2]}}"#,
+    );
+    let last_replicated = write(
+        tmp.path(),
+        "1-2.json",
+        r#"{"module_to_stage_map": [0,0,0,0,1,1], "stage_to_rank_map": {"0": [0], "1": [1,2]}}"#,
+    );
+    let splits: Vec<(&str, usize, Vec<&str>)> = vec![
+        ("2 stages", 2, vec!["--stage-config", &two]),
+        ("3 stages", 3, vec!["--stage-config", &three]),
+        (
+            "stage 0 on 2 replicas",
+            3,
+            vec!["--stage-config", &first_replicated],
+        ),
+        (
+            "stage 1 on 2 replicas",
+            3,
+            vec!["--stage-config", &last_replicated],
+        ),
+        ("data parallel on 2 ranks", 2, vec![]),
+    ];
+    for (name, world, split) in &splits {
+        for schedule in ["gpipe", "1f1b"] {
+            let what = format!("{name}, {schedule}");
+            let params = tmp.path().join(what.replace([' ', ','], "_"));
+            let extra = [
+                &split[..],
+                &[
+                    "--schedule",
+                    schedule,
+                    "--microbatches",
+                    "4",
+                    "--save-params",
+                    params.to_str().unwrap(),
+                ],
+            ]
+            .concat();
+            let runs = run_ranks(*world, &args(&words(MLP), &extra), LIMIT);
+            assert_close(&what, &last_stage_losses(&runs), &expected);
+            assert_same_params(&what, &params, &single);
+            // Every rank reports every iteration, with time split into compute, communication and idle.
+            for run in &runs {
+                let iterations = run.iterations();
+                assert_eq!(iterations.len(), 4, "{what}");
+                for it in iterations {
+                    assert!(
+                        (it.compute_s + it.comm_wait_s + it.idle_s - it.time_s).abs() < 1e-6,
+                        "{what}: {it:?}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_transformer_pipeline_learns_its_boundary_shapes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let base = [
+        "--model",
+        "transformer",
+        "--layers",
+        "2",
+        "--hidden",
+        "32",
+        "--heads",
+        "4",
+        "--seq-len",
+        "8",
+        "--vocab-size",
+        "50",
+        "--dropout",
+        "0",
+        "--optimizer",
+        "adam",
+        "--lr",
+        "0.003",
+        "--batch-size",
+        "8",
+        "--iterations",
+        "3",
+        "--threads",
+        "1",
+    ];
+    let single = tmp.path().join("single");
+    let expected = reference(&base, &single);
+    // embeddings | encoder.layer.0, encoder.layer.1 | cls, loss: activations [2, 8, 32] and token targets [2, 8].
+    let config = write(
+        tmp.path(),
+        "t.json",
+        r#"{"module_to_stage_map": [0,1,1,2,2], "stage_to_rank_map": {"0": [0], "1": [1], "2": [2]}}"#,
+    );
+    let params = tmp.path().join("pipe");
+    let extra = [
+        "--stage-config",
+        config.as_str(),
+        "--schedule",
+        "gpipe",
+        "--microbatches",
+        "4",
+        "--save-params",
+        params.to_str().unwrap(),
+    ];
+    let runs = run_ranks(3, &args(&base, &extra), LIMIT);
+    assert_close("transformer", &last_stage_losses(&runs), &expected);
+    assert_same_params("transformer", &params, &single);
+}
+
+#[test]
+fn pipedream_with_one_microbatch_in_flight_is_synchronous_training() {
+    let tmp = tempfile::tempdir().unwrap();
+    let single = tmp.path().join("single");
+    let sync = args(
+        &words(MLP),
+        &[
+            "--schedule",
+            "pipedream",
+            "--microbatches",
+            "4",
+            "--save-params",
+            single.to_str().unwrap(),
+        ],
+    );
+    let expected = run_ok(&sync).losses();
+    let config = write(
+        tmp.path(),
+        "depth1.json",
+        r#"{"module_to_stage_map": [0,0,0,1,1,1], "stage_to_rank_map": {"0": [0], "1": [1]}, "stage_to_depth_map": {"0": 1, "1": 1}}"#,
+    );
+    let params = tmp.path().join("pipe");
+    let extra = [
+        "--stage-config",
+        config.as_str(),
+        "--schedule",
+        "pipedream",
+        "--microbatches",
+        "4",
+        "--save-params",
+        params.to_str().unwrap(),
+    ];
+    let runs = run_ranks(2, &args(&words(MLP), &extra), LIMIT);
+    assert_close("pipedream depth 1", &last_stage_losses(&runs), &expected);
+    assert_same_params("pipedream depth 1", &params, &single);
+}
+
+#[test]
+fn pipedream_backward_uses_the_weights_its_forward_used() {
+    let tmp = tempfile::tempdir().unwrap();
+    let config = write(
+        tmp.path(),
+        "two.json",
+        r#"{"module_to_stage_map": [0,0,0,1,1,1], "stage_to_rank_map": {"0": [0], "1": [1]}}"#,
+    );
+    let extra = [
+        "--stage-config",
+        config.as_str(),
+        "--schedule",
+        "pipedream",
+        "--microbatches",
+        "4",
+        "--trace",
+        "--iterations",
+        "4",
+        "--lr",
+        "0.01",
+    ];
+    let runs = run_ranks(2, &args(&words(MLP_BASE), &extra), LIMIT);
+    let losses = last_stage_losses(&runs);
+    assert!(losses.last() < losses.first(), "pipedream learns: {losses:?}");
+    let traces: Vec<_> = runs[0]
+        .events
+        .iter()
+        .filter_map(|e| {
+            if let Event::Trace(t) = e {
+                Some(t.clone())
+            } else {
+                None
+            }
+        })
+        .collect();
+    assert_eq!(traces.len(), 16, "one trace per microbatch of stage 0");
+    let stepped_between = traces
+        .iter()
+        .filter(|t| t.steps_at_backward > t.forward_version)
+        .count();
+    assert!(
+        stepped_between > 0,
+        "stage 0 has several microbatches in flight, so it steps between forward and backward"
+    );
+    for t in &traces {
+        assert_eq!(
+            t.forward_checksum, t.backward_checksum,
+            "microbatch {} ran backward on other weights",
+            t.microbatch
+        );
+    }
+}
+
+#[test]
+fn an_inconsistent_stage_config_is_rejected_before_rendezvous() {
+    let tmp = tempfile::tempdir().unwrap();
+    let config = write(
+        tmp.path(),
+        "bad.json",
+        r#"{"module_to_stage_map": [0,0,0,1,1,1], "stage_to_rank_map": {"0": [0], "1": [0]}}"#,
+    );
+    let started = Instant::now();
+    let port = free_port().to_string();
+    let out = runtime()
+        .args(words(MLP))
+        .args([
+            "--stage-config",
+            &config,
+            "--world-size",
+            "2",
+            "--rank",
+            "1",
+            "--master-port",
+            &port,
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("rank 0 appears in both stage 0 and stage 1"),
+        "{stderr}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "no waiting for peers"
+    );
+}
+
+#[test]
+fn a_missing_peer_fails_the_rendezvous_within_the_timeout() {
+    let port = free_port().to_string();
+    let started = Instant::now();
+    let out = runtime()
+        .args(words(MLP))
+        .args([
+            "--world-size",
+            "2",
+            "--rank",
+            "1",
+            "--master-port",
+            &port,
+            "--comm-timeout",
+            "3",
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains(&format!("127.0.0.1:{port}")),
+        "names the master: {stderr}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "took {:?}",
+        started.elapsed()
+    );
+}
+
+#[test]
+fn killing_one_rank_ends_the_others_within_the_timeout() {
+    let tmp = tempfile::tempdir().unwrap();
+    let config = write(
+        tmp.path(),
+        "two.json",
+        r#"{"module_to_stage_map": [0,0,0,1,1,1], "stage_to_rank_map": {"0": [0], "1": [1]}}"#,
+    );
+    let port = free_port().to_string();
+    let spawn = |rank: &str| {
+        runtime()
+            .args(words(MLP_BASE))
+            .args([
+                "--lr",
+                "0.01",
+                "--iterations",
+                "100000",
+                "--stage-config",
+                &config,
+                "--world-size",
+                "2",
+                "--rank",
+                rank,
+            ])
+            .args(["--master-port", &port, "--comm-timeout", "10"])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let mut first = spawn("0");
+    let mut second = spawn("1");
+    // Let them train a little, then kill rank 1 outright.
+    let stdout = second.stdout.take().unwrap();
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(stdout));
+    let mut seen = 0;
+    while seen < 3 {
+        let line = lines.next().expect("rank 1 trains").unwrap();
+        seen += usize::from(line.contains(r#""event":"iteration""#));
+    }
+    second.kill().unwrap();
+    second.wait().unwrap();
+    let killed = Instant::now();
+    let status = loop {
+        if let Some(status) = first.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            killed.elapsed() < Duration::from_secs(30),
+            "rank 0 still running {:?} after its peer died",
+            killed.elapsed()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(!status.success());
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut first.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert!(stderr.contains("rank 1"), "names the peer: {stderr}");
+    assert!(
+        killed.elapsed() < Duration::from_secs(15),
+        "took {:?}",
+        killed.elapsed()
+    );
+}
+
+#[test]
+fn slowdown_stretches_one_ranks_compute() {
+    let extra = ["--slowdown", "1=3", "--microbatches", "2"];
+    let runs = run_ranks(2, &args(&words(MLP), &extra), LIMIT);
+    let compute = |run: &Run| run.iterations().iter().skip(1).map(|i| i.compute_s).sum::<f64>();
+    for run in &runs {
+        assert!(run.output.status.success(), "{}", run.stderr());
+    }
+    let (fast, slow) = (compute(&runs[0]), compute(&runs[1]));
+    assert!(
+        slow > 2.0 * fast,
+        "rank 1 slowed 3x: compute {slow:.4}s vs rank 0's {fast:.4}s"
+    );
+    // Its data-parallel peer waits for it at every all-reduce.
+    let waiting: f64 = runs[0].iterations().iter().skip(1).map(|i| i.comm_wait_s).sum();
+    assert!(waiting > 0.5 * (slow - fast), "rank 0 waited {waiting:.4}s");
+}

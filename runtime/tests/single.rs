@@ -1,0 +1,330 @@
+//! One process holding the whole model: every model learns, the metrics contract, bad input.
+
+use crate::util::{run, run_ok, runtime, write_cifar, write_image_folder};
+
+/// Synthetic data cycles a pool of 4 batches: after 8 iterations each batch was seen twice, and a
+/// model that learns has a lower mean loss on the second pass than on the first.
+fn assert_learns(batch_size: &str, model_args: &[&str]) {
+    let mut args = vec![
+        "--batch-size",
+        batch_size,
+        "--iterations",
+        "8",
+        "--image-size",
+        "32",
+        "--num-classes",
+        "10",
+    ];
+    args.extend_from_slice(&["--threads", "2", "--seed", "1", "--dropout", "0"]);
+    args.extend_from_slice(model_args);
+    let run = run_ok(&args);
+    let losses = run.losses();
+    assert_eq!(losses.len(), 8);
+    let first: f64 = losses[..4].iter().sum::<f64>() / 4.0;
+    let second: f64 = losses[4..].iter().sum::<f64>() / 4.0;
+    assert!(second < first, "{model_args:?}: loss did not fall: {losses:?}");
+    assert!(losses.iter().all(|l| l.is_finite()));
+}
+
+#[test]
+fn mlp_learns() {
+    assert_learns("8", &["--model", "mlp", "--lr", "0.01"]);
+}
+
+#[test]
+fn vgg16_learns() {
+    assert_learns(
+        "4",
+        &["--model", "vgg16", "--optimizer", "adam", "--lr", "0.0001"],
+    );
+}
+
+#[test]
+fn vgg16_bn_learns() {
+    assert_learns(
+        "4",
+        &["--model", "vgg16_bn", "--optimizer", "adam", "--lr", "0.0001"],
+    );
+}
+
+#[test]
+fn resnet50_learns() {
+    assert_learns(
+        "8",
+        &["--model", "resnet50", "--optimizer", "adam", "--lr", "0.001"],
+    );
+}
+
+#[test]
+fn resnet101_learns() {
+    assert_learns(
+        "8",
+        &["--model", "resnet101", "--optimizer", "adam", "--lr", "0.001"],
+    );
+}
+
+#[test]
+fn resnet152_learns() {
+    assert_learns(
+        "8",
+        &["--model", "resnet152", "--optimizer", "adam", "--lr", "0.001"],
+    );
+}
+
+#[test]
+fn transformer_learns() {
+    assert_learns(
+        "8",
+        &[
+            "--model",
+            "transformer",
+            "--layers",
+            "2",
+            "--hidden",
+            "64",
+            "--heads",
+            "4",
+            "--seq-len",
+            "16",
+            "--vocab-size",
+            "100",
+            "--optimizer",
+            "adam",
+            "--lr",
+            "0.003",
+        ],
+    );
+}
+
+#[test]
+fn metrics_follow_the_contract() {
+    let run = run_ok(&[
+        "--model",
+        "mlp",
+        "--iterations",
+        "5",
+        "--batch-size",
+        "16",
+        "--warmup",
+        "2",
+        "--threads",
+        "1",
+    ]);
+    let start = run.start();
+    assert_eq!(start.schema_version, stagehand_contract::SCHEMA_VERSION);
+    assert_eq!(
+        (start.rank, start.world_size, start.stage, start.num_stages),
+        (0, 1, 0, 1)
+    );
+    // mlp: 4 hidden layers, the head, the loss.
+    assert_eq!(
+        (start.num_modules, start.first_module, start.end_module),
+        (6, 0, 6)
+    );
+    let expected_params = 3072 * 1024 + 1024 + 3 * (1024 * 1024 + 1024) + 1024 * 10 + 10;
+    assert_eq!(
+        (start.num_params, start.stage_params),
+        (expected_params, expected_params)
+    );
+    assert_eq!(start.config.threads, 1);
+    assert_eq!(start.config.batch_size, 16);
+
+    let iterations = run.iterations();
+    assert_eq!(
+        iterations.iter().map(|i| i.iteration).collect::<Vec<_>>(),
+        [0, 1, 2, 3, 4]
+    );
+    for i in &iterations {
+        assert_eq!(i.samples, 16);
+        assert!(
+            (i.compute_s + i.comm_wait_s + i.idle_s - i.time_s).abs() < 1e-6,
+            "{i:?}"
+        );
+        assert!((i.samples_per_sec - 16.0 / i.time_s).abs() < 1e-6 * i.samples_per_sec);
+        assert!(i.peak_mem_bytes.unwrap() > 0);
+    }
+    let summary = run.summary();
+    assert_eq!((summary.iterations, summary.warmup_iterations), (5, 2));
+    let kept: Vec<f64> = iterations[2..].iter().map(|i| i.samples_per_sec).collect();
+    let mean = kept.iter().sum::<f64>() / 3.0;
+    assert!((summary.samples_per_sec_mean - mean).abs() < 1e-6 * mean);
+    assert_eq!(summary.final_loss, iterations[4].loss);
+    assert!(run.stderr().contains("training mlp"), "human text goes to stderr");
+}
+
+#[test]
+fn same_seed_same_losses_other_seed_other_losses() {
+    let args = [
+        "--model",
+        "mlp",
+        "--iterations",
+        "3",
+        "--batch-size",
+        "8",
+        "--threads",
+        "1",
+    ];
+    let a = run_ok(&[&args[..], &["--seed", "5"]].concat()).losses();
+    let b = run_ok(&[&args[..], &["--seed", "5"]].concat()).losses();
+    let c = run_ok(&[&args[..], &["--seed", "6"]].concat()).losses();
+    assert_eq!(a, b);
+    assert_ne!(a, c);
+}
+
+#[test]
+fn trains_on_cifar_and_image_folder_data() {
+    let cifar = tempfile::tempdir().unwrap();
+    write_cifar(cifar.path(), 40);
+    let spec = format!("cifar10:{}", cifar.path().display());
+    let run = run_ok(&[
+        "--model",
+        "mlp",
+        "--data",
+        &spec,
+        "--iterations",
+        "3",
+        "--batch-size",
+        "16",
+    ]);
+    assert_eq!(run.start().config.data, spec);
+    assert_eq!(run.iterations().len(), 3);
+
+    let folder = tempfile::tempdir().unwrap();
+    write_image_folder(folder.path(), 3, 4);
+    let path = folder.path().to_str().unwrap();
+    let run = run_ok(&[
+        "--model",
+        "resnet50",
+        "--data",
+        path,
+        "--image-size",
+        "32",
+        "--iterations",
+        "2",
+        "--batch-size",
+        "4",
+    ]);
+    assert_eq!(run.start().config.data, format!("imagefolder:{path}"));
+    // ResNet-50 with the dataset's 3 classes: the fc layer is 2048 x 3 + 3.
+    assert_eq!(run.start().num_params, 25_557_032 - 2048 * 997 - 997);
+}
+
+/// Each bad argument exits 2 with one stderr line that names what to change.
+#[test]
+fn bad_arguments_give_one_line_reasons() {
+    let cifar = tempfile::tempdir().unwrap();
+    write_cifar(cifar.path(), 10);
+    let cifar_spec = format!("cifar10:{}", cifar.path().display());
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["--model", "alexnet"], "--model: unknown model \"alexnet\""),
+        (
+            vec!["--model", "mlp", "--batch-size", "0"],
+            "--batch-size: must be at least 1",
+        ),
+        (
+            vec!["--model", "mlp", "--device", "gpu"],
+            "--device: \"gpu\" is not cpu, cuda or cuda:N",
+        ),
+        (
+            vec!["--model", "mlp", "--lr=-1"],
+            "--lr: -1 is not a positive number",
+        ),
+        (
+            vec!["--model", "mlp", "--data", "/no/such/data"],
+            "\"/no/such/data\" is not `synthetic`",
+        ),
+        (
+            vec!["--model", "mlp", "--data", &cifar_spec, "--num-classes", "5"],
+            "fewer than the 10 classes",
+        ),
+        (
+            vec!["--model", "mlp", "--optimizer", "lbfgs"],
+            "invalid value 'lbfgs' for '--optimizer",
+        ),
+        (vec!["--iterations", "3"], "--model"),
+    ];
+    for (args, expected) in cases {
+        let out = runtime().args(&args).output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert_eq!(stderr.lines().count(), 1, "{args:?}: not one line: {stderr}");
+        assert!(
+            stderr.contains(expected),
+            "{args:?}: {stderr:?} lacks {expected:?}"
+        );
+        assert!(out.stdout.is_empty(), "{args:?}: no metrics on a bad argument");
+    }
+}
+
+#[test]
+fn missing_or_malformed_datasets_name_the_path() {
+    let out = run(&["--model", "mlp", "--data", "cifar10:/no/such/cifar"]);
+    assert_eq!(out.output.status.code(), Some(1));
+    assert!(
+        out.stderr().contains("/no/such/cifar") && out.stderr().contains("CIFAR-10"),
+        "{}",
+        out.stderr()
+    );
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("data_batch_1.bin"), [1u8; 5000]).unwrap();
+    let out = run(&[
+        "--model",
+        "mlp",
+        "--data",
+        &format!("cifar10:{}", dir.path().display()),
+    ]);
+    assert_eq!(out.output.status.code(), Some(1));
+    assert!(
+        out.stderr()
+            .contains("data_batch_1.bin: 5000 bytes is not a whole number"),
+        "{}",
+        out.stderr()
+    );
+}
+
+#[test]
+fn cuda_without_a_gpu_is_a_clear_error() {
+    if tch::Cuda::is_available() {
+        return; // the GPU machine runs the CUDA path for real
+    }
+    let out = run(&["--model", "mlp", "--device", "cuda:0", "--iterations", "1"]);
+    assert_eq!(out.output.status.code(), Some(1));
+    assert!(
+        out.stderr()
+            .contains("cuda:0 requested but this machine has 0 CUDA device(s)"),
+        "{}",
+        out.stderr()
+    );
+}
+
+#[test]
+fn modules_lists_every_module_with_shapes() {
+    let out = runtime()
+        .args(["modules", "--model", "vgg16", "--image-size", "32"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.contains("features.0"), "{text}");
+    assert!(text.contains("classifier.6"));
+    assert!(
+        text.trim_end()
+            .ends_with("23 modules (the loss last), 138357544 parameters"),
+        "{text}"
+    );
+
+    let out = runtime()
+        .args(["modules", "--model", "resnet50", "--json", "--batch-size", "2"])
+        .output()
+        .unwrap();
+    let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        rows.len(),
+        2 + 16 + 2 + 1,
+        "conv1, maxpool, 16 blocks, avgpool, fc, loss"
+    );
+    assert_eq!(rows[0]["output_shape"], serde_json::json!([2, 64, 112, 112]));
+    assert_eq!(rows[rows.len() - 2]["output_shape"], serde_json::json!([2, 1000]));
+    let total: u64 = rows.iter().map(|r| r["params"].as_u64().unwrap()).sum();
+    assert_eq!(total, 25_557_032);
+}
