@@ -1,9 +1,12 @@
-//! The contracts between the driver and the runtime: the metrics lines a rank prints on stdout
-//! and the PipeDream stage-config format. Both binaries depend on this crate; it never links
+//! The contracts between the driver and the runtime: the metrics lines a rank prints on stdout,
+//! the layer profile `runtime profile` writes for the planner, and the PipeDream stage-config
+//! format. Both binaries depend on this crate; it never links
 //! libtorch, so the driver builds without it.
 
 pub mod metrics;
+pub mod profile;
 pub mod stage_config;
 
 pub use metrics::{Event, Iteration, RunConfig, Start, Summary, Trace, SCHEMA_VERSION};
+pub use profile::{ModuleProfile, Profile, PROFILE_VERSION};
 pub use stage_config::{Stage, StageConfig, StageConfigError, StagePlan};

@@ -14,6 +14,7 @@ use crate::config::{
 use crate::data::DataSpec;
 use crate::p2p::P2pConfig;
 use crate::pipeline::schedule::Schedule;
+use crate::profile::ProfileConfig;
 
 /// One training process (rank) of a model split across ranks.
 ///
@@ -37,9 +38,33 @@ pub struct Cli {
 enum Sub {
     /// Print the model's module list (index, name, parameters, output shape), to write stage configs by hand.
     Modules(ModulesArgs),
+    /// Measure each module's forward and backward time, activation and parameter bytes, and write
+    /// the profile JSON `driver plan` reads.
+    Profile(ProfileArgs),
     /// Measure point-to-point throughput between two ranks (used by bench/).
     #[command(hide = true)]
     P2pBench(P2pArgs),
+}
+
+#[derive(Debug, Args)]
+struct ProfileArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Samples per measured batch (the minibatch the plan is for).
+    #[arg(long, default_value_t = 32)]
+    batch_size: usize,
+    /// Device: cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Intra-op threads for libtorch [default: libtorch's own choice].
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Timed repeats per module; the profile keeps the median.
+    #[arg(long, default_value_t = 5)]
+    repeats: usize,
+    /// Write the profile here instead of stdout.
+    #[arg(long, short)]
+    output: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]
@@ -216,6 +241,14 @@ impl Cli {
                 model: m.model.into_choice(None)?,
                 batch_size: positive("--batch-size", m.batch_size)?,
                 json: m.json,
+            })),
+            Some(Sub::Profile(p)) => Ok(Command::Profile(ProfileConfig {
+                model: p.model.into_choice(None)?,
+                batch_size: positive("--batch-size", p.batch_size)?,
+                device: DeviceSpec::parse(&p.device)?,
+                threads: p.threads.map(|t| positive("--threads", t)).transpose()?,
+                repeats: positive("--repeats", p.repeats)?,
+                output: p.output,
             })),
             Some(Sub::P2pBench(p)) => {
                 if p.rank > 1 {

@@ -17,6 +17,8 @@ pub enum Command {
     Train(TrainConfig),
     /// List the model's modules.
     Modules(ModulesConfig),
+    /// Profile the model's modules.
+    Profile(crate::profile::ProfileConfig),
     /// Measure point-to-point throughput.
     P2pBench(crate::p2p::P2pConfig),
 }

@@ -10,6 +10,7 @@ mod metrics;
 mod models;
 mod p2p;
 mod pipeline;
+mod profile;
 mod train;
 
 use std::process::ExitCode;
@@ -48,6 +49,7 @@ fn main() -> ExitCode {
     let result = match command {
         Command::Train(config) => train::run(&config, &mut metrics::Emitter::new(std::io::stdout())),
         Command::Modules(config) => inspect::run(&config, &mut std::io::stdout().lock()),
+        Command::Profile(config) => profile::run(&config, &mut std::io::stdout().lock()),
         Command::P2pBench(config) => p2p::run(&config, &mut std::io::stdout().lock()),
     };
     match result {

@@ -328,3 +328,48 @@ fn modules_lists_every_module_with_shapes() {
     let total: u64 = rows.iter().map(|r| r["params"].as_u64().unwrap()).sum();
     assert_eq!(total, 25_557_032);
 }
+
+#[test]
+fn profile_measures_every_module() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("profile.json");
+    let out = runtime()
+        .args([
+            "profile",
+            "--model",
+            "resnet50",
+            "--image-size",
+            "32",
+            "--batch-size",
+            "2",
+            "--repeats",
+            "1",
+        ])
+        .args(["--threads", "2", "--output", path.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let profile = stagehand_contract::Profile::from_json(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    assert_eq!(
+        (profile.model.as_str(), profile.batch_size, profile.threads),
+        ("resnet50", 2, 2)
+    );
+    assert_eq!(
+        profile.modules.len(),
+        21,
+        "conv1, maxpool, 16 blocks, avgpool, fc, loss"
+    );
+    assert_eq!(profile.modules[2].name, "layer1.0");
+    assert_eq!(
+        profile.modules.iter().map(|m| m.param_bytes).sum::<u64>(),
+        25_557_032 * 4
+    );
+    for m in &profile.modules {
+        let elements: i64 = m.output_shape.iter().product();
+        assert_eq!(m.activation_bytes, elements as u64 * 4, "{}", m.name);
+        assert!(m.forward_s > 0.0, "{}", m.name);
+    }
+    // Every module but the first trains through its input, so all have a backward.
+    assert!(profile.modules.iter().all(|m| m.backward_s > 0.0));
+    assert_eq!(profile.modules[0].output_shape, [2, 64, 16, 16]);
+}

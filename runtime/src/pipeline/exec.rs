@@ -13,7 +13,7 @@ use super::schedule::{rank_for, Action, Schedule};
 use super::wire::{self, header, header_buffer, read_header, Tag, TensorSpec};
 use crate::comm::{ProcessGroup, Work};
 use crate::data::Batches;
-use crate::train::{Optimizer, Stage};
+use crate::train::{backward_with_grad, Optimizer, Stage};
 
 /// The process groups a rank talks through; `None` in a single-process run.
 pub struct Links {
@@ -547,9 +547,4 @@ fn all_reduce_buckets(group: &ProcessGroup, tensors: &[Tensor]) -> anyhow::Resul
         }
     });
     Ok(())
-}
-
-/// Backward of `output` given the gradient of the loss with respect to it.
-fn backward_with_grad(output: &Tensor, grad: &Tensor) {
-    (output * grad).sum(Kind::Float).backward();
 }

@@ -2,6 +2,7 @@
 //! runs its schedule, and reports each iteration as a metrics event. One process holding the
 //! whole model is the same path with a one-stage, one-rank plan and no peers.
 
+mod autograd;
 mod optim;
 mod stage;
 
@@ -19,11 +20,12 @@ use crate::metrics::{peak_rss_bytes, Emitter, Throughput};
 use crate::models::{InputKind, ModelDef};
 use crate::pipeline::schedule::{self, Action, Schedule};
 use crate::pipeline::{Executor, Links, TensorSpec};
+pub use autograd::backward_with_grad;
 pub use optim::Optimizer;
 pub use stage::Stage;
 
 /// Checks that the requested device exists before anything is allocated on it.
-fn check_device(device: DeviceSpec) -> anyhow::Result<()> {
+pub fn check_device(device: DeviceSpec) -> anyhow::Result<()> {
     if let DeviceSpec::Cuda(index) = device {
         let count = tch::Cuda::device_count() as usize;
         if !tch::Cuda::is_available() || index >= count {

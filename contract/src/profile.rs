@@ -1,0 +1,106 @@
+//! The layer profile `runtime profile` writes and `driver plan` reads: per module of a model,
+//! measured compute times and the bytes that decide communication and memory (PipeDream's
+//! profiler measured the same quantities).
+
+use serde::{Deserialize, Serialize};
+
+/// Version of the profile format.
+pub const PROFILE_VERSION: u32 = 1;
+
+/// A model's measured profile at one batch size on one device.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Profile {
+    /// Version of this format; see [`PROFILE_VERSION`].
+    pub format_version: u32,
+    /// Model name as given to `--model`.
+    pub model: String,
+    /// Samples per measured batch.
+    pub batch_size: usize,
+    /// `cpu` or `cuda:N`.
+    pub device: String,
+    /// Intra-op threads used.
+    pub threads: usize,
+    /// Measured repeats per module (the times are medians).
+    pub repeats: usize,
+    /// The modules in order, the loss last.
+    pub modules: Vec<ModuleProfile>,
+}
+
+/// One module's measurements.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModuleProfile {
+    pub index: usize,
+    pub name: String,
+    /// Median seconds of the forward pass.
+    pub forward_s: f64,
+    /// Median seconds of the backward pass.
+    pub backward_s: f64,
+    /// Bytes of the module's output (what crosses a stage boundary after it).
+    pub activation_bytes: u64,
+    /// Bytes of the module's parameters (what replicas all-reduce and stashes copy).
+    pub param_bytes: u64,
+    /// Shape of the output at this batch size.
+    pub output_shape: Vec<i64>,
+}
+
+impl Profile {
+    /// Parses a profile, refusing other format versions with a clear message.
+    pub fn from_json(text: &str) -> Result<Profile, String> {
+        let value: serde_json::Value = serde_json::from_str(text).map_err(|e| format!("not JSON: {e}"))?;
+        match value.get("format_version").and_then(|v| v.as_u64()) {
+            Some(v) if v == u64::from(PROFILE_VERSION) => {}
+            Some(v) => {
+                return Err(format!(
+                    "profile format version {v} is not {PROFILE_VERSION}; re-run `runtime profile` with this version"
+                ))
+            }
+            None => return Err("no format_version: not a profile written by `runtime profile`".into()),
+        }
+        serde_json::from_value(value).map_err(|e| format!("malformed profile: {e}"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn profile() -> Profile {
+        Profile {
+            format_version: PROFILE_VERSION,
+            model: "mlp".into(),
+            batch_size: 8,
+            device: "cpu".into(),
+            threads: 1,
+            repeats: 3,
+            modules: vec![ModuleProfile {
+                index: 0,
+                name: "layers.0".into(),
+                forward_s: 0.001,
+                backward_s: 0.002,
+                activation_bytes: 4096,
+                param_bytes: 1024,
+                output_shape: vec![8, 128],
+            }],
+        }
+    }
+
+    #[test]
+    fn profiles_round_trip() {
+        let text = serde_json::to_string(&profile()).unwrap();
+        assert_eq!(Profile::from_json(&text).unwrap(), profile());
+    }
+
+    #[test]
+    fn other_versions_and_garbage_are_refused_clearly() {
+        let mut value = serde_json::to_value(profile()).unwrap();
+        value["format_version"] = 9.into();
+        let err = Profile::from_json(&value.to_string()).unwrap_err();
+        assert!(err.contains("format version 9 is not 1"), "{err}");
+        assert!(Profile::from_json("{}")
+            .unwrap_err()
+            .contains("no format_version"));
+        assert!(Profile::from_json("[").unwrap_err().starts_with("not JSON"));
+    }
+}

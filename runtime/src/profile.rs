@@ -1,0 +1,160 @@
+//! `runtime profile`: measures each module of a model (forward and backward seconds, median of
+//! several repeats; output activation bytes; parameter bytes) and writes the profile JSON the
+//! planner reads (`stagehand_contract::Profile`).
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::Context;
+use stagehand_contract::{ModuleProfile, Profile, PROFILE_VERSION};
+use tch::{nn, Device, Kind, Tensor};
+
+use crate::config::{DeviceSpec, ModelChoice};
+use crate::models::{InputKind, ModelDef};
+use crate::train::{backward_with_grad, check_device};
+
+/// A validated `runtime profile` request.
+#[derive(Debug)]
+pub struct ProfileConfig {
+    pub model: ModelChoice,
+    pub batch_size: usize,
+    pub device: DeviceSpec,
+    pub threads: Option<usize>,
+    /// Timed repeats per module, after one untimed warm-up.
+    pub repeats: usize,
+    /// Where to write the profile; stdout when `None`.
+    pub output: Option<PathBuf>,
+}
+
+fn sync(device: Device) {
+    if let Device::Cuda(index) = device {
+        tch::Cuda::synchronize(index as i64);
+    }
+}
+
+/// Median seconds of `repeats` runs of `f` after one warm-up run; `f` returns the seconds it
+/// wants counted (so set-up inside it stays untimed).
+fn median_seconds(repeats: usize, mut f: impl FnMut() -> f64) -> f64 {
+    f();
+    let mut times: Vec<f64> = (0..repeats).map(|_| f()).collect();
+    times.sort_by(f64::total_cmp);
+    times[times.len() / 2]
+}
+
+fn timed(device: Device, f: impl FnOnce()) -> f64 {
+    sync(device);
+    let started = Instant::now();
+    f();
+    sync(device);
+    started.elapsed().as_secs_f64()
+}
+
+fn bytes(t: &Tensor) -> u64 {
+    (t.numel() * t.kind().elt_size_in_bytes()) as u64
+}
+
+/// Measures every module of the model.
+pub fn measure(config: &ProfileConfig) -> anyhow::Result<Profile> {
+    if let Some(threads) = config.threads {
+        tch::set_num_threads(threads as i32);
+    }
+    check_device(config.device)?;
+    let device = config.device.tch();
+    let model = ModelDef::named(&config.model.name, &config.model.options)?;
+    let param_bytes: Vec<u64> = model.param_counts().iter().map(|n| n * 4).collect();
+    let vs = nn::VarStore::new(device);
+    let layers = model.build(&vs.root(), 0..model.num_modules(), 0);
+    let batch = config.batch_size as i64;
+    tch::manual_seed(0);
+    let (mut xs, target) = match model.input {
+        InputKind::Image { size, classes } => (
+            Tensor::randn([batch, 3, size, size], (Kind::Float, device)),
+            Tensor::randint(classes, [batch], (Kind::Int64, device)),
+        ),
+        InputKind::Tokens { seq_len, vocab } => (
+            Tensor::randint(vocab, [batch, seq_len], (Kind::Int64, device)),
+            Tensor::randint(vocab, [batch, seq_len], (Kind::Int64, device)),
+        ),
+    };
+    let mut modules = Vec::with_capacity(model.num_modules());
+    for (index, layer) in layers.iter().enumerate() {
+        // Inputs after the first carry gradients, as they do inside a model.
+        let input = if index > 0 && xs.is_floating_point() {
+            xs.detach().set_requires_grad(true)
+        } else {
+            xs.detach()
+        };
+        let forward_s = median_seconds(config.repeats, || {
+            timed(device, || drop(layer.forward_t(&input, true)))
+        });
+        let output = layer.forward_t(&input, true);
+        let backward_s = if output.requires_grad() {
+            let grad = output.randn_like();
+            median_seconds(config.repeats, || {
+                let out = layer.forward_t(&input, true);
+                timed(device, || backward_with_grad(&out, &grad))
+            })
+        } else {
+            0.0
+        };
+        modules.push(ModuleProfile {
+            index,
+            name: model.module_name(index).to_string(),
+            forward_s,
+            backward_s,
+            activation_bytes: bytes(&output),
+            param_bytes: param_bytes[index],
+            output_shape: output.size(),
+        });
+        xs = output.detach();
+    }
+    let input = xs.detach().set_requires_grad(true);
+    let loss_of = || model.loss.compute(&input, &target).context("computing the loss");
+    let forward_s = median_seconds(config.repeats, || timed(device, || drop(loss_of())));
+    let backward_s = median_seconds(config.repeats, || match loss_of() {
+        Ok(loss) => timed(device, || loss.backward()),
+        Err(_) => 0.0,
+    });
+    let loss = loss_of()?;
+    modules.push(ModuleProfile {
+        index: layers.len(),
+        name: "loss".into(),
+        forward_s,
+        backward_s,
+        activation_bytes: bytes(&loss),
+        param_bytes: 0,
+        output_shape: loss.size(),
+    });
+    Ok(Profile {
+        format_version: PROFILE_VERSION,
+        model: model.name.clone(),
+        batch_size: config.batch_size,
+        device: config.device.to_string(),
+        threads: tch::get_num_threads() as usize,
+        repeats: config.repeats,
+        modules,
+    })
+}
+
+pub fn run(config: &ProfileConfig, out: &mut impl Write) -> anyhow::Result<()> {
+    let profile = measure(config)?;
+    let text = serde_json::to_string_pretty(&profile)?;
+    match &config.output {
+        Some(path) => {
+            std::fs::write(path, text + "\n")
+                .with_context(|| format!("--output: cannot write {}", path.display()))?;
+            let total: f64 = profile.modules.iter().map(|m| m.forward_s + m.backward_s).sum();
+            eprintln!(
+                "runtime: profiled {} modules of {} at batch {}: {:.1} ms per iteration; wrote {}",
+                profile.modules.len(),
+                profile.model,
+                profile.batch_size,
+                total * 1e3,
+                path.display()
+            );
+        }
+        None => writeln!(out, "{text}")?,
+    }
+    Ok(())
+}
