@@ -1,0 +1,128 @@
+//! The cost model: what one stage and one boundary cost, and what a stage holds in memory.
+
+use std::ops::Range;
+
+/// One module's measurements (from `runtime profile`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayerCost {
+    /// Seconds of forward plus backward for one minibatch.
+    pub compute_s: f64,
+    /// Bytes of the module's output for one minibatch.
+    pub activation_bytes: f64,
+    /// Bytes of the module's parameters.
+    pub param_bytes: f64,
+}
+
+/// Bandwidths of the network levels, innermost first (GPUs in a server, then servers in a
+/// cluster, ...), and how many workers each level groups.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Network {
+    /// `(workers per group at this level, bytes per second between them)`, innermost first. The
+    /// last level's group size is the total worker count.
+    pub levels: Vec<(usize, f64)>,
+}
+
+impl Network {
+    /// One flat network of `workers` at `bandwidth` bytes per second.
+    pub fn flat(workers: usize, bandwidth: f64) -> Network {
+        Network {
+            levels: vec![(workers, bandwidth)],
+        }
+    }
+
+    /// Bandwidth among `workers` (positions in the pipeline, assigned in order): that of the
+    /// innermost level one of whose groups holds them all.
+    pub fn bandwidth(&self, workers: &Range<usize>) -> f64 {
+        let last = workers.end.max(workers.start + 1) - 1;
+        self.levels
+            .iter()
+            .find(|(group, _)| workers.start / group.max(&1) == last / group.max(&1))
+            .or(self.levels.last())
+            .map(|(_, b)| *b)
+            .expect("a network has at least one level")
+    }
+}
+
+/// The costs of a split, computed from the modules' measurements.
+#[derive(Debug, Clone)]
+pub struct CostModel {
+    /// Prefix sums, so a range's totals cost O(1).
+    compute: Vec<f64>,
+    params: Vec<f64>,
+    activations: Vec<f64>,
+    /// Each module's output bytes, for boundaries.
+    outputs: Vec<f64>,
+    pub network: Network,
+    /// Bytes per worker; `None` for no limit.
+    pub memory_limit: Option<f64>,
+}
+
+fn prefix(values: impl Iterator<Item = f64>) -> Vec<f64> {
+    let mut sums = vec![0.0];
+    for v in values {
+        sums.push(sums.last().expect("starts with 0") + v);
+    }
+    sums
+}
+
+impl CostModel {
+    pub fn new(layers: &[LayerCost], network: Network, memory_limit: Option<f64>) -> CostModel {
+        CostModel {
+            compute: prefix(layers.iter().map(|l| l.compute_s)),
+            params: prefix(layers.iter().map(|l| l.param_bytes)),
+            activations: prefix(layers.iter().map(|l| l.activation_bytes)),
+            outputs: layers.iter().map(|l| l.activation_bytes).collect(),
+            network,
+            memory_limit,
+        }
+    }
+
+    /// Modules in the model.
+    pub fn len(&self) -> usize {
+        self.outputs.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.outputs.is_empty()
+    }
+
+    fn sum(sums: &[f64], range: &Range<usize>) -> f64 {
+        sums[range.end] - sums[range.start]
+    }
+
+    /// Seconds per minibatch of stage `modules` on `workers` (its replicas): they share the
+    /// microbatches, then all-reduce their gradients (a ring: 2 (r-1)/r of the parameters each
+    /// way). This runtime does not overlap the all-reduce with the backward, so the two add.
+    pub fn stage_time(&self, modules: &Range<usize>, workers: &Range<usize>) -> f64 {
+        let replicas = workers.len() as f64;
+        let compute = Self::sum(&self.compute, modules) / replicas;
+        if workers.len() == 1 {
+            return compute;
+        }
+        let bytes = 2.0 * (replicas - 1.0) / replicas * Self::sum(&self.params, modules);
+        compute + bytes / self.network.bandwidth(workers)
+    }
+
+    /// Seconds per minibatch to send module `last`'s output forward and its gradient back across
+    /// the boundary before worker `next` (between workers `next - 1` and `next`).
+    pub fn boundary_time(&self, last: usize, next: usize) -> f64 {
+        2.0 * self.outputs[last] / self.network.bandwidth(&(next - 1..next + 1))
+    }
+
+    /// Bytes one worker of the stage holds: weights, gradients and momentum, one stashed weight
+    /// version per extra in-flight minibatch, and the activations of every in-flight minibatch.
+    /// `in_flight` is the number of workers from this stage to the end divided by its replicas
+    /// (PipeDream's 1F1B warm-up depth).
+    pub fn stage_memory(&self, modules: &Range<usize>, replicas: usize, workers_from_here: usize) -> f64 {
+        let in_flight = workers_from_here.div_ceil(replicas) as f64;
+        let params = Self::sum(&self.params, modules);
+        let activations = Self::sum(&self.activations, modules);
+        params * (3.0 + (in_flight - 1.0)) + activations * in_flight
+    }
+
+    /// Whether the stage fits the memory limit.
+    pub fn fits(&self, modules: &Range<usize>, replicas: usize, workers_from_here: usize) -> bool {
+        self.memory_limit
+            .is_none_or(|limit| self.stage_memory(modules, replicas, workers_from_here) <= limit)
+    }
+}

@@ -1,0 +1,20 @@
+//! Picks where to cut a model into pipeline stages and how far to replicate each stage, from
+//! measured per-module costs: PipeDream's dynamic program, with a cost model of this project's
+//! runtime.
+//!
+//! The program runs over suffixes of the module list: `best(i, m)` is the lowest time per
+//! minibatch for modules `i..` on `m` workers, whose first stage is `i..j` on `r` replicas
+//! followed by `best(j, m - r)`. A stage's time is its compute shared by its replicas plus their
+//! gradient all-reduce; a boundary costs its activation forward and its gradient back. The
+//! pipeline's time is its slowest stage or boundary (steady state, as PipeDream assumed). Working
+//! over suffixes means a stage knows how many workers sit downstream of it, so its in-flight
+//! microbatches, and with them its memory, are known exactly.
+
+mod cost;
+mod solve;
+
+pub use cost::{CostModel, LayerCost, Network};
+pub use solve::{plan, Plan, PlanError, PlannedStage};
+
+#[cfg(test)]
+mod tests;
