@@ -34,12 +34,10 @@ pub enum RunError {
     Record(#[from] RecordError),
     #[error("cannot install the Ctrl-C handler")]
     Signals(#[source] std::io::Error),
-    #[error("experiment {id} {status}; see {}", dir.display())]
-    Finished {
-        id: String,
-        status: &'static str,
-        dir: std::path::PathBuf,
-    },
+    #[error("experiment {id} failed; the summary and the ranks' logs are in {}", dir.display())]
+    Failed { id: String, dir: std::path::PathBuf },
+    #[error("experiment {id} was interrupted; what it gathered is in {}", dir.display())]
+    Interrupted { id: String, dir: std::path::PathBuf },
     #[error("some of the experiment's containers could not be removed")]
     Cleanup(#[source] LaunchError),
 }
@@ -53,8 +51,8 @@ impl RunError {
             RunError::Launch(LaunchError::Interrupted) => exit_codes::INTERRUPTED,
             RunError::Launch(_) => exit_codes::EXPERIMENT_FAILED,
             RunError::Record(_) => exit_codes::RECORD_FAILED,
-            RunError::Finished { status, .. } if *status == "was interrupted" => exit_codes::INTERRUPTED,
-            RunError::Finished { .. } => exit_codes::EXPERIMENT_FAILED,
+            RunError::Interrupted { .. } => exit_codes::INTERRUPTED,
+            RunError::Failed { .. } => exit_codes::EXPERIMENT_FAILED,
             RunError::Cleanup(_) => exit_codes::CLEANUP_FAILED,
         }
     }
@@ -213,24 +211,16 @@ pub async fn run(options: Options) -> Result<(), RunError> {
     if let Some(e) = cleanup.into_iter().next() {
         return Err(RunError::Cleanup(e));
     }
-    let status = match status {
+    let (id, dir) = (record.id, record.dir);
+    match status {
         Status::Succeeded => {
-            eprintln!(
-                "driver: experiment {} succeeded; record in {}",
-                record.id,
-                record.dir.display()
-            );
-            return Ok(());
+            eprintln!("driver: experiment {id} succeeded; record in {}", dir.display());
+            Ok(())
         }
-        Status::Failed => "failed",
-        Status::Interrupted => "was interrupted",
+        Status::Failed => Err(RunError::Failed { id, dir }),
+        Status::Interrupted => Err(RunError::Interrupted { id, dir }),
         Status::Running => unreachable!("supervise returns a final status"),
-    };
-    Err(RunError::Finished {
-        id: record.id,
-        status,
-        dir: record.dir,
-    })
+    }
 }
 
 /// Where `program` would be found: a path as given, or a bare name on `PATH`.
