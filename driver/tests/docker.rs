@@ -275,6 +275,7 @@ fn the_quickstart_trains_the_real_runtime_in_a_container() {
     assert_eq!(run.code(), 0, "{}", run.stderr());
     let (dir, summary) = h.summary();
     assert_eq!(summary["name"], "quickstart");
+    assert_eq!(summary["world_size"], 2, "two data-parallel ranks");
     assert_eq!(summary["status"], "succeeded");
     assert_eq!(summary["iterations_done"], 20);
     assert!(summary["throughput"]["samples_per_sec_mean"].as_f64().unwrap() > 0.0);
