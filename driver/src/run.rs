@@ -7,7 +7,7 @@ use tokio::sync::mpsc;
 
 use crate::cli::{Backend, ContainerMode, Options};
 use crate::config::{self, ConfigError};
-use crate::events::{Event, Status};
+use crate::events::{Event, HostFacts, Status};
 use crate::exit_codes;
 use crate::hosts;
 use crate::launch::{
@@ -167,6 +167,15 @@ pub async fn run(options: Options) -> Result<(), RunError> {
     let (tx, rx) = mpsc::unbounded_channel();
     let (status, cleanup) = match prepared {
         None => {
+            reporters.report(&Event::HostReady(HostFacts {
+                host: plan.hosts[0].name.clone(),
+                docker_version: None,
+                gpus: plan.hosts[0].gpus.iter().map(|g| g.to_string()).collect(),
+                image_id: None,
+                image: None,
+                image_built: false,
+                copied_in: Vec::new(),
+            }));
             let launcher = match ProcessLauncher::start(&plan, tx) {
                 Ok(l) => l,
                 Err(e) => {
