@@ -25,6 +25,7 @@ fn two_ranks_succeed_and_the_record_has_everything() {
     for file in [
         "config.given.yml",
         "config.resolved.json",
+        "hosts.json",
         "git.json",
         "git.diff",
         "rank-0.log",
