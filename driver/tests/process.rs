@@ -105,6 +105,22 @@ fn sigint_stops_every_rank_and_records_interrupted() {
     let record = wait_for_record(&h.records(), Duration::from_secs(20));
     wait_for_text(&record.join("rank-1.log"), "hanging", Duration::from_secs(20));
     wait_for_text(&record.join("rank-0.log"), "hanging", Duration::from_secs(20));
+    // The record is written as the run goes, not at the end.
+    let running: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(record.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(running["status"], "running");
+    assert!(
+        running["ranks"][1]["handle"]
+            .as_str()
+            .unwrap()
+            .starts_with("pid "),
+        "{running}"
+    );
+    assert_eq!(
+        lines(&record.join("metrics.jsonl")).len(),
+        4,
+        "start + 1 iteration per rank"
+    );
     interrupt(&child);
     let out = wait_with_deadline(child, Duration::from_secs(15));
     assert_eq!(
@@ -175,4 +191,28 @@ fn a_master_port_in_use_fails_preflight() {
         run.stderr()
     );
     assert!(!h.records().exists());
+}
+
+#[test]
+fn sigterm_is_handled_like_ctrl_c() {
+    let h = Harness::new("proc-term");
+    let config = h.config(&format!(
+        "backend: process\nmachines: [localhost]\ncommand: ['{FAKE_RANK}', --iterations, '1', --hang]\n"
+    ));
+    let child = h.spawn(&config, &[]);
+    let record = wait_for_record(&h.records(), Duration::from_secs(20));
+    wait_for_text(&record.join("rank-0.log"), "hanging", Duration::from_secs(20));
+    let status = std::process::Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let out = wait_with_deadline(child, Duration::from_secs(15));
+    assert_eq!(
+        out.status.code(),
+        Some(130),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(h.summary().1["status"], "interrupted");
 }
