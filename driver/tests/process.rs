@@ -116,11 +116,15 @@ fn sigint_stops_every_rank_and_records_interrupted() {
             .starts_with("pid "),
         "{running}"
     );
-    assert_eq!(
-        lines(&record.join("metrics.jsonl")).len(),
-        4,
-        "start + 1 iteration per rank"
-    );
+    // stdout and stderr are read separately, so wait for the metrics rather than assume an order.
+    let start = std::time::Instant::now();
+    while lines(&record.join("metrics.jsonl")).len() < 4 {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "metrics.jsonl: start + 1 iteration per rank"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
     interrupt(&child);
     let out = wait_with_deadline(child, Duration::from_secs(15));
     assert_eq!(
