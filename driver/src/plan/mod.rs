@@ -225,11 +225,12 @@ pub fn resolve(loaded: &Loaded, options: &Options, master_port: u16) -> Result<P
         None => ImageSource::Build(absolute(Path::new("docker"))),
     };
 
+    // Rank 0 runs on the first machine; the address must be how the other machines reach it.
     let all_local = hosts.iter().all(|h| h.machine.is_local());
-    let master_addr = if all_local {
-        "127.0.0.1".to_string()
-    } else {
-        hosts[0].name.clone()
+    let master_addr = match (all_local, hosts[0].machine.is_local()) {
+        (true, _) => "127.0.0.1".to_string(),
+        (false, true) => this_host_name(),
+        (false, false) => hosts[0].name.clone(),
     };
 
     let runtime = absolute(&options.runtime);
@@ -383,6 +384,15 @@ pub fn absolute(path: &Path) -> PathBuf {
         .components()
         .filter(|c| !matches!(c, std::path::Component::CurDir))
         .collect()
+}
+
+/// This machine's name as other machines would resolve it.
+fn this_host_name() -> String {
+    nix::unistd::gethostname()
+        .ok()
+        .and_then(|h| h.into_string().ok())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "localhost".to_string())
 }
 
 /// Picks a free TCP port on this machine for the master.

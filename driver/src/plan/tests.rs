@@ -65,6 +65,19 @@ fn data_parallel_ranks_get_torchrun_environments() {
 }
 
 #[test]
+fn a_local_first_machine_is_named_so_remote_ranks_can_reach_it() {
+    let plan = resolve_text(
+        "machines: [localhost, node2]\n",
+        &options(None, ContainerMode::PerRank),
+    )
+    .unwrap();
+    assert_ne!(plan.master_addr, "localhost");
+    assert_ne!(plan.master_addr, "127.0.0.1");
+    assert_eq!(plan.master_addr, this_host_name());
+    assert_eq!(plan.ranks[1].env["MASTER_ADDR"], plan.master_addr);
+}
+
+#[test]
 fn a_single_rank_gets_no_distributed_flags() {
     let plan = resolve_text(
         "machines: [localhost]\nmodule: mlp\n",
