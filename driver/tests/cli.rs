@@ -37,6 +37,7 @@ fn a_stage_config_for_another_world_size_is_refused_before_launch() {
     assert_eq!(run.code(), 2, "{}", run.stderr());
     assert!(run.stderr().contains("exp.yml:3:1:"), "{}", run.stderr());
     assert!(run.stderr().contains("rank 2 is in no stage"), "{}", run.stderr());
+    h.assert_no_containers();
 }
 
 #[test]
@@ -54,4 +55,5 @@ fn a_missing_config_file_is_a_config_error() {
         "the cause chain is printed: {}",
         run.stderr()
     );
+    h.assert_no_containers();
 }

@@ -45,6 +45,7 @@ fn a_two_stage_pipeline_runs_as_processes() {
         &["--runtime", runtime.to_str().unwrap()],
     );
     check(&h, &run);
+    h.assert_no_containers();
 }
 
 #[test]

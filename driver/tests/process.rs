@@ -45,6 +45,7 @@ fn two_ranks_succeed_and_the_record_has_everything() {
         "{}",
         run.stderr()
     );
+    h.assert_no_containers();
 }
 
 #[test]
@@ -57,6 +58,7 @@ fn quiet_prints_only_the_outcome() {
     assert_eq!(run.code(), 0, "{}", run.stderr());
     assert!(!run.stderr().contains("[localhost r0]"), "{}", run.stderr());
     assert!(run.stdout().is_empty(), "{}", run.stdout());
+    h.assert_no_containers();
 }
 
 #[test]
@@ -93,6 +95,7 @@ fn a_failing_rank_stops_the_others_and_is_recorded() {
     // Rank 0 was stopped by the driver (SIGTERM), not left running.
     assert_eq!(summary["ranks"][0]["exited"], true);
     assert_ne!(summary["ranks"][0]["exit_code"], 0);
+    h.assert_no_containers();
 }
 
 #[test]
@@ -144,6 +147,7 @@ fn sigint_stops_every_rank_and_records_interrupted() {
             "rank process {pid} still exists"
         );
     }
+    h.assert_no_containers();
 }
 
 #[test]
@@ -161,6 +165,7 @@ fn the_real_runtime_trains_as_a_process() {
     let metrics = lines(&dir.join("metrics.jsonl"));
     assert!(metrics[0].contains(r#""model":"mlp""#), "{metrics:?}");
     assert!(metrics.last().unwrap().contains(r#""event":"summary""#));
+    h.assert_no_containers();
 }
 
 #[test]
@@ -176,6 +181,7 @@ fn a_missing_program_fails_preflight() {
         run.stderr()
     );
     assert!(!h.records().exists());
+    h.assert_no_containers();
 }
 
 #[test]
@@ -195,6 +201,7 @@ fn a_master_port_in_use_fails_preflight() {
         run.stderr()
     );
     assert!(!h.records().exists());
+    h.assert_no_containers();
 }
 
 #[test]
@@ -219,4 +226,5 @@ fn sigterm_is_handled_like_ctrl_c() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert_eq!(h.summary().1["status"], "interrupted");
+    h.assert_no_containers();
 }
