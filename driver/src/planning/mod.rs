@@ -1,0 +1,201 @@
+//! `driver plan`: reads a layer profile (`runtime profile`), solves PipeDream's partitioning for
+//! the workers and network given, and writes the stage config with its predictions.
+
+use std::fmt::Write as _;
+use std::path::PathBuf;
+
+use serde::Serialize;
+use stagehand_contract::Profile;
+use stagehand_planner::{plan, CostModel, LayerCost, Network, Plan};
+
+/// A validated `driver plan` request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlanOptions {
+    /// The profile JSON written by `runtime profile`.
+    pub profile: PathBuf,
+    /// Workers (GPUs, or CPU ranks) to plan for.
+    pub workers: usize,
+    /// Network levels, innermost first: `(workers per group, bytes per second)`. The last level
+    /// spans all workers.
+    pub levels: Vec<(usize, f64)>,
+    /// Memory per worker in bytes; `None` for no limit.
+    pub memory_bytes: Option<f64>,
+    /// Allow no replication: one worker per stage.
+    pub straight: bool,
+    /// Microbatches per minibatch, for the flushing schedules' prediction.
+    pub microbatches: usize,
+    /// Where to write the stage config (PipeDream's JSON); stdout when `None`.
+    pub output: Option<PathBuf>,
+    /// Where to write the predictions as JSON, if anywhere.
+    pub prediction: Option<PathBuf>,
+}
+
+/// Why planning failed; each says what to change.
+#[derive(Debug, thiserror::Error)]
+pub enum PlanningError {
+    #[error("cannot read the profile {path}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: {reason}")]
+    Profile { path: PathBuf, reason: String },
+    #[error(transparent)]
+    Plan(#[from] stagehand_planner::PlanError),
+    #[error("cannot write {path}")]
+    Write {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// The predictions written beside the stage config.
+#[derive(Debug, Serialize)]
+pub struct Prediction {
+    pub model: String,
+    pub batch_size: usize,
+    pub workers: usize,
+    /// Seconds per minibatch in steady state (the slowest stage or boundary; PipeDream's figure).
+    pub time_per_minibatch_s: f64,
+    /// Seconds per minibatch with GPipe or 1F1B at `microbatches` (fill and drain included).
+    pub flushing_time_per_minibatch_s: f64,
+    pub microbatches: usize,
+    /// Seconds per minibatch of pure data parallelism on the same workers (null if it does not fit).
+    pub data_parallel_time_s: Option<f64>,
+    /// Data parallelism's time over the plan's (null if data parallelism does not fit).
+    pub speedup_over_data_parallel: Option<f64>,
+    pub stages: Vec<PredictedStage>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct PredictedStage {
+    pub first_module: usize,
+    pub end_module: usize,
+    pub replicas: usize,
+    pub time_s: f64,
+    pub memory_bytes: f64,
+}
+
+/// The profile's modules as the planner's costs: forward plus backward per minibatch.
+pub fn layer_costs(profile: &Profile) -> Vec<LayerCost> {
+    profile
+        .modules
+        .iter()
+        .map(|m| LayerCost {
+            compute_s: m.forward_s + m.backward_s,
+            activation_bytes: m.activation_bytes as f64,
+            param_bytes: m.param_bytes as f64,
+        })
+        .collect()
+}
+
+/// Reads the profile and solves.
+pub fn solve(options: &PlanOptions) -> Result<(Profile, Plan, Prediction), PlanningError> {
+    let path = &options.profile;
+    let text = std::fs::read_to_string(path).map_err(|source| PlanningError::Read {
+        path: path.clone(),
+        source,
+    })?;
+    let profile = Profile::from_json(&text).map_err(|reason| PlanningError::Profile {
+        path: path.clone(),
+        reason,
+    })?;
+    let network = Network {
+        levels: options.levels.clone(),
+    };
+    let model = CostModel::new(&layer_costs(&profile), network, options.memory_bytes);
+    let plan = plan(&model, options.workers, options.straight)?;
+    let prediction = Prediction {
+        model: profile.model.clone(),
+        batch_size: profile.batch_size,
+        workers: options.workers,
+        time_per_minibatch_s: plan.time_per_minibatch,
+        flushing_time_per_minibatch_s: plan.flushing_time(options.microbatches),
+        microbatches: options.microbatches,
+        data_parallel_time_s: plan.data_parallel_time,
+        speedup_over_data_parallel: plan.speedup(),
+        stages: plan
+            .stages
+            .iter()
+            .map(|s| PredictedStage {
+                first_module: s.modules.start,
+                end_module: s.modules.end,
+                replicas: s.replicas,
+                time_s: s.time_s,
+                memory_bytes: s.memory_bytes,
+            })
+            .collect(),
+    };
+    Ok((profile, plan, prediction))
+}
+
+/// The plan as a table for people.
+pub fn render(profile: &Profile, plan: &Plan, prediction: &Prediction) -> String {
+    let mut out = String::new();
+    let name = |i: usize| profile.modules.get(i).map_or("?", |m| m.name.as_str());
+    let _ = writeln!(
+        out,
+        "{} at batch {} on {} workers:",
+        profile.model, profile.batch_size, prediction.workers
+    );
+    for (id, s) in plan.stages.iter().enumerate() {
+        let _ = writeln!(
+            out,
+            "  stage {id}: modules {}..{} ({} .. {}) on {} worker(s), {:.1} ms, {:.2} GiB per worker",
+            s.modules.start,
+            s.modules.end,
+            name(s.modules.start),
+            name(s.modules.end - 1),
+            s.replicas,
+            s.time_s * 1e3,
+            s.memory_bytes / (1u64 << 30) as f64
+        );
+    }
+    let _ = writeln!(
+        out,
+        "predicted time per minibatch: {:.1} ms steady state, {:.1} ms with GPipe/1F1B at {} microbatches",
+        prediction.time_per_minibatch_s * 1e3,
+        prediction.flushing_time_per_minibatch_s * 1e3,
+        prediction.microbatches
+    );
+    let _ = match (
+        prediction.data_parallel_time_s,
+        prediction.speedup_over_data_parallel,
+    ) {
+        (Some(dp), Some(speedup)) => writeln!(
+            out,
+            "pure data parallelism: {:.1} ms per minibatch; predicted speedup {speedup:.2}x",
+            dp * 1e3
+        ),
+        _ => writeln!(out, "pure data parallelism does not fit in memory"),
+    };
+    out
+}
+
+/// Runs `driver plan`: writes the stage config (or prints it) and the predictions, and prints
+/// the plan for people on stderr.
+pub fn run(options: &PlanOptions) -> Result<(), PlanningError> {
+    let (profile, plan, prediction) = solve(options)?;
+    let config = serde_json::to_string_pretty(&plan.stage_config()).expect("stage configs serialize") + "\n";
+    match &options.output {
+        Some(path) => std::fs::write(path, &config).map_err(|source| PlanningError::Write {
+            path: path.clone(),
+            source,
+        })?,
+        None => print!("{config}"),
+    }
+    if let Some(path) = &options.prediction {
+        let text = serde_json::to_string_pretty(&prediction).expect("predictions serialize") + "\n";
+        std::fs::write(path, text).map_err(|source| PlanningError::Write {
+            path: path.clone(),
+            source,
+        })?;
+    }
+    eprint!("{}", render(&profile, &plan, &prediction));
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,100 @@
+//! Planning from a profile file: what is written, what is printed, and the errors.
+
+use stagehand_contract::{ModuleProfile, Profile, StageConfig, PROFILE_VERSION};
+
+use super::*;
+
+fn profile() -> Profile {
+    let module = |index: usize, name: &str, compute: f64, params: u64| ModuleProfile {
+        index,
+        name: name.into(),
+        forward_s: compute / 3.0,
+        backward_s: 2.0 * compute / 3.0,
+        activation_bytes: 1 << 20,
+        param_bytes: params,
+        output_shape: vec![8, 32768],
+    };
+    Profile {
+        format_version: PROFILE_VERSION,
+        model: "toy".into(),
+        batch_size: 8,
+        device: "cpu".into(),
+        threads: 1,
+        repeats: 3,
+        modules: vec![
+            module(0, "a", 0.010, 1 << 10),
+            module(1, "b", 0.010, 1 << 10),
+            module(2, "heavy", 0.040, 1 << 10),
+            module(3, "c", 0.010, 1 << 10),
+            module(4, "loss", 0.0001, 0),
+        ],
+    }
+}
+
+fn options(dir: &std::path::Path) -> PlanOptions {
+    let path = dir.join("profile.json");
+    std::fs::write(&path, serde_json::to_string(&profile()).unwrap()).unwrap();
+    PlanOptions {
+        profile: path,
+        workers: 3,
+        levels: vec![(3, 1e9)],
+        memory_bytes: None,
+        straight: true,
+        microbatches: 4,
+        output: Some(dir.join("stages.json")),
+        prediction: Some(dir.join("prediction.json")),
+    }
+}
+
+#[test]
+fn writes_a_stage_config_the_runtime_accepts_and_the_predictions() {
+    let dir = tempfile::tempdir().unwrap();
+    let opts = options(dir.path());
+    run(&opts).unwrap();
+    let config =
+        StageConfig::from_json(&std::fs::read_to_string(dir.path().join("stages.json")).unwrap()).unwrap();
+    let plan = config.validate(5, 3).unwrap();
+    // Straight on 3 workers: the heavy module stands alone.
+    assert!(plan.stages.iter().any(|s| s.modules == (2..3)), "{plan:?}");
+    let prediction: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("prediction.json")).unwrap()).unwrap();
+    assert!(
+        (prediction["time_per_minibatch_s"].as_f64().unwrap() - 0.040).abs() < 1e-9,
+        "{prediction}"
+    );
+    assert_eq!(prediction["workers"], 3);
+    assert!(
+        prediction["speedup_over_data_parallel"].as_f64().unwrap() < 1.0,
+        "straight loses to DP here"
+    );
+}
+
+#[test]
+fn the_plan_renders_for_people() {
+    let dir = tempfile::tempdir().unwrap();
+    let (profile, plan, prediction) = solve(&options(dir.path())).unwrap();
+    insta::assert_snapshot!(render(&profile, &plan, &prediction));
+}
+
+#[test]
+fn errors_name_the_file_and_what_to_change() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut opts = options(dir.path());
+    opts.workers = 9;
+    let err = solve(&opts).err().unwrap();
+    assert!(
+        err.to_string()
+            .contains("a straight pipeline of 9 workers needs at least 9 modules"),
+        "{err}"
+    );
+    std::fs::write(&opts.profile, "{\"format_version\": 7}").unwrap();
+    let err = solve(&opts).err().unwrap();
+    assert!(
+        err.to_string()
+            .contains("profile.json: profile format version 7 is not 1"),
+        "{err}"
+    );
+    opts.profile = dir.path().join("missing.json");
+    let err = solve(&opts).err().unwrap();
+    assert!(err.to_string().starts_with("cannot read the profile"), "{err}");
+}
