@@ -3,22 +3,167 @@
 
 use std::path::PathBuf;
 
-use clap::{ArgAction, Parser, ValueEnum};
+use clap::{ArgAction, Args, Parser, Subcommand, ValueEnum};
 
-/// Runs a stagehand experiment: ranks of the runtime (or any torchrun-style program) on Docker
-/// hosts or as local processes, with logs and throughput gathered into a record folder.
+use crate::planning::PlanOptions;
+use crate::results::{Format, ResultsOptions};
+use crate::sweep::{SweepOptions, SweepSource};
+
+/// Runs stagehand experiments: ranks of the runtime (or any torchrun-style program) on Docker
+/// hosts or as local processes, with logs and throughput gathered into record folders; sweeps over
+/// configuration grids, result tables and plots, and pipeline plans from layer profiles.
+///
+/// `driver --config-file FILE` runs one experiment (the same as `driver run --config-file FILE`).
 #[derive(Debug, Parser)]
-#[command(name = "driver", version, about, long_about = None)]
+#[command(
+    name = "driver",
+    version,
+    about,
+    long_about = None,
+    args_conflicts_with_subcommands = true,
+    subcommand_negates_reqs = true
+)]
 pub struct Cli {
-    /// The experiment YAML (see driver_configs/).
-    #[arg(long = "config-file", short = 'c', value_name = "FILE")]
-    config_file: PathBuf,
+    #[command(subcommand)]
+    command: Option<Command>,
 
+    #[command(flatten)]
+    run: RunArgs,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Runs one experiment (what `driver --config-file FILE` does).
+    Run(RunArgs),
+    /// Runs an experiment once per point of a configuration grid, into one sweep folder.
+    Sweep(SweepArgs),
+    /// Prints a table (or writes a plot) of experiment records: one record, a sweep folder, or a
+    /// folder of them.
+    Results(ResultsArgs),
+    /// Plans a pipeline from a layer profile (`runtime profile`): writes PipeDream's stage config.
+    Plan(PlanArgs),
+}
+
+#[derive(Debug, Args)]
+struct RunArgs {
+    /// The experiment YAML (see driver_configs/).
+    #[arg(long = "config-file", short = 'c', value_name = "FILE", required = true)]
+    config_file: Option<PathBuf>,
+
+    #[command(flatten)]
+    experiment: ExperimentArgs,
+}
+
+#[derive(Debug, Args)]
+struct SweepArgs {
+    /// The experiment YAML; its `sweep:` section and every --grid give the grid.
+    #[arg(
+        long = "config-file",
+        short = 'c',
+        value_name = "FILE",
+        required_unless_present = "resume"
+    )]
+    config_file: Option<PathBuf>,
+
+    /// A grid axis: an experiment key and its values, e.g. `batch_size=32,64`. Repeat for more
+    /// axes; the sweep runs their cartesian product.
+    #[arg(long, value_name = "KEY=V1,V2", value_parser = parse_grid)]
+    grid: Vec<(String, Vec<String>)>,
+
+    /// Runs each point this many times.
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    repeat: u32,
+
+    /// Continues the sweep in DIR: runs only the points without a succeeded record.
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["config_file", "grid", "repeat"])]
+    resume: Option<PathBuf>,
+
+    #[command(flatten)]
+    experiment: ExperimentArgs,
+}
+
+#[derive(Debug, Args)]
+struct ResultsArgs {
+    /// Record folders, sweep folders or folders of them (default `experiments/`), and `KEY=VALUE`
+    /// filters (e.g. `schedule=1f1b`).
+    #[arg(value_name = "PATH|KEY=VALUE")]
+    inputs: Vec<String>,
+
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = FormatArg::Table)]
+    format: FormatArg,
+
+    /// Sorts rows by this column or experiment key (numbers numerically).
+    #[arg(long, value_name = "KEY")]
+    sort: Option<String>,
+
+    /// One table per value of this column or experiment key.
+    #[arg(long = "group-by", value_name = "KEY")]
+    group_by: Option<String>,
+
+    /// The row speedups are measured against: `KEY=VALUE[,KEY=VALUE]` (the first matching row) or
+    /// a row's name or record id. Default: the first row.
+    #[arg(long, value_name = "ROW")]
+    baseline: Option<String>,
+
+    /// Also writes an SVG plot: throughput against --plot-x, or for a single record its
+    /// per-stage compute/communication/idle time.
+    #[arg(long, value_name = "FILE.svg")]
+    plot: Option<PathBuf>,
+
+    /// The key on the plot's x axis (default: the sweep's first grid key).
+    #[arg(long = "plot-x", value_name = "KEY", requires = "plot")]
+    plot_x: Option<String>,
+}
+
+#[derive(Debug, Args)]
+struct PlanArgs {
+    /// The layer profile JSON written by `runtime profile`.
+    #[arg(long, value_name = "FILE")]
+    profile: PathBuf,
+
+    /// Workers (GPUs or CPU ranks) to plan for.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    workers: u64,
+
+    /// Network bandwidth between all workers in GB/s (default 10, when no --level is given).
+    #[arg(long, value_name = "GBPS", value_parser = parse_positive)]
+    bandwidth: Option<f64>,
+
+    /// A network level, innermost first: groups of WORKERS at GBPS GB/s (e.g. `4:100` for four
+    /// GPUs on NVLink). The last level's group is widened to all workers.
+    #[arg(long, value_name = "WORKERS:GBPS", value_parser = parse_level)]
+    level: Vec<(usize, f64)>,
+
+    /// Memory per worker in GiB (default: no limit).
+    #[arg(long, value_name = "GIB", value_parser = parse_positive)]
+    memory: Option<f64>,
+
+    /// No replication: one worker per stage.
+    #[arg(long)]
+    straight: bool,
+
+    /// Microbatches per minibatch, for GPipe/1F1B's predicted time.
+    #[arg(long, value_name = "M", default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..))]
+    microbatches: u64,
+
+    /// Where to write the stage config (default: stdout).
+    #[arg(long, short = 'o', value_name = "FILE")]
+    output: Option<PathBuf>,
+
+    /// Where to write the predictions as JSON.
+    #[arg(long, value_name = "FILE")]
+    prediction: Option<PathBuf>,
+}
+
+/// Options shared by `run` and `sweep`: how each experiment is launched and shown.
+#[derive(Debug, Args)]
+struct ExperimentArgs {
     /// Run one container per host with that host's ranks inside it, instead of one per rank.
     #[arg(long = "launch-single-container", alias = "launch_single_container")]
     launch_single_container: bool,
 
-    /// Where to put the record folder; overrides the YAML's `log_directory`.
+    /// Where to put the record (or sweep) folder; overrides the YAML's `log_directory`.
     #[arg(long = "output-dir", value_name = "DIR")]
     output_dir: Option<PathBuf>,
 
@@ -63,6 +208,60 @@ pub struct Cli {
     /// Show no progress bar even on a terminal.
     #[arg(long = "no-progress")]
     no_progress: bool,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum FormatArg {
+    Table,
+    Markdown,
+    Csv,
+    Json,
+}
+
+/// `KEY=V1,V2` with a non-empty key and values.
+fn parse_grid(text: &str) -> Result<(String, Vec<String>), String> {
+    let (key, values) = text
+        .split_once('=')
+        .ok_or_else(|| format!("`{text}` is not KEY=V1,V2 (e.g. batch_size=32,64)"))?;
+    let key = key.trim();
+    if key.is_empty() {
+        return Err(format!("`{text}` has no key before `=`"));
+    }
+    let values: Vec<String> = values.split(',').map(|v| v.trim().to_string()).collect();
+    if values.iter().any(String::is_empty) {
+        return Err(format!(
+            "`{text}` has an empty value; separate values with single commas"
+        ));
+    }
+    Ok((key.to_string(), values))
+}
+
+/// A finite number above zero.
+fn parse_positive(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 => Ok(v),
+        _ => Err(format!("`{text}` is not a number above zero")),
+    }
+}
+
+/// `WORKERS:GBPS`.
+fn parse_level(text: &str) -> Result<(usize, f64), String> {
+    let (workers, gbps) = text
+        .split_once(':')
+        .ok_or_else(|| format!("`{text}` is not WORKERS:GBPS (e.g. 4:100)"))?;
+    let workers = match workers.parse::<usize>() {
+        Ok(w) if w > 0 => w,
+        _ => return Err(format!("`{workers}` is not a worker count above zero")),
+    };
+    Ok((workers, parse_positive(gbps)?))
+}
+
+/// Whether a `driver results` argument is a `KEY=VALUE` filter rather than a path: the part
+/// before `=` is a plain key.
+fn as_filter(text: &str) -> Option<(String, String)> {
+    let (key, value) = text.split_once('=')?;
+    let plain = !key.is_empty() && key.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+    plain.then(|| (key.to_string(), value.to_string()))
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -146,16 +345,128 @@ fn default_torch_venv() -> PathBuf {
     home.join(".cache/stagehand/torch-2.11.0")
 }
 
+/// What the command line asks for, validated.
+#[derive(Debug, Clone)]
+pub enum Task {
+    /// Run one experiment.
+    Run(Options),
+    /// Run or resume a sweep.
+    Sweep(SweepOptions),
+    /// Read records into a table or plot.
+    Results(ResultsOptions),
+    /// Plan a pipeline from a profile.
+    Plan(PlanOptions),
+}
+
 impl Cli {
     /// Converts the parsed arguments once; nothing past this point sees clap.
-    pub fn into_options(self) -> Options {
+    pub fn into_task(self) -> Task {
+        match self.command {
+            None => Task::Run(self.run.into_options()),
+            Some(Command::Run(run)) => Task::Run(run.into_options()),
+            Some(Command::Sweep(sweep)) => Task::Sweep(sweep.into_options()),
+            Some(Command::Results(results)) => Task::Results(results.into_options()),
+            Some(Command::Plan(plan)) => Task::Plan(plan.into_options()),
+        }
+    }
+}
+
+impl RunArgs {
+    fn into_options(self) -> Options {
+        let config_file = self.config_file.expect("clap requires --config-file");
+        self.experiment.into_options(config_file)
+    }
+}
+
+impl SweepArgs {
+    fn into_options(self) -> SweepOptions {
+        let source = match (self.resume, self.config_file) {
+            (Some(dir), _) => SweepSource::Resume(dir),
+            (None, Some(config_file)) => SweepSource::New {
+                config_file,
+                grid: self.grid,
+                repeat: self.repeat,
+            },
+            (None, None) => unreachable!("clap requires --config-file without --resume"),
+        };
+        // With --resume the experiment file is the one the sweep folder names.
+        let config_file = match &source {
+            SweepSource::New { config_file, .. } => config_file.clone(),
+            SweepSource::Resume(_) => PathBuf::new(),
+        };
+        SweepOptions {
+            run: self.experiment.into_options(config_file),
+            source,
+        }
+    }
+}
+
+impl ResultsArgs {
+    fn into_options(self) -> ResultsOptions {
+        let mut paths = Vec::new();
+        let mut filters = Vec::new();
+        for input in self.inputs {
+            match as_filter(&input) {
+                Some(filter) => filters.push(filter),
+                None => paths.push(PathBuf::from(input)),
+            }
+        }
+        if paths.is_empty() {
+            paths.push(PathBuf::from("experiments"));
+        }
+        ResultsOptions {
+            paths,
+            format: match self.format {
+                FormatArg::Table => Format::Table,
+                FormatArg::Markdown => Format::Markdown,
+                FormatArg::Csv => Format::Csv,
+                FormatArg::Json => Format::Json,
+            },
+            sort: self.sort,
+            group_by: self.group_by,
+            filters,
+            baseline: self.baseline,
+            plot: self.plot,
+            plot_x: self.plot_x,
+        }
+    }
+}
+
+impl PlanArgs {
+    fn into_options(self) -> PlanOptions {
+        let workers = self.workers as usize;
+        let mut levels: Vec<(usize, f64)> = self.level.iter().map(|&(w, g)| (w, g * 1e9)).collect();
+        if levels.is_empty() || self.bandwidth.is_some() {
+            levels.push((workers, self.bandwidth.unwrap_or(DEFAULT_BANDWIDTH_GBPS) * 1e9));
+        }
+        if let Some(last) = levels.last_mut() {
+            last.0 = workers;
+        }
+        PlanOptions {
+            profile: self.profile,
+            workers,
+            levels,
+            memory_bytes: self.memory.map(|gib| gib * (1u64 << 30) as f64),
+            straight: self.straight,
+            microbatches: self.microbatches as usize,
+            output: self.output,
+            prediction: self.prediction,
+        }
+    }
+}
+
+/// `driver plan`'s bandwidth between all workers when none is given, in GB/s.
+const DEFAULT_BANDWIDTH_GBPS: f64 = 10.0;
+
+impl ExperimentArgs {
+    fn into_options(self, config_file: PathBuf) -> Options {
         let verbosity = match (self.quiet, self.verbose) {
             (true, _) => Verbosity::Quiet,
             (false, 0) => Verbosity::Normal,
             (false, _) => Verbosity::Verbose,
         };
         Options {
-            config_file: self.config_file,
+            config_file,
             container_mode: if self.launch_single_container {
                 ContainerMode::PerHost
             } else {
@@ -183,12 +494,30 @@ impl Cli {
 
 #[cfg(test)]
 mod tests {
+    use std::path::Path;
+
     use super::*;
 
-    fn options(args: &[&str]) -> Options {
+    fn task(args: &[&str]) -> Task {
         Cli::try_parse_from(std::iter::once("driver").chain(args.iter().copied()))
-            .unwrap()
-            .into_options()
+            .unwrap_or_else(|e| panic!("{e}"))
+            .into_task()
+    }
+
+    fn options(args: &[&str]) -> Options {
+        match task(args) {
+            Task::Run(o) => o,
+            other => panic!("not a run: {other:?}"),
+        }
+    }
+
+    fn plan(args: &[&str]) -> PlanOptions {
+        let mut all = vec!["plan", "--profile", "p.json"];
+        all.extend_from_slice(args);
+        match task(&all) {
+            Task::Plan(o) => o,
+            other => panic!("not a plan: {other:?}"),
+        }
     }
 
     #[test]
@@ -216,5 +545,111 @@ mod tests {
     #[test]
     fn quiet_and_verbose_conflict() {
         assert!(Cli::try_parse_from(["driver", "-c", "x.yml", "-q", "-v"]).is_err());
+    }
+
+    #[test]
+    fn the_run_subcommand_is_the_same_as_no_subcommand() {
+        let a = options(&["-c", "x.yml", "--backend", "process"]);
+        let b = options(&["run", "-c", "x.yml", "--backend", "process"]);
+        assert_eq!(a.config_file, b.config_file);
+        assert_eq!(a.backend, b.backend);
+    }
+
+    #[test]
+    fn subcommands_do_not_mix_with_top_level_run_flags() {
+        assert!(Cli::try_parse_from(["driver", "-c", "x.yml", "results"]).is_err());
+        assert!(
+            Cli::try_parse_from(["driver"]).is_err(),
+            "--config-file is required"
+        );
+    }
+
+    #[test]
+    fn sweep_grids_parse_and_resume_excludes_a_new_grid() {
+        let Task::Sweep(s) = task(&[
+            "sweep",
+            "-c",
+            "x.yml",
+            "--grid",
+            "batch_size=32,64",
+            "--grid",
+            "schedule=gpipe",
+            "--repeat",
+            "2",
+            "--backend",
+            "process",
+        ]) else {
+            panic!("not a sweep")
+        };
+        let SweepSource::New { grid, repeat, .. } = s.source else {
+            panic!("not a new sweep")
+        };
+        assert_eq!(repeat, 2);
+        assert_eq!(
+            grid[0],
+            ("batch_size".to_string(), vec!["32".to_string(), "64".to_string()])
+        );
+        assert_eq!(s.run.backend, Some(Backend::Process));
+        let Task::Sweep(s) = task(&["sweep", "--resume", "dir"]) else {
+            panic!("not a sweep")
+        };
+        assert!(matches!(s.source, SweepSource::Resume(d) if d == Path::new("dir")));
+        assert!(Cli::try_parse_from(["driver", "sweep", "--resume", "d", "--grid", "a=1"]).is_err());
+        assert!(Cli::try_parse_from(["driver", "sweep", "-c", "x.yml", "--grid", "a=1,,2"]).is_err());
+        assert!(Cli::try_parse_from(["driver", "sweep", "-c", "x.yml", "--grid", "=1"]).is_err());
+        assert!(Cli::try_parse_from(["driver", "sweep", "--grid", "a=1"]).is_err());
+    }
+
+    #[test]
+    fn results_arguments_split_into_paths_and_filters() {
+        let Task::Results(r) = task(&["results", "a/b", "schedule=1f1b", "--format", "csv", "./x=y"]) else {
+            panic!("not results")
+        };
+        assert_eq!(r.paths, vec![PathBuf::from("a/b"), PathBuf::from("./x=y")]);
+        assert_eq!(r.filters, vec![("schedule".to_string(), "1f1b".to_string())]);
+        assert_eq!(r.format, Format::Csv);
+        let Task::Results(r) = task(&["results"]) else {
+            panic!("not results")
+        };
+        assert_eq!(r.paths, vec![PathBuf::from("experiments")]);
+    }
+
+    #[test]
+    fn plan_bandwidth_and_levels_become_bytes_per_second() {
+        let p = plan(&["--workers", "8"]);
+        assert_eq!(p.levels, vec![(8, 10e9)], "one 10 GB/s level over all workers");
+        assert_eq!(p.microbatches, 4);
+        assert_eq!(p.memory_bytes, None);
+        let p = plan(&["--workers", "8", "--bandwidth", "25"]);
+        assert_eq!(p.levels, vec![(8, 25e9)]);
+        let p = plan(&[
+            "--workers",
+            "16",
+            "--level",
+            "4:100",
+            "--level",
+            "8:10",
+            "--memory",
+            "16",
+            "--straight",
+        ]);
+        assert_eq!(
+            p.levels,
+            vec![(4, 100e9), (16, 10e9)],
+            "the last group widened to all workers"
+        );
+        assert_eq!(p.memory_bytes, Some(16.0 * 1024.0 * 1024.0 * 1024.0));
+        assert!(p.straight);
+        let p = plan(&["--workers", "16", "--level", "4:100", "--bandwidth", "1"]);
+        assert_eq!(p.levels, vec![(4, 100e9), (16, 1e9)]);
+        for bad in [
+            &["--workers", "0"][..],
+            &["--workers", "2", "--level", "4"],
+            &["--workers", "2", "--bandwidth", "-1"],
+        ] {
+            let mut all = vec!["driver", "plan", "--profile", "p.json"];
+            all.extend_from_slice(bad);
+            assert!(Cli::try_parse_from(&all).is_err(), "{bad:?}");
+        }
     }
 }

@@ -1,7 +1,7 @@
 //! What happens during a run, as the launchers report it. Reporters match these exhaustively, so a
 //! new kind of event makes each of them decide what to do with it.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// Which output stream a line came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -31,7 +31,7 @@ pub struct HostFacts {
 }
 
 /// How a run ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Status {
     /// Still going (only ever seen in a summary written mid-run).
@@ -45,7 +45,7 @@ pub enum Status {
 }
 
 /// Why the driver stopped the ranks early.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", tag = "kind")]
 pub enum StopCause {
     /// A rank exited non-zero (or was killed).

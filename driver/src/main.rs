@@ -1,4 +1,5 @@
-//! `driver`: runs an experiment YAML as ranks in containers or processes and records the results.
+//! `driver`: runs an experiment YAML as ranks in containers or processes and records the results;
+//! sweeps grids of experiments, reads records into tables and plots, and plans pipelines.
 //! This file only parses arguments, runs, and turns the outcome into an exit code (see
 //! [`exit_codes`]), printing an error once with its whole cause chain.
 
@@ -9,12 +10,15 @@ mod exit_codes;
 mod hosts;
 mod launch;
 mod plan;
-#[allow(dead_code)] // until the CLI has its `plan` subcommand
 mod planning;
 mod reporters;
+mod results;
 mod run;
+mod sweep;
 
 use clap::Parser;
+
+use crate::cli::Task;
 
 /// An error and its sources, one `caused by` per line.
 pub fn error_chain(error: &dyn std::error::Error) -> String {
@@ -28,23 +32,60 @@ pub fn error_chain(error: &dyn std::error::Error) -> String {
     text
 }
 
+/// Prints `error` once with its causes and returns its exit code.
+fn fail(error: &dyn std::error::Error, code: i32) -> i32 {
+    eprintln!("error: {}", error_chain(error));
+    code
+}
+
 fn main() {
-    let options = cli::Cli::parse().into_options();
+    let task = cli::Cli::parse().into_task();
+    let code = match task {
+        Task::Results(options) => match results::run(&options) {
+            Ok(()) => exit_codes::SUCCESS,
+            Err(e) => fail(&e, e.exit_code()),
+        },
+        Task::Plan(options) => match planning::run(&options) {
+            Ok(()) => exit_codes::SUCCESS,
+            Err(e) => fail(&e, plan_exit_code(&e)),
+        },
+        Task::Run(_) | Task::Sweep(_) => run_async(task),
+    };
+    std::process::exit(code);
+}
+
+/// `driver plan`: a bad profile or plan request is the user's to fix (2); an output file that
+/// cannot be written is 5, as a record folder.
+fn plan_exit_code(error: &planning::PlanningError) -> i32 {
+    match error {
+        planning::PlanningError::Read { .. }
+        | planning::PlanningError::Profile { .. }
+        | planning::PlanningError::Plan(_) => exit_codes::INVALID_CONFIG,
+        planning::PlanningError::Write { .. } => exit_codes::RECORD_FAILED,
+    }
+}
+
+/// Runs an experiment or a sweep on the async runtime.
+fn run_async(task: Task) -> i32 {
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(r) => r,
         Err(e) => {
             eprintln!("error: cannot start the async runtime: {e}");
-            std::process::exit(exit_codes::PREFLIGHT_FAILED);
+            return exit_codes::PREFLIGHT_FAILED;
         }
     };
-    let code = match runtime.block_on(run::run(options)) {
-        Ok(()) => exit_codes::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {}", error_chain(&e));
-            e.exit_code()
-        }
+    let code = match task {
+        Task::Run(options) => match runtime.block_on(run::run(options)) {
+            Ok(()) => exit_codes::SUCCESS,
+            Err(e) => fail(&e, e.exit_code()),
+        },
+        Task::Sweep(options) => match runtime.block_on(sweep::run(options)) {
+            Ok(code) => code,
+            Err(e) => fail(&e, e.exit_code()),
+        },
+        Task::Results(_) | Task::Plan(_) => unreachable!("synchronous tasks"),
     };
     // Reader tasks of killed ranks may still be parked; don't wait for them.
     runtime.shutdown_timeout(std::time::Duration::from_secs(1));
-    std::process::exit(code);
+    code
 }

@@ -58,9 +58,37 @@ impl RunError {
     }
 }
 
+impl RunError {
+    /// The record folder of a run that got as far as its ranks, if the error names one.
+    pub fn record_dir(&self) -> Option<&std::path::Path> {
+        match self {
+            RunError::Failed { dir, .. } | RunError::Interrupted { dir, .. } => Some(dir),
+            RunError::Config(_)
+            | RunError::Port(_)
+            | RunError::Preflight(_)
+            | RunError::Launch(_)
+            | RunError::Record(_)
+            | RunError::Signals(_)
+            | RunError::Cleanup(_) => None,
+        }
+    }
+}
+
 /// Runs the experiment the options name.
 pub async fn run(options: Options) -> Result<(), RunError> {
     let loaded = config::load(&options.config_file)?;
+    run_loaded(&loaded, &options, None).await.map(|_| ())
+}
+
+/// Runs an experiment already loaded (a sweep's point), its progress bar under `bars` when
+/// given; returns the record folder of a run that succeeded.
+pub async fn run_loaded(
+    loaded: &config::Loaded,
+    options: &Options,
+    bars: Option<&indicatif::MultiProgress>,
+) -> Result<std::path::PathBuf, RunError> {
+    let loaded = loaded.clone();
+    let options = options.clone();
     let port = match options.master_port {
         Some(p) => p,
         None => plan::free_local_port().map_err(RunError::Port)?,
@@ -136,7 +164,7 @@ pub async fn run(options: Options) -> Result<(), RunError> {
 
     let record = Record::create(&plan.log_directory, &plan.name)?;
     record.write_setup(&loaded, &plan)?;
-    let bar = progress::bar(options.progress, plan.iterations);
+    let bar = progress::bar(options.progress, plan.iterations, bars);
     let rank_hosts: BTreeMap<usize, String> = plan
         .ranks
         .iter()
@@ -224,7 +252,7 @@ pub async fn run(options: Options) -> Result<(), RunError> {
     match status {
         Status::Succeeded => {
             eprintln!("driver: experiment {id} succeeded; record in {}", dir.display());
-            Ok(())
+            Ok(dir)
         }
         Status::Failed => Err(RunError::Failed { id, dir }),
         Status::Interrupted => Err(RunError::Interrupted { id, dir }),

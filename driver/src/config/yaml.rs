@@ -71,6 +71,11 @@ pub fn load(path: &Path) -> Result<Loaded, ConfigError> {
 
 /// Parses experiment YAML; `path` is only used in messages.
 pub fn parse(path: &Path, text: &str) -> Result<ExperimentFile, ConfigError> {
+    from_str(path, text)
+}
+
+/// Parses YAML into `T`, errors located in `path`.
+fn from_str<T: serde::de::DeserializeOwned>(path: &Path, text: &str) -> Result<T, ConfigError> {
     serde_norway::from_str(text).map_err(|e| {
         let location = e.location().map(|l| Location {
             line: l.line(),
@@ -82,6 +87,27 @@ pub fn parse(path: &Path, text: &str) -> Result<ExperimentFile, ConfigError> {
             message: describe(&e.to_string(), text, location),
         }
     })
+}
+
+/// The whole file as a generic document, for a sweep to set keys in.
+pub fn parse_document(path: &Path, text: &str) -> Result<serde_json::Value, ConfigError> {
+    from_str(path, text)
+}
+
+/// A document as YAML text.
+pub fn to_text(document: &serde_json::Value) -> String {
+    serde_norway::to_string(document).expect("JSON values serialize as YAML")
+}
+
+/// One value as YAML reads it (`32` a number, `gpipe` a string, `true` a boolean), for grid
+/// values given on the command line.
+pub fn parse_scalar(text: &str) -> serde_json::Value {
+    serde_norway::from_str(text).unwrap_or_else(|_| serde_json::Value::String(text.to_string()))
+}
+
+/// A message about a value checked against the experiment keys, in the file's words.
+pub fn describe_value_error(message: &str) -> String {
+    describe(message, "", None)
 }
 
 /// The crate's message without its trailing ` at line N column M` (we print the position first,

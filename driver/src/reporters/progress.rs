@@ -1,8 +1,9 @@
-//! All indicatif setup: one bar per experiment showing iterations done and live samples/s.
+//! All indicatif setup: one bar per experiment showing iterations done and live samples/s, and a
+//! sweep's bar over its points above it.
 
 use std::time::Duration;
 
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use super::record::RecordError;
 use super::stats::Stats;
@@ -10,13 +11,18 @@ use super::Reporter;
 use crate::cli::Progress;
 use crate::events::Event;
 
-/// Creates the bar (hidden when off or when stderr is not a terminal).
-pub fn bar(progress: Progress, iterations: Option<u64>) -> ProgressBar {
+/// Creates the bar (hidden when off or when stderr is not a terminal), below a sweep's bar when
+/// `under` is given.
+pub fn bar(progress: Progress, iterations: Option<u64>, under: Option<&MultiProgress>) -> ProgressBar {
     let target = match progress {
         Progress::Auto => ProgressDrawTarget::stderr(),
         Progress::Off => ProgressDrawTarget::hidden(),
     };
     let bar = ProgressBar::with_draw_target(iterations, target);
+    let bar = match (progress, under) {
+        (Progress::Auto, Some(multi)) => multi.add(bar),
+        (Progress::Auto | Progress::Off, _) => bar,
+    };
     let template = match iterations {
         Some(_) => "{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} iterations {msg}",
         None => "{spinner} [{elapsed_precise}] {pos} iterations {msg}",
@@ -25,6 +31,20 @@ pub fn bar(progress: Progress, iterations: Option<u64>) -> ProgressBar {
     bar.set_message("starting");
     bar.enable_steady_tick(Duration::from_millis(200));
     bar
+}
+
+/// The bars of a sweep: one over its points, each point's experiment bar below it. Hidden when
+/// off or when stderr is not a terminal.
+pub fn sweep_bars(progress: Progress, points: u64) -> (MultiProgress, ProgressBar) {
+    let multi = match progress {
+        Progress::Auto => MultiProgress::with_draw_target(ProgressDrawTarget::stderr()),
+        Progress::Off => MultiProgress::with_draw_target(ProgressDrawTarget::hidden()),
+    };
+    let bar = multi.add(ProgressBar::new(points));
+    let template = "{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} points {msg}";
+    bar.set_style(ProgressStyle::with_template(template).expect("template is valid"));
+    bar.enable_steady_tick(Duration::from_millis(200));
+    (multi, bar)
 }
 
 /// Moves the bar as metrics arrive.

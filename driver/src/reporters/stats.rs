@@ -3,11 +3,11 @@
 
 use std::collections::BTreeMap;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use stagehand_contract::Event as Metrics;
 
 /// Per-stage sums of where time went.
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct StageShares {
     /// Stage number.
     pub stage: usize,
@@ -22,7 +22,7 @@ pub struct StageShares {
 }
 
 /// Mean and spread of the whole job's samples/s.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Throughput {
     /// Mean samples/s over the measured iterations.
     pub samples_per_sec_mean: f64,

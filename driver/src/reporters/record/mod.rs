@@ -2,7 +2,7 @@
 //! logs, `metrics.jsonl` and `summary.json`, written as the run goes so a crash keeps what was
 //! gathered. Whole files are replaced atomically; logs and metrics are appended line by line.
 
-mod files;
+pub mod files;
 pub mod summary;
 
 use std::collections::{BTreeMap, VecDeque};

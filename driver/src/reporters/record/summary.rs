@@ -1,6 +1,6 @@
 //! `summary.json`: the record's verdict, converted from in-memory state and versioned.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::events::{Status, StopCause};
 use crate::reporters::stats::{StageShares, Throughput};
@@ -9,7 +9,7 @@ use crate::reporters::stats::{StageShares, Throughput};
 pub const FORMAT_VERSION: u32 = 1;
 
 /// How each rank ended.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct RankOutcome {
     /// Global rank.
     pub rank: usize,
@@ -24,7 +24,7 @@ pub struct RankOutcome {
 }
 
 /// What went wrong, for a failed or interrupted run.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Failure {
     /// What made the driver stop.
     pub cause: StopCause,
@@ -33,7 +33,7 @@ pub struct Failure {
 }
 
 /// The whole file.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Summary {
     /// See [`FORMAT_VERSION`].
     pub format_version: u32,

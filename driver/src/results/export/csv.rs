@@ -1,0 +1,77 @@
+//! CSV: one header line, one line per row, plain numbers (shares as fractions), quoted as RFC 4180
+//! asks.
+
+use super::{Export, Groups};
+use crate::results::read::Row;
+
+/// `--format csv`.
+pub struct CsvExport;
+
+const HEADER: [&str; 17] = [
+    "group",
+    "run",
+    "name",
+    "id",
+    "model",
+    "stages",
+    "replicas",
+    "schedule",
+    "microbatches",
+    "batch",
+    "samples_per_sec",
+    "samples_per_sec_std",
+    "speedup",
+    "idle_share",
+    "comm_share",
+    "status",
+    "note",
+];
+
+fn quote(field: &str) -> String {
+    if field.contains([',', '"', '\n', '\r']) {
+        format!("\"{}\"", field.replace('"', "\"\""))
+    } else {
+        field.to_string()
+    }
+}
+
+fn fields(group: &str, row: &Row) -> Vec<String> {
+    let opt = |x: Option<String>| x.unwrap_or_default();
+    let replicas: Vec<String> = row.replicas.iter().map(usize::to_string).collect();
+    vec![
+        group.to_string(),
+        row.label(),
+        row.name.clone(),
+        opt(row.id.clone()),
+        opt(row.model.clone()),
+        opt(row.stages.map(|s| s.to_string())),
+        replicas.join(" "),
+        opt(row.schedule.clone()),
+        opt(row.microbatches.map(|v| v.to_string())),
+        opt(row.batch.map(|v| v.to_string())),
+        opt(row
+            .throughput
+            .as_ref()
+            .map(|t| t.samples_per_sec_mean.to_string())),
+        opt(row.throughput.as_ref().map(|t| t.samples_per_sec_std.to_string())),
+        opt(row.speedup.map(|v| v.to_string())),
+        opt(row.idle_share.map(|v| v.to_string())),
+        opt(row.comm_share.map(|v| v.to_string())),
+        row.status.as_str().to_string(),
+        opt(row.note.clone()),
+    ]
+}
+
+impl Export for CsvExport {
+    fn render(&self, rows: &Groups) -> String {
+        let mut out = HEADER.join(",") + "\n";
+        for (group, members) in rows.groups {
+            for row in members {
+                let line: Vec<String> = fields(group, row).iter().map(|f| quote(f)).collect();
+                out.push_str(&line.join(","));
+                out.push('\n');
+            }
+        }
+        out
+    }
+}

@@ -1,0 +1,76 @@
+//! JSON: an array of objects with every column as a typed value (`null` when unknown).
+
+use serde::Serialize;
+
+use super::{Export, Groups};
+use crate::results::read::Row;
+
+/// `--format json`.
+pub struct JsonExport;
+
+#[derive(Serialize)]
+struct JsonRow<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    group: Option<&'a str>,
+    run: String,
+    name: &'a str,
+    id: Option<&'a str>,
+    sweep: Option<&'a str>,
+    point: Option<serde_json::Map<String, serde_json::Value>>,
+    model: Option<&'a str>,
+    stages: Option<usize>,
+    replicas: &'a [usize],
+    schedule: Option<&'a str>,
+    microbatches: Option<u32>,
+    batch: Option<u32>,
+    samples_per_sec: Option<f64>,
+    samples_per_sec_std: Option<f64>,
+    iterations_measured: Option<usize>,
+    speedup: Option<f64>,
+    idle_share: Option<f64>,
+    comm_share: Option<f64>,
+    status: &'static str,
+    note: Option<&'a str>,
+    dir: String,
+}
+
+fn json_row<'a>(group: Option<&'a str>, row: &'a Row) -> JsonRow<'a> {
+    JsonRow {
+        group,
+        run: row.label(),
+        name: &row.name,
+        id: row.id.as_deref(),
+        sweep: row.point.as_ref().map(|p| p.sweep.as_str()),
+        point: row.point.as_ref().map(|p| p.settings.iter().cloned().collect()),
+        model: row.model.as_deref(),
+        stages: row.stages,
+        replicas: &row.replicas,
+        schedule: row.schedule.as_deref(),
+        microbatches: row.microbatches,
+        batch: row.batch,
+        samples_per_sec: row.throughput.as_ref().map(|t| t.samples_per_sec_mean),
+        samples_per_sec_std: row.throughput.as_ref().map(|t| t.samples_per_sec_std),
+        iterations_measured: row.throughput.as_ref().map(|t| t.iterations_measured),
+        speedup: row.speedup,
+        idle_share: row.idle_share,
+        comm_share: row.comm_share,
+        status: row.status.as_str(),
+        note: row.note.as_deref(),
+        dir: row.dir.display().to_string(),
+    }
+}
+
+impl Export for JsonExport {
+    fn render(&self, rows: &Groups) -> String {
+        let all: Vec<JsonRow> = rows
+            .groups
+            .iter()
+            .flat_map(|(g, members)| {
+                members
+                    .iter()
+                    .map(move |r| json_row(rows.key.map(|_| g.as_str()), r))
+            })
+            .collect();
+        serde_json::to_string_pretty(&all).expect("rows serialize") + "\n"
+    }
+}

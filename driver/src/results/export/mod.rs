@@ -1,0 +1,70 @@
+//! Rendering rows: one module per format behind [`Export`].
+
+mod csv;
+mod json;
+mod table;
+
+use super::read::Row;
+use super::Format;
+
+/// Rows, in groups when `--group-by` was given (one group with no name otherwise).
+pub struct Groups<'a> {
+    /// The `--group-by` key.
+    pub key: Option<&'a str>,
+    /// Each group's value and rows.
+    pub groups: &'a [(String, Vec<Row>)],
+}
+
+/// One output format.
+pub trait Export {
+    /// The whole output, ending with a newline.
+    fn render(&self, rows: &Groups) -> String;
+}
+
+/// The exporter for a format.
+pub fn exporter(format: Format) -> Box<dyn Export> {
+    match format {
+        Format::Table => Box::new(table::TableExport { markdown: false }),
+        Format::Markdown => Box::new(table::TableExport { markdown: true }),
+        Format::Csv => Box::new(csv::CsvExport),
+        Format::Json => Box::new(json::JsonExport),
+    }
+}
+
+/// Column headers for people, in order; `note` is the last.
+const HEADERS: [&str; 12] = [
+    "run",
+    "model",
+    "stages x replicas",
+    "schedule",
+    "microbatches",
+    "batch",
+    "samples/s",
+    "speedup",
+    "idle",
+    "comm",
+    "status",
+    "note",
+];
+
+/// A row's cells for people: numbers rounded, shares as percentages, `-` for unknown.
+fn cells(row: &Row) -> Vec<String> {
+    let dash = || "-".to_string();
+    let pct = |x: Option<f64>| x.map_or_else(dash, |v| format!("{:.1}%", v * 100.0));
+    vec![
+        row.label(),
+        row.model.clone().unwrap_or_else(dash),
+        row.layout().unwrap_or_else(dash),
+        row.schedule.clone().unwrap_or_else(dash),
+        row.microbatches.map_or_else(dash, |v| v.to_string()),
+        row.batch.map_or_else(dash, |v| v.to_string()),
+        row.throughput.as_ref().map_or_else(dash, |t| {
+            format!("{:.1} ± {:.1}", t.samples_per_sec_mean, t.samples_per_sec_std)
+        }),
+        row.speedup.map_or_else(dash, |s| format!("{s:.2}x")),
+        pct(row.idle_share),
+        pct(row.comm_share),
+        row.status.as_str().to_string(),
+        row.note.clone().unwrap_or_default(),
+    ]
+}

@@ -1,0 +1,148 @@
+//! `driver results`: reads record folders (one experiment, a sweep folder, or a folder of them)
+//! into rows (`read`), filters, sorts and groups them (`select`), and renders a table, Markdown,
+//! CSV or JSON (`export`) or an SVG plot (`plot`).
+
+mod export;
+mod plot;
+mod read;
+mod select;
+
+use std::path::{Path, PathBuf};
+
+pub use self::plot::PlotError;
+pub use self::read::record_succeeded;
+
+/// Output formats.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    /// A table for a terminal.
+    Table,
+    /// A Markdown table.
+    Markdown,
+    /// Comma-separated values, plain numbers.
+    Csv,
+    /// An array of objects.
+    Json,
+}
+
+/// A validated `driver results` request.
+#[derive(Debug, Clone)]
+pub struct ResultsOptions {
+    /// Records, sweep folders, or folders of them.
+    pub paths: Vec<PathBuf>,
+    /// Output format.
+    pub format: Format,
+    /// `KEY` or `KEY:desc` to sort by.
+    pub sort: Option<String>,
+    /// One table per value of this key.
+    pub group_by: Option<String>,
+    /// `KEY=VALUE` filters, all of which a row must match.
+    pub filters: Vec<(String, String)>,
+    /// Selects the baseline row for speedups (default: the first row with a throughput).
+    pub baseline: Option<String>,
+    /// Where to write an SVG plot, if anywhere.
+    pub plot: Option<PathBuf>,
+    /// The plot's x axis key (default: the sweep's first grid key).
+    pub plot_x: Option<String>,
+}
+
+/// Why results could not be shown; each says what to change.
+#[derive(Debug, thiserror::Error)]
+pub enum ResultsError {
+    #[error("{} is not a folder; give a record folder, a sweep folder or a folder of them", path.display())]
+    Missing { path: PathBuf },
+    #[error("cannot list {}", path.display())]
+    List {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(
+        "unknown key `{key}`; use a column ({}) or an experiment key such as batch_size",
+        select::COLUMN_KEYS.join(", ")
+    )]
+    UnknownKey { key: String },
+    #[error("no row matches --baseline {selector}; give KEY=VALUE, a name, a record id or a run label")]
+    Baseline { selector: String },
+    #[error("cannot write the plot")]
+    Plot(#[from] PlotError),
+}
+
+impl ResultsError {
+    /// The documented exit code: every one of these is the command line's to fix, except a plot
+    /// that cannot be written.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            ResultsError::Missing { .. }
+            | ResultsError::List { .. }
+            | ResultsError::UnknownKey { .. }
+            | ResultsError::Baseline { .. } => crate::exit_codes::INVALID_CONFIG,
+            ResultsError::Plot(_) => crate::exit_codes::RECORD_FAILED,
+        }
+    }
+}
+
+/// Rows after filters, sort and baseline, split into groups.
+fn select(options: &ResultsOptions) -> Result<Vec<(String, Vec<read::Row>)>, ResultsError> {
+    let rows = read::collect(&options.paths)?;
+    let mut rows = select::filter(rows, &options.filters)?;
+    if let Some(key) = &options.sort {
+        select::sort(&mut rows, key)?;
+    }
+    select::speedups(&mut rows, options.baseline.as_deref())?;
+    match &options.group_by {
+        Some(key) => select::group(rows, key),
+        None => Ok(vec![(String::new(), rows)]),
+    }
+}
+
+/// The rendered output for `options`.
+pub fn render(options: &ResultsOptions) -> Result<String, ResultsError> {
+    let groups = select(options)?;
+    let view = export::Groups {
+        key: options.group_by.as_deref(),
+        groups: &groups,
+    };
+    Ok(export::exporter(options.format).render(&view))
+}
+
+/// Runs `driver results`: prints the output and writes the plot, if asked.
+pub fn run(options: &ResultsOptions) -> Result<(), ResultsError> {
+    let groups = select(options)?;
+    let view = export::Groups {
+        key: options.group_by.as_deref(),
+        groups: &groups,
+    };
+    print!("{}", export::exporter(options.format).render(&view));
+    if let Some(path) = &options.plot {
+        let rows: Vec<read::Row> = groups.into_iter().flat_map(|(_, r)| r).collect();
+        match rows.as_slice() {
+            [one] if one.point.is_none() => plot::stages(one, path)?,
+            _ => plot::throughput(&rows, options.plot_x.as_deref(), path)?,
+        }
+        eprintln!("driver: plot written to {}", path.display());
+    }
+    Ok(())
+}
+
+/// A sweep folder's table, as `driver results DIR` prints it.
+pub fn table_of(dir: &Path) -> Result<String, ResultsError> {
+    render(&ResultsOptions {
+        paths: vec![dir.to_path_buf()],
+        format: Format::Table,
+        sort: None,
+        group_by: None,
+        filters: Vec::new(),
+        baseline: None,
+        plot: None,
+        plot_x: None,
+    })
+}
+
+/// Writes a sweep folder's throughput plot to `path`.
+pub fn plot_sweep(dir: &Path, path: &Path) -> Result<(), PlotError> {
+    plot::throughput(&read::sweep(dir), None, path)
+}
+
+#[cfg(test)]
+mod tests;

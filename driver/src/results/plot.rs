@@ -1,0 +1,232 @@
+//! SVG plots with plotters: throughput against one key, a line per value of the other keys (a
+//! sweep's plot); and for one record, each stage's compute, communication and idle time per
+//! iteration as stacked bars.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use plotters::prelude::*;
+
+use super::read::Row;
+use super::select::value;
+
+/// A plot that cannot be drawn.
+#[derive(Debug, thiserror::Error)]
+pub enum PlotError {
+    #[error("no row has a throughput to plot")]
+    NoThroughput,
+    #[error("no x axis: give --plot-x KEY (a column or experiment key)")]
+    NoAxis,
+    #[error("{} has no metrics to plot per stage", dir.display())]
+    NoMetrics { dir: PathBuf },
+    #[error("cannot draw {}: {message}", path.display())]
+    Draw { path: PathBuf, message: String },
+}
+
+const SIZE: (u32, u32) = (900, 560);
+
+fn draw_error(path: &Path) -> impl Fn(String) -> PlotError + '_ {
+    move |message| PlotError::Draw {
+        path: path.to_path_buf(),
+        message,
+    }
+}
+
+/// Throughput against `x` (default: the first axis of the rows' sweep), a line per combination
+/// of the sweep's other keys; repetitions of a point are averaged.
+pub fn throughput(rows: &[Row], x: Option<&str>, path: &Path) -> Result<(), PlotError> {
+    let measured: Vec<&Row> = rows.iter().filter(|r| r.throughput.is_some()).collect();
+    if measured.is_empty() {
+        return Err(PlotError::NoThroughput);
+    }
+    let axes: Vec<String> = measured
+        .iter()
+        .find_map(|r| r.point.as_ref().map(|p| p.axes.clone()))
+        .unwrap_or_default();
+    let x_key = match x {
+        Some(k) => k.to_string(),
+        None => axes.first().cloned().ok_or(PlotError::NoAxis)?,
+    };
+    let others: Vec<&String> = axes
+        .iter()
+        .filter(|k| crate::config::canonical_key(k) != crate::config::canonical_key(&x_key))
+        .collect();
+
+    // x positions: the distinct values, numerically ordered when they are all numbers.
+    let mut xs: Vec<String> = Vec::new();
+    for r in &measured {
+        let v = value(r, &x_key).unwrap_or_else(|| "-".into());
+        if !xs.contains(&v) {
+            xs.push(v);
+        }
+    }
+    if xs.iter().all(|v| v.parse::<f64>().is_ok()) {
+        xs.sort_by(|a, b| a.parse::<f64>().unwrap().total_cmp(&b.parse::<f64>().unwrap()));
+    }
+    // line label -> x position -> samples/s of each repetition
+    let mut lines: Vec<(String, BTreeMap<usize, Vec<f64>>)> = Vec::new();
+    for r in &measured {
+        let label: Vec<String> = others
+            .iter()
+            .map(|k| format!("{k}={}", value(r, k).unwrap_or_else(|| "-".into())))
+            .collect();
+        let label = if label.is_empty() {
+            "samples/s".to_string()
+        } else {
+            label.join(" ")
+        };
+        let xv = value(r, &x_key).unwrap_or_else(|| "-".into());
+        let at = xs.iter().position(|v| *v == xv).expect("collected above");
+        let sps = r.throughput.as_ref().expect("filtered").samples_per_sec_mean;
+        let line = match lines.iter().position(|(l, _)| *l == label) {
+            Some(i) => &mut lines[i].1,
+            None => {
+                lines.push((label, BTreeMap::new()));
+                &mut lines.last_mut().expect("pushed").1
+            }
+        };
+        line.entry(at).or_default().push(sps);
+    }
+    let top = measured
+        .iter()
+        .map(|r| r.throughput.as_ref().expect("filtered").samples_per_sec_mean)
+        .fold(0.0f64, f64::max);
+
+    let fail = draw_error(path);
+    let root = SVGBackend::new(path, SIZE).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| fail(e.to_string()))?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(format!("throughput against {x_key}"), ("sans-serif", 22))
+        .margin(16)
+        .x_label_area_size(44)
+        .y_label_area_size(70)
+        .build_cartesian_2d(-0.5f64..(xs.len() as f64 - 0.5), 0.0f64..(top * 1.15).max(1.0))
+        .map_err(|e| fail(e.to_string()))?;
+    let label_of = |v: &f64| {
+        let i = v.round();
+        if (v - i).abs() < 1e-6 && i >= 0.0 {
+            xs.get(i as usize).cloned().unwrap_or_default()
+        } else {
+            String::new()
+        }
+    };
+    chart
+        .configure_mesh()
+        .x_labels(xs.len().max(2) * 2 + 1)
+        .x_label_formatter(&label_of)
+        .x_desc(x_key.as_str())
+        .y_desc("samples/s")
+        .draw()
+        .map_err(|e| fail(e.to_string()))?;
+    for (i, (label, points)) in lines.iter().enumerate() {
+        let color = Palette99::pick(i).to_rgba();
+        let series: Vec<(f64, f64)> = points
+            .iter()
+            .map(|(&at, v)| (at as f64, v.iter().sum::<f64>() / v.len() as f64))
+            .collect();
+        chart
+            .draw_series(LineSeries::new(series, color.stroke_width(2)).point_size(4))
+            .map_err(|e| fail(e.to_string()))?
+            .label(label.clone())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2)));
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::LowerRight)
+        .draw()
+        .map_err(|e| fail(e.to_string()))?;
+    root.present().map_err(|e| fail(e.to_string()))
+}
+
+/// Seconds per iteration each stage spent computing, waiting on communication and idle,
+/// averaged over the stage's ranks, from the record's `metrics.jsonl`.
+pub fn stage_times(dir: &Path) -> Result<Vec<(usize, [f64; 3])>, PlotError> {
+    let text = std::fs::read_to_string(dir.join("metrics.jsonl")).map_err(|_| PlotError::NoMetrics {
+        dir: dir.to_path_buf(),
+    })?;
+    // stage -> (sums, iteration reports)
+    let mut sums: BTreeMap<usize, ([f64; 3], usize)> = BTreeMap::new();
+    for line in text.lines() {
+        if let Some(stagehand_contract::Event::Iteration(it)) = stagehand_contract::Event::parse_line(line) {
+            let entry = sums.entry(it.stage).or_insert(([0.0; 3], 0));
+            entry.0[0] += it.compute_s;
+            entry.0[1] += it.comm_wait_s;
+            entry.0[2] += it.idle_s;
+            entry.1 += 1;
+        }
+    }
+    if sums.is_empty() {
+        return Err(PlotError::NoMetrics {
+            dir: dir.to_path_buf(),
+        });
+    }
+    Ok(sums
+        .into_iter()
+        .map(|(stage, (s, n))| (stage, s.map(|x| x / n as f64)))
+        .collect())
+}
+
+/// One record's per-stage compute, communication and idle time as stacked bars.
+pub fn stages(row: &Row, path: &Path) -> Result<(), PlotError> {
+    let times = stage_times(&row.dir)?;
+    let top = times
+        .iter()
+        .map(|(_, t)| t.iter().sum::<f64>())
+        .fold(0.0f64, f64::max);
+    let fail = draw_error(path);
+    let root = SVGBackend::new(path, SIZE).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| fail(e.to_string()))?;
+    let n = times.len();
+    let mut chart = ChartBuilder::on(&root)
+        .caption(
+            format!("{}: time per iteration by stage", row.label()),
+            ("sans-serif", 22),
+        )
+        .margin(16)
+        .x_label_area_size(44)
+        .y_label_area_size(70)
+        .build_cartesian_2d(-0.5f64..(n as f64 - 0.5), 0.0f64..(top * 1.15 * 1e3).max(1e-3))
+        .map_err(|e| fail(e.to_string()))?;
+    let label_of = |v: &f64| {
+        let i = v.round();
+        if (v - i).abs() < 1e-6 && i >= 0.0 && (i as usize) < n {
+            format!("stage {}", times[i as usize].0)
+        } else {
+            String::new()
+        }
+    };
+    chart
+        .configure_mesh()
+        .x_labels(n.max(2) * 2 + 1)
+        .x_label_formatter(&label_of)
+        .y_desc("ms per iteration")
+        .draw()
+        .map_err(|e| fail(e.to_string()))?;
+    let parts = [
+        ("compute", BLUE.mix(0.7)),
+        ("communication", RED.mix(0.7)),
+        ("idle", RGBColor(150, 150, 150).mix(0.7)),
+    ];
+    for (p, (name, color)) in parts.iter().enumerate() {
+        let bars = times.iter().enumerate().map(|(i, (_, t))| {
+            let below: f64 = t[..p].iter().sum::<f64>() * 1e3;
+            let x = i as f64;
+            Rectangle::new([(x - 0.3, below), (x + 0.3, below + t[p] * 1e3)], color.filled())
+        });
+        let color = *color;
+        chart
+            .draw_series(bars)
+            .map_err(|e| fail(e.to_string()))?
+            .label(*name)
+            .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], color.filled()));
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()
+        .map_err(|e| fail(e.to_string()))?;
+    root.present().map_err(|e| fail(e.to_string()))
+}

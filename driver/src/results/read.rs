@@ -1,0 +1,389 @@
+//! Reading record folders and sweep folders into rows, through the types that wrote them. A
+//! record that cannot be read becomes a row that says why; nothing is skipped.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+use super::ResultsError;
+use crate::config::ExperimentFile;
+use crate::events::{Status, StopCause};
+use crate::reporters::record::summary::{Summary, FORMAT_VERSION};
+use crate::reporters::stats::Throughput;
+use crate::sweep::index::{self, Index, PointEntry, PointStatus, INDEX_FILE};
+
+/// Where a row's run stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RowStatus {
+    Succeeded,
+    Failed,
+    Interrupted,
+    /// The record says it is still running (or its driver died).
+    Running,
+    /// A sweep point that has no record yet.
+    NotRun,
+    /// The record could not be read; the note says why.
+    Unreadable,
+}
+
+impl RowStatus {
+    /// As the table shows it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RowStatus::Succeeded => "succeeded",
+            RowStatus::Failed => "failed",
+            RowStatus::Interrupted => "interrupted",
+            RowStatus::Running => "running",
+            RowStatus::NotRun => "not run",
+            RowStatus::Unreadable => "unreadable",
+        }
+    }
+}
+
+/// A sweep point's place in its sweep.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PointOf {
+    /// The sweep's name.
+    pub sweep: String,
+    /// The sweep's axis keys, in order.
+    pub axes: Vec<String>,
+    /// The point's settings, in axis order.
+    pub settings: Vec<(String, serde_json::Value)>,
+    /// Repetition, from 0.
+    pub repeat: u32,
+}
+
+/// One record (or sweep point) as the table sees it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Row {
+    /// The record folder (or, for a point not run, the sweep folder).
+    pub dir: PathBuf,
+    /// The record folder's name (the experiment id), if there is a record.
+    pub id: Option<String>,
+    /// The experiment's name.
+    pub name: String,
+    /// The sweep point, when the row comes from a sweep folder.
+    pub point: Option<PointOf>,
+    /// The model the runtime built.
+    pub model: Option<String>,
+    /// Number of pipeline stages.
+    pub stages: Option<usize>,
+    /// Ranks per stage.
+    pub replicas: Vec<usize>,
+    /// Pipeline schedule.
+    pub schedule: Option<String>,
+    /// Microbatches per minibatch.
+    pub microbatches: Option<u32>,
+    /// Samples per iteration.
+    pub batch: Option<u32>,
+    /// Samples/s after warm-up.
+    pub throughput: Option<Throughput>,
+    /// Against the baseline row, once chosen.
+    pub speedup: Option<f64>,
+    /// Mean idle (bubble) share over the stages.
+    pub idle_share: Option<f64>,
+    /// Mean communication share over the stages.
+    pub comm_share: Option<f64>,
+    /// Where the run stands.
+    pub status: RowStatus,
+    /// Why it failed, or why it could not be read.
+    pub note: Option<String>,
+    /// The experiment file as recorded, for filtering on any key.
+    pub experiment: BTreeMap<String, serde_json::Value>,
+}
+
+impl Row {
+    /// The label the table's first column shows: the point's settings, or the name.
+    pub fn label(&self) -> String {
+        match &self.point {
+            Some(p) => index::label(&p.settings, p.repeat),
+            None => self.name.clone(),
+        }
+    }
+
+    /// `stages x replicas`, e.g. `2x1`, or `2x(3,1)` when stages differ.
+    pub fn layout(&self) -> Option<String> {
+        let stages = self.stages?;
+        let first = *self.replicas.first()?;
+        Some(if self.replicas.iter().all(|&r| r == first) {
+            format!("{stages}x{first}")
+        } else {
+            let each: Vec<String> = self.replicas.iter().map(usize::to_string).collect();
+            format!("{stages}x({})", each.join(","))
+        })
+    }
+
+    fn empty(dir: &Path, name: String, status: RowStatus, note: Option<String>) -> Row {
+        Row {
+            dir: dir.to_path_buf(),
+            id: None,
+            name,
+            point: None,
+            model: None,
+            stages: None,
+            replicas: Vec::new(),
+            schedule: None,
+            microbatches: None,
+            batch: None,
+            throughput: None,
+            speedup: None,
+            idle_share: None,
+            comm_share: None,
+            status,
+            note,
+            experiment: BTreeMap::new(),
+        }
+    }
+}
+
+/// What kind of folder a path is.
+enum Folder {
+    Record,
+    Sweep,
+    Other,
+}
+
+fn kind(dir: &Path) -> Folder {
+    if dir.join(INDEX_FILE).is_file() {
+        Folder::Sweep
+    } else if dir.join("summary.json").exists() || dir.join("config.given.yml").exists() {
+        Folder::Record
+    } else {
+        Folder::Other
+    }
+}
+
+/// Rows for every path: a record, a sweep folder, or a folder of them (its subfolders in name
+/// order, which is time order).
+pub fn collect(paths: &[PathBuf]) -> Result<Vec<Row>, ResultsError> {
+    let mut rows = Vec::new();
+    for path in paths {
+        if !path.is_dir() {
+            return Err(ResultsError::Missing { path: path.clone() });
+        }
+        match kind(path) {
+            Folder::Record => rows.push(record(path)),
+            Folder::Sweep => rows.extend(sweep(path)),
+            Folder::Other => {
+                let mut children: Vec<PathBuf> = std::fs::read_dir(path)
+                    .map_err(|source| ResultsError::List {
+                        path: path.clone(),
+                        source,
+                    })?
+                    .filter_map(|e| e.ok().map(|e| e.path()))
+                    .filter(|p| p.is_dir())
+                    .collect();
+                children.sort();
+                for child in children {
+                    match kind(&child) {
+                        Folder::Record => rows.push(record(&child)),
+                        Folder::Sweep => rows.extend(sweep(&child)),
+                        Folder::Other => rows.push(Row::empty(
+                            &child,
+                            folder_name(&child),
+                            RowStatus::Unreadable,
+                            Some("not a record or sweep folder: no summary.json or sweep.json".into()),
+                        )),
+                    }
+                }
+            }
+        }
+    }
+    Ok(rows)
+}
+
+fn folder_name(dir: &Path) -> String {
+    dir.file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| dir.display().to_string())
+}
+
+/// Only the version, read first so another version gets its own message.
+#[derive(Deserialize)]
+struct Versioned {
+    format_version: u32,
+}
+
+/// `config.resolved.json`, the parts a table needs.
+#[derive(Deserialize)]
+struct Resolved {
+    experiment: ExperimentFile,
+    plan: ResolvedPlan,
+}
+
+#[derive(Deserialize)]
+struct ResolvedPlan {
+    ranks: Vec<ResolvedRank>,
+    batch_size: Option<u32>,
+}
+
+#[derive(Deserialize)]
+struct ResolvedRank {
+    stage: Option<usize>,
+}
+
+/// Reads a record's summary, refusing another format version with a message saying so.
+pub fn read_summary(dir: &Path) -> Result<Summary, String> {
+    let path = dir.join("summary.json");
+    let text = std::fs::read_to_string(&path).map_err(|e| format!("cannot read summary.json: {e}"))?;
+    let version: Versioned =
+        serde_json::from_str(&text).map_err(|e| format!("summary.json is not a record summary: {e}"))?;
+    if version.format_version != FORMAT_VERSION {
+        let age = if version.format_version > FORMAT_VERSION {
+            "a newer"
+        } else {
+            "an older"
+        };
+        return Err(format!(
+            "summary.json has format_version {}, written by {age} driver; this driver reads version \
+             {FORMAT_VERSION}; read it with the driver that wrote it",
+            version.format_version
+        ));
+    }
+    serde_json::from_str(&text).map_err(|e| format!("summary.json: {e}"))
+}
+
+/// One record folder as a row.
+pub fn record(dir: &Path) -> Row {
+    let id = folder_name(dir);
+    let summary = match read_summary(dir) {
+        Ok(s) => s,
+        Err(reason) => {
+            let mut row = Row::empty(dir, id.clone(), RowStatus::Unreadable, Some(reason));
+            row.id = Some(id);
+            return row;
+        }
+    };
+    let resolved: Result<Resolved, String> = std::fs::read_to_string(dir.join("config.resolved.json"))
+        .map_err(|e| format!("cannot read config.resolved.json: {e}"))
+        .and_then(|t| serde_json::from_str(&t).map_err(|e| format!("config.resolved.json: {e}")));
+    let resolved = match resolved {
+        Ok(r) => r,
+        Err(reason) => {
+            let mut row = Row::empty(dir, summary.name, RowStatus::Unreadable, Some(reason));
+            row.id = Some(id);
+            return row;
+        }
+    };
+    let status = match summary.status {
+        Status::Running => RowStatus::Running,
+        Status::Succeeded => RowStatus::Succeeded,
+        Status::Failed => RowStatus::Failed,
+        Status::Interrupted => RowStatus::Interrupted,
+    };
+    let (stages, replicas) = layout(&resolved.plan.ranks);
+    let mean = |f: fn(&crate::reporters::stats::StageShares) -> f64| {
+        (!summary.stages.is_empty())
+            .then(|| summary.stages.iter().map(f).sum::<f64>() / summary.stages.len() as f64)
+    };
+    let experiment = match serde_json::to_value(&resolved.experiment) {
+        Ok(serde_json::Value::Object(map)) => map.into_iter().collect(),
+        _ => BTreeMap::new(),
+    };
+    let file = resolved.experiment;
+    Row {
+        dir: dir.to_path_buf(),
+        id: Some(id),
+        name: summary.name.clone(),
+        point: None,
+        model: file.module.clone(),
+        stages: Some(stages),
+        replicas,
+        schedule: file.schedule.map(|s| s.as_arg().to_string()),
+        microbatches: file.microbatches,
+        batch: file.batch_size.or(resolved.plan.batch_size),
+        throughput: summary.throughput.clone(),
+        speedup: None,
+        idle_share: mean(|s| s.idle_share),
+        comm_share: mean(|s| s.comm_share),
+        status,
+        note: summary.failure.as_ref().map(|f| cause_text(&f.cause)),
+        experiment,
+    }
+}
+
+/// Stages and ranks per stage; without a stage config, one stage replicated on every rank.
+fn layout(ranks: &[ResolvedRank]) -> (usize, Vec<usize>) {
+    let mut per_stage: BTreeMap<usize, usize> = BTreeMap::new();
+    for r in ranks {
+        *per_stage.entry(r.stage.unwrap_or(0)).or_default() += 1;
+    }
+    (per_stage.len(), per_stage.into_values().collect())
+}
+
+fn cause_text(cause: &StopCause) -> String {
+    match cause {
+        StopCause::RankFailed {
+            rank,
+            host,
+            exit_code,
+        } => match exit_code {
+            Some(code) => format!("rank {rank} on {host} exited with code {code}"),
+            None => format!("rank {rank} on {host} was killed"),
+        },
+        StopCause::HostLost { host, reason } => format!("host {host} was lost: {reason}"),
+        StopCause::Interrupted => "interrupted".into(),
+    }
+}
+
+/// Whether a record folder's summary says it succeeded.
+pub fn record_succeeded(dir: &Path) -> bool {
+    read_summary(dir).is_ok_and(|s| s.status == Status::Succeeded)
+}
+
+/// A sweep folder: one row per point, in order, from its latest record.
+pub fn sweep(dir: &Path) -> Vec<Row> {
+    let index = match Index::read(dir) {
+        Ok(i) => i,
+        Err(e) => {
+            return vec![Row::empty(
+                dir,
+                folder_name(dir),
+                RowStatus::Unreadable,
+                Some(crate::error_chain(&e)),
+            )]
+        }
+    };
+    let axes: Vec<String> = index.axes.iter().map(|a| a.key.clone()).collect();
+    index
+        .points
+        .iter()
+        .map(|entry| point_row(dir, &index, &axes, entry))
+        .collect()
+}
+
+fn point_row(dir: &Path, index: &Index, axes: &[String], entry: &PointEntry) -> Row {
+    let mut row = match &entry.record {
+        Some(record_dir) => record(&dir.join(record_dir)),
+        None => {
+            let status = match entry.status {
+                PointStatus::Failed => RowStatus::Failed,
+                PointStatus::Interrupted => RowStatus::Interrupted,
+                PointStatus::Pending | PointStatus::Running | PointStatus::Succeeded => RowStatus::NotRun,
+            };
+            let note = entry
+                .error
+                .as_ref()
+                .map(|e| e.lines().next().unwrap_or("").to_string());
+            let mut row = Row::empty(dir, entry.name.clone(), status, note);
+            for (key, value) in &entry.settings {
+                row.experiment
+                    .insert(crate::config::canonical_key(key).to_string(), value.clone());
+            }
+            row
+        }
+    };
+    if row.status == RowStatus::Succeeded && entry.status != PointStatus::Succeeded {
+        // The run finished but the index was not updated (the driver died in between).
+        row.note
+            .get_or_insert_with(|| "the sweep index did not record this run's end".into());
+    }
+    row.point = Some(PointOf {
+        sweep: index.name.clone(),
+        axes: axes.to_vec(),
+        settings: entry.settings.clone(),
+        repeat: entry.repeat,
+    });
+    row
+}

@@ -1,0 +1,343 @@
+//! `driver sweep`: one experiment per point of a configuration grid, each a record folder inside
+//! one sweep folder with `sweep.json` (the index, rewritten after every point), `sweep.svg` (the
+//! plot) and `config.given.yml`. A failing point is recorded and the sweep goes on; `--resume`
+//! runs only the points without a succeeded record.
+
+pub mod grid;
+pub mod index;
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use self::grid::{GridError, Point};
+use self::index::{Index, IndexError, PointEntry, PointStatus, INDEX_VERSION};
+use crate::cli::{Options, Verbosity};
+use crate::config::{self, ConfigError, Loaded};
+use crate::exit_codes;
+use crate::reporters::progress;
+use crate::reporters::record::{files, Record, RecordError};
+use crate::results;
+use crate::run;
+
+/// What `driver sweep` was asked to do.
+#[derive(Debug, Clone)]
+pub enum SweepSource {
+    /// A new sweep of this file, its `sweep:` section combined with these `--grid` axes.
+    New {
+        /// The experiment YAML.
+        config_file: PathBuf,
+        /// `--grid` axes: key and values as typed.
+        grid: Vec<(String, Vec<String>)>,
+        /// Runs per point.
+        repeat: u32,
+    },
+    /// Continue the sweep in this folder.
+    Resume(PathBuf),
+}
+
+/// A validated `driver sweep` request.
+#[derive(Debug, Clone)]
+pub struct SweepOptions {
+    /// How each point runs; its `config_file` is the experiment file (with `--resume`, set from
+    /// the sweep folder's index) and `output_dir` where the sweep folder goes.
+    pub run: Options,
+    /// New or resumed.
+    pub source: SweepSource,
+}
+
+/// Why a sweep could not run; a point that fails is not one of these (it is recorded).
+#[derive(Debug, thiserror::Error)]
+pub enum SweepError {
+    #[error("invalid experiment file")]
+    Config(#[from] ConfigError),
+    #[error("invalid grid in {}; nothing was run", path.display())]
+    Grid {
+        path: PathBuf,
+        #[source]
+        source: GridError,
+    },
+    #[error("point {label} is invalid: {message}; nothing was run")]
+    Point { label: String, message: String },
+    #[error("cannot resume")]
+    Index(#[from] IndexError),
+    #[error("cannot write the sweep folder")]
+    Record(#[from] RecordError),
+    #[error("cannot install the Ctrl-C handler")]
+    Signals(#[source] std::io::Error),
+}
+
+impl SweepError {
+    /// The documented exit code for this failure.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            SweepError::Config(_)
+            | SweepError::Grid { .. }
+            | SweepError::Point { .. }
+            | SweepError::Index(_) => exit_codes::INVALID_CONFIG,
+            SweepError::Record(_) => exit_codes::RECORD_FAILED,
+            SweepError::Signals(_) => exit_codes::PREFLIGHT_FAILED,
+        }
+    }
+}
+
+/// Runs (or resumes) a sweep; returns the exit code: 0 when every point succeeded, 1 when some
+/// failed, 130 when interrupted.
+pub async fn run(options: SweepOptions) -> Result<i32, SweepError> {
+    let interrupted = watch_signals()?;
+    let (dir, mut index, loaded) = match &options.source {
+        SweepSource::New {
+            config_file,
+            grid,
+            repeat,
+        } => {
+            let (parent, mut index, loaded) = new_index(&options.run, config_file, grid, *repeat)?;
+            let mut run_options = options.run.clone();
+            run_options.output_dir = Some(parent.clone());
+            points(&loaded, &index, &run_options)?;
+            let dir = create(&parent, &mut index, &loaded)?;
+            (dir, index, loaded)
+        }
+        SweepSource::Resume(dir) => resume(dir)?,
+    };
+    let mut run_options = options.run.clone();
+    run_options.config_file = index.config_file.clone();
+    run_options.output_dir = Some(dir.clone());
+    let points = points(&loaded, &index, &run_options)?;
+
+    let todo: Vec<usize> = index
+        .points
+        .iter()
+        .filter(|e| !succeeded(&dir, e))
+        .map(|e| e.index)
+        .collect();
+    let quiet = options.run.verbosity == Verbosity::Quiet;
+    if !quiet {
+        eprintln!(
+            "driver: sweep {} of {} point(s), {} to run; folder {}",
+            index.name,
+            index.points.len(),
+            todo.len(),
+            dir.display()
+        );
+    }
+    let (bars, bar) = progress::sweep_bars(options.run.progress, todo.len() as u64);
+    let mut stopped = false;
+    for &i in &todo {
+        if interrupted.load(Ordering::SeqCst) {
+            stopped = true;
+            break;
+        }
+        let label = index::label(&index.points[i].settings, index.points[i].repeat);
+        bar.set_message(label.clone());
+        let entry = &mut index.points[i];
+        if let Some(old) = entry.record.take() {
+            entry.earlier_records.push(old);
+        }
+        entry.status = PointStatus::Running;
+        entry.error = None;
+        index.write(&dir)?;
+
+        let result = run::run_loaded(&points[i], &run_options, Some(&bars)).await;
+        let entry = &mut index.points[i];
+        let record_name = |p: &Path| p.file_name().map(|n| n.to_string_lossy().into_owned());
+        match &result {
+            Ok(record) => {
+                entry.status = PointStatus::Succeeded;
+                entry.record = record_name(record);
+            }
+            Err(e) => {
+                entry.status = match e.exit_code() {
+                    exit_codes::INTERRUPTED => PointStatus::Interrupted,
+                    _ => PointStatus::Failed,
+                };
+                entry.record = e.record_dir().and_then(record_name);
+                entry.error = Some(crate::error_chain(e));
+                bar.suspend(|| eprintln!("driver: point {label} failed: {}", crate::error_chain(e)));
+            }
+        }
+        index.write(&dir)?;
+        bar.inc(1);
+        if matches!(&result, Err(e) if e.exit_code() == exit_codes::INTERRUPTED) {
+            stopped = true;
+            break;
+        }
+    }
+    bar.finish_and_clear();
+
+    write_plot(&dir);
+    print_table(&dir);
+    let failed = index
+        .points
+        .iter()
+        .filter(|e| e.status != PointStatus::Succeeded)
+        .count();
+    let code = if stopped {
+        eprintln!(
+            "driver: sweep interrupted; `driver sweep --resume {}` runs the {failed} point(s) left",
+            dir.display()
+        );
+        exit_codes::INTERRUPTED
+    } else if failed > 0 {
+        eprintln!(
+            "driver: {failed} of {} point(s) failed; the table shows which; `driver sweep --resume {}` \
+             runs them again",
+            index.points.len(),
+            dir.display()
+        );
+        exit_codes::EXPERIMENT_FAILED
+    } else {
+        if !quiet {
+            eprintln!("driver: every point succeeded; sweep folder {}", dir.display());
+        }
+        exit_codes::SUCCESS
+    };
+    Ok(code)
+}
+
+/// The index of a new sweep (not written yet) and the folder its sweep folder goes into.
+fn new_index(
+    options: &Options,
+    config_file: &Path,
+    grid: &[(String, Vec<String>)],
+    repeat: u32,
+) -> Result<(PathBuf, Index, Loaded), SweepError> {
+    let loaded = config::load(config_file)?;
+    let file_axes = loaded
+        .file
+        .sweep
+        .as_ref()
+        .map(|s| s.axes.clone())
+        .unwrap_or_default();
+    let axes = grid::combine(&file_axes, grid);
+    grid::check(&axes).map_err(|source| SweepError::Grid {
+        path: config_file.to_path_buf(),
+        source,
+    })?;
+    let name = experiment_name(&loaded);
+    let points: Vec<Point> = grid::expand(&axes, repeat);
+    let width = (points.len().saturating_sub(1)).to_string().len();
+    let parent = options
+        .output_dir
+        .clone()
+        .or_else(|| loaded.file.log_directory.clone())
+        .unwrap_or_else(|| PathBuf::from("experiments"));
+    let config_file = std::path::absolute(config_file).unwrap_or_else(|_| config_file.to_path_buf());
+    let index = Index {
+        format_version: INDEX_VERSION,
+        name: name.clone(),
+        config_file,
+        axes,
+        repeat,
+        started_at: String::new(),
+        points: points
+            .into_iter()
+            .map(|p| PointEntry {
+                index: p.index,
+                name: format!("{name}-p{:0width$}", p.index),
+                settings: p.settings,
+                repeat: p.repeat,
+                status: PointStatus::Pending,
+                record: None,
+                error: None,
+                earlier_records: Vec::new(),
+            })
+            .collect(),
+    };
+    Ok((parent, index, loaded))
+}
+
+/// Every point's experiment file, each parsed and planned, so a bad point stops the sweep before
+/// anything runs.
+fn points(loaded: &Loaded, index: &Index, options: &Options) -> Result<Vec<Loaded>, SweepError> {
+    index
+        .points
+        .iter()
+        .map(|entry| {
+            config::with_overrides(loaded, &entry.name, &entry.settings)
+                .and_then(|p| crate::plan::resolve(&p, options, 0).map(|_| p))
+                .map_err(|e| SweepError::Point {
+                    label: index::label(&entry.settings, entry.repeat),
+                    message: match e {
+                        ConfigError::Invalid { message, .. } => message,
+                        other => crate::error_chain(&other),
+                    },
+                })
+        })
+        .collect()
+}
+
+/// Creates the sweep folder `<parent>/<UTC>_<name>-sweep/` with the experiment file as given
+/// and the index; returns the folder.
+fn create(parent: &Path, index: &mut Index, loaded: &Loaded) -> Result<PathBuf, SweepError> {
+    let folder = Record::create(parent, &format!("{}-sweep", index.name))?;
+    files::write_atomic(&folder.dir.join("config.given.yml"), loaded.text.as_bytes())?;
+    index.started_at = folder.started.to_string();
+    index.write(&folder.dir)?;
+    Ok(folder.dir)
+}
+
+/// Reads a sweep folder's index and its experiment file again.
+fn resume(dir: &Path) -> Result<(PathBuf, Index, Loaded), SweepError> {
+    let index = Index::read(dir)?;
+    let loaded = config::load(&index.config_file)?;
+    Ok((dir.to_path_buf(), index, loaded))
+}
+
+/// Whether the point's record says it succeeded (the index alone is not trusted: the driver may
+/// have died between the two).
+fn succeeded(dir: &Path, entry: &PointEntry) -> bool {
+    entry.status == PointStatus::Succeeded
+        && entry
+            .record
+            .as_ref()
+            .is_some_and(|r| results::record_succeeded(&dir.join(r)))
+}
+
+/// Sets a flag on SIGINT/SIGTERM, so a signal between two points stops the sweep (each point's
+/// run handles the signal during it).
+fn watch_signals() -> Result<Arc<AtomicBool>, SweepError> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let flag = Arc::new(AtomicBool::new(false));
+    let mut int = signal(SignalKind::interrupt()).map_err(SweepError::Signals)?;
+    let mut term = signal(SignalKind::terminate()).map_err(SweepError::Signals)?;
+    let set = flag.clone();
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = int.recv() => {}
+            _ = term.recv() => {}
+        }
+        set.store(true, Ordering::SeqCst);
+    });
+    Ok(flag)
+}
+
+/// Writes `sweep.svg`; a plot that cannot be drawn is a warning, the records are what matter.
+fn write_plot(dir: &Path) {
+    if let Err(e) = results::plot_sweep(dir, &dir.join("sweep.svg")) {
+        eprintln!(
+            "warning: no plot in {}: {}",
+            dir.display(),
+            crate::error_chain(&e)
+        );
+    }
+}
+
+/// Prints the sweep's results table on stdout.
+fn print_table(dir: &Path) {
+    match results::table_of(dir) {
+        Ok(table) => println!("{table}"),
+        Err(e) => eprintln!("warning: cannot show the results: {}", crate::error_chain(&e)),
+    }
+}
+
+/// The experiment's name as a single run would use it: `name:`, or the file's stem.
+fn experiment_name(loaded: &Loaded) -> String {
+    loaded.file.name.clone().unwrap_or_else(|| {
+        loaded
+            .path
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "experiment".into())
+    })
+}
