@@ -3,6 +3,7 @@
 #   - Debian packages the build and the tests use
 #   - a Python venv with torch (libtorch for tch), shared by every clone on this machine
 #   - the workspace, in release mode
+#   - the local base image for containers, when a Docker engine answers
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 root=$(dirname "$here")
@@ -46,3 +47,10 @@ fi
 log "building the workspace (release)"
 cd "$root"
 cargo build --release --workspace --quiet
+
+# The local base image for containers (no registry here: debootstrap + docker import).
+if command -v docker >/dev/null 2>&1 && docker info >/dev/null 2>&1; then
+    "$here/base-image.sh"
+else
+    log "no Docker engine answering: skipping the base image (the driver's process backend still works)"
+fi
