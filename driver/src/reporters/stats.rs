@@ -45,7 +45,8 @@ pub struct Stats {
     /// Stage of each rank, from its `start` event or its iterations.
     stage_of: BTreeMap<usize, usize>,
     num_stages: Option<usize>,
-    /// Per iteration: samples/s summed over the last stage's ranks, and how many reported.
+    /// Per iteration: samples/s summed over the last stage's ranks, and how many reported. Every
+    /// rank reports the whole minibatch's rate (docs/metrics.md), so the job's rate is the mean.
     per_iteration: BTreeMap<u64, (f64, usize)>,
     sums: BTreeMap<usize, Sums>,
 }
@@ -99,7 +100,7 @@ impl Stats {
             .values()
             .rev()
             .find(|(_, n)| *n >= need)
-            .map(|(s, _)| *s)
+            .map(|(s, n)| s / *n as f64)
     }
 
     /// Mean and spread over complete iterations, leaving out the first as warm-up when possible.
@@ -109,7 +110,7 @@ impl Stats {
             .per_iteration
             .values()
             .filter(|(_, n)| *n >= need)
-            .map(|(s, _)| *s)
+            .map(|(s, n)| s / *n as f64)
             .collect();
         let measured = if complete.len() > 1 {
             &complete[1..]
@@ -175,18 +176,19 @@ mod tests {
     }
 
     #[test]
-    fn data_parallel_ranks_add_up_and_warmup_is_left_out() {
+    fn data_parallel_ranks_report_the_same_minibatch_and_warmup_is_left_out() {
         let mut s = Stats::default();
+        // Both replicas report the rate of the whole minibatch; the job's rate is theirs, not the sum.
         for (i, sps) in [(0, 1.0), (1, 10.0), (2, 14.0)] {
             s.record(&it(i, 0, 0, sps));
-            s.record(&it(i, 1, 0, sps));
+            s.record(&it(i, 1, 0, sps + 2.0));
         }
         let t = s.throughput().unwrap();
         assert_eq!(t.iterations_measured, 2);
-        assert!((t.samples_per_sec_mean - 24.0).abs() < 1e-9, "{t:?}");
-        assert!((t.samples_per_sec_std - 4.0).abs() < 1e-9, "{t:?}");
+        assert!((t.samples_per_sec_mean - 13.0).abs() < 1e-9, "{t:?}");
+        assert!((t.samples_per_sec_std - 2.0).abs() < 1e-9, "{t:?}");
         assert_eq!(s.iterations_done(), 3);
-        assert_eq!(s.latest_samples_per_sec(), Some(28.0));
+        assert_eq!(s.latest_samples_per_sec(), Some(15.0));
     }
 
     #[test]
