@@ -367,9 +367,18 @@ fn point_row(dir: &Path, index: &Index, axes: &[String], entry: &PointEntry) -> 
                 .as_ref()
                 .map(|e| e.lines().next().unwrap_or("").to_string());
             let mut row = Row::empty(dir, entry.name.clone(), status, note);
+            // What the point would have run with, as far as its settings tell.
             for (key, value) in &entry.settings {
-                row.experiment
-                    .insert(crate::config::canonical_key(key).to_string(), value.clone());
+                let key = crate::config::canonical_key(key);
+                row.experiment.insert(key.to_string(), value.clone());
+                let text = crate::config::value_text(value);
+                match key {
+                    "module" => row.model = Some(text),
+                    "schedule" => row.schedule = Some(text),
+                    "microbatches" => row.microbatches = value.as_u64().map(|v| v as u32),
+                    "batch_size" => row.batch = value.as_u64().map(|v| v as u32),
+                    _ => {}
+                }
             }
             row
         }

@@ -1,1 +1,150 @@
+//! Every output format rendered from the checked-in fixture records
+//! (`tests/fixtures/gen_records.py`), snapshot-tested; filters, sorting, grouping and baselines
+//! on the same rows.
 
+use std::path::{Path, PathBuf};
+
+use super::*;
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/results/experiments")
+}
+
+fn options(format: Format) -> ResultsOptions {
+    ResultsOptions {
+        paths: vec![fixtures()],
+        format,
+        sort: None,
+        group_by: None,
+        filters: Vec::new(),
+        baseline: None,
+        plot: None,
+        plot_x: None,
+    }
+}
+
+/// The output with the machine-specific fixture path replaced.
+fn rendered(options: &ResultsOptions) -> String {
+    render(options)
+        .unwrap_or_else(|e| panic!("{}", crate::error_chain(&e)))
+        .replace(&fixtures().display().to_string(), "<fixtures>")
+}
+
+#[test]
+fn every_format_renders_every_record_failed_and_unreadable_included() {
+    for (name, format) in [
+        ("table", Format::Table),
+        ("markdown", Format::Markdown),
+        ("csv", Format::Csv),
+        ("json", Format::Json),
+    ] {
+        let out = rendered(&options(format));
+        for needle in [
+            "failed",
+            "not run",
+            "unreadable",
+            "format_version 2",
+            "config.resolved.json",
+        ] {
+            assert!(out.contains(needle), "{name} lacks {needle:?}:\n{out}");
+        }
+        insta::assert_snapshot!(format!("results_{name}"), out);
+    }
+}
+
+#[test]
+fn filters_sort_group_and_baseline() {
+    let mut o = options(Format::Table);
+    o.paths = vec![fixtures().join("20261122T091000Z_mlp-sweep")];
+    o.filters = vec![("schedule".into(), "gpipe".into())];
+    o.sort = Some("samples_per_sec:desc".into());
+    o.baseline = Some("microbatches=2".into());
+    let out = rendered(&o);
+    insta::assert_snapshot!("results_filtered_sorted", out);
+    let rows: Vec<&str> = out.lines().filter(|l| l.contains("gpipe")).collect();
+    assert_eq!(rows.len(), 2, "{out}");
+    assert!(
+        rows[0].contains("microbatches=4") && rows[0].contains("1.25x"),
+        "{out}"
+    );
+    assert!(!out.contains("1f1b"), "{out}");
+
+    let mut o = options(Format::Markdown);
+    o.paths = vec![fixtures().join("20261122T091000Z_mlp-sweep")];
+    o.group_by = Some("schedule".into());
+    let out = rendered(&o);
+    assert!(
+        out.contains("schedule = gpipe") && out.contains("schedule = 1f1b"),
+        "{out}"
+    );
+    insta::assert_snapshot!("results_grouped", out);
+}
+
+#[test]
+fn unknown_keys_and_baselines_are_errors() {
+    let mut o = options(Format::Table);
+    o.sort = Some("throughputt".into());
+    let e = render(&o).unwrap_err();
+    assert!(matches!(e, ResultsError::UnknownKey { .. }), "{e}");
+    insta::assert_snapshot!("results_unknown_key", e.to_string());
+    let mut o = options(Format::Table);
+    o.baseline = Some("schedule=zigzag".into());
+    assert!(matches!(render(&o), Err(ResultsError::Baseline { .. })));
+    let mut o = options(Format::Table);
+    o.paths = vec![fixtures().join("missing")];
+    assert_eq!(
+        render(&o).unwrap_err().exit_code(),
+        crate::exit_codes::INVALID_CONFIG
+    );
+}
+
+#[test]
+fn a_filter_on_an_experiment_key_not_in_the_table_works() {
+    let mut o = options(Format::Csv);
+    o.filters = vec![("config_file".into(), "vgg16_2pipe.json".into())];
+    let out = rendered(&o);
+    assert_eq!(out.lines().count(), 2, "{out}");
+    assert!(out.contains("vgg16-2pipe"), "{out}");
+}
+
+#[test]
+fn plots_are_svg_drawn_by_plotters() {
+    let tmp = tempfile::tempdir().unwrap();
+    let sweep = tmp.path().join("sweep.svg");
+    plot_sweep(&fixtures().join("20261122T091000Z_mlp-sweep"), &sweep).unwrap();
+    let text = std::fs::read_to_string(&sweep).unwrap();
+    assert!(text.starts_with("<svg"), "{text}");
+    assert!(text.contains("throughput against schedule"), "{text}");
+    assert!(
+        text.contains("microbatches=4"),
+        "a line per value of the other key: {text}"
+    );
+    assert!(text.contains("<polyline"), "{text}");
+
+    let mut o = options(Format::Table);
+    o.paths = vec![fixtures().join("20261122T090000Z_vgg16-2pipe")];
+    let stages = tmp.path().join("stages.svg");
+    o.plot = Some(stages.clone());
+    run(&o).unwrap();
+    let text = std::fs::read_to_string(&stages).unwrap();
+    for needle in ["stage 0", "stage 1", "compute", "communication", "idle"] {
+        assert!(text.contains(needle), "{needle}: {text}");
+    }
+    let times = plot::stage_times(&fixtures().join("20261122T090000Z_vgg16-2pipe")).unwrap();
+    assert_eq!(times.len(), 2);
+    assert!(
+        (times[1].1[2] - 0.06).abs() < 1e-9,
+        "stage 1 idles 60 ms: {times:?}"
+    );
+}
+
+#[test]
+fn a_record_of_another_format_version_says_so() {
+    let reason = read::read_summary(&fixtures().join("20261122T092000Z_future")).unwrap_err();
+    assert!(
+        reason.contains("format_version 2, written by a newer driver"),
+        "{reason}"
+    );
+    assert!(!record_succeeded(&fixtures().join("20261122T092000Z_future")));
+    assert!(record_succeeded(&fixtures().join("20261122T090000Z_vgg16-2pipe")));
+}

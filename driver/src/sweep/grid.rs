@@ -180,7 +180,7 @@ mod tests {
                 ("schedule", "1f1b"),
             ]),
         );
-        assert_eq!(axes.len(), 3);
+        assert_eq!(axes.len(), 4, "{axes:?}");
         assert_eq!(axes[0].key, "model", "kept in place, under the file's spelling");
         assert_eq!(axes[0].values, [json!("mlp"), json!("resnet18")]);
         assert_eq!(axes[2].values, [json!(16), json!(32)]);
