@@ -6,5 +6,7 @@ mod util;
 mod cli;
 mod docker;
 mod pipeline;
+mod plan;
 mod process;
 mod ssh;
+mod sweep;

@@ -171,9 +171,66 @@ impl Harness {
         )
     }
 
-    /// Ids of the containers (running or not) labelled with this test's experiment name.
+    /// Ids of the containers (running or not) labelled with this test's experiment name, or with
+    /// one of its sweep points' names (`<name>-p<N>`).
     pub fn containers(&self) -> Vec<String> {
-        containers_with_label(&format!("stagehand.name={}", self.name))
+        let point = format!("{}-p", self.name);
+        docker(&[
+            "ps",
+            "-a",
+            "--filter",
+            "label=stagehand.name",
+            "--format",
+            "{{.ID}} {{.Label \"stagehand.name\"}}",
+        ])
+        .lines()
+        .filter_map(|line| line.split_once(' '))
+        .filter(|(_, name)| *name == self.name || name.starts_with(&point))
+        .map(|(id, _)| id.to_string())
+        .collect()
+    }
+
+    /// Runs the driver with exactly these arguments (a subcommand and its flags) in the scratch
+    /// folder, killing it past `deadline`.
+    pub fn driver(&self, args: &[&std::ffi::OsStr], deadline: Duration) -> Run {
+        let start = Instant::now();
+        let child = self.driver_command(args).spawn().expect("start driver");
+        let output = wait_with_deadline(child, deadline);
+        Run {
+            output,
+            elapsed: start.elapsed(),
+        }
+    }
+
+    /// Starts the driver with exactly these arguments and returns it running.
+    pub fn spawn_driver(&self, args: &[&std::ffi::OsStr]) -> Child {
+        self.driver_command(args).spawn().expect("start driver")
+    }
+
+    fn driver_command(&self, args: &[&std::ffi::OsStr]) -> Command {
+        let mut cmd = Command::new(DRIVER);
+        cmd.args(args)
+            .env("STAGEHAND_RUNTIME", runtime_or_placeholder())
+            .current_dir(self.dir.path())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        cmd
+    }
+
+    /// The only sweep folder under the records folder.
+    pub fn sweep_dir(&self) -> PathBuf {
+        let dirs: Vec<PathBuf> = std::fs::read_dir(self.records())
+            .expect("records folder")
+            .map(|e| e.unwrap().path())
+            .collect();
+        assert_eq!(dirs.len(), 1, "expected one sweep folder, found {dirs:?}");
+        assert!(
+            dirs[0].join("sweep.json").is_file(),
+            "{} has no sweep.json",
+            dirs[0].display()
+        );
+        dirs[0].clone()
     }
 
     /// Asserts that the engine holds none of this test's containers.
@@ -297,6 +354,33 @@ pub fn wait_for_record(records: &Path, timeout: Duration) -> PathBuf {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+/// A sweep folder's index.
+pub fn sweep_index(dir: &Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(dir.join("sweep.json")).expect("sweep.json"))
+        .expect("sweep.json is JSON")
+}
+
+/// Each point's status in a sweep folder's index.
+pub fn point_statuses(dir: &Path) -> Vec<String> {
+    sweep_index(dir)["points"]
+        .as_array()
+        .expect("points")
+        .iter()
+        .map(|p| p["status"].as_str().unwrap().to_string())
+        .collect()
+}
+
+/// The record folders inside a sweep folder.
+pub fn point_records(dir: &Path) -> Vec<PathBuf> {
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(dir)
+        .expect("sweep folder")
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.is_dir())
+        .collect();
+    dirs.sort();
+    dirs
 }
 
 /// Lines of a text file.
