@@ -24,8 +24,7 @@ fn main() {
         .cpp(true)
         .file("csrc/c10d_bridge.cpp")
         .std("c++17")
-        .flag("-Wall")
-        .flag("-Wextra")
+        .warnings(true) // -Wall -Wextra
         .define("USE_C10D_GLOO", None)
         .define("_GLIBCXX_USE_CXX11_ABI", "1")
         // System includes: warnings inside torch's and gloo's headers are not ours to fix.
@@ -58,8 +57,9 @@ fn main() {
 }
 
 /// `CUDA_HOME`'s (or /usr/local/cuda's) include folder, then the include folders of the nvidia
-/// wheels installed beside torch (`site-packages/nvidia/*/include`, which hold nccl.h, the CUDA
-/// runtime headers and, with PyPI's `nvidia-cuda-crt`, `crt/host_config.h`).
+/// wheels installed beside torch (`site-packages/nvidia/*/include`, which hold nccl.h and the CUDA
+/// runtime headers; torch's own wheels lack two header sets that ProcessGroupNCCL.hpp needs, which
+/// PyPI's `nvidia-cuda-crt` (`crt/host_config.h`) and `nvidia-cuda-cccl` (`nv/target`) provide).
 fn cuda_include_dirs(torch_lib: &Path) -> Vec<PathBuf> {
     let mut dirs = Vec::new();
     let cuda_home = std::env::var_os("CUDA_HOME")

@@ -17,6 +17,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -85,6 +86,17 @@ char* guarded(F&& body) noexcept {
   } catch (...) {
     return dup_message("unknown C++ exception");
   }
+}
+
+// c10d's FlightRecorder (a process-wide singleton that every ProcessGroupGloo::enqueue, send and
+// recv writes to) updates a std::map before taking its own mutex (FlightRecorderDetail.hpp,
+// recordWithResetEnabled), so two threads issuing operations on different groups at once can
+// corrupt it (seen as a SIGSEGV in _Rb_tree_insert_and_rebalance). Every call that issues an
+// operation goes through this lock; they only enqueue, so it is held for microseconds. Never hold
+// it around anything that blocks (group construction, waits).
+std::mutex& issue_mutex() {
+  static std::mutex mutex;
+  return mutex;
 }
 
 std::chrono::milliseconds millis(int64_t ms) {
@@ -247,6 +259,7 @@ void sh_pg_free(sh_pg* pg) {
 char* sh_pg_send(sh_pg* pg, const void* tensor, int64_t dst, int64_t tag, sh_work** out) {
   *out = nullptr;
   return guarded([&] {
+    std::lock_guard<std::mutex> issuing(issue_mutex());
     std::vector<at::Tensor> tensors{*static_cast<const at::Tensor*>(tensor)};
     finish_work(
         pg, pg->backend->send(tensors, static_cast<int>(dst), static_cast<int>(tag)), out);
@@ -256,6 +269,7 @@ char* sh_pg_send(sh_pg* pg, const void* tensor, int64_t dst, int64_t tag, sh_wor
 char* sh_pg_recv(sh_pg* pg, void* tensor, int64_t src, int64_t tag, sh_work** out) {
   *out = nullptr;
   return guarded([&] {
+    std::lock_guard<std::mutex> issuing(issue_mutex());
     std::vector<at::Tensor> tensors{*static_cast<at::Tensor*>(tensor)};
     finish_work(
         pg, pg->backend->recv(tensors, static_cast<int>(src), static_cast<int>(tag)), out);
@@ -268,6 +282,7 @@ char* sh_pg_recv(sh_pg* pg, void* tensor, int64_t src, int64_t tag, sh_work** ou
 char* sh_pg_all_reduce_sum(sh_pg* pg, const void* const* tensors, size_t n, sh_work** out) {
   *out = nullptr;
   return guarded([&] {
+    std::lock_guard<std::mutex> issuing(issue_mutex());
     std::vector<std::vector<at::Tensor>> groups;
     for (size_t i = 0; i < n; ++i) {
       const auto& tensor = *static_cast<const at::Tensor*>(tensors[i]);
@@ -303,6 +318,7 @@ char* sh_pg_all_reduce_sum(sh_pg* pg, const void* const* tensors, size_t n, sh_w
 char* sh_pg_barrier(sh_pg* pg, sh_work** out) {
   *out = nullptr;
   return guarded([&] {
+    std::lock_guard<std::mutex> issuing(issue_mutex());
     c10d::BarrierOptions opts;
     opts.timeout = pg->timeout;
     finish_work(pg, pg->backend->barrier(opts), out);

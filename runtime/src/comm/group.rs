@@ -283,6 +283,9 @@ impl ProcessGroup {
 
     /// Asynchronous receive into `tensor` (which must have the sender's shape and dtype). Its
     /// contents are defined once the returned work has been waited for.
+    ///
+    /// Gloo aborts the process (an assertion on its I/O thread) if the message's byte size differs
+    /// from `tensor`'s, so agree on shapes before the first message.
     pub fn recv(&self, tensor: &mut Tensor, src: usize, tag: u32) -> Result<Work, CommError> {
         let peer = self.peer("recv", src)?;
         let tag = checked_tag("recv", peer, tag)?;

@@ -9,6 +9,15 @@
 //!   [`Work`] that keeps its tensors alive until [`Work::wait`] or drop.
 //! - Everything is bounded by a timeout: a rendezvous that cannot complete and a peer that dies or
 //!   stops answering surface as a [`CommError`] naming the address or rank, never as a hang.
+//!
+//! Things c10d does not check for us:
+//! - A `recv` must get a tensor with exactly the sender's byte size. On a mismatch gloo fails an
+//!   assertion on its own I/O thread and aborts the whole process; shapes must be agreed first
+//!   (for instance through [`Store::set`]/[`Store::get`]).
+//! - Ranks must issue collectives on a group in the same order; each group's `name` (and each
+//!   world group, counted per store) gets its own key space in the store.
+//! - c10d logs its own errors (with C++ stack traces) to stderr before the error reaches us;
+//!   `TORCH_CPP_LOG_LEVEL=FATAL` silences them.
 
 // The API is complete for the stage runtime; not every part of it has a caller in every build.
 #![allow(dead_code, unused_imports)]

@@ -4,6 +4,7 @@ use std::ffi::CString;
 use std::net::TcpListener;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc;
 use std::time::Duration;
 
 use super::{ffi, millis, CommError};
@@ -77,24 +78,52 @@ impl Store {
             return Err(fail("the world size is 0".into()));
         }
         let host = CString::new(addr).map_err(|_| fail("the address contains a NUL byte".into()))?;
-        let mut raw = std::ptr::null_mut();
-        // SAFETY: valid C string and out-pointer; the bridge takes over `listen_fd` if given.
-        let result = ffi::check(unsafe {
-            ffi::sh_store_connect(
-                host.as_ptr(),
-                port,
-                world_size as i64,
-                i32::from(is_master),
-                millis(timeout),
-                listen_fd.unwrap_or(-1),
-                &mut raw,
-            )
-        });
-        if let Err(message) = result {
-            return Err(fail(rendezvous_reason(
-                &message, is_master, port, world_size, timeout,
-            )));
+        // c10d's client retries a failed connect after a back-off, so one attempt can take up to
+        // about three times `timeout`; the connect runs on a helper thread and is given up on at
+        // the deadline (the helper frees whatever it gets afterwards).
+        let (tx, rx) = mpsc::channel::<Result<SendPtr, String>>();
+        let ms = millis(timeout);
+        let spawned = std::thread::Builder::new()
+            .name("store-connect".into())
+            .spawn(move || {
+                let mut raw = std::ptr::null_mut();
+                // SAFETY: valid C string and out-pointer; the bridge takes over `listen_fd` if given.
+                let result = ffi::check(unsafe {
+                    ffi::sh_store_connect(
+                        host.as_ptr(),
+                        port,
+                        world_size as i64,
+                        i32::from(is_master),
+                        ms,
+                        listen_fd.unwrap_or(-1),
+                        &mut raw,
+                    )
+                });
+                if let Err(mpsc::SendError(Ok(late))) = tx.send(result.map(|()| SendPtr(raw))) {
+                    if !late.0.is_null() {
+                        // SAFETY: a store nobody else saw; freed once.
+                        unsafe { ffi::sh_store_free(late.0) };
+                    }
+                }
+            });
+        if let Err(e) = spawned {
+            return Err(fail(format!("cannot start a thread: {e}")));
         }
+        let deadline = timeout + Duration::from_secs(1).max(timeout / 20);
+        let raw = match rx.recv_timeout(deadline) {
+            Ok(Ok(raw)) => raw.0,
+            Ok(Err(message)) => {
+                return Err(fail(rendezvous_reason(
+                    &message, is_master, port, world_size, timeout,
+                )));
+            }
+            Err(_) => {
+                let message = format!("no connection within {deadline:?}");
+                return Err(fail(rendezvous_reason(
+                    &message, is_master, port, world_size, timeout,
+                )));
+            }
+        };
         let raw = NonNull::new(raw).ok_or_else(|| fail("the bridge returned no store".into()))?;
         // SAFETY: a live store handle.
         let port = unsafe { ffi::sh_store_port(raw.as_ptr()) };
@@ -189,6 +218,12 @@ impl Drop for Store {
     }
 }
 
+/// A store handle on its way back from the connecting thread.
+struct SendPtr(*mut ffi::RawStore);
+
+// SAFETY: the handle is not shared; ownership moves to the receiving thread (or stays to be freed).
+unsafe impl Send for SendPtr {}
+
 /// c10d's message plus what the user should check.
 fn rendezvous_reason(
     message: &str,
@@ -202,7 +237,7 @@ fn rendezvous_reason(
         "is rank 0 running and the port reachable?".to_string()
     } else if lower.contains("address already in use") || lower.contains("eaddrinuse") {
         format!("is another process using port {port}?")
-    } else if lower.contains("timed out") || lower.contains("timeout") {
+    } else if lower.contains("timed out") || lower.contains("timeout") || lower.contains("no connection") {
         format!("did all {world_size} ranks start and point at this address and port?")
     } else {
         "can this host bind that address and port?".to_string()

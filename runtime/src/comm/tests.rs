@@ -2,7 +2,7 @@
 //! loopback port, plus one rank as a real child process that gets killed.
 
 use std::net::TcpListener;
-use std::sync::{Arc, Barrier};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -19,10 +19,19 @@ where
     T: Send + 'static,
     F: Fn(usize, &Store) -> T + Send + Sync + 'static,
 {
+    world_with(n, TIMEOUT, body)
+}
+
+/// [`world`] with stores whose waits (and group rendezvous) time out after `store_timeout`.
+fn world_with<T, F>(n: usize, store_timeout: Duration, body: F) -> Vec<T>
+where
+    T: Send + 'static,
+    F: Fn(usize, &Store) -> T + Send + Sync + 'static,
+{
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let port = listener.local_addr().unwrap().port();
     let body = Arc::new(body);
-    let done = Arc::new(Barrier::new(n));
+    let done = Arc::new(Latch::new(n));
     let mut listener = Some(listener);
     let handles: Vec<_> = (0..n)
         .map(|rank| {
@@ -30,13 +39,17 @@ where
             let listener = if rank == 0 { listener.take() } else { None };
             thread::spawn(move || {
                 let store = match listener {
-                    Some(l) => Store::host(l, n, TIMEOUT),
-                    None => Store::connect("127.0.0.1", port, n, false, TIMEOUT),
-                }
-                .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
-                let out = body(rank, &store);
-                done.wait();
-                out
+                    Some(l) => Store::host(l, n, store_timeout),
+                    None => Store::connect("127.0.0.1", port, n, false, store_timeout),
+                };
+                let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    let store = store.as_ref().unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+                    body(rank, store)
+                }));
+                // Every store (rank 0's hosts the others) stays open until all ranks are done,
+                // or a rank panicked and the others gave up waiting.
+                done.arrive_and_wait(store_timeout + TIMEOUT);
+                out.unwrap_or_else(|panic| std::panic::resume_unwind(panic))
             })
         })
         .collect();
@@ -44,6 +57,31 @@ where
         .into_iter()
         .map(|h| h.join().expect("a rank panicked"))
         .collect()
+}
+
+/// A barrier that gives up after a while, so one panicking rank cannot hang the others.
+struct Latch {
+    left: Mutex<usize>,
+    all_done: Condvar,
+}
+
+impl Latch {
+    fn new(n: usize) -> Latch {
+        Latch {
+            left: Mutex::new(n),
+            all_done: Condvar::new(),
+        }
+    }
+
+    fn arrive_and_wait(&self, limit: Duration) {
+        let mut left = self.left.lock().unwrap();
+        *left -= 1;
+        self.all_done.notify_all();
+        let _ = self
+            .all_done
+            .wait_timeout_while(left, limit, |left| *left > 0)
+            .unwrap();
+    }
 }
 
 fn gloo(store: &Store, rank: usize, timeout: Duration) -> ProcessGroup {
@@ -262,7 +300,7 @@ fn rendezvous_with_nobody_listening_times_out_naming_the_address() {
     assert!(matches!(err, CommError::Rendezvous { .. }), "{message}");
     assert!(message.contains(&format!("127.0.0.1:{port}")), "{message}");
     assert!(message.contains("is rank 0 running"), "{message}");
-    assert!(elapsed < Duration::from_secs(6), "took {elapsed:?}: {message}");
+    assert!(elapsed < Duration::from_secs(4), "took {elapsed:?}: {message}");
 }
 
 #[test]
@@ -272,6 +310,29 @@ fn a_master_whose_ranks_never_come_times_out() {
     let err = Store::host(listener, 3, Duration::from_secs(2)).err().unwrap();
     assert!(start.elapsed() < Duration::from_secs(6), "{err}");
     assert!(err.to_string().contains("did all 3 ranks start"), "{err}");
+}
+
+#[test]
+fn a_subgroup_a_member_never_creates_fails_within_the_timeout() {
+    let timeout = Duration::from_secs(2);
+    world_with(2, timeout, move |rank, store| {
+        let pg = gloo(store, rank, timeout);
+        if rank == 0 {
+            let start = Instant::now();
+            let err = pg.subgroup(store, "lonely", &[0, 1]).unwrap_err();
+            assert!(
+                start.elapsed() < timeout + Duration::from_secs(3),
+                "{:?}",
+                start.elapsed()
+            );
+            assert!(
+                err.to_string()
+                    .contains("\"stagehand/group/lonely\" of ranks [0, 1]"),
+                "{err}"
+            );
+        }
+        // Rank 1 skips the subgroup; `world_with` keeps its store open until rank 0 is done.
+    });
 }
 
 #[test]
@@ -412,4 +473,27 @@ fn send_recv_throughput() {
         "64 MiB send/recv over gloo on loopback: {:.2} GB/s",
         rates[1] / 1e9
     );
+}
+
+/// With the `nccl` feature: a one-rank NCCL group all-reduces and sends nothing, on a GPU; without
+/// a GPU, asking for NCCL is an error, not a crash.
+#[cfg(feature = "nccl")]
+#[test]
+fn nccl_group_of_one_rank() {
+    world(1, |rank, store| {
+        let result = ProcessGroup::nccl(store, rank, 1, TIMEOUT);
+        if !tch::Cuda::is_available() {
+            let err = result.unwrap_err();
+            assert!(matches!(err, CommError::Op { .. }), "{err}");
+            return;
+        }
+        let pg = result.unwrap();
+        let t = vec![
+            Tensor::ones([8], (Kind::Float, tch::Device::Cuda(0))),
+            Tensor::ones([2, 2], (Kind::Float, tch::Device::Cuda(0))),
+        ];
+        pg.all_reduce_sum(&t).unwrap().wait().unwrap();
+        assert_eq!(t[1].sum(Kind::Float).double_value(&[]), 4.0);
+        pg.barrier().unwrap();
+    });
 }
