@@ -39,8 +39,19 @@ fn fail(error: &dyn std::error::Error, code: i32) -> i32 {
 }
 
 fn main() {
-    let task = cli::Cli::parse().into_task();
-    let code = match task {
+    let code = match cli::Cli::parse().into_task() {
+        Task::Run(options) => on_async(async {
+            match run::run(options).await {
+                Ok(()) => exit_codes::SUCCESS,
+                Err(e) => fail(&e, e.exit_code()),
+            }
+        }),
+        Task::Sweep(options) => on_async(async {
+            match sweep::run(options).await {
+                Ok(code) => code,
+                Err(e) => fail(&e, e.exit_code()),
+            }
+        }),
         Task::Results(options) => match results::run(&options) {
             Ok(()) => exit_codes::SUCCESS,
             Err(e) => fail(&e, e.exit_code()),
@@ -49,7 +60,6 @@ fn main() {
             Ok(()) => exit_codes::SUCCESS,
             Err(e) => fail(&e, plan_exit_code(&e)),
         },
-        Task::Run(_) | Task::Sweep(_) => run_async(task),
     };
     std::process::exit(code);
 }
@@ -65,8 +75,8 @@ fn plan_exit_code(error: &planning::PlanningError) -> i32 {
     }
 }
 
-/// Runs an experiment or a sweep on the async runtime.
-fn run_async(task: Task) -> i32 {
+/// Runs an experiment or a sweep on the async runtime and returns its exit code.
+fn on_async(work: impl std::future::Future<Output = i32>) -> i32 {
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(r) => r,
         Err(e) => {
@@ -74,17 +84,7 @@ fn run_async(task: Task) -> i32 {
             return exit_codes::PREFLIGHT_FAILED;
         }
     };
-    let code = match task {
-        Task::Run(options) => match runtime.block_on(run::run(options)) {
-            Ok(()) => exit_codes::SUCCESS,
-            Err(e) => fail(&e, e.exit_code()),
-        },
-        Task::Sweep(options) => match runtime.block_on(sweep::run(options)) {
-            Ok(code) => code,
-            Err(e) => fail(&e, e.exit_code()),
-        },
-        Task::Results(_) | Task::Plan(_) => unreachable!("synchronous tasks"),
-    };
+    let code = runtime.block_on(work);
     // Reader tasks of killed ranks may still be parked; don't wait for them.
     runtime.shutdown_timeout(std::time::Duration::from_secs(1));
     code
