@@ -184,11 +184,14 @@ pub async fn run_loaded(
                 ContainerMode::PerHost => "docker containers, one per host",
             },
         };
-        eprintln!(
-            "driver: experiment {} with {} rank(s) as {how}; record in {}",
-            record.id,
-            plan.world_size(),
-            record.dir.display()
+        say(
+            bars,
+            format!(
+                "driver: experiment {} with {} rank(s) as {how}; record in {}",
+                record.id,
+                plan.world_size(),
+                record.dir.display()
+            ),
         );
     }
 
@@ -251,12 +254,23 @@ pub async fn run_loaded(
     let (id, dir) = (record.id, record.dir);
     match status {
         Status::Succeeded => {
-            eprintln!("driver: experiment {id} succeeded; record in {}", dir.display());
+            say(
+                bars,
+                format!("driver: experiment {id} succeeded; record in {}", dir.display()),
+            );
             Ok(dir)
         }
         Status::Failed => Err(RunError::Failed { id, dir }),
         Status::Interrupted => Err(RunError::Interrupted { id, dir }),
         Status::Running => unreachable!("supervise returns a final status"),
+    }
+}
+
+/// Prints one of the driver's lines on stderr, around a sweep's bars when there are any.
+fn say(bars: Option<&indicatif::MultiProgress>, text: String) {
+    match bars {
+        Some(bars) => bars.suspend(|| eprintln!("{text}")),
+        None => eprintln!("{text}"),
     }
 }
 

@@ -187,7 +187,7 @@ pub fn stages(row: &Row, path: &Path) -> Result<(), PlotError> {
         .margin(16)
         .x_label_area_size(44)
         .y_label_area_size(70)
-        .build_cartesian_2d(-0.5f64..(n as f64 - 0.5), 0.0f64..(top * 1.15 * 1e3).max(1e-3))
+        .build_cartesian_2d(-0.5f64..(n as f64 - 0.5), 0.0f64..(top * 1.4 * 1e3).max(1e-3))
         .map_err(|e| fail(e.to_string()))?;
     let label_of = |v: &f64| {
         let i = v.round();
@@ -200,6 +200,7 @@ pub fn stages(row: &Row, path: &Path) -> Result<(), PlotError> {
     chart
         .configure_mesh()
         .x_labels(n.max(2) * 2 + 1)
+        .disable_x_mesh()
         .x_label_formatter(&label_of)
         .y_desc("ms per iteration")
         .draw()
@@ -226,6 +227,7 @@ pub fn stages(row: &Row, path: &Path) -> Result<(), PlotError> {
         .configure_series_labels()
         .background_style(WHITE.mix(0.8))
         .border_style(BLACK)
+        .position(SeriesLabelPosition::UpperRight)
         .draw()
         .map_err(|e| fail(e.to_string()))?;
     root.present().map_err(|e| fail(e.to_string()))

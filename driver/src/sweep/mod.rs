@@ -281,6 +281,14 @@ fn create(parent: &Path, index: &mut Index, loaded: &Loaded) -> Result<PathBuf, 
 fn resume(dir: &Path) -> Result<(PathBuf, Index, Loaded), SweepError> {
     let index = Index::read(dir)?;
     let loaded = config::load(&index.config_file)?;
+    let given = std::fs::read_to_string(dir.join("config.given.yml")).unwrap_or_default();
+    if given != loaded.text {
+        eprintln!(
+            "warning: {} changed since the sweep started; the points left run with it as it is now \
+             (the sweep's config.given.yml has the text it started with)",
+            index.config_file.display()
+        );
+    }
     Ok((dir.to_path_buf(), index, loaded))
 }
 
