@@ -113,3 +113,73 @@ fn a_missing_file_names_the_path() {
     assert!(e.to_string().contains("/nonexistent/exp.yml"), "{e}");
     assert!(std::error::Error::source(&e).is_some());
 }
+
+#[test]
+fn a_sweep_section_keeps_its_order_and_refuses_empty_axes() {
+    let f = ok("machines: [localhost]\nsweep:\n  schedule: [gpipe, 1f1b]\n  batch_size: [64, 32]\n");
+    let axes = f.sweep.unwrap().axes;
+    assert_eq!(axes[0].key, "schedule", "written order, not sorted");
+    assert_eq!(axes[1].values, [serde_json::json!(64), serde_json::json!(32)]);
+    insta::assert_snapshot!(
+        "sweep_empty_axis",
+        err("machines: [localhost]\nsweep:\n  batch_size: []\n")
+    );
+    insta::assert_snapshot!(
+        "sweep_not_mapping",
+        err("machines: [localhost]\nsweep: [batch_size]\n")
+    );
+}
+
+#[test]
+fn a_points_file_has_its_values_under_one_spelling_its_name_and_no_sweep() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("exp.yml");
+    std::fs::write(
+        &path,
+        "# comment\nname: base\nmachines: [localhost]\nmodel: mlp\nlr: 0.1\nsweep:\n  batch_size: [1, 2]\n",
+    )
+    .unwrap();
+    let loaded = load(&path).unwrap();
+    let point = with_overrides(
+        &loaded,
+        "base-p1",
+        &[
+            ("module".into(), serde_json::json!("vgg16")),
+            ("learning_rate".into(), serde_json::json!(0.5)),
+            ("batch_size".into(), serde_json::json!(2)),
+        ],
+    )
+    .unwrap();
+    assert_eq!(point.file.module.as_deref(), Some("vgg16"));
+    assert_eq!(point.file.learning_rate, Some(0.5));
+    assert_eq!(point.file.batch_size, Some(2));
+    assert_eq!(point.file.name.as_deref(), Some("base-p1"));
+    assert_eq!(point.file.sweep, None);
+    assert_eq!(
+        point.path, loaded.path,
+        "relative paths still resolve against the file"
+    );
+    assert!(
+        point
+            .text
+            .starts_with("# sweep point base-p1 (module=vgg16 learning_rate=0.5 batch_size=2)"),
+        "{}",
+        point.text
+    );
+    assert!(
+        !point.text.contains("model:") && !point.text.contains("lr:"),
+        "{}",
+        point.text
+    );
+}
+
+#[test]
+fn grid_values_are_checked_against_the_keys_types() {
+    assert!(check_grid_value("batch_size", &serde_json::json!(32)).is_ok());
+    assert!(check_grid_value("model", &serde_json::json!("mlp")).is_ok());
+    assert!(check_grid_value("machines", &serde_json::json!(["localhost", "localhost"])).is_ok());
+    let e = check_grid_value("microbatches", &serde_json::json!("four")).unwrap_err();
+    assert!(e.contains("expected a whole number"), "{e}");
+    let e = check_grid_value("name", &serde_json::json!("x")).unwrap_err();
+    assert!(e.contains("set by the sweep"), "{e}");
+}

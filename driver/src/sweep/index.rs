@@ -137,3 +137,60 @@ pub fn label(settings: &[(String, serde_json::Value)], repeat: u32) -> String {
     }
     parts.join(" ")
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn index() -> Index {
+        Index {
+            format_version: INDEX_VERSION,
+            name: "mlp".into(),
+            config_file: "/x/mlp.yml".into(),
+            axes: vec![Axis {
+                key: "batch_size".into(),
+                values: vec![serde_json::json!(32)],
+            }],
+            repeat: 2,
+            started_at: "2026-11-22T09:00:00Z".into(),
+            points: vec![PointEntry {
+                index: 0,
+                settings: vec![("batch_size".into(), serde_json::json!(32))],
+                repeat: 1,
+                name: "mlp-p0".into(),
+                status: PointStatus::Failed,
+                record: Some("20261122T090000Z_mlp-p0".into()),
+                error: Some("rank 0 failed".into()),
+                earlier_records: vec!["20261122T080000Z_mlp-p0".into()],
+            }],
+        }
+    }
+
+    #[test]
+    fn the_index_round_trips_and_leaves_no_temporary_file() {
+        let dir = tempfile::tempdir().unwrap();
+        index().write(dir.path()).unwrap();
+        assert_eq!(Index::read(dir.path()).unwrap(), index());
+        let names: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, [INDEX_FILE]);
+        assert_eq!(label(&index().points[0].settings, 1), "batch_size=32 #2");
+    }
+
+    #[test]
+    fn another_version_or_no_index_is_refused_with_what_to_do() {
+        let dir = tempfile::tempdir().unwrap();
+        let e = Index::read(dir.path()).unwrap_err();
+        assert!(e.to_string().contains("is this a sweep folder?"), "{e}");
+        std::fs::write(
+            dir.path().join(INDEX_FILE),
+            r#"{"format_version": 7, "points": 3}"#,
+        )
+        .unwrap();
+        let e = Index::read(dir.path()).unwrap_err();
+        assert!(matches!(e, IndexError::Version { found: 7, .. }), "{e}");
+        assert!(e.to_string().contains("this driver reads version 1"), "{e}");
+    }
+}
