@@ -75,7 +75,7 @@ struct SweepArgs {
     repeat: u32,
 
     /// Continues the sweep in DIR: runs only the points without a succeeded record.
-    #[arg(long, value_name = "DIR", conflicts_with_all = ["config_file", "grid", "repeat"])]
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["config_file", "grid", "repeat", "output_dir"])]
     resume: Option<PathBuf>,
 
     #[command(flatten)]
@@ -595,6 +595,7 @@ mod tests {
         };
         assert!(matches!(s.source, SweepSource::Resume(d) if d == Path::new("dir")));
         assert!(Cli::try_parse_from(["driver", "sweep", "--resume", "d", "--grid", "a=1"]).is_err());
+        assert!(Cli::try_parse_from(["driver", "sweep", "--resume", "d", "--output-dir", "o"]).is_err());
         assert!(Cli::try_parse_from(["driver", "sweep", "-c", "x.yml", "--grid", "a=1,,2"]).is_err());
         assert!(Cli::try_parse_from(["driver", "sweep", "-c", "x.yml", "--grid", "=1"]).is_err());
         assert!(Cli::try_parse_from(["driver", "sweep", "--grid", "a=1"]).is_err());
