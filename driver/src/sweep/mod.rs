@@ -85,25 +85,27 @@ impl SweepError {
 /// failed, 130 when interrupted.
 pub async fn run(options: SweepOptions) -> Result<i32, SweepError> {
     let interrupted = watch_signals()?;
-    let (dir, mut index, loaded) = match &options.source {
+    // Every point's file parses and plans before the sweep folder is made and the first runs.
+    let (dir, mut index, points) = match &options.source {
         SweepSource::New {
             config_file,
             grid,
             repeat,
         } => {
             let (parent, mut index, loaded) = new_index(&options.run, config_file, grid, *repeat)?;
-            let mut run_options = options.run.clone();
-            run_options.output_dir = Some(parent.clone());
-            points(&loaded, &index, &run_options)?;
+            let points = points(&loaded, &index, &options.run)?;
             let dir = create(&parent, &mut index, &loaded)?;
-            (dir, index, loaded)
+            (dir, index, points)
         }
-        SweepSource::Resume(dir) => resume(dir)?,
+        SweepSource::Resume(dir) => {
+            let (index, loaded) = resume(dir)?;
+            let points = points(&loaded, &index, &options.run)?;
+            (dir.clone(), index, points)
+        }
     };
     let mut run_options = options.run.clone();
     run_options.config_file = index.config_file.clone();
     run_options.output_dir = Some(dir.clone());
-    let points = points(&loaded, &index, &run_options)?;
 
     let todo: Vec<usize> = index
         .points
@@ -278,7 +280,7 @@ fn create(parent: &Path, index: &mut Index, loaded: &Loaded) -> Result<PathBuf, 
 }
 
 /// Reads a sweep folder's index and its experiment file again.
-fn resume(dir: &Path) -> Result<(PathBuf, Index, Loaded), SweepError> {
+fn resume(dir: &Path) -> Result<(Index, Loaded), SweepError> {
     let index = Index::read(dir)?;
     let loaded = config::load(&index.config_file)?;
     let given = std::fs::read_to_string(dir.join("config.given.yml")).unwrap_or_default();
@@ -289,7 +291,7 @@ fn resume(dir: &Path) -> Result<(PathBuf, Index, Loaded), SweepError> {
             index.config_file.display()
         );
     }
-    Ok((dir.to_path_buf(), index, loaded))
+    Ok((index, loaded))
 }
 
 /// Whether the point's record says it succeeded (the index alone is not trusted: the driver may
