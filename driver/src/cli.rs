@@ -359,15 +359,16 @@ pub enum Task {
 }
 
 impl Cli {
-    /// Converts the parsed arguments once; nothing past this point sees clap.
-    pub fn into_task(self) -> Task {
-        match self.command {
+    /// Converts the parsed arguments once; nothing past this point sees clap. An error is
+    /// clap's, printed and turned into exit code 2 like any other bad argument.
+    pub fn into_task(self) -> Result<Task, clap::Error> {
+        Ok(match self.command {
             None => Task::Run(self.run.into_options()),
             Some(Command::Run(run)) => Task::Run(run.into_options()),
             Some(Command::Sweep(sweep)) => Task::Sweep(sweep.into_options()),
             Some(Command::Results(results)) => Task::Results(results.into_options()),
-            Some(Command::Plan(plan)) => Task::Plan(plan.into_options()),
-        }
+            Some(Command::Plan(plan)) => Task::Plan(plan.into_options()?),
+        })
     }
 }
 
@@ -433,8 +434,29 @@ impl ResultsArgs {
 }
 
 impl PlanArgs {
-    fn into_options(self) -> PlanOptions {
+    fn into_options(self) -> Result<PlanOptions, clap::Error> {
         let workers = self.workers as usize;
+        let invalid = |message: String| {
+            let mut command = <Cli as clap::CommandFactory>::command();
+            command.build();
+            let plan = command
+                .find_subcommand_mut("plan")
+                .expect("the plan subcommand exists");
+            plan.error(clap::error::ErrorKind::ValueValidation, message)
+        };
+        for (i, &(group, _)) in self.level.iter().enumerate() {
+            if group > workers {
+                return Err(invalid(format!(
+                    "--level {group}:.. groups more workers than --workers {workers}"
+                )));
+            }
+            if i > 0 && group <= self.level[i - 1].0 {
+                return Err(invalid(format!(
+                    "--level groups go innermost first and grow: {group} after {}",
+                    self.level[i - 1].0
+                )));
+            }
+        }
         let mut levels: Vec<(usize, f64)> = self.level.iter().map(|&(w, g)| (w, g * 1e9)).collect();
         if levels.is_empty() || self.bandwidth.is_some() {
             levels.push((workers, self.bandwidth.unwrap_or(DEFAULT_BANDWIDTH_GBPS) * 1e9));
@@ -442,7 +464,7 @@ impl PlanArgs {
         if let Some(last) = levels.last_mut() {
             last.0 = workers;
         }
-        PlanOptions {
+        Ok(PlanOptions {
             profile: self.profile,
             workers,
             levels,
@@ -451,7 +473,7 @@ impl PlanArgs {
             microbatches: self.microbatches as usize,
             output: self.output,
             prediction: self.prediction,
-        }
+        })
     }
 }
 
@@ -498,10 +520,12 @@ mod tests {
 
     use super::*;
 
+    fn try_task(args: &[&str]) -> Result<Task, clap::Error> {
+        Cli::try_parse_from(std::iter::once("driver").chain(args.iter().copied()))?.into_task()
+    }
+
     fn task(args: &[&str]) -> Task {
-        Cli::try_parse_from(std::iter::once("driver").chain(args.iter().copied()))
-            .unwrap_or_else(|e| panic!("{e}"))
-            .into_task()
+        try_task(args).unwrap_or_else(|e| panic!("{e}"))
     }
 
     fn options(args: &[&str]) -> Options {
@@ -648,9 +672,19 @@ mod tests {
             &["--workers", "2", "--level", "4"],
             &["--workers", "2", "--bandwidth", "-1"],
         ] {
-            let mut all = vec!["driver", "plan", "--profile", "p.json"];
+            let mut all = vec!["plan", "--profile", "p.json"];
             all.extend_from_slice(bad);
-            assert!(Cli::try_parse_from(&all).is_err(), "{bad:?}");
+            assert!(try_task(&all).is_err(), "{bad:?}");
+        }
+        for bad in [
+            &["--workers", "4", "--level", "8:100"][..],
+            &["--workers", "16", "--level", "8:100", "--level", "4:10"],
+        ] {
+            let mut all = vec!["plan", "--profile", "p.json"];
+            all.extend_from_slice(bad);
+            let e = try_task(&all).unwrap_err();
+            assert_eq!(e.exit_code(), 2, "{e}");
+            assert!(e.to_string().contains("--level"), "{e}");
         }
     }
 }

@@ -39,7 +39,8 @@ fn fail(error: &dyn std::error::Error, code: i32) -> i32 {
 }
 
 fn main() {
-    let code = match cli::Cli::parse().into_task() {
+    let task = cli::Cli::parse().into_task().unwrap_or_else(|e| e.exit());
+    let code = match task {
         Task::Run(options) => on_async(async {
             match run::run(options).await {
                 Ok(()) => exit_codes::SUCCESS,
