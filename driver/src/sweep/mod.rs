@@ -110,8 +110,9 @@ pub async fn run(options: SweepOptions) -> Result<i32, SweepError> {
     let todo: Vec<usize> = index
         .points
         .iter()
-        .filter(|e| !succeeded(&dir, e))
-        .map(|e| e.index)
+        .enumerate()
+        .filter(|(_, e)| !succeeded(&dir, e))
+        .map(|(i, _)| i)
         .collect();
     let quiet = options.run.verbosity == Verbosity::Quiet;
     if !quiet {
@@ -155,7 +156,9 @@ pub async fn run(options: SweepOptions) -> Result<i32, SweepError> {
                 };
                 entry.record = e.record_dir().and_then(record_name);
                 entry.error = Some(crate::error_chain(e));
-                bar.suspend(|| eprintln!("driver: point {label} failed: {}", crate::error_chain(e)));
+                if entry.status == PointStatus::Failed {
+                    bar.suspend(|| eprintln!("driver: point {label} failed: {}", crate::error_chain(e)));
+                }
             }
         }
         index.write(&dir)?;
