@@ -8,5 +8,6 @@ mod docker;
 mod pipeline;
 mod plan;
 mod process;
+mod results;
 mod ssh;
 mod sweep;

@@ -1,0 +1,76 @@
+//! `driver results` as a user runs it, on the checked-in fixture records: every record shown,
+//! the unreadable ones with their reason, and command-line mistakes exiting 2.
+
+use std::ffi::OsStr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::util::*;
+
+fn fixtures() -> PathBuf {
+    workspace().join("driver/tests/fixtures/results/experiments")
+}
+
+#[test]
+fn a_folder_of_records_and_sweeps_is_one_table_with_nothing_dropped() {
+    let h = Harness::new("res-all");
+    let dir = fixtures();
+    let args = [
+        OsStr::new("results"),
+        dir.as_os_str(),
+        OsStr::new("--format"),
+        OsStr::new("markdown"),
+    ];
+    let run = h.driver(&args, Duration::from_secs(30));
+    assert_eq!(run.code(), 0, "{}", run.stderr());
+    let out = run.stdout();
+    assert_eq!(
+        out.lines().filter(|l| l.starts_with("| ")).count(),
+        9,
+        "header and 8 rows: {out}"
+    );
+    assert_eq!(out.matches("| unreadable").count(), 3, "{out}");
+    assert!(
+        out.contains("| failed") && out.contains("exited with code 3"),
+        "{out}"
+    );
+    assert!(out.contains("| not run"), "{out}");
+    h.assert_no_containers();
+}
+
+#[test]
+fn mistakes_on_the_command_line_exit_2_with_what_to_change() {
+    let h = Harness::new("res-bad");
+    let dir = fixtures();
+    let missing = h.dir.path().join("nope");
+    let cases: [(Vec<&OsStr>, &str); 3] = [
+        (
+            vec![OsStr::new("results"), missing.as_os_str()],
+            "is not a folder",
+        ),
+        (
+            vec![
+                OsStr::new("results"),
+                dir.as_os_str(),
+                OsStr::new("--sort"),
+                OsStr::new("speed"),
+            ],
+            "unknown key `speed`",
+        ),
+        (
+            vec![
+                OsStr::new("results"),
+                dir.as_os_str(),
+                OsStr::new("--baseline"),
+                OsStr::new("model=gpt"),
+            ],
+            "no row matches --baseline model=gpt",
+        ),
+    ];
+    for (args, expected) in cases {
+        let run = h.driver(&args, Duration::from_secs(30));
+        assert_eq!(run.code(), 2, "{args:?}: {}", run.stderr());
+        assert!(run.stderr().contains(expected), "{args:?}: {}", run.stderr());
+    }
+    h.assert_no_containers();
+}
