@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 pub use container::Container;
 pub use machine::Machine;
 pub use mount::Mount;
-pub use sweep::{Axis, Sweep};
+pub use sweep::{check_grid_value, value_text, with_overrides, Axis, Sweep};
 pub use yaml::{load, parse_scalar, ConfigError, Loaded};
 
 use crate::cli::Backend;
@@ -96,9 +96,6 @@ pub struct ExperimentFile {
     pub sweep: Option<Sweep>,
 }
 
-/// Keys a sweep sets itself, so a grid may not.
-const SET_BY_THE_SWEEP: [&str; 3] = ["name", "log_directory", "sweep"];
-
 /// Spellings of one key; a grid value replaces every spelling the file used.
 const ALIASES: [(&str, &str); 2] = [("model", "module"), ("lr", "learning_rate")];
 
@@ -108,67 +105,6 @@ pub fn canonical_key(key: &str) -> &str {
         .iter()
         .find(|(alias, _)| *alias == key)
         .map_or(key, |(_, canonical)| canonical)
-}
-
-/// Whether `value` is valid for the experiment key `key`, as a grid would set it; the message
-/// says what is wrong.
-pub fn check_grid_value(key: &str, value: &serde_json::Value) -> Result<(), String> {
-    if SET_BY_THE_SWEEP.contains(&key) {
-        return Err(format!(
-            "`{key}` is set by the sweep itself and cannot be a grid key"
-        ));
-    }
-    let mut probe = serde_json::Map::new();
-    probe.insert("machines".into(), serde_json::json!(["localhost"]));
-    probe.insert(key.to_string(), value.clone());
-    match serde_json::from_value::<ExperimentFile>(serde_json::Value::Object(probe)) {
-        Ok(_) => Ok(()),
-        Err(e) => Err(yaml::describe_value_error(&e.to_string())),
-    }
-}
-
-/// The experiment file with a sweep point's values set: `overrides` replace the keys they name
-/// (under any spelling), `name` is the point's, and the `sweep:` section is gone.
-pub fn with_overrides(
-    loaded: &Loaded,
-    name: &str,
-    overrides: &[(String, serde_json::Value)],
-) -> Result<Loaded, ConfigError> {
-    let mut document = yaml::parse_document(&loaded.path, &loaded.text)?;
-    let map = document
-        .as_object_mut()
-        .ok_or_else(|| loaded.error_at("machines", "expected a mapping of experiment keys"))?;
-    map.remove("sweep");
-    for (key, value) in overrides {
-        let canonical = canonical_key(key);
-        map.retain(|k, _| canonical_key(k) != canonical);
-        map.insert(canonical.to_string(), value.clone());
-    }
-    map.insert("name".into(), serde_json::Value::String(name.to_string()));
-    let settings: Vec<String> = overrides
-        .iter()
-        .map(|(k, v)| format!("{k}={}", value_text(v)))
-        .collect();
-    let text = format!(
-        "# sweep point {name} ({}) of {}\n{}",
-        settings.join(" "),
-        loaded.path.display(),
-        yaml::to_text(&document)
-    );
-    let file = yaml::parse(&loaded.path, &text)?;
-    Ok(Loaded {
-        path: loaded.path.clone(),
-        text,
-        file,
-    })
-}
-
-/// A value as a person writes it: strings bare, everything else as JSON.
-pub fn value_text(value: &serde_json::Value) -> String {
-    match value {
-        serde_json::Value::String(s) => s.clone(),
-        other => other.to_string(),
-    }
 }
 
 /// The runtime's optimizers.
