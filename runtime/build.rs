@@ -1,7 +1,7 @@
 //! Gives the `runtime` binary an rpath to the libtorch it was linked against, so it runs without
 //! anyone exporting `LD_LIBRARY_PATH`, and compiles `csrc/c10d_bridge.cpp`, the C ABI to PyTorch's
-//! own c10d. torch-sys publishes libtorch's library folder as `DEP_TCH_LIBTORCH_LIB`; the headers
-//! sit beside it in `../include`. Gloo's own headers come from Debian's `libgloo-dev`.
+//! own c10d, and `csrc/autograd.cpp`, autograd entry points tch lacks. torch-sys publishes
+//! libtorch's library folder as `DEP_TCH_LIBTORCH_LIB`; the headers sit beside it in `../include`. Gloo's own headers come from Debian's `libgloo-dev`.
 //!
 //! The `nccl` feature adds ProcessGroupNCCL, which needs `nccl.h` and the CUDA headers: taken from
 //! `CUDA_HOME` (or `/usr/local/cuda`) if present, and from the nvidia wheels beside torch.
@@ -12,6 +12,7 @@ fn main() {
     println!("cargo:rerun-if-env-changed=DEP_TCH_LIBTORCH_LIB");
     println!("cargo:rerun-if-env-changed=CUDA_HOME");
     println!("cargo:rerun-if-changed=csrc/c10d_bridge.cpp");
+    println!("cargo:rerun-if-changed=csrc/autograd.cpp");
     let lib_dir = PathBuf::from(
         std::env::var("DEP_TCH_LIBTORCH_LIB")
             .expect("torch-sys did not export DEP_TCH_LIBTORCH_LIB (is torch-sys a dependency?)"),
@@ -23,6 +24,7 @@ fn main() {
     build
         .cpp(true)
         .file("csrc/c10d_bridge.cpp")
+        .file("csrc/autograd.cpp")
         .std("c++17")
         .warnings(true) // -Wall -Wextra
         .define("USE_C10D_GLOO", None)

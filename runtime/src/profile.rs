@@ -93,7 +93,9 @@ pub fn measure(config: &ProfileConfig) -> anyhow::Result<Profile> {
             let grad = output.randn_like();
             median_seconds(config.repeats, || {
                 let out = layer.forward_t(&input, true);
-                timed(device, || backward_with_grad(&out, &grad))
+                timed(device, || {
+                    backward_with_grad(&out, &grad).expect("a module's own output takes its gradient")
+                })
             })
         } else {
             0.0

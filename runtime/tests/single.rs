@@ -2,39 +2,48 @@
 
 use crate::util::{run, run_ok, runtime, write_cifar, write_image_folder};
 
-/// Synthetic data cycles a pool of 4 batches: after 8 iterations each batch was seen twice, and a
-/// model that learns has a lower mean loss on the second pass than on the first.
-fn assert_learns(batch_size: &str, model_args: &[&str]) {
+/// Synthetic data cycles a pool of 4 batches: the first and the last 4 iterations see the same
+/// batches, and a model that learns has a lower mean loss on the last pass than on the first.
+fn assert_learns(batch_size: &str, iterations: usize, model_args: &[&str]) {
+    let iterations_text = iterations.to_string();
     let mut args = vec![
         "--batch-size",
         batch_size,
         "--iterations",
-        "8",
+        &iterations_text,
         "--image-size",
         "32",
+    ];
+    args.extend_from_slice(&[
         "--num-classes",
         "10",
-    ];
-    args.extend_from_slice(&["--threads", "2", "--seed", "1", "--dropout", "0"]);
+        "--threads",
+        "2",
+        "--seed",
+        "1",
+        "--dropout",
+        "0",
+    ]);
     args.extend_from_slice(model_args);
     let run = run_ok(&args);
     let losses = run.losses();
-    assert_eq!(losses.len(), 8);
+    assert_eq!(losses.len(), iterations);
     let first: f64 = losses[..4].iter().sum::<f64>() / 4.0;
-    let second: f64 = losses[4..].iter().sum::<f64>() / 4.0;
-    assert!(second < first, "{model_args:?}: loss did not fall: {losses:?}");
+    let last: f64 = losses[iterations - 4..].iter().sum::<f64>() / 4.0;
+    assert!(last < first, "{model_args:?}: loss did not fall: {losses:?}");
     assert!(losses.iter().all(|l| l.is_finite()));
 }
 
 #[test]
 fn mlp_learns() {
-    assert_learns("8", &["--model", "mlp", "--lr", "0.01"]);
+    assert_learns("8", 8, &["--model", "mlp", "--lr", "0.01"]);
 }
 
 #[test]
 fn vgg16_learns() {
     assert_learns(
         "4",
+        8,
         &["--model", "vgg16", "--optimizer", "adam", "--lr", "0.0001"],
     );
 }
@@ -43,6 +52,7 @@ fn vgg16_learns() {
 fn vgg16_bn_learns() {
     assert_learns(
         "4",
+        8,
         &["--model", "vgg16_bn", "--optimizer", "adam", "--lr", "0.0001"],
     );
 }
@@ -51,23 +61,28 @@ fn vgg16_bn_learns() {
 fn resnet50_learns() {
     assert_learns(
         "8",
+        8,
         &["--model", "resnet50", "--optimizer", "adam", "--lr", "0.001"],
     );
 }
 
 #[test]
 fn resnet101_learns() {
+    // Deep networks with batch norm on 8 samples are noisy: three passes over the pool, a gentler rate.
     assert_learns(
         "8",
-        &["--model", "resnet101", "--optimizer", "adam", "--lr", "0.001"],
+        12,
+        &["--model", "resnet101", "--optimizer", "adam", "--lr", "0.0001"],
     );
 }
 
 #[test]
 fn resnet152_learns() {
+    // Deep networks with batch norm on 8 samples are noisy: three passes over the pool, a gentler rate.
     assert_learns(
         "8",
-        &["--model", "resnet152", "--optimizer", "adam", "--lr", "0.001"],
+        12,
+        &["--model", "resnet152", "--optimizer", "adam", "--lr", "0.0001"],
     );
 }
 
@@ -75,6 +90,7 @@ fn resnet152_learns() {
 fn transformer_learns() {
     assert_learns(
         "8",
+        8,
         &[
             "--model",
             "transformer",
@@ -149,7 +165,11 @@ fn metrics_follow_the_contract() {
     let mean = kept.iter().sum::<f64>() / 3.0;
     assert!((summary.samples_per_sec_mean - mean).abs() < 1e-6 * mean);
     assert_eq!(summary.final_loss, iterations[4].loss);
-    assert!(run.stderr().contains("training mlp"), "human text goes to stderr");
+    assert!(
+        run.stderr()
+            .contains("rank 0 of 1: stage 0 of 1 (modules 0..6) of mlp"),
+        "human text goes to stderr"
+    );
 }
 
 #[test]

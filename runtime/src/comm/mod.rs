@@ -22,7 +22,7 @@
 // The API is complete for the stage runtime; not every part of it has a caller in every build.
 #![allow(dead_code, unused_imports)]
 
-mod ffi;
+pub(crate) mod ffi;
 mod group;
 mod store;
 #[cfg(test)]

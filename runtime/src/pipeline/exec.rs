@@ -311,9 +311,10 @@ impl Executor {
             });
         }
         timed(self.slowdown, &mut progress.timing, || match &grad {
-            None => flight.output.backward(),
+            None => flight.output.f_backward().map_err(|e| e.to_string()),
             Some(grad) => backward_with_grad(&flight.output, grad),
-        });
+        })
+        .map_err(|e| anyhow::anyhow!("backward of microbatch {g} on stage {s}: {e}"))?;
         if let Some(live) = live {
             for (p, live) in params.iter_mut().zip(&live) {
                 p.set_data(live);

@@ -1,9 +1,65 @@
-//! Autograd operations beyond tch's `backward()`.
+//! Autograd operations beyond tch's `backward()`, through `csrc/autograd.cpp`.
 
-use tch::{Kind, Tensor};
+use std::os::raw::c_char;
+
+use tch::Tensor;
+use torch_sys::C_tensor;
+
+use crate::comm::ffi::check;
+
+extern "C" {
+    fn sh_backward_with_grad(output: *const C_tensor, grad: *const C_tensor) -> *mut c_char;
+    fn sh_grad_to_none(param: *mut C_tensor) -> *mut c_char;
+}
 
 /// Backward from `output` given the gradient of the loss with respect to it (a pipeline stage's
-/// backward with the gradient its successor sent).
-pub fn backward_with_grad(output: &Tensor, grad: &Tensor) {
-    (output * grad).sum(Kind::Float).backward();
+/// backward with the gradient its successor sent); gradients accumulate into the leaves.
+pub fn backward_with_grad(output: &Tensor, grad: &Tensor) -> Result<(), String> {
+    // SAFETY: both handles are live tch tensors, which point at `at::Tensor`s; the bridge only
+    // reads them and catches every C++ exception.
+    check(unsafe { sh_backward_with_grad(output.as_ptr(), grad.as_ptr()) })
+}
+
+/// Drops a parameter's gradient (PyTorch's `zero_grad(set_to_none=True)`): no memset, and the
+/// next backward writes the gradient instead of accumulating into zeros.
+pub fn grad_to_none(param: &mut Tensor) -> Result<(), String> {
+    // SAFETY: a live tch tensor handle; the bridge resets its gradient and catches exceptions.
+    check(unsafe { sh_grad_to_none(param.as_mut_ptr()) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::{Device, Kind};
+
+    #[test]
+    fn backward_with_grad_accumulates_the_vector_jacobian_product() {
+        let w = Tensor::from_slice(&[1.0f32, 2.0, 3.0]).set_requires_grad(true);
+        let out = &w * &w; // d out_i / d w_i = 2 w_i
+        let grad = Tensor::from_slice(&[1.0f32, 10.0, 100.0]);
+        backward_with_grad(&out, &grad).unwrap();
+        assert!(w
+            .grad()
+            .allclose(&Tensor::from_slice(&[2.0f32, 40.0, 600.0]), 1e-6, 1e-6, false));
+        // A shape mismatch is an error, not a crash.
+        let bad = Tensor::ones([2], (Kind::Float, Device::Cpu));
+        let err = backward_with_grad(&(&w * 2.0), &bad).unwrap_err();
+        assert!(err.contains("shape") || err.contains("size"), "{err}");
+    }
+
+    #[test]
+    fn grad_to_none_drops_the_gradient() {
+        let mut w = Tensor::ones([2], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        (&w * 3.0).sum(Kind::Float).backward();
+        assert!(w.grad().defined());
+        grad_to_none(&mut w).unwrap();
+        assert!(!w.grad().defined());
+        (&w * 5.0).sum(Kind::Float).backward();
+        assert!(w.grad().allclose(
+            &Tensor::full([2], 5.0, (Kind::Float, Device::Cpu)),
+            1e-6,
+            1e-6,
+            false
+        ));
+    }
 }

@@ -8,6 +8,8 @@
 
 use tch::Tensor;
 
+use super::autograd::grad_to_none;
+
 use crate::config::OptimizerKind;
 
 const ADAM_BETAS: (f64, f64) = (0.9, 0.999);
@@ -62,13 +64,10 @@ impl Optimizer {
         self.steps
     }
 
-    /// Clears gradients before the next accumulation.
+    /// Drops gradients before the next accumulation (set to none, as PyTorch does by default).
     pub fn zero_grad(&mut self) {
-        for p in &self.params {
-            let mut g = p.grad();
-            if g.defined() {
-                let _ = g.zero_();
-            }
+        for p in &mut self.params {
+            grad_to_none(p).expect("resetting a parameter's gradient cannot fail");
         }
     }
 
