@@ -15,7 +15,8 @@ pub struct Profile {
     pub format_version: u32,
     /// Model name as given to `--model`.
     pub model: String,
-    /// Samples per measured batch.
+    /// Samples per measured batch: the microbatch size the plan is for (`driver plan
+    /// --microbatches M` scales the costs to minibatches of M of them).
     pub batch_size: usize,
     /// `cpu` or `cuda:N`.
     pub device: String,
@@ -37,6 +38,9 @@ pub struct ModuleProfile {
     pub forward_s: f64,
     /// Median seconds of the backward pass.
     pub backward_s: f64,
+    /// Median seconds of one optimizer step (SGD with momentum) over the module's parameters.
+    #[serde(default)]
+    pub optimizer_s: f64,
     /// Bytes of the module's output (what crosses a stage boundary after it).
     pub activation_bytes: u64,
     /// Bytes of the module's parameters (what replicas all-reduce and stashes copy).
@@ -79,6 +83,7 @@ mod tests {
                 name: "layers.0".into(),
                 forward_s: 0.001,
                 backward_s: 0.002,
+                optimizer_s: 0.0005,
                 activation_bytes: 4096,
                 param_bytes: 1024,
                 output_shape: vec![8, 128],

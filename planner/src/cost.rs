@@ -11,6 +11,8 @@ pub struct LayerCost {
     pub activation_bytes: f64,
     /// Bytes of the module's parameters.
     pub param_bytes: f64,
+    /// Seconds of one optimizer step over the module's parameters (every replica steps them all).
+    pub optimizer_s: f64,
 }
 
 /// Bandwidths of the network levels, innermost first (GPUs in a server, then servers in a
@@ -48,6 +50,7 @@ impl Network {
 pub struct CostModel {
     /// Prefix sums, so a range's totals cost O(1).
     compute: Vec<f64>,
+    optimizer: Vec<f64>,
     params: Vec<f64>,
     activations: Vec<f64>,
     /// Each module's output bytes, for boundaries.
@@ -69,6 +72,7 @@ impl CostModel {
     pub fn new(layers: &[LayerCost], network: Network, memory_limit: Option<f64>) -> CostModel {
         CostModel {
             compute: prefix(layers.iter().map(|l| l.compute_s)),
+            optimizer: prefix(layers.iter().map(|l| l.optimizer_s)),
             params: prefix(layers.iter().map(|l| l.param_bytes)),
             activations: prefix(layers.iter().map(|l| l.activation_bytes)),
             outputs: layers.iter().map(|l| l.activation_bytes).collect(),
@@ -91,11 +95,12 @@ impl CostModel {
     }
 
     /// Seconds per minibatch of stage `modules` on `workers` (its replicas): they share the
-    /// microbatches, then all-reduce their gradients (a ring: 2 (r-1)/r of the parameters each
-    /// way). This runtime does not overlap the all-reduce with the backward, so the two add.
+    /// microbatches, all-reduce their gradients (a ring: 2 (r-1)/r of the parameters each way),
+    /// and each steps the stage's parameters. This runtime does not overlap the all-reduce with
+    /// the backward, so the parts add.
     pub fn stage_time(&self, modules: &Range<usize>, workers: &Range<usize>) -> f64 {
         let replicas = workers.len() as f64;
-        let compute = Self::sum(&self.compute, modules) / replicas;
+        let compute = Self::sum(&self.compute, modules) / replicas + Self::sum(&self.optimizer, modules);
         if workers.len() == 1 {
             return compute;
         }

@@ -21,6 +21,7 @@ fn layer(compute_s: f64, activation_bytes: f64, param_bytes: f64) -> LayerCost {
         compute_s,
         activation_bytes,
         param_bytes,
+        optimizer_s: 0.0,
     }
 }
 
@@ -88,7 +89,10 @@ fn the_program_finds_the_brute_force_optimum() {
         let modules = 1 + (rng.next() * 6.0) as usize;
         let workers = 1 + (rng.next() * 5.0) as usize;
         let layers: Vec<LayerCost> = (0..modules)
-            .map(|_| layer(0.01 + rng.next(), 1e6 * rng.next(), 1e8 * rng.next() * rng.next()))
+            .map(|_| LayerCost {
+                optimizer_s: 0.01 * rng.next(),
+                ..layer(0.01 + rng.next(), 1e6 * rng.next(), 1e8 * rng.next() * rng.next())
+            })
             .collect();
         let network = if case % 2 == 0 {
             Network::flat(workers, 1e9)

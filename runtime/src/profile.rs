@@ -10,9 +10,9 @@ use anyhow::Context;
 use stagehand_contract::{ModuleProfile, Profile, PROFILE_VERSION};
 use tch::{nn, Device, Kind, Tensor};
 
-use crate::config::{DeviceSpec, ModelChoice};
+use crate::config::{DeviceSpec, ModelChoice, OptimizerKind};
 use crate::models::{InputKind, ModelDef};
-use crate::train::{backward_with_grad, check_device};
+use crate::train::{backward_with_grad, check_device, Optimizer};
 
 /// A validated `runtime profile` request.
 #[derive(Debug)]
@@ -54,6 +54,29 @@ fn bytes(t: &Tensor) -> u64 {
     (t.numel() * t.kind().elt_size_in_bytes()) as u64
 }
 
+/// Median seconds of an SGD-with-momentum step over the parameters in `vs` (gradients set to
+/// ones; the momentum buffers exist after the warm-up step, as in training).
+fn optimizer_seconds(vs: &nn::VarStore, repeats: usize, device: Device) -> f64 {
+    let params = vs.trainable_variables();
+    if params.is_empty() {
+        return 0.0;
+    }
+    let mut optimizer = Optimizer::new(
+        OptimizerKind::Sgd {
+            momentum: 0.9,
+            weight_decay: 0.0,
+        },
+        1e-6,
+        params.iter().map(Tensor::shallow_clone).collect(),
+    );
+    median_seconds(repeats, || {
+        for p in &params {
+            p.sum(Kind::Float).backward();
+        }
+        timed(device, || optimizer.step())
+    })
+}
+
 /// Measures every module of the model.
 pub fn measure(config: &ProfileConfig) -> anyhow::Result<Profile> {
     if let Some(threads) = config.threads {
@@ -63,8 +86,15 @@ pub fn measure(config: &ProfileConfig) -> anyhow::Result<Profile> {
     let device = config.device.tch();
     let model = ModelDef::named(&config.model.name, &config.model.options)?;
     let param_bytes: Vec<u64> = model.param_counts().iter().map(|n| n * 4).collect();
-    let vs = nn::VarStore::new(device);
-    let layers = model.build(&vs.root(), 0..model.num_modules(), 0);
+    // Each module in its own var store, so its parameters (and their optimizer step) are its own.
+    let stores: Vec<nn::VarStore> = (0..model.num_modules() - 1)
+        .map(|_| nn::VarStore::new(device))
+        .collect();
+    let layers: Vec<Box<dyn nn::ModuleT>> = stores
+        .iter()
+        .enumerate()
+        .flat_map(|(i, vs)| model.build(&vs.root(), i..i + 1, 0))
+        .collect();
     let batch = config.batch_size as i64;
     tch::manual_seed(0);
     let (mut xs, target) = match model.input {
@@ -100,11 +130,13 @@ pub fn measure(config: &ProfileConfig) -> anyhow::Result<Profile> {
         } else {
             0.0
         };
+        let optimizer_s = optimizer_seconds(&stores[index], config.repeats, device);
         modules.push(ModuleProfile {
             index,
             name: model.module_name(index).to_string(),
             forward_s,
             backward_s,
+            optimizer_s,
             activation_bytes: bytes(&output),
             param_bytes: param_bytes[index],
             output_shape: output.size(),
@@ -124,6 +156,7 @@ pub fn measure(config: &ProfileConfig) -> anyhow::Result<Profile> {
         name: "loss".into(),
         forward_s,
         backward_s,
+        optimizer_s: 0.0,
         activation_bytes: bytes(&loss),
         param_bytes: 0,
         output_shape: loss.size(),

@@ -22,7 +22,7 @@ pub struct PlanOptions {
     pub memory_bytes: Option<f64>,
     /// Allow no replication: one worker per stage.
     pub straight: bool,
-    /// Microbatches per minibatch, for the flushing schedules' prediction.
+    /// Microbatches per minibatch; the profile's batch size is the microbatch's.
     pub microbatches: usize,
     /// Where to write the stage config (PipeDream's JSON); stdout when `None`.
     pub output: Option<PathBuf>,
@@ -55,6 +55,7 @@ pub enum PlanningError {
 #[derive(Debug, Serialize)]
 pub struct Prediction {
     pub model: String,
+    /// Samples per microbatch (the profile's batch size).
     pub batch_size: usize,
     pub workers: usize,
     /// Seconds per minibatch in steady state (the slowest stage or boundary; PipeDream's figure).
@@ -78,15 +79,19 @@ pub struct PredictedStage {
     pub memory_bytes: f64,
 }
 
-/// The profile's modules as the planner's costs: forward plus backward per minibatch.
-pub fn layer_costs(profile: &Profile) -> Vec<LayerCost> {
+/// The profile's modules as the planner's costs per minibatch of `microbatches` microbatches of
+/// the profile's batch size: forward, backward and boundary traffic happen once per microbatch,
+/// the optimizer step once per minibatch.
+pub fn layer_costs(profile: &Profile, microbatches: usize) -> Vec<LayerCost> {
+    let m = microbatches.max(1) as f64;
     profile
         .modules
         .iter()
-        .map(|m| LayerCost {
-            compute_s: m.forward_s + m.backward_s,
-            activation_bytes: m.activation_bytes as f64,
-            param_bytes: m.param_bytes as f64,
+        .map(|module| LayerCost {
+            compute_s: m * (module.forward_s + module.backward_s),
+            activation_bytes: m * module.activation_bytes as f64,
+            param_bytes: module.param_bytes as f64,
+            optimizer_s: module.optimizer_s,
         })
         .collect()
 }
@@ -105,7 +110,11 @@ pub fn solve(options: &PlanOptions) -> Result<(Profile, Plan, Prediction), Plann
     let network = Network {
         levels: options.levels.clone(),
     };
-    let model = CostModel::new(&layer_costs(&profile), network, options.memory_bytes);
+    let model = CostModel::new(
+        &layer_costs(&profile, options.microbatches),
+        network,
+        options.memory_bytes,
+    );
     let plan = plan(&model, options.workers, options.straight)?;
     let prediction = Prediction {
         model: profile.model.clone(),
@@ -137,8 +146,8 @@ pub fn render(profile: &Profile, plan: &Plan, prediction: &Prediction) -> String
     let name = |i: usize| profile.modules.get(i).map_or("?", |m| m.name.as_str());
     let _ = writeln!(
         out,
-        "{} at batch {} on {} workers:",
-        profile.model, profile.batch_size, prediction.workers
+        "{} at {} microbatches of {} on {} workers:",
+        profile.model, prediction.microbatches, profile.batch_size, prediction.workers
     );
     for (id, s) in plan.stages.iter().enumerate() {
         let _ = writeln!(
