@@ -265,7 +265,10 @@ impl Cli {
                     rounds: positive("--rounds", p.rounds)?,
                 }))
             }
-            None => self.train.into_config().map(Command::Train),
+            None => self
+                .train
+                .into_config()
+                .map(|config| Command::Train(Box::new(config))),
         }
     }
 }

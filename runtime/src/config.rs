@@ -14,7 +14,7 @@ use crate::models::{ModelOptions, MODEL_NAMES};
 #[derive(Debug)]
 pub enum Command {
     /// Train (the default).
-    Train(TrainConfig),
+    Train(Box<TrainConfig>),
     /// List the model's modules.
     Modules(ModulesConfig),
     /// Profile the model's modules.

@@ -73,11 +73,14 @@ fn cross_entropy(logits: &Tensor, target: &Tensor) -> Result<Tensor, tch::TchErr
     logits.f_cross_entropy_loss(target, None::<Tensor>, tch::Reduction::Mean, -100, 0.0)
 }
 
+/// Builds one module under a var-store path.
+type Builder = Box<dyn Fn(&nn::Path) -> Box<dyn nn::ModuleT> + Send + Sync>;
+
 /// A module of the model's list: its name (the torchvision/BERT path of its parameters) and how
 /// to build it.
 pub struct ModuleDef {
     pub name: String,
-    build: Box<dyn Fn(&nn::Path) -> Box<dyn nn::ModuleT> + Send + Sync>,
+    build: Builder,
 }
 
 impl ModuleDef {

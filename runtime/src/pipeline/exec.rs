@@ -143,10 +143,10 @@ impl Executor {
         src: usize,
         tag: u32,
     ) -> anyhow::Result<()> {
-        if !progress.posted.contains_key(&tag) {
+        if let std::collections::hash_map::Entry::Vacant(slot) = progress.posted.entry(tag) {
             let mut tensor = spec.empty(self.device);
             let work = self.world().recv(&mut tensor, src, tag)?;
-            progress.posted.insert(tag, (tensor, work));
+            slot.insert((tensor, work));
         }
         Ok(())
     }

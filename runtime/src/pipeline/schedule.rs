@@ -103,7 +103,7 @@ pub fn validate(plan: &StagePlan, schedule: Schedule, microbatches: usize) -> Re
                 microbatches,
             });
         }
-        if schedule == Schedule::PipeDream && microbatches % replicas != 0 {
+        if schedule == Schedule::PipeDream && !microbatches.is_multiple_of(replicas) {
             return Err(ScheduleError::UnevenReplicas {
                 stage: stage.id,
                 replicas,

@@ -146,7 +146,7 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
     let max_replicas = plan.stages.iter().map(|s| s.ranks.len()).max().unwrap_or(1);
     let microbatches = dist.microbatches.unwrap_or(plan.stages.len().max(max_replicas));
     schedule::validate(&plan, dist.schedule, microbatches)?;
-    if config.batch_size % microbatches != 0 {
+    if !config.batch_size.is_multiple_of(microbatches) {
         bail!(
             "--batch-size {} is not divisible by --microbatches {microbatches}",
             config.batch_size
