@@ -18,7 +18,7 @@ pub fn resnet(o: &ModelOptions, blocks: [usize; 4]) -> (Vec<ModuleDef>, Loss, In
         ModuleDef::new("conv1", |p: &nn::Path| {
             let conv = conv2d(p / "conv1", 3, 64, 7, 2, 3, false);
             let bn = batch_norm(p / "bn1", 64);
-            nn::func_t(move |xs, train| xs.apply(&conv).apply_t(&bn, train).relu())
+            nn::func_t(move |xs, train| xs.apply(&conv).apply_t(&bn, train).relu_())
         }),
         ModuleDef::new("maxpool", |_p: &nn::Path| {
             nn::func_t(|xs, _| xs.max_pool2d([3, 3], [2, 2], [1, 1], [1, 1], false))
@@ -103,19 +103,21 @@ impl Bottleneck {
 
 impl ModuleT for Bottleneck {
     fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
-        let ys = xs
+        // In place where torchvision is (ReLU(inplace=True), `out += identity`): every tensor
+        // changed is a fresh batch-norm output, which no backward needs.
+        let mut ys = xs
             .apply(&self.conv1)
             .apply_t(&self.bn1, train)
-            .relu()
+            .relu_()
             .apply(&self.conv2)
             .apply_t(&self.bn2, train)
-            .relu()
+            .relu_()
             .apply(&self.conv3)
             .apply_t(&self.bn3, train);
-        let identity = match &self.downsample {
-            Some((conv, bn)) => xs.apply(conv).apply_t(bn, train),
-            None => xs.shallow_clone(),
-        };
-        (ys + identity).relu()
+        match &self.downsample {
+            Some((conv, bn)) => ys += xs.apply(conv).apply_t(bn, train),
+            None => ys += xs,
+        }
+        ys.relu_()
     }
 }

@@ -79,11 +79,11 @@ pub fn vgg16(o: &ModelOptions, batch_norm: bool) -> (Vec<ModuleDef>, Loss, Input
                 };
                 let linear = nn::linear(p / "classifier" / index, d_in, d_out, config);
                 nn::func_t(move |xs, train| {
-                    let ys = xs.apply(&linear);
+                    let mut ys = xs.apply(&linear);
                     if last {
                         ys
                     } else {
-                        dropout(ys.relu(), p_drop, train)
+                        dropout(ys.relu_(), p_drop, train)
                     }
                 })
             },
@@ -111,10 +111,10 @@ fn conv_block(p: &nn::Path, index: usize, c_in: i64, c_out: i64, batch_norm: boo
     });
     nn::func_t(move |xs, train| {
         let ys = xs.apply(&conv);
-        let ys = match &bn {
+        let mut ys = match &bn {
             Some(bn) => ys.apply_t(bn, train),
             None => ys,
         };
-        ys.relu()
+        ys.relu_()
     })
 }
