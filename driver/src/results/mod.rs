@@ -46,6 +46,22 @@ pub struct ResultsOptions {
     pub plot_x: Option<String>,
 }
 
+impl ResultsOptions {
+    /// `paths` in `format`, unsorted, ungrouped, unfiltered, without baseline or plot.
+    pub fn plain(paths: Vec<PathBuf>, format: Format) -> ResultsOptions {
+        ResultsOptions {
+            paths,
+            format,
+            sort: None,
+            group_by: None,
+            filters: Vec::new(),
+            baseline: None,
+            plot: None,
+            plot_x: None,
+        }
+    }
+}
+
 /// Why results could not be shown; each says what to change.
 #[derive(Debug, thiserror::Error)]
 pub enum ResultsError {
@@ -127,16 +143,7 @@ pub fn run(options: &ResultsOptions) -> Result<(), ResultsError> {
 
 /// A sweep folder's table, as `driver results DIR` prints it.
 pub fn table_of(dir: &Path) -> Result<String, ResultsError> {
-    render(&ResultsOptions {
-        paths: vec![dir.to_path_buf()],
-        format: Format::Table,
-        sort: None,
-        group_by: None,
-        filters: Vec::new(),
-        baseline: None,
-        plot: None,
-        plot_x: None,
-    })
+    render(&ResultsOptions::plain(vec![dir.to_path_buf()], Format::Table))
 }
 
 /// Writes a sweep folder's throughput plot to `path`.

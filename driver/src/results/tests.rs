@@ -11,16 +11,7 @@ fn fixtures() -> PathBuf {
 }
 
 fn options(format: Format) -> ResultsOptions {
-    ResultsOptions {
-        paths: vec![fixtures()],
-        format,
-        sort: None,
-        group_by: None,
-        filters: Vec::new(),
-        baseline: None,
-        plot: None,
-        plot_x: None,
-    }
+    ResultsOptions::plain(vec![fixtures()], format)
 }
 
 /// The output with the machine-specific fixture path replaced.

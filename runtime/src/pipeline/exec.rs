@@ -281,15 +281,16 @@ impl Executor {
                 Tag::Gradient.of(g),
             )?)
         };
-        // Weight stashing: run the backward against the weights the forward used.
-        let mut params: Vec<Tensor> = self
-            .optimizer
-            .params()
-            .iter()
-            .map(Tensor::shallow_clone)
-            .collect();
-        let live: Option<Vec<Tensor>> = flight.stash.as_ref().map(|stash| {
-            params
+        // Weight stashing: run the backward against the weights the forward used, swapping the
+        // stashed data in (and the live data back after) only for microbatches that have a stash.
+        let swapped: Option<(Vec<Tensor>, Vec<Tensor>)> = flight.stash.as_ref().map(|stash| {
+            let mut params: Vec<Tensor> = self
+                .optimizer
+                .params()
+                .iter()
+                .map(Tensor::shallow_clone)
+                .collect();
+            let live = params
                 .iter_mut()
                 .zip(stash)
                 .map(|(p, old)| {
@@ -297,7 +298,8 @@ impl Executor {
                     p.set_data(old);
                     live
                 })
-                .collect()
+                .collect();
+            (params, live)
         });
         if let Some(forward_checksum) = flight.checksum {
             progress.traces.push(Trace {
@@ -315,7 +317,7 @@ impl Executor {
             Some(grad) => backward_with_grad(&flight.output, grad),
         })
         .map_err(|e| anyhow::anyhow!("backward of microbatch {g} on stage {s}: {e}"))?;
-        if let Some(live) = live {
+        if let Some((mut params, live)) = swapped {
             for (p, live) in params.iter_mut().zip(&live) {
                 p.set_data(live);
             }
