@@ -106,6 +106,13 @@ fn gpipe_and_1f1b_match_single_process_training_for_every_split() {
         "1-2.json",
         r#"{"module_to_stage_map": [0,0,0,0,1,1], "stage_to_rank_map": {"0": [0], "1": [1,2]}}"#,
     );
+    // Four microbatches on three replicas: each iteration's owners differ from a global
+    // round-robin, so a rank that followed the global numbering would wait forever.
+    let uneven_replicas = write(
+        tmp.path(),
+        "3-1.json",
+        r#"{"module_to_stage_map": [0,0,0,1,1,1], "stage_to_rank_map": {"0": [0,1,2], "1": [3]}}"#,
+    );
     let splits: Vec<(&str, usize, Vec<&str>)> = vec![
         ("2 stages", 2, vec!["--stage-config", &two]),
         ("3 stages", 3, vec!["--stage-config", &three]),
@@ -118,6 +125,11 @@ fn gpipe_and_1f1b_match_single_process_training_for_every_split() {
             "stage 1 on 2 replicas",
             3,
             vec!["--stage-config", &last_replicated],
+        ),
+        (
+            "stage 0 on 3 replicas, 4 microbatches",
+            4,
+            vec!["--stage-config", &uneven_replicas],
         ),
         ("data parallel on 2 ranks", 2, vec![]),
     ];

@@ -169,7 +169,7 @@ impl Executor {
     fn prefetch(&self, progress: &mut Progress, action: Action) -> anyhow::Result<()> {
         match action {
             Action::Forward(g) if !self.is_first() => {
-                let prev = rank_for(&self.plan, self.stage_id - 1, g);
+                let prev = self.peer(self.stage_id - 1, g);
                 self.post_recv(
                     progress,
                     self.input_spec.as_ref().expect("learned"),
@@ -184,7 +184,7 @@ impl Executor {
                 )
             }
             Action::Backward(g) if !self.is_last() => {
-                let next = rank_for(&self.plan, self.stage_id + 1, g);
+                let next = self.peer(self.stage_id + 1, g);
                 self.post_recv(
                     progress,
                     self.output_spec.as_ref().expect("learned"),
@@ -194,6 +194,14 @@ impl Executor {
             }
             Action::Forward(_) | Action::Backward(_) | Action::Step => Ok(()),
         }
+    }
+
+    /// The rank of `stage` that runs microbatch `g`. Replicas take microbatches round-robin
+    /// within each iteration (the schedule is derived for one iteration and repeated), so the
+    /// owner follows `g`'s index in its iteration, not its global number: the two differ when
+    /// the microbatches are not a multiple of the replica count.
+    fn peer(&self, stage: usize, g: usize) -> usize {
+        rank_for(&self.plan, stage, g % self.microbatches)
     }
 
     fn send(&self, progress: &mut Progress, tensor: &Tensor, dst: usize, tag: u32) -> anyhow::Result<()> {
@@ -208,7 +216,7 @@ impl Executor {
             let (x, y) = self.microbatch(progress, g)?;
             (x, Some(y))
         } else {
-            let prev = rank_for(&self.plan, s - 1, g);
+            let prev = self.peer(s - 1, g);
             let input = self.recv(
                 progress,
                 self.input_spec.as_ref().expect("learned at start"),
@@ -244,7 +252,7 @@ impl Executor {
         if self.is_last() {
             progress.losses.push(output.detach() / scale);
         } else {
-            let next = rank_for(&self.plan, s + 1, g);
+            let next = self.peer(s + 1, g);
             self.send(progress, &output, next, Tag::Activation.of(g))?;
             self.send(progress, &target, next, Tag::Target.of(g))?;
         }
@@ -273,7 +281,7 @@ impl Executor {
         let grad = if self.is_last() {
             None
         } else {
-            let next = rank_for(&self.plan, s + 1, g);
+            let next = self.peer(s + 1, g);
             Some(self.recv(
                 progress,
                 self.output_spec.as_ref().expect("learned at start"),
@@ -323,7 +331,7 @@ impl Executor {
             }
         }
         if let Some(input) = &flight.input {
-            let prev = rank_for(&self.plan, s - 1, g);
+            let prev = self.peer(s - 1, g);
             let grad = input.grad();
             if !grad.defined() {
                 bail!(
