@@ -28,6 +28,13 @@ fn ok(output: Output, what: &str) -> Output {
     output
 }
 
+/// The tests time CPU ranks on a small machine: one at a time, so neither measures the other.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -41,6 +48,7 @@ fn free_port() -> u16 {
 /// measured one.
 #[test]
 fn plan_then_run_on_cpu_and_compare_the_prediction() {
+    let _serial = one_at_a_time();
     let dir = tempfile::tempdir().unwrap();
     let profile = dir.path().join("profile.json");
     let stages = dir.path().join("stages.json");
@@ -150,6 +158,73 @@ fn plan_then_run_on_cpu_and_compare_the_prediction() {
         error * 100.0
     );
     // The prediction must be in the right range (CPU ranks share two cores with the test runner).
+    assert!(
+        error.abs() < 1.0,
+        "predicted {predicted_s:.4}s, measured {measured_s:.4}s"
+    );
+}
+
+/// The same comparison through `config_file: auto`: the driver profiles on the first machine,
+/// plans, runs 1F1B and records the prediction beside the measurement.
+#[test]
+fn an_auto_planned_experiment_records_its_prediction_and_meets_it() {
+    let _serial = one_at_a_time();
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("auto.yml");
+    std::fs::write(
+        &config,
+        "name: mlp_auto\nbackend: process\nmachines: [localhost, localhost]\n\
+         module: mlp\nlayers: 6\nhidden: 1024\nimage_size: 32\nconfig_file: auto\n\
+         batch_size: 64\nmicrobatches: 4\nschedule: 1f1b\niterations: 12\nthreads: 1\n\
+         planner: {intra_host_gbps: 1.5, straight: true}\n",
+    )
+    .unwrap();
+    let records = dir.path().join("records");
+    ok(
+        Command::new(bin("driver"))
+            .arg("--config-file")
+            .arg(&config)
+            .arg("--runtime")
+            .arg(bin("runtime"))
+            .arg("--output-dir")
+            .arg(&records)
+            .output()
+            .unwrap(),
+        "driver with config_file: auto",
+    );
+    let record = std::fs::read_dir(&records)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(record.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["status"], "succeeded");
+    assert_eq!(summary["plan"]["replicas"], serde_json::json!([1, 1]));
+    let predicted_s = summary["plan"]["predicted_time_per_iteration_s"]
+        .as_f64()
+        .unwrap();
+
+    // The last stage's iterations after two of warm-up, from the record's metrics.
+    let metrics = std::fs::read_to_string(record.join("metrics.jsonl")).unwrap();
+    let times: Vec<f64> = metrics
+        .lines()
+        .filter_map(stagehand_contract::Event::parse_line)
+        .filter_map(|e| match e {
+            stagehand_contract::Event::Iteration(i) if i.rank == 1 && i.iteration >= 2 => Some(i.time_s),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(times.len(), 10);
+    let measured_s = times.iter().sum::<f64>() / times.len() as f64;
+    let error = (measured_s - predicted_s) / predicted_s;
+    eprintln!(
+        "config_file auto: predicted {:.1} ms per iteration, measured {:.1} ms, error {:+.0}%",
+        predicted_s * 1e3,
+        measured_s * 1e3,
+        error * 100.0
+    );
     assert!(
         error.abs() < 1.0,
         "predicted {predicted_s:.4}s, measured {measured_s:.4}s"

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use clap::{ArgAction, Args, Parser, Subcommand, ValueEnum};
 
-use crate::planning::PlanOptions;
+use crate::planning::{PlanOptions, PlanRequest};
 use crate::results::{Format, ResultsOptions};
 use crate::sweep::{SweepOptions, SweepSource};
 
@@ -466,11 +466,13 @@ impl PlanArgs {
         }
         Ok(PlanOptions {
             profile: self.profile,
-            workers,
-            levels,
-            memory_bytes: self.memory.map(|gib| gib * (1u64 << 30) as f64),
-            straight: self.straight,
-            microbatches: self.microbatches as usize,
+            request: PlanRequest {
+                workers,
+                levels,
+                memory_bytes: self.memory.map(|gib| gib * (1u64 << 30) as f64),
+                straight: self.straight,
+                microbatches: self.microbatches as usize,
+            },
             output: self.output,
             prediction: self.prediction,
         })
@@ -642,11 +644,15 @@ mod tests {
     #[test]
     fn plan_bandwidth_and_levels_become_bytes_per_second() {
         let p = plan(&["--workers", "8"]);
-        assert_eq!(p.levels, vec![(8, 10e9)], "one 10 GB/s level over all workers");
-        assert_eq!(p.microbatches, 4);
-        assert_eq!(p.memory_bytes, None);
+        assert_eq!(
+            p.request.levels,
+            vec![(8, 10e9)],
+            "one 10 GB/s level over all workers"
+        );
+        assert_eq!(p.request.microbatches, 4);
+        assert_eq!(p.request.memory_bytes, None);
         let p = plan(&["--workers", "8", "--bandwidth", "25"]);
-        assert_eq!(p.levels, vec![(8, 25e9)]);
+        assert_eq!(p.request.levels, vec![(8, 25e9)]);
         let p = plan(&[
             "--workers",
             "16",
@@ -659,14 +665,14 @@ mod tests {
             "--straight",
         ]);
         assert_eq!(
-            p.levels,
+            p.request.levels,
             vec![(4, 100e9), (16, 10e9)],
             "the last group widened to all workers"
         );
-        assert_eq!(p.memory_bytes, Some(16.0 * 1024.0 * 1024.0 * 1024.0));
-        assert!(p.straight);
+        assert_eq!(p.request.memory_bytes, Some(16.0 * 1024.0 * 1024.0 * 1024.0));
+        assert!(p.request.straight);
         let p = plan(&["--workers", "16", "--level", "4:100", "--bandwidth", "1"]);
-        assert_eq!(p.levels, vec![(4, 100e9), (16, 1e9)]);
+        assert_eq!(p.request.levels, vec![(4, 100e9), (16, 1e9)]);
         for bad in [
             &["--workers", "0"][..],
             &["--workers", "2", "--level", "4"],

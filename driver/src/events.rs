@@ -58,6 +58,34 @@ pub enum StopCause {
     HostLost { host: String, reason: String },
     /// SIGINT (Ctrl-C) or SIGTERM.
     Interrupted,
+    /// Profiling the model for `config_file: auto` failed on this host.
+    ProfileFailed { host: String, exit_code: Option<i64> },
+    /// No stage config could be planned for `config_file: auto`.
+    PlanFailed { reason: String },
+}
+
+/// A stage config planned at launch (`config_file: auto`), and what it predicts.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PlanFacts {
+    /// The model profiled.
+    pub model: String,
+    /// Where the profile came from: `HOST (DEVICE)`, or the profile file given.
+    pub profiled_on: String,
+    /// Microbatches per minibatch.
+    pub microbatches: u32,
+    /// Samples per microbatch (the profile's batch size).
+    pub micro_batch_size: u32,
+    /// First module of each stage.
+    pub stage_starts: Vec<usize>,
+    /// Ranks of each stage.
+    pub replicas: Vec<usize>,
+    /// Predicted seconds per iteration for the schedule the run uses.
+    pub predicted_time_per_iteration_s: f64,
+    /// Predicted seconds per iteration of pure data parallelism on the same ranks, if it fits.
+    pub data_parallel_time_s: Option<f64>,
+    /// The plan as a table for people (not kept in the summary).
+    #[serde(skip)]
+    pub table: String,
 }
 
 /// One thing that happened.
@@ -88,6 +116,17 @@ pub enum Event {
     RankExited { rank: usize, exit_code: Option<i64> },
     /// A host could not be reached any more.
     HostLost { host: String, reason: String },
+    /// `config_file: auto` is profiling the model on rank 0's host and device.
+    Profiling {
+        model: String,
+        host: String,
+        device: String,
+        batch_size: u32,
+    },
+    /// A line the profiling run printed on stderr.
+    ProfileLine { host: String, line: String },
+    /// `config_file: auto` planned the stages.
+    Planned(PlanFacts),
     /// The driver is stopping every rank.
     Stopping(StopCause),
     /// Every rank is gone and every container removed.

@@ -3,6 +3,7 @@
 //! This file only parses arguments, runs, and turns the outcome into an exit code (see
 //! [`exit_codes`]), printing an error once with its whole cause chain.
 
+mod autoplan;
 mod cli;
 mod config;
 mod events;

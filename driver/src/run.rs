@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 
 use tokio::sync::mpsc;
 
+use crate::autoplan::{self, AutoError, FirstHost};
 use crate::cli::{Backend, ContainerMode, Options};
 use crate::config::{self, ConfigError};
 use crate::events::{Event, HostFacts, Status};
@@ -195,6 +196,45 @@ pub async fn run_loaded(
         );
     }
 
+    let mut prepared = prepared;
+    let plan = match plan.auto.clone() {
+        None => plan,
+        Some(auto) => {
+            let first = FirstHost {
+                host: prepared.as_ref().and_then(|p| p.first()).map(|(host, _)| host),
+                ssh: &ssh,
+            };
+            let schedule = loaded.file.schedule;
+            let outcome = autoplan::profile_and_plan(
+                &plan,
+                &auto,
+                schedule,
+                first,
+                &record,
+                &mut reporters,
+                &mut signals,
+            )
+            .await;
+            let planned = match outcome {
+                Ok(planned) => planned,
+                Err(e) => return Err(auto_failed(e, &record, &mut reporters)),
+            };
+            let plan = match plan::resolve_planned(&loaded, &options, plan.master_port, &planned) {
+                Ok(plan) => plan,
+                Err(e) => {
+                    let reason = crate::error_chain(&e);
+                    let e = autoplan::plan_failed(&mut reporters, reason);
+                    return Err(auto_failed(e, &record, &mut reporters));
+                }
+            };
+            record.write_setup(&loaded, &plan)?;
+            for (host, _) in prepared.iter_mut().flatten() {
+                host.add_file(&planned.stage_config);
+            }
+            plan
+        }
+    };
+
     let (tx, rx) = mpsc::unbounded_channel();
     let (status, cleanup) = match prepared {
         None => {
@@ -264,6 +304,20 @@ pub async fn run_loaded(
         Status::Interrupted => Err(RunError::Interrupted { id, dir }),
         Status::Running => unreachable!("supervise returns a final status"),
     }
+}
+
+/// Ends a run whose `config_file: auto` step did not give a stage config.
+fn auto_failed(error: AutoError, record: &Record, reporters: &mut Reporters) -> RunError {
+    let (id, dir) = (record.id.clone(), record.dir.clone());
+    let (status, error) = match error {
+        AutoError::Stopped(Status::Interrupted) => (Status::Interrupted, RunError::Interrupted { id, dir }),
+        AutoError::Stopped(_) => (Status::Failed, RunError::Failed { id, dir }),
+        AutoError::Launch(e) => (Status::Failed, RunError::Launch(e)),
+        AutoError::Record(e) => (Status::Failed, RunError::Record(e)),
+        AutoError::Cleanup(e) => (Status::Failed, RunError::Cleanup(e)),
+    };
+    reporters.report(&Event::Finished { status });
+    error
 }
 
 /// Prints one of the driver's lines on stderr, around a sweep's bars when there are any.

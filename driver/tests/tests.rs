@@ -3,6 +3,7 @@
 
 mod util;
 
+mod autoplan;
 mod cli;
 mod docker;
 mod pipeline;

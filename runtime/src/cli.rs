@@ -65,6 +65,10 @@ struct ProfileArgs {
     /// Write the profile here instead of stdout.
     #[arg(long, short)]
     output: Option<PathBuf>,
+    /// The training data (as `--data` of a training run), so the model gets the same classes and
+    /// image size; only its description is read.
+    #[arg(long)]
+    data: Option<String>,
 }
 
 #[derive(Debug, Args)]
@@ -243,7 +247,9 @@ impl Cli {
                 json: m.json,
             })),
             Some(Sub::Profile(p)) => Ok(Command::Profile(ProfileConfig {
-                model: p.model.into_choice(None)?,
+                model: p
+                    .model
+                    .into_choice(p.data.as_deref().map(DataSpec::parse).transpose()?.as_ref())?,
                 batch_size: positive("--batch-size", p.batch_size)?,
                 device: DeviceSpec::parse(&p.device)?,
                 threads: p.threads.map(|t| positive("--threads", t)).transpose()?,

@@ -5,6 +5,7 @@
 mod container;
 pub mod machine;
 mod mount;
+mod planner;
 mod sweep;
 mod yaml;
 
@@ -16,6 +17,7 @@ use serde::{Deserialize, Serialize};
 pub use container::Container;
 pub use machine::Machine;
 pub use mount::Mount;
+pub use planner::{PlannerSettings, StageConfigRef};
 pub use sweep::{check_grid_value, value_text, with_overrides, Axis, Sweep};
 pub use yaml::{load, parse_scalar, ConfigError, Loaded};
 
@@ -39,9 +41,25 @@ pub struct ExperimentFile {
     /// The model the runtime builds (PipeDream's `module`).
     #[serde(default, alias = "model")]
     pub module: Option<String>,
-    /// A PipeDream stage config JSON, relative to this file.
+    /// A PipeDream stage config JSON, relative to this file, or `auto` to profile the model on
+    /// the first machine and plan the stages at launch.
     #[serde(default)]
-    pub config_file: Option<PathBuf>,
+    pub config_file: Option<StageConfigRef>,
+    /// How `config_file: auto` plans (bandwidths, memory, straight pipelines, a given profile).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub planner: Option<PlannerSettings>,
+    /// Output classes of image models (the runtime's `--num-classes`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub num_classes: Option<u32>,
+    /// Side of square input images (`--image-size`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_size: Option<u32>,
+    /// Hidden layers of the MLP, encoder layers of the transformer (`--layers`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layers: Option<u32>,
+    /// Hidden width of the MLP, hidden size of the transformer (`--hidden`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hidden: Option<u32>,
     /// Samples per iteration of one pipeline (the minibatch).
     #[serde(default)]
     pub batch_size: Option<u32>,

@@ -183,3 +183,41 @@ fn grid_values_are_checked_against_the_keys_types() {
     let e = check_grid_value("name", &serde_json::json!("x")).unwrap_err();
     assert!(e.contains("set by the sweep"), "{e}");
 }
+
+#[test]
+fn config_file_is_a_path_or_auto_with_planner_settings() {
+    let f = ok("machines: [a]\nconfig_file: stages.json\n");
+    assert_eq!(f.config_file, Some(StageConfigRef::File("stages.json".into())));
+    let f = ok("
+machines: [a, b]
+config_file: auto
+planner:
+  intra_host_gbps: 25
+  inter_host_gbps: 1.25
+  memory_gib: 16
+  straight: true
+  profile: mlp.profile.json
+  repeats: 3
+");
+    assert_eq!(f.config_file, Some(StageConfigRef::Auto));
+    let p = f.planner.unwrap();
+    assert_eq!(p.intra_host_gbps, Some(25.0));
+    assert_eq!(p.inter_host_gbps, Some(1.25));
+    assert_eq!(p.memory_gib, Some(16.0));
+    assert!(p.straight);
+    assert_eq!(p.profile, Some("mlp.profile.json".into()));
+    assert_eq!(p.repeats, Some(3));
+    // `auto` serializes back as written, for the record's resolved config.
+    let yaml = serde_norway::to_string(&ok("machines: [a]\nconfig_file: auto\n")).unwrap();
+    assert!(yaml.contains("config_file: auto"), "{yaml}");
+
+    let e = err("machines: [a]\nconfig_file: auto\nplanner: {intra_host_gbps: 0}\n");
+    assert!(
+        e.contains("exp.yml:3:") && e.contains("0 is not a positive number"),
+        "{e}"
+    );
+    let e = err("machines: [a]\nconfig_file: auto\nplanner: {bandwith: 3}\n");
+    assert!(e.contains("unknown field `bandwith`"), "{e}");
+    let e = err("machines: [a]\nconfig_file: ''\n");
+    assert!(e.contains("config_file is empty"), "{e}");
+}

@@ -39,6 +39,22 @@ pub struct Host {
     pub _tunnel: Option<Arc<ssh::Tunnel>>,
 }
 
+impl Host {
+    /// Makes a file written on this machine after preflight (a stage config planned at launch)
+    /// reach this host's containers: bind-mounted where it exists, copied in elsewhere.
+    pub fn add_file(&mut self, path: &std::path::Path) {
+        if self.plan.machine.is_local() {
+            self.mounts.push(Mount {
+                source: path.to_path_buf(),
+                target: path.to_path_buf(),
+                read_only: true,
+            });
+        } else {
+            self.copies.push(path.to_path_buf());
+        }
+    }
+}
+
 /// Connects to a host's engine and agrees on an API version (servers here speak 1.41).
 pub async fn connect(
     host: &HostPlan,

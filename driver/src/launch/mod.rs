@@ -98,7 +98,8 @@ pub enum Launcher {
 }
 
 impl Launcher {
-    async fn stop_all(&self) {
+    /// Stops every rank (and removes every container) this launcher started.
+    pub async fn stop_all(&self) {
         match self {
             Launcher::Process(p) => p.stop_all().await,
             Launcher::Docker(d) => {
@@ -189,6 +190,9 @@ pub async fn supervise(
             | Event::RankStarted { .. }
             | Event::LineLogged { .. }
             | Event::Metrics { .. }
+            | Event::Profiling { .. }
+            | Event::ProfileLine { .. }
+            | Event::Planned(_)
             | Event::Stopping(_)
             | Event::Finished { .. } => None,
         };
@@ -205,6 +209,11 @@ pub async fn supervise(
     match cause {
         None => Status::Succeeded,
         Some(StopCause::Interrupted) => Status::Interrupted,
-        Some(StopCause::RankFailed { .. } | StopCause::HostLost { .. }) => Status::Failed,
+        Some(
+            StopCause::RankFailed { .. }
+            | StopCause::HostLost { .. }
+            | StopCause::ProfileFailed { .. }
+            | StopCause::PlanFailed { .. },
+        ) => Status::Failed,
     }
 }

@@ -21,6 +21,8 @@ pub(super) struct ArgsContext<'a> {
     pub world_size: usize,
     pub master_addr: &'a str,
     pub master_port: u16,
+    /// Microbatches per minibatch: the file's, or the planned ones with `config_file: auto`.
+    pub microbatches: Option<u32>,
 }
 
 /// The argument vector and environment of one rank.
@@ -45,13 +47,11 @@ pub(super) fn rank_command(
 
     let f = ctx.file;
     let mut argv = vec![ctx.runtime.display().to_string()];
+    model_flags(ctx, &mut argv);
     let mut flag = |name: &str, value: String| {
         argv.push(format!("--{name}"));
         argv.push(value);
     };
-    if let Some(m) = &f.module {
-        flag("model", m.clone());
-    }
     if let Some(b) = f.batch_size {
         flag("batch-size", b.to_string());
     }
@@ -67,16 +67,8 @@ pub(super) fn rank_command(
     if let Some(s) = f.seed {
         flag("seed", s.to_string());
     }
-    if let Some(d) = &f.data_dir {
-        let p = ctx.base.join(d);
-        flag(
-            "data",
-            if p.exists() {
-                p.display().to_string()
-            } else {
-                d.clone()
-            },
-        );
+    if let Some(d) = data_arg(ctx) {
+        flag("data", d);
     }
     flag("device", device_arg(ctx, host, gpus));
     if let Some(t) = f.threads {
@@ -91,7 +83,7 @@ pub(super) fn rank_command(
     if let Some(s) = f.schedule {
         flag("schedule", s.as_arg().to_string());
     }
-    if let Some(m) = f.microbatches {
+    if let Some(m) = ctx.microbatches {
         flag("microbatches", m.to_string());
     }
     if let Some(b) = f.distributed_backend {
@@ -107,8 +99,65 @@ pub(super) fn rank_command(
     (argv, env)
 }
 
+/// The model's flags, the same for training and for profiling so both build one model.
+fn model_flags(ctx: &ArgsContext, argv: &mut Vec<String>) {
+    let f = ctx.file;
+    let mut flag = |name: &str, value: Option<String>| {
+        if let Some(value) = value {
+            argv.push(format!("--{name}"));
+            argv.push(value);
+        }
+    };
+    flag("model", f.module.clone());
+    flag("num-classes", f.num_classes.map(|v| v.to_string()));
+    flag("image-size", f.image_size.map(|v| v.to_string()));
+    flag("layers", f.layers.map(|v| v.to_string()));
+    flag("hidden", f.hidden.map(|v| v.to_string()));
+}
+
+/// The `--data` value: the path made absolute when it exists here, else as written (`synthetic`,
+/// or a path that exists only on the hosts).
+fn data_arg(ctx: &ArgsContext) -> Option<String> {
+    let d = ctx.file.data_dir.as_ref()?;
+    let p = ctx.base.join(d);
+    Some(if p.exists() {
+        p.display().to_string()
+    } else {
+        d.clone()
+    })
+}
+
+/// The command that profiles the experiment's model on rank 0's machine and device, at the
+/// microbatch size, printing the profile JSON on stdout.
+pub(super) fn profile_command(
+    ctx: &ArgsContext,
+    host: &HostPlan,
+    gpus: &[u32],
+    micro_batch_size: u32,
+    repeats: Option<u32>,
+) -> Vec<String> {
+    let mut argv = vec![ctx.runtime.display().to_string(), "profile".to_string()];
+    model_flags(ctx, &mut argv);
+    let mut flag = |name: &str, value: String| {
+        argv.push(format!("--{name}"));
+        argv.push(value);
+    };
+    flag("batch-size", micro_batch_size.to_string());
+    flag("device", device_arg(ctx, host, gpus));
+    if let Some(d) = data_arg(ctx) {
+        flag("data", d);
+    }
+    if let Some(t) = ctx.file.threads {
+        flag("threads", t.to_string());
+    }
+    if let Some(r) = repeats {
+        flag("repeats", r.to_string());
+    }
+    argv
+}
+
 /// The `--device` value as the rank sees its GPUs: a container given one GPU sees it as `cuda:0`.
-fn device_arg(ctx: &ArgsContext, host: &HostPlan, gpus: &[u32]) -> String {
+pub(super) fn device_arg(ctx: &ArgsContext, host: &HostPlan, gpus: &[u32]) -> String {
     let Some(&gpu) = gpus.first() else {
         return "cpu".to_string();
     };

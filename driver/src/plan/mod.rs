@@ -11,10 +11,48 @@ use serde::Serialize;
 use stagehand_contract::StageConfig;
 
 use crate::cli::{Backend, ContainerMode, Options};
-use crate::config::{ConfigError, Container, Device, Loaded, Machine, Mount};
+use crate::config::{ConfigError, Container, Device, Loaded, Machine, Mount, StageConfigRef};
 
 /// Default shared memory per container: data loaders need more than Docker's 64 MiB.
 const DEFAULT_SHM_MB: u64 = 2048;
+/// `config_file: auto`'s bandwidth between GPUs of one machine when none is given, in GB/s.
+const DEFAULT_INTRA_HOST_GPU_GBPS: f64 = 10.0;
+/// ... between CPU ranks of one machine (gloo over loopback measured 2.3 GB/s here).
+const DEFAULT_INTRA_HOST_CPU_GBPS: f64 = 2.0;
+/// ... between machines (10 Gb Ethernet).
+const DEFAULT_INTER_HOST_GBPS: f64 = 1.25;
+
+/// What `config_file: auto` does before launch: profile (or read a profile), then plan.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct AutoPlan {
+    /// The profiling command, run on rank 0's machine and device; `None` when a profile is given.
+    pub profile_argv: Option<Vec<String>>,
+    /// A profile to use instead of profiling.
+    pub profile_file: Option<PathBuf>,
+    /// Rank 0's `--device`, where the profile is taken.
+    pub profile_device: String,
+    /// Microbatches per minibatch the plan and the run use.
+    pub microbatches: u32,
+    /// Samples per microbatch: the profile's batch size.
+    pub micro_batch_size: u32,
+    /// Workers to plan for (the world size).
+    pub workers: usize,
+    /// Network levels, innermost first: (workers per group, bytes per second).
+    pub levels: Vec<(usize, f64)>,
+    /// Memory per worker in bytes, if limited.
+    pub memory_bytes: Option<f64>,
+    /// One rank per stage.
+    pub straight: bool,
+}
+
+/// The outcome of `config_file: auto`, for the second resolution.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Planned {
+    /// The stage config written for the run (absolute).
+    pub stage_config: PathBuf,
+    /// Microbatches per minibatch.
+    pub microbatches: u32,
+}
 
 /// Where the image comes from, with paths made absolute.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -109,6 +147,8 @@ pub struct Plan {
     pub shm_size_bytes: u64,
     /// Where the record folder goes.
     pub log_directory: PathBuf,
+    /// Profiling and planning still to do (`config_file: auto`), before the ranks can start.
+    pub auto: Option<AutoPlan>,
 }
 
 impl Plan {
@@ -123,8 +163,29 @@ impl Plan {
     }
 }
 
-/// Resolves the plan; `master_port` is chosen by the caller (it depends on the hosts).
+/// Resolves the plan; `master_port` is chosen by the caller (it depends on the hosts). With
+/// `config_file: auto` the plan carries [`Plan::auto`]; once planned, [`resolve_planned`] gives
+/// the plan the ranks run.
 pub fn resolve(loaded: &Loaded, options: &Options, master_port: u16) -> Result<Plan, ConfigError> {
+    resolve_with(loaded, options, master_port, None)
+}
+
+/// Resolves the plan of a `config_file: auto` experiment with the stage config planned for it.
+pub fn resolve_planned(
+    loaded: &Loaded,
+    options: &Options,
+    master_port: u16,
+    planned: &Planned,
+) -> Result<Plan, ConfigError> {
+    resolve_with(loaded, options, master_port, Some(planned))
+}
+
+fn resolve_with(
+    loaded: &Loaded,
+    options: &Options,
+    master_port: u16,
+    planned: Option<&Planned>,
+) -> Result<Plan, ConfigError> {
     let file = &loaded.file;
     let base = absolute(&loaded.base_dir());
     if file.machines.is_empty() {
@@ -150,9 +211,17 @@ pub fn resolve(loaded: &Loaded, options: &Options, master_port: u16) -> Result<P
     let (hosts, rank_slots) = group_hosts(&file.machines);
     let world_size = rank_slots.len();
 
-    let stages = match &file.config_file {
-        Some(rel) => {
-            let path = base.join(rel);
+    let auto = matches!(file.config_file, Some(StageConfigRef::Auto));
+    let stage_config_file = match planned {
+        Some(p) => Some(p.stage_config.clone()),
+        None => file
+            .config_file
+            .as_ref()
+            .and_then(StageConfigRef::file)
+            .map(|rel| base.join(rel)),
+    };
+    let stages = match stage_config_file {
+        Some(path) => {
             let text = std::fs::read_to_string(&path).map_err(|e| {
                 loaded.error_at(
                     "config_file",
@@ -177,7 +246,13 @@ pub fn resolve(loaded: &Loaded, options: &Options, master_port: u16) -> Result<P
         }
         None => None,
     };
-    if file.schedule.is_some() && stages.is_none() && world_size > 1 {
+    if file.planner.is_some() && !auto {
+        return Err(loaded.error_at(
+            "planner",
+            "planner settings apply only with `config_file: auto`; remove them or set config_file to auto",
+        ));
+    }
+    if file.schedule.is_some() && stages.is_none() && !auto && world_size > 1 {
         return Err(loaded.error_at(
             "schedule",
             "a schedule needs a `config_file` that splits the model into stages",
@@ -235,6 +310,7 @@ pub fn resolve(loaded: &Loaded, options: &Options, master_port: u16) -> Result<P
 
     let runtime = absolute(&options.runtime);
     let stage_config_path = stages.as_ref().map(|(p, _)| p.clone());
+    let microbatches = planned.map(|p| p.microbatches).or(file.microbatches);
     let program = match &file.command {
         Some(argv) => PathBuf::from(&argv[0]),
         None => runtime.clone(),
@@ -290,6 +366,11 @@ pub fn resolve(loaded: &Loaded, options: &Options, master_port: u16) -> Result<P
         world_size,
         master_addr: &master_addr,
         master_port,
+        microbatches,
+    };
+    let auto = match (auto, planned) {
+        (true, None) => Some(auto_plan(loaded, &ctx, &hosts, &rank_slots)?),
+        _ => None,
     };
     let ranks = rank_slots
         .iter()
@@ -333,7 +414,109 @@ pub fn resolve(loaded: &Loaded, options: &Options, master_port: u16) -> Result<P
             .clone()
             .or_else(|| file.log_directory.clone())
             .unwrap_or_else(|| PathBuf::from("experiments")),
+        auto,
     })
+}
+
+/// What `config_file: auto` will do: checks the keys it needs, picks the microbatches and the
+/// network levels from the machines, and builds the profiling command for rank 0's device.
+fn auto_plan(
+    loaded: &Loaded,
+    ctx: &args::ArgsContext,
+    hosts: &[HostPlan],
+    rank_slots: &[(usize, Vec<u32>)],
+) -> Result<AutoPlan, ConfigError> {
+    let file = &loaded.file;
+    let need = |what: &str| {
+        loaded.error_at(
+            "config_file",
+            format!("config_file: auto profiles and plans the runtime's model, so it needs {what}"),
+        )
+    };
+    if file.command.is_some() {
+        return Err(need("the runtime, not a `command:`"));
+    }
+    if file.module.is_none() {
+        return Err(need("`module:` (the model to profile)"));
+    }
+    let Some(batch_size) = file.batch_size else {
+        return Err(need("`batch_size:` (the plan is for one minibatch size)"));
+    };
+    let world_size = rank_slots.len();
+    let microbatches = match file.microbatches {
+        Some(m) => {
+            if !batch_size.is_multiple_of(m) {
+                return Err(loaded.error_at(
+                    "microbatches",
+                    format!("{m} microbatches do not divide batch_size {batch_size}"),
+                ));
+            }
+            m
+        }
+        None => default_microbatches(batch_size, world_size).ok_or_else(|| {
+            loaded.error_at(
+                "batch_size",
+                format!(
+                    "batch_size {batch_size} is smaller than the {world_size} ranks; config_file: auto needs at least one sample per rank"
+                ),
+            )
+        })?,
+    };
+    let settings = file.planner.clone().unwrap_or_default();
+    if settings.repeats == Some(0) {
+        return Err(loaded.error_at("planner", "planner: repeats must be at least 1"));
+    }
+    let gpu = ctx.device == Device::Cuda;
+    let intra = settings.intra_host_gbps.unwrap_or(if gpu {
+        DEFAULT_INTRA_HOST_GPU_GBPS
+    } else {
+        DEFAULT_INTRA_HOST_CPU_GBPS
+    }) * 1e9;
+    let inter = settings.inter_host_gbps.unwrap_or(DEFAULT_INTER_HOST_GBPS) * 1e9;
+    let profile_file = settings.profile.as_ref().map(|p| ctx.base.join(p));
+    let (host, gpus) = &rank_slots[0];
+    let profile_argv = match &profile_file {
+        Some(_) => None,
+        None => Some(args::profile_command(
+            ctx,
+            &hosts[*host],
+            gpus,
+            batch_size / microbatches,
+            settings.repeats,
+        )),
+    };
+    Ok(AutoPlan {
+        profile_argv,
+        profile_file,
+        profile_device: args::device_arg(ctx, &hosts[*host], gpus),
+        microbatches,
+        micro_batch_size: batch_size / microbatches,
+        workers: world_size,
+        levels: network_levels(hosts, world_size, intra, inter),
+        memory_bytes: settings.memory_gib.map(|gib| gib * (1u64 << 30) as f64),
+        straight: settings.straight,
+    })
+}
+
+/// Microbatches when the file names none: the fewest that give every rank work (the world size
+/// bounds both the stage count and any stage's replicas) and divide the minibatch.
+fn default_microbatches(batch_size: u32, world_size: usize) -> Option<u32> {
+    let least = u32::try_from(world_size).ok()?.max(1);
+    (least..=batch_size).find(|m| batch_size.is_multiple_of(*m))
+}
+
+/// The network as the planner sees it: ranks of one machine talk at `intra` bytes/s, machines at
+/// `inter`. Machines with different rank counts are planned as one flat level at `inter`.
+fn network_levels(hosts: &[HostPlan], world_size: usize, intra: f64, inter: f64) -> Vec<(usize, f64)> {
+    if hosts.len() == 1 {
+        return vec![(world_size, intra)];
+    }
+    let per_host = hosts[0].ranks.len();
+    if per_host > 1 && hosts.iter().all(|h| h.ranks.len() == per_host) {
+        vec![(per_host, intra), (world_size, inter)]
+    } else {
+        vec![(world_size, inter)]
+    }
 }
 
 /// Groups machine entries by host; returns the hosts and, per rank, its host index and GPUs.

@@ -178,6 +178,145 @@ fn cross_field_mistakes_point_at_their_key() {
 }
 
 #[test]
+fn auto_profiles_rank_zeros_device_at_the_microbatch_size() {
+    let plan = resolve_text(
+        "machines: ['gpu1:2', 'gpu1:3', 'gpu2:0', 'gpu2:1']\nmodule: resnet50\nimage_size: 64\nbatch_size: 64\nconfig_file: auto\nschedule: 1f1b\nthreads: 4\nplanner: {intra_host_gbps: 100, memory_gib: 16}\n",
+        &options(None, ContainerMode::PerRank),
+    )
+    .unwrap();
+    let auto = plan.auto.as_ref().expect("auto is pending");
+    // Four ranks: four microbatches of 16 (the fewest that give every rank work).
+    assert_eq!((auto.microbatches, auto.micro_batch_size), (4, 16));
+    assert_eq!(auto.workers, 4);
+    // Two GPUs per machine on 100 GB/s, machines on the default 10 GbE.
+    assert_eq!(auto.levels, vec![(2, 100e9), (4, 1.25e9)]);
+    assert_eq!(auto.memory_bytes, Some(16.0 * (1u64 << 30) as f64));
+    assert!(!auto.straight);
+    let argv = auto.profile_argv.as_ref().unwrap();
+    assert_eq!(&argv[..2], ["/opt/stagehand/runtime", "profile"]);
+    assert_eq!(flag(argv, "--model"), Some("resnet50"));
+    assert_eq!(flag(argv, "--image-size"), Some("64"));
+    assert_eq!(flag(argv, "--batch-size"), Some("16"));
+    assert_eq!(flag(argv, "--threads"), Some("4"));
+    // A container given one GPU sees it as cuda:0.
+    assert_eq!(flag(argv, "--device"), Some("cuda:0"));
+    assert_eq!(auto.profile_device, "cuda:0");
+    // Until planned, the ranks have no stage config.
+    assert_eq!(flag(&plan.ranks[0].argv, "--stage-config"), None);
+    assert_eq!(flag(&plan.ranks[0].argv, "--image-size"), Some("64"));
+}
+
+#[test]
+fn a_planned_stage_config_and_its_microbatches_reach_every_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let stages = dir.path().join("record/stage_config.json");
+    std::fs::create_dir_all(stages.parent().unwrap()).unwrap();
+    std::fs::write(
+        &stages,
+        r#"{"module_to_stage_map": [0,0,1,1], "stage_to_rank_map": {"0": [0, 1], "1": [2]}}"#,
+    )
+    .unwrap();
+    let l = loaded(
+        dir.path(),
+        "backend: process\nmachines: [localhost, localhost, localhost]\nmodule: mlp\nbatch_size: 30\nconfig_file: auto\n",
+    );
+    let o = options(None, ContainerMode::PerRank);
+    let pending = resolve(&l, &o, 29500).unwrap();
+    let auto = pending.auto.unwrap();
+    assert_eq!(auto.microbatches, 3, "3 divides 30");
+    assert_eq!(auto.levels, vec![(3, 2e9)], "CPU ranks of one machine");
+    let planned = Planned {
+        stage_config: stages.clone(),
+        microbatches: auto.microbatches,
+    };
+    let plan = resolve_planned(&l, &o, 29500, &planned).unwrap();
+    assert!(plan.auto.is_none());
+    for r in &plan.ranks {
+        assert_eq!(flag(&r.argv, "--stage-config"), Some(stages.to_str().unwrap()));
+        assert_eq!(flag(&r.argv, "--microbatches"), Some("3"));
+    }
+    assert_eq!(
+        plan.ranks.iter().map(|r| r.stage).collect::<Vec<_>>(),
+        [Some(0), Some(0), Some(1)]
+    );
+}
+
+#[test]
+fn auto_needs_the_runtime_a_model_and_a_batch_size() {
+    let cases = [
+        (
+            "machines: [a, b]\nconfig_file: auto\nbatch_size: 8\n",
+            "needs `module:`",
+        ),
+        (
+            "machines: [a, b]\nconfig_file: auto\nmodule: mlp\n",
+            "needs `batch_size:`",
+        ),
+        (
+            "machines: [a, b]\nconfig_file: auto\nmodule: mlp\nbatch_size: 8\ncommand: [x]\n",
+            "not a `command:`",
+        ),
+        (
+            "machines: [a, b, c]\nconfig_file: auto\nmodule: mlp\nbatch_size: 2\n",
+            "batch_size 2 is smaller than the 3 ranks",
+        ),
+        (
+            "machines: [a, b]\nconfig_file: auto\nmodule: mlp\nbatch_size: 8\nmicrobatches: 3\n",
+            "3 microbatches do not divide batch_size 8",
+        ),
+        (
+            "machines: [a, b]\nconfig_file: two.json\nplanner: {straight: true}\n",
+            "planner settings apply only with `config_file: auto`",
+        ),
+        (
+            "machines: [a, b]\nconfig_file: auto\nmodule: mlp\nbatch_size: 8\nplanner: {repeats: 0}\n",
+            "repeats must be at least 1",
+        ),
+    ];
+    for (text, expected) in cases {
+        let e = resolve_text(text, &options(None, ContainerMode::PerRank))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(expected), "{text:?}: {e}");
+    }
+}
+
+#[test]
+fn auto_networks_follow_the_machines() {
+    let hosts = |counts: &[usize]| -> Vec<HostPlan> {
+        counts
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| HostPlan {
+                name: format!("h{i}"),
+                machine: Machine {
+                    host: format!("h{i}"),
+                    user: None,
+                    port: None,
+                    identity_file: None,
+                    gpus: Vec::new(),
+                    host_key_check: Default::default(),
+                    docker_socket: None,
+                },
+                ranks: (0..n).collect(),
+                gpus: Vec::new(),
+            })
+            .collect()
+    };
+    assert_eq!(network_levels(&hosts(&[4]), 4, 10.0, 1.0), vec![(4, 10.0)]);
+    assert_eq!(
+        network_levels(&hosts(&[2, 2]), 4, 10.0, 1.0),
+        vec![(2, 10.0), (4, 1.0)]
+    );
+    assert_eq!(network_levels(&hosts(&[1, 1]), 2, 10.0, 1.0), vec![(2, 1.0)]);
+    // Uneven machines: one flat level at the slower bandwidth.
+    assert_eq!(network_levels(&hosts(&[3, 1]), 4, 10.0, 1.0), vec![(4, 1.0)]);
+    assert_eq!(default_microbatches(32, 3), Some(4));
+    assert_eq!(default_microbatches(7, 2), Some(7));
+    assert_eq!(default_microbatches(1, 2), None);
+}
+
+#[test]
 fn output_dir_overrides_log_directory() {
     let mut o = options(None, ContainerMode::PerRank);
     let plan = resolve_text("machines: [localhost]\nlog_directory: /tmp/a\n", &o).unwrap();

@@ -8,11 +8,9 @@ use serde::Serialize;
 use stagehand_contract::Profile;
 use stagehand_planner::{plan, CostModel, LayerCost, Network, Plan};
 
-/// A validated `driver plan` request.
+/// What to plan for: the workers, their network and memory, and the schedule's microbatches.
 #[derive(Debug, Clone, PartialEq)]
-pub struct PlanOptions {
-    /// The profile JSON written by `runtime profile`.
-    pub profile: PathBuf,
+pub struct PlanRequest {
     /// Workers (GPUs, or CPU ranks) to plan for.
     pub workers: usize,
     /// Network levels, innermost first: `(workers per group, bytes per second)`. The last level
@@ -24,6 +22,15 @@ pub struct PlanOptions {
     pub straight: bool,
     /// Microbatches per minibatch; the profile's batch size is the microbatch's.
     pub microbatches: usize,
+}
+
+/// A validated `driver plan` request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlanOptions {
+    /// The profile JSON written by `runtime profile`.
+    pub profile: PathBuf,
+    /// What to plan for.
+    pub request: PlanRequest,
     /// Where to write the stage config (PipeDream's JSON); stdout when `None`.
     pub output: Option<PathBuf>,
     /// Where to write the predictions as JSON, if anywhere.
@@ -52,7 +59,7 @@ pub enum PlanningError {
 }
 
 /// The predictions written beside the stage config.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Clone, Serialize)]
 pub struct Prediction {
     pub model: String,
     /// Samples per microbatch (the profile's batch size).
@@ -70,7 +77,7 @@ pub struct Prediction {
     pub stages: Vec<PredictedStage>,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Clone, Serialize)]
 pub struct PredictedStage {
     pub first_module: usize,
     pub end_module: usize,
@@ -96,33 +103,46 @@ pub fn layer_costs(profile: &Profile, microbatches: usize) -> Vec<LayerCost> {
         .collect()
 }
 
-/// Reads the profile and solves.
-pub fn solve(options: &PlanOptions) -> Result<(Profile, Plan, Prediction), PlanningError> {
-    let path = &options.profile;
+/// Reads a profile JSON file.
+pub fn read_profile(path: &std::path::Path) -> Result<Profile, PlanningError> {
     let text = std::fs::read_to_string(path).map_err(|source| PlanningError::Read {
-        path: path.clone(),
+        path: path.to_path_buf(),
         source,
     })?;
-    let profile = Profile::from_json(&text).map_err(|reason| PlanningError::Profile {
-        path: path.clone(),
+    Profile::from_json(&text).map_err(|reason| PlanningError::Profile {
+        path: path.to_path_buf(),
         reason,
-    })?;
+    })
+}
+
+/// Reads the profile and solves.
+pub fn solve(options: &PlanOptions) -> Result<(Profile, Plan, Prediction), PlanningError> {
+    let profile = read_profile(&options.profile)?;
+    let (plan, prediction) = solve_profile(&profile, &options.request)?;
+    Ok((profile, plan, prediction))
+}
+
+/// Solves PipeDream's partitioning of `profile` for `request`.
+pub fn solve_profile(
+    profile: &Profile,
+    request: &PlanRequest,
+) -> Result<(Plan, Prediction), stagehand_planner::PlanError> {
     let network = Network {
-        levels: options.levels.clone(),
+        levels: request.levels.clone(),
     };
     let model = CostModel::new(
-        &layer_costs(&profile, options.microbatches),
+        &layer_costs(profile, request.microbatches),
         network,
-        options.memory_bytes,
+        request.memory_bytes,
     );
-    let plan = plan(&model, options.workers, options.straight)?;
+    let plan = plan(&model, request.workers, request.straight)?;
     let prediction = Prediction {
         model: profile.model.clone(),
         batch_size: profile.batch_size,
-        workers: options.workers,
+        workers: request.workers,
         time_per_minibatch_s: plan.time_per_minibatch,
-        flushing_time_per_minibatch_s: plan.flushing_time(options.microbatches),
-        microbatches: options.microbatches,
+        flushing_time_per_minibatch_s: plan.flushing_time(request.microbatches),
+        microbatches: request.microbatches,
         data_parallel_time_s: plan.data_parallel_time,
         speedup_over_data_parallel: plan.speedup(),
         stages: plan
@@ -137,7 +157,7 @@ pub fn solve(options: &PlanOptions) -> Result<(Profile, Plan, Prediction), Plann
             })
             .collect(),
     };
-    Ok((profile, plan, prediction))
+    Ok((plan, prediction))
 }
 
 /// The plan as a table for people.

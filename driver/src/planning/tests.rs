@@ -37,11 +37,13 @@ fn options(dir: &std::path::Path) -> PlanOptions {
     std::fs::write(&path, serde_json::to_string(&profile()).unwrap()).unwrap();
     PlanOptions {
         profile: path,
-        workers: 3,
-        levels: vec![(3, 1e9)],
-        memory_bytes: None,
-        straight: true,
-        microbatches: 4,
+        request: PlanRequest {
+            workers: 3,
+            levels: vec![(3, 1e9)],
+            memory_bytes: None,
+            straight: true,
+            microbatches: 4,
+        },
         output: Some(dir.join("stages.json")),
         prediction: Some(dir.join("prediction.json")),
     }
@@ -82,7 +84,7 @@ fn the_plan_renders_for_people() {
 fn errors_name_the_file_and_what_to_change() {
     let dir = tempfile::tempdir().unwrap();
     let mut opts = options(dir.path());
-    opts.workers = 9;
+    opts.request.workers = 9;
     let err = solve(&opts).err().unwrap();
     assert!(
         err.to_string()

@@ -83,6 +83,10 @@ impl Reporter for ProgressReporter {
                     self.bar.set_message(format!("{sps:.1} samples/s"));
                 }
             }
+            Event::Profiling { .. } | Event::ProfileLine { .. } => self.bar.set_message("profiling"),
+            Event::Planned(facts) => self
+                .bar
+                .set_message(format!("planned {} stage(s)", facts.replicas.len())),
             Event::Stopping(_) => self.bar.set_message("stopping"),
             Event::Finished { .. } => self.bar.finish_and_clear(),
         }

@@ -95,9 +95,39 @@ impl TerminalReporter {
                     }
                     StopCause::HostLost { host, .. } => format!("host {host} was lost"),
                     StopCause::Interrupted => "interrupted".to_string(),
+                    StopCause::ProfileFailed { host, exit_code } => {
+                        let code = exit_code.map_or("no exit code".to_string(), |c| format!("exit code {c}"));
+                        return err(format!(
+                            "driver: profiling the model on {host} failed with {code}; no rank was started"
+                        ));
+                    }
+                    StopCause::PlanFailed { reason } => {
+                        return err(format!("driver: cannot plan the stages: {reason}; no rank was started"))
+                    }
                 };
                 err(format!("driver: {why}; stopping every rank"))
             }
+            Event::Profiling {
+                model,
+                host,
+                device,
+                batch_size,
+            } => normal.then(|| {
+                (
+                    Stream::Stderr,
+                    format!("driver: profiling {model} at batch {batch_size} on {host} ({device}) to plan the stages"),
+                )
+            }),
+            Event::ProfileLine { host, line } => normal.then(|| (Stream::Stderr, format!("[{host} profile] {line}"))),
+            Event::Planned(facts) => normal.then(|| {
+                let mut text = format!("driver: planned from the profile of {}:\n", facts.profiled_on);
+                for line in facts.table.lines() {
+                    text.push_str("  ");
+                    text.push_str(line);
+                    text.push('\n');
+                }
+                (Stream::Stderr, text.trim_end().to_string())
+            }),
             Event::Finished { .. } => None,
         }
     }

@@ -324,6 +324,11 @@ fn cause_text(cause: &StopCause) -> String {
         },
         StopCause::HostLost { host, reason } => format!("host {host} was lost: {reason}"),
         StopCause::Interrupted => "interrupted".into(),
+        StopCause::ProfileFailed { host, exit_code } => match exit_code {
+            Some(code) => format!("profiling on {host} failed with exit code {code}"),
+            None => format!("profiling on {host} was killed"),
+        },
+        StopCause::PlanFailed { reason } => format!("planning failed: {reason}"),
     }
 }
 

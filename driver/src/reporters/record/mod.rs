@@ -97,6 +97,8 @@ pub struct RecordReporter {
     logs: BTreeMap<usize, File>,
     metrics: Option<File>,
     last_lines: BTreeMap<usize, VecDeque<String>>,
+    profile_log: Option<File>,
+    profile_lines: VecDeque<String>,
     stats: Stats,
     last_write: Instant,
 }
@@ -129,6 +131,7 @@ impl RecordReporter {
                 })
                 .collect(),
             failure: None,
+            plan: None,
         };
         let mut reporter = RecordReporter {
             record,
@@ -137,6 +140,8 @@ impl RecordReporter {
             logs: BTreeMap::new(),
             metrics: None,
             last_lines: BTreeMap::new(),
+            profile_log: None,
+            profile_lines: VecDeque::new(),
             stats: Stats::default(),
             last_write: Instant::now(),
         };
@@ -230,7 +235,22 @@ impl Reporter for RecordReporter {
                 }
                 self.write_summary()?;
             }
-            Event::HostLost { .. } => {}
+            Event::HostLost { .. } | Event::Profiling { .. } => {}
+            Event::ProfileLine { line, .. } => {
+                if self.profile_lines.len() == LAST_LINES {
+                    self.profile_lines.pop_front();
+                }
+                self.profile_lines.push_back(line.clone());
+                let path = self.record.dir.join("profile.log");
+                if self.profile_log.is_none() {
+                    self.profile_log = Some(Self::open_append(&path)?);
+                }
+                Self::append(self.profile_log.as_mut().expect("opened above"), &path, line)?;
+            }
+            Event::Planned(facts) => {
+                self.summary.plan = Some(facts.clone());
+                self.write_summary()?;
+            }
             Event::Stopping(cause) => {
                 if self.summary.failure.is_none() {
                     let last_lines = match cause {
@@ -239,7 +259,10 @@ impl Reporter for RecordReporter {
                             .get(rank)
                             .map(|l| l.iter().cloned().collect())
                             .unwrap_or_default(),
-                        StopCause::HostLost { .. } | StopCause::Interrupted => Vec::new(),
+                        StopCause::ProfileFailed { .. } => self.profile_lines.iter().cloned().collect(),
+                        StopCause::HostLost { .. }
+                        | StopCause::Interrupted
+                        | StopCause::PlanFailed { .. } => Vec::new(),
                     };
                     self.summary.failure = Some(Failure {
                         cause: cause.clone(),

@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::events::{Status, StopCause};
+use crate::events::{PlanFacts, Status, StopCause};
 use crate::reporters::stats::{StageShares, Throughput};
 
 /// Version of `summary.json`; bumped when a field changes meaning.
@@ -63,4 +63,7 @@ pub struct Summary {
     pub ranks: Vec<RankOutcome>,
     /// Why the run stopped early, if it did.
     pub failure: Option<Failure>,
+    /// The stage config planned at launch and its prediction (`config_file: auto` only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub plan: Option<PlanFacts>,
 }
