@@ -26,9 +26,16 @@ fn a_folder_of_records_and_sweeps_is_one_table_with_nothing_dropped() {
     let out = run.stdout();
     assert_eq!(
         out.lines().filter(|l| l.starts_with("| ")).count(),
-        9,
-        "header and 8 rows: {out}"
+        10,
+        "header and 9 rows: {out}"
     );
+    // The record planned at launch shows its prediction beside the measurement.
+    let auto = out
+        .lines()
+        .find(|l| l.starts_with("| mlp-auto"))
+        .expect("the planned record");
+    let cells: Vec<&str> = auto.split('|').map(str::trim).collect();
+    assert!(cells.contains(&"2x(1,2)") && cells.contains(&"1280.0"), "{auto}");
     assert_eq!(out.matches("| unreadable").count(), 3, "{out}");
     assert!(
         out.contains("| failed") && out.contains("exited with code 3"),

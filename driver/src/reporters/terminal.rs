@@ -161,6 +161,27 @@ mod tests {
                 image_built: true,
                 copied_in: vec!["/opt/runtime".into()],
             }),
+            Event::Profiling {
+                model: "mlp".into(),
+                host: "node1".into(),
+                device: "cuda:0".into(),
+                batch_size: 16,
+            },
+            Event::ProfileLine {
+                host: "node1".into(),
+                line: "runtime: warning: slow GPU".into(),
+            },
+            Event::Planned(crate::events::PlanFacts {
+                model: "mlp".into(),
+                profiled_on: "node1 (cuda:0)".into(),
+                microbatches: 4,
+                micro_batch_size: 16,
+                stage_starts: vec![0, 3],
+                replicas: vec![1, 1],
+                predicted_time_per_iteration_s: 0.05,
+                data_parallel_time_s: None,
+                table: "stage 0: modules 0..3\nstage 1: modules 3..6\n".into(),
+            }),
             Event::RankStarted {
                 rank: 0,
                 host: "localhost".into(),
@@ -207,6 +228,13 @@ mod tests {
                 exit_code: Some(137),
             }),
             Event::Stopping(StopCause::Interrupted),
+            Event::Stopping(StopCause::ProfileFailed {
+                host: "node1".into(),
+                exit_code: Some(2),
+            }),
+            Event::Stopping(StopCause::PlanFailed {
+                reason: "does not fit in memory".into(),
+            }),
             Event::Finished {
                 status: Status::Failed,
             },

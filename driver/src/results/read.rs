@@ -79,6 +79,8 @@ pub struct Row {
     pub batch: Option<u32>,
     /// Samples/s after warm-up.
     pub throughput: Option<Throughput>,
+    /// Samples/s the plan predicted (`config_file: auto`).
+    pub predicted: Option<f64>,
     /// Against the baseline row, once chosen.
     pub speedup: Option<f64>,
     /// Mean idle (bubble) share over the stages.
@@ -127,6 +129,7 @@ impl Row {
             microbatches: None,
             batch: None,
             throughput: None,
+            predicted: None,
             speedup: None,
             idle_share: None,
             comm_share: None,
@@ -282,6 +285,8 @@ pub fn record(dir: &Path) -> Row {
         _ => BTreeMap::new(),
     };
     let file = resolved.experiment;
+    let batch = file.batch_size.or(resolved.plan.batch_size);
+    let plan = summary.plan.as_ref();
     Row {
         dir: dir.to_path_buf(),
         id: Some(id),
@@ -291,9 +296,12 @@ pub fn record(dir: &Path) -> Row {
         stages: Some(stages),
         replicas,
         schedule: file.schedule.map(|s| s.as_arg().to_string()),
-        microbatches: file.microbatches,
-        batch: file.batch_size.or(resolved.plan.batch_size),
+        microbatches: file.microbatches.or(plan.map(|p| p.microbatches)),
+        batch,
         throughput: summary.throughput.clone(),
+        predicted: plan
+            .zip(batch)
+            .map(|(p, b)| f64::from(b) / p.predicted_time_per_iteration_s),
         speedup: None,
         idle_share: mean(|s| s.idle_share),
         comm_share: mean(|s| s.comm_share),

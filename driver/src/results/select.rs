@@ -7,7 +7,7 @@ use super::read::Row;
 use super::ResultsError;
 
 /// The columns' keys, in table order, as `--sort`, `--group-by` and filters name them.
-pub const COLUMN_KEYS: [&str; 13] = [
+pub const COLUMN_KEYS: [&str; 14] = [
     "run",
     "model",
     "layout",
@@ -16,6 +16,7 @@ pub const COLUMN_KEYS: [&str; 13] = [
     "batch",
     "samples_per_sec",
     "spread",
+    "predicted",
     "speedup",
     "idle",
     "comm",
@@ -33,6 +34,7 @@ fn canonical(key: &str) -> &str {
         "idle_share" | "bubble" => "idle",
         "comm_share" => "comm",
         "point" => "run",
+        "predicted_samples_per_sec" => "predicted",
         other => other,
     }
 }
@@ -52,6 +54,7 @@ pub fn value(row: &Row, key: &str) -> Option<String> {
         "batch" => row.batch.map(|v| v.to_string()),
         "samples_per_sec" => num(row.throughput.as_ref().map(|t| t.samples_per_sec_mean)),
         "spread" => num(row.throughput.as_ref().map(|t| t.samples_per_sec_std)),
+        "predicted" => num(row.predicted),
         "speedup" => num(row.speedup),
         "idle" => num(row.idle_share),
         "comm" => num(row.comm_share),

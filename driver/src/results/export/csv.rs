@@ -7,7 +7,7 @@ use crate::results::read::Row;
 /// `--format csv`.
 pub struct CsvExport;
 
-const HEADER: [&str; 17] = [
+const HEADER: [&str; 18] = [
     "group",
     "run",
     "name",
@@ -20,6 +20,7 @@ const HEADER: [&str; 17] = [
     "batch",
     "samples_per_sec",
     "samples_per_sec_std",
+    "predicted_samples_per_sec",
     "speedup",
     "idle_share",
     "comm_share",
@@ -54,6 +55,7 @@ fn fields(group: &str, row: &Row) -> Vec<String> {
             .as_ref()
             .map(|t| t.samples_per_sec_mean.to_string())),
         opt(row.throughput.as_ref().map(|t| t.samples_per_sec_std.to_string())),
+        opt(row.predicted.map(|v| v.to_string())),
         opt(row.speedup.map(|v| v.to_string())),
         opt(row.idle_share.map(|v| v.to_string())),
         opt(row.comm_share.map(|v| v.to_string())),

@@ -32,7 +32,7 @@ pub fn exporter(format: Format) -> Box<dyn Export> {
 }
 
 /// Column headers for people, in order; `note` is the last.
-const HEADERS: [&str; 12] = [
+const HEADERS: [&str; 13] = [
     "run",
     "model",
     "stages x replicas",
@@ -40,6 +40,7 @@ const HEADERS: [&str; 12] = [
     "microbatches",
     "batch",
     "samples/s",
+    "predicted",
     "speedup",
     "idle",
     "comm",
@@ -61,6 +62,7 @@ fn cells(row: &Row) -> Vec<String> {
         row.throughput.as_ref().map_or_else(dash, |t| {
             format!("{:.1} ± {:.1}", t.samples_per_sec_mean, t.samples_per_sec_std)
         }),
+        row.predicted.map_or_else(dash, |p| format!("{p:.1}")),
         row.speedup.map_or_else(dash, |s| format!("{s:.2}x")),
         pct(row.idle_share),
         pct(row.comm_share),
