@@ -17,6 +17,31 @@ use crate::planning::{self, PlanRequest};
 use crate::reporters::record::{files, Record, RecordError};
 use crate::reporters::Reporters;
 
+/// Profiles taken by this driver process, by host and profiling command: a sweep whose points
+/// differ only in what the profile does not depend on (schedule, iterations, learning rate, ...)
+/// profiles once.
+#[derive(Default)]
+pub struct ProfileCache {
+    taken: std::sync::Mutex<std::collections::HashMap<(String, Vec<String>), Profile>>,
+}
+
+impl ProfileCache {
+    fn get(&self, key: &(String, Vec<String>)) -> Option<Profile> {
+        self.taken
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(key)
+            .cloned()
+    }
+
+    fn put(&self, key: (String, Vec<String>), profile: Profile) {
+        self.taken
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(key, profile);
+    }
+}
+
 /// How long the profiling process gets to exit once stopped.
 const EXIT_DEADLINE: Duration = Duration::from_secs(15);
 
@@ -40,6 +65,8 @@ pub struct FirstHost<'a> {
     pub host: Option<&'a Host>,
     /// SSH settings for a remote host.
     pub ssh: &'a SshOptions,
+    /// Profiles already taken by this driver (a sweep's earlier points).
+    pub cache: &'a ProfileCache,
 }
 
 /// Profiles (or reads the given profile), plans and writes `profile.json`, `plan.json` and
@@ -60,20 +87,27 @@ pub async fn profile_and_plan(
         },
         (Some(argv), None) => {
             let host = plan.hosts[0].name.clone();
-            reporters.report(&Event::Profiling {
-                model: plan_model(argv),
-                host: host.clone(),
-                device: auto.profile_device.clone(),
-                batch_size: auto.micro_batch_size,
-            });
-            let text = run_profile(plan, argv, &first, record, reporters, signals).await?;
-            let profile = Profile::from_json(&text).map_err(|reason| {
-                plan_failed(
-                    reporters,
-                    format!("the profile the runtime printed on {host} is not valid: {reason}"),
-                )
-            })?;
-            (profile, format!("{host} ({})", auto.profile_device))
+            let key = (host.clone(), argv.clone());
+            if let Some(profile) = first.cache.get(&key) {
+                let on = format!("{host} ({}), taken for an earlier run", auto.profile_device);
+                (profile, on)
+            } else {
+                reporters.report(&Event::Profiling {
+                    model: plan_model(argv),
+                    host: host.clone(),
+                    device: auto.profile_device.clone(),
+                    batch_size: auto.micro_batch_size,
+                });
+                let text = run_profile(plan, argv, &first, record, reporters, signals).await?;
+                let profile = Profile::from_json(&text).map_err(|reason| {
+                    plan_failed(
+                        reporters,
+                        format!("the profile the runtime printed on {host} is not valid: {reason}"),
+                    )
+                })?;
+                first.cache.put(key, profile.clone());
+                (profile, format!("{host} ({})", auto.profile_device))
+            }
         }
         (None, None) => unreachable!("auto plans either profile or read a profile"),
     };

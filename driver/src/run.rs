@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use tokio::sync::mpsc;
 
-use crate::autoplan::{self, AutoError, FirstHost};
+use crate::autoplan::{self, AutoError, FirstHost, ProfileCache};
 use crate::cli::{Backend, ContainerMode, Options};
 use crate::config::{self, ConfigError};
 use crate::events::{Event, HostFacts, Status};
@@ -78,15 +78,19 @@ impl RunError {
 /// Runs the experiment the options name.
 pub async fn run(options: Options) -> Result<(), RunError> {
     let loaded = config::load(&options.config_file)?;
-    run_loaded(&loaded, &options, None).await.map(|_| ())
+    run_loaded(&loaded, &options, None, &ProfileCache::default())
+        .await
+        .map(|_| ())
 }
 
 /// Runs an experiment already loaded (a sweep's point), its progress bar under `bars` when
-/// given; returns the record folder of a run that succeeded.
+/// given, reusing profiles in `profiles` for `config_file: auto`; returns the record folder of a
+/// run that succeeded.
 pub async fn run_loaded(
     loaded: &config::Loaded,
     options: &Options,
     bars: Option<&indicatif::MultiProgress>,
+    profiles: &ProfileCache,
 ) -> Result<std::path::PathBuf, RunError> {
     let loaded = loaded.clone();
     let options = options.clone();
@@ -203,6 +207,7 @@ pub async fn run_loaded(
             let first = FirstHost {
                 host: prepared.as_ref().and_then(|p| p.first()).map(|(host, _)| host),
                 ssh: &ssh,
+                cache: profiles,
             };
             let schedule = loaded.file.schedule;
             let outcome = autoplan::profile_and_plan(

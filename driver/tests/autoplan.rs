@@ -211,3 +211,51 @@ fn a_given_profile_of_the_wrong_batch_size_is_refused_with_what_to_do() {
     assert_eq!(summary["failure"]["cause"]["kind"], "plan_failed");
     h.assert_no_containers();
 }
+
+#[test]
+fn a_sweep_profiles_once_for_points_that_share_the_model() {
+    let runtime = runtime();
+    let h = Harness::new("auto-sweep");
+    let config = auto_mlp(&h, "process", "sweep:\n  schedule: [gpipe, 1f1b]\n");
+    let records = h.records();
+    let args: Vec<&std::ffi::OsStr> = [
+        "sweep",
+        "--config-file",
+        config.to_str().unwrap(),
+        "--output-dir",
+        records.to_str().unwrap(),
+        "--runtime",
+        runtime.to_str().unwrap(),
+    ]
+    .into_iter()
+    .map(std::ffi::OsStr::new)
+    .collect();
+    let run = h.driver(&args, std::time::Duration::from_secs(300));
+    assert_eq!(run.code(), 0, "{}", run.stderr());
+    assert_eq!(
+        run.stderr().matches("driver: profiling mlp").count(),
+        1,
+        "{}",
+        run.stderr()
+    );
+    let dir = h.sweep_dir();
+    assert_eq!(point_statuses(&dir), ["succeeded"; 2]);
+    let on: Vec<String> = point_records(&dir)
+        .iter()
+        .map(|record| {
+            assert!(
+                record.join("profile.json").exists(),
+                "each record keeps its profile"
+            );
+            json(&record.join("summary.json"))["plan"]["profiled_on"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    assert_eq!(
+        on,
+        ["localhost (cpu)", "localhost (cpu), taken for an earlier run"]
+    );
+    h.assert_no_containers();
+}

@@ -126,6 +126,8 @@ pub async fn run(options: SweepOptions) -> Result<i32, SweepError> {
     }
     let (bars, bar) = progress::sweep_bars(options.run.progress, todo.len() as u64);
     let mut stopped = false;
+    // Points that share a model, batch and first machine share one profile (`config_file: auto`).
+    let profiles = crate::autoplan::ProfileCache::default();
     for &i in &todo {
         if interrupted.load(Ordering::SeqCst) {
             stopped = true;
@@ -141,7 +143,7 @@ pub async fn run(options: SweepOptions) -> Result<i32, SweepError> {
         entry.error = None;
         index.write(&dir)?;
 
-        let result = run::run_loaded(&points[i], &run_options, Some(&bars)).await;
+        let result = run::run_loaded(&points[i], &run_options, Some(&bars), &profiles).await;
         let entry = &mut index.points[i];
         let record_name = |p: &Path| p.file_name().map(|n| n.to_string_lossy().into_owned());
         match &result {
