@@ -155,19 +155,7 @@ fn a_killed_container_fails_the_run_and_everything_is_removed() {
     let victim = victim.expect("rank 1's container carries its rank label");
     let killed_at = Instant::now();
     docker(&["kill", &victim]);
-    let out = wait_with_deadline(child, Duration::from_secs(30));
-    assert!(
-        killed_at.elapsed() < Duration::from_secs(10),
-        "stopping took {:?}",
-        killed_at.elapsed()
-    );
-    assert_eq!(
-        out.status.code(),
-        Some(1),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let (_, summary) = h.summary();
+    let (_, summary) = h.expect_stop(child, killed_at, Duration::from_secs(10), 1);
     assert_eq!(summary["status"], "failed");
     assert_eq!(summary["failure"]["cause"]["rank"], 1);
     assert_eq!(summary["failure"]["cause"]["exit_code"], 137);
@@ -184,19 +172,7 @@ fn sigint_removes_every_container_and_records_interrupted() {
     wait_for_text(&record.join("rank-1.log"), "hanging", Duration::from_secs(20));
     let sent = Instant::now();
     interrupt(&child);
-    let out = wait_with_deadline(child, Duration::from_secs(30));
-    assert!(
-        sent.elapsed() < Duration::from_secs(10),
-        "stopping took {:?}",
-        sent.elapsed()
-    );
-    assert_eq!(
-        out.status.code(),
-        Some(130),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let (_, summary) = h.summary();
+    let (_, summary) = h.expect_stop(child, sent, Duration::from_secs(10), 130);
     assert_eq!(summary["status"], "interrupted");
     h.assert_no_containers();
 }

@@ -128,15 +128,9 @@ fn sigint_stops_every_rank_and_records_interrupted() {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
+    let sent = std::time::Instant::now();
     interrupt(&child);
-    let out = wait_with_deadline(child, Duration::from_secs(15));
-    assert_eq!(
-        out.status.code(),
-        Some(130),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let (_, summary) = h.summary();
+    let (_, summary) = h.expect_stop(child, sent, Duration::from_secs(15), 130);
     assert_eq!(summary["status"], "interrupted");
     assert_eq!(summary["failure"]["cause"]["kind"], "interrupted");
     for rank in summary["ranks"].as_array().unwrap() {
@@ -213,18 +207,13 @@ fn sigterm_is_handled_like_ctrl_c() {
     let child = h.spawn(&config, &[]);
     let record = wait_for_record(&h.records(), Duration::from_secs(20));
     wait_for_text(&record.join("rank-0.log"), "hanging", Duration::from_secs(20));
+    let sent = std::time::Instant::now();
     let status = std::process::Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
         .status()
         .unwrap();
     assert!(status.success());
-    let out = wait_with_deadline(child, Duration::from_secs(15));
-    assert_eq!(
-        out.status.code(),
-        Some(130),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert_eq!(h.summary().1["status"], "interrupted");
+    let (_, summary) = h.expect_stop(child, sent, Duration::from_secs(15), 130);
+    assert_eq!(summary["status"], "interrupted");
     h.assert_no_containers();
 }

@@ -89,19 +89,7 @@ fn a_killed_ssh_session_fails_the_run_and_every_container_is_removed() {
     wait_for_text(&record.join("rank-1.log"), "hanging", Duration::from_secs(20));
     let killed_at = Instant::now();
     assert!(sshd.kill_sessions() > 0, "no SSH session to kill");
-    let out = wait_with_deadline(child, Duration::from_secs(30));
-    assert!(
-        killed_at.elapsed() < Duration::from_secs(10),
-        "stopping took {:?}",
-        killed_at.elapsed()
-    );
-    assert_eq!(
-        out.status.code(),
-        Some(1),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let (_, summary) = h.summary();
+    let (_, summary) = h.expect_stop(child, killed_at, Duration::from_secs(10), 1);
     assert_eq!(summary["status"], "failed");
     assert_eq!(summary["failure"]["cause"]["kind"], "host_lost", "{summary}");
     h.assert_no_containers();

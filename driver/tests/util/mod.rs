@@ -157,6 +157,20 @@ impl Harness {
         self.command(config, args).spawn().expect("start driver")
     }
 
+    /// Waits for a driver that a fault or a signal at `since` must stop: it exits with `code`
+    /// within `limit` of `since`. Returns the record folder and its summary.
+    pub fn expect_stop(&self, child: Child, since: Instant, limit: Duration, code: i32) -> (PathBuf, Value) {
+        let out = wait_with_deadline(child, limit + Duration::from_secs(20));
+        assert!(since.elapsed() < limit, "stopping took {:?}", since.elapsed());
+        assert_eq!(
+            out.status.code(),
+            Some(code),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        self.summary()
+    }
+
     /// The only record folder written so far, and its summary.
     pub fn summary(&self) -> (PathBuf, Value) {
         let dirs: Vec<PathBuf> = std::fs::read_dir(self.records())
