@@ -9,20 +9,15 @@ each in GB/s and their ratio.
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import time
 from pathlib import Path
 
+from side_by_side import alternate, free_port, write_json
+
 ROOT = Path(__file__).resolve().parent.parent
 RUNTIME = ROOT / "target" / "release" / "runtime"
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ours(args):
@@ -59,16 +54,11 @@ def main():
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--json", type=Path)
     args = p.parse_args()
-    a, b = [], []
-    for r in range(args.rounds):
-        for fn in ([ours, tcp] if r % 2 == 0 else [tcp, ours]):
-            (a if fn is ours else b).append(fn(args))
+    b, a, ratio = alternate(args.rounds, lambda: tcp(args), lambda: ours(args))
     o, t = statistics.median(a), statistics.median(b)
     print(f"message {args.bytes} bytes x {args.messages}: runtime (c10d gloo) {o:.2f} GB/s, "
-          f"raw TCP (iperf3) {t:.2f} GB/s, ratio {o / t:.2f}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(dict(bytes=args.bytes, runtime=a, tcp=b, ratio=o / t), indent=2))
+          f"raw TCP (iperf3) {t:.2f} GB/s, ratio {ratio:.2f}")
+    write_json(args.json, dict(bytes=args.bytes, runtime=a, tcp=b, ratio=ratio))
 
 
 if __name__ == "__main__":

@@ -11,12 +11,13 @@ iterations after --warmup.
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from side_by_side import alternate, free_port, throughput, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNTIME = ROOT / "target" / "release" / "runtime"
@@ -28,12 +29,6 @@ SETUPS = {
     # conv1, maxpool, 16 blocks, avgpool, fc, loss = 21 modules; cut before layer3.2 for balance.
     "resnet50": dict(batch=16, image=64, classes=10, lr=0.01, split=[0] * 10 + [1] * 11),
 }
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(commands, env_extra):
@@ -49,11 +44,6 @@ def run_ranks(commands, env_extra):
         if p.returncode != 0:
             raise SystemExit(f"a rank failed ({p.returncode}):\n{err[-3000:]}")
     return outs[-1][0]
-
-
-def throughput(times, batch, warmup):
-    kept = times[warmup:]
-    return batch * len(kept) / sum(kept)
 
 
 def run_torch(model, s, schedule, args):
@@ -95,20 +85,16 @@ def main():
             config = Path(tmp) / f"{model}.json"
             config.write_text(json.dumps({"module_to_stage_map": s["split"], "stage_to_rank_map": {"0": [0], "1": [1]}}))
             for schedule in args.schedules.split(","):
-                theirs, ours = [], []
-                for r in range(args.rounds):
-                    runs = [("torch", run_torch), ("ours", run_ours)]
-                    for name, fn in runs if r % 2 == 0 else runs[::-1]:
-                        extra = (str(config),) if name == "ours" else ()
-                        times = fn(model, s, schedule, args, *extra)
-                        (theirs if name == "torch" else ours).append(throughput(times, s["batch"], args.warmup))
+                theirs, ours, ratio = alternate(
+                    args.rounds,
+                    lambda: throughput(run_torch(model, s, schedule, args), s["batch"], args.warmup),
+                    lambda: throughput(run_ours(model, s, schedule, args, str(config)), s["batch"], args.warmup),
+                )
                 t, o = statistics.median(theirs), statistics.median(ours)
                 results.append(dict(model=model, schedule=schedule, microbatches=args.microbatches,
-                                    threads=args.threads, torch=theirs, runtime=ours, ratio=o / t))
-                print(f"{model:<10} {schedule:<9} {t:>10.1f} {o:>12.1f} {o / t:>6.2f}", flush=True)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2))
+                                    threads=args.threads, torch=theirs, runtime=ours, ratio=ratio))
+                print(f"{model:<10} {schedule:<9} {t:>10.1f} {o:>12.1f} {ratio:>6.2f}", flush=True)
+    write_json(args.json, results)
 
 
 if __name__ == "__main__":

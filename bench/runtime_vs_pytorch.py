@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from side_by_side import alternate, throughput, write_json
+
 ROOT = Path(__file__).resolve().parent.parent
 RUNTIME = ROOT / "target" / "release" / "runtime"
 EAGER = Path(__file__).resolve().parent / "pytorch_eager.py"
@@ -25,11 +27,6 @@ SHAPES = {
     "vgg16": dict(batch=16, image=32, classes=10, lr=0.001),
     "resnet50": dict(batch=16, image=64, classes=10, lr=0.01),
 }
-
-
-def throughput(times, batch, warmup):
-    kept = times[warmup:]
-    return batch * len(kept) / sum(kept)
 
 
 def run_runtime(model, s, args):
@@ -67,18 +64,15 @@ def main():
     print(f"{'model':<10} {'batch':>5} {'image':>5} {'pytorch s/s':>12} {'runtime s/s':>12} {'ratio':>6}")
     for model in args.models.split(","):
         s = SHAPES[model]
-        eager, ours = [], []
-        for r in range(args.rounds):
-            order = [run_pytorch, run_runtime] if r % 2 == 0 else [run_runtime, run_pytorch]
-            for fn in order:
-                times = fn(model, s, args)
-                (eager if fn is run_pytorch else ours).append(throughput(times, s["batch"], args.warmup))
+        eager, ours, ratio = alternate(
+            args.rounds,
+            lambda: throughput(run_pytorch(model, s, args), s["batch"], args.warmup),
+            lambda: throughput(run_runtime(model, s, args), s["batch"], args.warmup),
+        )
         e, o = statistics.median(eager), statistics.median(ours)
-        results.append(dict(model=model, **s, threads=args.threads, pytorch=eager, runtime=ours, ratio=o / e))
-        print(f"{model:<10} {s['batch']:>5} {s['image']:>5} {e:>12.1f} {o:>12.1f} {o / e:>6.2f}", flush=True)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2))
+        results.append(dict(model=model, **s, threads=args.threads, pytorch=eager, runtime=ours, ratio=ratio))
+        print(f"{model:<10} {s['batch']:>5} {s['image']:>5} {e:>12.1f} {o:>12.1f} {ratio:>6.2f}", flush=True)
+    write_json(args.json, results)
 
 
 if __name__ == "__main__":
