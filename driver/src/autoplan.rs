@@ -93,7 +93,7 @@ pub async fn profile_and_plan(
                 (profile, on)
             } else {
                 reporters.report(&Event::Profiling {
-                    model: plan_model(argv),
+                    model: auto.model.clone(),
                     host: host.clone(),
                     device: auto.profile_device.clone(),
                     batch_size: auto.micro_batch_size,
@@ -172,15 +172,6 @@ pub async fn profile_and_plan(
         stage_config: crate::plan::absolute(&stage_config),
         microbatches: auto.microbatches,
     })
-}
-
-/// The `--model` value of the profiling command.
-fn plan_model(argv: &[String]) -> String {
-    argv.iter()
-        .position(|a| a == "--model")
-        .and_then(|i| argv.get(i + 1))
-        .cloned()
-        .unwrap_or_else(|| "the model".into())
 }
 
 fn write(record: &Record, name: &str, value: &impl serde::Serialize) -> Result<(), AutoError> {

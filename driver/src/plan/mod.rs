@@ -31,6 +31,8 @@ pub struct AutoPlan {
     pub profile_file: Option<PathBuf>,
     /// Rank 0's `--device`, where the profile is taken.
     pub profile_device: String,
+    /// The model profiled and planned.
+    pub model: String,
     /// Microbatches per minibatch the plan and the run use.
     pub microbatches: u32,
     /// Samples per microbatch: the profile's batch size.
@@ -436,9 +438,9 @@ fn auto_plan(
     if file.command.is_some() {
         return Err(need("the runtime, not a `command:`"));
     }
-    if file.module.is_none() {
+    let Some(model) = file.module.clone() else {
         return Err(need("`module:` (the model to profile)"));
-    }
+    };
     let Some(batch_size) = file.batch_size else {
         return Err(need("`batch_size:` (the plan is for one minibatch size)"));
     };
@@ -489,6 +491,7 @@ fn auto_plan(
         profile_argv,
         profile_file,
         profile_device: args::device_arg(ctx, &hosts[*host], gpus),
+        model,
         microbatches,
         micro_batch_size: batch_size / microbatches,
         workers: world_size,

@@ -113,17 +113,12 @@ impl Harness {
     }
 
     fn command_into(&self, config: &Path, records: &Path, args: &[&str]) -> Command {
-        let mut cmd = Command::new(DRIVER);
+        let mut cmd = self.driver_command(&[]);
         cmd.arg("--config-file")
             .arg(config)
             .arg("--output-dir")
             .arg(records)
-            .args(args)
-            .env("STAGEHAND_RUNTIME", runtime_or_placeholder())
-            .current_dir(self.dir.path())
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
+            .args(args);
         cmd
     }
 
