@@ -27,9 +27,14 @@ if ((${#missing[@]})); then
 fi
 
 # The torch venv. A lock keeps two concurrent set-ups (a developer and CI) from racing.
+# The runtime's CUDA half (NCCL groups, devices) compiles against the CUDA headers of the nvidia
+# wheels torch brings; two header sets ProcessGroupNCCL.hpp needs are not among them, and come
+# from these header-only packages, pinned to torch's CUDA 13.0.
+cuda_headers=("nvidia-cuda-crt==13.0.88" "nvidia-cuda-cccl==13.0.85")
 venv_ok() {
     [ -x "$STAGEHAND_TORCH_VENV/bin/python" ] &&
-        "$STAGEHAND_TORCH_VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$STAGEHAND_TORCH_VERSION')" 2>/dev/null
+        "$STAGEHAND_TORCH_VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$STAGEHAND_TORCH_VERSION')" 2>/dev/null &&
+        "$STAGEHAND_TORCH_VENV/bin/python" -m pip show -q nvidia-cuda-crt nvidia-cuda-cccl >/dev/null 2>&1
 }
 if ! venv_ok; then
     mkdir -p "$(dirname "$STAGEHAND_TORCH_VENV")"
@@ -37,9 +42,9 @@ if ! venv_ok; then
     flock 9
     if ! venv_ok; then
         log "installing torch==$STAGEHAND_TORCH_VERSION into $STAGEHAND_TORCH_VENV (about 4.7 GB, once per machine)"
-        python3 -m venv "$STAGEHAND_TORCH_VENV"
+        [ -x "$STAGEHAND_TORCH_VENV/bin/python" ] || python3 -m venv "$STAGEHAND_TORCH_VENV"
         "$STAGEHAND_TORCH_VENV/bin/python" -m pip install -q --upgrade pip
-        "$STAGEHAND_TORCH_VENV/bin/python" -m pip install -q "torch==$STAGEHAND_TORCH_VERSION" numpy
+        "$STAGEHAND_TORCH_VENV/bin/python" -m pip install -q "torch==$STAGEHAND_TORCH_VERSION" numpy "${cuda_headers[@]}"
     fi
     flock -u 9
 fi

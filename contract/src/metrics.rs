@@ -126,8 +126,18 @@ pub struct Iteration {
     pub comm_wait_s: f64,
     /// Seconds neither computing nor waiting on a transfer (pipeline bubbles).
     pub idle_s: f64,
-    /// Peak memory so far, in bytes: resident set on CPU, allocator peak on CUDA.
+    /// Peak memory of this rank's device so far, in bytes: on CUDA the caching allocator's peak
+    /// allocated bytes, on the CPU the host's peak resident set.
     pub peak_mem_bytes: Option<u64>,
+    /// The host's peak resident set so far, in bytes (every device).
+    #[serde(default)]
+    pub host_peak_rss_bytes: Option<u64>,
+    /// The CUDA caching allocator's peak allocated bytes on this rank's device so far (CUDA only).
+    #[serde(default)]
+    pub gpu_peak_allocated_bytes: Option<u64>,
+    /// The CUDA caching allocator's peak reserved bytes (allocated plus its cache) so far.
+    #[serde(default)]
+    pub gpu_peak_reserved_bytes: Option<u64>,
 }
 
 /// The `summary` event.
@@ -155,8 +165,17 @@ pub struct Summary {
     pub idle_s: f64,
     /// Loss of the last iteration, on the last stage.
     pub final_loss: Option<f64>,
-    /// Peak memory in bytes.
+    /// Peak memory of this rank's device over the run, as in [`Iteration::peak_mem_bytes`].
     pub peak_mem_bytes: Option<u64>,
+    /// The host's peak resident set, in bytes (every device).
+    #[serde(default)]
+    pub host_peak_rss_bytes: Option<u64>,
+    /// The CUDA caching allocator's peak allocated bytes on this rank's device (CUDA only).
+    #[serde(default)]
+    pub gpu_peak_allocated_bytes: Option<u64>,
+    /// The CUDA caching allocator's peak reserved bytes (allocated plus its cache).
+    #[serde(default)]
+    pub gpu_peak_reserved_bytes: Option<u64>,
 }
 
 /// The `trace` event (only with `runtime --trace`): which weights a microbatch's forward and
@@ -197,6 +216,9 @@ mod tests {
             comm_wait_s: 0.05,
             idle_s: 0.05,
             peak_mem_bytes: Some(1 << 20),
+            host_peak_rss_bytes: Some(1 << 20),
+            gpu_peak_allocated_bytes: None,
+            gpu_peak_reserved_bytes: None,
         }
     }
 

@@ -1,6 +1,6 @@
-// The C ABI between the runtime's Rust `comm` module and PyTorch's own c10d (libtorch_cpu.so,
-// libtorch_cuda.so): TCPStore, PrefixStore, ProcessGroupGloo and, with USE_C10D_NCCL,
-// ProcessGroupNCCL.
+// The C ABI between the runtime's Rust `comm` module and PyTorch's own c10d in libtorch_cpu.so:
+// TCPStore, PrefixStore and ProcessGroupGloo, and the operations every group runs. NCCL groups
+// are created by cuda_bridge.cpp, loaded at run time, and used through the same functions.
 //
 // Rules this file keeps:
 // - Every entry point returns nullptr on success or a malloc'd error message (free it with
@@ -32,61 +32,16 @@
 #include <torch/csrc/distributed/c10d/Types.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
-#ifdef USE_C10D_NCCL
-#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
-#endif
+#include <torch/version.h>
 
-struct sh_store {
-  c10::intrusive_ptr<c10d::Store> store;
-  uint16_t port;
-};
-
-struct sh_pg {
-  c10::intrusive_ptr<c10d::Backend> backend;
-  std::chrono::milliseconds timeout;
-};
-
-struct sh_work {
-  // One operation, or several for an all-reduce over tensors of several dtypes.
-  std::vector<c10::intrusive_ptr<c10d::Work>> works;
-  // The backend outlives its pending work even if the Rust side drops the group first.
-  c10::intrusive_ptr<c10d::Backend> backend;
-};
+#include "bridge.hpp"
 
 namespace {
 
-char* dup_message(const std::string& message) {
-  char* out = static_cast<char*>(std::malloc(message.size() + 1));
-  if (out != nullptr) {
-    std::memcpy(out, message.c_str(), message.size() + 1);
-  }
-  return out;
-}
-
-// A c10::Error's what() carries a C++ backtrace; users need the first line's reason only.
-std::string first_line(const char* text) {
-  std::string message(text == nullptr ? "" : text);
-  auto end = message.find('\n');
-  if (end != std::string::npos) {
-    message.resize(end);
-  }
-  return message.empty() ? std::string("unknown error") : message;
-}
-
-// Runs `body`, turning any exception into an error message.
-template <typename F>
-char* guarded(F&& body) noexcept {
-  try {
-    body();
-    return nullptr;
-  } catch (const c10::Error& e) {
-    return dup_message(first_line(e.what_without_backtrace()));
-  } catch (const std::exception& e) {
-    return dup_message(first_line(e.what()));
-  } catch (...) {
-    return dup_message("unknown C++ exception");
-  }
-}
+using sh::dup_message;
+using sh::guarded;
+using sh::millis;
+using sh::prefixed;
 
 // c10d's FlightRecorder (a process-wide singleton that every ProcessGroupGloo::enqueue, send and
 // recv writes to) updates a std::map before taking its own mutex (FlightRecorderDetail.hpp,
@@ -97,15 +52,6 @@ char* guarded(F&& body) noexcept {
 std::mutex& issue_mutex() {
   static std::mutex mutex;
   return mutex;
-}
-
-std::chrono::milliseconds millis(int64_t ms) {
-  return std::chrono::milliseconds(ms);
-}
-
-c10::intrusive_ptr<c10d::Store> prefixed(sh_store* store, const char* prefix) {
-  TORCH_CHECK(store != nullptr, "no store");
-  return c10::make_intrusive<c10d::PrefixStore>(std::string(prefix), store->store);
 }
 
 void finish_work(sh_pg* pg, std::vector<c10::intrusive_ptr<c10d::Work>> works, sh_work** out) {
@@ -129,12 +75,9 @@ void sh_error_free(char* message) {
   std::free(message);
 }
 
-int sh_has_nccl(void) {
-#ifdef USE_C10D_NCCL
-  return 1;
-#else
-  return 0;
-#endif
+// The torch version these headers (and so this runtime) were built against.
+const char* sh_torch_version(void) {
+  return TORCH_VERSION;
 }
 
 // `listen_fd` >= 0 (master only): a bound, listening socket the store takes over.
@@ -224,32 +167,6 @@ char* sh_pg_gloo(
         prefixed(store, prefix), static_cast<int>(rank), static_cast<int>(size), options);
     *out = new sh_pg{std::move(backend), millis(timeout_ms)};
   });
-}
-
-char* sh_pg_nccl(
-    sh_store* store,
-    const char* prefix,
-    int64_t rank,
-    int64_t size,
-    int64_t timeout_ms,
-    sh_pg** out) {
-  *out = nullptr;
-#ifdef USE_C10D_NCCL
-  return guarded([&] {
-    auto options = c10d::ProcessGroupNCCL::Options::create();
-    options->timeout = millis(timeout_ms);
-    c10::intrusive_ptr<c10d::Backend> backend = c10::make_intrusive<c10d::ProcessGroupNCCL>(
-        prefixed(store, prefix), static_cast<int>(rank), static_cast<int>(size), options);
-    *out = new sh_pg{std::move(backend), millis(timeout_ms)};
-  });
-#else
-  (void)store;
-  (void)prefix;
-  (void)rank;
-  (void)size;
-  (void)timeout_ms;
-  return dup_message("this runtime was built without the `nccl` feature");
-#endif
 }
 
 void sh_pg_free(sh_pg* pg) {

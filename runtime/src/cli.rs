@@ -41,6 +41,10 @@ enum Sub {
     /// Measure each module's forward and backward time, activation and parameter bytes, and write
     /// the profile JSON `driver plan` reads.
     Profile(ProfileArgs),
+    /// Print one JSON line saying what this runtime can use here: its torch version, whether CUDA
+    /// and NCCL are loaded and usable, and the CUDA devices it sees (the driver's preflight and
+    /// CI ask it).
+    Info,
     /// Measure point-to-point throughput between two ranks (used by bench/).
     #[command(hide = true)]
     P2pBench(P2pArgs),
@@ -256,6 +260,7 @@ impl Cli {
                 repeats: positive("--repeats", p.repeats)?,
                 output: p.output,
             })),
+            Some(Sub::Info) => Ok(Command::Info),
             Some(Sub::P2pBench(p)) => {
                 if p.rank > 1 {
                     return Err(ConfigError::Invalid {

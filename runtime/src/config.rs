@@ -21,6 +21,19 @@ pub enum Command {
     Profile(crate::profile::ProfileConfig),
     /// Measure point-to-point throughput.
     P2pBench(crate::p2p::P2pConfig),
+    /// Say what this runtime can use on this machine.
+    Info,
+}
+
+impl Command {
+    /// The device the command computes on, if it names one.
+    pub fn device(&self) -> Option<DeviceSpec> {
+        match self {
+            Command::Train(config) => Some(config.device),
+            Command::Profile(config) => Some(config.device),
+            Command::Modules(_) | Command::P2pBench(_) | Command::Info => None,
+        }
+    }
 }
 
 /// A bad argument; the message names the flag and what to change.

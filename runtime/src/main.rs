@@ -4,7 +4,9 @@
 mod cli;
 mod comm;
 mod config;
+mod cuda;
 mod data;
+mod info;
 mod inspect;
 mod metrics;
 mod models;
@@ -17,7 +19,7 @@ use std::process::ExitCode;
 
 use clap::Parser;
 
-use crate::config::Command;
+use crate::config::{Command, DeviceSpec};
 
 const EXIT_FAILED: u8 = 1;
 const EXIT_USAGE: u8 = 2;
@@ -46,7 +48,16 @@ fn main() -> ExitCode {
             return ExitCode::from(EXIT_USAGE);
         }
     };
+    // CUDA loads before anything else touches libtorch (which decides once whether CUDA
+    // exists); a CUDA device that is not there is a bad argument.
+    if let Some(DeviceSpec::Cuda(index)) = command.device() {
+        if let Err(reason) = cuda::require_device(index) {
+            eprintln!("runtime: error: --device: {reason}");
+            return ExitCode::from(EXIT_USAGE);
+        }
+    }
     let result = match command {
+        Command::Info => info::run(&mut std::io::stdout().lock()),
         Command::Train(config) => train::run(&config, &mut metrics::Emitter::new(std::io::stdout())),
         Command::Modules(config) => inspect::run(&config, &mut std::io::stdout().lock()),
         Command::Profile(config) => profile::run(&config, &mut std::io::stdout().lock()),

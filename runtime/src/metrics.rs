@@ -59,9 +59,52 @@ pub fn peak_rss_bytes() -> Option<u64> {
     Some(kib * 1024)
 }
 
+/// A rank's memory figures, as the metrics lines carry them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Memory {
+    /// The device's peak: the allocator's peak allocated bytes on CUDA, the host's on the CPU.
+    pub peak: Option<u64>,
+    pub host_peak_rss: Option<u64>,
+    pub gpu_peak_allocated: Option<u64>,
+    pub gpu_peak_reserved: Option<u64>,
+}
+
+impl Memory {
+    /// The figures now for a rank computing on `device`.
+    pub fn read(device: tch::Device) -> Memory {
+        let host_peak_rss = peak_rss_bytes();
+        let gpu = match device {
+            tch::Device::Cuda(index) => crate::cuda::cuda()
+                .ok()
+                .and_then(|cuda| cuda.memory_peaks(index).ok()),
+            _ => None,
+        };
+        Memory {
+            peak: match device {
+                tch::Device::Cuda(_) => gpu.map(|g| g.allocated),
+                _ => host_peak_rss,
+            },
+            host_peak_rss,
+            gpu_peak_allocated: gpu.map(|g| g.allocated),
+            gpu_peak_reserved: gpu.map(|g| g.reserved),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cpu_memory_is_the_host_peak_and_no_gpu_figures() {
+        let memory = Memory::read(tch::Device::Cpu);
+        assert!(memory.peak.unwrap() > 1 << 20);
+        assert_eq!(memory.peak, memory.host_peak_rss);
+        assert_eq!(
+            (memory.gpu_peak_allocated, memory.gpu_peak_reserved),
+            (None, None)
+        );
+    }
 
     #[test]
     fn throughput_statistics() {
@@ -90,6 +133,9 @@ mod tests {
             idle_s: 0.0,
             final_loss: Some(0.5),
             peak_mem_bytes: None,
+            host_peak_rss_bytes: None,
+            gpu_peak_allocated_bytes: None,
+            gpu_peak_reserved_bytes: None,
         };
         Emitter::new(&mut buf)
             .emit(&Event::Summary(summary.clone()))

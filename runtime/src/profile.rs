@@ -12,7 +12,7 @@ use tch::{nn, Device, Kind, Tensor};
 
 use crate::config::{DeviceSpec, ModelChoice, OptimizerKind};
 use crate::models::{InputKind, ModelDef};
-use crate::train::{backward_with_grad, check_device, Optimizer};
+use crate::train::{backward_with_grad, bind_device, Optimizer};
 
 /// A validated `runtime profile` request.
 #[derive(Debug)]
@@ -28,9 +28,7 @@ pub struct ProfileConfig {
 }
 
 fn sync(device: Device) {
-    if let Device::Cuda(index) = device {
-        tch::Cuda::synchronize(index as i64);
-    }
+    crate::cuda::synchronize(device);
 }
 
 /// Median seconds of `repeats` runs of `f` after one warm-up run; `f` returns the seconds it
@@ -82,7 +80,7 @@ pub fn measure(config: &ProfileConfig) -> anyhow::Result<Profile> {
     if let Some(threads) = config.threads {
         tch::set_num_threads(threads as i32);
     }
-    check_device(config.device)?;
+    bind_device(config.device)?;
     let device = config.device.tch();
     let model = ModelDef::named(&config.model.name, &config.model.options)?;
     let param_bytes: Vec<u64> = model.param_counts().iter().map(|n| n * 4).collect();

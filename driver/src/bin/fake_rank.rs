@@ -91,6 +91,9 @@ fn main() {
             comm_wait_s: time_s * 0.2,
             idle_s: time_s * 0.1,
             peak_mem_bytes: None,
+            host_peak_rss_bytes: None,
+            gpu_peak_allocated_bytes: None,
+            gpu_peak_reserved_bytes: None,
         };
         println!("{}", Event::Iteration(it).to_line());
         eprintln!("fake-rank {rank}: iteration {i} done");
@@ -114,6 +117,9 @@ fn main() {
         idle_s: time_s * 0.1 * iterations as f64,
         final_loss: Some(0.5),
         peak_mem_bytes: None,
+        host_peak_rss_bytes: None,
+        gpu_peak_allocated_bytes: None,
+        gpu_peak_reserved_bytes: None,
     };
     println!("{}", Event::Summary(summary).to_line());
 }

@@ -172,6 +172,9 @@ mod tests {
             comm_wait_s: 0.3,
             idle_s: 0.1,
             peak_mem_bytes: None,
+            host_peak_rss_bytes: None,
+            gpu_peak_allocated_bytes: None,
+            gpu_peak_reserved_bytes: None,
         })
     }
 

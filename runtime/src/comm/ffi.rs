@@ -21,7 +21,7 @@ pub struct RawWork {
 
 extern "C" {
     fn sh_error_free(message: *mut c_char);
-    pub fn sh_has_nccl() -> c_int;
+    pub fn sh_torch_version() -> *const c_char;
 
     pub fn sh_store_connect(
         host: *const c_char,
@@ -50,14 +50,6 @@ extern "C" {
         prefix: *const c_char,
         hostname: *const c_char,
         interface: *const c_char,
-        rank: i64,
-        size: i64,
-        timeout_ms: i64,
-        out: *mut *mut RawGroup,
-    ) -> *mut c_char;
-    pub fn sh_pg_nccl(
-        store: *mut RawStore,
-        prefix: *const c_char,
         rank: i64,
         size: i64,
         timeout_ms: i64,

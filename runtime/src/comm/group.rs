@@ -5,18 +5,20 @@ use std::ffi::{c_void, CString};
 use std::marker::PhantomData;
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs, UdpSocket};
 use std::ptr::NonNull;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tch::Tensor;
+use tch::{Device, Tensor};
 
-use super::{ffi, millis, nccl_available, CommError, Store};
+use super::{ffi, millis, CommError, Store};
 
 /// Which c10d backend a group runs on; subgroups inherit it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Backend {
     /// Gloo, with the device bound as described.
     Gloo(GlooDevice),
-    Nccl,
+    /// NCCL, with this rank's communicators on this CUDA device.
+    Nccl(usize),
 }
 
 /// Where this rank's gloo device listens for its peers.
@@ -40,6 +42,8 @@ pub struct ProcessGroup {
     world_rank: usize,
     world_size: usize,
     timeout: Duration,
+    /// Page-locked host buffers for Gloo operations on CUDA tensors.
+    staging: Arc<Staging>,
     _not_sync: PhantomData<Cell<()>>,
 }
 
@@ -77,8 +81,9 @@ impl ProcessGroup {
         )
     }
 
-    /// NCCL over all ranks (only with the `nccl` feature; without it returns
-    /// CommError::Unsupported).
+    /// NCCL over all ranks, this rank's communicators on CUDA device `device` (which becomes
+    /// the calling thread's current device). Needs CUDA loaded ([`crate::cuda::nccl`]); without
+    /// it returns CommError::Unsupported saying why.
     ///
     /// NCCL ignores `tag`s (messages between two ranks match in issue order), and `wait` only makes
     /// the current CUDA stream wait for the operation. A stuck NCCL operation is caught by
@@ -87,20 +92,16 @@ impl ProcessGroup {
         store: &Store,
         rank: usize,
         world_size: usize,
+        device: usize,
         timeout: Duration,
     ) -> Result<ProcessGroup, CommError> {
-        if !nccl_available() {
-            return Err(CommError::Unsupported(
-                "the nccl backend: this runtime was built without the `nccl` cargo feature; \
-                 rebuild with `--features nccl` where CUDA and NCCL headers exist"
-                    .into(),
-            ));
-        }
+        crate::cuda::nccl()
+            .map_err(|reason| CommError::Unsupported(format!("the nccl backend: {reason}")))?;
         let ranks: Vec<usize> = (0..world_size).collect();
         Self::create(
             store,
             &store.next_world_prefix(),
-            Backend::Nccl,
+            Backend::Nccl(device),
             rank,
             &ranks,
             rank,
@@ -199,14 +200,16 @@ impl ProcessGroup {
                 });
                 ("gloo group setup", result)
             }
-            Backend::Nccl => {
+            Backend::Nccl(device) => {
+                let cuda = crate::cuda::nccl().map_err(CommError::Unsupported)?;
                 // SAFETY: live store, valid C string, valid out-pointer.
                 let result = ffi::check(unsafe {
-                    ffi::sh_pg_nccl(
+                    (cuda.api().pg_nccl)(
                         store.raw(),
                         prefix_c.as_ptr(),
                         rank as i64,
                         size as i64,
+                        *device as i64,
                         millis(timeout),
                         &mut raw,
                     )
@@ -237,6 +240,7 @@ impl ProcessGroup {
             world_rank,
             world_size,
             timeout,
+            staging: Arc::default(),
             _not_sync: PhantomData,
         })
     }
@@ -266,19 +270,23 @@ impl ProcessGroup {
     pub fn send(&self, tensor: &Tensor, dst: usize, tag: u32) -> Result<Work, CommError> {
         let peer = self.peer("send", dst)?;
         let tag = checked_tag("send", peer, tag)?;
+        let staged = self.stage_out("send", Some(peer), tensor)?;
+        let wire = staged.as_ref().unwrap_or(tensor);
         let mut raw = std::ptr::null_mut();
         // SAFETY: live group; `as_ptr` points at the C++ at::Tensor, which the bridge copies
         // (a reference-counted handle) before returning.
         let result = ffi::check(unsafe {
             ffi::sh_pg_send(
                 self.raw.as_ptr(),
-                tensor.as_ptr() as *const c_void,
+                wire.as_ptr() as *const c_void,
                 dst as i64,
                 tag,
                 &mut raw,
             )
         });
-        self.work("send", Some(peer), result, raw, vec![tensor.shallow_clone()])
+        let kept = vec![wire.shallow_clone()];
+        let after = staged.map(|host| self.staging.release_after(vec![host], Vec::new()));
+        self.work("send", Some(peer), result, raw, kept, after)
     }
 
     /// Asynchronous receive into `tensor` (which must have the sender's shape and dtype). Its
@@ -289,30 +297,86 @@ impl ProcessGroup {
     pub fn recv(&self, tensor: &mut Tensor, src: usize, tag: u32) -> Result<Work, CommError> {
         let peer = self.peer("recv", src)?;
         let tag = checked_tag("recv", peer, tag)?;
+        let mut staged = self.staging_buffer("recv", Some(peer), tensor)?;
         let mut raw = std::ptr::null_mut();
+        let wire = staged.as_mut().unwrap_or(tensor);
         // SAFETY: as in `send`.
         let result = ffi::check(unsafe {
             ffi::sh_pg_recv(
                 self.raw.as_ptr(),
-                tensor.as_mut_ptr() as *mut c_void,
+                wire.as_mut_ptr() as *mut c_void,
                 src as i64,
                 tag,
                 &mut raw,
             )
         });
-        self.work("recv", Some(peer), result, raw, vec![tensor.shallow_clone()])
+        let kept = vec![wire.shallow_clone()];
+        let after = staged.map(|host| {
+            self.staging
+                .release_after(vec![host.shallow_clone()], vec![(tensor.shallow_clone(), host)])
+        });
+        self.work("recv", Some(peer), result, raw, kept, after)
     }
 
     /// Asynchronous in-place sum all-reduce of every tensor in the list.
     pub fn all_reduce_sum(&self, tensors: &[Tensor]) -> Result<Work, CommError> {
-        let pointers: Vec<*const c_void> = tensors.iter().map(|t| t.as_ptr() as *const c_void).collect();
+        let mut wire: Vec<Tensor> = Vec::with_capacity(tensors.len());
+        let mut hosts = Vec::new();
+        let mut copy_back = Vec::new();
+        for tensor in tensors {
+            match self.stage_out("all_reduce_sum", None, tensor)? {
+                Some(host) => {
+                    wire.push(host.shallow_clone());
+                    copy_back.push((tensor.shallow_clone(), host.shallow_clone()));
+                    hosts.push(host);
+                }
+                None => wire.push(tensor.shallow_clone()),
+            }
+        }
+        let pointers: Vec<*const c_void> = wire.iter().map(|t| t.as_ptr() as *const c_void).collect();
         let mut raw = std::ptr::null_mut();
         // SAFETY: live group; `pointers` holds `len` valid at::Tensor pointers for the call.
         let result = ffi::check(unsafe {
             ffi::sh_pg_all_reduce_sum(self.raw.as_ptr(), pointers.as_ptr(), pointers.len(), &mut raw)
         });
-        let kept = tensors.iter().map(Tensor::shallow_clone).collect();
-        self.work("all_reduce_sum", None, result, raw, kept)
+        let after = (!hosts.is_empty()).then(|| self.staging.release_after(hosts, copy_back));
+        self.work("all_reduce_sum", None, result, raw, wire, after)
+    }
+
+    /// For Gloo and a CUDA tensor: a page-locked host buffer of its shape (Gloo moves host
+    /// memory only); None when the tensor can go as it is.
+    fn staging_buffer(
+        &self,
+        op: &'static str,
+        peer: Option<usize>,
+        tensor: &Tensor,
+    ) -> Result<Option<Tensor>, CommError> {
+        let (Backend::Gloo(_), Device::Cuda(_)) = (&self.backend, tensor.device()) else {
+            return Ok(None);
+        };
+        self.staging
+            .take(tensor)
+            .map(Some)
+            .map_err(|reason| CommError::Op { op, peer, reason })
+    }
+
+    /// [`Self::staging_buffer`] holding a copy of `tensor` (the copy waits for the kernels that
+    /// produce it).
+    fn stage_out(
+        &self,
+        op: &'static str,
+        peer: Option<usize>,
+        tensor: &Tensor,
+    ) -> Result<Option<Tensor>, CommError> {
+        let Some(mut host) = self.staging_buffer(op, peer, tensor)? else {
+            return Ok(None);
+        };
+        host.f_copy_(tensor).map_err(|e| CommError::Op {
+            op,
+            peer,
+            reason: format!("copying a CUDA tensor to host memory: {e}"),
+        })?;
+        Ok(Some(host))
     }
 
     /// Blocks until every rank of the group has reached the barrier (or the timeout passes).
@@ -320,7 +384,7 @@ impl ProcessGroup {
         let mut raw = std::ptr::null_mut();
         // SAFETY: live group, valid out-pointer.
         let result = ffi::check(unsafe { ffi::sh_pg_barrier(self.raw.as_ptr(), &mut raw) });
-        self.work("barrier", None, result, raw, Vec::new())?.wait()
+        self.work("barrier", None, result, raw, Vec::new(), None)?.wait()
     }
 
     /// The world rank of group rank `rank`, or an error naming the group's size.
@@ -347,6 +411,7 @@ impl ProcessGroup {
         result: Result<(), String>,
         raw: *mut ffi::RawWork,
         tensors: Vec<Tensor>,
+        after: Option<AfterWait>,
     ) -> Result<Work, CommError> {
         let context = WorkContext {
             op,
@@ -362,6 +427,7 @@ impl ProcessGroup {
         Ok(Work {
             raw: Some(raw),
             _tensors: tensors,
+            after,
             context,
         })
     }
@@ -383,6 +449,61 @@ impl std::fmt::Debug for ProcessGroup {
             .field("ranks", &self.ranks)
             .field("timeout", &self.timeout)
             .finish()
+    }
+}
+
+/// Runs once an operation has completed.
+type AfterWait = Box<dyn FnOnce() -> Result<(), String> + Send>;
+
+/// Page-locked host buffers, reused by shape, through which a Gloo group moves CUDA tensors
+/// (Bundle-style hybrids whose GPUs talk through the CPU): a send copies the tensor into one, a
+/// receive lands in one and is copied to the GPU when waited for, an all-reduce does both.
+/// Buffers come back for reuse once their operation has completed.
+/// Element type (as tch names it) and shape.
+type BufferKey = (String, Vec<i64>);
+
+#[derive(Default)]
+struct Staging {
+    /// By element type and shape (a rank computes on one device).
+    free: Mutex<std::collections::HashMap<BufferKey, Vec<Tensor>>>,
+}
+
+impl Staging {
+    /// A buffer shaped like `like` (a CUDA tensor), pinned for `like`'s device.
+    fn take(&self, like: &Tensor) -> Result<Tensor, String> {
+        let key = (format!("{:?}", like.kind()), like.size());
+        if let Some(buffer) = self
+            .free
+            .lock()
+            .expect("staging lock")
+            .get_mut(&key)
+            .and_then(Vec::pop)
+        {
+            return Ok(buffer);
+        }
+        Tensor::f_empty(like.size(), (like.kind(), Device::Cpu))
+            .and_then(|t| t.f_pin_memory(like.device()))
+            .map_err(|e| format!("allocating page-locked host memory for a CUDA tensor: {e}"))
+    }
+
+    /// Once the operation completes: copies each host buffer into its device tensor, then gives
+    /// the buffers back.
+    fn release_after(self: &Arc<Self>, buffers: Vec<Tensor>, copy_back: Vec<(Tensor, Tensor)>) -> AfterWait {
+        let staging = Arc::clone(self);
+        Box::new(move || {
+            for (mut device, host) in copy_back {
+                device
+                    .f_copy_(&host)
+                    .map_err(|e| format!("copying received data to the GPU: {e}"))?;
+            }
+            let mut free = staging.free.lock().expect("staging lock");
+            for buffer in buffers {
+                free.entry((format!("{:?}", buffer.kind()), buffer.size()))
+                    .or_default()
+                    .push(buffer);
+            }
+            Ok(())
+        })
     }
 }
 
@@ -417,6 +538,8 @@ impl WorkContext {
 pub struct Work {
     raw: Option<NonNull<ffi::RawWork>>,
     _tensors: Vec<Tensor>,
+    /// What completes the operation once c10d has (copying staged data back to the GPU).
+    after: Option<AfterWait>,
     context: WorkContext,
 }
 
@@ -436,7 +559,12 @@ impl Work {
         // SAFETY: a live work handle, waited for and freed exactly once.
         let result = ffi::check(unsafe { ffi::sh_work_wait(raw.as_ptr(), millis(self.context.timeout)) });
         unsafe { ffi::sh_work_free(raw.as_ptr()) };
-        result
+        result?;
+        // After a failure c10d may still hold the staging buffers: they are not reused.
+        match self.after.take() {
+            Some(after) => after(),
+            None => Ok(()),
+        }
     }
 }
 

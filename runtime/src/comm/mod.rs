@@ -1,5 +1,6 @@
 //! Communication between ranks through PyTorch's own c10d: the TCPStore rendezvous, Gloo process
-//! groups for CPU tensors and, with the `nccl` feature, NCCL for CUDA tensors.
+//! groups for CPU tensors and NCCL for CUDA tensors (created by the CUDA half of the bridge, see
+//! `crate::cuda`, where CUDA is loaded).
 //!
 //! The C++ side is `csrc/c10d_bridge.cpp`, compiled by `build.rs` against the torch wheel's headers
 //! (and Debian's gloo headers); this module is its safe face.
@@ -62,10 +63,12 @@ fn describe_peer(peer: Option<usize>) -> String {
     }
 }
 
-/// Whether this runtime was built with the `nccl` feature (ProcessGroupNCCL compiled in).
-pub fn nccl_available() -> bool {
-    // SAFETY: a pure query with no arguments.
-    unsafe { ffi::sh_has_nccl() != 0 }
+/// The torch version this runtime was built against (the headers' `TORCH_VERSION`).
+pub fn torch_version() -> String {
+    // SAFETY: returns a static NUL-terminated string.
+    unsafe { std::ffi::CStr::from_ptr(ffi::sh_torch_version()) }
+        .to_string_lossy()
+        .into_owned()
 }
 
 /// A timeout as the bridge takes it: whole milliseconds, at least one.

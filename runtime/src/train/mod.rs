@@ -16,7 +16,7 @@ use tch::Kind;
 use crate::comm::{ProcessGroup, Store};
 use crate::config::{Backend, DeviceSpec, DistConfig, TrainConfig};
 use crate::data::{self, BatchRequest, Shard};
-use crate::metrics::{peak_rss_bytes, Emitter, Throughput};
+use crate::metrics::{Emitter, Memory, Throughput};
 use crate::models::{InputKind, ModelDef};
 use crate::pipeline::schedule::{self, Action, Schedule};
 use crate::pipeline::{Executor, Links, TensorSpec};
@@ -24,13 +24,14 @@ pub use autograd::backward_with_grad;
 pub use optim::Optimizer;
 pub use stage::Stage;
 
-/// Checks that the requested device exists before anything is allocated on it.
-pub fn check_device(device: DeviceSpec) -> anyhow::Result<()> {
+/// Binds this process to its device before any CUDA work: the device becomes current, so
+/// contexts, streams and NCCL communicators are created there and not on cuda:0. (`main` has
+/// checked that it exists.)
+pub fn bind_device(device: DeviceSpec) -> anyhow::Result<()> {
     if let DeviceSpec::Cuda(index) = device {
-        let count = tch::Cuda::device_count() as usize;
-        if !tch::Cuda::is_available() || index >= count {
-            bail!("--device: cuda:{index} requested but this machine has {count} CUDA device(s); use --device cpu");
-        }
+        let cuda = crate::cuda::require_device(index).map_err(anyhow::Error::msg)?;
+        cuda.set_device(index)
+            .map_err(|e| anyhow::anyhow!("making cuda:{index} the current device: {e}"))?;
     }
     Ok(())
 }
@@ -72,7 +73,7 @@ fn rank_actions(
 }
 
 /// Rendezvous with the other ranks: the world group, and this stage's replica group.
-fn connect(dist: &DistConfig, plan: &StagePlan) -> anyhow::Result<Links> {
+fn connect(dist: &DistConfig, plan: &StagePlan, device: DeviceSpec) -> anyhow::Result<Links> {
     if dist.world_size == 1 {
         return Ok(Links {
             world: None,
@@ -89,7 +90,12 @@ fn connect(dist: &DistConfig, plan: &StagePlan) -> anyhow::Result<Links> {
     )?;
     let world = match dist.backend {
         Backend::Gloo => ProcessGroup::gloo(&store, dist.rank, dist.world_size, timeout)?,
-        Backend::Nccl => ProcessGroup::nccl(&store, dist.rank, dist.world_size, timeout)?,
+        Backend::Nccl => {
+            let DeviceSpec::Cuda(index) = device else {
+                bail!("--backend nccl needs a CUDA device; use --device cuda or --backend gloo");
+            };
+            ProcessGroup::nccl(&store, dist.rank, dist.world_size, index, timeout)?
+        }
     };
     let mut replicas = None;
     for stage in plan.stages.iter().filter(|s| s.ranks.len() > 1) {
@@ -136,7 +142,7 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
     if let Some(threads) = config.threads {
         tch::set_num_threads(threads as i32);
     }
-    check_device(config.device)?;
+    bind_device(config.device)?;
     let dist = &config.dist;
     let device = config.device.tch();
     let model = ModelDef::named(&config.model.name, &config.model.options)?;
@@ -172,7 +178,7 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
     } else {
         None
     };
-    let links = connect(dist, &plan)?;
+    let links = connect(dist, &plan, config.device)?;
     let mut executor = Executor {
         plan: plan.clone(),
         rank: dist.rank,
@@ -239,6 +245,7 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
         for trace in report.traces {
             out.emit(&Event::Trace(trace))?;
         }
+        let memory = Memory::read(device);
         out.emit(&Event::Iteration(Iteration {
             iteration: report.iteration,
             rank,
@@ -250,7 +257,10 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
             compute_s,
             comm_wait_s,
             idle_s: (time_s - compute_s - comm_wait_s).max(0.0),
-            peak_mem_bytes: peak_rss_bytes(),
+            peak_mem_bytes: memory.peak,
+            host_peak_rss_bytes: memory.host_peak_rss,
+            gpu_peak_allocated_bytes: memory.gpu_peak_allocated,
+            gpu_peak_reserved_bytes: memory.gpu_peak_reserved,
         }))?;
         Ok(())
     })?;
@@ -269,6 +279,7 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
         totals.1.as_secs_f64(),
         totals.2.as_secs_f64(),
     );
+    let memory = Memory::read(device);
     let summary = Summary {
         rank,
         stage: stage_id,
@@ -281,7 +292,10 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
         comm_wait_s: comm,
         idle_s: (time - compute - comm).max(0.0),
         final_loss: last_loss,
-        peak_mem_bytes: peak_rss_bytes(),
+        peak_mem_bytes: memory.peak,
+        host_peak_rss_bytes: memory.host_peak_rss,
+        gpu_peak_allocated_bytes: memory.gpu_peak_allocated,
+        gpu_peak_reserved_bytes: memory.gpu_peak_reserved,
     };
     eprintln!(
         "runtime: rank {rank} done: {:.1} samples/s (std {:.1}), final loss {}",

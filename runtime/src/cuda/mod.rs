@@ -1,0 +1,195 @@
+//! CUDA, loaded at run time. The runtime binary links libtorch_cpu only; the first time anything
+//! asks for CUDA, [`cuda`] loads libtorch_cuda from the folder libtorch_cpu was loaded from
+//! (its start-up code registers CUDA with libtorch, as `import torch` does) and then the
+//! embedded CUDA half of the bridge (`csrc/cuda_bridge.cpp`: NCCL groups, the current device,
+//! the caching allocator's figures).
+//!
+//! So one binary serves every machine: with the full torch wheel and a GPU it trains on CUDA
+//! over NCCL; where libtorch_cuda or one of its libraries (cuBLAS, cuDNN, NCCL ...) is missing,
+//! as in the CPU image, it trains on the CPU and [`cuda`] says exactly what could not be loaded.
+//!
+//! Nothing may touch CUDA through libtorch before [`cuda`] has run: libtorch caches its answer
+//! to "is there CUDA" on first use. `main` loads it first for every command that names a CUDA
+//! device or NCCL, and `runtime info`.
+
+mod load;
+
+pub use load::torch_lib_dir;
+
+use std::ffi::{c_char, CStr};
+use std::sync::OnceLock;
+
+use crate::comm::ffi::{check, RawGroup, RawStore};
+
+/// The CUDA half's entry points, resolved from the loaded object.
+#[allow(clippy::type_complexity)]
+pub(crate) struct Api {
+    pub device_count: unsafe extern "C" fn() -> i64,
+    pub device_count_error: unsafe extern "C" fn() -> *mut c_char,
+    pub device_name: unsafe extern "C" fn(i64, *mut c_char, usize) -> *mut c_char,
+    pub set_device: unsafe extern "C" fn(i64) -> *mut c_char,
+    pub synchronize: unsafe extern "C" fn(i64) -> *mut c_char,
+    pub memory_peaks: unsafe extern "C" fn(i64, *mut i64, *mut i64) -> *mut c_char,
+    pub nccl_version: unsafe extern "C" fn(*mut i64) -> *mut c_char,
+    pub pg_nccl: unsafe extern "C" fn(
+        *mut RawStore,
+        *const c_char,
+        i64,
+        i64,
+        i64,
+        i64,
+        *mut *mut RawGroup,
+    ) -> *mut c_char,
+}
+
+/// CUDA support, loaded and usable in this process.
+pub struct Cuda {
+    api: Api,
+    devices: usize,
+    /// Why the CUDA runtime reports no devices, when it does.
+    no_devices: Option<String>,
+    /// NCCL's version, when its library answers.
+    nccl: Result<(u32, u32, u32), String>,
+}
+
+/// The caching allocator's peaks on one device, in bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MemoryPeaks {
+    pub allocated: u64,
+    pub reserved: u64,
+}
+
+static CUDA: OnceLock<Result<Cuda, String>> = OnceLock::new();
+
+/// CUDA support, loading it on first call; `Err` says why this process has none (a CPU-only
+/// build, libtorch_cuda or one of its libraries missing).
+pub fn cuda() -> Result<&'static Cuda, &'static str> {
+    CUDA.get_or_init(load::load).as_ref().map_err(String::as_str)
+}
+
+impl Cuda {
+    pub(crate) fn from_api(api: Api) -> Cuda {
+        // SAFETY: plain queries through a loaded bridge.
+        let devices = usize::try_from(unsafe { (api.device_count)() }).unwrap_or(0);
+        let no_devices = if devices == 0 {
+            // Without a driver the CUDA runtime says "driver version is insufficient", which
+            // sends people looking for the wrong fix.
+            Some(match load::driver_missing() {
+                Some(reason) => format!("no NVIDIA driver on this machine: {reason}"),
+                // SAFETY: returns null or a malloc'd message that `check` frees.
+                None => check(unsafe { (api.device_count_error)() })
+                    .err()
+                    .unwrap_or_else(|| "the CUDA runtime reports no device".into()),
+            })
+        } else {
+            None
+        };
+        let mut version = 0i64;
+        // SAFETY: a valid out-pointer.
+        let nccl = check(unsafe { (api.nccl_version)(&mut version) }).map(|()| {
+            let v = version as u32;
+            (v / 10000, v / 100 % 100, v % 100)
+        });
+        Cuda {
+            api,
+            devices,
+            no_devices,
+            nccl,
+        }
+    }
+
+    /// CUDA devices this process sees (0 on a machine without a GPU or driver).
+    pub fn device_count(&self) -> usize {
+        self.devices
+    }
+
+    /// Why there are no devices, as the CUDA runtime puts it.
+    pub fn no_devices_reason(&self) -> Option<&str> {
+        self.no_devices.as_deref()
+    }
+
+    /// NCCL's version, or why NCCL does not answer.
+    pub fn nccl_version(&self) -> Result<(u32, u32, u32), &str> {
+        self.nccl.as_ref().copied().map_err(String::as_str)
+    }
+
+    pub fn device_name(&self, device: usize) -> Result<String, String> {
+        let mut buffer = [0 as c_char; 256];
+        // SAFETY: the buffer outlives the call and its length is passed.
+        check(unsafe { (self.api.device_name)(device as i64, buffer.as_mut_ptr(), buffer.len()) })?;
+        // SAFETY: the bridge NUL-terminates within the buffer.
+        Ok(unsafe { CStr::from_ptr(buffer.as_ptr()) }
+            .to_string_lossy()
+            .into_owned())
+    }
+
+    /// Makes `device` the current device of the calling thread (contexts and default streams go
+    /// there, not to cuda:0).
+    pub fn set_device(&self, device: usize) -> Result<(), String> {
+        // SAFETY: a plain call through a loaded bridge.
+        check(unsafe { (self.api.set_device)(device as i64) })
+    }
+
+    /// Waits until everything queued on `device` has run (every stream, NCCL's too).
+    pub fn synchronize(&self, device: usize) -> Result<(), String> {
+        // SAFETY: a plain call through a loaded bridge.
+        check(unsafe { (self.api.synchronize)(device as i64) })
+    }
+
+    /// The caching allocator's peak allocated and reserved bytes since the last reset.
+    pub fn memory_peaks(&self, device: usize) -> Result<MemoryPeaks, String> {
+        let (mut allocated, mut reserved) = (0i64, 0i64);
+        // SAFETY: valid out-pointers.
+        check(unsafe { (self.api.memory_peaks)(device as i64, &mut allocated, &mut reserved) })?;
+        Ok(MemoryPeaks {
+            allocated: allocated.max(0) as u64,
+            reserved: reserved.max(0) as u64,
+        })
+    }
+
+    pub(crate) fn api(&self) -> &Api {
+        &self.api
+    }
+}
+
+/// CUDA device `index`, checked to exist, or a message for the user saying what to use instead.
+pub fn require_device(index: usize) -> Result<&'static Cuda, String> {
+    let cuda = cuda().map_err(|reason| {
+        format!("cuda:{index} requested but CUDA is unavailable in this runtime: {reason}; use --device cpu")
+    })?;
+    if index >= cuda.device_count() {
+        let why = cuda
+            .no_devices_reason()
+            .map(|r| format!(" ({r})"))
+            .unwrap_or_default();
+        return Err(format!(
+            "cuda:{index} requested but this machine has {} CUDA device(s){why}; use --device cpu{}",
+            cuda.device_count(),
+            if cuda.device_count() > 0 {
+                format!(" or cuda:0..cuda:{}", cuda.device_count() - 1)
+            } else {
+                String::new()
+            }
+        ));
+    }
+    Ok(cuda)
+}
+
+/// Whether NCCL can be used in this process: CUDA loaded and NCCL's library answering.
+pub fn nccl() -> Result<&'static Cuda, String> {
+    let cuda = cuda().map_err(|e| format!("CUDA is unavailable: {e}"))?;
+    cuda.nccl_version()
+        .map_err(|e| format!("NCCL is unavailable: {e}"))?;
+    Ok(cuda)
+}
+
+/// Waits for `device`'s queued work when it is a CUDA device (a timing boundary); a no-op on the
+/// CPU, and when CUDA is not loaded (then nothing can be queued there).
+pub fn synchronize(device: tch::Device) {
+    if let tch::Device::Cuda(index) = device {
+        if let Some(cuda) = CUDA.get().and_then(|c| c.as_ref().ok()) {
+            // A failure here means the device is gone; the next operation reports it properly.
+            let _ = cuda.synchronize(index);
+        }
+    }
+}

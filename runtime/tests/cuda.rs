@@ -1,0 +1,270 @@
+//! One binary for CPUs and GPUs: `runtime info`, CUDA loaded at run time, a clear refusal where
+//! CUDA cannot be had, and the GPU tests.
+//!
+//! The GPU tests run wherever `runtime info` reports a CUDA device. Elsewhere each prints a line
+//! starting with `SKIPPED` (see them with `--nocapture`; scripts/test also says so at the end) and
+//! checks what can be checked without a GPU.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+use crate::util::{run_ok, run_ranks, runtime};
+
+/// `runtime info`'s line, parsed.
+fn info(env: &[(&str, &str)]) -> Value {
+    let output = runtime().arg("info").envs(env.iter().copied()).output().unwrap();
+    assert!(
+        output.status.success(),
+        "runtime info failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let stdout = String::from_utf8(output.stdout).unwrap();
+    assert_eq!(stdout.lines().count(), 1, "one line: {stdout}");
+    serde_json::from_str(&stdout).unwrap()
+}
+
+/// The number of CUDA devices, or None (after saying so) when this machine has none.
+fn gpus(test: &str) -> Option<usize> {
+    let info = info(&[]);
+    let count = info["cuda_devices"].as_u64().unwrap() as usize;
+    if count == 0 {
+        eprintln!(
+            "SKIPPED {test}: no CUDA device here ({})",
+            info["cuda_devices_error"]
+                .as_str()
+                .or(info["cuda_error"].as_str())
+                .unwrap_or("no reason given")
+        );
+        return None;
+    }
+    Some(count)
+}
+
+#[test]
+fn info_says_cuda_and_nccl_are_loaded() {
+    let info = info(&[]);
+    assert!(info["torch"].as_str().unwrap().starts_with("2."), "{info}");
+    if let Ok(expected) = std::env::var("STAGEHAND_TORCH_VERSION") {
+        assert_eq!(info["torch"], expected.as_str(), "{info}");
+    }
+    let devices = info["devices"].as_array().unwrap();
+    assert_eq!(
+        info["cuda_devices"].as_u64().unwrap() as usize,
+        devices.len(),
+        "{info}"
+    );
+    // The Linux x86-64 torch wheels ship libtorch_cuda and NCCL: the runtime built against one
+    // must load both, GPU or not.
+    if cfg!(all(target_os = "linux", target_arch = "x86_64")) {
+        assert_eq!(info["cuda"], true, "{info}");
+        assert_eq!(info["nccl"], true, "{info}");
+        assert!(info["nccl_version"].as_str().unwrap().starts_with("2."), "{info}");
+    }
+    if devices.is_empty() {
+        assert!(info["cuda_devices_error"].is_string(), "why no device: {info}");
+    }
+}
+
+/// A copy of libtorch's folder without libtorch_cuda.so (symbolic links), like an image that
+/// carries only what libtorch_cpu needs.
+fn cpu_only_torch(dir: &Path) -> String {
+    let torch_lib = PathBuf::from(info(&[])["torch_lib"].as_str().unwrap());
+    let lib = dir.join("lib");
+    std::fs::create_dir(&lib).unwrap();
+    for entry in std::fs::read_dir(&torch_lib).unwrap() {
+        let entry = entry.unwrap();
+        if entry.file_name() != "libtorch_cuda.so" {
+            std::os::unix::fs::symlink(entry.path(), lib.join(entry.file_name())).unwrap();
+        }
+    }
+    // libtorch_cpu itself needs the CUDA runtime and CUPTI (as the CPU image keeps them).
+    let cu13 = torch_lib.join("../../nvidia/cu13/lib");
+    format!("{}:{}", lib.display(), cu13.display())
+}
+
+#[test]
+fn without_libtorch_cuda_the_same_binary_trains_on_the_cpu_and_says_why_not_cuda() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = cpu_only_torch(tmp.path());
+    let env = [("LD_LIBRARY_PATH", path.as_str())];
+    let info = info(&env);
+    assert_eq!(
+        (info["cuda"].clone(), info["nccl"].clone()),
+        (Value::Bool(false), Value::Bool(false)),
+        "{info}"
+    );
+    assert!(
+        info["cuda_error"].as_str().unwrap().contains("libtorch_cuda.so"),
+        "{info}"
+    );
+    assert!(
+        info["torch_lib"]
+            .as_str()
+            .unwrap()
+            .starts_with(tmp.path().to_str().unwrap()),
+        "{info}"
+    );
+
+    let cuda = runtime()
+        .args(["--model", "mlp", "--device", "cuda", "--iterations", "1"])
+        .envs(env)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&cuda.stderr);
+    assert_eq!(cuda.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("CUDA is unavailable") && stderr.contains("libtorch_cuda.so"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("use --device cpu"), "{stderr}");
+
+    let cpu = runtime()
+        .args([
+            "--model",
+            "mlp",
+            "--layers",
+            "2",
+            "--hidden",
+            "16",
+            "--image-size",
+            "8",
+        ])
+        .args(["--batch-size", "8", "--iterations", "2", "--threads", "1"])
+        .envs(env)
+        .output()
+        .unwrap();
+    assert!(cpu.status.success(), "{}", String::from_utf8_lossy(&cpu.stderr));
+}
+
+#[test]
+fn a_cuda_device_that_is_not_there_is_a_bad_argument() {
+    let count = info(&[])["cuda_devices"].as_u64().unwrap();
+    let device = format!("cuda:{count}");
+    for args in [
+        vec!["--model", "mlp", "--device", device.as_str()],
+        vec!["profile", "--model", "mlp", "--device", device.as_str()],
+    ] {
+        let out = runtime().args(&args).output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(
+            stderr.contains(&format!(
+                "{device} requested but this machine has {count} CUDA device(s)"
+            )),
+            "{args:?}: {stderr}"
+        );
+    }
+}
+
+#[test]
+fn nccl_on_a_cpu_device_is_a_bad_argument() {
+    let out = runtime()
+        .args(["--model", "mlp", "--backend", "nccl", "--device", "cpu"])
+        .args(["--world-size", "2", "--rank", "0"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("nccl needs CUDA tensors"), "{stderr}");
+}
+
+/// Small settings of every model, for a few steps on one GPU.
+const MODELS: [&str; 4] = [
+    "--model mlp --layers 3 --hidden 64 --image-size 16",
+    "--model vgg16 --image-size 32 --num-classes 10",
+    "--model resnet50 --image-size 32 --num-classes 10",
+    "--model transformer --layers 2 --hidden 64 --heads 4 --seq-len 16 --vocab-size 100",
+];
+
+#[test]
+fn gpu_every_model_trains_and_reports_its_memory() {
+    let Some(_) = gpus("gpu_every_model_trains_and_reports_its_memory") else {
+        return;
+    };
+    for model in MODELS {
+        let mut args: Vec<&str> = model.split_whitespace().collect();
+        args.extend([
+            "--device",
+            "cuda",
+            "--batch-size",
+            "8",
+            "--iterations",
+            "3",
+            "--lr",
+            "0.01",
+        ]);
+        let run = run_ok(&args);
+        for it in run.iterations() {
+            assert!(it.loss.unwrap().is_finite(), "{model}: {it:?}");
+            let allocated = it.gpu_peak_allocated_bytes.expect("CUDA figures on CUDA");
+            let reserved = it.gpu_peak_reserved_bytes.expect("CUDA figures on CUDA");
+            assert!(allocated > 0 && reserved >= allocated, "{model}: {it:?}");
+            assert_eq!(it.peak_mem_bytes, Some(allocated), "{model}");
+            assert!(it.host_peak_rss_bytes.unwrap() > 0, "{model}");
+        }
+    }
+}
+
+#[test]
+fn gpu_cpu_and_cuda_agree_on_the_first_loss() {
+    let Some(_) = gpus("gpu_cpu_and_cuda_agree_on_the_first_loss") else {
+        return;
+    };
+    for model in MODELS {
+        let base: Vec<&str> = model.split_whitespace().collect();
+        let first = |device: &str| {
+            let mut args = base.clone();
+            args.extend([
+                "--device",
+                device,
+                "--batch-size",
+                "8",
+                "--iterations",
+                "1",
+                "--seed",
+                "5",
+            ]);
+            run_ok(&args).losses()[0]
+        };
+        let (cpu, cuda) = (first("cpu"), first("cuda"));
+        // Same parameters and data (made on the CPU from the seed); the kernels differ (cuDNN,
+        // TF32 is off by default for matmuls in libtorch), so the loss agrees to float32 rounding
+        // accumulated over the model's depth, well inside 1e-3 relative.
+        assert!(
+            (cpu - cuda).abs() <= 1e-3 * cpu.abs(),
+            "{model}: cpu {cpu} vs cuda {cuda}"
+        );
+    }
+}
+
+#[test]
+fn gpu_nccl_on_two_ranks_of_one_gpu_is_a_clear_error() {
+    let Some(count) = gpus("gpu_nccl_on_two_ranks_of_one_gpu_is_a_clear_error") else {
+        return;
+    };
+    if count > 1 {
+        eprintln!("SKIPPED gpu_nccl_on_two_ranks_of_one_gpu_is_a_clear_error: needs exactly one GPU");
+        return;
+    }
+    let runs = run_ranks(
+        2,
+        &[
+            "--model",
+            "mlp",
+            "--device",
+            "cuda:0",
+            "--backend",
+            "nccl",
+            "--iterations",
+            "2",
+            "--comm-timeout",
+            "30",
+        ],
+        std::time::Duration::from_secs(120),
+    );
+    for run in &runs {
+        assert_eq!(run.output.status.code(), Some(1), "{}", run.stderr());
+        assert!(run.stderr().contains("nccl"), "{}", run.stderr());
+    }
+}
