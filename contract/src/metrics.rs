@@ -66,6 +66,16 @@ pub struct RunConfig {
     /// Microbatches per minibatch.
     #[serde(default = "one")]
     pub microbatches: usize,
+    /// `fp32`, `bf16` or `fp16` (autocast).
+    #[serde(default = "fp32")]
+    pub precision: String,
+    /// Parameters and image inputs in channels_last layout.
+    #[serde(default)]
+    pub channels_last: bool,
+}
+
+fn fp32() -> String {
+    "fp32".to_string()
 }
 
 fn default_schedule() -> String {

@@ -9,7 +9,7 @@ use stagehand_contract::StageConfig;
 
 use crate::config::{
     Backend, Command, ConfigError, DeviceSpec, DistConfig, ModelChoice, ModulesConfig, OptimizerKind,
-    TrainConfig,
+    Precision, TrainConfig,
 };
 use crate::data::DataSpec;
 use crate::p2p::P2pConfig;
@@ -157,6 +157,13 @@ struct TrainArgs {
     /// Intra-op threads for libtorch [default: libtorch's own choice].
     #[arg(long)]
     threads: Option<usize>,
+    /// Arithmetic: fp32, or PyTorch's autocast to bf16 or fp16 (fp16 with a gradient scaler);
+    /// activations and gradients cross stages in the autocast dtype.
+    #[arg(long, value_enum, default_value_t = PrecisionArg::Fp32)]
+    precision: PrecisionArg,
+    /// Parameters and image inputs in channels_last layout (convolutional models).
+    #[arg(long)]
+    channels_last: bool,
     /// Leading iterations left out of the summary's throughput.
     #[arg(long, default_value_t = 1)]
     warmup: u64,
@@ -241,6 +248,13 @@ enum OptimizerArg {
     Adam,
 }
 
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum PrecisionArg {
+    Fp32,
+    Bf16,
+    Fp16,
+}
+
 impl Cli {
     /// Validates the arguments into the command to run.
     pub fn into_command(self) -> Result<Command, ConfigError> {
@@ -318,6 +332,12 @@ impl TrainArgs {
             data,
             device,
             threads: self.threads.map(|t| positive("--threads", t)).transpose()?,
+            precision: match self.precision {
+                PrecisionArg::Fp32 => Precision::Fp32,
+                PrecisionArg::Bf16 => Precision::Bf16,
+                PrecisionArg::Fp16 => Precision::Fp16,
+            },
+            channels_last: self.channels_last,
             warmup: self.warmup,
             save_params: self.save_params,
             trace: self.trace,

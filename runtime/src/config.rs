@@ -221,6 +221,10 @@ pub struct TrainConfig {
     pub device: DeviceSpec,
     /// Intra-op threads; `None` leaves libtorch's default.
     pub threads: Option<usize>,
+    /// fp32, or autocast to a 16-bit type.
+    pub precision: Precision,
+    /// Parameters and image inputs in channels_last layout.
+    pub channels_last: bool,
     /// Leading iterations left out of the summary's throughput.
     pub warmup: u64,
     /// Where this rank sits in the job and how it talks to the others.
@@ -229,6 +233,27 @@ pub struct TrainConfig {
     pub save_params: Option<std::path::PathBuf>,
     /// Emit `trace` events.
     pub trace: bool,
+}
+
+/// `--precision`: the arithmetic of forward passes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Precision {
+    /// Everything in float32.
+    Fp32,
+    /// PyTorch's autocast to bfloat16 (same range as float32: no loss scaling needed).
+    Bf16,
+    /// PyTorch's autocast to float16, with a gradient scaler.
+    Fp16,
+}
+
+impl std::fmt::Display for Precision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Precision::Fp32 => "fp32",
+            Precision::Bf16 => "bf16",
+            Precision::Fp16 => "fp16",
+        })
+    }
 }
 
 /// `--backend`.
@@ -279,6 +304,8 @@ impl TrainConfig {
                 "none".into()
             },
             microbatches,
+            precision: self.precision.to_string(),
+            channels_last: self.channels_last,
         }
     }
 }

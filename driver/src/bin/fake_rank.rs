@@ -69,6 +69,8 @@ fn main() {
             threads: 1,
             schedule: "none".into(),
             microbatches: 1,
+            precision: "fp32".into(),
+            channels_last: false,
         },
     };
     println!("{}", Event::Start(start).to_line());

@@ -87,6 +87,12 @@ pub struct ExperimentFile {
     /// Intra-op threads per rank.
     #[serde(default)]
     pub threads: Option<u32>,
+    /// `fp32` (the default), or PyTorch's autocast to `bf16` or `fp16` (`--precision`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub precision: Option<Precision>,
+    /// Parameters and image inputs in channels_last layout (`--channels-last`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub channels_last: Option<bool>,
     /// Pipeline schedule.
     #[serde(default)]
     pub schedule: Option<Schedule>,
@@ -131,6 +137,26 @@ pub fn canonical_key(key: &str) -> &str {
 pub enum Optimizer {
     Sgd,
     Adam,
+}
+
+/// The runtime's arithmetic.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Precision {
+    Fp32,
+    Bf16,
+    Fp16,
+}
+
+impl Precision {
+    /// The runtime's spelling.
+    pub fn as_arg(self) -> &'static str {
+        match self {
+            Precision::Fp32 => "fp32",
+            Precision::Bf16 => "bf16",
+            Precision::Fp16 => "fp16",
+        }
+    }
 }
 
 /// Collective backends.

@@ -218,6 +218,11 @@ planner:
     );
     let e = err("machines: [a]\nconfig_file: auto\nplanner: {bandwith: 3}\n");
     assert!(e.contains("unknown field `bandwith`"), "{e}");
+    let e = err("machines: [a]\nprecision: fp8\n");
+    assert!(
+        e.contains("exp.yml:2:") && e.contains("`fp32`, `bf16`, `fp16`"),
+        "{e}"
+    );
     let e = err("machines: [a]\nconfig_file: ''\n");
     assert!(e.contains("config_file is empty"), "{e}");
 }

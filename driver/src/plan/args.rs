@@ -74,6 +74,9 @@ pub(super) fn rank_command(
     if let Some(t) = f.threads {
         flag("threads", t.to_string());
     }
+    if let Some(p) = f.precision {
+        flag("precision", p.as_arg().to_string());
+    }
     // The distributed flags exist only in runtimes that know pipelines; a single rank without a
     // stage config gets none, so it runs on any runtime version.
     let distributed = ctx.world_size > 1 || ctx.stage_config.is_some();
@@ -95,6 +98,9 @@ pub(super) fn rank_command(
         flag("master-addr", ctx.master_addr.to_string());
         flag("master-port", ctx.master_port.to_string());
         flag("local-rank", local_rank.to_string());
+    }
+    if f.channels_last == Some(true) {
+        argv.push("--channels-last".into());
     }
     (argv, env)
 }

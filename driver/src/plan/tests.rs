@@ -90,6 +90,30 @@ fn a_single_rank_gets_no_distributed_flags() {
 }
 
 #[test]
+fn precision_and_channels_last_reach_every_rank() {
+    let plan = resolve_text(
+        "machines: [localhost, localhost]\nmodule: resnet50\nprecision: bf16\nchannels_last: true\n",
+        &options(None, ContainerMode::PerRank),
+    )
+    .unwrap();
+    for rank in &plan.ranks {
+        assert_eq!(flag(&rank.argv, "--precision"), Some("bf16"));
+        assert!(
+            rank.argv.iter().any(|a| a == "--channels-last"),
+            "{:?}",
+            rank.argv
+        );
+    }
+    let plan = resolve_text(
+        "machines: [localhost]\nmodule: mlp\n",
+        &options(None, ContainerMode::PerRank),
+    )
+    .unwrap();
+    assert_eq!(flag(&plan.ranks[0].argv, "--precision"), None);
+    assert!(!plan.ranks[0].argv.iter().any(|a| a == "--channels-last"));
+}
+
+#[test]
 fn stage_configs_place_ranks_and_are_passed_by_absolute_path() {
     let plan = resolve_text(
         "machines: ['node1:0', 'node2:0']\nmodule: vgg16\nconfig_file: two.json\nschedule: 1f1b\nmicrobatches: 4\n",

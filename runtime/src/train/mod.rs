@@ -2,6 +2,7 @@
 //! runs its schedule, and reports each iteration as a metrics event. One process holding the
 //! whole model is the same path with a one-stage, one-rank plan and no peers.
 
+mod amp;
 mod autograd;
 mod optim;
 mod stage;
@@ -163,7 +164,10 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
     let my_stage = plan.stage_of_rank(dist.rank).clone();
     let num_params: u64 = model.param_counts().iter().sum();
 
-    let stage = Stage::build(&model, my_stage.modules.clone(), config.seed, device);
+    let mut stage = Stage::build(&model, my_stage.modules.clone(), config.seed, device);
+    stage
+        .set_arithmetic(config.precision, config.channels_last)
+        .map_err(|e| anyhow::anyhow!("--precision/--channels-last: {e}"))?;
     let optimizer = Optimizer::new(config.optimizer, config.lr, stage.params());
     let data = if my_stage.id == 0 {
         // Every first-stage replica reads the same minibatches and takes its own microbatches.

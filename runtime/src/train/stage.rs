@@ -6,6 +6,8 @@ use std::ops::Range;
 use tch::nn;
 use tch::{Device, Tensor};
 
+use super::amp;
+use crate::config::Precision;
 use crate::models::{count_params, Loss, ModelDef};
 
 pub struct Stage {
@@ -13,6 +15,11 @@ pub struct Stage {
     /// The loss, when the stage ends the model.
     loss: Option<Loss>,
     vs: nn::VarStore,
+    /// Autocast around the forward and the loss.
+    precision: Precision,
+    /// Image inputs go in channels_last layout (the parameters are converted once).
+    channels_last: bool,
+    device: Device,
 }
 
 impl Stage {
@@ -21,7 +28,26 @@ impl Stage {
         let vs = nn::VarStore::new(device);
         let layers = model.build(&vs.root(), range.clone(), seed);
         let loss = (range.end == model.num_modules()).then_some(model.loss);
-        Stage { layers, loss, vs }
+        Stage {
+            layers,
+            loss,
+            vs,
+            precision: Precision::Fp32,
+            channels_last: false,
+            device,
+        }
+    }
+
+    /// Runs forward passes and the loss under PyTorch's autocast to `precision`, and puts
+    /// 4-dimensional parameters and inputs in channels_last layout when asked.
+    pub fn set_arithmetic(&mut self, precision: Precision, channels_last: bool) -> Result<(), String> {
+        self.precision = precision;
+        self.channels_last = channels_last;
+        if channels_last {
+            let mut params = self.vs.trainable_variables();
+            tch::no_grad(|| amp::params_to_channels_last(&mut params))?;
+        }
+        Ok(())
     }
 
     /// Parameters this stage holds.
@@ -41,13 +67,25 @@ impl Stage {
 
     /// Runs the stage's layers (not the loss) on `input`.
     pub fn forward(&self, input: &Tensor, train: bool) -> Tensor {
+        let input = if self.channels_last && input.dim() == 4 {
+            amp::channels_last(input).expect("a 4-dimensional tensor has a channels_last layout")
+        } else {
+            input.shallow_clone()
+        };
+        let _autocast = self.autocast();
         self.layers
             .iter()
-            .fold(input.shallow_clone(), |xs, layer| layer.forward_t(&xs, train))
+            .fold(input, |xs, layer| layer.forward_t(&xs, train))
     }
 
     /// The loss of `output` against `target`; `None` if this stage does not end the model.
     pub fn loss(&self, output: &Tensor, target: &Tensor) -> Option<Result<Tensor, tch::TchError>> {
+        let _autocast = self.autocast();
         self.loss.map(|loss| loss.compute(output, target))
+    }
+
+    fn autocast(&self) -> amp::Autocast {
+        // Entering autocast only sets thread-local flags; it fails only on an unknown dtype code.
+        amp::Autocast::enter(self.precision, self.device).expect("autocast to a known dtype")
     }
 }

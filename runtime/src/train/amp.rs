@@ -1,0 +1,211 @@
+//! Mixed precision and channels_last, through `csrc/amp.cpp`: PyTorch's own autocast around a
+//! stage's forward and loss, the gradient scaler fp16 needs (PyTorch's `torch.amp.GradScaler`
+//! rules and kernels), and the channels_last layout for convolutional models.
+
+use std::os::raw::{c_char, c_int, c_void};
+
+use tch::{Device, Kind, Tensor};
+use torch_sys::C_tensor;
+
+use crate::comm::ffi::check;
+use crate::config::Precision;
+
+extern "C" {
+    fn sh_autocast_enter(cuda: c_int, dtype: c_int) -> *mut c_char;
+    fn sh_autocast_exit(cuda: c_int) -> *mut c_char;
+    fn sh_amp_unscale(
+        grads: *const *const c_void,
+        n: usize,
+        found_inf: *mut c_void,
+        inv_scale: *const c_void,
+    ) -> *mut c_char;
+    fn sh_amp_update_scale(
+        scale: *mut c_void,
+        growth_tracker: *mut c_void,
+        found_inf: *const c_void,
+        growth: f64,
+        backoff: f64,
+        interval: i64,
+    ) -> *mut c_char;
+    fn sh_channels_last_param(param: *mut c_void) -> *mut c_char;
+    fn sh_channels_last(input: *const c_void, out: *mut *mut c_void) -> *mut c_char;
+}
+
+/// Autocast on for the current thread while alive (`torch.autocast(device, dtype)`); a no-op for
+/// fp32.
+pub struct Autocast {
+    cuda: Option<c_int>,
+    /// Autocast state is per thread: the guard stays on the thread that entered it.
+    _thread: std::marker::PhantomData<*const ()>,
+}
+
+impl Autocast {
+    pub fn enter(precision: Precision, device: Device) -> Result<Autocast, String> {
+        let dtype = match precision {
+            Precision::Fp32 => {
+                return Ok(Autocast {
+                    cuda: None,
+                    _thread: std::marker::PhantomData,
+                })
+            }
+            Precision::Bf16 => 0,
+            Precision::Fp16 => 1,
+        };
+        let cuda = c_int::from(matches!(device, Device::Cuda(_)));
+        // SAFETY: sets thread-local autocast state; undone in Drop on the same thread (`!Send`).
+        check(unsafe { sh_autocast_enter(cuda, dtype) })?;
+        Ok(Autocast {
+            cuda: Some(cuda),
+            _thread: std::marker::PhantomData,
+        })
+    }
+}
+
+impl Drop for Autocast {
+    fn drop(&mut self) {
+        if let Some(cuda) = self.cuda {
+            // SAFETY: pairs with the enter above; cannot fail beyond a message we can only drop.
+            let _ = check(unsafe { sh_autocast_exit(cuda) });
+        }
+    }
+}
+
+/// `torch.amp.GradScaler` with its defaults (initial scale 2^16, growth 2 after 2000 clean
+/// steps, backoff 0.5): the loss is multiplied by the scale before backward so fp16 gradients do
+/// not underflow, gradients are unscaled before the step, and a step whose gradients hold an inf
+/// or a nan is skipped (and the scale halved).
+///
+/// In a pipeline every rank keeps the same scale: the last stage scales the loss, every stage
+/// unscales its own gradients with the same factor, and the inf/nan flag is summed over all ranks
+/// so they all skip the same steps.
+pub struct GradScaler {
+    scale: Tensor,
+    growth_tracker: Tensor,
+    found_inf: Tensor,
+}
+
+const INIT_SCALE: f64 = 65536.0;
+const GROWTH: f64 = 2.0;
+const BACKOFF: f64 = 0.5;
+const INTERVAL: i64 = 2000;
+
+impl GradScaler {
+    pub fn new(device: Device) -> GradScaler {
+        GradScaler {
+            scale: Tensor::full([1], INIT_SCALE, (Kind::Float, device)),
+            growth_tracker: Tensor::zeros([1], (Kind::Int, device)),
+            found_inf: Tensor::zeros([1], (Kind::Float, device)),
+        }
+    }
+
+    /// The current scale.
+    pub fn scale(&self) -> f64 {
+        self.scale.double_value(&[0])
+    }
+
+    /// `loss` times the scale (a one-element tensor, so no host round trip).
+    pub fn scale_loss(&self, loss: &Tensor) -> Tensor {
+        loss * self.scale.to_kind(loss.kind()).reshape(Vec::<i64>::new())
+    }
+
+    /// Unscales `grads` in place and returns this rank's inf/nan flag (1.0 when any gradient
+    /// holds one); sum it over the ranks before [`Self::update`].
+    pub fn unscale(&mut self, grads: &[Tensor]) -> Result<&Tensor, String> {
+        let _ = self.found_inf.zero_();
+        let inv_scale = self.scale.reciprocal();
+        let pointers: Vec<*const c_void> = grads.iter().map(|g| g.as_ptr() as *const c_void).collect();
+        // SAFETY: live tensors for the call; the kernel writes the gradients and the flag in place.
+        check(unsafe {
+            sh_amp_unscale(
+                pointers.as_ptr(),
+                pointers.len(),
+                self.found_inf.as_mut_ptr() as *mut c_void,
+                inv_scale.as_ptr() as *const c_void,
+            )
+        })?;
+        Ok(&self.found_inf)
+    }
+
+    /// Updates the scale from the (summed) flag; returns whether the step must be skipped.
+    pub fn update(&mut self) -> Result<bool, String> {
+        let found = self.found_inf.double_value(&[0]) > 0.0;
+        // SAFETY: live one-element tensors of the kinds the kernel wants.
+        check(unsafe {
+            sh_amp_update_scale(
+                self.scale.as_mut_ptr() as *mut c_void,
+                self.growth_tracker.as_mut_ptr() as *mut c_void,
+                self.found_inf.as_ptr() as *const c_void,
+                GROWTH,
+                BACKOFF,
+                INTERVAL,
+            )
+        })?;
+        Ok(found)
+    }
+
+    /// The flag, for summing across ranks in place.
+    pub fn found_inf(&self) -> &Tensor {
+        &self.found_inf
+    }
+}
+
+/// Puts every 4-dimensional parameter in channels_last layout, in place.
+pub fn params_to_channels_last(params: &mut [Tensor]) -> Result<(), String> {
+    for p in params {
+        // SAFETY: a live tensor handle; set_data keeps the parameter's identity.
+        check(unsafe { sh_channels_last_param(p.as_mut_ptr() as *mut c_void) })?;
+    }
+    Ok(())
+}
+
+/// A channels_last copy of a 4-dimensional tensor (a new handle to the same tensor otherwise).
+pub fn channels_last(input: &Tensor) -> Result<Tensor, String> {
+    let mut out: *mut c_void = std::ptr::null_mut();
+    // SAFETY: a live handle in; on success `out` is a heap `at::Tensor` we own.
+    check(unsafe { sh_channels_last(input.as_ptr() as *const c_void, &mut out) })?;
+    // SAFETY: a fresh at::Tensor allocated with `new`, as tch's own handles are.
+    Ok(unsafe { Tensor::from_ptr(out as *mut C_tensor) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn autocast_runs_matmuls_in_bfloat16_and_ends_with_its_guard() {
+        let a = Tensor::ones([4, 4], (Kind::Float, Device::Cpu));
+        {
+            let _guard = Autocast::enter(Precision::Bf16, Device::Cpu).unwrap();
+            assert_eq!(a.matmul(&a).kind(), Kind::BFloat16);
+        }
+        assert_eq!(a.matmul(&a).kind(), Kind::Float);
+        let _none = Autocast::enter(Precision::Fp32, Device::Cpu).unwrap();
+        assert_eq!(a.matmul(&a).kind(), Kind::Float);
+    }
+
+    #[test]
+    fn the_scaler_skips_a_step_with_an_inf_and_halves_its_scale() {
+        let mut scaler = GradScaler::new(Device::Cpu);
+        let grads = [Tensor::from_slice(&[65536.0f32, 131072.0])];
+        scaler.unscale(&grads).unwrap();
+        assert_eq!(Vec::<f32>::try_from(&grads[0]).unwrap(), vec![1.0, 2.0]);
+        assert!(!scaler.update().unwrap());
+        assert_eq!(scaler.scale(), INIT_SCALE);
+
+        let bad = [Tensor::from_slice(&[1.0f32, f32::INFINITY])];
+        scaler.unscale(&bad).unwrap();
+        assert!(scaler.update().unwrap(), "an inf skips the step");
+        assert_eq!(scaler.scale(), INIT_SCALE * BACKOFF);
+    }
+
+    #[test]
+    fn channels_last_changes_layout_not_values() {
+        let x = Tensor::arange(2 * 3 * 4 * 5, (Kind::Float, Device::Cpu)).reshape([2, 3, 4, 5]);
+        let y = channels_last(&x).unwrap();
+        assert_eq!(y.stride(), vec![60, 1, 15, 3]);
+        assert!(y.equal(&x));
+        let mut params = [x.copy()];
+        params_to_channels_last(&mut params).unwrap();
+        assert_eq!(params[0].stride(), vec![60, 1, 15, 3]);
+    }
+}
