@@ -7,6 +7,8 @@ pub mod metrics;
 pub mod profile;
 pub mod stage_config;
 
-pub use metrics::{Event, Iteration, RunConfig, Start, Summary, Trace, SCHEMA_VERSION};
+pub use metrics::{
+    Channel, Event, Iteration, P2p, P2pOp, P2pTensor, RunConfig, Start, Summary, Trace, SCHEMA_VERSION,
+};
 pub use profile::{ModuleProfile, Profile, PROFILE_VERSION};
 pub use stage_config::{Stage, StageConfig, StageConfigError, StagePlan};

@@ -20,6 +20,8 @@ pub enum Event {
     Summary(Summary),
     /// With `--trace`: the weights one microbatch's forward and backward used on one rank.
     Trace(Trace),
+    /// With `--trace`: one point-to-point operation a rank issued, in issue order.
+    P2p(P2p),
 }
 
 impl Event {
@@ -209,6 +211,60 @@ pub struct Trace {
     pub backward_checksum: f64,
 }
 
+/// The `p2p` event (only with `runtime --trace`): one point-to-point operation, printed in the
+/// order the rank issued them. Between two ranks a channel carries messages one way only, so the
+/// sender's sends to a peer and the peer's receives from the sender on one channel pair up by
+/// `seq`; NCCL matches them by exactly that order.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct P2p {
+    /// This process's rank.
+    pub rank: usize,
+    /// `send` or `recv`.
+    pub op: P2pOp,
+    /// The rank on the other side.
+    pub peer: usize,
+    /// The process group it runs on.
+    pub channel: Channel,
+    /// This rank's operations of this `op` with this `peer` on this `channel` before this one.
+    pub seq: u64,
+    /// What it carries.
+    pub tensor: P2pTensor,
+    /// Global microbatch number; `null` for a shape header.
+    pub microbatch: Option<u64>,
+}
+
+/// Which way a point-to-point operation goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum P2pOp {
+    Send,
+    Recv,
+}
+
+/// The process group a point-to-point operation runs on: one per direction of the pipeline.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Channel {
+    /// Downstream: shape headers, activations and targets.
+    Forward,
+    /// Upstream: gradients.
+    Backward,
+}
+
+/// What a point-to-point operation carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum P2pTensor {
+    /// The shapes a stage sends each rank of the next stage once, before the first microbatch.
+    Header,
+    /// A stage's output for a microbatch.
+    Activation,
+    /// A microbatch's targets, carried along to the last stage.
+    Target,
+    /// The gradient of the loss with respect to a stage's input.
+    Gradient,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -242,6 +298,34 @@ mod tests {
         );
         assert!(!line.contains('\n'));
         assert_eq!(Event::parse_line(&line), Some(event));
+    }
+
+    #[test]
+    fn p2p_events_name_their_op_channel_and_tensor_in_lowercase() {
+        let event = Event::P2p(P2p {
+            rank: 2,
+            op: P2pOp::Recv,
+            peer: 1,
+            channel: Channel::Backward,
+            seq: 7,
+            tensor: P2pTensor::Gradient,
+            microbatch: Some(5),
+        });
+        let line = event.to_line();
+        assert_eq!(
+            line,
+            r#"{"event":"p2p","rank":2,"op":"recv","peer":1,"channel":"backward","seq":7,"tensor":"gradient","microbatch":5}"#
+        );
+        assert_eq!(Event::parse_line(&line), Some(event));
+        let header = r#"{"event":"p2p","rank":0,"op":"send","peer":1,"channel":"forward","seq":0,"tensor":"header","microbatch":null}"#;
+        assert!(matches!(
+            Event::parse_line(header),
+            Some(Event::P2p(P2p {
+                tensor: P2pTensor::Header,
+                microbatch: None,
+                ..
+            }))
+        ));
     }
 
     #[test]

@@ -2,5 +2,6 @@
 
 mod cuda;
 mod distributed;
+mod p2p_order;
 mod single;
 mod util;

@@ -71,7 +71,8 @@ impl Stats {
                     entry.1 += 1;
                 }
             }
-            Metrics::Summary(_) | Metrics::Trace(_) => {}
+            // Per-microbatch tracing (`--trace`) says nothing about throughput or time shares.
+            Metrics::Summary(_) | Metrics::Trace(_) | Metrics::P2p(_) => {}
         }
     }
 
@@ -201,6 +202,29 @@ mod tests {
         s.record(&it(0, 1, 0, 5.0));
         s.record(&it(1, 0, 0, 5.0));
         assert_eq!(s.iterations_done(), 1);
+    }
+
+    #[test]
+    fn tracing_events_change_no_statistic() {
+        let p2p = Metrics::P2p(stagehand_contract::P2p {
+            rank: 1,
+            op: stagehand_contract::P2pOp::Recv,
+            peer: 0,
+            channel: stagehand_contract::Channel::Forward,
+            seq: 0,
+            tensor: stagehand_contract::P2pTensor::Activation,
+            microbatch: Some(0),
+        });
+        let (mut plain, mut traced) = (Stats::default(), Stats::default());
+        for i in 0..3 {
+            plain.record(&it(i, 0, 0, 5.0 + i as f64));
+            traced.record(&p2p);
+            traced.record(&it(i, 0, 0, 5.0 + i as f64));
+            traced.record(&p2p);
+        }
+        assert_eq!(traced.iterations_done(), 3);
+        assert_eq!(traced.throughput(), plain.throughput());
+        assert_eq!(traced.stage_shares(), plain.stage_shares());
     }
 
     #[test]

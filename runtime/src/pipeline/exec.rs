@@ -1,24 +1,27 @@
 //! Runs one rank's action list: forwards and backwards of its microbatches, the activations,
-//! targets and gradients that cross stage boundaries (asynchronous c10d point-to-point), the
-//! replicas' gradient all-reduce and the optimizer step, with PipeDream's weight stashing.
+//! targets and gradients that cross stage boundaries (asynchronous c10d point-to-point, issued in
+//! the order route.rs decides), the replicas' gradient all-reduce and the optimizer step, with
+//! PipeDream's weight stashing.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use stagehand_contract::{StagePlan, Trace};
+use stagehand_contract::{P2p, StagePlan, Trace};
 use tch::{Device, Kind, Tensor};
 
-use super::schedule::{rank_for, Action, Schedule};
-use super::wire::{self, header, header_buffer, read_header, Tag, TensorSpec};
+use super::channel::Channels;
+use super::route::{Op, Route, Transfer};
+use super::schedule::{Action, Schedule};
+use super::wire::{self, header, header_buffer, read_header, Message, TensorSpec};
 use crate::comm::{ProcessGroup, Work};
 use crate::data::Batches;
 use crate::train::{backward_with_grad, Optimizer, Stage};
 
 /// The process groups a rank talks through; `None` in a single-process run.
 pub struct Links {
-    /// Every rank: point-to-point between stages.
-    pub world: Option<ProcessGroup>,
+    /// Every rank: point-to-point between stages, one group per direction.
+    pub channels: Option<Channels>,
     /// This stage's replicas, when there are several: the gradient all-reduce.
     pub replicas: Option<ProcessGroup>,
 }
@@ -41,6 +44,9 @@ pub struct IterationReport {
     pub loss: Option<f64>,
     /// With tracing on, the weights each finished microbatch used.
     pub traces: Vec<Trace>,
+    /// With tracing on, the point-to-point operations issued since the last report (the first
+    /// report also has the shape headers), in issue order.
+    pub p2p: Vec<P2p>,
 }
 
 /// A microbatch between its forward and its backward.
@@ -91,8 +97,10 @@ struct Progress {
     timing: Timing,
     losses: Vec<Tensor>,
     traces: Vec<Trace>,
-    /// Receives posted ahead of the action that needs them, by tag.
-    posted: HashMap<u32, (Tensor, Work)>,
+    /// Receives posted ahead of the action that takes them.
+    posted: HashMap<Message, (Tensor, Work)>,
+    /// What the last action produced for other ranks, until the program sends it.
+    outbox: HashMap<Message, Tensor>,
 }
 
 impl Executor {
@@ -112,11 +120,15 @@ impl Executor {
         self.plan.stages[self.stage_id].ranks.len()
     }
 
-    fn world(&self) -> &ProcessGroup {
+    fn channels(&self) -> &Channels {
         self.links
-            .world
+            .channels
             .as_ref()
-            .expect("a multi-stage plan has a world group")
+            .expect("a multi-stage plan has channels")
+    }
+
+    fn route(&self) -> Route<'_> {
+        Route::new(&self.plan, self.stage_id, self.microbatches)
     }
 
     /// The first stage's inputs and targets of global microbatch `g`.
@@ -135,100 +147,48 @@ impl Executor {
         ))
     }
 
-    /// Starts receiving `tag` from `src` into a fresh buffer, unless already started.
-    fn post_recv(
-        &self,
-        progress: &mut Progress,
-        spec: &TensorSpec,
-        src: usize,
-        tag: u32,
-    ) -> anyhow::Result<()> {
-        if let std::collections::hash_map::Entry::Vacant(slot) = progress.posted.entry(tag) {
-            let mut tensor = spec.empty(self.device);
-            let work = self.world().recv(&mut tensor, src, tag)?;
-            slot.insert((tensor, work));
-        }
+    /// Starts receiving `transfer` into a fresh buffer.
+    fn post_recv(&self, progress: &mut Progress, transfer: Transfer) -> anyhow::Result<()> {
+        let spec = match transfer.message {
+            Message::Activation(_) => self.input_spec.as_ref(),
+            Message::Target(_) => self.target_spec.as_ref(),
+            Message::Gradient(_) => self.output_spec.as_ref(),
+            Message::Header => bail!("internal error: a shape header is received only at start"),
+        };
+        let mut tensor = spec.expect("shapes are learned at start").empty(self.device);
+        let work = self.channels().recv(transfer, &mut tensor)?;
+        progress.posted.insert(transfer.message, (tensor, work));
         Ok(())
     }
 
-    /// The tensor `tag` from `src`, waiting for it to arrive.
-    fn recv(
-        &self,
-        progress: &mut Progress,
-        spec: &TensorSpec,
-        src: usize,
-        tag: u32,
-    ) -> anyhow::Result<Tensor> {
-        self.post_recv(progress, spec, src, tag)?;
-        let (tensor, work) = progress.posted.remove(&tag).expect("just posted");
+    /// The posted receive of `message`, once it has arrived.
+    fn take(&self, progress: &mut Progress, message: Message) -> anyhow::Result<Tensor> {
+        let (tensor, work) = progress
+            .posted
+            .remove(&message)
+            .expect("the program posts every receive before the action that takes it");
         work.wait()?;
         Ok(tensor)
     }
 
-    /// Posts the receives `action` will need, so the transfer overlaps the work before it.
-    fn prefetch(&self, progress: &mut Progress, action: Action) -> anyhow::Result<()> {
-        match action {
-            Action::Forward(g) if !self.is_first() => {
-                let prev = self.peer(self.stage_id - 1, g);
-                self.post_recv(
-                    progress,
-                    self.input_spec.as_ref().expect("learned"),
-                    prev,
-                    Tag::Activation.of(g),
-                )?;
-                self.post_recv(
-                    progress,
-                    self.target_spec.as_ref().expect("learned"),
-                    prev,
-                    Tag::Target.of(g),
-                )
-            }
-            Action::Backward(g) if !self.is_last() => {
-                let next = self.peer(self.stage_id + 1, g);
-                self.post_recv(
-                    progress,
-                    self.output_spec.as_ref().expect("learned"),
-                    next,
-                    Tag::Gradient.of(g),
-                )
-            }
-            Action::Forward(_) | Action::Backward(_) | Action::Step => Ok(()),
-        }
-    }
-
-    /// The rank of `stage` that runs microbatch `g`. Replicas take microbatches round-robin
-    /// within each iteration (the schedule is derived for one iteration and repeated), so the
-    /// owner follows `g`'s index in its iteration, not its global number: the two differ when
-    /// the microbatches are not a multiple of the replica count.
-    fn peer(&self, stage: usize, g: usize) -> usize {
-        rank_for(&self.plan, stage, g % self.microbatches)
-    }
-
-    fn send(&self, progress: &mut Progress, tensor: &Tensor, dst: usize, tag: u32) -> anyhow::Result<()> {
-        let work = self.world().send(&tensor.contiguous(), dst, tag)?;
+    /// Starts sending what the last action produced as `transfer`'s message.
+    fn send(&self, progress: &mut Progress, transfer: Transfer) -> anyhow::Result<()> {
+        let tensor = progress
+            .outbox
+            .remove(&transfer.message)
+            .expect("the action before a send produced its tensor");
+        let work = self.channels().send(transfer, &tensor.contiguous())?;
         progress.sends.push(work);
         Ok(())
     }
 
     fn forward(&mut self, progress: &mut Progress, g: usize, stash: bool) -> anyhow::Result<()> {
-        let s = self.stage_id;
         let (input, target) = if self.is_first() {
             let (x, y) = self.microbatch(progress, g)?;
             (x, Some(y))
         } else {
-            let prev = self.peer(s - 1, g);
-            let input = self.recv(
-                progress,
-                self.input_spec.as_ref().expect("learned at start"),
-                prev,
-                Tag::Activation.of(g),
-            )?;
-            let target = self.recv(
-                progress,
-                self.target_spec.as_ref().expect("learned at start"),
-                prev,
-                Tag::Target.of(g),
-            )?;
+            let input = self.take(progress, Message::Activation(g))?;
+            let target = self.take(progress, Message::Target(g))?;
             (input.set_requires_grad(true), Some(target))
         };
         let target = target.expect("every forward has a target");
@@ -252,9 +212,10 @@ impl Executor {
         if self.is_last() {
             progress.losses.push(output.detach() / scale);
         } else {
-            let next = self.peer(s + 1, g);
-            self.send(progress, &output, next, Tag::Activation.of(g))?;
-            self.send(progress, &target, next, Tag::Target.of(g))?;
+            progress
+                .outbox
+                .insert(Message::Activation(g), output.shallow_clone());
+            progress.outbox.insert(Message::Target(g), target);
         }
         let input = (!self.is_first()).then_some(input);
         let version = self.optimizer.steps();
@@ -281,13 +242,7 @@ impl Executor {
         let grad = if self.is_last() {
             None
         } else {
-            let next = self.peer(s + 1, g);
-            Some(self.recv(
-                progress,
-                self.output_spec.as_ref().expect("learned at start"),
-                next,
-                Tag::Gradient.of(g),
-            )?)
+            Some(self.take(progress, Message::Gradient(g))?)
         };
         // Weight stashing: run the backward against the weights the forward used, swapping the
         // stashed data in (and the live data back after) only for microbatches that have a stash.
@@ -331,14 +286,13 @@ impl Executor {
             }
         }
         if let Some(input) = &flight.input {
-            let prev = self.peer(s - 1, g);
             let grad = input.grad();
             if !grad.defined() {
                 bail!(
                     "stage {s} produced no gradient for its input; its modules do not depend on their input"
                 );
             }
-            self.send(progress, &grad, prev, Tag::Gradient.of(g))?;
+            progress.outbox.insert(Message::Gradient(g), grad);
         }
         Ok(())
     }
@@ -352,6 +306,9 @@ impl Executor {
     }
 
     fn step(&mut self, progress: &mut Progress) -> anyhow::Result<()> {
+        if let Some(message) = progress.outbox.keys().next() {
+            bail!("internal error: {message:?} was produced but never sent");
+        }
         let started = Instant::now();
         for work in progress.sends.drain(..) {
             work.wait()?;
@@ -386,15 +343,16 @@ impl Executor {
             first
         } else {
             let mut agreed: Option<(TensorSpec, TensorSpec)> = None;
-            for &prev in &self.plan.stages[s - 1].ranks {
+            for source in self.route().header_sources() {
                 let mut buffer = header_buffer().to_device(self.device);
-                self.world().recv(&mut buffer, prev, Tag::Header.of(0))?.wait()?;
+                self.channels().recv(source, &mut buffer)?.wait()?;
                 let specs = read_header(&buffer.to_device(Device::Cpu))
-                    .with_context(|| format!("rank {prev} sent a malformed shape header"))?;
+                    .with_context(|| format!("rank {} sent a malformed shape header", source.peer))?;
                 match &agreed {
                     Some(a) if *a != specs => bail!(
-                        "replicas of stage {} disagree on the shapes they send: {a:?} vs {specs:?} from rank {prev}",
-                        s - 1
+                        "replicas of stage {} disagree on the shapes they send: {a:?} vs {specs:?} from rank {}",
+                        s - 1,
+                        source.peer
                     ),
                     _ => agreed = Some(specs),
                 }
@@ -407,10 +365,11 @@ impl Executor {
             let header = header(&output, &target)
                 .map_err(anyhow::Error::msg)?
                 .to_device(self.device);
-            let sends = self.plan.stages[s + 1]
-                .ranks
-                .iter()
-                .map(|&next| self.world().send(&header, next, Tag::Header.of(0)))
+            let sends = self
+                .route()
+                .header_destinations()
+                .into_iter()
+                .map(|destination| self.channels().send(destination, &header))
                 .collect::<Result<Vec<_>, _>>()?;
             for work in sends {
                 work.wait()?;
@@ -437,41 +396,45 @@ impl Executor {
                 last_of_iteration.insert(g / self.microbatches, *g);
             }
         }
+        let program = self.route().program(actions);
         let mut progress = Progress::default();
         let mut started = Instant::now();
         let mut pending_end: Option<usize> = None;
-        for (index, &action) in actions.iter().enumerate() {
-            self.prefetch(&mut progress, action)?;
-            if let Some(&next) = actions.get(index + 1) {
-                self.prefetch(&mut progress, next)?;
-            }
-            match action {
-                Action::Forward(g) => self.forward(&mut progress, g, stash_needed.contains(&g))?,
-                Action::Backward(g) => {
+        for op in program {
+            match op {
+                Op::Recv(transfer) => self.post_recv(&mut progress, transfer)?,
+                Op::Send(transfer) => self.send(&mut progress, transfer)?,
+                Op::Run(Action::Forward(g)) => self.forward(&mut progress, g, stash_needed.contains(&g))?,
+                Op::Run(Action::Backward(g)) => {
                     self.backward(&mut progress, g)?;
                     let iteration = g / self.microbatches;
                     if last_of_iteration[&iteration] == g {
                         pending_end = Some(iteration);
                     }
                 }
-                Action::Step => {
+                Op::Run(Action::Step) => {
                     self.step(&mut progress)?;
                     if let Some(iteration) = pending_end.take() {
                         let loss = self.take_loss(&mut progress)?;
                         let time = started.elapsed();
                         let traces = std::mem::take(&mut progress.traces);
+                        let p2p = self.links.channels.as_ref().map(Channels::take_log);
                         report(IterationReport {
                             iteration: iteration as u64,
                             time,
                             timing: progress.timing,
                             loss,
                             traces,
+                            p2p: p2p.filter(|_| self.trace).unwrap_or_default(),
                         })?;
                         progress.timing = Timing::default();
                         started = Instant::now();
                     }
                 }
             }
+        }
+        if let Some(message) = progress.posted.keys().next() {
+            bail!("internal error: the receive of {message:?} was posted but never taken");
         }
         Ok(())
     }

@@ -1,24 +1,55 @@
-//! What crosses stage boundaries: message tags and the shape headers exchanged at start, so
-//! receivers allocate buffers of whatever shape the model produces.
+//! What crosses stage boundaries: the messages (their tags and channels) and the shape headers
+//! exchanged at start, so receivers allocate buffers of whatever shape the model produces.
 
 use std::collections::HashSet;
 
+use stagehand_contract::{Channel, P2pTensor};
 use tch::{Device, Kind, Tensor};
 
 use super::schedule::Action;
 
-/// The kinds of message between two ranks; a tag is unique per kind and global microbatch.
-#[derive(Debug, Clone, Copy)]
-pub enum Tag {
-    Activation = 0,
-    Target = 1,
-    Gradient = 2,
-    Header = 3,
+/// One tensor that crosses a stage boundary.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Message {
+    /// The shapes a stage sends each rank of the next stage once, before the first microbatch.
+    Header,
+    /// A stage's output for global microbatch `g`.
+    Activation(usize),
+    /// Microbatch `g`'s targets, carried along to the last stage.
+    Target(usize),
+    /// The gradient of the loss with respect to a stage's input for microbatch `g`.
+    Gradient(usize),
 }
 
-impl Tag {
-    pub fn of(self, microbatch: usize) -> u32 {
-        ((microbatch as u64 * 4 + self as u64) % (1 << 31)) as u32
+impl Message {
+    /// The c10d tag: unique per kind and global microbatch (gloo matches by it; NCCL ignores it).
+    pub fn tag(self) -> u32 {
+        let (microbatch, kind) = match self {
+            Message::Activation(g) => (g, 0),
+            Message::Target(g) => (g, 1),
+            Message::Gradient(g) => (g, 2),
+            Message::Header => (0, 3),
+        };
+        ((microbatch as u64 * 4 + kind) % (1 << 31)) as u32
+    }
+
+    /// The channel it travels on: downstream traffic on one group, upstream on another, so that
+    /// between two ranks each group carries messages one way only.
+    pub fn channel(self) -> Channel {
+        match self {
+            Message::Header | Message::Activation(_) | Message::Target(_) => Channel::Forward,
+            Message::Gradient(_) => Channel::Backward,
+        }
+    }
+
+    /// What the `p2p` metrics event calls it, and its microbatch.
+    pub fn describe(self) -> (P2pTensor, Option<u64>) {
+        match self {
+            Message::Header => (P2pTensor::Header, None),
+            Message::Activation(g) => (P2pTensor::Activation, Some(g as u64)),
+            Message::Target(g) => (P2pTensor::Target, Some(g as u64)),
+            Message::Gradient(g) => (P2pTensor::Gradient, Some(g as u64)),
+        }
     }
 }
 
@@ -164,9 +195,24 @@ mod tests {
     #[test]
     fn tags_differ_per_kind_and_microbatch() {
         let tags: HashSet<u32> = (0..100)
-            .flat_map(|g| [Tag::Activation, Tag::Target, Tag::Gradient, Tag::Header].map(|t| t.of(g)))
+            .flat_map(|g| {
+                [Message::Activation(g), Message::Target(g), Message::Gradient(g)].map(Message::tag)
+            })
+            .chain([Message::Header.tag()])
             .collect();
-        assert_eq!(tags.len(), 400);
+        assert_eq!(tags.len(), 301);
+    }
+
+    #[test]
+    fn gradients_travel_upstream_on_their_own_channel() {
+        for g in [0, 7] {
+            assert_eq!(Message::Activation(g).channel(), Channel::Forward);
+            assert_eq!(Message::Target(g).channel(), Channel::Forward);
+            assert_eq!(Message::Gradient(g).channel(), Channel::Backward);
+        }
+        assert_eq!(Message::Header.channel(), Channel::Forward);
+        assert_eq!(Message::Target(3).describe(), (P2pTensor::Target, Some(3)));
+        assert_eq!(Message::Header.describe(), (P2pTensor::Header, None));
     }
 
     #[test]

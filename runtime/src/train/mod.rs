@@ -20,7 +20,7 @@ use crate::data::{self, BatchRequest, Shard};
 use crate::metrics::{Emitter, Memory, Throughput};
 use crate::models::{InputKind, ModelDef};
 use crate::pipeline::schedule::{self, Action, Schedule};
-use crate::pipeline::{Executor, Links, TensorSpec};
+use crate::pipeline::{Channels, Executor, Links, TensorSpec};
 pub use autograd::backward_with_grad;
 pub use optim::Optimizer;
 pub use stage::Stage;
@@ -73,11 +73,12 @@ fn rank_actions(
         .collect())
 }
 
-/// Rendezvous with the other ranks: the world group, and this stage's replica group.
+/// Rendezvous with the other ranks: the two point-to-point channels (every rank creates them in
+/// the same order), and this stage's replica group.
 fn connect(dist: &DistConfig, plan: &StagePlan, device: DeviceSpec) -> anyhow::Result<Links> {
     if dist.world_size == 1 {
         return Ok(Links {
-            world: None,
+            channels: None,
             replicas: None,
         });
     }
@@ -89,7 +90,9 @@ fn connect(dist: &DistConfig, plan: &StagePlan, device: DeviceSpec) -> anyhow::R
         dist.rank == 0,
         timeout,
     )?;
-    let world = match dist.backend {
+    // The world group is the forward channel; the backward channel is a second group over the
+    // same ranks, so upstream traffic never queues behind downstream traffic between two ranks.
+    let forward = match dist.backend {
         Backend::Gloo => ProcessGroup::gloo(&store, dist.rank, dist.world_size, timeout)?,
         Backend::Nccl => {
             let DeviceSpec::Cuda(index) = device else {
@@ -98,16 +101,20 @@ fn connect(dist: &DistConfig, plan: &StagePlan, device: DeviceSpec) -> anyhow::R
             ProcessGroup::nccl(&store, dist.rank, dist.world_size, index, timeout)?
         }
     };
+    let everyone: Vec<usize> = (0..dist.world_size).collect();
+    let backward = forward
+        .subgroup(&store, "channel/backward", &everyone)?
+        .expect("every rank is in a group of every rank");
     let mut replicas = None;
     for stage in plan.stages.iter().filter(|s| s.ranks.len() > 1) {
         let mut ranks = stage.ranks.clone();
         ranks.sort_unstable();
-        if let Some(group) = world.subgroup(&store, &format!("stage{}", stage.id), &ranks)? {
+        if let Some(group) = forward.subgroup(&store, &format!("stage{}", stage.id), &ranks)? {
             replicas = Some(group);
         }
     }
     Ok(Links {
-        world: Some(world),
+        channels: Some(Channels::new(forward, backward)),
         replicas,
     })
 }
@@ -246,6 +253,9 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
         totals.1 += report.timing.compute;
         totals.2 += report.timing.comm;
         last_loss = report.loss.or(last_loss);
+        for op in report.p2p {
+            out.emit(&Event::P2p(op))?;
+        }
         for trace in report.traces {
             out.emit(&Event::Trace(trace))?;
         }
