@@ -231,6 +231,9 @@ pub struct P2p {
     pub tensor: P2pTensor,
     /// Global microbatch number; `null` for a shape header.
     pub microbatch: Option<u64>,
+    /// The element type that travels (`float32`, `bfloat16`, `float16`, `int64`, ...).
+    #[serde(default)]
+    pub dtype: String,
 }
 
 /// Which way a point-to-point operation goes.
@@ -310,11 +313,12 @@ mod tests {
             seq: 7,
             tensor: P2pTensor::Gradient,
             microbatch: Some(5),
+            dtype: "bfloat16".into(),
         });
         let line = event.to_line();
         assert_eq!(
             line,
-            r#"{"event":"p2p","rank":2,"op":"recv","peer":1,"channel":"backward","seq":7,"tensor":"gradient","microbatch":5}"#
+            r#"{"event":"p2p","rank":2,"op":"recv","peer":1,"channel":"backward","seq":7,"tensor":"gradient","microbatch":5,"dtype":"bfloat16"}"#
         );
         assert_eq!(Event::parse_line(&line), Some(event));
         let header = r#"{"event":"p2p","rank":0,"op":"send","peer":1,"channel":"forward","seq":0,"tensor":"header","microbatch":null}"#;

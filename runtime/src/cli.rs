@@ -321,8 +321,22 @@ impl TrainArgs {
             "cuda" => DeviceSpec::Cuda(self.dist.local_rank),
             other => DeviceSpec::parse(other)?,
         };
+        let dist = self.dist.into_config(device)?;
+        let stages = dist
+            .stage_config
+            .as_ref()
+            .map_or(1, |c| c.stage_to_rank_map.len());
+        if matches!(self.precision, PrecisionArg::Fp16) && dist.schedule == Schedule::PipeDream && stages > 1
+        {
+            return Err(ConfigError::Invalid {
+                flag: "--precision",
+                reason: "fp16's gradient scaler makes every stage skip the same steps, which needs the \
+                         flush of --schedule gpipe or 1f1b; use --precision bf16 with pipedream"
+                    .into(),
+            });
+        }
         Ok(TrainConfig {
-            dist: self.dist.into_config(device)?,
+            dist,
             model,
             batch_size: positive("--batch-size", self.batch_size)?,
             iterations: self.iterations,

@@ -45,6 +45,7 @@ fn lanes(what: &str, runs: &[Run]) -> BTreeMap<(Channel, usize, usize), Lane> {
                 seq,
                 tensor,
                 microbatch,
+                ..
             }) = *event
             else {
                 continue;

@@ -3,5 +3,6 @@
 mod cuda;
 mod distributed;
 mod p2p_order;
+mod precision;
 mod single;
 mod util;

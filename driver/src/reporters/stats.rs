@@ -214,6 +214,7 @@ mod tests {
             seq: 0,
             tensor: stagehand_contract::P2pTensor::Activation,
             microbatch: Some(0),
+            dtype: "float32".into(),
         });
         let (mut plain, mut traced) = (Stats::default(), Stats::default());
         for i in 0..3 {

@@ -5,7 +5,7 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 
 use stagehand_contract::{Channel, P2p, P2pOp};
-use tch::Tensor;
+use tch::{Kind, Tensor};
 
 use super::route::Transfer;
 use crate::comm::{CommError, ProcessGroup, Work};
@@ -51,7 +51,7 @@ impl Channels {
         let work = self
             .group(channel)
             .send(tensor, transfer.peer, transfer.message.tag())?;
-        self.record(P2pOp::Send, channel, transfer);
+        self.record(P2pOp::Send, channel, transfer, tensor.kind());
         Ok(work)
     }
 
@@ -61,11 +61,11 @@ impl Channels {
         let work = self
             .group(channel)
             .recv(tensor, transfer.peer, transfer.message.tag())?;
-        self.record(P2pOp::Recv, channel, transfer);
+        self.record(P2pOp::Recv, channel, transfer, tensor.kind());
         Ok(work)
     }
 
-    fn record(&self, op: P2pOp, channel: Channel, transfer: Transfer) {
+    fn record(&self, op: P2pOp, channel: Channel, transfer: Transfer, kind: Kind) {
         let mut ledger = self.ledger.borrow_mut();
         let issued = ledger.issued.entry((channel, op, transfer.peer)).or_default();
         let seq = *issued;
@@ -80,11 +80,25 @@ impl Channels {
             seq,
             tensor,
             microbatch,
+            dtype: dtype_name(kind).to_string(),
         });
     }
 
     /// The operations issued since the last call, in issue order.
     pub fn take_log(&self) -> Vec<P2p> {
         std::mem::take(&mut self.ledger.borrow_mut().log)
+    }
+}
+
+/// PyTorch's name of an element type.
+fn dtype_name(kind: Kind) -> &'static str {
+    match kind {
+        Kind::Float => "float32",
+        Kind::BFloat16 => "bfloat16",
+        Kind::Half => "float16",
+        Kind::Double => "float64",
+        Kind::Int64 => "int64",
+        Kind::Int => "int32",
+        _ => "other",
     }
 }

@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use stagehand_contract::{P2p, StagePlan, Trace};
+use stagehand_contract::{Channel, P2p, StagePlan, Trace};
 use tch::{Device, Kind, Tensor};
 
 use super::channel::Channels;
@@ -16,7 +16,7 @@ use super::schedule::{Action, Schedule};
 use super::wire::{self, header, header_buffer, read_header, Message, TensorSpec};
 use crate::comm::{ProcessGroup, Work};
 use crate::data::Batches;
-use crate::train::{backward_with_grad, Optimizer, Stage};
+use crate::train::{backward_with_grad, GradScaler, Optimizer, Stage};
 
 /// The process groups a rank talks through; `None` in a single-process run.
 pub struct Links {
@@ -81,6 +81,8 @@ pub struct Executor {
     pub slowdown: f64,
     /// Record which weights each microbatch used.
     pub trace: bool,
+    /// fp16: the gradient scaler (the same scale on every rank).
+    pub scaler: Option<GradScaler>,
     /// Shapes crossing into and out of this stage, learned at start.
     pub input_spec: Option<TensorSpec>,
     pub output_spec: Option<TensorSpec>,
@@ -168,6 +170,9 @@ impl Executor {
             .remove(&message)
             .expect("the program posts every receive before the action that takes it");
         work.wait()?;
+        // NCCL's wait only orders the streams: settle here so the transfer is not timed as the
+        // compute that follows.
+        crate::cuda::synchronize(self.device);
         Ok(tensor)
     }
 
@@ -198,19 +203,27 @@ impl Executor {
             Schedule::PipeDream => 1.0,
             Schedule::GPipe | Schedule::OneFOneB => 1.0 / self.microbatches as f64,
         };
-        let output = timed(
+        let (output, loss) = timed(
+            self.device,
             self.slowdown,
             &mut progress.timing,
-            || -> anyhow::Result<Tensor> {
+            || -> anyhow::Result<(Tensor, Option<Tensor>)> {
                 let out = self.stage.forward(&input, true);
                 match self.stage.loss(&out, &target) {
-                    Some(loss) => Ok(loss.context("computing the loss")? * scale),
-                    None => Ok(out),
+                    Some(loss) => {
+                        let loss = loss.context("computing the loss")?;
+                        let backward = match &self.scaler {
+                            Some(scaler) => scaler.scale_loss(&(&loss * scale)),
+                            None => &loss * scale,
+                        };
+                        Ok((backward, Some(loss.detach())))
+                    }
+                    None => Ok((out, None)),
                 }
             },
         )?;
-        if self.is_last() {
-            progress.losses.push(output.detach() / scale);
+        if let Some(loss) = loss {
+            progress.losses.push(loss);
         } else {
             progress
                 .outbox
@@ -275,7 +288,7 @@ impl Executor {
                 backward_checksum: self.checksum(),
             });
         }
-        timed(self.slowdown, &mut progress.timing, || match &grad {
+        timed(self.device, self.slowdown, &mut progress.timing, || match &grad {
             None => flight.output.f_backward().map_err(|e| e.to_string()),
             Some(grad) => backward_with_grad(&flight.output, grad),
         })
@@ -326,9 +339,35 @@ impl Executor {
             }
             all_reduce_buckets(group, &tensors)?;
         }
+        let skip = match &mut self.scaler {
+            None => false,
+            Some(scaler) => {
+                let grads = self.optimizer.grads();
+                scaler.unscale(&grads).map_err(anyhow::Error::msg)?;
+                // Every rank skips the same steps with the same scale: sum the inf/nan flags over
+                // all ranks (the forward channel spans them; a single stage's replicas are all).
+                let everyone = self
+                    .links
+                    .channels
+                    .as_ref()
+                    .map(|c| c.group(Channel::Forward))
+                    .or(self.links.replicas.as_ref());
+                if let Some(group) = everyone {
+                    group
+                        .all_reduce_sum(std::slice::from_ref(scaler.found_inf()))?
+                        .wait()?;
+                }
+                scaler.update().map_err(anyhow::Error::msg)?
+            }
+        };
+        crate::cuda::synchronize(self.device);
         progress.timing.comm += started.elapsed();
-        let slowdown = self.slowdown;
-        timed(slowdown, &mut progress.timing, || self.optimizer.step());
+        if !skip {
+            let slowdown = self.slowdown;
+            timed(self.device, slowdown, &mut progress.timing, || {
+                self.optimizer.step()
+            });
+        }
         self.optimizer.zero_grad();
         Ok(())
     }
@@ -460,10 +499,13 @@ impl Executor {
     }
 }
 
-/// Runs `f` as compute: timed, and stretched by the slow-down factor (straggler emulation).
-fn timed<T>(slowdown: f64, timing: &mut Timing, f: impl FnOnce() -> T) -> T {
+/// Runs `f` as compute: timed, and stretched by the slow-down factor (straggler emulation). On
+/// CUDA the clock stops only once the GPU has run what `f` queued, so the time is the kernels'
+/// and not their launches'.
+fn timed<T>(device: Device, slowdown: f64, timing: &mut Timing, f: impl FnOnce() -> T) -> T {
     let started = Instant::now();
     let value = f();
+    crate::cuda::synchronize(device);
     let mut spent = started.elapsed();
     if slowdown > 1.0 {
         let extra = spent.mul_f64(slowdown - 1.0);

@@ -99,6 +99,7 @@ impl GradScaler {
     }
 
     /// The current scale.
+    #[cfg(test)]
     pub fn scale(&self) -> f64 {
         self.scale.double_value(&[0])
     }

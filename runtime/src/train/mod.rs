@@ -15,12 +15,13 @@ use stagehand_contract::{Event, Iteration, StagePlan, Start, Summary, SCHEMA_VER
 use tch::Kind;
 
 use crate::comm::{ProcessGroup, Store};
-use crate::config::{Backend, DeviceSpec, DistConfig, TrainConfig};
+use crate::config::{Backend, DeviceSpec, DistConfig, Precision, TrainConfig};
 use crate::data::{self, BatchRequest, Shard};
 use crate::metrics::{Emitter, Memory, Throughput};
 use crate::models::{InputKind, ModelDef};
 use crate::pipeline::schedule::{self, Action, Schedule};
 use crate::pipeline::{Channels, Executor, Links, TensorSpec};
+pub use amp::GradScaler;
 pub use autograd::backward_with_grad;
 pub use optim::Optimizer;
 pub use stage::Stage;
@@ -204,6 +205,7 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
         device,
         slowdown: dist.slowdown,
         trace: config.trace,
+        scaler: (config.precision == Precision::Fp16).then(|| GradScaler::new(device)),
         input_spec: None,
         output_spec: None,
         target_spec: None,

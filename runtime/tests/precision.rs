@@ -1,0 +1,152 @@
+//! `--precision` and `--channels-last`: PyTorch's autocast in one process and across stages, the
+//! fp16 gradient scaler, and the channels_last layout.
+
+use std::path::Path;
+use std::time::Duration;
+
+use stagehand_contract::{Event, P2pOp, P2pTensor};
+
+use crate::util::{run, run_ok, run_ranks, Run};
+
+const LIMIT: Duration = Duration::from_secs(120);
+
+/// A small MLP for 4 iterations.
+const MLP: &str =
+    "--model mlp --layers 4 --hidden 64 --image-size 8 --batch-size 16 --threads 1 --seed 3 --iterations 4 --lr 0.05";
+
+fn args<'a>(base: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    base.split_whitespace().chain(extra.iter().copied()).collect()
+}
+
+fn write_two_stages(dir: &Path) -> String {
+    let path = dir.join("two.json");
+    std::fs::write(
+        &path,
+        r#"{"module_to_stage_map": [0,0,0,1,1,1], "stage_to_rank_map": {"0": [0], "1": [1]}}"#,
+    )
+    .unwrap();
+    path.to_str().unwrap().to_string()
+}
+
+fn last_stage(runs: &[Run]) -> &Run {
+    for run in runs {
+        assert!(run.output.status.success(), "{}", run.stderr());
+    }
+    runs.iter().max_by_key(|r| r.start().stage).unwrap()
+}
+
+/// bfloat16 keeps 8 significant bits: each rounding is within u = 2^-8 relative. A loss through
+/// a few such roundings that need not cancel stays within a few u of the float32 one.
+const BF16_LOSS: f64 = 8.0 / 256.0;
+
+fn assert_within(what: &str, ours: &[f64], theirs: &[f64], rel: f64) {
+    assert_eq!(ours.len(), theirs.len(), "{what}");
+    for (a, b) in ours.iter().zip(theirs) {
+        assert!((a - b).abs() <= rel * b.abs(), "{what}: {ours:?} vs {theirs:?}");
+    }
+}
+
+#[test]
+fn bf16_autocast_trains_close_to_fp32_and_crosses_stages_in_bf16() {
+    let fp32 = run_ok(&args(MLP, &[])).losses();
+    let single = run_ok(&args(MLP, &["--precision", "bf16"]));
+    assert_eq!(single.start().config.precision, "bf16");
+    let bf16 = single.losses();
+    assert_ne!(fp32, bf16, "autocast changed nothing: is it on?");
+    assert_within("bf16 vs fp32", &bf16, &fp32, BF16_LOSS);
+    assert!(bf16.last() < bf16.first(), "bf16 learns: {bf16:?}");
+
+    let tmp = tempfile::tempdir().unwrap();
+    let config = write_two_stages(tmp.path());
+    let extra = [
+        "--precision",
+        "bf16",
+        "--stage-config",
+        config.as_str(),
+        "--schedule",
+        "1f1b",
+        "--microbatches",
+        "4",
+        "--trace",
+    ];
+    let runs = run_ranks(2, &args(MLP, &extra), LIMIT);
+    assert_within(
+        "bf16 pipeline vs bf16 single process",
+        &last_stage(&runs).losses(),
+        &bf16,
+        BF16_LOSS,
+    );
+    // Activations and gradients travel in the autocast dtype; targets stay integers.
+    let mut seen = 0;
+    for run in &runs {
+        for event in &run.events {
+            if let Event::P2p(p) = event {
+                let expected = match p.tensor {
+                    P2pTensor::Activation | P2pTensor::Gradient => "bfloat16",
+                    P2pTensor::Target | P2pTensor::Header => "int64",
+                };
+                assert_eq!(p.dtype, expected, "{p:?}");
+                seen += usize::from(p.op == P2pOp::Send && p.tensor == P2pTensor::Gradient);
+            }
+        }
+    }
+    assert_eq!(seen, 16, "4 iterations of 4 microbatches send a gradient each");
+}
+
+#[test]
+fn fp16_trains_with_its_gradient_scaler_in_one_process_and_a_pipeline() {
+    let single = run_ok(&args(MLP, &["--precision", "fp16"])).losses();
+    assert!(single.iter().all(|l| l.is_finite()), "{single:?}");
+    assert!(single.last() < single.first(), "fp16 learns: {single:?}");
+    let tmp = tempfile::tempdir().unwrap();
+    let config = write_two_stages(tmp.path());
+    let extra = [
+        "--precision",
+        "fp16",
+        "--stage-config",
+        config.as_str(),
+        "--schedule",
+        "gpipe",
+        "--microbatches",
+        "4",
+    ];
+    let runs = run_ranks(2, &args(MLP, &extra), LIMIT);
+    // float16 keeps 11 significant bits, finer than bfloat16: the same bound holds.
+    assert_within(
+        "fp16 pipeline vs one process",
+        &last_stage(&runs).losses(),
+        &single,
+        BF16_LOSS,
+    );
+
+    // PipeDream steps stages at different times, so they cannot agree on skipped steps.
+    let extra = [
+        "--precision",
+        "fp16",
+        "--stage-config",
+        config.as_str(),
+        "--schedule",
+        "pipedream",
+        "--rank",
+        "0",
+        "--world-size",
+        "2",
+    ];
+    let refused = run(&args(MLP, &extra));
+    assert_eq!(refused.output.status.code(), Some(2), "{}", refused.stderr());
+    assert!(
+        refused.stderr().contains("use --precision bf16 with pipedream"),
+        "{}",
+        refused.stderr()
+    );
+}
+
+#[test]
+fn channels_last_changes_the_layout_not_the_training() {
+    let base = "--model vgg16 --image-size 32 --num-classes 10 --batch-size 4 --iterations 2 --lr 0.01 --threads 2 --seed 1";
+    let plain = run_ok(&args(base, &[])).losses();
+    let last = run_ok(&args(base, &["--channels-last"]));
+    assert!(last.start().config.channels_last);
+    // Only the convolutions' summation order changes: float32 rounding, far below 1e-3.
+    assert_within("channels_last vs default", &last.losses(), &plain, 1e-3);
+}
