@@ -25,6 +25,7 @@ fn main() {
     println!("cargo:rerun-if-changed=csrc/bridge.hpp");
     println!("cargo:rerun-if-changed=csrc/c10d_bridge.cpp");
     println!("cargo:rerun-if-changed=csrc/autograd.cpp");
+    println!("cargo:rerun-if-changed=csrc/optim.cpp");
     println!("cargo:rerun-if-changed=csrc/cuda_bridge.cpp");
     println!("cargo::rustc-check-cfg=cfg(cuda_bridge)");
     let lib_dir = PathBuf::from(
@@ -35,6 +36,7 @@ fn main() {
 
     let mut build = cxx_build(&lib_dir);
     build.file("csrc/c10d_bridge.cpp").file("csrc/autograd.cpp");
+    build.file("csrc/optim.cpp");
     build.compile("c10d_bridge");
     // The bridge's symbols come from libtorch_cpu (c10d) and c10, which torch-sys links already;
     // naming them again keeps the order right after the static bridge library.

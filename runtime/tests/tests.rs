@@ -2,5 +2,6 @@
 
 mod cuda;
 mod distributed;
+mod optim;
 mod single;
 mod util;
