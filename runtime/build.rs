@@ -2,8 +2,9 @@
 //! libtorch it was linked against, so it runs without anyone exporting `LD_LIBRARY_PATH`.
 //!
 //! - `csrc/c10d_bridge.cpp` (the C ABI to PyTorch's c10d: TCPStore, Gloo, the operations) and
-//!   `csrc/autograd.cpp` (autograd entry points tch lacks) and `csrc/amp.cpp` (autocast, the
-//!   gradient scaler's kernels, channels_last) are linked into the binary. They need
+//!   `csrc/autograd.cpp` (autograd entry points tch lacks), `csrc/amp.cpp` (autocast, the
+//!   gradient scaler's kernels, channels_last) and `csrc/optim.cpp` (the optimizers' step in
+//!   PyTorch's fused multi-tensor kernels) are linked into the binary. They need
 //!   libtorch_cpu and c10 only. Gloo's own headers come from Debian's `libgloo-dev`.
 //! - `csrc/cuda_bridge.cpp` (NCCL groups, the current device, the caching allocator's figures) is
 //!   linked as a shared object against libtorch_cuda, c10_cuda, cudart and NCCL, and embedded in
@@ -27,6 +28,7 @@ fn main() {
     println!("cargo:rerun-if-changed=csrc/c10d_bridge.cpp");
     println!("cargo:rerun-if-changed=csrc/autograd.cpp");
     println!("cargo:rerun-if-changed=csrc/amp.cpp");
+    println!("cargo:rerun-if-changed=csrc/optim.cpp");
     println!("cargo:rerun-if-changed=csrc/cuda_bridge.cpp");
     println!("cargo::rustc-check-cfg=cfg(cuda_bridge)");
     let lib_dir = PathBuf::from(
@@ -39,7 +41,8 @@ fn main() {
     build
         .file("csrc/c10d_bridge.cpp")
         .file("csrc/autograd.cpp")
-        .file("csrc/amp.cpp");
+        .file("csrc/amp.cpp")
+        .file("csrc/optim.cpp");
     build.compile("c10d_bridge");
     // The bridge's symbols come from libtorch_cpu (c10d) and c10, which torch-sys links already;
     // naming them again keeps the order right after the static bridge library.

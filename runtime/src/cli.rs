@@ -141,7 +141,10 @@ struct TrainArgs {
     /// SGD momentum.
     #[arg(long, default_value_t = 0.9)]
     momentum: f64,
-    /// Weight decay (L2 penalty).
+    /// SGD with Nesterov momentum.
+    #[arg(long)]
+    nesterov: bool,
+    /// Weight decay: an L2 penalty for sgd and adam, decoupled for adamw.
     #[arg(long, default_value_t = 0.0)]
     weight_decay: f64,
     /// Seed for parameters and synthetic data.
@@ -246,6 +249,9 @@ struct ModulesArgs {
 enum OptimizerArg {
     Sgd,
     Adam,
+    /// Adam with decoupled weight decay.
+    #[value(name = "adamw")]
+    AdamW,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -300,17 +306,9 @@ impl Cli {
 
 impl TrainArgs {
     fn into_config(self) -> Result<TrainConfig, ConfigError> {
+        let optimizer = self.optimizer_kind()?;
         let data = DataSpec::parse(&self.data)?;
         let model = self.model.into_choice(Some(&data))?;
-        let optimizer = match self.optimizer {
-            OptimizerArg::Sgd => OptimizerKind::Sgd {
-                momentum: self.momentum,
-                weight_decay: self.weight_decay,
-            },
-            OptimizerArg::Adam => OptimizerKind::Adam {
-                weight_decay: self.weight_decay,
-            },
-        };
         if !(self.lr.is_finite() && self.lr > 0.0) {
             return Err(ConfigError::Invalid {
                 flag: "--lr",
@@ -355,6 +353,41 @@ impl TrainArgs {
             warmup: self.warmup,
             save_params: self.save_params,
             trace: self.trace,
+        })
+    }
+
+    /// The optimizer, with torch.optim's checks of its hyper-parameters.
+    fn optimizer_kind(&self) -> Result<OptimizerKind, ConfigError> {
+        let invalid = |flag, reason: String| ConfigError::Invalid { flag, reason };
+        if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
+            return Err(invalid(
+                "--weight-decay",
+                format!("{} is not a number of at least 0", self.weight_decay),
+            ));
+        }
+        let weight_decay = self.weight_decay;
+        if self.nesterov && !matches!(self.optimizer, OptimizerArg::Sgd) {
+            return Err(invalid("--nesterov", "applies to --optimizer sgd only".into()));
+        }
+        Ok(match self.optimizer {
+            OptimizerArg::Sgd => {
+                if !(self.momentum.is_finite() && self.momentum >= 0.0) {
+                    return Err(invalid(
+                        "--momentum",
+                        format!("{} is not a number of at least 0", self.momentum),
+                    ));
+                }
+                if self.nesterov && self.momentum == 0.0 {
+                    return Err(invalid("--nesterov", "needs a --momentum above 0".into()));
+                }
+                OptimizerKind::Sgd {
+                    momentum: self.momentum,
+                    weight_decay,
+                    nesterov: self.nesterov,
+                }
+            }
+            OptimizerArg::Adam => OptimizerKind::Adam { weight_decay },
+            OptimizerArg::AdamW => OptimizerKind::AdamW { weight_decay },
         })
     }
 }

@@ -161,11 +161,31 @@ fn check_options(name: &str, o: &ModelOptions) -> Result<(), ConfigError> {
     Ok(())
 }
 
-/// The optimizer and its hyper-parameters (the learning rate is in [`TrainConfig`]).
+/// The optimizer and its hyper-parameters, as `torch.optim` names them (the learning rate is in
+/// [`TrainConfig`]; SGD's dampening is 0, Adam's betas and eps are torch's defaults).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum OptimizerKind {
-    Sgd { momentum: f64, weight_decay: f64 },
+    /// SGD; `nesterov` needs a momentum above 0.
+    Sgd {
+        momentum: f64,
+        weight_decay: f64,
+        nesterov: bool,
+    },
+    /// Adam, weight decay added to the gradient (L2 penalty).
     Adam { weight_decay: f64 },
+    /// AdamW: Adam with weight decay applied to the weights directly (decoupled).
+    AdamW { weight_decay: f64 },
+}
+
+impl OptimizerKind {
+    /// The `--optimizer` value.
+    pub fn name(&self) -> &'static str {
+        match self {
+            OptimizerKind::Sgd { .. } => "sgd",
+            OptimizerKind::Adam { .. } => "adam",
+            OptimizerKind::AdamW { .. } => "adamw",
+        }
+    }
 }
 
 /// Where tensors live.
@@ -290,10 +310,7 @@ impl TrainConfig {
             batch_size: self.batch_size,
             iterations: self.iterations,
             lr: self.lr,
-            optimizer: match self.optimizer {
-                OptimizerKind::Sgd { .. } => "sgd".into(),
-                OptimizerKind::Adam { .. } => "adam".into(),
-            },
+            optimizer: self.optimizer.name().into(),
             seed: self.seed,
             data: self.data.to_string(),
             device: self.device.to_string(),

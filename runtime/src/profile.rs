@@ -63,6 +63,7 @@ fn optimizer_seconds(vs: &nn::VarStore, repeats: usize, device: Device) -> f64 {
         OptimizerKind::Sgd {
             momentum: 0.9,
             weight_decay: 0.0,
+            nesterov: false,
         },
         1e-6,
         params.iter().map(Tensor::shallow_clone).collect(),

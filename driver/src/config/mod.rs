@@ -69,7 +69,7 @@ pub struct ExperimentFile {
     /// Learning rate.
     #[serde(default, alias = "lr")]
     pub learning_rate: Option<f64>,
-    /// `sgd` or `adam`.
+    /// `sgd`, `adam` or `adamw`.
     #[serde(default)]
     pub optimizer: Option<Optimizer>,
     /// Seed for parameters and synthetic data.
@@ -137,6 +137,7 @@ pub fn canonical_key(key: &str) -> &str {
 pub enum Optimizer {
     Sgd,
     Adam,
+    Adamw,
 }
 
 /// The runtime's arithmetic.
@@ -191,6 +192,7 @@ impl Optimizer {
         match self {
             Optimizer::Sgd => "sgd",
             Optimizer::Adam => "adam",
+            Optimizer::Adamw => "adamw",
         }
     }
 }

@@ -1,0 +1,141 @@
+//! PyTorch's fused optimizer kernels over many parameters at once, through `csrc/optim.cpp`.
+
+use std::os::raw::c_char;
+
+use tch::Tensor;
+use torch_sys::C_tensor;
+
+use crate::comm::ffi::check;
+
+extern "C" {
+    fn sh_fused_sgd_step(
+        params: *const *const C_tensor,
+        momentum_buffers: *const *const C_tensor,
+        count: usize,
+        lr: f64,
+        momentum: f64,
+        weight_decay: f64,
+        nesterov: bool,
+        first_step: bool,
+    ) -> *mut c_char;
+    fn sh_fused_adam_step(
+        params: *const *const C_tensor,
+        exp_avgs: *const *const C_tensor,
+        exp_avg_sqs: *const *const C_tensor,
+        steps: *const *const C_tensor,
+        count: usize,
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        eps: f64,
+        weight_decay: f64,
+        decoupled_weight_decay: bool,
+    ) -> *mut c_char;
+}
+
+/// SGD's hyper-parameters (dampening is always 0).
+#[derive(Debug, Clone, Copy)]
+pub struct SgdHyper {
+    pub lr: f64,
+    pub momentum: f64,
+    pub weight_decay: f64,
+    pub nesterov: bool,
+}
+
+/// Adam's hyper-parameters; `decoupled` makes it AdamW.
+#[derive(Debug, Clone, Copy)]
+pub struct AdamHyper {
+    pub lr: f64,
+    pub betas: (f64, f64),
+    pub eps: f64,
+    pub weight_decay: f64,
+    pub decoupled: bool,
+}
+
+fn handles(tensors: &[&Tensor]) -> Vec<*const C_tensor> {
+    tensors.iter().map(|t| t.as_ptr()).collect()
+}
+
+/// One `torch.optim.SGD(fused=True)` step over `params`, which all have gradients. With momentum,
+/// `buffers` holds one buffer per parameter, shaped like it; `first_step` says they are new (the
+/// kernel sets them instead of blending). Without momentum `buffers` must be empty.
+pub fn sgd_step(
+    params: &[&Tensor],
+    buffers: &[&Tensor],
+    hyper: SgdHyper,
+    first_step: bool,
+) -> Result<(), String> {
+    let with_buffers = hyper.momentum != 0.0;
+    if buffers.len() != if with_buffers { params.len() } else { 0 } {
+        return Err(format!(
+            "{} momentum buffers for {} parameters at momentum {}",
+            buffers.len(),
+            params.len(),
+            hyper.momentum
+        ));
+    }
+    let (params, buffers) = (handles(params), handles(buffers));
+    // SAFETY: every handle is a live tch tensor (an `at::Tensor*`) borrowed for the call; the
+    // bridge reads `count` entries of each array (none of `buffers` without momentum), mutates
+    // the tensors' data only, and catches every C++ exception.
+    check(unsafe {
+        sh_fused_sgd_step(
+            params.as_ptr(),
+            if with_buffers {
+                buffers.as_ptr()
+            } else {
+                std::ptr::null()
+            },
+            params.len(),
+            hyper.lr,
+            hyper.momentum,
+            hyper.weight_decay,
+            hyper.nesterov,
+            first_step,
+        )
+    })
+}
+
+/// One `torch.optim.Adam(fused=True)` (or `AdamW`) step over `params`, which all have gradients,
+/// with their moments (shaped like the parameter) and step counts (0-dim float32 on the
+/// parameter's device), which the step increments.
+pub fn adam_step(
+    params: &[&Tensor],
+    exp_avgs: &[&Tensor],
+    exp_avg_sqs: &[&Tensor],
+    steps: &[&Tensor],
+    hyper: AdamHyper,
+) -> Result<(), String> {
+    let n = params.len();
+    if exp_avgs.len() != n || exp_avg_sqs.len() != n || steps.len() != n {
+        return Err(format!(
+            "{n} parameters with {}, {} and {} state tensors",
+            exp_avgs.len(),
+            exp_avg_sqs.len(),
+            steps.len()
+        ));
+    }
+    let (params, exp_avgs, exp_avg_sqs, steps) = (
+        handles(params),
+        handles(exp_avgs),
+        handles(exp_avg_sqs),
+        handles(steps),
+    );
+    // SAFETY: every handle is a live tch tensor borrowed for the call; the bridge reads `n`
+    // entries of each array, mutates the tensors' data only, and catches every C++ exception.
+    check(unsafe {
+        sh_fused_adam_step(
+            params.as_ptr(),
+            exp_avgs.as_ptr(),
+            exp_avg_sqs.as_ptr(),
+            steps.as_ptr(),
+            n,
+            hyper.lr,
+            hyper.betas.0,
+            hyper.betas.1,
+            hyper.eps,
+            hyper.weight_decay,
+            hyper.decoupled,
+        )
+    })
+}

@@ -1,0 +1,189 @@
+//! SGD (momentum, Nesterov, weight decay), Adam and AdamW as `torch.optim`'s fused
+//! implementations: one multi-tensor kernel launch per step over all of a stage's parameters
+//! (`fused.rs`, `csrc/optim.cpp`), with hyper-parameters passed as numbers, so a step neither
+//! copies anything to the device nor waits for it.
+//!
+//! The kernels update the parameters through `.data`-style aliases, which do not bump autograd's
+//! version counters: PipeDream's weight stashing steps the parameters while other microbatches'
+//! graphs, which saved them, are still waiting for their backward.
+
+mod fused;
+#[cfg(test)]
+mod tests;
+
+use tch::{Kind, Tensor};
+
+use super::autograd::grad_to_none;
+use crate::config::OptimizerKind;
+use fused::{AdamHyper, SgdHyper};
+
+const ADAM_BETAS: (f64, f64) = (0.9, 0.999);
+const ADAM_EPS: f64 = 1e-8;
+
+/// A parameter's optimizer state, made at its first step with a gradient (torch.optim's
+/// `state[p]`).
+enum State {
+    /// SGD with momentum.
+    Momentum { buffer: Tensor },
+    /// Adam and AdamW: the moments and the step count (0-dim float32 on the parameter's device,
+    /// which the kernel increments, as in torch's fused path).
+    Adam {
+        exp_avg: Tensor,
+        exp_avg_sq: Tensor,
+        step: Tensor,
+    },
+}
+
+pub struct Optimizer {
+    kind: OptimizerKind,
+    lr: f64,
+    params: Vec<Tensor>,
+    /// Per parameter, in `params` order; `None` before its first step (and always for SGD
+    /// without momentum).
+    state: Vec<Option<State>>,
+    steps: u64,
+}
+
+impl Optimizer {
+    pub fn new(kind: OptimizerKind, lr: f64, params: Vec<Tensor>) -> Optimizer {
+        let state = params.iter().map(|_| None).collect();
+        Optimizer {
+            kind,
+            lr,
+            params,
+            state,
+            steps: 0,
+        }
+    }
+
+    /// The parameters, in a fixed order (the var store's), for all-reduce and stashing.
+    pub fn params(&self) -> &[Tensor] {
+        &self.params
+    }
+
+    /// Gradients of every parameter, in `params` order. A parameter that took no part in any
+    /// backward gets a zero gradient first, so replicas all-reduce lists of the same shape.
+    pub fn grads(&self) -> Vec<Tensor> {
+        self.params
+            .iter()
+            .map(|p| {
+                if !p.grad().defined() {
+                    (p.sum(p.kind()) * 0.0).backward();
+                }
+                p.grad()
+            })
+            .collect()
+    }
+
+    /// Steps taken so far: the version of the weights.
+    pub fn steps(&self) -> u64 {
+        self.steps
+    }
+
+    /// Drops gradients before the next accumulation (set to none, as PyTorch does by default).
+    pub fn zero_grad(&mut self) {
+        for p in &mut self.params {
+            grad_to_none(p).expect("resetting a parameter's gradient cannot fail");
+        }
+    }
+
+    /// Applies one update from the accumulated gradients; parameters without a gradient keep
+    /// their values and state, as in torch.optim.
+    pub fn step(&mut self) {
+        self.steps += 1;
+        if let Err(e) = self.try_step() {
+            // The tensors are ours and consistent by construction: a failure is a bug, not input.
+            panic!("the optimizer step failed: {e}");
+        }
+    }
+
+    fn try_step(&mut self) -> Result<(), String> {
+        let live: Vec<usize> = (0..self.params.len())
+            .filter(|&i| self.params[i].grad().defined())
+            .collect();
+        if live.is_empty() {
+            return Ok(());
+        }
+        match self.kind {
+            OptimizerKind::Sgd {
+                momentum,
+                weight_decay,
+                nesterov,
+            } => {
+                let hyper = SgdHyper {
+                    lr: self.lr,
+                    momentum,
+                    weight_decay,
+                    nesterov,
+                };
+                if momentum == 0.0 {
+                    return fused::sgd_step(&self.pick(&live), &[], hyper, false);
+                }
+                // A new buffer is set to the gradient, an old one blends it in: torch's kernel
+                // does either for a whole call, so parameters stepping for the first time (all of
+                // them at the first step) go in a call of their own.
+                let (fresh, old): (Vec<usize>, Vec<usize>) =
+                    live.into_iter().partition(|&i| self.state[i].is_none());
+                for &i in &fresh {
+                    self.state[i] = Some(State::Momentum {
+                        buffer: self.params[i].empty_like(),
+                    });
+                }
+                for (indices, first_step) in [(old, false), (fresh, true)] {
+                    if !indices.is_empty() {
+                        let buffers = self.momentum_buffers(&indices);
+                        fused::sgd_step(&self.pick(&indices), &buffers, hyper, first_step)?;
+                    }
+                }
+                Ok(())
+            }
+            OptimizerKind::Adam { weight_decay } | OptimizerKind::AdamW { weight_decay } => {
+                for &i in &live {
+                    if self.state[i].is_none() {
+                        let p = &self.params[i];
+                        self.state[i] = Some(State::Adam {
+                            exp_avg: p.zeros_like(),
+                            exp_avg_sq: p.zeros_like(),
+                            step: Tensor::zeros([], (Kind::Float, p.device())),
+                        });
+                    }
+                }
+                let mut moments = (Vec::new(), Vec::new(), Vec::new());
+                for &i in &live {
+                    if let Some(State::Adam {
+                        exp_avg,
+                        exp_avg_sq,
+                        step,
+                    }) = &self.state[i]
+                    {
+                        moments.0.push(exp_avg);
+                        moments.1.push(exp_avg_sq);
+                        moments.2.push(step);
+                    }
+                }
+                let hyper = AdamHyper {
+                    lr: self.lr,
+                    betas: ADAM_BETAS,
+                    eps: ADAM_EPS,
+                    weight_decay,
+                    decoupled: matches!(self.kind, OptimizerKind::AdamW { .. }),
+                };
+                fused::adam_step(&self.pick(&live), &moments.0, &moments.1, &moments.2, hyper)
+            }
+        }
+    }
+
+    fn pick(&self, indices: &[usize]) -> Vec<&Tensor> {
+        indices.iter().map(|&i| &self.params[i]).collect()
+    }
+
+    fn momentum_buffers(&self, indices: &[usize]) -> Vec<&Tensor> {
+        indices
+            .iter()
+            .filter_map(|&i| match &self.state[i] {
+                Some(State::Momentum { buffer }) => Some(buffer),
+                _ => None,
+            })
+            .collect()
+    }
+}

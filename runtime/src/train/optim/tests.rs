@@ -1,0 +1,324 @@
+//! The optimizer against torch.optim's own results (fixtures written by
+//! runtime/tests/fixtures/optim/generate.py), and the properties weight stashing relies on.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use serde::Deserialize;
+use tch::{Device, Kind, Tensor};
+
+use super::*;
+
+const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/optim");
+
+/// cases.json.
+#[derive(Deserialize)]
+struct Meta {
+    steps: usize,
+    shapes: Vec<Vec<i64>>,
+    betas: (f64, f64),
+    eps: f64,
+    /// Float32 roundings per step the tolerance allows (the generator explains the figure).
+    ulps_per_step: f64,
+    cases: Vec<Case>,
+}
+
+#[derive(Deserialize)]
+struct Case {
+    name: String,
+    optimizer: String,
+    lr: f64,
+    #[serde(default)]
+    momentum: f64,
+    weight_decay: f64,
+    #[serde(default)]
+    nesterov: bool,
+}
+
+impl Case {
+    fn kind(&self) -> OptimizerKind {
+        let weight_decay = self.weight_decay;
+        match self.optimizer.as_str() {
+            "sgd" => OptimizerKind::Sgd {
+                momentum: self.momentum,
+                weight_decay,
+                nesterov: self.nesterov,
+            },
+            "adam" => OptimizerKind::Adam { weight_decay },
+            "adamw" => OptimizerKind::AdamW { weight_decay },
+            other => panic!("cases.json: unknown optimizer {other:?}"),
+        }
+    }
+}
+
+struct Fixtures {
+    meta: Meta,
+    tensors: HashMap<String, Tensor>,
+}
+
+impl Fixtures {
+    fn load() -> Fixtures {
+        let dir = Path::new(FIXTURES);
+        let meta: Meta = serde_json::from_str(
+            &std::fs::read_to_string(dir.join("cases.json")).expect("reading cases.json"),
+        )
+        .expect("parsing cases.json");
+        assert_eq!(meta.betas, ADAM_BETAS, "the fixtures' Adam betas are ours");
+        assert_eq!(meta.eps, ADAM_EPS, "the fixtures' Adam eps is ours");
+        let tensors = Tensor::read_npz(dir.join("tensors.npz"))
+            .expect("reading tensors.npz")
+            .into_iter()
+            .collect();
+        Fixtures { meta, tensors }
+    }
+
+    fn get(&self, name: &str) -> &Tensor {
+        self.tensors
+            .get(name)
+            .unwrap_or_else(|| panic!("tensors.npz has no {name}"))
+    }
+
+    /// Our parameters after the fixture's steps with `kind`.
+    fn run(&self, kind: OptimizerKind, lr: f64) -> Vec<Tensor> {
+        let n = self.meta.shapes.len();
+        let params: Vec<Tensor> = (0..n)
+            .map(|i| self.get(&format!("param{i}")).copy().set_requires_grad(true))
+            .collect();
+        let mut opt = Optimizer::new(kind, lr, params.iter().map(Tensor::shallow_clone).collect());
+        for t in 0..self.meta.steps {
+            opt.zero_grad();
+            for (i, p) in params.iter().enumerate() {
+                // d/dp sum(p * g) is exactly g.
+                let grad = self.get(&format!("grad{i}_{t}"));
+                (p * grad).sum(Kind::Float).backward();
+            }
+            opt.step();
+        }
+        params.iter().map(Tensor::detach).collect()
+    }
+
+    /// How far `ours` is from torch's result `{case}_{path}{i}`: the largest absolute difference,
+    /// the largest relative to the parameter's scale, and the largest as a fraction of the
+    /// tolerance (above 1 fails).
+    fn compare(&self, case: &str, path: &str, ours: &[Tensor]) -> Difference {
+        let mut d = Difference::default();
+        for (i, ours) in ours.iter().enumerate() {
+            let theirs = self.get(&format!("{case}_{path}{i}"));
+            let scale = self.get(&format!("{case}_scale{i}")).double_value(&[]);
+            let tolerance = self.meta.steps as f64 * self.meta.ulps_per_step * f32::EPSILON as f64 * scale;
+            let abs = (ours - theirs).abs().max().double_value(&[]);
+            d.abs = d.abs.max(abs);
+            d.rel = d.rel.max(abs / scale);
+            d.of_tolerance = d.of_tolerance.max(abs / tolerance);
+        }
+        d
+    }
+}
+
+#[derive(Debug, Default)]
+struct Difference {
+    abs: f64,
+    rel: f64,
+    of_tolerance: f64,
+}
+
+#[test]
+fn every_case_matches_torch_foreach_and_fused() {
+    let fixtures = Fixtures::load();
+    assert_eq!(fixtures.meta.cases.len(), 8);
+    for case in &fixtures.meta.cases {
+        let ours = fixtures.run(case.kind(), case.lr);
+        for path in ["foreach", "fused"] {
+            let d = fixtures.compare(&case.name, path, &ours);
+            println!(
+                "{:<26} vs torch {path:<7}: max |diff| {:.3e}, relative to scale {:.3e} ({:.4} of the tolerance)",
+                case.name, d.abs, d.rel, d.of_tolerance
+            );
+            assert!(
+                d.of_tolerance <= 1.0,
+                "{} differs from torch's {path} path: {d:?}",
+                case.name
+            );
+        }
+    }
+}
+
+#[test]
+fn a_wrong_option_fails_the_parity_check() {
+    let fixtures = Fixtures::load();
+    let case = |name: &str| {
+        fixtures
+            .meta
+            .cases
+            .iter()
+            .find(|c| c.name == name)
+            .unwrap_or_else(|| panic!("cases.json has no {name}"))
+    };
+    let wrong = [
+        (
+            "sgd_nesterov",
+            OptimizerKind::Sgd {
+                momentum: 0.9,
+                weight_decay: 0.0,
+                nesterov: false,
+            },
+        ),
+        (
+            "sgd_momentum",
+            OptimizerKind::Sgd {
+                momentum: 0.0,
+                weight_decay: 0.0,
+                nesterov: false,
+            },
+        ),
+        (
+            "sgd_momentum_weight_decay",
+            OptimizerKind::Sgd {
+                momentum: 0.9,
+                weight_decay: 0.0,
+                nesterov: false,
+            },
+        ),
+        ("adam_weight_decay", OptimizerKind::AdamW { weight_decay: 0.1 }),
+        ("adamw_weight_decay", OptimizerKind::Adam { weight_decay: 0.1 }),
+    ];
+    for (name, kind) in wrong {
+        let ours = fixtures.run(kind, case(name).lr);
+        let d = fixtures.compare(name, "fused", &ours);
+        println!(
+            "{name} run as {kind:?}: {:.1} times the tolerance",
+            d.of_tolerance
+        );
+        assert!(d.of_tolerance > 1.0, "{name} passed as {kind:?}: {d:?}");
+    }
+}
+
+fn cpu_float() -> (Kind, Device) {
+    (Kind::Float, Device::Cpu)
+}
+
+const KINDS: [OptimizerKind; 4] = [
+    OptimizerKind::Sgd {
+        momentum: 0.0,
+        weight_decay: 0.0,
+        nesterov: false,
+    },
+    OptimizerKind::Sgd {
+        momentum: 0.9,
+        weight_decay: 0.01,
+        nesterov: true,
+    },
+    OptimizerKind::Adam { weight_decay: 0.01 },
+    OptimizerKind::AdamW { weight_decay: 0.01 },
+];
+
+#[test]
+fn steps_do_not_bump_autograd_versions() {
+    // A graph that saved the weight still runs backward after a step (weight stashing needs this).
+    for kind in KINDS {
+        let w = Tensor::ones([2, 2], cpu_float()).set_requires_grad(true);
+        let x = Tensor::ones([1, 2], cpu_float()).set_requires_grad(true);
+        let mut opt = Optimizer::new(kind, 0.5, vec![w.shallow_clone()]);
+        let first = x.matmul(&w).sum(Kind::Float);
+        let second = x.matmul(&w).sum(Kind::Float);
+        first.backward();
+        opt.step();
+        opt.step(); // the second step of momentum and Adam takes the other branch of the kernels
+                    // Fails with "modified by an inplace operation" if a step bumped the weight's version.
+        second.f_backward().unwrap_or_else(|e| panic!("{kind:?}: {e}"));
+        assert!(w.grad().defined());
+    }
+    // Plain SGD's two steps with the gradient of ones at lr 0.5: 1 - 2 * 0.5 = 0.
+    let w = Tensor::ones([2, 2], cpu_float()).set_requires_grad(true);
+    let mut opt = Optimizer::new(KINDS[0], 0.5, vec![w.shallow_clone()]);
+    w.sum(Kind::Float).backward();
+    opt.step();
+    opt.step();
+    assert!(w.allclose(&Tensor::zeros([2, 2], cpu_float()), 0.0, 0.0, false));
+}
+
+#[test]
+fn a_parameter_without_a_gradient_is_left_alone_until_it_has_one() {
+    // `late` takes no part in the first two steps; its state starts at its own first step, so it
+    // ends where an optimizer over it alone, started then, leaves it (Adam's bias correction
+    // counts its own steps).
+    for kind in KINDS {
+        tch::manual_seed(1);
+        let early = Tensor::randn([3, 4], cpu_float()).set_requires_grad(true);
+        let late = Tensor::randn([5], cpu_float()).set_requires_grad(true);
+        let alone = late.detach().copy().set_requires_grad(true);
+        let late_start = late.detach().copy();
+        let mut both = Optimizer::new(kind, 0.1, vec![early.shallow_clone(), late.shallow_clone()]);
+        let mut single = Optimizer::new(kind, 0.1, vec![alone.shallow_clone()]);
+        for t in 0..5 {
+            both.zero_grad();
+            (&early * (t as f64 + 1.0)).sum(Kind::Float).backward();
+            if t >= 2 {
+                let g = Tensor::randn([5], cpu_float());
+                (&late * &g).sum(Kind::Float).backward();
+                single.zero_grad();
+                (&alone * &g).sum(Kind::Float).backward();
+                single.step();
+            }
+            both.step();
+            if t < 2 {
+                assert!(late.equal(&late_start), "{kind:?}: moved without a gradient");
+            }
+        }
+        assert!(late.equal(&alone), "{kind:?}: {late} vs {alone}");
+    }
+}
+
+#[test]
+fn a_channels_last_parameter_steps_like_a_contiguous_one() {
+    // The kernels walk parameter, gradient and state as flat arrays; a parameter with another
+    // memory layout (channels last) must get the same elementwise update.
+    for kind in KINDS {
+        tch::manual_seed(2);
+        let nhwc = Tensor::randn([4, 2, 2, 3], cpu_float());
+        let strided = nhwc.permute([0, 3, 1, 2]).detach().set_requires_grad(true);
+        assert!(!strided.is_contiguous());
+        let plain = strided.detach().contiguous().set_requires_grad(true);
+        let mut a = Optimizer::new(kind, 0.1, vec![strided.shallow_clone()]);
+        let mut b = Optimizer::new(kind, 0.1, vec![plain.shallow_clone()]);
+        for _ in 0..3 {
+            let g = Tensor::randn([4, 3, 2, 2], cpu_float());
+            a.zero_grad();
+            b.zero_grad();
+            (&strided * &g).sum(Kind::Float).backward();
+            (&plain * &g).sum(Kind::Float).backward();
+            a.step();
+            b.step();
+        }
+        assert!(strided.equal(&plain), "{kind:?}");
+    }
+}
+
+#[test]
+fn a_bad_call_is_an_error_not_a_crash() {
+    let p = Tensor::ones([3], cpu_float()).set_requires_grad(true);
+    p.sum(Kind::Float).backward();
+    let hyper = SgdHyper {
+        lr: 0.1,
+        momentum: 0.9,
+        weight_decay: 0.0,
+        nesterov: false,
+    };
+    let wrong_shape = Tensor::zeros([4], cpu_float());
+    let err = fused::sgd_step(&[&p], &[&wrong_shape], hyper, false).unwrap_err();
+    assert!(err.contains("differs from its parameter"), "{err}");
+    let err = fused::sgd_step(&[&p], &[], hyper, false).unwrap_err();
+    assert!(err.contains("0 momentum buffers for 1 parameters"), "{err}");
+    let no_grad = Tensor::ones([3], cpu_float()).set_requires_grad(true);
+    let err = fused::sgd_step(
+        &[&no_grad],
+        &[],
+        SgdHyper {
+            momentum: 0.0,
+            ..hyper
+        },
+        false,
+    )
+    .unwrap_err();
+    assert!(err.contains("without a gradient"), "{err}");
+}
