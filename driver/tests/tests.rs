@@ -12,3 +12,4 @@ mod process;
 mod results;
 mod ssh;
 mod sweep;
+mod testbed;

@@ -3,6 +3,7 @@
 //! that label are ever stopped or removed.
 
 use std::collections::HashMap;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use bollard::container::LogOutput;
@@ -223,22 +224,26 @@ async fn create(host: &Host, name: String, body: ContainerCreateBody) -> Result<
 
 /// A tar of the files a host lacks, each at its absolute path, modes kept (binaries stay executable).
 fn pack_files(host: &Host) -> Result<Vec<u8>, LaunchError> {
+    pack_paths(&host.copies).map_err(|(path, source)| LaunchError::Pack {
+        host: host.name.clone(),
+        path,
+        source,
+    })
+}
+
+/// Tars `paths` at their absolute paths; an error names the path that failed (`/` for the end).
+fn pack_paths(paths: &[PathBuf]) -> Result<Vec<u8>, (PathBuf, std::io::Error)> {
     let mut builder = tar::Builder::new(Vec::new());
-    for path in &host.copies {
-        let fail = |source| LaunchError::Pack {
-            host: host.name.clone(),
-            path: path.clone(),
-            source,
-        };
+    // tar writes a file with holes (a linked binary can have some) as a GNU sparse entry (type 83)
+    // by default, and Docker's extractor refuses those ("unhandled tar header type 83").
+    builder.sparse(false);
+    for path in paths {
+        let fail = |source| (path.clone(), source);
         let mut file = std::fs::File::open(path).map_err(fail)?;
         let inside = path.strip_prefix("/").unwrap_or(path);
         builder.append_file(inside, &mut file).map_err(fail)?;
     }
-    builder.into_inner().map_err(|source| LaunchError::Pack {
-        host: host.name.clone(),
-        path: "/".into(),
-        source,
-    })
+    builder.into_inner().map_err(|source| ("/".into(), source))
 }
 
 fn env_list(rank: &RankPlan) -> Vec<String> {
@@ -438,4 +443,33 @@ async fn remove_labelled(docker: &bollard::Docker, host: &str, id: &str) -> Vec<
 
 fn short(id: &str) -> String {
     id.chars().take(12).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_file_with_holes_is_packed_as_a_plain_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("holes");
+        {
+            use std::io::{Seek, SeekFrom, Write};
+            let mut file = std::fs::File::create(&path).unwrap();
+            file.write_all(b"head").unwrap();
+            file.seek(SeekFrom::Start(1 << 20)).unwrap();
+            file.write_all(b"tail").unwrap();
+        }
+        let tar = pack_paths(std::slice::from_ref(&path)).unwrap();
+        let mut archive = tar::Archive::new(tar.as_slice());
+        let mut entries = archive.entries().unwrap();
+        let mut entry = entries.next().unwrap().unwrap();
+        assert_eq!(entry.header().entry_type(), tar::EntryType::Regular);
+        assert_eq!(entry.path().unwrap(), path.strip_prefix("/").unwrap());
+        let mut data = Vec::new();
+        std::io::Read::read_to_end(&mut entry, &mut data).unwrap();
+        assert_eq!(data.len(), (1 << 20) + 4);
+        assert!(data.starts_with(b"head") && data.ends_with(b"tail"));
+        assert!(entries.next().is_none());
+    }
 }

@@ -5,6 +5,7 @@
 #![allow(dead_code)]
 
 pub mod sshd;
+pub mod testbed;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};

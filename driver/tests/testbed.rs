@@ -1,0 +1,333 @@
+//! The multi-host test bed (scripts/testbed): hosts that share nothing with this machine or with
+//! each other, checked as a user sees them through ssh. Where the bed cannot be built here (not
+//! root, no dockerd), each test prints a line starting with `SKIPPED` and passes.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use crate::util::testbed::{self, text, Bed};
+use crate::util::{base_image, docker, local_context, workspace, Harness, DRIVER, FAKE_RANK};
+
+/// Where the script keeps the hosts' pid files and engine sockets.
+const STATE: &str = "/run/stagehand-testbed";
+
+/// `path` quoted for the remote shell.
+fn quote(path: &Path) -> String {
+    format!("'{}'", path.display().to_string().replace('\'', r"'\''"))
+}
+
+/// A one-file image archive for `docker import`.
+fn probe_tar(content: &str) -> Vec<u8> {
+    let mut builder = tar::Builder::new(Vec::new());
+    let mut header = tar::Header::new_gnu();
+    header.set_size(content.len() as u64);
+    header.set_mode(0o644);
+    builder
+        .append_data(&mut header, "probe", content.as_bytes())
+        .unwrap();
+    builder.into_inner().unwrap()
+}
+
+fn engine_id(bed: &Bed, host: &str) -> String {
+    bed.ssh_ok(host, "docker info --format '{{.ID}}'")
+}
+
+fn has_image(bed: &Bed, host: &str, image: &str) -> bool {
+    bed.ssh(host, &format!("docker image inspect {image}"))
+        .status
+        .success()
+}
+
+#[test]
+fn testbed_hosts_share_nothing_with_the_machine_or_each_other() {
+    let Some(bed) = testbed::up("testbed_hosts_share_nothing_with_the_machine_or_each_other", 2) else {
+        return;
+    };
+    // Each host its own engine: its own ID, its own hostname.
+    let local = docker(&["info", "--format", "{{.ID}}"]).trim().to_string();
+    let ids: Vec<String> = bed.hosts.iter().map(|h| engine_id(&bed, h)).collect();
+    assert_ne!(ids[0], ids[1]);
+    assert!(
+        !ids.contains(&local),
+        "a host reports the machine's engine {local}"
+    );
+    for host in &bed.hosts {
+        assert_eq!(&bed.ssh_ok(host, "hostname"), host);
+    }
+
+    // An image loaded on th1 is on th1 only.
+    let image = format!("stagehand-testbed-probe:{}", std::process::id());
+    let load = bed.ssh_with_input("th1", &format!("docker import - {image}"), &probe_tar(&image));
+    assert!(
+        load.status.success(),
+        "docker import on th1: {}",
+        text(&load.stderr)
+    );
+    assert!(has_image(&bed, "th1", &image));
+    assert!(!has_image(&bed, "th2", &image), "th2 sees th1's image");
+    let local = std::process::Command::new("docker")
+        .args(["image", "inspect", &image])
+        .output()
+        .unwrap();
+    assert!(!local.status.success(), "the machine's engine sees th1's image");
+
+    // Nothing of the machine's files that a real remote host would lack: the checkout and its
+    // target/ (the driver, the runtime), ~/.cache/stagehand (the torch venv), the tests' scratch
+    // folders. (A hidden folder may remain as an empty mount point.)
+    let scratch = tempfile::tempdir().unwrap();
+    std::fs::write(scratch.path().join("stages.json"), "{}").unwrap();
+    let mut paths = vec![
+        workspace().join("Cargo.toml"),
+        PathBuf::from(DRIVER),
+        scratch.path().join("stages.json"),
+    ];
+    if let Some(home) = std::env::var_os("HOME") {
+        paths.push(PathBuf::from(home).join(".cache/stagehand"));
+    }
+    for path in paths.iter().filter(|p| p.exists()) {
+        for host in &bed.hosts {
+            let out = bed.ssh(host, &format!("test -e {}", quote(path)));
+            assert_eq!(
+                out.status.code(),
+                Some(1),
+                "{} is visible on {host}",
+                path.display()
+            );
+        }
+    }
+    let listing = bed.ssh_ok(
+        "th1",
+        &format!("if [ -d {0} ]; then ls -A {0}; fi", quote(&workspace())),
+    );
+    assert!(listing.is_empty(), "the checkout shows on th1: {listing}");
+    // The test's own check works: what a host does have is seen.
+    bed.ssh_ok("th1", "test -S /var/run/docker.sock && test -x /usr/bin/docker");
+}
+
+#[test]
+fn testbed_hosts_reach_each_other_and_a_cut_host_is_unreachable_until_healed() {
+    let Some(bed) = testbed::up(
+        "testbed_hosts_reach_each_other_and_a_cut_host_is_unreachable_until_healed",
+        2,
+    ) else {
+        return;
+    };
+    let (th1, th2) = (bed.address("th1"), bed.address("th2"));
+    assert_ne!(th1, th2);
+    assert!(bed.reaches("th1", &th2, 22), "th1 cannot reach th2 at {th2}");
+    assert!(bed.reaches("th2", &th1, 22), "th2 cannot reach th1 at {th1}");
+    // And the driver machine, where a rank or a rendezvous could listen.
+    let listener = std::net::TcpListener::bind("0.0.0.0:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    assert!(
+        bed.reaches("th1", &bed.gateway(), port),
+        "th1 cannot reach the machine"
+    );
+
+    bed.cut("th2");
+    assert!(
+        !bed.reaches("th1", &th2, 22),
+        "th1 still reaches th2 after the cut"
+    );
+    let ssh = bed.ssh("th2", "true");
+    assert!(!ssh.status.success(), "ssh th2 still works after the cut");
+    assert!(
+        bed.reaches("th1", &bed.gateway(), port),
+        "the cut took th1 down too"
+    );
+
+    bed.heal("th2");
+    assert!(
+        bed.reaches("th1", &th2, 22),
+        "th1 does not reach th2 after the heal"
+    );
+    bed.ssh_ok("th2", "docker version");
+}
+
+#[test]
+fn testbed_a_host_runs_containers_of_the_base_image_and_the_drivers_ranks() {
+    let Some(bed) = testbed::up(
+        "testbed_a_host_runs_containers_of_the_base_image_and_the_drivers_ranks",
+        2,
+    ) else {
+        return;
+    };
+    base_image();
+    let image = "stagehand-base:bookworm";
+    // As a user moves an image without a registry: docker save | ssh host docker load.
+    let save = std::process::Command::new("docker")
+        .args(["save", image])
+        .output()
+        .unwrap();
+    assert!(save.status.success(), "docker save: {}", text(&save.stderr));
+    let load = bed.ssh_with_input("th1", "docker load", &save.stdout);
+    assert!(
+        load.status.success(),
+        "docker load on th1: {}",
+        text(&load.stderr)
+    );
+    // A host-network container is in th1's namespace: it has th1's name and reaches th2.
+    let th2 = bed.address("th2");
+    let out = bed.ssh_ok(
+        "th1",
+        &format!(
+            "docker run --rm --network host {image} bash -c 'hostname; timeout 3 bash -c \"</dev/tcp/{th2}/22\" && echo reached'"
+        ),
+    );
+    assert_eq!(out.lines().collect::<Vec<_>>(), ["th1", "reached"], "{out}");
+
+    // The driver runs a rank there as on any server: it builds the image on th1 and copies in the
+    // program th1 lacks, here one with a hole, which Docker 20.10 refuses as a GNU sparse tar
+    // entry ("unhandled tar header type 83") unless the driver writes it as a plain file.
+    let h = Harness::new("testbed");
+    let program = h.dir.path().join("fake-rank");
+    std::fs::copy(FAKE_RANK, &program).unwrap();
+    // Bytes past an ELF file's sections are never read: a hole at its end leaves it runnable.
+    let file = std::fs::OpenOptions::new().write(true).open(&program).unwrap();
+    file.set_len(file.metadata().unwrap().len() + (1 << 20)).unwrap();
+    drop(file);
+    let exp = h.config(&format!(
+        "machines: [th1]\ncontainer: {{build: '{}'}}\ncommand: ['{}', --iterations, '2']\n",
+        local_context().display(),
+        program.display()
+    ));
+    let run = h.run(&exp, &[]);
+    assert_eq!(run.code(), 0, "{}", run.stderr());
+    let (dir, summary) = h.summary();
+    assert_eq!(summary["status"], "succeeded", "{summary}");
+    let hosts: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("hosts.json")).unwrap()).unwrap();
+    assert_eq!(hosts[0]["host"], "th1", "{hosts}");
+    assert_eq!(hosts[0]["copied_in"][0], program.display().to_string(), "{hosts}");
+    let left = bed.ssh_ok(
+        "th1",
+        &format!("docker ps -aq --filter label=stagehand.name={}", h.name),
+    );
+    assert!(left.is_empty(), "containers left on th1: {left}");
+}
+
+/// What the machine shows of the bed: namespaces, links, firewall rules, the ssh block, processes
+/// in the hosts' network namespaces (given their inodes), state and data folders.
+fn leftovers(netns_inodes: &[u64]) -> Vec<String> {
+    let mut left = Vec::new();
+    let netns = std::process::Command::new("ip")
+        .args(["netns", "list"])
+        .output()
+        .unwrap();
+    for line in text(&netns.stdout)
+        .lines()
+        .filter(|l| l.starts_with("stagehand-"))
+    {
+        left.push(format!("network namespace {line}"));
+    }
+    let links = std::process::Command::new("ip")
+        .args(["-o", "link", "show"])
+        .output()
+        .unwrap();
+    for line in text(&links.stdout).lines().filter(|l| l.contains("sh-tb")) {
+        left.push(format!("link {line}"));
+    }
+    for chain in ["DOCKER-USER", "FORWARD"] {
+        let rules = std::process::Command::new("iptables")
+            .args(["-w", "-S", chain])
+            .output()
+            .unwrap();
+        for rule in text(&rules.stdout)
+            .lines()
+            .filter(|r| r.contains("sh-tb") || r.contains("stagehand"))
+        {
+            left.push(format!("firewall rule {rule}"));
+        }
+    }
+    if let Some(home) = std::env::var_os("HOME") {
+        let config = std::fs::read_to_string(PathBuf::from(home).join(".ssh/config")).unwrap_or_default();
+        if config.contains("stagehand testbed") {
+            left.push("the ssh block in ~/.ssh/config".into());
+        }
+    }
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(link) = std::fs::read_link(entry.path().join("ns/net")) else {
+            continue;
+        };
+        let link = link.to_string_lossy().into_owned();
+        if netns_inodes.iter().any(|i| link == format!("net:[{i}]")) {
+            let cmdline = std::fs::read_to_string(entry.path().join("cmdline")).unwrap_or_default();
+            left.push(format!(
+                "process {} ({})",
+                entry.file_name().to_string_lossy(),
+                cmdline.replace('\0', " ").trim()
+            ));
+        }
+    }
+    if Path::new(STATE).exists() {
+        left.push(STATE.into());
+    }
+    let keep = std::env::var("STAGEHAND_TESTBED_KEEP_IMAGES").is_ok_and(|v| v == "1");
+    let data =
+        std::env::var("STAGEHAND_TESTBED_DATA").unwrap_or_else(|_| "/var/lib/stagehand-testbed".into());
+    if !keep && Path::new(&data).exists() {
+        left.push(data);
+    }
+    left
+}
+
+#[test]
+fn testbed_up_is_idempotent_and_repairs_and_down_leaves_nothing() {
+    let Some(mut bed) = testbed::up("testbed_up_is_idempotent_and_repairs_and_down_leaves_nothing", 2) else {
+        return;
+    };
+    let ids: Vec<String> = bed.hosts.iter().map(|h| engine_id(&bed, h)).collect();
+    let again = testbed::testbed(&["up", "2"], Duration::from_secs(180));
+    assert!(again.status.success(), "{}", text(&again.stderr));
+    let said = text(&again.stderr);
+    assert!(
+        said.contains("th1: already up") && said.contains("th2: already up"),
+        "{said}"
+    );
+
+    // A host whose engine died is repaired, and keeps its engine ID.
+    let pid = std::fs::read_to_string(format!("{STATE}/th2/docker.pid")).unwrap();
+    let killed = std::process::Command::new("kill")
+        .args(["-KILL", pid.trim()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let repair = testbed::testbed(&["up", "2"], Duration::from_secs(180));
+    assert!(repair.status.success(), "{}", text(&repair.stderr));
+    let said = text(&repair.stderr);
+    assert!(
+        said.contains("th1: already up") && said.contains("th2: daemons restarted"),
+        "{said}"
+    );
+    let after: Vec<String> = bed.hosts.iter().map(|h| engine_id(&bed, h)).collect();
+    assert_eq!(after, ids);
+
+    // The hosts' network namespaces, to find any process of theirs after `down`.
+    let inodes: Vec<u64> = bed
+        .hosts
+        .iter()
+        .map(|h| {
+            use std::os::unix::fs::MetadataExt;
+            std::fs::metadata(format!("/run/netns/stagehand-{h}"))
+                .unwrap()
+                .ino()
+        })
+        .collect();
+    assert!(leftovers(&[]).len() > 2, "the bed is up, yet nothing shows");
+    let down = bed.down();
+    assert!(down.status.success(), "{}", text(&down.stderr));
+    let left = leftovers(&inodes);
+    assert!(left.is_empty(), "down left: {left:#?}");
+    let alias = std::process::Command::new("ssh")
+        .args(["-G", "th1"])
+        .output()
+        .unwrap();
+    assert!(
+        text(&alias.stdout).lines().any(|l| l == "hostname th1"),
+        "th1 still has an ssh alias after down"
+    );
+    // Down again: nothing to do, and it says so.
+    let again = bed.down();
+    assert!(again.status.success(), "{}", text(&again.stderr));
+    assert!(text(&again.stderr).contains("nothing left"));
+}
