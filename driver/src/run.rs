@@ -92,7 +92,7 @@ pub async fn run_loaded(
     bars: Option<&indicatif::MultiProgress>,
     profiles: &ProfileCache,
 ) -> Result<std::path::PathBuf, RunError> {
-    let loaded = loaded.clone();
+    let mut loaded = loaded.clone();
     let options = options.clone();
     let port = match options.master_port {
         Some(p) => p,
@@ -140,10 +140,20 @@ pub async fn run_loaded(
         }
     };
 
+    // MASTER_ADDR is where the other machines reach the first one, as found on the machines,
+    // unless the experiment file says.
+    let mut plan = plan;
+    if let (Some(hosts), None) = (&prepared, &loaded.file.master_addr) {
+        let hosts: Vec<hosts::Host> = hosts.iter().map(|(h, _)| h.clone()).collect();
+        if let Some(addr) = hosts::master_address(&hosts).await.map_err(RunError::Preflight)? {
+            loaded.file.master_addr = Some(addr);
+            plan = plan::resolve(&loaded, &options, plan.master_port)?;
+        }
+    }
+
     // The master port must be free where rank 0 listens; a port the driver picked is replaced
     // when the first machine has it taken, a port the user chose is reported.
     let master = prepared.as_ref().and_then(|p| p.first()).map(|(host, _)| host);
-    let mut plan = plan;
     for attempt in 0.. {
         match hosts::master_port_free(master, plan.master_port).await {
             Some(true) => break,

@@ -206,6 +206,59 @@ fn testbed_a_host_runs_containers_of_the_base_image_and_the_drivers_ranks() {
     assert!(left.is_empty(), "containers left on th1: {left}");
 }
 
+#[test]
+fn testbed_ranks_on_two_hosts_reach_the_first_at_the_address_found_there() {
+    let Some(bed) = testbed::up(
+        "testbed_ranks_on_two_hosts_reach_the_first_at_the_address_found_there",
+        2,
+    ) else {
+        return;
+    };
+    base_image();
+    let image = "stagehand-base:bookworm";
+    let save = std::process::Command::new("docker")
+        .args(["save", image])
+        .output()
+        .unwrap();
+    assert!(save.status.success(), "docker save: {}", text(&save.stderr));
+    for host in &bed.hosts {
+        let load = bed.ssh_with_input(host, "docker load", &save.stdout);
+        assert!(
+            load.status.success(),
+            "docker load on {host}: {}",
+            text(&load.stderr)
+        );
+    }
+    // Every rank connects to MASTER_ADDR (th1's sshd stands in for rank 0's rendezvous): an ssh
+    // alias such as `th1` resolves nowhere but on this machine, so the address must be the one
+    // found on th1.
+    let h = Harness::new("testbed-master");
+    let exp = h.config(&format!(
+        "machines: [th1, th2]\ncontainer: {image}\ncommand: [bash, -c, 'timeout 5 bash -c \"</dev/tcp/$MASTER_ADDR/22\" && echo reached $MASTER_ADDR']\n"
+    ));
+    let run = h.run(&exp, &[]);
+    assert_eq!(run.code(), 0, "{}", run.stderr());
+    let (dir, summary) = h.summary();
+    assert_eq!(summary["status"], "succeeded", "{summary}");
+    let th1 = bed.address("th1");
+    for rank in 0..2 {
+        let log = std::fs::read_to_string(dir.join(format!("rank-{rank}.log"))).unwrap();
+        assert!(log.contains(&format!("reached {th1}")), "rank {rank}: {log}");
+    }
+
+    // `master_addr:` overrides what is found: an unused address of the bed fails every rank.
+    let unused = format!("{}.250", th1.rsplit_once('.').unwrap().0);
+    let h = Harness::new("testbed-master-override");
+    let exp = h.config(&format!(
+        "machines: [th1, th2]\ncontainer: {image}\nmaster_addr: {unused}\ncommand: [bash, -c, 'echo $MASTER_ADDR; timeout 2 bash -c \"</dev/tcp/$MASTER_ADDR/22\"']\n"
+    ));
+    let run = h.run(&exp, &[]);
+    assert_ne!(run.code(), 0, "{}", run.stderr());
+    let (dir, _) = h.summary();
+    let log = std::fs::read_to_string(dir.join("rank-1.log")).unwrap();
+    assert!(log.contains(&unused), "{log}");
+}
+
 /// What the machine shows of the bed: namespaces, links, firewall rules, the ssh block, processes
 /// in the hosts' network namespaces (given their inodes), state and data folders.
 fn leftovers(netns_inodes: &[u64]) -> Vec<String> {

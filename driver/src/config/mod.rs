@@ -84,6 +84,12 @@ pub struct ExperimentFile {
     /// `cpu` or `cuda`; defaults to `cuda` when the machines name GPUs.
     #[serde(default)]
     pub device: Option<Device>,
+    /// The address every rank reaches rank 0's machine at (`MASTER_ADDR`). By default it is
+    /// found on the machines: the first machine's own address on the driver's SSH connection to
+    /// it (or, when the first machine is this one, the address the remote machines see this one
+    /// at).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub master_addr: Option<String>,
     /// Intra-op threads per rank.
     #[serde(default)]
     pub threads: Option<u32>,

@@ -146,6 +146,26 @@ pub async fn prepare(
     Ok((host, facts))
 }
 
+/// The address every machine reaches rank 0's machine at, found on the machines themselves
+/// rather than taken from a name in the experiment file (an ssh alias means nothing to the other
+/// hosts): the first machine's own address on the driver's SSH connection to it, or, when the first
+/// machine is this one, the address a remote machine sees this one at. `None` when every machine
+/// is this one.
+pub async fn master_address(hosts: &[Host]) -> Result<Option<String>, LaunchError> {
+    let Some(first) = hosts.first() else {
+        return Ok(None);
+    };
+    if let Some(tunnel) = &first._tunnel {
+        return Ok(Some(tunnel.endpoints(&first.name).await?.server));
+    }
+    for host in hosts {
+        if let Some(tunnel) = &host._tunnel {
+            return Ok(Some(tunnel.endpoints(&host.name).await?.client));
+        }
+    }
+    Ok(None)
+}
+
 /// Whether the master port is free on the first machine (where rank 0 listens). `None` when it
 /// cannot be told (the check itself failed); the run goes on then.
 pub async fn master_port_free(host: Option<&Host>, port: u16) -> Option<bool> {

@@ -49,6 +49,8 @@ pub enum SshError {
         #[source]
         source: bollard::errors::Error,
     },
+    #[error("cannot tell the address {host} is reached at: its SSH_CONNECTION is {seen:?}; set `master_addr:` in the experiment file")]
+    NoEndpoints { host: String, seen: String },
 }
 
 /// An open SSH connection with the Docker socket forwarded; closed when dropped.
@@ -80,6 +82,50 @@ impl Tunnel {
                 source,
             })?;
         Ok(status.success())
+    }
+}
+
+impl Tunnel {
+    /// The two ends of this SSH connection as the host sees them (its `SSH_CONNECTION`): the
+    /// address it sees this machine at, and its own address this machine reached it at.
+    pub async fn endpoints(&self, host: &str) -> Result<Endpoints, SshError> {
+        let session = self.session.as_ref().expect("a live tunnel has a session");
+        let output = session
+            .command("printenv")
+            .arg("SSH_CONNECTION")
+            .output()
+            .await
+            .map_err(|source| SshError::Connect {
+                host: host.to_string(),
+                source,
+            })?;
+        let text = String::from_utf8_lossy(&output.stdout);
+        Endpoints::parse(&text).ok_or_else(|| SshError::NoEndpoints {
+            host: host.to_string(),
+            seen: text.trim().to_string(),
+        })
+    }
+}
+
+/// Both ends of an SSH connection, from `SSH_CONNECTION` (`client port server port`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Endpoints {
+    /// This machine's address as the host sees it.
+    pub client: String,
+    /// The host's own address on the connection.
+    pub server: String,
+}
+
+impl Endpoints {
+    fn parse(text: &str) -> Option<Endpoints> {
+        let words: Vec<&str> = text.split_whitespace().collect();
+        match words[..] {
+            [client, _, server, _] => Some(Endpoints {
+                client: client.to_string(),
+                server: server.to_string(),
+            }),
+            _ => None,
+        }
     }
 }
 
@@ -209,4 +255,22 @@ pub async fn connect(host: &HostPlan, options: &SshOptions) -> Result<(Docker, A
             source,
         })?;
     Ok((docker, tunnel))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ssh_connection_gives_both_ends() {
+        let e = Endpoints::parse("10.77.0.1 51234 10.77.0.11 22\n").unwrap();
+        assert_eq!(
+            (e.client.as_str(), e.server.as_str()),
+            ("10.77.0.1", "10.77.0.11")
+        );
+        let v6 = Endpoints::parse("fe80::1 40000 fe80::2 22").unwrap();
+        assert_eq!(v6.server, "fe80::2");
+        assert_eq!(Endpoints::parse(""), None);
+        assert_eq!(Endpoints::parse("10.0.0.1 22"), None);
+    }
 }

@@ -304,10 +304,12 @@ fn resolve_with(
 
     // Rank 0 runs on the first machine; the address must be how the other machines reach it.
     let all_local = hosts.iter().all(|h| h.machine.is_local());
-    let master_addr = match (all_local, hosts[0].machine.is_local()) {
-        (true, _) => "127.0.0.1".to_string(),
-        (false, true) => this_host_name(),
-        (false, false) => hosts[0].name.clone(),
+    // Until preflight finds it on the machines (run.rs), a remote first machine goes by its name.
+    let master_addr = match (&file.master_addr, all_local, hosts[0].machine.is_local()) {
+        (Some(addr), _, _) => addr.clone(),
+        (None, true, _) => "127.0.0.1".to_string(),
+        (None, false, true) => this_host_name(),
+        (None, false, false) => hosts[0].name.clone(),
     };
 
     let runtime = absolute(&options.runtime);

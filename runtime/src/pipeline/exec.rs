@@ -366,7 +366,8 @@ impl Executor {
             let slowdown = self.slowdown;
             timed(self.device, slowdown, &mut progress.timing, || {
                 self.optimizer.step()
-            });
+            })
+            .map_err(|e| anyhow::anyhow!("the optimizer step of stage {} failed: {e}", self.stage_id))?;
         }
         self.optimizer.zero_grad();
         Ok(())
