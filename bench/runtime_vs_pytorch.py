@@ -1,11 +1,55 @@
 #!/usr/bin/env python3
-"""Samples/s of `runtime` against PyTorch eager (the venv's torch) training the same model with the
-same batch, image size, threads and iterations in one process. Runs alternate (ABBA order) in
-one go so drift on the machine hits both sides alike; prints the median of each and their ratio.
+"""Samples/s of `runtime` against PyTorch (the venv's torch) training the same model on the same
+device with the same data and settings, one process each side: a synthetic pool of 4 batches
+made once on the device by the runtime's rule (same generator and seed), SGD with momentum 0.9 and
+the same lr (PyTorch: torch.optim.SGD with its defaults), the same batch, shapes, threads and
+iterations. Runs alternate (the order rotates every round) in one go so drift on the
+machine hits every side alike; prints the median of each side and the ratio runtime / reference.
 
-    scripts/bench-runtime [--models mlp,vgg16,resnet50] [--rounds 3] ...
+    scripts/bench-runtime                   # CPU, fp32: runtime vs eager on mlp, vgg16, resnet50
+    scripts/bench-runtime --device cuda     # GPU: resnet50, vgg16, transformer in both modes below
 
-Throughput of one run = batch * iterations / seconds, over the iterations after --warmup.
+Modes (the arithmetic both sides use) and their references:
+  fp32                 runtime vs PyTorch eager in fp32.
+  bf16+channels_last   runtime `--precision bf16 --channels-last` vs eager with
+                       `torch.autocast(device, torch.bfloat16)` around the forward and the loss,
+                       `model.to(memory_format=torch.channels_last)` and channels_last images, AND vs
+                       `torch.compile(model)` with the same settings. (channels_last changes
+                       nothing for the transformer, which has no 4-d tensors.)
+On the GPU both modes run by default; on the CPU fp32 alone, in today's output format.
+`--precision bf16` and/or `--channels-last` pick one mode instead (on the CPU too: CPU autocast
+bf16, a smoke test of the GPU modes' code paths). `--references eager,compile` overrides which
+references run (default: eager in fp32, eager and compile in bf16 modes).
+
+Shapes: on the GPU torchvision's defaults, resnet50 and vgg16 at batch 64 on 224x224 images with
+1000 classes, and the BERT-base-sized transformer (12 layers, hidden 768, 12 heads, vocabulary
+30522) at batch 32, sequence 128; on the CPU small inputs keep runs short (see SHAPES). Options
+such as --batch-size or --hidden override them for every model they apply to.
+
+Timing: throughput of one run = batch * iterations / seconds over the iterations after --warmup;
+every iteration ends when the loss has reached the host (on CUDA, after the GPU ran it all).
+torch.compile's runs first do --compile-warmup iterations (the first compiles the forward and the
+backward) that are not timed, then as many timed iterations as the other sides keep. Both sides
+keep libtorch's defaults otherwise (cudnn.benchmark off; TF32 on for cuDNN convolutions, off for
+matmuls).
+
+Memory: peaks over each run (warm-up and compilation included), the largest over the rounds. On
+CUDA, the runtime's `summary` gpu_peak_allocated_bytes / gpu_peak_reserved_bytes and PyTorch's
+torch.cuda.max_memory_allocated / max_memory_reserved; on the CPU the peak resident set of each
+process.
+
+Parameters: before timing a model, its parameter count in PyTorch (torchvision's vgg16/resnet50;
+bench/pytorch_eager.py's plain torch.nn transformer, the runtime's BERT layout) and the runtime's
+`start` event `num_params` are printed (stderr) and must be equal, else the model fails.
+
+Targets (issue 13): the runtime at least 1.0x eager for every model in every mode, and with bf16 +
+channels_last at least torch.compile's throughput (e.g. resnet50 at batch 64 on an H100: 2085
+samples/s measured for torch.compile).
+
+--json FILE gets every figure (a list, one object per model and mode), rewritten after each.
+A failed run or a parameter mismatch is reported, recorded and makes the exit code 1; the other
+models still run. `--device cuda` without a usable GPU exits 2 with the reason. The runtime binary
+is $STAGEHAND_RUNTIME, else this checkout's target/release/runtime (--runtime overrides both).
 """
 import argparse
 import json
@@ -13,66 +57,314 @@ import os
 import statistics
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
-from side_by_side import alternate, throughput, write_json
+from side_by_side import rotate, throughput, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
-RUNTIME = ROOT / "target" / "release" / "runtime"
 EAGER = Path(__file__).resolve().parent / "pytorch_eager.py"
 
-# Per model: batch, image size, classes, lr. Small inputs keep CPU runs short.
+# Per device and model: batch, input shape, lr (and sizes both sides are told explicitly).
 SHAPES = {
-    "mlp": dict(batch=64, image=32, classes=10, lr=0.01),
-    "vgg16": dict(batch=16, image=32, classes=10, lr=0.001),
-    "resnet50": dict(batch=16, image=64, classes=10, lr=0.01),
+    "cpu": {
+        "mlp": dict(batch=64, image=32, classes=10, lr=0.01),
+        "vgg16": dict(batch=16, image=32, classes=10, lr=0.001, dropout=0.5),
+        "resnet50": dict(batch=16, image=64, classes=10, lr=0.01),
+        "transformer": dict(batch=8, seq_len=64, layers=2, hidden=256, heads=4, vocab_size=8192,
+                            lr=0.01, dropout=0.1),
+    },
+    "cuda": {
+        "mlp": dict(batch=64, image=32, classes=10, lr=0.01),
+        "vgg16": dict(batch=64, image=224, classes=1000, lr=0.001, dropout=0.5),
+        "resnet50": dict(batch=64, image=224, classes=1000, lr=0.01),
+        "transformer": dict(batch=32, seq_len=128, layers=12, hidden=768, heads=12, vocab_size=30522,
+                            lr=0.01, dropout=0.1),
+    },
 }
+# Which overrides each model reads.
+IMAGE_KEYS = ("batch", "image", "classes", "lr", "dropout")
+APPLIES = {
+    "mlp": IMAGE_KEYS + ("layers", "hidden"),
+    "vgg16": IMAGE_KEYS,
+    "resnet50": IMAGE_KEYS,
+    "transformer": ("batch", "seq_len", "layers", "hidden", "heads", "vocab_size", "lr", "dropout"),
+}
+# The flag both `runtime` and pytorch_eager.py take for each shape key.
+FLAGS = {
+    "batch": "--batch-size", "image": "--image-size", "classes": "--num-classes",
+    "layers": "--layers", "hidden": "--hidden", "heads": "--heads", "seq_len": "--seq-len",
+    "vocab_size": "--vocab-size", "lr": "--lr", "dropout": "--dropout",
+}
+MOMENTUM = 0.9
+GIB = 1 << 30
 
 
-def run_runtime(model, s, args):
-    cmd = [
-        str(RUNTIME), "--model", model, "--batch-size", str(s["batch"]),
-        "--image-size", str(s["image"]), "--num-classes", str(s["classes"]),
-        "--iterations", str(args.iterations), "--lr", str(s["lr"]), "--threads", str(args.threads),
+@dataclass(frozen=True)
+class Mode:
+    precision: str
+    channels_last: bool
+
+    @property
+    def name(self):
+        return self.precision + ("+channels_last" if self.channels_last else "")
+
+    def flags(self):
+        return (["--precision", self.precision] if self.precision != "fp32" else []) + (
+            ["--channels-last"] if self.channels_last else []
+        )
+
+
+class RunFailed(Exception):
+    pass
+
+
+def run_json_lines(cmd):
+    """Runs `cmd`; its stdout as a list of JSON objects, or RunFailed with the reason."""
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        last = proc.stderr.strip().splitlines()[-3:] or ["(no stderr)"]
+        raise RunFailed(f"exit {proc.returncode}: {' '.join(cmd)}\n    " + "\n    ".join(last))
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def shape_flags(s):
+    return [f for key, value in s.items() for f in (FLAGS[key], str(value))]
+
+
+def common_flags(s, mode, args, iterations):
+    return shape_flags(s) + mode.flags() + [
+        "--momentum", str(MOMENTUM), "--iterations", str(iterations),
+        "--threads", str(args.threads), "--device", args.device,
     ]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    events = [json.loads(line) for line in out.splitlines()]
-    return [e["time_s"] for e in events if e["event"] == "iteration"]
 
 
-def run_pytorch(model, s, args):
-    cmd = [
-        sys.executable, str(EAGER), "--model", model, "--batch-size", str(s["batch"]),
-        "--image-size", str(s["image"]), "--num-classes", str(s["classes"]),
-        "--iterations", str(args.iterations), "--lr", str(s["lr"]), "--threads", str(args.threads),
-    ]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    return json.loads(out)["times"]
+def memory_of(record):
+    keys = ("gpu_peak_allocated_bytes", "gpu_peak_reserved_bytes", "host_peak_rss_bytes")
+    return {k: record.get(k) for k in keys}
+
+
+def run_runtime(model, s, mode, args):
+    cmd = [str(args.runtime), "--model", model, *common_flags(s, mode, args, args.iterations),
+           "--warmup", str(args.warmup)]
+    events = run_json_lines(cmd)
+    start = next(e for e in events if e["event"] == "start")
+    summary = next(e for e in events if e["event"] == "summary")
+    times = [e["time_s"] for e in events if e["event"] == "iteration"]
+    return dict(sps=throughput(times, s["batch"], args.warmup), params=start["num_params"],
+                memory=memory_of(summary))
+
+
+def run_pytorch(model, s, mode, args, compiled):
+    warmup = args.compile_warmup if compiled else args.warmup
+    iterations = warmup + args.iterations - args.warmup
+    cmd = [sys.executable, str(EAGER), "--model", model, *common_flags(s, mode, args, iterations)]
+    if compiled:
+        cmd += ["--compile", "--compile-mode", args.compile_mode]
+    out = run_json_lines(cmd)[-1]
+    return dict(sps=throughput(out["times"], s["batch"], warmup), params=out["num_params"],
+                memory=memory_of(out), device_name=out["device_name"])
+
+
+def check_params(model, s, args):
+    """Both sides' parameter counts, printed; RunFailed unless they are equal."""
+    theirs = run_json_lines([sys.executable, str(EAGER), "--model", model, *shape_flags(s),
+                             "--count-params"])[-1]["num_params"]
+    events = run_json_lines([str(args.runtime), "--model", model, *shape_flags(s),
+                             "--iterations", "0", "--threads", str(args.threads),
+                             "--device", args.device])
+    ours = next(e for e in events if e["event"] == "start")["num_params"]
+    same = "equal" if ours == theirs else "MISMATCH"
+    print(f"{model}: parameters: runtime {ours:,}, pytorch {theirs:,} ({same})", file=sys.stderr, flush=True)
+    if ours != theirs:
+        raise RunFailed(f"the runtime has {ours} parameters, the PyTorch reference {theirs}: "
+                        "not the same model")
+    return dict(runtime=ours, pytorch=theirs)
+
+
+def require_cuda(args):
+    """Exits 2, saying why, unless both the runtime and the venv's torch see the device."""
+    index = int(args.device.partition(":")[2] or 0)
+    try:
+        info = run_json_lines([str(args.runtime), "info"])[-1]
+    except RunFailed as e:
+        print(f"bench-runtime: --device {args.device}: `runtime info` failed: {e}", file=sys.stderr)
+        sys.exit(2)
+    if info.get("cuda_devices", 0) <= index:
+        reason = info.get("cuda_error") or info.get("cuda_devices_error") or "no such device"
+        print(f"bench-runtime: --device {args.device}: the runtime sees {info.get('cuda_devices', 0)} "
+              f"CUDA device(s) here ({reason}); run on a machine with a GPU, or without --device for "
+              "the CPU comparison", file=sys.stderr)
+        sys.exit(2)
+    probe = "import torch; print(torch.cuda.device_count())"
+    count = int(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip() or 0)
+    if count <= index:
+        print(f"bench-runtime: --device {args.device}: the runtime sees it, but the torch of "
+              f"{sys.executable} sees {count} CUDA device(s)", file=sys.stderr)
+        sys.exit(2)
+    return info["devices"][index] if index < len(info.get("devices", [])) else args.device
+
+
+def gib(value):
+    return "-" if value is None else f"{value / GIB:.2f}"
+
+
+def mem_text(memory, cuda):
+    if cuda:
+        return f"{gib(memory['gpu_peak_allocated_bytes'])}/{gib(memory['gpu_peak_reserved_bytes'])}"
+    return gib(memory["host_peak_rss_bytes"])
+
+
+def peak(runs):
+    """The largest of each memory figure over the rounds."""
+    keys = runs[0]["memory"].keys()
+    return {k: max((r["memory"][k] for r in runs if r["memory"][k] is not None), default=None) for k in keys}
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
+    p.add_argument("--models", help="comma-separated [default: mlp,vgg16,resnet50 on the CPU, "
+                                    "resnet50,vgg16,transformer on the GPU]")
+    p.add_argument("--precision", choices=["fp32", "bf16"],
+                   help="run this mode only (with --channels-last if given)")
+    p.add_argument("--channels-last", action="store_true", help="run the channels_last mode only")
+    p.add_argument("--references", default="auto",
+                   help="comma-separated from eager,compile [default: eager in fp32, eager and "
+                        "compile in bf16 modes]")
+    p.add_argument("--rounds", type=int, help="runs of each side [default: 3]")
+    p.add_argument("--iterations", type=int, help="iterations per run [default: 12 CPU, 40 GPU]")
+    p.add_argument("--warmup", type=int, help="leading iterations not timed [default: 2 CPU, 10 GPU]")
+    p.add_argument("--compile-warmup", type=int,
+                   help="torch.compile's untimed leading iterations, compilation included [default: 10]")
+    p.add_argument("--compile-mode", default="default", help="torch.compile's mode [default: default]")
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    for key, flag in FLAGS.items():
+        real = key in ("lr", "dropout")
+        p.add_argument(flag, dest=key, type=float if real else int, metavar="X" if real else "N",
+                       help="override for every model that reads it")
+    p.add_argument("--runtime", type=Path,
+                   default=Path(os.environ.get("STAGEHAND_RUNTIME", ROOT / "target" / "release" / "runtime")))
+    p.add_argument("--json", type=Path, help="also write the results here")
+    args = p.parse_args()
+    cuda = args.device.startswith("cuda")
+    if not (cuda or args.device == "cpu"):
+        p.error(f"--device {args.device}: expected cpu, cuda or cuda:N")
+    args.models = (args.models or ("resnet50,vgg16,transformer" if cuda else "mlp,vgg16,resnet50")).split(",")
+    for model in args.models:
+        if model not in APPLIES:
+            p.error(f"--models: unknown model {model!r}; known: {', '.join(APPLIES)}")
+    if args.precision or args.channels_last:
+        args.modes = [Mode(args.precision or "fp32", args.channels_last)]
+    else:
+        args.modes = [Mode("fp32", False)] + ([Mode("bf16", True)] if cuda else [])
+    for ref in [] if args.references == "auto" else args.references.split(","):
+        if ref not in ("eager", "compile"):
+            p.error(f"--references: unknown reference {ref!r}; expected eager or compile")
+    args.rounds = args.rounds or 3
+    args.iterations = args.iterations or (40 if cuda else 12)
+    args.warmup = args.warmup if args.warmup is not None else (10 if cuda else 2)
+    args.compile_warmup = args.compile_warmup if args.compile_warmup is not None else 10
+    if args.iterations <= args.warmup:
+        p.error(f"--iterations {args.iterations} leaves nothing to time after --warmup {args.warmup}")
+    if not args.runtime.is_file():
+        p.error(f"no runtime binary at {args.runtime}: build it (scripts/setup.sh), or set "
+                "STAGEHAND_RUNTIME or --runtime")
+    return args
+
+
+def references(mode, args):
+    if args.references != "auto":
+        return args.references.split(",")
+    return ["eager"] if mode.precision == "fp32" else ["eager", "compile"]
+
+
+def shape(model, args):
+    s = dict(SHAPES["cuda" if args.device.startswith("cuda") else "cpu"][model])
+    for key in APPLIES[model]:
+        if getattr(args, key) is not None:
+            s[key] = getattr(args, key)
+    return s
+
+
+def input_text(s):
+    return f"seq {s['seq_len']}" if "seq_len" in s else f"{s['image']}px"
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default="mlp,vgg16,resnet50")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--iterations", type=int, default=12)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--threads", type=int, default=os.cpu_count())
-    p.add_argument("--json", type=Path, help="also write the results here")
-    args = p.parse_args()
+    args = parse_args()
+    cuda = args.device.startswith("cuda")
+    device_name = require_cuda(args) if cuda else "cpu"
+    # Today's CPU table, kept as it was for comparisons with earlier figures.
+    legacy = not cuda and args.modes == [Mode("fp32", False)] and references(args.modes[0], args) == ["eager"]
+    if legacy:
+        print(f"{'model':<10} {'batch':>5} {'image':>5} {'pytorch s/s':>12} {'runtime s/s':>12} {'ratio':>6}")
+    else:
+        mem = "peak GiB alloc/reserved" if cuda else "peak RSS GiB"
+        print(f"device: {device_name}; peak memory: {mem}; ratio = runtime / reference")
+        print(f"{'model':<11} {'mode':<18} {'batch':>5} {'input':>7} {'reference':<9} {'ref s/s':>9} "
+              f"{'runtime s/s':>11} {'ratio':>6} {'ref peak':>11} {'runtime peak':>12}")
+    sys.stdout.flush()
 
-    results = []
-    print(f"{'model':<10} {'batch':>5} {'image':>5} {'pytorch s/s':>12} {'runtime s/s':>12} {'ratio':>6}")
-    for model in args.models.split(","):
-        s = SHAPES[model]
-        eager, ours, ratio = alternate(
-            args.rounds,
-            lambda: throughput(run_pytorch(model, s, args), s["batch"], args.warmup),
-            lambda: throughput(run_runtime(model, s, args), s["batch"], args.warmup),
-        )
-        e, o = statistics.median(eager), statistics.median(ours)
-        results.append(dict(model=model, **s, threads=args.threads, pytorch=eager, runtime=ours, ratio=ratio))
-        print(f"{model:<10} {s['batch']:>5} {s['image']:>5} {e:>12.1f} {o:>12.1f} {ratio:>6.2f}", flush=True)
-    write_json(args.json, results)
+    results, failed = [], 0
+    for model in args.models:
+        s = shape(model, args)
+        try:
+            params = check_params(model, s, args)
+        except RunFailed as e:
+            print(f"{model}: {e}", file=sys.stderr, flush=True)
+            results.append(dict(model=model, **s, device=args.device, error=str(e)))
+            write_json(args.json, results)
+            failed += 1
+            continue
+        for mode in args.modes:
+            refs = references(mode, args)
+            runs = {ref: (lambda c=(ref == "compile"): run_pytorch(model, s, mode, args, c)) for ref in refs}
+            runs["runtime"] = lambda: run_runtime(model, s, mode, args)
+            row = dict(model=model, **s, threads=args.threads, device=args.device, device_name=device_name,
+                       mode=mode.name, precision=mode.precision, channels_last=mode.channels_last,
+                       momentum=MOMENTUM, rounds=args.rounds, iterations=args.iterations,
+                       warmup=args.warmup, params=params)
+            try:
+                figures = rotate(args.rounds, runs)
+                for side in figures.values():
+                    for run in side:
+                        if run["params"] != params["runtime"]:
+                            raise RunFailed(f"a run had {run['params']} parameters, not {params['runtime']}")
+            except RunFailed as e:
+                print(f"{model} {mode.name}: {e}", file=sys.stderr, flush=True)
+                results.append(dict(row, error=str(e)))
+                write_json(args.json, results)
+                failed += 1
+                continue
+            ours = [r["sps"] for r in figures["runtime"]]
+            row.update(runtime=ours, runtime_median=statistics.median(ours),
+                       runtime_memory=peak(figures["runtime"]), references={})
+            for ref in refs:
+                theirs = [r["sps"] for r in figures[ref]]
+                ratio = statistics.median(ours) / statistics.median(theirs)
+                row["references"][ref] = dict(samples_per_sec=theirs, median=statistics.median(theirs),
+                                              ratio=ratio, memory=peak(figures[ref]))
+                if ref == "compile":
+                    row["references"][ref].update(compile_mode=args.compile_mode,
+                                                  compile_warmup=args.compile_warmup)
+            if "eager" in refs:  # the keys of today's JSON
+                row.update(pytorch=row["references"]["eager"]["samples_per_sec"],
+                           ratio=row["references"]["eager"]["ratio"])
+            results.append(row)
+            write_json(args.json, results)
+            for ref in refs:
+                r = row["references"][ref]
+                if legacy:
+                    image = s.get("image", s.get("seq_len"))
+                    print(f"{model:<10} {s['batch']:>5} {image:>5} {r['median']:>12.1f} "
+                          f"{row['runtime_median']:>12.1f} {r['ratio']:>6.2f}")
+                else:
+                    print(f"{model:<11} {mode.name:<18} {s['batch']:>5} {input_text(s):>7} {ref:<9} "
+                          f"{r['median']:>9.1f} {row['runtime_median']:>11.1f} {r['ratio']:>6.2f} "
+                          f"{mem_text(r['memory'], cuda):>11} {mem_text(row['runtime_memory'], cuda):>12}")
+            sys.stdout.flush()
+    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":

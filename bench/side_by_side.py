@@ -16,6 +16,19 @@ def alternate(rounds, reference, ours):
     return theirs, mine, statistics.median(mine) / statistics.median(theirs)
 
 
+def rotate(rounds, runs):
+    """Calls every function of the dict `runs` once per round, `rounds` times, the order rotating
+    by one each round (with two, the same A B, B A order as `alternate`); returns the figures of
+    each name, in call order."""
+    names = list(runs)
+    figures = {name: [] for name in names}
+    for r in range(rounds):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            figures[name].append(runs[name]())
+    return figures
+
+
 def throughput(times, batch, warmup):
     """Samples per second over the iterations after `warmup`."""
     kept = times[warmup:]
