@@ -38,6 +38,27 @@ fn has_image(bed: &Bed, host: &str, image: &str) -> bool {
         .success()
 }
 
+/// Puts the local base image on `hosts` as a user moves an image without a registry
+/// (`docker save | ssh host docker load`); returns its name.
+fn load_base_image(bed: &Bed, hosts: &[&str]) -> &'static str {
+    base_image();
+    let image = "stagehand-base:bookworm";
+    let save = std::process::Command::new("docker")
+        .args(["save", image])
+        .output()
+        .unwrap();
+    assert!(save.status.success(), "docker save: {}", text(&save.stderr));
+    for host in hosts {
+        let load = bed.ssh_with_input(host, "docker load", &save.stdout);
+        assert!(
+            load.status.success(),
+            "docker load on {host}: {}",
+            text(&load.stderr)
+        );
+    }
+    image
+}
+
 #[test]
 fn testbed_hosts_share_nothing_with_the_machine_or_each_other() {
     let Some(bed) = testbed::up("testbed_hosts_share_nothing_with_the_machine_or_each_other", 2) else {
@@ -152,20 +173,7 @@ fn testbed_a_host_runs_containers_of_the_base_image_and_the_drivers_ranks() {
     ) else {
         return;
     };
-    base_image();
-    let image = "stagehand-base:bookworm";
-    // As a user moves an image without a registry: docker save | ssh host docker load.
-    let save = std::process::Command::new("docker")
-        .args(["save", image])
-        .output()
-        .unwrap();
-    assert!(save.status.success(), "docker save: {}", text(&save.stderr));
-    let load = bed.ssh_with_input("th1", "docker load", &save.stdout);
-    assert!(
-        load.status.success(),
-        "docker load on th1: {}",
-        text(&load.stderr)
-    );
+    let image = load_base_image(&bed, &["th1"]);
     // A host-network container is in th1's namespace: it has th1's name and reaches th2.
     let th2 = bed.address("th2");
     let out = bed.ssh_ok(
@@ -214,21 +222,7 @@ fn testbed_ranks_on_two_hosts_reach_the_first_at_the_address_found_there() {
     ) else {
         return;
     };
-    base_image();
-    let image = "stagehand-base:bookworm";
-    let save = std::process::Command::new("docker")
-        .args(["save", image])
-        .output()
-        .unwrap();
-    assert!(save.status.success(), "docker save: {}", text(&save.stderr));
-    for host in &bed.hosts {
-        let load = bed.ssh_with_input(host, "docker load", &save.stdout);
-        assert!(
-            load.status.success(),
-            "docker load on {host}: {}",
-            text(&load.stderr)
-        );
-    }
+    let image = load_base_image(&bed, &["th1", "th2"]);
     // Every rank connects to MASTER_ADDR (th1's sshd stands in for rank 0's rendezvous): an ssh
     // alias such as `th1` resolves nowhere but on this machine, so the address must be the one
     // found on th1.

@@ -28,6 +28,16 @@ fn write_two_stages(dir: &Path) -> String {
     path.to_str().unwrap().to_string()
 }
 
+/// The MLP on two stages of one rank each, 4 microbatches, in `precision`.
+fn two_stages(precision: &str, schedule: &str, extra: &[&str]) -> Vec<Run> {
+    let tmp = tempfile::tempdir().unwrap();
+    let config = write_two_stages(tmp.path());
+    let mut flags = vec!["--precision", precision, "--stage-config", config.as_str()];
+    flags.extend(["--schedule", schedule, "--microbatches", "4"]);
+    flags.extend(extra);
+    run_ranks(2, &args(MLP, &flags), LIMIT)
+}
+
 fn last_stage(runs: &[Run]) -> &Run {
     for run in runs {
         assert!(run.output.status.success(), "{}", run.stderr());
@@ -56,20 +66,7 @@ fn bf16_autocast_trains_close_to_fp32_and_crosses_stages_in_bf16() {
     assert_within("bf16 vs fp32", &bf16, &fp32, BF16_LOSS);
     assert!(bf16.last() < bf16.first(), "bf16 learns: {bf16:?}");
 
-    let tmp = tempfile::tempdir().unwrap();
-    let config = write_two_stages(tmp.path());
-    let extra = [
-        "--precision",
-        "bf16",
-        "--stage-config",
-        config.as_str(),
-        "--schedule",
-        "1f1b",
-        "--microbatches",
-        "4",
-        "--trace",
-    ];
-    let runs = run_ranks(2, &args(MLP, &extra), LIMIT);
+    let runs = two_stages("bf16", "1f1b", &["--trace"]);
     assert_within(
         "bf16 pipeline vs bf16 single process",
         &last_stage(&runs).losses(),
@@ -98,19 +95,7 @@ fn fp16_trains_with_its_gradient_scaler_in_one_process_and_a_pipeline() {
     let single = run_ok(&args(MLP, &["--precision", "fp16"])).losses();
     assert!(single.iter().all(|l| l.is_finite()), "{single:?}");
     assert!(single.last() < single.first(), "fp16 learns: {single:?}");
-    let tmp = tempfile::tempdir().unwrap();
-    let config = write_two_stages(tmp.path());
-    let extra = [
-        "--precision",
-        "fp16",
-        "--stage-config",
-        config.as_str(),
-        "--schedule",
-        "gpipe",
-        "--microbatches",
-        "4",
-    ];
-    let runs = run_ranks(2, &args(MLP, &extra), LIMIT);
+    let runs = two_stages("fp16", "gpipe", &[]);
     // float16 keeps 11 significant bits, finer than bfloat16: the same bound holds.
     assert_within(
         "fp16 pipeline vs one process",
@@ -120,6 +105,8 @@ fn fp16_trains_with_its_gradient_scaler_in_one_process_and_a_pipeline() {
     );
 
     // PipeDream steps stages at different times, so they cannot agree on skipped steps.
+    let tmp = tempfile::tempdir().unwrap();
+    let config = write_two_stages(tmp.path());
     let extra = [
         "--precision",
         "fp16",
