@@ -78,11 +78,14 @@ fn resnet101_learns() {
 
 #[test]
 fn resnet152_learns() {
-    // Deep networks with batch norm on 8 samples are noisy: three passes over the pool, a gentler rate.
+    // Deep networks with batch norm on 8 samples are noisy: three passes over the pool, a gentler
+    // rate. torchvision's fc init starts the loss at chance (tch's wider one started it above and
+    // the first steps only shrank the logits): at 1e-4 twelve steps move the loss less than the
+    // batches differ, at 3e-4 the last pass is 0.6 below the first.
     assert_learns(
         "8",
         12,
-        &["--model", "resnet152", "--optimizer", "adam", "--lr", "0.0001"],
+        &["--model", "resnet152", "--optimizer", "adam", "--lr", "0.0003"],
     );
 }
 

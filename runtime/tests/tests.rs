@@ -2,6 +2,7 @@
 
 mod cuda;
 mod distributed;
+mod init;
 mod optim;
 mod p2p_order;
 mod precision;

@@ -1,8 +1,10 @@
 //! A multi-layer perceptron over flattened images: `layers.N` (linear and ReLU, the first one
-//! flattening its input) for each hidden layer, then `head`.
+//! flattening its input) for each hidden layer, then `head`; every linear layer initialised as
+//! torch.nn.Linear's default.
 
 use tch::nn;
 
+use super::layers::linear;
 use super::{InputKind, Loss, ModelOptions, ModuleDef};
 
 pub fn modules(o: &ModelOptions) -> (Vec<ModuleDef>, Loss, InputKind) {
@@ -12,15 +14,15 @@ pub fn modules(o: &ModelOptions) -> (Vec<ModuleDef>, Loss, InputKind) {
     for index in 0..o.layers {
         let d_out = o.hidden;
         modules.push(ModuleDef::new(format!("layers.{index}"), move |p: &nn::Path| {
-            let linear = nn::linear(p / "layers" / index, d_in, d_out, Default::default());
-            nn::func_t(move |xs, _| xs.flatten(1, -1).apply(&linear).relu())
+            let layer = linear(p / "layers" / index, d_in, d_out);
+            nn::func_t(move |xs, _| xs.flatten(1, -1).apply(&layer).relu())
         }));
         d_in = d_out;
     }
     let classes = o.num_classes;
     modules.push(ModuleDef::new("head", move |p: &nn::Path| {
-        let linear = nn::linear(p / "head", d_in, classes, Default::default());
-        nn::func_t(move |xs, _| xs.flatten(1, -1).apply(&linear))
+        let layer = linear(p / "head", d_in, classes);
+        nn::func_t(move |xs, _| xs.flatten(1, -1).apply(&layer))
     }));
     (
         modules,

@@ -4,7 +4,9 @@
 //! A [`ModelDef`] describes the model without allocating it; [`ModelDef::build`] builds a slice of
 //! it into a var store. Each module is initialised from its own seed, so a stage holding modules
 //! `a..b` gets exactly the parameters those modules have in the whole model: pipeline ranks and a
-//! single process start from the same weights.
+//! single process start from the same weights. Parameters are initialised as PyTorch does
+//! (torch.nn's defaults, torchvision's and BERT's own rules; `layers.rs`) and drawn on the CPU
+//! whatever the var store's device, so they are also the same on every device.
 
 mod layers;
 mod mlp;
@@ -13,6 +15,7 @@ mod transformer;
 mod vgg;
 
 use std::ops::Range;
+use std::sync::Mutex;
 
 use tch::{nn, Kind, Tensor};
 
@@ -152,11 +155,14 @@ impl ModelDef {
     }
 
     /// Builds modules `range` (indices into the list; the loss index builds nothing) under `root`,
-    /// each initialised from a seed derived from `seed` and its index.
+    /// each initialised from a seed derived from `seed` and its index. Values are drawn on the CPU
+    /// and copied to `root`'s device.
     pub fn build(&self, root: &nn::Path, range: Range<usize>, seed: u64) -> Vec<Box<dyn nn::ModuleT>> {
         let end = range.end.min(self.modules.len());
         (range.start..end)
             .map(|index| {
+                // Seeding and drawing are one step: libtorch has one CPU generator per process.
+                let _generator = CPU_GENERATOR.lock().unwrap_or_else(|e| e.into_inner());
                 tch::manual_seed(module_seed(seed, index));
                 (self.modules[index].build)(root)
             })
@@ -194,6 +200,10 @@ impl ModelDef {
 pub fn count_params(vs: &nn::VarStore) -> u64 {
     vs.trainable_variables().iter().map(|t| t.numel() as u64).sum()
 }
+
+/// Held while a module is seeded and initialised, so that two threads building models (the unit
+/// tests do) do not draw from each other's seeds.
+static CPU_GENERATOR: Mutex<()> = Mutex::new(());
 
 fn module_seed(seed: u64, index: usize) -> i64 {
     (seed.wrapping_mul(1_000_003).wrapping_add(index as u64) & (i64::MAX as u64)) as i64

@@ -4,11 +4,15 @@
 //!
 //! Modules: `conv1` (conv, bn, ReLU), `maxpool`, one per bottleneck block `layerL.B`, `avgpool`
 //! (global average and flatten), `fc`.
+//!
+//! Initialised as torchvision's `ResNet.__init__`: convolutions Kaiming normal (fan-out, ReLU),
+//! batch norms weight 1 and bias 0 (the last one of each block too: `zero_init_residual` is off
+//! by default), and `fc` left at torch.nn.Linear's default.
 
-use tch::nn::{self, Init, ModuleT};
+use tch::nn::{self, ModuleT};
 use tch::Tensor;
 
-use super::layers::conv2d;
+use super::layers::{batch_norm2d, conv2d, linear};
 use super::{InputKind, Loss, ModelOptions, ModuleDef};
 
 const EXPANSION: i64 = 4;
@@ -17,7 +21,7 @@ pub fn resnet(o: &ModelOptions, blocks: [usize; 4]) -> (Vec<ModuleDef>, Loss, In
     let mut modules = vec![
         ModuleDef::new("conv1", |p: &nn::Path| {
             let conv = conv2d(p / "conv1", 3, 64, 7, 2, 3, false);
-            let bn = batch_norm(p / "bn1", 64);
+            let bn = batch_norm2d(p / "bn1", 64);
             nn::func_t(move |xs, train| xs.apply(&conv).apply_t(&bn, train).relu_())
         }),
         ModuleDef::new("maxpool", |_p: &nn::Path| {
@@ -45,7 +49,7 @@ pub fn resnet(o: &ModelOptions, blocks: [usize; 4]) -> (Vec<ModuleDef>, Loss, In
     }));
     let classes = o.num_classes;
     modules.push(ModuleDef::new("fc", move |p: &nn::Path| {
-        nn::linear(p / "fc", 512 * EXPANSION, classes, Default::default())
+        linear(p / "fc", 512 * EXPANSION, classes)
     }));
     (
         modules,
@@ -53,17 +57,6 @@ pub fn resnet(o: &ModelOptions, blocks: [usize; 4]) -> (Vec<ModuleDef>, Loss, In
         InputKind::Image {
             size: o.image_size,
             classes: o.num_classes,
-        },
-    )
-}
-
-fn batch_norm(p: nn::Path, channels: i64) -> nn::BatchNorm {
-    nn::batch_norm2d(
-        p,
-        channels,
-        nn::BatchNormConfig {
-            ws_init: Init::Const(1.0),
-            ..Default::default()
         },
     )
 }
@@ -86,16 +79,16 @@ impl Bottleneck {
             let d = p / "downsample";
             (
                 conv2d(&d / "0", c_in, c_out, 1, stride, 0, false),
-                batch_norm(&d / "1", c_out),
+                batch_norm2d(&d / "1", c_out),
             )
         });
         Bottleneck {
             conv1: conv2d(p / "conv1", c_in, width, 1, 1, 0, false),
-            bn1: batch_norm(p / "bn1", width),
+            bn1: batch_norm2d(p / "bn1", width),
             conv2: conv2d(p / "conv2", width, width, 3, stride, 1, false),
-            bn2: batch_norm(p / "bn2", width),
+            bn2: batch_norm2d(p / "bn2", width),
             conv3: conv2d(p / "conv3", width, c_out, 1, 1, 0, false),
-            bn3: batch_norm(p / "bn3", c_out),
+            bn3: batch_norm2d(p / "bn3", c_out),
             downsample,
         }
     }

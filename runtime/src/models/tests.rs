@@ -1,4 +1,4 @@
-//! Parameter counts and module chaining for every model family.
+//! Parameter counts, module chaining and per-module seeding for every model family.
 
 use tch::nn;
 
@@ -90,6 +90,51 @@ fn a_slice_gets_the_same_parameters_as_the_whole_model() {
         assert!(
             tensor.equal(&whole_vars[&name]),
             "{name} differs between slice and whole model"
+        );
+    }
+}
+
+/// A module's parameters depend on the seed and its index only: built alone they equal what it
+/// gets after the modules before it, for every family (the module chosen is cheap to build).
+#[test]
+fn every_family_initialises_a_module_alone_as_after_the_others() {
+    for (name, index) in [("vgg16_bn", 3), ("resnet50", 4), ("transformer", 2)] {
+        let def = ModelDef::named(name, &options(name)).unwrap();
+        let after = nn::VarStore::new(tch::Device::Cpu);
+        def.build(&after.root(), 0..index + 1, 11);
+        let alone = nn::VarStore::new(tch::Device::Cpu);
+        def.build(&alone.root(), index..index + 1, 11);
+        let after_vars = after.variables();
+        let alone_vars = alone.variables();
+        assert!(!alone_vars.is_empty(), "{name}: module {index} has parameters");
+        for (var, tensor) in alone_vars {
+            assert!(
+                tensor.equal(&after_vars[&var]),
+                "{name}: {var} depends on the modules before it"
+            );
+        }
+    }
+}
+
+/// Values are drawn on the CPU and copied: a module built on a GPU holds the CPU's values.
+#[test]
+fn a_module_built_on_a_gpu_holds_the_cpus_values() {
+    if !tch::Cuda::is_available() {
+        eprintln!("no CUDA device: nothing to compare the CPU's values with");
+        return;
+    }
+    let def = ModelDef::named("resnet50", &options("resnet50")).unwrap();
+    let cpu = nn::VarStore::new(tch::Device::Cpu);
+    def.build(&cpu.root(), 0..5, 2);
+    let cuda = nn::VarStore::new(tch::Device::Cuda(0));
+    def.build(&cuda.root(), 0..5, 2);
+    let cuda_vars = cuda.variables();
+    for (var, tensor) in cpu.variables() {
+        let on_gpu = &cuda_vars[&var];
+        assert_eq!(on_gpu.device(), tch::Device::Cuda(0), "{var}");
+        assert!(
+            tensor.equal(&on_gpu.to_device(tch::Device::Cpu)),
+            "{var} differs on the GPU"
         );
     }
 }

@@ -4,18 +4,20 @@
 //! embeddings, since they may live on different pipeline stages).
 //!
 //! Modules: `embeddings`, one per `encoder.layer.N`, `cls` (transform and decoder to the vocabulary).
+//!
+//! Initialised as BERT's `BertPreTrainedModel._init_weights`: linear layers and embeddings
+//! N(0, 0.02) (`initializer_range`), biases 0, layer norms weight 1 and bias 0. The word embedding
+//! has no padding row to zero: the synthetic tokens use every id.
 
 use tch::nn::{self, Init, ModuleT};
 use tch::{Kind, Tensor};
 
-use super::layers::dropout;
+use super::layers::{self, dropout, embedding_normal, linear_normal};
 use super::{InputKind, Loss, ModelOptions, ModuleDef};
 
 const LAYER_NORM_EPS: f64 = 1e-12;
-const INIT: Init = Init::Randn {
-    mean: 0.0,
-    stdev: 0.02,
-};
+/// BERT's `initializer_range`.
+const INIT_STD: f64 = 0.02;
 
 pub fn modules(o: &ModelOptions) -> (Vec<ModuleDef>, Loss, InputKind) {
     let o = o.clone();
@@ -37,16 +39,7 @@ pub fn modules(o: &ModelOptions) -> (Vec<ModuleDef>, Loss, InputKind) {
         let transform = &pred / "transform";
         let dense = linear(&transform / "dense", hidden, hidden);
         let norm = layer_norm(&transform / "LayerNorm", hidden);
-        let decoder = nn::linear(
-            &pred / "decoder",
-            hidden,
-            vocab,
-            nn::LinearConfig {
-                ws_init: INIT,
-                bs_init: None,
-                bias: false,
-            },
-        );
+        let decoder = linear_normal(&pred / "decoder", hidden, vocab, INIT_STD, false);
         let bias = pred.var("bias", &[vocab], Init::Const(0.0));
         nn::func_t(move |xs, _| xs.apply(&dense).gelu("none").apply(&norm).apply(&decoder) + &bias)
     }));
@@ -61,27 +54,11 @@ pub fn modules(o: &ModelOptions) -> (Vec<ModuleDef>, Loss, InputKind) {
 }
 
 fn linear(p: nn::Path, d_in: i64, d_out: i64) -> nn::Linear {
-    nn::linear(
-        p,
-        d_in,
-        d_out,
-        nn::LinearConfig {
-            ws_init: INIT,
-            bs_init: Some(Init::Const(0.0)),
-            bias: true,
-        },
-    )
+    linear_normal(p, d_in, d_out, INIT_STD, true)
 }
 
 fn layer_norm(p: nn::Path, hidden: i64) -> nn::LayerNorm {
-    nn::layer_norm(
-        p,
-        vec![hidden],
-        nn::LayerNormConfig {
-            eps: LAYER_NORM_EPS,
-            ..Default::default()
-        },
-    )
+    layers::layer_norm(p, hidden, LAYER_NORM_EPS)
 }
 
 #[derive(Debug)]
@@ -95,14 +72,10 @@ struct Embeddings {
 
 impl Embeddings {
     fn new(p: &nn::Path, o: &ModelOptions) -> Embeddings {
-        let config = nn::EmbeddingConfig {
-            ws_init: INIT,
-            ..Default::default()
-        };
         Embeddings {
-            word: nn::embedding(p / "word_embeddings", o.vocab_size, o.hidden, config),
-            position: nn::embedding(p / "position_embeddings", o.seq_len, o.hidden, config),
-            token_type: nn::embedding(p / "token_type_embeddings", 2, o.hidden, config),
+            word: embedding_normal(p / "word_embeddings", o.vocab_size, o.hidden, INIT_STD),
+            position: embedding_normal(p / "position_embeddings", o.seq_len, o.hidden, INIT_STD),
+            token_type: embedding_normal(p / "token_type_embeddings", 2, o.hidden, INIT_STD),
             norm: layer_norm(p / "LayerNorm", o.hidden),
             dropout: o.dropout,
         }

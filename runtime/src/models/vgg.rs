@@ -4,11 +4,17 @@
 //!
 //! Modules: one per convolution (conv, [bn,] ReLU), one per max-pool, `avgpool` (adaptive 7x7 and
 //! flatten), then `classifier.0`, `classifier.3`, `classifier.6`.
+//!
+//! Initialised as torchvision's `VGG.__init__`: convolutions Kaiming normal (fan-out, ReLU) with
+//! bias 0, batch norms weight 1 and bias 0, linear layers N(0, 0.01) with bias 0.
 
-use tch::nn::{self, Init, ModuleT};
+use tch::nn::{self, ModuleT};
 
-use super::layers::{conv2d, dropout};
+use super::layers::{batch_norm2d, conv2d, dropout, linear_normal};
 use super::{InputKind, Loss, ModelOptions, ModuleDef};
+
+/// Standard deviation of torchvision's VGG classifier weights.
+const LINEAR_STD: f64 = 0.01;
 
 /// Output channels per convolution, `None` for a max-pool.
 const CONFIG_D: [Option<i64>; 18] = [
@@ -69,15 +75,7 @@ pub fn vgg16(o: &ModelOptions, batch_norm: bool) -> (Vec<ModuleDef>, Loss, Input
         modules.push(ModuleDef::new(
             format!("classifier.{index}"),
             move |p: &nn::Path| {
-                let config = nn::LinearConfig {
-                    ws_init: Init::Randn {
-                        mean: 0.0,
-                        stdev: 0.01,
-                    },
-                    bs_init: Some(Init::Const(0.0)),
-                    bias: true,
-                };
-                let linear = nn::linear(p / "classifier" / index, d_in, d_out, config);
+                let linear = linear_normal(p / "classifier" / index, d_in, d_out, LINEAR_STD, true);
                 nn::func_t(move |xs, train| {
                     let mut ys = xs.apply(&linear);
                     if last {
@@ -102,13 +100,7 @@ pub fn vgg16(o: &ModelOptions, batch_norm: bool) -> (Vec<ModuleDef>, Loss, Input
 fn conv_block(p: &nn::Path, index: usize, c_in: i64, c_out: i64, batch_norm: bool) -> impl ModuleT {
     let features = p / "features";
     let conv = conv2d(&features / index, c_in, c_out, 3, 1, 1, true);
-    let bn = batch_norm.then(|| {
-        let config = nn::BatchNormConfig {
-            ws_init: Init::Const(1.0),
-            ..Default::default()
-        };
-        nn::batch_norm2d(&features / (index + 1), c_out, config)
-    });
+    let bn = batch_norm.then(|| batch_norm2d(&features / (index + 1), c_out));
     nn::func_t(move |xs, train| {
         let ys = xs.apply(&conv);
         let mut ys = match &bn {

@@ -23,7 +23,8 @@ pub struct Stage {
 }
 
 impl Stage {
-    /// Builds modules `range` of `model` on `device`.
+    /// Builds modules `range` of `model` on `device`, their initial values drawn on the CPU from
+    /// `seed` and each module's index: the same on every device and in every split.
     pub fn build(model: &ModelDef, range: Range<usize>, seed: u64, device: Device) -> Stage {
         let vs = nn::VarStore::new(device);
         let layers = model.build(&vs.root(), range.clone(), seed);
