@@ -238,6 +238,45 @@ fn gpu_cpu_and_cuda_agree_on_the_first_loss() {
     }
 }
 
+/// GPUs that talk through the CPU: two stages on one GPU over Gloo, whose tensors cross through
+/// pinned host buffers, train as the same model in one process does.
+#[test]
+fn gpu_a_gloo_pipeline_on_one_gpu_stages_through_host_memory() {
+    let Some(_) = gpus("gpu_a_gloo_pipeline_on_one_gpu_stages_through_host_memory") else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let config = tmp.path().join("two.json");
+    std::fs::write(
+        &config,
+        r#"{"module_to_stage_map": [0,0,0,1,1,1], "stage_to_rank_map": {"0": [0], "1": [1]}}"#,
+    )
+    .unwrap();
+    let base = "--model mlp --layers 4 --hidden 64 --image-size 8 --batch-size 16 --iterations 5 --lr 0.05 --seed 3 --device cuda:0";
+    let single = run_ok(&base.split_whitespace().collect::<Vec<_>>()).losses();
+    let mut args: Vec<&str> = base.split_whitespace().collect();
+    let config = config.to_str().unwrap();
+    args.extend([
+        "--backend",
+        "gloo",
+        "--stage-config",
+        config,
+        "--schedule",
+        "1f1b",
+        "--microbatches",
+        "4",
+    ]);
+    let runs = run_ranks(2, &args, std::time::Duration::from_secs(120));
+    for run in &runs {
+        assert!(run.output.status.success(), "{}", run.stderr());
+    }
+    let last = runs.iter().max_by_key(|r| r.start().stage).unwrap().losses();
+    for (a, b) in last.iter().zip(&single) {
+        // float32 on one device, summed in another order: far inside 1e-4 relative.
+        assert!((a - b).abs() <= 1e-4 * b.abs(), "{last:?} vs {single:?}");
+    }
+}
+
 #[test]
 fn gpu_nccl_on_two_ranks_of_one_gpu_is_a_clear_error() {
     let Some(count) = gpus("gpu_nccl_on_two_ranks_of_one_gpu_is_a_clear_error") else {
