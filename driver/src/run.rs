@@ -151,6 +151,20 @@ pub async fn run_loaded(
         }
     }
 
+    // The runtime must start where it will run: `runtime info` in each host's image.
+    if let (Some(hosts), None) = (&prepared, &loaded.file.command) {
+        let hosts: Vec<hosts::Host> = hosts.iter().map(|(h, _)| h.clone()).collect();
+        let id = format!("{}-check-{}", plan.name, std::process::id());
+        let check = crate::launch::docker::self_check(&hosts, &plan, &id);
+        tokio::select! {
+            r = check => r.map_err(RunError::Preflight)?,
+            _ = signals.recv() => {
+                crate::launch::docker::remove_everywhere(&hosts, &id).await;
+                return Err(RunError::Launch(LaunchError::Interrupted));
+            }
+        }
+    }
+
     // The master port must be free where rank 0 listens; a port the driver picked is replaced
     // when the first machine has it taken, a port the user chose is reported.
     let master = prepared.as_ref().and_then(|p| p.first()).map(|(host, _)| host);

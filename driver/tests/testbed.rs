@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use crate::util::testbed::{self, text, Bed};
-use crate::util::{base_image, docker, local_context, workspace, Harness, DRIVER, FAKE_RANK};
+use crate::util::{base_image, docker, local_context, runtime, workspace, Harness, DRIVER, FAKE_RANK};
 
 /// Where the script keeps the hosts' pid files and engine sockets.
 const STATE: &str = "/run/stagehand-testbed";
@@ -251,6 +251,33 @@ fn testbed_ranks_on_two_hosts_reach_the_first_at_the_address_found_there() {
     let (dir, _) = h.summary();
     let log = std::fs::read_to_string(dir.join("rank-1.log")).unwrap();
     assert!(log.contains(&unused), "{log}");
+}
+
+#[test]
+fn testbed_preflight_refuses_a_runtime_that_cannot_start_on_a_host_and_names_it() {
+    let Some(bed) = testbed::up(
+        "testbed_preflight_refuses_a_runtime_that_cannot_start_on_a_host_and_names_it",
+        1,
+    ) else {
+        return;
+    };
+    let image = load_base_image(&bed, &["th1"]);
+    // th1 sees neither this machine's torch nor its build: the runtime binary is copied in, but
+    // the libtorch it links is not there. Preflight says so before any rank starts.
+    let h = Harness::new("testbed-self-check");
+    let exp = h.config(&format!(
+        "machines: [th1]\ncontainer: {image}\nmodule: mlp\niterations: 1\n"
+    ));
+    let run = h.run(&exp, &["--runtime", runtime().to_str().unwrap()]);
+    assert_eq!(run.code(), 3, "preflight failed: {}", run.stderr());
+    let stderr = run.stderr();
+    assert!(stderr.contains("the runtime cannot start on th1"), "{stderr}");
+    assert!(
+        stderr.contains("libtorch_cpu.so"),
+        "names what is missing: {stderr}"
+    );
+    let left = bed.ssh_ok("th1", "docker ps -aq");
+    assert!(left.is_empty(), "containers left on th1: {left}");
 }
 
 /// What the machine shows of the bed: namespaces, links, firewall rules, the ssh block, processes

@@ -2,7 +2,7 @@
 //! environment, prints `start`/`iteration`/`summary` metrics lines in the contract's format on
 //! stdout and human text on stderr, and can fail or hang on request. Not installed for users.
 //!
-//! Usage: fake-rank [--iterations N] [--sleep-ms MS] [--fail-rank R] [--fail-at I] [--exit-code C]
+//! Usage: fake-rank info | [--iterations N] [--sleep-ms MS] [--fail-rank R] [--fail-at I] [--exit-code C]
 //!                  [--hang] [--batch-size B]
 
 use std::time::Duration;
@@ -21,6 +21,11 @@ fn main() {
     let mut exit_code = 3i32;
     let mut hang = false;
     let mut batch_size = 8u64;
+    // The runtime's self-check, as the driver's preflight asks it (`runtime info`).
+    if std::env::args().nth(1).as_deref() == Some("info") {
+        println!(r#"{{"torch":"fake","cuda":false,"nccl":false,"cuda_devices":0,"devices":[]}}"#);
+        return;
+    }
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         let mut value = || args.next().expect("flag needs a value");

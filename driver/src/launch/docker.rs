@@ -405,6 +405,134 @@ async fn forward(
     failure
 }
 
+/// What the runtime says of itself in a host's image (`runtime info`), as preflight sees it.
+#[derive(Debug, Clone, serde::Deserialize)]
+pub struct RuntimeInfo {
+    pub cuda_devices: usize,
+    #[serde(default)]
+    pub cuda_error: Option<String>,
+    #[serde(default)]
+    pub cuda_devices_error: Option<String>,
+}
+
+/// Preflight's proof that the runtime starts where it will run: `runtime info` in a container of
+/// each host's image, with the mounts, copied files and GPUs its ranks get, all hosts at once.
+/// A runtime that cannot start (a missing library) or a host that shows fewer CUDA devices than
+/// its ranks asked for is refused here, naming the host, before any rank starts. The containers
+/// carry `id` as their experiment label and are removed afterwards.
+pub async fn self_check(hosts: &[Host], plan: &Plan, id: &str) -> Result<(), LaunchError> {
+    let checks = plan.hosts.iter().zip(hosts).map(|(hp, host)| async move {
+        let Some(&first) = hp.ranks.first() else {
+            return Ok(());
+        };
+        let rank = &plan.ranks[first];
+        let mut check = rank.clone();
+        check.argv = vec![rank.argv[0].clone(), "info".into()];
+        check.gpus = hp.gpus.clone();
+        let labels = HashMap::from([
+            (LABEL_EXPERIMENT.to_string(), id.to_string()),
+            (LABEL_NAME.to_string(), plan.name.clone()),
+            (LABEL_RANK.to_string(), "check".to_string()),
+        ]);
+        let body = container_body(plan, host, labels, &check.gpus, Some(&check));
+        let outcome = run_to_end(
+            host,
+            format!(
+                "{id}-{}",
+                hp.name.replace(|c: char| !c.is_ascii_alphanumeric(), "-")
+            ),
+            body,
+        )
+        .await;
+        let _ = remove_labelled(&host.docker, &host.name, id).await;
+        let (code, stdout, stderr) = outcome?;
+        let failed = |reason: String| LaunchError::SelfCheck {
+            host: host.name.clone(),
+            reason,
+        };
+        if code != 0 {
+            let last = stderr.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("");
+            return Err(failed(format!(
+                "`{} info` exited with {code}: {last}",
+                rank.argv[0]
+            )));
+        }
+        let info: RuntimeInfo = serde_json::from_str(stdout.trim())
+            .map_err(|e| failed(format!("`runtime info` printed {:?}: {e}", stdout.trim())))?;
+        let device = rank
+            .argv
+            .iter()
+            .position(|a| a == "--device")
+            .and_then(|i| rank.argv.get(i + 1));
+        let wants_cuda = device.is_some_and(|d| d.starts_with("cuda"));
+        if wants_cuda && info.cuda_devices < hp.gpus.len().max(1) {
+            let why = info
+                .cuda_error
+                .or(info.cuda_devices_error)
+                .unwrap_or_else(|| "no reason given".into());
+            return Err(LaunchError::GpusMissing {
+                host: host.name.clone(),
+                gpus: hp.gpus.clone(),
+                seen: info.cuda_devices,
+                why,
+            });
+        }
+        Ok(())
+    });
+    join_all(checks).await.into_iter().collect()
+}
+
+/// Removes every container labelled with experiment `id` on every host (after an interrupted
+/// [`self_check`]).
+pub async fn remove_everywhere(hosts: &[Host], id: &str) -> Vec<LaunchError> {
+    join_all(hosts.iter().map(|h| remove_labelled(&h.docker, &h.name, id)))
+        .await
+        .into_iter()
+        .flatten()
+        .collect()
+}
+
+/// Creates, starts and waits for a container; returns its exit code, stdout and stderr.
+async fn run_to_end(
+    host: &Host,
+    name: String,
+    body: ContainerCreateBody,
+) -> Result<(i64, String, String), LaunchError> {
+    let id = create(host, name, body).await?;
+    start(host, &id).await?;
+    let mut wait = host.docker.wait_container(&id, None::<WaitContainerOptions>);
+    let code = match wait.next().await {
+        Some(Ok(r)) => r.status_code,
+        Some(Err(DockerError::DockerContainerWaitError { code, .. })) => code,
+        Some(Err(source)) => {
+            return Err(LaunchError::Docker {
+                host: host.name.clone(),
+                action: "wait for the runtime's self-check",
+                source,
+            })
+        }
+        None => -1,
+    };
+    let options = LogsOptionsBuilder::default().stdout(true).stderr(true).build();
+    let mut logs = host.docker.logs(&id, Some(options));
+    let (mut stdout, mut stderr) = (String::new(), String::new());
+    while let Some(item) = logs.next().await {
+        match item {
+            Ok(LogOutput::StdOut { message }) => stdout.push_str(&String::from_utf8_lossy(&message)),
+            Ok(LogOutput::StdErr { message }) => stderr.push_str(&String::from_utf8_lossy(&message)),
+            Ok(_) => {}
+            Err(source) => {
+                return Err(LaunchError::Docker {
+                    host: host.name.clone(),
+                    action: "read the runtime's self-check",
+                    source,
+                })
+            }
+        }
+    }
+    Ok((code, stdout, stderr))
+}
+
 /// Removes every container on `host` labelled with experiment `id`.
 async fn remove_labelled(docker: &bollard::Docker, host: &str, id: &str) -> Vec<LaunchError> {
     let filters = HashMap::from([("label", vec![format!("{LABEL_EXPERIMENT}={id}")])]);

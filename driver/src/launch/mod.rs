@@ -58,6 +58,15 @@ pub enum LaunchError {
         #[source]
         source: std::io::Error,
     },
+    #[error("the runtime cannot start on {host}: {reason}; the image must hold what the runtime needs (see `runtime info`)")]
+    SelfCheck { host: String, reason: String },
+    #[error("host {host} should give its ranks GPUs {gpus:?}, but the runtime sees {seen} CUDA device(s) there ({why}); check the GPU indices and that the host's NVIDIA driver can run the image's CUDA")]
+    GpusMissing {
+        host: String,
+        gpus: Vec<u32>,
+        seen: usize,
+        why: String,
+    },
     #[error("master port {port} is in use on {host}; pass another with --master-port, or leave it out to get a free one")]
     PortInUse { host: String, port: u16 },
     #[error("image {image} does not exist on {host}; build it there, or name a build context with `container: {{build: DIR}}`")]
