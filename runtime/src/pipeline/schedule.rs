@@ -250,4 +250,4 @@ pub fn timeline(
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

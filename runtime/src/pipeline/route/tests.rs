@@ -5,35 +5,13 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 
-use stagehand_contract::{Channel, P2pOp, Stage, StagePlan};
+use stagehand_contract::{Channel, P2pOp, StagePlan};
 
 use super::*;
+use crate::pipeline::schedule::tests::plan;
 use crate::pipeline::schedule::{timeline, validate, Schedule};
 use Action::{Backward as B, Forward as F, Step};
 use Message::{Activation as A, Gradient as G, Target as T};
-
-/// A plan with `replicas[s]` ranks on stage `s`, ranks numbered stage by stage.
-fn plan(replicas: &[usize], depths: Option<&[usize]>) -> StagePlan {
-    let mut next = 0;
-    let stages = replicas
-        .iter()
-        .enumerate()
-        .map(|(id, &n)| {
-            let ranks = (next..next + n).collect();
-            next += n;
-            Stage {
-                id,
-                modules: id..id + 1,
-                ranks,
-                depth: depths.map(|d| d[id]),
-            }
-        })
-        .collect();
-    StagePlan {
-        stages,
-        world_size: next,
-    }
-}
 
 /// Every rank's actions over `iterations`, as the runtime derives them: GPipe and 1F1B repeat
 /// one iteration's lists with shifted microbatches, PipeDream runs one long stream.

@@ -7,8 +7,9 @@ use stagehand_contract::{Stage, StagePlan};
 use super::*;
 use Action::{Backward as B, Forward as F, Step};
 
-/// A plan with `replicas[s]` ranks on stage `s`, ranks numbered stage by stage.
-fn plan(replicas: &[usize], depths: Option<&[usize]>) -> StagePlan {
+/// A plan with `replicas[s]` ranks on stage `s`, ranks numbered stage by stage (also used by
+/// route.rs's tests).
+pub(crate) fn plan(replicas: &[usize], depths: Option<&[usize]>) -> StagePlan {
     let mut next = 0;
     let stages = replicas
         .iter()
