@@ -143,23 +143,24 @@ pub async fn run_loaded(
     // MASTER_ADDR is where the other machines reach the first one, as found on the machines,
     // unless the experiment file says.
     let mut plan = plan;
-    if let (Some(hosts), None) = (&prepared, &loaded.file.master_addr) {
-        let hosts: Vec<hosts::Host> = hosts.iter().map(|(h, _)| h.clone()).collect();
-        if let Some(addr) = hosts::master_address(&hosts).await.map_err(RunError::Preflight)? {
+    let engines: Option<Vec<hosts::Host>> = prepared
+        .as_ref()
+        .map(|p| p.iter().map(|(h, _)| h.clone()).collect());
+    if let (Some(hosts), None) = (&engines, &loaded.file.master_addr) {
+        if let Some(addr) = hosts::master_address(hosts).await.map_err(RunError::Preflight)? {
             loaded.file.master_addr = Some(addr);
             plan = plan::resolve(&loaded, &options, plan.master_port)?;
         }
     }
 
     // The runtime must start where it will run: `runtime info` in each host's image.
-    if let (Some(hosts), None) = (&prepared, &loaded.file.command) {
-        let hosts: Vec<hosts::Host> = hosts.iter().map(|(h, _)| h.clone()).collect();
+    if let (Some(hosts), None) = (&engines, &loaded.file.command) {
         let id = format!("{}-check-{}", plan.name, std::process::id());
-        let check = crate::launch::docker::self_check(&hosts, &plan, &id);
+        let check = crate::launch::docker::self_check(hosts, &plan, &id);
         tokio::select! {
             r = check => r.map_err(RunError::Preflight)?,
             _ = signals.recv() => {
-                crate::launch::docker::remove_everywhere(&hosts, &id).await;
+                crate::launch::docker::remove_everywhere(hosts, &id).await;
                 return Err(RunError::Launch(LaunchError::Interrupted));
             }
         }

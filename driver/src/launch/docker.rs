@@ -144,11 +144,7 @@ impl DockerLauncher {
     }
 
     fn labels(&self, plan: &Plan, rank: &str) -> HashMap<String, String> {
-        HashMap::from([
-            (LABEL_EXPERIMENT.to_string(), self.id.clone()),
-            (LABEL_NAME.to_string(), plan.name.clone()),
-            (LABEL_RANK.to_string(), rank.to_string()),
-        ])
+        labels(&self.id, plan, rank)
     }
 
     /// Removes (force, so killed) every container labelled with this experiment on every host,
@@ -405,6 +401,15 @@ async fn forward(
     failure
 }
 
+/// The labels of a container of experiment `id`: cleanup selects on the experiment label only.
+fn labels(id: &str, plan: &Plan, rank: &str) -> HashMap<String, String> {
+    HashMap::from([
+        (LABEL_EXPERIMENT.to_string(), id.to_string()),
+        (LABEL_NAME.to_string(), plan.name.clone()),
+        (LABEL_RANK.to_string(), rank.to_string()),
+    ])
+}
+
 /// What the runtime says of itself in a host's image (`runtime info`), as preflight sees it.
 #[derive(Debug, Clone, serde::Deserialize)]
 pub struct RuntimeInfo {
@@ -429,12 +434,7 @@ pub async fn self_check(hosts: &[Host], plan: &Plan, id: &str) -> Result<(), Lau
         let mut check = rank.clone();
         check.argv = vec![rank.argv[0].clone(), "info".into()];
         check.gpus = hp.gpus.clone();
-        let labels = HashMap::from([
-            (LABEL_EXPERIMENT.to_string(), id.to_string()),
-            (LABEL_NAME.to_string(), plan.name.clone()),
-            (LABEL_RANK.to_string(), "check".to_string()),
-        ]);
-        let body = container_body(plan, host, labels, &check.gpus, Some(&check));
+        let body = container_body(plan, host, labels(id, plan, "check"), &check.gpus, Some(&check));
         let outcome = run_to_end(
             host,
             format!(

@@ -90,19 +90,7 @@ impl<'a> Route<'a> {
     /// What `action` needs from other ranks, in the order it takes them.
     pub fn receives(&self, action: Action) -> Vec<Transfer> {
         match action {
-            Action::Forward(g) if !self.is_first() => {
-                let peer = self.owner(self.stage - 1, g);
-                vec![
-                    Transfer {
-                        message: Message::Activation(g),
-                        peer,
-                    },
-                    Transfer {
-                        message: Message::Target(g),
-                        peer,
-                    },
-                ]
-            }
+            Action::Forward(g) if !self.is_first() => forward_pair(g, self.owner(self.stage - 1, g)),
             Action::Backward(g) if !self.is_last() => vec![Transfer {
                 message: Message::Gradient(g),
                 peer: self.owner(self.stage + 1, g),
@@ -114,19 +102,7 @@ impl<'a> Route<'a> {
     /// What `action` produces for other ranks, in the order it sends them.
     pub fn sends(&self, action: Action) -> Vec<Transfer> {
         match action {
-            Action::Forward(g) if !self.is_last() => {
-                let peer = self.owner(self.stage + 1, g);
-                vec![
-                    Transfer {
-                        message: Message::Activation(g),
-                        peer,
-                    },
-                    Transfer {
-                        message: Message::Target(g),
-                        peer,
-                    },
-                ]
-            }
+            Action::Forward(g) if !self.is_last() => forward_pair(g, self.owner(self.stage + 1, g)),
             Action::Backward(g) if !self.is_first() => vec![Transfer {
                 message: Message::Gradient(g),
                 peer: self.owner(self.stage - 1, g),
@@ -186,3 +162,17 @@ impl<'a> Route<'a> {
 
 #[cfg(test)]
 mod tests;
+
+/// A forward's messages between two ranks, activation before target (both sides use this order).
+fn forward_pair(g: usize, peer: usize) -> Vec<Transfer> {
+    vec![
+        Transfer {
+            message: Message::Activation(g),
+            peer,
+        },
+        Transfer {
+            message: Message::Target(g),
+            peer,
+        },
+    ]
+}
