@@ -171,14 +171,16 @@ struct ExperimentArgs {
     #[arg(long, value_enum)]
     backend: Option<BackendArg>,
 
-    /// The runtime binary to launch (mounted into containers at the same path).
-    #[arg(
-        long,
-        env = "STAGEHAND_RUNTIME",
-        value_name = "PATH",
-        default_value = "target/release/runtime"
-    )]
-    runtime: PathBuf,
+    /// Run this machine's runtime build instead of the runtime image's (for development): it is
+    /// mounted into containers at the same path (copied where a host lacks it), with the torch
+    /// environment its rpath names. The process backend runs target/release/runtime without it.
+    #[arg(long, env = "STAGEHAND_RUNTIME", value_name = "PATH")]
+    runtime: Option<PathBuf>,
+
+    /// The stagehand source the runtime image is built from (default: the checkout the working
+    /// folder is in, else the one this driver was built from).
+    #[arg(long, env = "STAGEHAND_SOURCE", value_name = "DIR")]
+    source: Option<PathBuf>,
 
     /// The Python environment whose site-packages hold torch; mounted into containers when it exists.
     #[arg(long = "torch-venv", env = "STAGEHAND_TORCH_VENV", value_name = "DIR")]
@@ -321,8 +323,10 @@ pub struct Options {
     pub output_dir: Option<PathBuf>,
     /// Overrides the YAML's `backend`.
     pub backend: Option<Backend>,
-    /// The runtime binary.
-    pub runtime: PathBuf,
+    /// This machine's runtime build to run instead of the image's (`--runtime`).
+    pub runtime: Option<PathBuf>,
+    /// The source the runtime image is built from (`--source`).
+    pub source: Option<PathBuf>,
     /// The torch environment to mount into containers.
     pub torch_venv: PathBuf,
     /// Extra directories mounted at the same path in every container.
@@ -502,6 +506,7 @@ impl ExperimentArgs {
                 BackendArg::Process => Backend::Process,
             }),
             runtime: self.runtime,
+            source: self.source,
             torch_venv: self.torch_venv.unwrap_or_else(default_torch_venv),
             mount_directories: self.mount_directories,
             master_port: self.master_port,

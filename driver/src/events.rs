@@ -24,8 +24,12 @@ pub struct HostFacts {
     pub image_id: Option<String>,
     /// Image tag the containers run.
     pub image: Option<String>,
-    /// Whether the image was built in this run (false: it already existed).
+    /// Whether the image was built on this host in this run (false: it had it, or received it).
     pub image_built: bool,
+    /// The host the image was streamed from in this run, when it was.
+    pub image_received_from: Option<String>,
+    /// Seconds this host spent getting the image in this run (building or receiving it).
+    pub image_seconds: f64,
     /// Files the host lacked, copied into the containers through the Docker API.
     pub copied_in: Vec<String>,
 }

@@ -108,10 +108,11 @@ pub async fn run_loaded(
         config_file: options.ssh_config.clone(),
     };
 
-    // The runtime must exist here (it is mounted or copied into containers); a `command:` program
-    // must exist here only when it runs here (in containers it may come with the image).
+    // A local runtime must exist here (it is mounted or copied into containers); the image's
+    // runtime and a `command:` program in containers come with the image.
     let program = &plan.ranks[0].argv[0];
-    let must_exist_here = loaded.file.command.is_none() || plan.backend == Backend::Process;
+    let must_exist_here = plan.backend == Backend::Process
+        || (loaded.file.command.is_none() && options.runtime.is_some());
     if must_exist_here && find_program(program).is_none() {
         return Err(RunError::Preflight(LaunchError::ProgramMissing {
             path: program.into(),
@@ -122,21 +123,17 @@ pub async fn run_loaded(
     let prepared = match plan.backend {
         Backend::Process => None,
         Backend::Docker => {
-            let work = futures_util::future::join_all(
-                plan.hosts
-                    .iter()
-                    .map(|h| hosts::prepare(h, &plan.image, &plan.mounts, &ssh, verbose)),
-            );
+            let feedback = hosts::image::Feedback {
+                verbose,
+                normal: options.verbosity != crate::cli::Verbosity::Quiet,
+                bars: options.progress == crate::cli::Progress::Auto,
+            };
+            let work = hosts::prepare_all(&plan.hosts, &plan.image, &plan.mounts, &ssh, feedback);
             let results = tokio::select! {
                 r = work => r,
                 _ = signals.recv() => return Err(RunError::Launch(LaunchError::Interrupted)),
             };
-            Some(
-                results
-                    .into_iter()
-                    .collect::<Result<Vec<_>, _>>()
-                    .map_err(RunError::Preflight)?,
-            )
+            Some(results.map_err(RunError::Preflight)?)
         }
     };
 
@@ -275,6 +272,8 @@ pub async fn run_loaded(
                 image_id: None,
                 image: None,
                 image_built: false,
+                image_received_from: None,
+                image_seconds: 0.0,
                 copied_in: Vec::new(),
             }));
             let launcher = match ProcessLauncher::start(&plan, tx) {

@@ -61,7 +61,13 @@ command: [python3, train.py, --epochs, '1']
     assert_eq!(f.backend, Some(crate::cli::Backend::Process));
     assert_eq!(f.machines[1].port, Some(2222));
     assert_eq!(f.machines[1].gpus, vec![0, 1]);
-    assert_eq!(f.container, Some(Container::Build("../docker/local".into())));
+    assert_eq!(
+        f.container,
+        Some(Container::Build(super::container::Build {
+            dir: Some("../docker/local".into()),
+            ..Default::default()
+        }))
+    );
     assert_eq!(f.env["OMP_NUM_THREADS"], "1");
     assert!(f.mounts[0].read_only);
     assert_eq!(f.mounts[1].target, std::path::PathBuf::from("/x"));
@@ -225,4 +231,19 @@ planner:
     );
     let e = err("machines: [a]\nconfig_file: ''\n");
     assert!(e.contains("config_file is empty"), "{e}");
+}
+
+#[test]
+fn a_container_reads_back_as_it_was_written() {
+    for text in [
+        "stagehand:latest",
+        "{build: ../docker/local}",
+        "{build: ctx, dockerfile: d/Dockerfile, args: {A: b}}",
+        "{args: {TORCH_IMAGE: t}}",
+    ] {
+        let c: Container = serde_norway::from_str(text).unwrap();
+        let json = serde_json::to_string(&c).unwrap();
+        let back: Container = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, c, "{text} -> {json}");
+    }
 }

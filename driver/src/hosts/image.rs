@@ -1,112 +1,428 @@
-//! Making sure a host has the image: use a named one as is, or build the context through the
-//! API under a tag derived from the context's hash, skipping the build when that tag exists.
+//! Making sure every host has the image, without a registry. A named image is used as is. A build
+//! is tagged by its context's hash (with its Dockerfile and arguments); each host that already has
+//! that tag keeps it; otherwise the image is built on one host per CPU architecture (the first in
+//! the experiment's order, or none when one of them has it) and streamed from there to the hosts
+//! that lack it, all at once, through the Docker API (`GET /images/{name}/get` on one,
+//! `POST /images/load` on the others). A changed source gives a new tag, so the next run rebuilds
+//! once and sends the result everywhere.
 
-use bollard::query_parameters::BuildImageOptionsBuilder;
+use std::collections::{BTreeMap, HashMap};
+use std::time::Instant;
+
+use bollard::query_parameters::{BuildImageOptionsBuilder, ImportImageOptionsBuilder};
 use bollard::Docker;
+use bytes::Bytes;
+use futures_util::future::join_all;
 use futures_util::StreamExt;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use super::context;
 use crate::launch::LaunchError;
-use crate::plan::ImageSource;
+use crate::plan::{BuildSpec, ImageSource};
 
-/// The image a host will run.
+/// What preflight learned about a host's image.
+#[derive(Debug, Clone, PartialEq)]
 pub struct Prepared {
     /// Tag (or name) to create containers from.
     pub tag: String,
     /// Image id.
     pub id: String,
-    /// Whether this run built it.
+    /// Whether this run built it on this host.
     pub built: bool,
+    /// The host it was streamed from in this run, if it was.
+    pub received_from: Option<String>,
+    /// Seconds this host spent getting the image (building or receiving it); 0 when it had it.
+    pub seconds: f64,
 }
 
-/// Ensures `source` is available on the host.
-pub async fn ensure(
-    docker: &Docker,
-    host: &str,
+/// How much to tell the user while images are built and sent.
+#[derive(Debug, Clone, Copy)]
+pub struct Feedback {
+    /// Echo the build's output.
+    pub verbose: bool,
+    /// Say when a build or a transfer starts and ends.
+    pub normal: bool,
+    /// Draw transfer progress bars (on a terminal).
+    pub bars: bool,
+}
+
+/// One host's engine, by the name the experiment gives it.
+pub struct Engine<'a> {
+    /// Host name.
+    pub host: &'a str,
+    /// Its engine.
+    pub docker: &'a Docker,
+}
+
+/// Makes sure every engine has the image; returns what each got, in the same order.
+pub async fn ensure_all(
+    engines: &[Engine<'_>],
     source: &ImageSource,
-    verbose: bool,
-) -> Result<Prepared, LaunchError> {
+    feedback: Feedback,
+) -> Result<Vec<Prepared>, LaunchError> {
     match source {
-        ImageSource::Named(name) => match docker.inspect_image(name).await {
-            Ok(i) => Ok(Prepared {
-                tag: name.clone(),
-                id: i.id.unwrap_or_default(),
-                built: false,
-            }),
-            Err(_) => Err(LaunchError::ImageMissing {
-                host: host.to_string(),
-                image: name.clone(),
-            }),
-        },
-        ImageSource::Build(dir) => {
-            let ctx = context::pack(dir).map_err(|source| LaunchError::Context { source })?;
-            let stem = dir
-                .file_name()
-                .map(|s| s.to_string_lossy().to_lowercase())
-                .unwrap_or_default();
-            let stem: String = stem
-                .chars()
-                .map(|c| {
-                    if c.is_ascii_alphanumeric() || c == '-' {
-                        c
-                    } else {
-                        '-'
-                    }
+        ImageSource::Named(name) => {
+            let found = join_all(engines.iter().map(|e| e.docker.inspect_image(name))).await;
+            engines
+                .iter()
+                .zip(found)
+                .map(|(e, found)| match found {
+                    Ok(i) => Ok(Prepared {
+                        tag: name.clone(),
+                        id: i.id.unwrap_or_default(),
+                        built: false,
+                        received_from: None,
+                        seconds: 0.0,
+                    }),
+                    Err(_) => Err(LaunchError::ImageMissing {
+                        host: e.host.to_string(),
+                        image: name.clone(),
+                    }),
                 })
-                .collect();
-            let tag = format!("stagehand-{stem}:{}", ctx.hash);
-            if let Ok(i) = docker.inspect_image(&tag).await {
-                return Ok(Prepared {
-                    tag,
-                    id: i.id.unwrap_or_default(),
-                    built: false,
-                });
-            }
-            let options = BuildImageOptionsBuilder::default()
-                .dockerfile("Dockerfile")
-                .t(&tag)
-                .rm(true)
-                .forcerm(true)
-                .build();
-            let mut stream = docker.build_image(options, None, Some(bollard::body_full(ctx.tar.into())));
-            let mut tail: Vec<String> = Vec::new();
-            while let Some(item) = stream.next().await {
-                let info = item.map_err(|e| LaunchError::ImageBuild {
-                    host: host.to_string(),
-                    context: dir.clone(),
-                    message: e.to_string(),
-                })?;
-                if let Some(detail) = info.error_detail {
-                    let message = detail.message.unwrap_or_else(|| "unknown error".into());
-                    return Err(LaunchError::ImageBuild {
-                        host: host.to_string(),
-                        context: dir.clone(),
-                        message,
-                    });
-                }
-                if let Some(text) = info.stream {
-                    for line in text.lines().filter(|l| !l.trim().is_empty()) {
-                        if verbose {
-                            eprintln!("[{host} build] {line}");
-                        }
-                        tail.push(line.to_string());
+                .collect()
+        }
+        ImageSource::Build(spec) => ensure_built(engines, spec, feedback).await,
+    }
+}
+
+/// The tag a build gets: its repository and the first 16 hex digits of its context's hash.
+pub fn tag_of(spec: &BuildSpec, context: &context::Context) -> String {
+    format!("{}:{}", spec.repository, &context.hash[..16])
+}
+
+/// What the hash covers beside the files: the Dockerfile's name and the build arguments.
+fn extra(spec: &BuildSpec) -> String {
+    let mut s = format!("dockerfile={}\n", spec.dockerfile);
+    for (k, v) in &spec.args {
+        s.push_str(&format!("arg {k}={v}\n"));
+    }
+    s
+}
+
+async fn ensure_built(
+    engines: &[Engine<'_>],
+    spec: &BuildSpec,
+    feedback: Feedback,
+) -> Result<Vec<Prepared>, LaunchError> {
+    let listing = {
+        let spec = spec.clone();
+        tokio::task::spawn_blocking(move || context::list(&spec.context, &spec.dockerfile, &extra(&spec)))
+            .await
+            .expect("listing the context does not panic")?
+    };
+    let tag = tag_of(spec, &listing);
+
+    // What each host has, and its architecture.
+    let looks = join_all(engines.iter().map(|e| async {
+        let have = e.docker.inspect_image(&tag).await.ok().and_then(|i| i.id);
+        let arch = e
+            .docker
+            .version()
+            .await
+            .map_err(|source| LaunchError::Docker {
+                host: e.host.to_string(),
+                action: "ask for its version",
+                source,
+            })?
+            .arch
+            .unwrap_or_default();
+        Ok::<_, LaunchError>((have, arch))
+    }))
+    .await
+    .into_iter()
+    .collect::<Result<Vec<_>, _>>()?;
+
+    let mut out: Vec<Option<Prepared>> = looks
+        .iter()
+        .map(|(have, _)| {
+            have.as_ref().map(|id| Prepared {
+                tag: tag.clone(),
+                id: id.clone(),
+                built: false,
+                received_from: None,
+                seconds: 0.0,
+            })
+        })
+        .collect();
+
+    // One build (at most) and one fan-out per architecture, the architectures side by side.
+    let mut by_arch: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
+    for (i, (_, arch)) in looks.iter().enumerate() {
+        by_arch.entry(arch.as_str()).or_default().push(i);
+    }
+    let groups = by_arch.into_values().map(|members| {
+        let out = &out;
+        let listing = &listing;
+        let tag = &tag;
+        async move {
+            let mut got: Vec<(usize, Prepared)> = Vec::new();
+            let source = match members.iter().find(|&&i| out[i].is_some()) {
+                Some(&i) => i,
+                None => {
+                    let i = members[0];
+                    let e = &engines[i];
+                    let started = Instant::now();
+                    if feedback.normal {
+                        eprintln!(
+                            "driver: building {tag} on {} ({} files, {} of source; once per source version)",
+                            e.host,
+                            listing.file_count(),
+                            human_bytes(listing.bytes)
+                        );
                     }
+                    let id = build(e, spec, listing, tag, feedback).await?;
+                    let seconds = started.elapsed().as_secs_f64();
+                    if feedback.normal {
+                        eprintln!("driver: built {tag} on {} in {seconds:.0} s", e.host);
+                    }
+                    got.push((
+                        i,
+                        Prepared {
+                            tag: tag.clone(),
+                            id,
+                            built: true,
+                            received_from: None,
+                            seconds,
+                        },
+                    ));
+                    i
+                }
+            };
+            let targets: Vec<usize> = members
+                .iter()
+                .copied()
+                .filter(|&i| i != source && out[i].is_none())
+                .collect();
+            if !targets.is_empty() {
+                let to: Vec<&Engine> = targets.iter().map(|&i| &engines[i]).collect();
+                let sent = distribute(&engines[source], &to, tag, feedback).await?;
+                for (&i, (id, seconds)) in targets.iter().zip(sent) {
+                    got.push((
+                        i,
+                        Prepared {
+                            tag: tag.clone(),
+                            id,
+                            built: false,
+                            received_from: Some(engines[source].host.to_string()),
+                            seconds,
+                        },
+                    ));
+                }
+            }
+            Ok::<_, LaunchError>(got)
+        }
+    });
+    for group in join_all(groups).await {
+        for (i, prepared) in group? {
+            out[i] = Some(prepared);
+        }
+    }
+    Ok(out.into_iter().map(|p| p.expect("every host has the image")).collect())
+}
+
+/// Builds the image on one engine from the streamed context; returns its id.
+async fn build(
+    engine: &Engine<'_>,
+    spec: &BuildSpec,
+    listing: &context::Context,
+    tag: &str,
+    feedback: Feedback,
+) -> Result<String, LaunchError> {
+    let failed = |message: String| LaunchError::ImageBuild {
+        host: engine.host.to_string(),
+        context: spec.context.clone(),
+        message,
+    };
+    let args: HashMap<String, String> = spec.args.clone().into_iter().collect();
+    let options = BuildImageOptionsBuilder::default()
+        .dockerfile(&spec.dockerfile)
+        .t(tag)
+        .buildargs(&args)
+        .rm(true)
+        .forcerm(true)
+        .build();
+    let body = bollard::body_try_stream(context::stream(listing));
+    let mut stream = engine.docker.build_image(options, None, Some(body));
+    let mut tail: Vec<String> = Vec::new();
+    while let Some(item) = stream.next().await {
+        let info = item.map_err(|e| failed(format!("{e}{}", last_lines(&tail))))?;
+        if let Some(detail) = info.error_detail {
+            let message = detail.message.unwrap_or_else(|| "unknown error".into());
+            return Err(failed(format!("{message}{}", last_lines(&tail))));
+        }
+        if let Some(text) = info.stream {
+            for line in text.lines().filter(|l| !l.trim().is_empty()) {
+                if feedback.verbose {
+                    eprintln!("[{} build] {line}", engine.host);
+                }
+                tail.push(line.to_string());
+                if tail.len() > 20 {
+                    tail.remove(0);
+                }
+            }
+        }
+    }
+    let image = engine.docker.inspect_image(tag).await.map_err(|e| {
+        failed(format!("the build ended but {tag} is missing ({e}){}", last_lines(&tail)))
+    })?;
+    Ok(image.id.unwrap_or_default())
+}
+
+fn last_lines(tail: &[String]) -> String {
+    match tail.len() {
+        0 => String::new(),
+        n => format!("; its last output: {}", tail[n.saturating_sub(8)..].join(" | ")),
+    }
+}
+
+/// Chunks in flight towards each receiving host.
+const IN_FLIGHT: usize = 16;
+
+/// Streams `tag` from `from` to every engine of `to` at once: one export, read once, its chunks
+/// handed to each receiver (the slowest sets the pace). Returns each receiver's image id and the
+/// seconds it took.
+async fn distribute(
+    from: &Engine<'_>,
+    to: &[&Engine<'_>],
+    tag: &str,
+    feedback: Feedback,
+) -> Result<Vec<(String, f64)>, LaunchError> {
+    let started = Instant::now();
+    let size = from
+        .docker
+        .inspect_image(tag)
+        .await
+        .ok()
+        .and_then(|i| i.size)
+        .unwrap_or(0)
+        .max(0) as u64;
+    if feedback.normal {
+        let names: Vec<&str> = to.iter().map(|e| e.host).collect();
+        eprintln!(
+            "driver: sending {tag} ({}) from {} to {}",
+            human_bytes(size),
+            from.host,
+            names.join(", ")
+        );
+    }
+    let transfer_err = |host: &str, message: String| LaunchError::ImageTransfer {
+        from: from.host.to_string(),
+        to: host.to_string(),
+        image: tag.to_string(),
+        message,
+    };
+    let style = ProgressStyle::with_template("{prefix:>12} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec}")
+        .expect("a valid template")
+        .progress_chars("=> ");
+    let mut senders = Vec::new();
+    let mut loads = Vec::new();
+    for e in to {
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(IN_FLIGHT);
+        let bar = if feedback.bars {
+            ProgressBar::with_draw_target(Some(size), ProgressDrawTarget::stderr())
+        } else {
+            ProgressBar::hidden()
+        };
+        bar.set_style(style.clone());
+        bar.set_prefix(e.host.to_string());
+        senders.push((tx, bar.clone()));
+        let body = futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|c| (c, rx)) });
+        let docker = e.docker;
+        let host = e.host;
+        loads.push(async move {
+            let options = ImportImageOptionsBuilder::default().quiet(true).build();
+            let mut replies = docker.import_image_stream(options, body, None);
+            while let Some(reply) = replies.next().await {
+                let reply = reply.map_err(|err| transfer_err(host, err.to_string()))?;
+                if let Some(detail) = reply.error_detail {
+                    return Err(transfer_err(host, detail.message.unwrap_or_default()));
                 }
             }
             let id = docker
-                .inspect_image(&tag)
+                .inspect_image(tag)
                 .await
-                .map_err(|e| LaunchError::ImageBuild {
-                    host: host.to_string(),
-                    context: dir.clone(),
-                    message: format!(
-                        "the build ended but {tag} is missing ({e}); last output: {}",
-                        tail.join(" | ")
-                    ),
-                })?
+                .map_err(|err| transfer_err(host, format!("the load ended but the image is missing ({err})")))?
                 .id
                 .unwrap_or_default();
-            Ok(Prepared { tag, id, built: true })
+            bar.finish_and_clear();
+            Ok::<_, LaunchError>((id, started.elapsed().as_secs_f64()))
+        });
+    }
+    let pump = async {
+        let mut export = from.docker.export_image(tag);
+        while let Some(chunk) = export.next().await {
+            let chunk = match chunk {
+                Ok(c) => c,
+                Err(err) => {
+                    let reason = format!("reading the image from {} failed: {err}", from.host);
+                    for (tx, _) in &senders {
+                        let _ = tx.send(Err(std::io::Error::other(reason.clone()))).await;
+                    }
+                    return;
+                }
+            };
+            // A receiver that failed has dropped its end; the others go on.
+            for (tx, bar) in &senders {
+                if tx.send(Ok(chunk.clone())).await.is_ok() {
+                    bar.inc(chunk.len() as u64);
+                }
+            }
         }
+        drop(senders);
+    };
+    let (_, results) = tokio::join!(pump, join_all(loads));
+    let results = results.into_iter().collect::<Result<Vec<_>, _>>()?;
+    if feedback.normal {
+        eprintln!(
+            "driver: {tag} is on {} more host(s) after {:.1} s",
+            results.len(),
+            started.elapsed().as_secs_f64()
+        );
+    }
+    Ok(results)
+}
+
+/// `n` bytes for people.
+pub fn human_bytes(n: u64) -> String {
+    const UNITS: [&str; 4] = ["B", "KiB", "MiB", "GiB"];
+    let mut v = n as f64;
+    let mut unit = 0;
+    while v >= 1024.0 && unit + 1 < UNITS.len() {
+        v /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{n} B")
+    } else {
+        format!("{v:.1} {}", UNITS[unit])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_read_as_people_write_them() {
+        assert_eq!(human_bytes(512), "512 B");
+        assert_eq!(human_bytes(1536), "1.5 KiB");
+        assert_eq!(human_bytes(3 * 1024 * 1024 * 1024), "3.0 GiB");
+    }
+
+    #[test]
+    fn the_tag_changes_with_the_build_arguments() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("Dockerfile"), "FROM scratch\n").unwrap();
+        let mut spec = BuildSpec {
+            context: dir.path().to_path_buf(),
+            dockerfile: "Dockerfile".into(),
+            args: BTreeMap::new(),
+            repository: "stagehand-x".into(),
+        };
+        let a = tag_of(&spec, &context::list(dir.path(), "Dockerfile", &extra(&spec)).unwrap());
+        spec.args.insert("TORCH_IMAGE".into(), "t:cuda".into());
+        let b = tag_of(&spec, &context::list(dir.path(), "Dockerfile", &extra(&spec)).unwrap());
+        assert!(a.starts_with("stagehand-x:") && a.len() == "stagehand-x:".len() + 16);
+        assert_ne!(a, b);
     }
 }

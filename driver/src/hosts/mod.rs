@@ -4,6 +4,7 @@
 //! [`bollard::Docker`] handle.
 
 pub mod context;
+mod dockerignore;
 pub mod image;
 pub mod ssh;
 
@@ -73,13 +74,48 @@ pub async fn connect(
     Ok((docker, None))
 }
 
-/// Preflight for one host: engine reachable, GPUs usable when asked for, image present or built.
-pub async fn prepare(
-    host: &HostPlan,
+/// Preflight for every host: each engine reachable, its mounts and GPUs checked, all at once;
+/// then the image on every host, built once and streamed where it is missing ([`image`]).
+pub async fn prepare_all(
+    hosts: &[HostPlan],
     image: &ImageSource,
     planned: &[PlannedMount],
     ssh: &SshOptions,
-    verbose: bool,
+    feedback: image::Feedback,
+) -> Result<Vec<(Host, HostFacts)>, LaunchError> {
+    let ready = futures_util::future::join_all(hosts.iter().map(|h| prepare(h, planned, ssh)))
+        .await
+        .into_iter()
+        .collect::<Result<Vec<_>, _>>()?;
+    let engines: Vec<image::Engine> = ready
+        .iter()
+        .map(|(h, _)| image::Engine {
+            host: &h.name,
+            docker: &h.docker,
+        })
+        .collect();
+    let images = image::ensure_all(&engines, image, feedback).await?;
+    Ok(ready
+        .into_iter()
+        .zip(images)
+        .map(|((mut host, mut facts), prepared)| {
+            host.image = prepared.tag.clone();
+            facts.image = Some(prepared.tag);
+            facts.image_id = Some(prepared.id);
+            facts.image_built = prepared.built;
+            facts.image_received_from = prepared.received_from;
+            facts.image_seconds = prepared.seconds;
+            (host, facts)
+        })
+        .collect())
+}
+
+/// Preflight for one host: engine reachable, mounts present or copied, GPUs usable when asked for.
+/// The image is left to [`prepare_all`].
+async fn prepare(
+    host: &HostPlan,
+    planned: &[PlannedMount],
+    ssh: &SshOptions,
 ) -> Result<(Host, HostFacts), LaunchError> {
     let (docker, tunnel) = connect(host, ssh).await?;
     // One remote check per path, all at once over the multiplexed connection.
@@ -124,21 +160,22 @@ pub async fn prepare(
             });
         }
     }
-    let prepared = image::ensure(&docker, &host.name, image, verbose).await?;
     let facts = HostFacts {
         host: host.name.clone(),
         docker_version: version.version,
         gpus: host.gpus.iter().map(|g| g.to_string()).collect(),
-        image_id: Some(prepared.id.clone()),
-        image: Some(prepared.tag.clone()),
-        image_built: prepared.built,
+        image_id: None,
+        image: None,
+        image_built: false,
+        image_received_from: None,
+        image_seconds: 0.0,
         copied_in: copies.iter().map(|p| p.display().to_string()).collect(),
     };
     let host = Host {
         name: host.name.clone(),
         plan: host.clone(),
         docker,
-        image: prepared.tag,
+        image: String::new(),
         mounts,
         copies,
         _tunnel: tunnel,

@@ -77,6 +77,13 @@ pub enum LaunchError {
         context: PathBuf,
         message: String,
     },
+    #[error("sending image {image} from {from} to {to} failed: {message}")]
+    ImageTransfer {
+        from: String,
+        to: String,
+        image: String,
+        message: String,
+    },
     #[error(transparent)]
     Context {
         #[from]

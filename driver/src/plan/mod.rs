@@ -13,6 +13,8 @@ use stagehand_contract::StageConfig;
 use crate::cli::{Backend, ContainerMode, Options};
 use crate::config::{ConfigError, Container, Device, Loaded, Machine, Mount, StageConfigRef};
 
+/// The process backend's runtime when `--runtime` gives none (relative to the working folder).
+pub const DEFAULT_LOCAL_RUNTIME: &str = "target/release/runtime";
 /// Default shared memory per container: data loaders need more than Docker's 64 MiB.
 const DEFAULT_SHM_MB: u64 = 2048;
 /// `config_file: auto`'s bandwidth between GPUs of one machine when none is given, in GB/s.
@@ -62,9 +64,27 @@ pub struct Planned {
 pub enum ImageSource {
     /// Use this image as named.
     Named(String),
-    /// Build this context directory.
-    Build(PathBuf),
+    /// Build it once per source version (hosts/image.rs).
+    Build(BuildSpec),
 }
+
+/// A build the driver runs: context, Dockerfile, arguments and the repository the tag goes in.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct BuildSpec {
+    /// The context folder.
+    pub context: PathBuf,
+    /// The Dockerfile, relative to the context.
+    pub dockerfile: String,
+    /// Build arguments.
+    pub args: BTreeMap<String, String>,
+    /// Repository of the tag; the tag itself is the context's hash.
+    pub repository: String,
+}
+
+/// The runtime's path inside the runtime image (docker/runtime/Dockerfile).
+pub const RUNTIME_IN_IMAGE: &str = "/usr/local/bin/runtime";
+/// The runtime image's Dockerfile, relative to the workspace.
+pub const RUNTIME_DOCKERFILE: &str = "docker/runtime/Dockerfile";
 
 /// What to do with a mount whose source path a host lacks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -296,11 +316,8 @@ fn resolve_with(
         ));
     }
 
-    let image = match &file.container {
-        Some(Container::Image(name)) => ImageSource::Named(name.clone()),
-        Some(Container::Build(dir)) => ImageSource::Build(base.join(dir)),
-        None => ImageSource::Build(absolute(Path::new("docker"))),
-    };
+    let local_runtime = options.runtime.as_ref().map(|r| absolute(r));
+    let image = image_source(loaded, file.container.as_ref(), &base, options, device)?;
 
     // Rank 0 runs on the first machine; the address must be how the other machines reach it.
     let all_local = hosts.iter().all(|h| h.machine.is_local());
@@ -312,7 +329,14 @@ fn resolve_with(
         (None, false, false) => hosts[0].name.clone(),
     };
 
-    let runtime = absolute(&options.runtime);
+    // The runtime the ranks run: this machine's build with the process backend or when
+    // `--runtime` names one (mounted or copied into containers); else the image's own.
+    let runtime = match (backend, &local_runtime) {
+        (_, Some(path)) => path.clone(),
+        (Backend::Process, None) => absolute(Path::new(DEFAULT_LOCAL_RUNTIME)),
+        (Backend::Docker, None) => PathBuf::from(RUNTIME_IN_IMAGE),
+    };
+    let runtime_is_local = backend == Backend::Process || local_runtime.is_some();
     let stage_config_path = stages.as_ref().map(|(p, _)| p.clone());
     let microbatches = planned.map(|p| p.microbatches).or(file.microbatches);
     let program = match &file.command {
@@ -329,13 +353,15 @@ fn resolve_with(
         mounts.push(PlannedMount { mount, when_missing });
     };
     // Code reaches containers by a bind mount where the host has the path, else it is copied in.
-    for path in [Some(program), stage_config_path.clone()].into_iter().flatten() {
+    let program = (runtime_is_local || file.command.is_some()).then_some(program);
+    for path in [program, stage_config_path.clone()].into_iter().flatten() {
         if path.is_absolute() && path.is_file() {
             same_path(path, true, WhenMissing::Copy);
         }
     }
-    // The torch environment is optional: the GPU image carries its own at the same path.
-    if options.torch_venv.is_absolute() && options.torch_venv.exists() {
+    // A local runtime's libtorch is the torch environment its rpath names, mounted where it
+    // exists (an image with its own at the same path may do without).
+    if runtime_is_local && options.torch_venv.is_absolute() && options.torch_venv.exists() {
         same_path(options.torch_venv.clone(), true, WhenMissing::Skip);
     }
     if let Some(data) = &file.data_dir {
@@ -558,6 +584,91 @@ fn group_hosts(machines: &[Machine]) -> (Vec<HostPlan>, Vec<(usize, Vec<u32>)>) 
         }
     }
     (hosts, slots)
+}
+
+/// The image the containers run. Without `container:`, the runtime image built from the
+/// workspace's source (docker/runtime/Dockerfile, its torch image chosen by the device), or the
+/// development image docker/local when `--runtime` mounts this machine's build.
+fn image_source(
+    loaded: &Loaded,
+    container: Option<&Container>,
+    base: &Path,
+    options: &Options,
+    device: Device,
+) -> Result<ImageSource, ConfigError> {
+    let build = match container {
+        Some(Container::Image(name)) => return Ok(ImageSource::Named(name.clone())),
+        Some(Container::Build(b)) => b.clone(),
+        None => Default::default(),
+    };
+    if let Some(dir) = &build.dir {
+        let context = base.join(dir);
+        let stem = context
+            .file_name()
+            .map(|s| s.to_string_lossy().to_lowercase())
+            .unwrap_or_default();
+        let stem: String = stem
+            .chars()
+            .map(|c| if c.is_ascii_alphanumeric() || c == '-' { c } else { '-' })
+            .collect();
+        return Ok(ImageSource::Build(BuildSpec {
+            context,
+            dockerfile: build.dockerfile.unwrap_or_else(|| "Dockerfile".into()),
+            args: build.args,
+            repository: format!("stagehand-{stem}"),
+        }));
+    }
+    let source = source_root(options.source.as_deref()).ok_or_else(|| {
+        loaded.error_at(
+            "container",
+            format!(
+                "the runtime image is built from the stagehand source, and none was found (no \
+                 {RUNTIME_DOCKERFILE} in this folder or above it); run the driver inside a \
+                 checkout, give `--source DIR`, or name an image in `container:`"
+            ),
+        )
+    })?;
+    if options.runtime.is_some() && container.is_none() {
+        return Ok(ImageSource::Build(BuildSpec {
+            context: source.join("docker/local"),
+            dockerfile: "Dockerfile".into(),
+            args: BTreeMap::new(),
+            repository: "stagehand-local".into(),
+        }));
+    }
+    let variant = match device {
+        Device::Cuda => "cuda",
+        Device::Cpu => "cpu",
+    };
+    let mut args = BTreeMap::from([(
+        "TORCH_IMAGE".to_string(),
+        format!("stagehand-torch:{TORCH_VERSION}-{variant}"),
+    )]);
+    args.extend(build.args);
+    Ok(ImageSource::Build(BuildSpec {
+        context: source,
+        dockerfile: build.dockerfile.unwrap_or_else(|| RUNTIME_DOCKERFILE.into()),
+        args,
+        repository: format!("stagehand-runtime-{variant}"),
+    }))
+}
+
+/// The torch version the runtime is built against (the torch images' tag).
+pub const TORCH_VERSION: &str = "2.11.0";
+
+/// The workspace the runtime image is built from: `given`, else the nearest folder at or above
+/// the working folder holding the runtime's Dockerfile, else the workspace this driver was built
+/// from, if it is still there.
+pub fn source_root(given: Option<&Path>) -> Option<PathBuf> {
+    if let Some(dir) = given {
+        return Some(absolute(dir));
+    }
+    let cwd = std::env::current_dir().ok()?;
+    let built_from = Path::new(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf);
+    cwd.ancestors()
+        .map(Path::to_path_buf)
+        .chain(built_from)
+        .find(|d| d.join(RUNTIME_DOCKERFILE).is_file())
 }
 
 /// Makes a path absolute against the current directory, without requiring it to exist.

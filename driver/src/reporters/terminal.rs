@@ -43,7 +43,11 @@ impl TerminalReporter {
         match event {
             Event::HostReady(facts) => verbose.then(|| {
                 let image = facts.image.as_deref().unwrap_or("-");
-                let built = if facts.image_built { " (built)" } else { "" };
+                let built = match (&facts.image_received_from, facts.image_built) {
+                    (Some(from), _) => format!(" (received from {from} in {:.1} s)", facts.image_seconds),
+                    (None, true) => format!(" (built in {:.0} s)", facts.image_seconds),
+                    (None, false) => String::new(),
+                };
                 let copied = match facts.copied_in.len() {
                     0 => String::new(),
                     n => format!(", {n} file(s) copied in"),
@@ -159,6 +163,8 @@ mod tests {
                 image_id: Some("sha256:abc".into()),
                 image: Some("stagehand-local:0123".into()),
                 image_built: true,
+                image_received_from: None,
+                image_seconds: 1.0,
                 copied_in: vec!["/opt/runtime".into()],
             }),
             Event::Profiling {
