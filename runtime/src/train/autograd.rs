@@ -91,4 +91,35 @@ mod tests {
             false
         ));
     }
+
+    /// Records each call's index; fails when the context's flag says so.
+    unsafe extern "C" fn record(context: *mut c_void, index: i64) -> *mut c_char {
+        let (calls, fail) = unsafe { &mut *context.cast::<(Vec<i64>, bool)>() };
+        calls.push(index);
+        if *fail {
+            crate::comm::ffi::malloc_message("the hook says no")
+        } else {
+            std::ptr::null_mut()
+        }
+    }
+
+    #[test]
+    fn a_grad_ready_hook_runs_once_per_backward_after_accumulation_and_can_fail_it() {
+        let w = Tensor::ones([2], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        let mut context: (Vec<i64>, bool) = (Vec::new(), false);
+        let hook = Some((record as GradReadyFn, (&mut context as *mut (Vec<i64>, bool)).cast()));
+        // SAFETY: `context` outlives the hook, which is removed below.
+        unsafe { set_grad_ready_hook(&w, hook, 7) }.unwrap();
+        // Two uses of w in one backward: one accumulation, one call.
+        ((&w * 2.0).sum(Kind::Float) + (&w * 3.0).sum(Kind::Float)).backward();
+        assert_eq!(context.0, vec![7]);
+        assert!(w.grad().allclose(&Tensor::full([2], 5.0, (Kind::Float, Device::Cpu)), 0.0, 0.0, false));
+        context.1 = true;
+        let err = backward_with_grad(&(&w * 1.0), &Tensor::ones([2], (Kind::Float, Device::Cpu))).unwrap_err();
+        assert!(err.contains("the hook says no"), "{err}");
+        assert_eq!(context.0, vec![7, 7]);
+        unsafe { set_grad_ready_hook(&w, None, 0) }.unwrap();
+        (&w * 1.0).sum(Kind::Float).backward();
+        assert_eq!(context.0, vec![7, 7], "a removed hook is not called");
+    }
 }
