@@ -292,7 +292,7 @@ impl Executor {
             });
         }
         let (device, slowdown) = (self.device, self.slowdown);
-        let run = || {
+        let mut run = || {
             timed(device, slowdown, &mut progress.timing, || match &grad {
                 None => flight.output.f_backward().map_err(|e| e.to_string()),
                 Some(grad) => backward_with_grad(&flight.output, grad),

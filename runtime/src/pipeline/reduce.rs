@@ -163,7 +163,7 @@ impl State {
                 .collect::<Result<Vec<_>, _>>()?;
             let mut flat = Tensor::f_cat(&grads, 0).map_err(|e| e.to_string())?;
             if let Some(scale) = self.scale {
-                flat.f_mul_scalar_(scale).map_err(|e| e.to_string())?;
+                let _ = flat.f_mul_scalar_(scale).map_err(|e| e.to_string())?;
             }
             Ok::<_, String>(flat)
         })?;
@@ -228,12 +228,6 @@ impl Reducer {
             }
         }
         Ok(reducer)
-    }
-
-    /// The number of buckets.
-    pub fn buckets(&self) -> usize {
-        // SAFETY: no backward runs while the executor holds `&self`.
-        unsafe { self.state.as_ref() }.buckets.len()
     }
 
     /// Runs `backward`; when `last` (the step's last gradient accumulation on this rank) and
@@ -326,7 +320,7 @@ impl Drop for Reducer {
 
 /// The hook every parameter calls once autograd has written its gradient.
 unsafe extern "C" fn grad_ready(context: *mut c_void, index: i64) -> *mut c_char {
-    let outcome = std::panic::catch_unwind(|| {
+    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         // SAFETY: `context` is a live reducer's state (hooks are removed before it is freed),
         // reached only by hooks while a backward runs.
         let state = unsafe { &mut *context.cast::<State>() };
@@ -339,7 +333,7 @@ unsafe extern "C" fn grad_ready(context: *mut c_void, index: i64) -> *mut c_char
             state.error.get_or_insert_with(|| error.clone());
         }
         result
-    });
+    }));
     let message = match outcome {
         Ok(Ok(())) => return std::ptr::null_mut(),
         Ok(Err(message)) => message,
