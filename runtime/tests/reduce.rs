@@ -49,7 +49,13 @@ fn train(world: usize, base: &str, extra: &[&str], dir: &Path) -> Vec<Run> {
 /// Losses of every rank that knows them, per iteration, as their bits.
 fn loss_bits(runs: &[Run]) -> Vec<Vec<u64>> {
     runs.iter()
-        .map(|r| r.iterations().iter().filter_map(|i| i.loss).map(f64::to_bits).collect())
+        .map(|r| {
+            r.iterations()
+                .iter()
+                .filter_map(|i| i.loss)
+                .map(f64::to_bits)
+                .collect()
+        })
         .collect()
 }
 
@@ -93,7 +99,10 @@ fn overlap_matches_after_backward(what: &str, world: usize, base: &str, split: &
     let reference = tmp.path().join("after");
     let off = [split, &["--overlap-reduce", "off"]].concat();
     let expected = loss_bits(&train(world, base, &off, &reference));
-    assert!(!expected.iter().all(Vec::is_empty), "{what}: some rank reports losses");
+    assert!(
+        !expected.iter().all(Vec::is_empty),
+        "{what}: some rank reports losses"
+    );
     let mut variants: Vec<(String, Vec<&str>)> = buckets
         .iter()
         .map(|mb| {
@@ -154,29 +163,52 @@ fn an_overlapped_all_reduce_trains_a_resnet_as_one_after_the_backward() {
 fn buckets_start_before_the_backward_ends_only_when_overlapped() {
     let tmp = tempfile::tempdir().unwrap();
     // 16 bytes is below every tensor: one bucket per parameter tensor.
-    let dp = ["--schedule", "gpipe", "--microbatches", "2", "--bucket-mb", "0.00001526"];
+    let dp = [
+        "--schedule",
+        "gpipe",
+        "--microbatches",
+        "2",
+        "--bucket-mb",
+        "0.00001526",
+    ];
     let on = train(2, MLP, &dp, &tmp.path().join("on"));
     let off_args = [&dp[..], &["--overlap-reduce", "off"]].concat();
     let off = train(2, MLP, &off_args, &tmp.path().join("off"));
     let tensors = read_params(&tmp.path().join("on")).len() as u64;
-    assert!(tensors >= 10, "mlp --layers 4 has a weight and a bias per layer and head");
+    assert!(
+        tensors >= 10,
+        "mlp --layers 4 has a weight and a bias per layer and head"
+    );
     for run in &on {
         assert!(run.start().config.overlap_reduce);
         for it in run.iterations() {
             let r = &it.reduce;
             assert_eq!(r.buckets, tensors, "one bucket per tensor: {it:?}");
-            assert_eq!(r.buckets_early, r.buckets, "every gradient comes from the backward: {it:?}");
-            assert!(r.overlap_s > 0.0, "the first bucket started before the backward ended: {it:?}");
+            assert_eq!(
+                r.buckets_early, r.buckets,
+                "every gradient comes from the backward: {it:?}"
+            );
+            assert!(
+                r.overlap_s > 0.0,
+                "the first bucket started before the backward ended: {it:?}"
+            );
             assert!(r.wait_s > 0.0 && r.wait_s <= it.comm_wait_s + 1e-9, "{it:?}");
         }
     }
     for run in &off {
         let config = &run.start().config;
         assert!(!config.overlap_reduce);
-        assert!((config.bucket_mb - 0.00001526).abs() <= 1.0 / (1 << 20) as f64, "{config:?}");
+        assert!(
+            (config.bucket_mb - 0.00001526).abs() <= 1.0 / (1 << 20) as f64,
+            "{config:?}"
+        );
         for it in run.iterations() {
             let r = &it.reduce;
-            assert_eq!((r.buckets, r.buckets_early, r.overlap_s), (tensors, 0, 0.0), "{it:?}");
+            assert_eq!(
+                (r.buckets, r.buckets_early, r.overlap_s),
+                (tensors, 0, 0.0),
+                "{it:?}"
+            );
             assert!(r.wait_s > 0.0, "{it:?}");
         }
     }

@@ -99,7 +99,11 @@ fn bucket_mb_reaches_every_rank() {
     for rank in &plan.ranks {
         assert_eq!(flag(&rank.argv, "--bucket-mb"), Some("0.5"));
     }
-    let plan = resolve_text("machines: [localhost]\nmodule: mlp\n", &options(None, ContainerMode::PerRank)).unwrap();
+    let plan = resolve_text(
+        "machines: [localhost]\nmodule: mlp\n",
+        &options(None, ContainerMode::PerRank),
+    )
+    .unwrap();
     assert_eq!(flag(&plan.ranks[0].argv, "--bucket-mb"), None);
 }
 

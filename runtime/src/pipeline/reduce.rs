@@ -157,7 +157,9 @@ impl State {
                     if grad.defined() {
                         Ok(grad.reshape([-1]))
                     } else {
-                        Err(format!("internal error: parameter {i} has no gradient to all-reduce"))
+                        Err(format!(
+                            "internal error: parameter {i} has no gradient to all-reduce"
+                        ))
                     }
                 })
                 .collect::<Result<Vec<_>, _>>()?;
@@ -223,7 +225,11 @@ impl Reducer {
                 // SAFETY: the context is the reducer's state, which outlives the hook: `drop`
                 // removes every hook before freeing it.
                 unsafe {
-                    set_grad_ready_hook(p, Some((grad_ready as GradReadyFn, reducer.state.as_ptr().cast())), i)
+                    set_grad_ready_hook(
+                        p,
+                        Some((grad_ready as GradReadyFn, reducer.state.as_ptr().cast())),
+                        i,
+                    )
                 }?;
             }
         }

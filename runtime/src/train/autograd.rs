@@ -107,15 +107,24 @@ mod tests {
     fn a_grad_ready_hook_runs_once_per_backward_after_accumulation_and_can_fail_it() {
         let w = Tensor::ones([2], (Kind::Float, Device::Cpu)).set_requires_grad(true);
         let mut context: (Vec<i64>, bool) = (Vec::new(), false);
-        let hook = Some((record as GradReadyFn, (&mut context as *mut (Vec<i64>, bool)).cast()));
+        let hook = Some((
+            record as GradReadyFn,
+            (&mut context as *mut (Vec<i64>, bool)).cast(),
+        ));
         // SAFETY: `context` outlives the hook, which is removed below.
         unsafe { set_grad_ready_hook(&w, hook, 7) }.unwrap();
         // Two uses of w in one backward: one accumulation, one call.
         ((&w * 2.0).sum(Kind::Float) + (&w * 3.0).sum(Kind::Float)).backward();
         assert_eq!(context.0, vec![7]);
-        assert!(w.grad().allclose(&Tensor::full([2], 5.0, (Kind::Float, Device::Cpu)), 0.0, 0.0, false));
+        assert!(w.grad().allclose(
+            &Tensor::full([2], 5.0, (Kind::Float, Device::Cpu)),
+            0.0,
+            0.0,
+            false
+        ));
         context.1 = true;
-        let err = backward_with_grad(&(&w * 1.0), &Tensor::ones([2], (Kind::Float, Device::Cpu))).unwrap_err();
+        let err =
+            backward_with_grad(&(&w * 1.0), &Tensor::ones([2], (Kind::Float, Device::Cpu))).unwrap_err();
         assert!(err.contains("the hook says no"), "{err}");
         assert_eq!(context.0, vec![7, 7]);
         unsafe { set_grad_ready_hook(&w, None, 0) }.unwrap();
