@@ -17,7 +17,7 @@ import statistics
 import subprocess
 from pathlib import Path
 
-from side_by_side import alternate, free_port, write_json
+from side_by_side import free_port, rotate, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNTIME = Path(os.environ.get("STAGEHAND_RUNTIME", ROOT / "target" / "release" / "runtime"))
@@ -64,7 +64,8 @@ def main():
     args = p.parse_args()
     results = {}
     for model in args.models.split(","):
-        off, on, _ = alternate(args.rounds, lambda: run(args, model, "off"), lambda: run(args, model, "on"))
+        figures = rotate(args.rounds, {"off": lambda: run(args, model, "off"), "on": lambda: run(args, model, "on")})
+        off, on = figures["off"], figures["on"]
         med = lambda runs, k: statistics.median(r[k] for r in runs)
         step_on, step_off = med(on, 0), med(off, 0)
         results[model] = {"on": on, "off": off}
