@@ -74,6 +74,20 @@ pub struct RunConfig {
     /// Parameters and image inputs in channels_last layout.
     #[serde(default)]
     pub channels_last: bool,
+    /// Replicas all-reduce gradients in buckets of at most this many MiB (`--bucket-mb`).
+    #[serde(default = "default_bucket_mb")]
+    pub bucket_mb: f64,
+    /// Buckets are all-reduced during the backward pass (`--overlap-reduce on`).
+    #[serde(default = "yes")]
+    pub overlap_reduce: bool,
+}
+
+fn default_bucket_mb() -> f64 {
+    25.0
+}
+
+fn yes() -> bool {
+    true
 }
 
 fn fp32() -> String {
@@ -150,6 +164,24 @@ pub struct Iteration {
     /// The CUDA caching allocator's peak reserved bytes (allocated plus its cache) so far.
     #[serde(default)]
     pub gpu_peak_reserved_bytes: Option<u64>,
+    /// The replicas' gradient all-reduce (zero on a stage without replicas).
+    #[serde(default)]
+    pub reduce: ReduceMetrics,
+}
+
+/// What the gradient all-reduce of one iteration's steps did on one rank.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct ReduceMetrics {
+    /// Buckets all-reduced.
+    pub buckets: u64,
+    /// Of those, buckets whose all-reduce started before the backward pass ended.
+    pub buckets_early: u64,
+    /// Seconds from the first bucket started during the backward to the backward's end: the
+    /// all-reduce that could run behind compute (part of `compute_s`).
+    pub overlap_s: f64,
+    /// Seconds the step spent on the all-reduce after the backward (starting the remaining
+    /// buckets, waiting, copying the sums back): the exposed part (part of `comm_wait_s`).
+    pub wait_s: f64,
 }
 
 /// The `summary` event.
@@ -288,6 +320,7 @@ mod tests {
             host_peak_rss_bytes: Some(1 << 20),
             gpu_peak_allocated_bytes: None,
             gpu_peak_reserved_bytes: None,
+            reduce: ReduceMetrics::default(),
         }
     }
 

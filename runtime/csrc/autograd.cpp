@@ -1,7 +1,9 @@
 // Autograd entry points tch does not expose, as a C ABI for runtime/src/train/autograd.rs:
 // backward from a tensor with an incoming gradient (what a pipeline stage does with the gradient
 // its successor sent), and dropping a parameter's gradient (PyTorch's zero_grad(set_to_none=True),
-// cheaper than zeroing: no memset, and the next backward writes instead of accumulating).
+// cheaper than zeroing: no memset, and the next backward writes instead of accumulating), and a
+// parameter's post-accumulate-grad hook calling back into Rust (what DDP's reducer listens to:
+// the moment a backward has finished writing a parameter's gradient).
 //
 // Tensors are tch's handles, which are pointers to at::Tensor. Every entry point returns nullptr
 // on success or a malloc'd message (bridge.hpp's rule; free it with sh_error_free); no C++
@@ -9,8 +11,40 @@
 
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <memory>
 
 #include "bridge.hpp"
+
+// Called with the hook's context and the index it was registered with; returns nullptr or a
+// malloc'd message, which fails the backward that ran the hook.
+typedef char* (*sh_grad_ready_fn)(void* context, int64_t index);
+
+namespace {
+
+// Runs on the thread autograd runs the parameter's AccumulateGrad on (the calling thread for CPU
+// parameters, the device's autograd thread for CUDA ones), after the gradient is written.
+struct RustGradReady : torch::autograd::PostAccumulateGradHook {
+  RustGradReady(sh_grad_ready_fn fn, void* context, int64_t index)
+      : fn(fn), context(context), index(index) {}
+
+  void operator()(const torch::autograd::Variable& /*param*/) override {
+    char* error = fn(context, index);
+    if (error != nullptr) {
+      std::string message(error);
+      std::free(error);
+      TORCH_CHECK(false, message);
+    }
+  }
+
+  sh_grad_ready_fn fn;
+  void* context;
+  int64_t index;
+};
+
+}  // namespace
 
 extern "C" {
 
@@ -20,6 +54,20 @@ char* sh_backward_with_grad(const at::Tensor* output, const at::Tensor* grad) {
 
 char* sh_grad_to_none(at::Tensor* param) {
   return sh::guarded([&] { param->mutable_grad().reset(); });
+}
+
+// Replaces `param`'s post-accumulate-grad hook with one calling `fn(context, index)`; the hook
+// lives with the parameter (not with its AccumulateGrad node, which autograd may recreate), so it
+// survives weight stashing's set_data. A null `fn` removes it.
+char* sh_set_grad_ready_hook(const at::Tensor* param, sh_grad_ready_fn fn, void* context, int64_t index) {
+  return sh::guarded([&] {
+    TORCH_CHECK(param->is_leaf() && param->requires_grad(), "a grad-ready hook needs a parameter");
+    std::unique_ptr<torch::autograd::PostAccumulateGradHook> hook;
+    if (fn != nullptr) {
+      hook = std::make_unique<RustGradReady>(fn, context, index);
+    }
+    torch::autograd::impl::set_post_acc_grad_hooks(*param, std::move(hook));
+  });
 }
 
 }  // extern "C"

@@ -14,6 +14,7 @@ use crate::config::{
 use crate::data::DataSpec;
 use crate::p2p::P2pConfig;
 use crate::pipeline::schedule::Schedule;
+use crate::pipeline::ReduceOptions;
 use crate::profile::ProfileConfig;
 
 /// One training process (rank) of a model split across ranks.
@@ -217,6 +218,20 @@ struct DistArgs {
     /// Slow one rank's compute by a factor, as RANK=FACTOR (straggler emulation); repeatable.
     #[arg(long, value_name = "RANK=FACTOR")]
     slowdown: Vec<String>,
+    /// Replicas all-reduce gradients in flat buckets of at most this many MiB (DDP's
+    /// bucket_cap_mb; fractions allowed).
+    #[arg(long, value_name = "MB", default_value_t = 25.0)]
+    bucket_mb: f64,
+    /// Start each bucket's all-reduce during the backward pass, as soon as its gradients are
+    /// final (DDP), or only after the backward.
+    #[arg(long, value_enum, default_value_t = OnOff::On)]
+    overlap_reduce: OnOff,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum OnOff {
+    On,
+    Off,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -442,6 +457,17 @@ impl DistArgs {
                 }
             }
         }
+        let bucket_bytes = self.bucket_mb * (1u64 << 20) as f64;
+        if !(bucket_bytes.is_finite() && bucket_bytes >= 1.0) {
+            return Err(invalid(
+                "--bucket-mb",
+                format!("{} is not a positive size (at least one byte)", self.bucket_mb),
+            ));
+        }
+        let reduce = ReduceOptions {
+            bucket_bytes: bucket_bytes as usize,
+            overlap: self.overlap_reduce == OnOff::On,
+        };
         let backend = match (self.backend, device) {
             (Some(BackendArg::Gloo), _) | (None, DeviceSpec::Cpu) => Backend::Gloo,
             (Some(BackendArg::Nccl), DeviceSpec::Cpu) => {
@@ -467,6 +493,7 @@ impl DistArgs {
             microbatches: self.microbatches,
             comm_timeout: Duration::from_secs_f64(self.comm_timeout),
             slowdown,
+            reduce,
         })
     }
 }

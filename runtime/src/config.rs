@@ -6,6 +6,7 @@ use std::time::Duration;
 use stagehand_contract::{RunConfig, StageConfig};
 
 use crate::pipeline::schedule::Schedule;
+use crate::pipeline::ReduceOptions;
 
 use crate::data::{DataError, DataSpec};
 use crate::models::{ModelOptions, MODEL_NAMES};
@@ -300,6 +301,8 @@ pub struct DistConfig {
     pub comm_timeout: Duration,
     /// Compute slow-down factor of this rank (straggler emulation), 1 for none.
     pub slowdown: f64,
+    /// How replicas all-reduce their gradients.
+    pub reduce: ReduceOptions,
 }
 
 impl TrainConfig {
@@ -323,6 +326,8 @@ impl TrainConfig {
             microbatches,
             precision: self.precision.to_string(),
             channels_last: self.channels_last,
+            bucket_mb: self.dist.reduce.bucket_bytes as f64 / (1u64 << 20) as f64,
+            overlap_reduce: self.dist.reduce.overlap,
         }
     }
 }

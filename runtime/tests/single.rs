@@ -265,6 +265,14 @@ fn bad_arguments_give_one_line_reasons() {
             "invalid value 'lbfgs' for '--optimizer",
         ),
         (vec!["--iterations", "3"], "--model"),
+        (
+            vec!["--model", "mlp", "--bucket-mb", "0"],
+            "--bucket-mb: 0 is not a positive size",
+        ),
+        (
+            vec!["--model", "mlp", "--bucket-mb=-2"],
+            "--bucket-mb: -2 is not a positive size",
+        ),
     ];
     for (args, expected) in cases {
         let out = runtime().args(&args).output().unwrap();

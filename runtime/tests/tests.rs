@@ -6,5 +6,6 @@ mod init;
 mod optim;
 mod p2p_order;
 mod precision;
+mod reduce;
 mod single;
 mod util;

@@ -76,6 +76,8 @@ fn main() {
             microbatches: 1,
             precision: "fp32".into(),
             channels_last: false,
+            bucket_mb: 25.0,
+            overlap_reduce: true,
         },
     };
     println!("{}", Event::Start(start).to_line());
@@ -101,6 +103,7 @@ fn main() {
             host_peak_rss_bytes: None,
             gpu_peak_allocated_bytes: None,
             gpu_peak_reserved_bytes: None,
+            reduce: Default::default(),
         };
         println!("{}", Event::Iteration(it).to_line());
         eprintln!("fake-rank {rank}: iteration {i} done");

@@ -99,6 +99,10 @@ pub struct ExperimentFile {
     /// Parameters and image inputs in channels_last layout (`--channels-last`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub channels_last: Option<bool>,
+    /// Replicas all-reduce gradients in buckets of at most this many MiB (`--bucket-mb`, DDP's
+    /// `bucket_cap_mb`; the runtime's default is 25).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bucket_mb: Option<BucketMb>,
     /// Pipeline schedule.
     #[serde(default)]
     pub schedule: Option<Schedule>,
@@ -163,6 +167,34 @@ impl Precision {
             Precision::Bf16 => "bf16",
             Precision::Fp16 => "fp16",
         }
+    }
+}
+
+/// A gradient bucket size in MiB: positive and at least one byte.
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize, Serialize)]
+#[serde(try_from = "f64", into = "f64")]
+pub struct BucketMb(f64);
+
+/// A `bucket_mb:` that is not a size.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("bucket_mb must be a positive number of MiB (at least one byte), not {0}")]
+pub struct BucketMbError(pub f64);
+
+impl TryFrom<f64> for BucketMb {
+    type Error = BucketMbError;
+
+    fn try_from(mb: f64) -> Result<BucketMb, BucketMbError> {
+        if mb.is_finite() && mb * (1u64 << 20) as f64 >= 1.0 {
+            Ok(BucketMb(mb))
+        } else {
+            Err(BucketMbError(mb))
+        }
+    }
+}
+
+impl From<BucketMb> for f64 {
+    fn from(mb: BucketMb) -> f64 {
+        mb.0
     }
 }
 

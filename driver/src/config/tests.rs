@@ -247,3 +247,24 @@ fn a_container_reads_back_as_it_was_written() {
         assert_eq!(back, c, "{text} -> {json}");
     }
 }
+
+#[test]
+fn bucket_mb_is_a_positive_size() {
+    assert_eq!(
+        ok("machines: [a]\nbucket_mb: 0.5\n").bucket_mb.map(f64::from),
+        Some(0.5)
+    );
+    assert_eq!(
+        ok("machines: [a]\nbucket_mb: 25\n").bucket_mb.map(f64::from),
+        Some(25.0)
+    );
+    for bad in ["0", "-1", "0.0000001", ".nan"] {
+        let e = err(&format!("machines: [a]\nbucket_mb: {bad}\n"));
+        assert!(
+            e.contains("bucket_mb must be a positive number of MiB"),
+            "{bad}: {e}"
+        );
+    }
+    assert!(check_grid_value("bucket_mb", &serde_json::json!(0)).is_err());
+    assert!(check_grid_value("bucket_mb", &serde_json::json!(4)).is_ok());
+}

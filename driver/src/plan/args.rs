@@ -102,6 +102,10 @@ pub(super) fn rank_command(
     if f.channels_last == Some(true) {
         argv.push("--channels-last".into());
     }
+    if let Some(mb) = f.bucket_mb {
+        argv.push("--bucket-mb".into());
+        argv.push(f64::from(mb).to_string());
+    }
     (argv, env)
 }
 

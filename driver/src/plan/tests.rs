@@ -91,6 +91,24 @@ fn a_single_rank_gets_no_distributed_flags() {
 }
 
 #[test]
+fn bucket_mb_reaches_every_rank() {
+    let plan = resolve_text(
+        "machines: [localhost, localhost]\nmodule: mlp\nbucket_mb: 0.5\n",
+        &options(None, ContainerMode::PerRank),
+    )
+    .unwrap();
+    for rank in &plan.ranks {
+        assert_eq!(flag(&rank.argv, "--bucket-mb"), Some("0.5"));
+    }
+    let plan = resolve_text(
+        "machines: [localhost]\nmodule: mlp\n",
+        &options(None, ContainerMode::PerRank),
+    )
+    .unwrap();
+    assert_eq!(flag(&plan.ranks[0].argv, "--bucket-mb"), None);
+}
+
+#[test]
 fn precision_and_channels_last_reach_every_rank() {
     let plan = resolve_text(
         "machines: [localhost, localhost]\nmodule: resnet50\nprecision: bf16\nchannels_last: true\n",

@@ -176,6 +176,7 @@ mod tests {
             host_peak_rss_bytes: None,
             gpu_peak_allocated_bytes: None,
             gpu_peak_reserved_bytes: None,
+            reduce: Default::default(),
         })
     }
 

@@ -92,3 +92,19 @@ pub fn check(message: *mut c_char) -> Result<(), String> {
     unsafe { sh_error_free(message) };
     Err(text)
 }
+
+/// A malloc'd, NUL-terminated copy of `message` for the bridge to own (and free with
+/// `std::free`): how a Rust callback reports an error to C++. Interior NUL bytes end it early.
+pub fn malloc_message(message: &str) -> *mut c_char {
+    let bytes = message.as_bytes();
+    let len = bytes.iter().position(|&b| b == 0).unwrap_or(bytes.len());
+    // SAFETY: a fresh allocation of len + 1 bytes, filled and terminated before it is returned.
+    unsafe {
+        let out = libc::malloc(len + 1).cast::<u8>();
+        if !out.is_null() {
+            std::ptr::copy_nonoverlapping(bytes.as_ptr(), out, len);
+            *out.add(len) = 0;
+        }
+        out.cast()
+    }
+}

@@ -1,9 +1,9 @@
 //! Runs one rank's action list: forwards and backwards of its microbatches, the activations,
 //! targets and gradients that cross stage boundaries (asynchronous c10d point-to-point, issued in
-//! the order route.rs decides), the replicas' gradient all-reduce and the optimizer step, with
-//! PipeDream's weight stashing.
+//! the order route.rs decides), the replicas' gradient all-reduce (reduce.rs) and the optimizer
+//! step, with PipeDream's weight stashing.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
@@ -11,6 +11,7 @@ use stagehand_contract::{Channel, P2p, StagePlan, Trace};
 use tch::{Device, Kind, Tensor};
 
 use super::channel::Channels;
+use super::reduce::{last_backwards, ReduceStats, Reducer};
 use super::route::{Op, Route, Transfer};
 use super::schedule::{Action, Schedule};
 use super::wire::{self, header, header_buffer, read_header, Message, TensorSpec};
@@ -32,6 +33,8 @@ pub struct Timing {
     pub compute: Duration,
     /// Waiting on all-reduces and on sends to complete.
     pub comm: Duration,
+    /// The replicas' gradient all-reduce (its wait is part of `comm`).
+    pub reduce: ReduceStats,
 }
 
 /// What a finished iteration reports.
@@ -75,6 +78,8 @@ pub struct Executor {
     pub stage: Stage,
     pub optimizer: Optimizer,
     pub links: Links,
+    /// With replicas: the all-reduce of this rank's gradients over `links.replicas`.
+    pub reducer: Option<Reducer>,
     pub data: Option<Box<dyn Batches>>,
     pub device: Device,
     /// Compute slow-down factor (straggler emulation).
@@ -116,10 +121,6 @@ impl Executor {
 
     fn is_last(&self) -> bool {
         self.stage_id + 1 == self.num_stages()
-    }
-
-    fn replicas(&self) -> usize {
-        self.plan.stages[self.stage_id].ranks.len()
     }
 
     fn channels(&self) -> &Channels {
@@ -246,7 +247,9 @@ impl Executor {
         Ok(())
     }
 
-    fn backward(&mut self, progress: &mut Progress, g: usize) -> anyhow::Result<()> {
+    /// The backward of microbatch `g`; `last` when it is this rank's last before a step (its
+    /// gradients are final, and the reducer may start all-reducing them as they appear).
+    fn backward(&mut self, progress: &mut Progress, g: usize, last: bool) -> anyhow::Result<()> {
         let s = self.stage_id;
         let flight = progress
             .in_flight
@@ -288,10 +291,17 @@ impl Executor {
                 backward_checksum: self.checksum(),
             });
         }
-        timed(self.device, self.slowdown, &mut progress.timing, || match &grad {
-            None => flight.output.f_backward().map_err(|e| e.to_string()),
-            Some(grad) => backward_with_grad(&flight.output, grad),
-        })
+        let (device, slowdown) = (self.device, self.slowdown);
+        let mut run = || {
+            timed(device, slowdown, &mut progress.timing, || match &grad {
+                None => flight.output.f_backward().map_err(|e| e.to_string()),
+                Some(grad) => backward_with_grad(&flight.output, grad),
+            })
+        };
+        match (&mut self.reducer, &self.links.replicas) {
+            (Some(reducer), Some(group)) => reducer.backward(group, last, run),
+            _ => run(),
+        }
         .map_err(|e| anyhow::anyhow!("backward of microbatch {g} on stage {s}: {e}"))?;
         if let Some((mut params, live)) = swapped {
             for (p, live) in params.iter_mut().zip(&live) {
@@ -326,18 +336,14 @@ impl Executor {
         for work in progress.sends.drain(..) {
             work.wait()?;
         }
-        if let Some(group) = &self.links.replicas {
-            let mut tensors = self.optimizer.grads();
-            if self.schedule == Schedule::PipeDream {
-                // Each replica stepped on its own microbatch: average, as data parallelism does.
-                let replicas = self.replicas() as f64;
-                tch::no_grad(|| {
-                    for t in &mut tensors {
-                        let _ = t.g_mul_scalar_(1.0 / replicas);
-                    }
-                });
-            }
-            all_reduce_buckets(group, &tensors)?;
+        if let (Some(reducer), Some(group)) = (&mut self.reducer, &self.links.replicas) {
+            // Parameters that took no part in any backward get zero gradients, so every replica
+            // all-reduces buckets of the same shapes.
+            let _ = self.optimizer.grads();
+            let stats = reducer
+                .finish(group, self.device)
+                .map_err(|e| anyhow::anyhow!("the gradient all-reduce of stage {}: {e}", self.stage_id))?;
+            progress.timing.reduce += stats;
         }
         let skip = match &mut self.scaler {
             None => false,
@@ -429,6 +435,7 @@ impl Executor {
         mut report: impl FnMut(IterationReport) -> anyhow::Result<()>,
     ) -> anyhow::Result<()> {
         let stash_needed = wire::stash_needed(actions);
+        let last_backwards: HashSet<usize> = last_backwards(actions);
         // This rank's last local microbatch of each iteration: the iteration ends with the step after its backward.
         let mut last_of_iteration: HashMap<usize, usize> = HashMap::new();
         for a in actions {
@@ -446,7 +453,7 @@ impl Executor {
                 Op::Send(transfer) => self.send(&mut progress, transfer)?,
                 Op::Run(Action::Forward(g)) => self.forward(&mut progress, g, stash_needed.contains(&g))?,
                 Op::Run(Action::Backward(g)) => {
-                    self.backward(&mut progress, g)?;
+                    self.backward(&mut progress, g, last_backwards.contains(&g))?;
                     let iteration = g / self.microbatches;
                     if last_of_iteration[&iteration] == g {
                         pending_end = Some(iteration);
@@ -515,53 +522,4 @@ fn timed<T>(device: Device, slowdown: f64, timing: &mut Timing, f: impl FnOnce()
     }
     timing.compute += spent;
     value
-}
-
-/// Gradients are all-reduced in flat buckets of about this many bytes: few collectives, and
-/// no bucket so large that its copy dominates (PyTorch's DDP uses 25 MiB).
-const BUCKET_BYTES: usize = 25 << 20;
-
-/// Sums `tensors` across `group` in place: packs them into flat buckets (c10d's list all-reduce
-/// means one tensor per device, so a list of different tensors cannot go in one call), starts
-/// every bucket's all-reduce, then waits and unpacks.
-fn all_reduce_buckets(group: &ProcessGroup, tensors: &[Tensor]) -> anyhow::Result<()> {
-    let mut buckets: Vec<Vec<&Tensor>> = vec![Vec::new()];
-    let mut bytes = 0;
-    for t in tensors {
-        let size = t.numel() * t.kind().elt_size_in_bytes();
-        if bytes + size > BUCKET_BYTES && !buckets.last().expect("one bucket").is_empty() {
-            buckets.push(Vec::new());
-            bytes = 0;
-        }
-        bytes += size;
-        buckets.last_mut().expect("one bucket").push(t);
-    }
-    let flats: Vec<(Vec<&Tensor>, Tensor)> = tch::no_grad(|| {
-        buckets
-            .into_iter()
-            .filter(|b| !b.is_empty())
-            .map(|bucket| {
-                let flat = Tensor::cat(&bucket.iter().map(|t| t.reshape([-1])).collect::<Vec<_>>(), 0);
-                (bucket, flat)
-            })
-            .collect()
-    });
-    let works = flats
-        .iter()
-        .map(|(_, flat)| group.all_reduce_sum(std::slice::from_ref(flat)))
-        .collect::<Result<Vec<_>, _>>()?;
-    for work in works {
-        work.wait()?;
-    }
-    tch::no_grad(|| {
-        for (bucket, flat) in &flats {
-            let mut offset = 0;
-            for t in bucket {
-                let n = t.numel() as i64;
-                t.data().copy_(&flat.narrow(0, offset, n).view_as(t));
-                offset += n;
-            }
-        }
-    });
-    Ok(())
 }

@@ -4,10 +4,12 @@
 
 mod channel;
 mod exec;
+mod reduce;
 mod route;
 pub mod schedule;
 mod wire;
 
 pub use channel::Channels;
 pub use exec::{Executor, Links};
+pub use reduce::{ReduceOptions, Reducer};
 pub use wire::TensorSpec;

@@ -1,6 +1,6 @@
 //! Autograd operations beyond tch's `backward()`, through `csrc/autograd.cpp`.
 
-use std::os::raw::c_char;
+use std::os::raw::{c_char, c_void};
 
 use tch::Tensor;
 use torch_sys::C_tensor;
@@ -10,7 +10,18 @@ use crate::comm::ffi::check;
 extern "C" {
     fn sh_backward_with_grad(output: *const C_tensor, grad: *const C_tensor) -> *mut c_char;
     fn sh_grad_to_none(param: *mut C_tensor) -> *mut c_char;
+    fn sh_set_grad_ready_hook(
+        param: *const C_tensor,
+        hook: Option<GradReadyFn>,
+        context: *mut c_void,
+        index: i64,
+    ) -> *mut c_char;
 }
+
+/// A parameter's gradient-ready hook: called with its context and index once a backward has
+/// written the parameter's gradient; returns null, or a message from
+/// [`crate::comm::ffi::malloc_message`] that fails the backward.
+pub type GradReadyFn = unsafe extern "C" fn(context: *mut c_void, index: i64) -> *mut c_char;
 
 /// Backward from `output` given the gradient of the loss with respect to it (a pipeline stage's
 /// backward with the gradient its successor sent); gradients accumulate into the leaves.
@@ -25,6 +36,24 @@ pub fn backward_with_grad(output: &Tensor, grad: &Tensor) -> Result<(), String> 
 pub fn grad_to_none(param: &mut Tensor) -> Result<(), String> {
     // SAFETY: a live tch tensor handle; the bridge resets its gradient and catches exceptions.
     check(unsafe { sh_grad_to_none(param.as_mut_ptr()) })
+}
+
+/// Sets `param`'s post-accumulate-grad hook (replacing any) to `hook` = (function, context),
+/// called with `index`; `None` removes it. The hook stays with the parameter across backwards and
+/// weight stashing's `set_data`.
+///
+/// # Safety
+/// `context` must stay valid for the function until the hook is removed or replaced, and the
+/// function must be callable from autograd's threads (CUDA parameters' hooks run on the device's
+/// autograd thread while the caller of `backward` waits).
+pub unsafe fn set_grad_ready_hook(
+    param: &Tensor,
+    hook: Option<(GradReadyFn, *mut c_void)>,
+    index: usize,
+) -> Result<(), String> {
+    let (function, context) = hook.map_or((None, std::ptr::null_mut()), |(f, c)| (Some(f), c));
+    // SAFETY: a live tch tensor handle; the bridge catches every C++ exception.
+    check(unsafe { sh_set_grad_ready_hook(param.as_ptr(), function, context, index as i64) })
 }
 
 #[cfg(test)]
@@ -61,5 +90,45 @@ mod tests {
             1e-6,
             false
         ));
+    }
+
+    /// Records each call's index; fails when the context's flag says so.
+    unsafe extern "C" fn record(context: *mut c_void, index: i64) -> *mut c_char {
+        let (calls, fail) = unsafe { &mut *context.cast::<(Vec<i64>, bool)>() };
+        calls.push(index);
+        if *fail {
+            crate::comm::ffi::malloc_message("the hook says no")
+        } else {
+            std::ptr::null_mut()
+        }
+    }
+
+    #[test]
+    fn a_grad_ready_hook_runs_once_per_backward_after_accumulation_and_can_fail_it() {
+        let w = Tensor::ones([2], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        let mut context: (Vec<i64>, bool) = (Vec::new(), false);
+        let hook = Some((
+            record as GradReadyFn,
+            (&mut context as *mut (Vec<i64>, bool)).cast(),
+        ));
+        // SAFETY: `context` outlives the hook, which is removed below.
+        unsafe { set_grad_ready_hook(&w, hook, 7) }.unwrap();
+        // Two uses of w in one backward: one accumulation, one call.
+        ((&w * 2.0).sum(Kind::Float) + (&w * 3.0).sum(Kind::Float)).backward();
+        assert_eq!(context.0, vec![7]);
+        assert!(w.grad().allclose(
+            &Tensor::full([2], 5.0, (Kind::Float, Device::Cpu)),
+            0.0,
+            0.0,
+            false
+        ));
+        context.1 = true;
+        let err =
+            backward_with_grad(&(&w * 1.0), &Tensor::ones([2], (Kind::Float, Device::Cpu))).unwrap_err();
+        assert!(err.contains("the hook says no"), "{err}");
+        assert_eq!(context.0, vec![7, 7]);
+        unsafe { set_grad_ready_hook(&w, None, 0) }.unwrap();
+        (&w * 1.0).sum(Kind::Float).backward();
+        assert_eq!(context.0, vec![7, 7], "a removed hook is not called");
     }
 }

@@ -11,7 +11,7 @@ use std::io::Write;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use stagehand_contract::{Event, Iteration, StagePlan, Start, Summary, SCHEMA_VERSION};
+use stagehand_contract::{Event, Iteration, ReduceMetrics, StagePlan, Start, Summary, SCHEMA_VERSION};
 use tch::Kind;
 
 use crate::comm::{ProcessGroup, Store};
@@ -20,9 +20,9 @@ use crate::data::{self, BatchRequest, Shard};
 use crate::metrics::{Emitter, Memory, Throughput};
 use crate::models::{InputKind, ModelDef};
 use crate::pipeline::schedule::{self, Action, Schedule};
-use crate::pipeline::{Channels, Executor, Links, TensorSpec};
+use crate::pipeline::{Channels, Executor, Links, Reducer, TensorSpec};
 pub use amp::GradScaler;
-pub use autograd::backward_with_grad;
+pub use autograd::{backward_with_grad, set_grad_ready_hook, GradReadyFn};
 pub use optim::Optimizer;
 pub use stage::Stage;
 
@@ -191,6 +191,17 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
         None
     };
     let links = connect(dist, &plan, config.device)?;
+    let reducer = links
+        .replicas
+        .as_ref()
+        .map(|group| {
+            // PipeDream's replicas each step on their own microbatch: average, as data
+            // parallelism does (GPipe and 1F1B already scale each microbatch's loss).
+            let scale = (dist.schedule == Schedule::PipeDream).then(|| 1.0 / group.size() as f64);
+            Reducer::new(optimizer.params(), dist.reduce, scale)
+        })
+        .transpose()
+        .map_err(|e| anyhow::anyhow!("setting up the gradient all-reduce: {e}"))?;
     let mut executor = Executor {
         plan: plan.clone(),
         rank: dist.rank,
@@ -201,6 +212,7 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
         stage,
         optimizer,
         links,
+        reducer,
         data,
         device,
         slowdown: dist.slowdown,
@@ -277,6 +289,12 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
             host_peak_rss_bytes: memory.host_peak_rss,
             gpu_peak_allocated_bytes: memory.gpu_peak_allocated,
             gpu_peak_reserved_bytes: memory.gpu_peak_reserved,
+            reduce: ReduceMetrics {
+                buckets: report.timing.reduce.buckets as u64,
+                buckets_early: report.timing.reduce.early as u64,
+                overlap_s: report.timing.reduce.overlap.as_secs_f64(),
+                wait_s: report.timing.reduce.wait.as_secs_f64(),
+            },
         }))?;
         Ok(())
     })?;
