@@ -189,6 +189,20 @@ pub async fn run_loaded(
     }
     let plan = plan;
 
+    // Every host must reach the master port where rank 0 will listen (checked with the runtime).
+    if let (Some(hosts), None) = (&engines, &loaded.file.command) {
+        let id = format!("{}-reach-{}", plan.name, std::process::id());
+        let runtime = plan.ranks[0].argv[0].clone();
+        let check = crate::launch::reach::master_reachable(hosts, &plan, &runtime, &id);
+        tokio::select! {
+            r = check => r.map_err(RunError::Preflight)?,
+            _ = signals.recv() => {
+                crate::launch::docker::remove_everywhere(hosts, &id).await;
+                return Err(RunError::Launch(LaunchError::Interrupted));
+            }
+        }
+    }
+
     let record = Record::create(&plan.log_directory, &plan.name)?;
     record.write_setup(&loaded, &plan)?;
     let bar = progress::bar(options.progress, plan.iterations, bars);

@@ -6,6 +6,7 @@ mod util;
 mod autoplan;
 mod cli;
 mod docker;
+mod image;
 mod pipeline;
 mod plan;
 mod process;

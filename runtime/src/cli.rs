@@ -46,9 +46,33 @@ enum Sub {
     /// and NCCL are loaded and usable, and the CUDA devices it sees (the driver's preflight and
     /// CI ask it).
     Info,
+    /// Prove a host reaches the master port (the driver's preflight): `listen` on the first host,
+    /// `connect` from every host.
+    #[command(hide = true, subcommand)]
+    Reach(ReachSub),
     /// Measure point-to-point throughput between two ranks (used by bench/).
     #[command(hide = true)]
     P2pBench(P2pArgs),
+}
+
+#[derive(Debug, Subcommand)]
+enum ReachSub {
+    /// Hold PORT on every address for SECONDS, greeting whoever connects.
+    Listen {
+        #[arg(long)]
+        port: u16,
+        #[arg(long, default_value_t = 30.0)]
+        seconds: f64,
+    },
+    /// Connect to HOST:PORT, retrying for up to SECONDS; exit 1 with the reason when it fails.
+    Connect {
+        #[arg(long)]
+        host: String,
+        #[arg(long)]
+        port: u16,
+        #[arg(long, default_value_t = 10.0)]
+        seconds: f64,
+    },
 }
 
 #[derive(Debug, Args)]
@@ -296,6 +320,17 @@ impl Cli {
                 output: p.output,
             })),
             Some(Sub::Info) => Ok(Command::Info),
+            Some(Sub::Reach(r)) => Ok(Command::Reach(match r {
+                ReachSub::Listen { port, seconds } => crate::reach::ReachConfig::Listen {
+                    port,
+                    seconds: positive_seconds("--seconds", seconds)?,
+                },
+                ReachSub::Connect { host, port, seconds } => crate::reach::ReachConfig::Connect {
+                    host,
+                    port,
+                    seconds: positive_seconds("--seconds", seconds)?,
+                },
+            })),
             Some(Sub::P2pBench(p)) => {
                 if p.rank > 1 {
                     return Err(ConfigError::Invalid {
@@ -523,6 +558,16 @@ fn positive(flag: &'static str, value: usize) -> Result<usize, ConfigError> {
         return Err(ConfigError::Invalid {
             flag,
             reason: "must be at least 1".to_string(),
+        });
+    }
+    Ok(value)
+}
+
+fn positive_seconds(flag: &'static str, value: f64) -> Result<f64, ConfigError> {
+    if !(value.is_finite() && value > 0.0 && value <= 3600.0) {
+        return Err(ConfigError::Invalid {
+            flag,
+            reason: format!("{value} is not a number of seconds between 0 and 3600"),
         });
     }
     Ok(value)

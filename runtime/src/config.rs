@@ -24,6 +24,8 @@ pub enum Command {
     P2pBench(crate::p2p::P2pConfig),
     /// Say what this runtime can use on this machine.
     Info,
+    /// Listen on or connect to the master port (the driver's preflight).
+    Reach(crate::reach::ReachConfig),
 }
 
 impl Command {
@@ -32,7 +34,7 @@ impl Command {
         match self {
             Command::Train(config) => Some(config.device),
             Command::Profile(config) => Some(config.device),
-            Command::Modules(_) | Command::P2pBench(_) | Command::Info => None,
+            Command::Modules(_) | Command::P2pBench(_) | Command::Info | Command::Reach(_) => None,
         }
     }
 }

@@ -13,6 +13,7 @@ mod models;
 mod p2p;
 mod pipeline;
 mod profile;
+mod reach;
 mod train;
 
 use std::process::ExitCode;
@@ -58,6 +59,7 @@ fn main() -> ExitCode {
     }
     let result = match command {
         Command::Info => info::run(&mut std::io::stdout().lock()),
+        Command::Reach(config) => reach::run(&config, &mut std::io::stdout().lock()),
         Command::Train(config) => train::run(&config, &mut metrics::Emitter::new(std::io::stdout())),
         Command::Modules(config) => inspect::run(&config, &mut std::io::stdout().lock()),
         Command::Profile(config) => profile::run(&config, &mut std::io::stdout().lock()),

@@ -179,7 +179,7 @@ impl DockerLauncher {
     }
 }
 
-async fn start(host: &Host, id: &str) -> Result<(), LaunchError> {
+pub(super) async fn start(host: &Host, id: &str) -> Result<(), LaunchError> {
     host.docker
         .start_container(id, None::<bollard::query_parameters::StartContainerOptions>)
         .await
@@ -191,7 +191,7 @@ async fn start(host: &Host, id: &str) -> Result<(), LaunchError> {
 }
 
 /// Creates a container and copies in the files the host lacks, so it is ready to start.
-async fn create(host: &Host, name: String, body: ContainerCreateBody) -> Result<String, LaunchError> {
+pub(super) async fn create(host: &Host, name: String, body: ContainerCreateBody) -> Result<String, LaunchError> {
     let options = CreateContainerOptionsBuilder::default().name(&name).build();
     let id = host
         .docker
@@ -248,7 +248,7 @@ fn env_list(rank: &RankPlan) -> Vec<String> {
 
 /// The container for one rank (`rank` given) or for a host's ranks (an idle init process the
 /// ranks are exec'd into).
-fn container_body(
+pub(super) fn container_body(
     plan: &Plan,
     host: &Host,
     labels: HashMap<String, String>,
@@ -402,7 +402,7 @@ async fn forward(
 }
 
 /// The labels of a container of experiment `id`: cleanup selects on the experiment label only.
-fn labels(id: &str, plan: &Plan, rank: &str) -> HashMap<String, String> {
+pub(super) fn labels(id: &str, plan: &Plan, rank: &str) -> HashMap<String, String> {
     HashMap::from([
         (LABEL_EXPERIMENT.to_string(), id.to_string()),
         (LABEL_NAME.to_string(), plan.name.clone()),
@@ -493,7 +493,7 @@ pub async fn remove_everywhere(hosts: &[Host], id: &str) -> Vec<LaunchError> {
 }
 
 /// Creates, starts and waits for a container; returns its exit code, stdout and stderr.
-async fn run_to_end(
+pub(super) async fn run_to_end(
     host: &Host,
     name: String,
     body: ContainerCreateBody,
@@ -534,7 +534,7 @@ async fn run_to_end(
 }
 
 /// Removes every container on `host` labelled with experiment `id`.
-async fn remove_labelled(docker: &bollard::Docker, host: &str, id: &str) -> Vec<LaunchError> {
+pub(super) async fn remove_labelled(docker: &bollard::Docker, host: &str, id: &str) -> Vec<LaunchError> {
     let filters = HashMap::from([("label", vec![format!("{LABEL_EXPERIMENT}={id}")])]);
     let options = ListContainersOptionsBuilder::default()
         .all(true)

@@ -5,6 +5,7 @@
 pub mod docker;
 mod lines;
 pub mod process;
+pub mod reach;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -66,6 +67,14 @@ pub enum LaunchError {
         gpus: Vec<u32>,
         seen: usize,
         why: String,
+    },
+    #[error("{} cannot reach the master port at {addr}:{port} ({reason}); open that port to the other hosts on {first}, or set `master_addr:` to an address they reach it at", hosts.join(", "))]
+    MasterUnreachable {
+        hosts: Vec<String>,
+        first: String,
+        addr: String,
+        port: u16,
+        reason: String,
     },
     #[error("master port {port} is in use on {host}; pass another with --master-port, or leave it out to get a free one")]
     PortInUse { host: String, port: u16 },

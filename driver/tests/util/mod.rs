@@ -134,6 +134,22 @@ impl Harness {
         }
     }
 
+    /// Runs the driver to completion (at most `deadline`) without `--runtime`: the ranks run the
+    /// runtime image built from the workspace's source.
+    pub fn run_image_mode(&self, config: &Path, args: &[&str], deadline: Duration) -> Run {
+        let start = Instant::now();
+        let child = self
+            .command(config, args)
+            .env_remove("STAGEHAND_RUNTIME")
+            .spawn()
+            .expect("start driver");
+        let output = wait_with_deadline(child, deadline);
+        Run {
+            output,
+            elapsed: start.elapsed(),
+        }
+    }
+
     /// Runs the driver to completion with its record under `records`.
     pub fn run_into(&self, config: &Path, records: &Path, args: &[&str]) -> Run {
         let start = Instant::now();

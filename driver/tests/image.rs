@@ -1,0 +1,267 @@
+//! Images without a registry: build contexts as git and `.dockerignore` define them, the runtime
+//! image built from the workspace's source, and (on the test bed) that image built once and sent
+//! to every host that lacks it.
+
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use serde_json::Value;
+
+use crate::util::testbed::{self, text, Bed};
+use crate::util::{base_image, docker, workspace, Harness};
+
+/// How long a run may take that builds the runtime image (a release build of the runtime and
+/// libtorch's bindings on two busy cores).
+const BUILD_DEADLINE: Duration = Duration::from_secs(1500);
+
+/// The images docker/runtime/Dockerfile starts from, made by scripts/base-image.sh.
+const BASES: [&str; 3] = [
+    "stagehand-base:bookworm",
+    "stagehand-build:bookworm",
+    "stagehand-torch:2.11.0-cpu",
+];
+
+fn git(dir: &std::path::Path, args: &[&str]) {
+    let out = Command::new("git")
+        .arg("-C")
+        .arg(dir)
+        .args(["-c", "user.name=t", "-c", "user.email=t@t"])
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "git {args:?}: {}", text(&out.stderr));
+}
+
+/// `hosts.json` of the only record.
+fn hosts(h: &Harness) -> Vec<Value> {
+    let (dir, _) = h.summary();
+    let text = std::fs::read_to_string(dir.join("hosts.json")).unwrap();
+    serde_json::from_str::<Value>(&text).unwrap().as_array().unwrap().clone()
+}
+
+fn host<'a>(hosts: &'a [Value], name: &str) -> &'a Value {
+    hosts
+        .iter()
+        .find(|h| h["host"] == name)
+        .unwrap_or_else(|| panic!("no {name} in {hosts:?}"))
+}
+
+#[test]
+fn a_build_context_is_what_git_tracks_less_dockerignore_and_its_arguments_reach_the_build() {
+    base_image();
+    let h = Harness::new("img-context");
+    let ctx = h.dir.path().join("ctx");
+    let write = |rel: &str, body: &str| {
+        let p = ctx.join(rel);
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(p, body).unwrap();
+    };
+    write(
+        "docker/Dockerfile",
+        "FROM stagehand-base:bookworm\nARG GREETING\nCOPY . /ctx\n\
+         RUN test ! -e /ctx/notes.tmp && test ! -e /ctx/build/out && test -e /ctx/new.txt \
+         && echo \"$GREETING\" > /ctx/greeting\n",
+    );
+    write(".gitignore", "build/\n");
+    write(".dockerignore", "*.tmp\n");
+    write("kept.txt", "kept\n");
+    write("notes.tmp", "left out by .dockerignore\n");
+    write("build/out", "left out by .gitignore\n");
+    git(&ctx, &["init", "-q"]);
+    git(&ctx, &["add", ".gitignore", ".dockerignore", "docker", "kept.txt", "notes.tmp"]);
+    git(&ctx, &["commit", "-qm", "ctx"]);
+    write("new.txt", "not committed, not ignored: sent\n");
+    let experiment = |greeting: &str| {
+        format!(
+            "machines: [localhost]\ncontainer: {{build: '{}', dockerfile: docker/Dockerfile, \
+             args: {{GREETING: {greeting}}}}}\ncommand: [cat, /ctx/greeting, /ctx/kept.txt]\n",
+            ctx.display()
+        )
+    };
+    let run = h.run(&h.config(&experiment("hello")), &[]);
+    assert_eq!(run.code(), 0, "{}", run.stderr());
+    let (dir, _) = h.summary();
+    let log = std::fs::read_to_string(dir.join("rank-0.log")).unwrap();
+    assert!(log.contains("hello") && log.contains("kept"), "{log}");
+    let first = hosts(&h)[0].clone();
+    assert!(first["image"].as_str().unwrap().starts_with("stagehand-ctx:"), "{first}");
+
+    // A file .dockerignore leaves out does not change the tag: no rebuild.
+    write("notes.tmp", "changed, still left out\n");
+    let h2 = Harness::new("img-context-again");
+    let run = h2.run(&h2.config(&experiment("hello")), &[]);
+    assert_eq!(run.code(), 0, "{}", run.stderr());
+    let again = hosts(&h2)[0].clone();
+    assert_eq!(again["image"], first["image"]);
+    assert_eq!(again["image_built"], false, "{again}");
+
+    // A sent file changes it, and so does a build argument.
+    write("kept.txt", "kept, edited\n");
+    let h3 = Harness::new("img-context-edited");
+    let run = h3.run(&h3.config(&experiment("bonjour")), &[]);
+    assert_eq!(run.code(), 0, "{}", run.stderr());
+    let edited = hosts(&h3)[0].clone();
+    assert_ne!(edited["image"], first["image"]);
+    assert_eq!(edited["image_built"], true, "{edited}");
+    let (dir, _) = h3.summary();
+    let log = std::fs::read_to_string(dir.join("rank-0.log")).unwrap();
+    assert!(log.contains("bonjour") && log.contains("kept, edited"), "{log}");
+    for tag in [&first["image"], &edited["image"]] {
+        let _ = Command::new("docker").args(["rmi", tag.as_str().unwrap()]).output();
+    }
+    h3.assert_no_containers();
+}
+
+/// Runs `exp` in image mode: no `--runtime`, so the ranks run the runtime image built from the
+/// workspace's source.
+fn run_image(h: &Harness, exp: &std::path::Path) -> crate::util::Run {
+    h.run_image_mode(exp, &[], BUILD_DEADLINE)
+}
+
+/// The quickstart's settings, shortened.
+fn mlp(machines: &str, extra: &str) -> String {
+    format!(
+        "machines: [{machines}]\nmodule: mlp\nbatch_size: 16\niterations: 3\nlearning_rate: 0.01\n\
+         optimizer: sgd\nseed: 0\ndevice: cpu\nthreads: 1\ndata_dir: synthetic\n\
+         env: {{OMP_NUM_THREADS: '1'}}\n{extra}"
+    )
+}
+
+#[test]
+fn the_quickstart_runs_the_runtime_image_built_from_the_workspace() {
+    base_image();
+    let h = Harness::new("img-quickstart");
+    let exp = h.config(&mlp("localhost, localhost", ""));
+    let run = run_image(&h, &exp);
+    assert_eq!(run.code(), 0, "{}", run.stderr());
+    let (dir, summary) = h.summary();
+    assert_eq!(summary["status"], "succeeded", "{summary}");
+    let facts = hosts(&h)[0].clone();
+    let tag = facts["image"].as_str().unwrap().to_string();
+    assert!(tag.starts_with("stagehand-runtime-cpu:"), "{facts}");
+    // The ranks ran the image's runtime; nothing of this machine's build was mounted.
+    let resolved: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.resolved.json")).unwrap()).unwrap();
+    assert_eq!(resolved["plan"]["ranks"][0]["argv"][0], "/usr/local/bin/runtime");
+    let mounts = resolved["plan"]["mounts"].to_string();
+    assert!(!mounts.contains("target/release") && !mounts.contains("torch-2.11.0"), "{mounts}");
+    // The image's torch is its own: the CPU variant, without libtorch_cuda.
+    let listing = docker(&["run", "--rm", "--entrypoint", "ls", &tag, "/opt/site-packages/torch/lib"]);
+    assert!(listing.contains("libtorch_cpu.so") && !listing.contains("libtorch_cuda.so"), "{listing}");
+
+    // The next run reuses it.
+    let h2 = Harness::new("img-quickstart-again");
+    let exp2 = h2.config(&mlp("localhost", ""));
+    let run = run_image(&h2, &exp2);
+    assert_eq!(run.code(), 0, "{}", run.stderr());
+    let again = hosts(&h2)[0].clone();
+    assert_eq!(again["image"], facts["image"]);
+    assert_eq!(again["image_built"], false);
+    h2.assert_no_containers();
+}
+
+/// Puts this machine's base images on `host` as a user moves images without a registry:
+/// `docker save | ssh host docker load`, streamed.
+fn load_bases(host: &str) {
+    base_image();
+    let mut save = Command::new("docker")
+        .arg("save")
+        .args(BASES)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let load = Command::new("ssh")
+        .args(["-o", "ConnectTimeout=3", host, "docker", "load", "-q"])
+        .stdin(save.stdout.take().unwrap())
+        .output()
+        .unwrap();
+    assert!(save.wait().unwrap().success(), "docker save");
+    assert!(load.status.success(), "docker load on {host}: {}", text(&load.stderr));
+}
+
+fn has_image(bed: &Bed, host: &str, image: &str) -> bool {
+    bed.ssh(host, &format!("docker image inspect {image}")).status.success()
+}
+
+fn no_containers(bed: &Bed) {
+    for host in &bed.hosts {
+        let left = bed.ssh_ok(host, "docker ps -aq");
+        assert!(left.trim().is_empty(), "containers left on {host}: {left}");
+    }
+}
+
+#[test]
+fn testbed_the_runtime_image_is_built_once_and_sent_to_every_host_that_lacks_it() {
+    let Some(bed) = testbed::up(
+        "testbed_the_runtime_image_is_built_once_and_sent_to_every_host_that_lacks_it",
+        3,
+    ) else {
+        return;
+    };
+    // Only th1 has the images the build starts from; th2 and th3 have nothing at all.
+    load_bases("th1");
+    for host in ["th2", "th3"] {
+        assert!(!has_image(&bed, host, BASES[0]));
+    }
+
+    // The quickstart across two hosts: built on th1, streamed to th2.
+    let h = Harness::new("tb-img-quickstart");
+    let exp = h.config(&mlp("th1, th2", ""));
+    let run = run_image(&h, &exp);
+    assert_eq!(run.code(), 0, "{}", run.stderr());
+    let (_, summary) = h.summary();
+    assert_eq!(summary["status"], "succeeded", "{summary}");
+    let facts = hosts(&h);
+    let tag = host(&facts, "th1")["image"].as_str().unwrap().to_string();
+    assert_eq!(host(&facts, "th1")["image_built"], true, "{facts:?}");
+    assert_eq!(host(&facts, "th2")["image_built"], false, "{facts:?}");
+    assert_eq!(host(&facts, "th2")["image_received_from"], "th1", "{facts:?}");
+    assert_eq!(host(&facts, "th2")["image"], tag.as_str());
+    assert!(has_image(&bed, "th2", &tag));
+    assert!(!has_image(&bed, "th3", &tag));
+    // Built once: th2 never saw the bases, so it cannot have built anything.
+    assert!(!has_image(&bed, "th2", BASES[1]));
+    no_containers(&bed);
+
+    // A pipeline whose stages sit on three hosts: th3 receives the image, nobody rebuilds.
+    let h = Harness::new("tb-img-pipeline");
+    std::fs::write(
+        h.dir.path().join("mlp_3stage.json"),
+        r#"{"module_to_stage_map": [0,0,1,1,2,2], "stage_to_rank_map": {"0": [0], "1": [1], "2": [2]}}"#,
+    )
+    .unwrap();
+    let exp = h.config(&mlp(
+        "th1, th2, th3",
+        "config_file: mlp_3stage.json\nschedule: 1f1b\nmicrobatches: 2\ndistributed_backend: gloo\n",
+    ));
+    let run = run_image(&h, &exp);
+    assert_eq!(run.code(), 0, "{}", run.stderr());
+    let (_, summary) = h.summary();
+    assert_eq!(summary["status"], "succeeded", "{summary}");
+    assert_eq!(summary["stages"].as_array().unwrap().len(), 3, "{summary}");
+    let facts = hosts(&h);
+    for name in ["th1", "th2", "th3"] {
+        assert_eq!(host(&facts, name)["image"], tag.as_str(), "{facts:?}");
+        assert_eq!(host(&facts, name)["image_built"], false, "{facts:?}");
+    }
+    assert!(host(&facts, "th3")["image_received_from"].is_string(), "{facts:?}");
+    assert!(host(&facts, "th1")["image_received_from"].is_null(), "{facts:?}");
+    no_containers(&bed);
+
+    // A hybrid: stage 0 replicated on th1 and th2, stage 1 on th3.
+    let h = Harness::new("tb-img-hybrid");
+    std::fs::write(
+        h.dir.path().join("mlp_hybrid.json"),
+        r#"{"module_to_stage_map": [0,0,0,1,1,1], "stage_to_rank_map": {"0": [0, 1], "1": [2]}}"#,
+    )
+    .unwrap();
+    let exp = h.config(&mlp(
+        "th1, th2, th3",
+        "config_file: mlp_hybrid.json\nschedule: gpipe\nmicrobatches: 2\ndistributed_backend: gloo\n",
+    ));
+    let run = run_image(&h, &exp);
+    assert_eq!(run.code(), 0, "{}", run.stderr());
+    let (_, summary) = h.summary();
+    assert_eq!(summary["status"], "succeeded", "{summary}");
+    no_containers(&bed);
+}

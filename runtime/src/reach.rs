@@ -1,0 +1,141 @@
+//! `runtime reach`: the driver's preflight proof that every host reaches the master port where
+//! rank 0 will listen. `listen` holds the port on the first host for a while and greets whoever
+//! connects; `connect` (on every host, with the address the ranks will use) retries until it is
+//! greeted or its time is up, and says why not.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::time::{Duration, Instant};
+
+/// What the listener sends, so that `connect` knows it reached this listener and not something
+/// else on the port.
+pub const GREETING: &[u8] = b"stagehand-reach\n";
+
+/// What `runtime reach` does.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ReachConfig {
+    /// Listen on `port` (every address) for `seconds`.
+    Listen { port: u16, seconds: f64 },
+    /// Connect to `host:port`, retrying for up to `seconds`.
+    Connect { host: String, port: u16, seconds: f64 },
+}
+
+/// Runs it; `Ok` when the listener ran its time or the connection was greeted.
+pub fn run(config: &ReachConfig, out: &mut impl Write) -> anyhow::Result<()> {
+    match config {
+        ReachConfig::Listen { port, seconds } => listen(*port, Duration::from_secs_f64(*seconds), out),
+        ReachConfig::Connect { host, port, seconds } => {
+            connect(host, *port, Duration::from_secs_f64(*seconds))?;
+            writeln!(out, "reached {host}:{port}")?;
+            Ok(())
+        }
+    }
+}
+
+fn listen(port: u16, period: Duration, out: &mut impl Write) -> anyhow::Result<()> {
+    let listener = TcpListener::bind(("0.0.0.0", port))
+        .map_err(|e| anyhow::anyhow!("cannot listen on port {port}: {e}"))?;
+    listener.set_nonblocking(true)?;
+    writeln!(out, "listening on port {port}")?;
+    out.flush()?;
+    let end = Instant::now() + period;
+    while Instant::now() < end {
+        match listener.accept() {
+            Ok((mut stream, _)) => {
+                stream.set_nonblocking(false)?;
+                let _ = stream.write_all(GREETING);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
+}
+
+fn connect(host: &str, port: u16, period: Duration) -> anyhow::Result<()> {
+    let end = Instant::now() + period;
+    loop {
+        let last = match attempt(host, port, end) {
+            Ok(()) => return Ok(()),
+            Err(why) => why,
+        };
+        if Instant::now() >= end {
+            anyhow::bail!("cannot reach {host}:{port}: {last}");
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+fn attempt(host: &str, port: u16, end: Instant) -> Result<(), String> {
+    let addrs: Vec<SocketAddr> = (host, port)
+        .to_socket_addrs()
+        .map_err(|e| format!("cannot resolve {host}: {e}"))?
+        .collect();
+    let addr = addrs.first().ok_or_else(|| format!("{host} has no address"))?;
+    let left = end.saturating_duration_since(Instant::now()).max(Duration::from_millis(100));
+    let stream = TcpStream::connect_timeout(addr, left.min(Duration::from_secs(3))).map_err(|e| e.to_string())?;
+    stream
+        .set_read_timeout(Some(Duration::from_secs(3)))
+        .map_err(|e| e.to_string())?;
+    let mut got = Vec::new();
+    let _ = stream.take(GREETING.len() as u64).read_to_end(&mut got);
+    if got == GREETING {
+        Ok(())
+    } else {
+        Err(format!("something else answers on port {port}"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn free_port() -> u16 {
+        TcpListener::bind(("127.0.0.1", 0)).unwrap().local_addr().unwrap().port()
+    }
+
+    #[test]
+    fn a_listener_is_reached_and_greets() {
+        let port = free_port();
+        let listener = std::thread::spawn(move || {
+            let mut out = Vec::new();
+            run(&ReachConfig::Listen { port, seconds: 3.0 }, &mut out).unwrap();
+        });
+        // The connector retries until the listener is up.
+        let mut out = Vec::new();
+        run(
+            &ReachConfig::Connect {
+                host: "127.0.0.1".into(),
+                port,
+                seconds: 5.0,
+            },
+            &mut out,
+        )
+        .unwrap();
+        assert_eq!(String::from_utf8(out).unwrap(), format!("reached 127.0.0.1:{port}\n"));
+        listener.join().unwrap();
+    }
+
+    #[test]
+    fn nothing_listening_fails_with_the_reason() {
+        let port = free_port();
+        let err = connect("127.0.0.1", port, Duration::from_millis(300)).unwrap_err();
+        assert!(err.to_string().contains(&format!("cannot reach 127.0.0.1:{port}")), "{err}");
+    }
+
+    #[test]
+    fn another_server_on_the_port_is_not_mistaken_for_the_listener() {
+        let server = TcpListener::bind(("127.0.0.1", 0)).unwrap();
+        let port = server.local_addr().unwrap().port();
+        std::thread::spawn(move || {
+            for stream in server.incoming().flatten() {
+                let mut s = stream;
+                let _ = s.write_all(b"SSH-2.0-other\n");
+            }
+        });
+        let err = connect("127.0.0.1", port, Duration::from_millis(500)).unwrap_err();
+        assert!(err.to_string().contains("something else answers"), "{err}");
+    }
+}
