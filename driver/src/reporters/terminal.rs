@@ -67,7 +67,13 @@ impl TerminalReporter {
             }
             Event::RankExited { rank, exit_code } => {
                 let failed = *exit_code != Some(0);
-                let code = exit_code.map_or("none (killed)".to_string(), |c| c.to_string());
+                let code = match exit_code {
+                    None => "none (killed)".to_string(),
+                    Some(c) if *c == crate::launch::lease::EXPIRED_EXIT_CODE => {
+                        format!("{c} (its lease guard's code: the driver's lease on it expired)")
+                    }
+                    Some(c) => c.to_string(),
+                };
                 (failed || verbose).then(|| {
                     (
                         Stream::Stderr,
@@ -75,6 +81,15 @@ impl TerminalReporter {
                     )
                 })
             }
+            Event::RankRemoved { rank } => {
+                verbose.then(|| (Stream::Stderr, format!("{} removed", self.prefix(*rank))))
+            }
+            Event::RankLost { rank, host, .. } => err(format!(
+                "{} was not seen to exit: {host} stopped answering",
+                self.prefix(*rank)
+            )),
+            // The run's error lists them, with the commands that remove them.
+            Event::ContainersLeft(_) => None,
             Event::HostLost { host, reason } => {
                 if !self.lost.insert(host.clone()) {
                     return None;
