@@ -3,6 +3,10 @@
 
 use serde::{Deserialize, Serialize};
 
+/// The exit code of a container whose lease guard stopped it: the driver stopped renewing its
+/// lease (`launch::lease`).
+pub const LEASE_EXPIRED_EXIT_CODE: i64 = 86;
+
 /// Which output stream a line came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]

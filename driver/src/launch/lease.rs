@@ -24,8 +24,7 @@ pub const RENEW_CALL_TIMEOUT: Duration = Duration::from_secs(4);
 /// The lease file inside a container: at the root, where no bind mount of the experiment can
 /// put it on a host's disk shared with another container.
 pub const LEASE_FILE: &str = "/.stagehand-lease";
-/// What a container exits with when its lease expired (`docker ps -a` shows `Exited (86)`).
-pub const EXPIRED_EXIT_CODE: i64 = 86;
+pub use crate::events::LEASE_EXPIRED_EXIT_CODE as EXPIRED_EXIT_CODE;
 
 /// The guard. Constant text: the lease file, the TTL in seconds and the program's argument vector
 /// arrive as positional parameters (`$1`, `$2`, then `"$@"`), never spliced into the script.
@@ -73,7 +72,7 @@ while :; do
   kill -0 "$child" 2>/dev/null || break
 done
 kill -TERM "$watcher" 2>/dev/null
-wait "$watcher"
+wait "$watcher" 2>/dev/null
 [ "$?" -eq 86 ] && exit 86
 exit "$status"
 "#;
@@ -188,7 +187,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let start = Instant::now();
         let out = guard(&dir.path().join("lease"), 2, &["sleep", "60"]).output().unwrap();
-        assert_eq!(out.status.code(), Some(86));
+        assert_eq!(out.status.code().map(i64::from), Some(EXPIRED_EXIT_CODE));
+        assert!(GUARD_SCRIPT.contains(&format!("exit {EXPIRED_EXIT_CODE}\n")));
         let elapsed = start.elapsed();
         assert!(
             elapsed >= Duration::from_secs(2) && elapsed < Duration::from_secs(10),

@@ -9,7 +9,7 @@ use indicatif::ProgressBar;
 use super::record::RecordError;
 use super::Reporter;
 use crate::cli::Verbosity;
-use crate::events::{Event, StopCause, Stream};
+use crate::events::{Event, StopCause, Stream, LEASE_EXPIRED_EXIT_CODE};
 
 /// Prints events for a person watching.
 pub struct TerminalReporter {
@@ -69,7 +69,7 @@ impl TerminalReporter {
                 let failed = *exit_code != Some(0);
                 let code = match exit_code {
                     None => "none (killed)".to_string(),
-                    Some(c) if *c == crate::launch::lease::EXPIRED_EXIT_CODE => {
+                    Some(c) if *c == LEASE_EXPIRED_EXIT_CODE => {
                         format!("{c} (its lease guard's code: the driver's lease on it expired)")
                     }
                     Some(c) => c.to_string(),
