@@ -11,7 +11,10 @@ use crate::cli::ContainerMode;
 use crate::config::Schedule;
 use crate::events::{Event, PlanFacts, Status, StopCause, Stream};
 use crate::hosts::{Host, SshOptions};
-use crate::launch::{cleanup::REMOVAL_GRACE, docker::DockerLauncher, process::ProcessLauncher, LaunchError, Launcher, StopSignals};
+use crate::launch::{
+    cleanup::REMOVAL_GRACE, docker::DockerLauncher, process::ProcessLauncher, LaunchError, Launcher,
+    StopSignals,
+};
 use crate::plan::{AutoPlan, Plan, Planned};
 use crate::planning::{self, PlanRequest};
 use crate::reporters::record::{files, Record, RecordError};

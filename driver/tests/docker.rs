@@ -265,7 +265,12 @@ fn the_quickstart_trains_the_real_runtime_in_a_container() {
 fn wait_until_none_runs(h: &Harness, limit: Duration) -> Duration {
     let start = Instant::now();
     loop {
-        let running = docker(&["ps", "-q", "--filter", &format!("label=stagehand.name={}", h.name)]);
+        let running = docker(&[
+            "ps",
+            "-q",
+            "--filter",
+            &format!("label=stagehand.name={}", h.name),
+        ]);
         if running.trim().is_empty() {
             return start.elapsed();
         }
@@ -306,13 +311,18 @@ fn a_container_whose_driver_was_killed_stops_itself_when_its_lease_expires() {
                     .args(["exec", id, "cat", "/.stagehand-lease"])
                     .output()
                     .unwrap();
-                out.status.success().then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+                out.status
+                    .success()
+                    .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
             })
             .collect();
         if seen.iter().all(Option::is_some) {
             break seen.into_iter().flatten().collect();
         }
-        assert!(start.elapsed() < Duration::from_secs(15), "no lease written: {seen:?}");
+        assert!(
+            start.elapsed() < Duration::from_secs(15),
+            "no lease written: {seen:?}"
+        );
         std::thread::sleep(Duration::from_millis(250));
     };
     std::thread::sleep(Duration::from_secs(6));
@@ -336,7 +346,10 @@ fn a_container_whose_driver_was_killed_stops_itself_when_its_lease_expires() {
     for id in &containers {
         let code = docker(&["inspect", "-f", "{{.State.ExitCode}}", id]);
         assert_eq!(code.trim(), "86", "container {id} did not stop for its lease");
-        let logs = std::process::Command::new("docker").args(["logs", id]).output().unwrap();
+        let logs = std::process::Command::new("docker")
+            .args(["logs", id])
+            .output()
+            .unwrap();
         let stderr = String::from_utf8_lossy(&logs.stderr);
         assert!(
             stderr.contains("stagehand-guard: the driver has not renewed this container's lease for 30 s"),

@@ -422,7 +422,13 @@ fn shell_only_image_tar() -> Vec<u8> {
         .expect("ldd");
     for line in text(&ldd.stdout).lines() {
         // `libc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x...)` or `/lib64/ld-linux-x86-64.so.2 (0x...)`
-        let path = line.split("=>").last().unwrap().split_whitespace().next().unwrap_or("");
+        let path = line
+            .split("=>")
+            .last()
+            .unwrap()
+            .split_whitespace()
+            .next()
+            .unwrap_or("");
         if path.starts_with('/') && !files.iter().any(|(p, _)| p.as_path() == Path::new(path)) {
             files.push((PathBuf::from(path), path.trim_start_matches('/').to_string()));
         }
@@ -446,7 +452,11 @@ fn testbed_a_host_cut_off_mid_run_is_named_and_its_container_stops_itself() {
     let tar = shell_only_image_tar();
     for host in &bed.hosts {
         let out = bed.ssh_with_input(host, &format!("docker import - {image}"), &tar);
-        assert!(out.status.success(), "docker import on {host}: {}", text(&out.stderr));
+        assert!(
+            out.status.success(),
+            "docker import on {host}: {}",
+            text(&out.stderr)
+        );
     }
     let h = Harness::new("testbed-cut");
     let exp = h.config(&format!(
@@ -464,7 +474,10 @@ fn testbed_a_host_cut_off_mid_run_is_named_and_its_container_stops_itself() {
     };
     let start = std::time::Instant::now();
     while bed.hosts.iter().any(|host| !ps(host, "").contains("running")) {
-        assert!(start.elapsed() < Duration::from_secs(60), "the ranks did not start");
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "the ranks did not start"
+        );
         std::thread::sleep(Duration::from_millis(250));
     }
 
@@ -474,7 +487,10 @@ fn testbed_a_host_cut_off_mid_run_is_named_and_its_container_stops_itself() {
     let out = wait_with_deadline(driver, Duration::from_secs(90));
     let ended = cut.elapsed();
     let stderr = text(&out.stderr);
-    assert!(ended < Duration::from_secs(60), "the run ended {ended:?} after the cut: {stderr}");
+    assert!(
+        ended < Duration::from_secs(60),
+        "the run ended {ended:?} after the cut: {stderr}"
+    );
     // Exit 4: containers could not all be removed.
     assert_eq!(out.status.code(), Some(4), "{stderr}");
     let (_, summary) = h.summary();
@@ -491,7 +507,9 @@ fn testbed_a_host_cut_off_mid_run_is_named_and_its_container_stops_itself() {
     assert_eq!(ranks[1]["state"], "not_removed", "{ranks}");
     assert_eq!(ranks[1]["exited"], false, "{ranks}");
     assert!(ranks[1]["exit_code"].is_null(), "{ranks}");
-    let left = summary["containers_not_removed"].as_array().expect("containers_not_removed");
+    let left = summary["containers_not_removed"]
+        .as_array()
+        .expect("containers_not_removed");
     assert_eq!(left.len(), 1, "{left:?}");
     let id = summary["id"].as_str().unwrap();
     let name = format!("{id}-r1");
@@ -501,8 +519,15 @@ fn testbed_a_host_cut_off_mid_run_is_named_and_its_container_stops_itself() {
     let by_hand = format!("ssh th2 docker rm -f {name}");
     assert_eq!(left[0]["remove_by_hand"], by_hand.as_str());
     assert!(stderr.contains("lost the connection to th2"), "{stderr}");
-    assert!(stderr.contains(&format!("{name} (id ")) && stderr.contains(&by_hand), "{stderr}");
-    assert!(ps("th1", "-a").is_empty(), "containers left on th1: {}", ps("th1", "-a"));
+    assert!(
+        stderr.contains(&format!("{name} (id ")) && stderr.contains(&by_hand),
+        "{stderr}"
+    );
+    assert!(
+        ps("th1", "-a").is_empty(),
+        "containers left on th1: {}",
+        ps("th1", "-a")
+    );
 
     // Healed, th2 shows its container stopped by itself: its lease expired on th2's clock.
     bed.heal("th2");
@@ -519,9 +544,19 @@ fn testbed_a_host_cut_off_mid_run_is_named_and_its_container_stops_itself() {
         );
         std::thread::sleep(Duration::from_millis(500));
     };
-    assert!(status.starts_with(&format!("{name} exited Exited (86)")), "{status}");
+    assert!(
+        status.starts_with(&format!("{name} exited Exited (86)")),
+        "{status}"
+    );
     // The command the driver printed removes it.
-    let removed = std::process::Command::new("sh").args(["-c", &by_hand]).output().unwrap();
+    let removed = std::process::Command::new("sh")
+        .args(["-c", &by_hand])
+        .output()
+        .unwrap();
     assert!(removed.status.success(), "{by_hand}: {}", text(&removed.stderr));
-    assert!(ps("th2", "-a").is_empty(), "containers left on th2: {}", ps("th2", "-a"));
+    assert!(
+        ps("th2", "-a").is_empty(),
+        "containers left on th2: {}",
+        ps("th2", "-a")
+    );
 }

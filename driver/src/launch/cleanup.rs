@@ -223,8 +223,14 @@ mod tests {
 
     #[test]
     fn removing_by_hand_names_the_host_as_ssh_reaches_it() {
-        assert_eq!(remove_by_hand(&machine("localhost"), None, "e-r0"), "docker rm -f e-r0");
-        assert_eq!(remove_by_hand(&machine("th2"), None, "e-r1"), "ssh th2 docker rm -f e-r1");
+        assert_eq!(
+            remove_by_hand(&machine("localhost"), None, "e-r0"),
+            "docker rm -f e-r0"
+        );
+        assert_eq!(
+            remove_by_hand(&machine("th2"), None, "e-r1"),
+            "ssh th2 docker rm -f e-r1"
+        );
         let mut m = machine("gpu 7");
         m.user = Some("ann".into());
         m.port = Some(2222);
@@ -246,7 +252,10 @@ mod tests {
                 .unwrap();
             assert_eq!(String::from_utf8_lossy(&once.stdout), word);
             let twice = std::process::Command::new("/bin/sh")
-                .args(["-c", &format!("sh -c \"printf %s \"{}", sh_quote(&sh_quote(word)))])
+                .args([
+                    "-c",
+                    &format!("sh -c \"printf %s \"{}", sh_quote(&sh_quote(word))),
+                ])
                 .output()
                 .unwrap();
             assert_eq!(String::from_utf8_lossy(&twice.stdout), word, "{word:?}");

@@ -66,7 +66,10 @@ impl DockerLauncher {
     /// Remembers a created container and renews its lease from now on.
     fn track(&self, host: usize, id: &str, name: String, ranks: Vec<usize>) {
         let docker = self.hosts[host].docker.clone();
-        self.leased.lock().expect("lease list lock").insert(id.to_string(), docker);
+        self.leased
+            .lock()
+            .expect("lease list lock")
+            .insert(id.to_string(), docker);
         self.tracked.lock().expect("tracked lock").push(Tracked {
             host,
             id: id.to_string(),
@@ -414,7 +417,10 @@ async fn follow_exec(
 ) {
     let lost = forward(output, rank, &tx).await;
     // The exec may still be winding down for a moment after its output closes.
-    let mut event = Event::RankExited { rank, exit_code: None };
+    let mut event = Event::RankExited {
+        rank,
+        exit_code: None,
+    };
     for _ in 0..20 {
         match host.docker.inspect_exec(&exec).await {
             Ok(i) if i.running == Some(true) => tokio::time::sleep(Duration::from_millis(50)).await,

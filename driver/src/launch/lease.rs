@@ -5,7 +5,8 @@
 //! every [`RENEW_EVERY`] through the Docker API (an archive upload: no exec, no shell, nothing
 //! the image must provide beyond `/bin/sh` and `sleep`), each call bounded by [`RENEW_CALL_TIMEOUT`]
 //! so a host that does not answer holds up nothing. A driver killed, or a host cut off from it,
-//! stops renewing, and the containers stop themselves, exiting with [`EXPIRED_EXIT_CODE`].
+//! stops renewing, and the containers stop themselves, exiting with 86
+//! ([`crate::events::LEASE_EXPIRED_EXIT_CODE`]).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -24,7 +25,6 @@ pub const RENEW_CALL_TIMEOUT: Duration = Duration::from_secs(4);
 /// The lease file inside a container: at the root, where no bind mount of the experiment can
 /// put it on a host's disk shared with another container.
 pub const LEASE_FILE: &str = "/.stagehand-lease";
-pub use crate::events::LEASE_EXPIRED_EXIT_CODE as EXPIRED_EXIT_CODE;
 
 /// The guard. Constant text: the lease file, the TTL in seconds and the program's argument vector
 /// arrive as positional parameters (`$1`, `$2`, then `"$@"`), never spliced into the script.
@@ -102,7 +102,9 @@ pub fn lease_tar(content: &str) -> Vec<u8> {
     builder
         .append_data(&mut header, name, content.as_bytes())
         .expect("a tar in memory cannot fail to grow");
-    builder.into_inner().expect("a tar in memory cannot fail to finish")
+    builder
+        .into_inner()
+        .expect("a tar in memory cannot fail to finish")
 }
 
 /// The containers whose leases are renewed: id -> its host's engine.
@@ -152,6 +154,7 @@ async fn renew(docker: &bollard::Docker, id: &str, tar: &[u8]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::events::LEASE_EXPIRED_EXIT_CODE as EXPIRED_EXIT_CODE;
     use std::process::{Command, Stdio};
     use std::time::Instant;
 
@@ -174,11 +177,24 @@ mod tests {
     fn the_programs_arguments_and_exit_status_pass_through_unchanged() {
         let dir = tempfile::tempdir().unwrap();
         let tricky = ["a b", "$(echo no)", "'\"", "*", ""];
-        let mut argv = vec!["sh", "-c", r#"for a in "$@"; do printf '[%s]' "$a"; done; exit 7"#, "x"];
+        let mut argv = vec![
+            "sh",
+            "-c",
+            r#"for a in "$@"; do printf '[%s]' "$a"; done; exit 7"#,
+            "x",
+        ];
         argv.extend(tricky);
         let out = guard(&dir.path().join("lease"), 30, &argv).output().unwrap();
-        assert_eq!(out.status.code(), Some(7), "{}", String::from_utf8_lossy(&out.stderr));
-        assert_eq!(String::from_utf8_lossy(&out.stdout), "[a b][$(echo no)]['\"][*][]");
+        assert_eq!(
+            out.status.code(),
+            Some(7),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout),
+            "[a b][$(echo no)]['\"][*][]"
+        );
         assert!(out.stderr.is_empty(), "{}", String::from_utf8_lossy(&out.stderr));
     }
 
@@ -186,7 +202,9 @@ mod tests {
     fn an_unrenewed_lease_stops_the_program_with_86() {
         let dir = tempfile::tempdir().unwrap();
         let start = Instant::now();
-        let out = guard(&dir.path().join("lease"), 2, &["sleep", "60"]).output().unwrap();
+        let out = guard(&dir.path().join("lease"), 2, &["sleep", "60"])
+            .output()
+            .unwrap();
         assert_eq!(out.status.code().map(i64::from), Some(EXPIRED_EXIT_CODE));
         assert!(GUARD_SCRIPT.contains(&format!("exit {EXPIRED_EXIT_CODE}\n")));
         let elapsed = start.elapsed();
@@ -195,7 +213,10 @@ mod tests {
             "{elapsed:?}"
         );
         let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(stderr.contains("has not renewed this container's lease for 2 s"), "{stderr}");
+        assert!(
+            stderr.contains("has not renewed this container's lease for 2 s"),
+            "{stderr}"
+        );
     }
 
     #[test]
@@ -213,16 +234,25 @@ mod tests {
         }
         // The program ran its 5 s to the end, renewed past twice the TTL.
         assert_eq!(program.wait().unwrap().code(), Some(0));
-        assert!(idle.try_wait().unwrap().is_none(), "the idle guard stopped while renewed");
+        assert!(
+            idle.try_wait().unwrap().is_none(),
+            "the idle guard stopped while renewed"
+        );
         let stopped = Instant::now();
         assert_eq!(idle.wait().unwrap().code(), Some(86));
-        assert!(stopped.elapsed() < Duration::from_secs(6), "{:?}", stopped.elapsed());
+        assert!(
+            stopped.elapsed() < Duration::from_secs(6),
+            "{:?}",
+            stopped.elapsed()
+        );
     }
 
     #[test]
     fn term_reaches_the_program_and_its_status_is_the_guards() {
         let dir = tempfile::tempdir().unwrap();
-        let child = guard(&dir.path().join("lease"), 30, &["sleep", "60"]).spawn().unwrap();
+        let child = guard(&dir.path().join("lease"), 30, &["sleep", "60"])
+            .spawn()
+            .unwrap();
         std::thread::sleep(Duration::from_millis(300));
         let start = Instant::now();
         nix::sys::signal::kill(
@@ -231,7 +261,12 @@ mod tests {
         )
         .unwrap();
         let out = child.wait_with_output().unwrap();
-        assert_eq!(out.status.code(), Some(143), "{}", String::from_utf8_lossy(&out.stderr));
+        assert_eq!(
+            out.status.code(),
+            Some(143),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         assert!(start.elapsed() < Duration::from_secs(3), "{:?}", start.elapsed());
     }
 
@@ -247,6 +282,9 @@ mod tests {
         std::io::Read::read_to_string(&mut entry, &mut text).unwrap();
         assert_eq!(text, "7 now\n");
         assert!(entries.next().is_none());
-        assert_eq!(&guarded(&["p".into()])[3..], ["stagehand-guard", LEASE_FILE, "30", "p"]);
+        assert_eq!(
+            &guarded(&["p".into()])[3..],
+            ["stagehand-guard", LEASE_FILE, "30", "p"]
+        );
     }
 }

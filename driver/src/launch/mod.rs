@@ -104,7 +104,13 @@ fn describe(left: &[LeftContainer]) -> String {
     let one = |c: &LeftContainer| {
         let ranks: Vec<String> = c.ranks.iter().map(|r| r.to_string()).collect();
         let id: String = c.id.chars().take(12).collect();
-        format!("{} (id {id}, rank {}) on {}: {}", c.name, ranks.join(","), c.host, c.error)
+        format!(
+            "{} (id {id}, rank {}) on {}: {}",
+            c.name,
+            ranks.join(","),
+            c.host,
+            c.error
+        )
     };
     left.iter().map(one).collect::<Vec<_>>().join("; ")
 }
