@@ -422,6 +422,9 @@ fn shell_only_image_tar() -> Vec<u8> {
         .expect("ldd");
     for line in text(&ldd.stdout).lines() {
         // `libc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x...)` or `/lib64/ld-linux-x86-64.so.2 (0x...)`
+        if !line.contains("(0x") {
+            continue; // `/bin/dash:`, the header of each program's list
+        }
         let path = line
             .split("=>")
             .last()
