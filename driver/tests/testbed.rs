@@ -551,6 +551,10 @@ fn testbed_a_host_cut_off_mid_run_is_named_and_its_container_stops_itself() {
         status.starts_with(&format!("{name} exited Exited (86)")),
         "{status}"
     );
+    eprintln!(
+        "{test}: the run ended {ended:?} after the cut; th2 seen with its container stopped {:?} after the heal",
+        healed.elapsed()
+    );
     // The command the driver printed removes it.
     let removed = std::process::Command::new("sh")
         .args(["-c", &by_hand])

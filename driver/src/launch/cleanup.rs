@@ -41,8 +41,11 @@ pub struct Pass {
     pub gone: Vec<String>,
     /// Why it did not finish, and which containers (id, name) are known to be left; `None` when
     /// the engine could not even list them.
-    pub failure: Option<(LaunchError, Option<Vec<(String, String)>>)>,
+    pub failure: Option<(LaunchError, Option<Named>)>,
 }
+
+/// Containers by (id, name).
+pub type Named = Vec<(String, String)>;
 
 /// Removes (force: killed first) every container on `docker` labelled with experiment `id`.
 pub async fn remove_labelled(docker: &bollard::Docker, host: &str, id: &str) -> Pass {
