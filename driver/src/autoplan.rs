@@ -11,7 +11,10 @@ use crate::cli::ContainerMode;
 use crate::config::Schedule;
 use crate::events::{Event, PlanFacts, Status, StopCause, Stream};
 use crate::hosts::{Host, SshOptions};
-use crate::launch::{docker::DockerLauncher, process::ProcessLauncher, LaunchError, Launcher, StopSignals};
+use crate::launch::{
+    cleanup::REMOVAL_GRACE, docker::DockerLauncher, process::ProcessLauncher, LaunchError, Launcher,
+    StopSignals,
+};
 use crate::plan::{AutoPlan, Plan, Planned};
 use crate::planning::{self, PlanRequest};
 use crate::reporters::record::{files, Record, RecordError};
@@ -208,7 +211,7 @@ async fn run_profile(
                 first.ssh.clone(),
             );
             if let Err(e) = docker.start(&profile_plan, tx).await {
-                docker.remove_all().await;
+                let _ = docker.remove_all(REMOVAL_GRACE).await;
                 return Err(AutoError::Launch(e));
             }
             Launcher::Docker(docker)
@@ -259,6 +262,15 @@ async fn run_profile(
                 });
             }
             Some(Event::RankExited { exit_code, .. }) => break exit_code,
+            Some(Event::RankRemoved { .. }) => break None,
+            Some(Event::RankLost { host, reason, .. }) => {
+                if cause.is_none() {
+                    let c = StopCause::HostLost { host, reason };
+                    reporters.report(&Event::Stopping(c.clone()));
+                    cause = Some(c);
+                }
+                break None;
+            }
             Some(Event::HostLost { host, reason }) if cause.is_none() => {
                 reporters.report(&Event::HostLost {
                     host: host.clone(),
@@ -274,13 +286,16 @@ async fn run_profile(
         }
     };
     let cleanup = match &launcher {
-        Launcher::Docker(d) => d.remove_all().await,
+        Launcher::Docker(d) => d.remove_all(REMOVAL_GRACE).await,
         Launcher::Process(p) => {
             p.stop_all().await;
-            Vec::new()
+            Ok(())
         }
     };
-    if let Some(e) = cleanup.into_iter().next() {
+    if let Err(e) = cleanup {
+        if let LaunchError::ContainersLeft { left, .. } = &e {
+            reporters.report(&Event::ContainersLeft(left.clone()));
+        }
         return Err(AutoError::Cleanup(e));
     }
     match cause {

@@ -3,6 +3,10 @@
 
 use serde::{Deserialize, Serialize};
 
+/// The exit code of a container whose lease guard stopped it: the driver stopped renewing its
+/// lease (`launch::lease`).
+pub const LEASE_EXPIRED_EXIT_CODE: i64 = 86;
+
 /// Which output stream a line came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -68,6 +72,23 @@ pub enum StopCause {
     PlanFailed { reason: String },
 }
 
+/// A container the driver could not remove: where it is, and how to remove it by hand.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LeftContainer {
+    /// Host name as in the experiment file.
+    pub host: String,
+    /// Container name.
+    pub name: String,
+    /// Full container id.
+    pub id: String,
+    /// The ranks it ran.
+    pub ranks: Vec<usize>,
+    /// Why it could not be removed (the last try's error).
+    pub error: String,
+    /// The shell command that removes it, for the user to run once the host answers.
+    pub remove_by_hand: String,
+}
+
 /// A stage config planned at launch (`config_file: auto`), and what it predicts.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PlanFacts {
@@ -116,8 +137,16 @@ pub enum Event {
         line: String,
         event: stagehand_contract::Event,
     },
-    /// A rank ended; `exit_code` is `None` when it was killed without one.
+    /// A rank was seen to end; `exit_code` is `None` when it was killed without one.
     RankExited { rank: usize, exit_code: Option<i64> },
+    /// A rank's container was removed before it was seen to exit (by the driver while stopping).
+    RankRemoved { rank: usize },
+    /// A rank's host stopped answering before the rank was seen to exit: it may still run.
+    RankLost {
+        rank: usize,
+        host: String,
+        reason: String,
+    },
     /// A host could not be reached any more.
     HostLost { host: String, reason: String },
     /// `config_file: auto` is profiling the model on rank 0's host and device.
@@ -133,6 +162,8 @@ pub enum Event {
     Planned(PlanFacts),
     /// The driver is stopping every rank.
     Stopping(StopCause),
-    /// Every rank is gone and every container removed.
+    /// Containers the driver could not remove, after retrying for its grace period.
+    ContainersLeft(Vec<LeftContainer>),
+    /// The run is over: every rank ended and every container removed, or reported left.
     Finished { status: Status },
 }

@@ -12,7 +12,8 @@ use crate::events::{Event, HostFacts, Status};
 use crate::exit_codes;
 use crate::hosts;
 use crate::launch::{
-    self, docker::DockerLauncher, process::ProcessLauncher, LaunchError, Launcher, StopSignals,
+    self, cleanup::REMOVAL_GRACE, docker::DockerLauncher, process::ProcessLauncher, LaunchError, Launcher,
+    StopSignals,
 };
 use crate::plan;
 use crate::reporters::progress::{self, ProgressReporter};
@@ -301,7 +302,7 @@ pub async fn run_loaded(
             };
             let launcher = Launcher::Process(launcher);
             let status = launch::supervise(&plan, &launcher, rx, &mut reporters, &mut signals).await;
-            (status, Vec::new())
+            (status, Ok(()))
         }
         Some(prepared) => {
             let (hosts, facts): (Vec<_>, Vec<_>) = prepared.into_iter().unzip();
@@ -317,7 +318,9 @@ pub async fn run_loaded(
                     let Launcher::Docker(d) = &launcher else {
                         unreachable!()
                     };
-                    d.remove_all().await;
+                    if let Err(LaunchError::ContainersLeft { left, .. }) = d.remove_all(REMOVAL_GRACE).await {
+                        reporters.report(&Event::ContainersLeft(left));
+                    }
                     reporters.report(&Event::Finished {
                         status: Status::Failed,
                     });
@@ -327,13 +330,14 @@ pub async fn run_loaded(
             let Launcher::Docker(d) = &launcher else {
                 unreachable!()
             };
-            (status, d.remove_all().await)
+            (status, d.remove_all(REMOVAL_GRACE).await)
         }
     };
-    reporters.report(&Event::Finished { status });
-    if let Some(e) = cleanup.into_iter().next() {
-        return Err(RunError::Cleanup(e));
+    if let Err(LaunchError::ContainersLeft { left, .. }) = &cleanup {
+        reporters.report(&Event::ContainersLeft(left.clone()));
     }
+    reporters.report(&Event::Finished { status });
+    cleanup.map_err(RunError::Cleanup)?;
     let (id, dir) = (record.id, record.dir);
     match status {
         Status::Succeeded => {

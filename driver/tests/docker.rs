@@ -260,3 +260,101 @@ fn the_quickstart_trains_the_real_runtime_in_a_container() {
     let id = summary["id"].as_str().unwrap();
     assert!(containers_with_label(&format!("stagehand.experiment={id}")).is_empty());
 }
+
+/// Waits until none of `h`'s containers runs; returns how long that took.
+fn wait_until_none_runs(h: &Harness, limit: Duration) -> Duration {
+    let start = Instant::now();
+    loop {
+        let running = docker(&[
+            "ps",
+            "-q",
+            "--filter",
+            &format!("label=stagehand.name={}", h.name),
+        ]);
+        if running.trim().is_empty() {
+            return start.elapsed();
+        }
+        assert!(
+            start.elapsed() < limit,
+            "containers of {} still running after {limit:?}: {running}",
+            h.name
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
+#[test]
+fn a_container_whose_driver_was_killed_stops_itself_when_its_lease_expires() {
+    // One run per container mode, side by side: per rank (the guard runs the rank) and per host
+    // (the guard is the idle process the ranks are exec'd into).
+    let runs: Vec<(Harness, &[&str])> = vec![
+        (Harness::new("dk-lease-rank"), &[]),
+        (Harness::new("dk-lease-host"), &["--launch-single-container"]),
+    ];
+    let mut drivers = Vec::new();
+    for (h, args) in &runs {
+        let config = fake_rank_config(h, "--iterations, '1', --hang");
+        drivers.push(h.spawn(&config, args));
+    }
+    let mut containers = Vec::new();
+    for ((h, _), n) in runs.iter().zip([2, 1]) {
+        containers.extend(h.wait_for_running(n, Duration::from_secs(60)));
+    }
+    // The driver renews each lease through the Docker API: the file's content changes.
+    let lease = |id: &str| docker(&["exec", id, "cat", "/.stagehand-lease"]);
+    let start = Instant::now();
+    let first: Vec<String> = loop {
+        let seen: Vec<Option<String>> = containers
+            .iter()
+            .map(|id| {
+                let out = std::process::Command::new("docker")
+                    .args(["exec", id, "cat", "/.stagehand-lease"])
+                    .output()
+                    .unwrap();
+                out.status
+                    .success()
+                    .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+            })
+            .collect();
+        if seen.iter().all(Option::is_some) {
+            break seen.into_iter().flatten().collect();
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(15),
+            "no lease written: {seen:?}"
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    };
+    std::thread::sleep(Duration::from_secs(6));
+    for (id, before) in containers.iter().zip(&first) {
+        assert_ne!(&lease(id), before, "the lease of {id} was not renewed");
+    }
+
+    for driver in &mut drivers {
+        driver.kill().unwrap();
+        driver.wait().unwrap();
+    }
+    let killed = Instant::now();
+    for (h, _) in &runs {
+        wait_until_none_runs(h, Duration::from_secs(45));
+    }
+    let took = killed.elapsed();
+    assert!(
+        took >= Duration::from_secs(20),
+        "the containers stopped {took:?} after the driver died, well before the lease's 30 s"
+    );
+    for id in &containers {
+        let code = docker(&["inspect", "-f", "{{.State.ExitCode}}", id]);
+        assert_eq!(code.trim(), "86", "container {id} did not stop for its lease");
+        let logs = std::process::Command::new("docker")
+            .args(["logs", id])
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&logs.stderr);
+        assert!(
+            stderr.contains("stagehand-guard: the driver has not renewed this container's lease for 30 s"),
+            "{id}: {stderr}"
+        );
+    }
+    // The harnesses remove the stopped containers when dropped.
+}

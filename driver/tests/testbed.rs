@@ -6,7 +6,9 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use crate::util::testbed::{self, text, Bed};
-use crate::util::{base_image, docker, local_context, runtime, workspace, Harness, DRIVER, FAKE_RANK};
+use crate::util::{
+    base_image, docker, local_context, runtime, wait_with_deadline, workspace, Harness, DRIVER, FAKE_RANK,
+};
 
 /// Where the script keeps the hosts' pid files and engine sockets.
 const STATE: &str = "/run/stagehand-testbed";
@@ -404,4 +406,164 @@ fn testbed_up_is_idempotent_and_repairs_and_down_leaves_nothing() {
     let again = bed.down();
     assert!(again.status.success(), "{}", text(&again.stderr));
     assert!(text(&again.stderr).contains("nothing left"));
+}
+
+/// An image of just what the lease guard and a sleeping `command:` need (`/bin/sh`, `sleep` and
+/// their libraries, copied from this machine), a few MB where the base image is 212: a user's
+/// image that holds nothing of stagehand's.
+fn shell_only_image_tar() -> Vec<u8> {
+    let mut files: Vec<(PathBuf, String)> = vec![
+        (PathBuf::from("/bin/dash"), "bin/sh".into()),
+        (PathBuf::from("/bin/sleep"), "bin/sleep".into()),
+    ];
+    let ldd = std::process::Command::new("ldd")
+        .args(["/bin/dash", "/bin/sleep"])
+        .output()
+        .expect("ldd");
+    for line in text(&ldd.stdout).lines() {
+        // `libc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x...)` or `/lib64/ld-linux-x86-64.so.2 (0x...)`
+        if !line.contains("(0x") {
+            continue; // `/bin/dash:`, the header of each program's list
+        }
+        let path = line
+            .split("=>")
+            .last()
+            .unwrap()
+            .split_whitespace()
+            .next()
+            .unwrap_or("");
+        if path.starts_with('/') && !files.iter().any(|(p, _)| p.as_path() == Path::new(path)) {
+            files.push((PathBuf::from(path), path.trim_start_matches('/').to_string()));
+        }
+    }
+    let mut builder = tar::Builder::new(Vec::new());
+    for (path, name) in files {
+        // Follows symlinks: the library's own bytes under the name the loader asks for.
+        let mut file = std::fs::File::open(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        builder.append_file(&name, &mut file).unwrap();
+    }
+    builder.into_inner().unwrap()
+}
+
+#[test]
+fn testbed_a_host_cut_off_mid_run_is_named_and_its_container_stops_itself() {
+    let test = "testbed_a_host_cut_off_mid_run_is_named_and_its_container_stops_itself";
+    let Some(bed) = testbed::up(test, 2) else {
+        return;
+    };
+    let image = format!("stagehand-testbed-shell:{}", std::process::id());
+    let tar = shell_only_image_tar();
+    for host in &bed.hosts {
+        let out = bed.ssh_with_input(host, &format!("docker import - {image}"), &tar);
+        assert!(
+            out.status.success(),
+            "docker import on {host}: {}",
+            text(&out.stderr)
+        );
+    }
+    let h = Harness::new("testbed-cut");
+    let exp = h.config(&format!(
+        "machines: [th1, th2]\ncontainer: {image}\ncommand: [sleep, '600']\n"
+    ));
+    let driver = h.spawn(&exp, &[]);
+    let ps = |host: &str, all: &str| {
+        bed.ssh_ok(
+            host,
+            &format!(
+                "docker ps {all} --filter label=stagehand.name={} --format '{{{{.Names}}}} {{{{.State}}}} {{{{.Status}}}}'",
+                h.name
+            ),
+        )
+    };
+    let start = std::time::Instant::now();
+    while bed.hosts.iter().any(|host| !ps(host, "").contains("running")) {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "the ranks did not start"
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
+
+    // th2 cut off: the run ends within 60 s, naming th2.
+    bed.cut("th2");
+    let cut = std::time::Instant::now();
+    let out = wait_with_deadline(driver, Duration::from_secs(90));
+    let ended = cut.elapsed();
+    let stderr = text(&out.stderr);
+    assert!(
+        ended < Duration::from_secs(60),
+        "the run ended {ended:?} after the cut: {stderr}"
+    );
+    // Exit 4: containers could not all be removed.
+    assert_eq!(out.status.code(), Some(4), "{stderr}");
+    let (_, summary) = h.summary();
+    assert_eq!(summary["status"], "failed", "{summary}");
+    assert_eq!(summary["failure"]["cause"]["kind"], "host_lost", "{summary}");
+    assert_eq!(summary["failure"]["cause"]["host"], "th2", "{summary}");
+    // th1's rank was stopped and its container removed; th2's was never seen to exit, and its
+    // container is recorded as not removed, with how to remove it.
+    let ranks = &summary["ranks"];
+    assert!(
+        ranks[0]["state"] == "removed" || ranks[0]["state"] == "exited",
+        "{ranks}"
+    );
+    assert_eq!(ranks[1]["state"], "not_removed", "{ranks}");
+    assert_eq!(ranks[1]["exited"], false, "{ranks}");
+    assert!(ranks[1]["exit_code"].is_null(), "{ranks}");
+    let left = summary["containers_not_removed"]
+        .as_array()
+        .expect("containers_not_removed");
+    assert_eq!(left.len(), 1, "{left:?}");
+    let id = summary["id"].as_str().unwrap();
+    let name = format!("{id}-r1");
+    assert_eq!(left[0]["host"], "th2");
+    assert_eq!(left[0]["name"], name.as_str());
+    assert_eq!(left[0]["ranks"], serde_json::json!([1]));
+    let by_hand = format!("ssh th2 docker rm -f {name}");
+    assert_eq!(left[0]["remove_by_hand"], by_hand.as_str());
+    assert!(stderr.contains("lost the connection to th2"), "{stderr}");
+    assert!(
+        stderr.contains(&format!("{name} (id ")) && stderr.contains(&by_hand),
+        "{stderr}"
+    );
+    assert!(
+        ps("th1", "-a").is_empty(),
+        "containers left on th1: {}",
+        ps("th1", "-a")
+    );
+
+    // Healed, th2 shows its container stopped by itself: its lease expired on th2's clock.
+    bed.heal("th2");
+    let healed = std::time::Instant::now();
+    let status = loop {
+        let status = ps("th2", "-a");
+        if !status.contains("running") {
+            break status;
+        }
+        assert!(
+            healed.elapsed() < Duration::from_secs(35),
+            "th2's container still runs {:?} after the heal ({ended:?} after the cut): {status}",
+            healed.elapsed()
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    };
+    assert!(
+        status.starts_with(&format!("{name} exited Exited (86)")),
+        "{status}"
+    );
+    eprintln!(
+        "{test}: the run ended {ended:?} after the cut; th2 seen with its container stopped {:?} after the heal",
+        healed.elapsed()
+    );
+    // The command the driver printed removes it.
+    let removed = std::process::Command::new("sh")
+        .args(["-c", &by_hand])
+        .output()
+        .unwrap();
+    assert!(removed.status.success(), "{by_hand}: {}", text(&removed.stderr));
+    assert!(
+        ps("th2", "-a").is_empty(),
+        "containers left on th2: {}",
+        ps("th2", "-a")
+    );
 }

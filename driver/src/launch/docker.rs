@@ -1,9 +1,11 @@
 //! The docker backend: one container per rank, or one per host with the host's ranks started in it
 //! through the exec API. Every container carries the experiment's label, and only containers with
-//! that label are ever stopped or removed.
+//! that label are ever stopped or removed. Every container runs under the lease guard
+//! ([`super::lease`]): it stops itself when this driver stops renewing it.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
+use std::sync::Mutex;
 use std::time::Duration;
 
 use bollard::container::LogOutput;
@@ -11,17 +13,18 @@ use bollard::errors::Error as DockerError;
 use bollard::exec::{CreateExecOptions, StartExecResults};
 use bollard::models::{ContainerCreateBody, DeviceRequest, HostConfig, Mount as DockerMount, MountType};
 use bollard::query_parameters::{
-    CreateContainerOptionsBuilder, ListContainersOptionsBuilder, LogsOptionsBuilder,
-    RemoveContainerOptionsBuilder, UploadToContainerOptionsBuilder, WaitContainerOptions,
+    CreateContainerOptionsBuilder, LogsOptionsBuilder, UploadToContainerOptionsBuilder, WaitContainerOptions,
 };
 use futures_util::future::join_all;
 use futures_util::{Stream as FutStream, StreamExt};
 use tokio::sync::mpsc::UnboundedSender;
 
+use super::cleanup::{self, Tracked};
+use super::lease::{self, Leased, Renewer};
 use super::lines::LineSplitter;
 use super::{classify_line, LaunchError};
 use crate::cli::ContainerMode;
-use crate::events::{Event, Stream};
+use crate::events::{Event, LeftContainer, Stream};
 use crate::hosts::{Host, SshOptions};
 use crate::plan::{Plan, RankPlan};
 
@@ -31,24 +34,53 @@ pub const LABEL_EXPERIMENT: &str = "stagehand.experiment";
 pub const LABEL_NAME: &str = "stagehand.name";
 /// Label holding the rank (or ranks, comma-separated, for a per-host container).
 pub const LABEL_RANK: &str = "stagehand.rank";
-/// How long stopping every container may take.
-pub const STOP_DEADLINE: Duration = Duration::from_secs(10);
-
 /// Containers of one experiment across its hosts.
 pub struct DockerLauncher {
     hosts: Vec<Host>,
     id: String,
     ssh: SshOptions,
+    /// Every container created, for the record of what could not be removed.
+    tracked: Mutex<Vec<Tracked>>,
+    /// Containers seen gone.
+    removed: Mutex<HashSet<String>>,
+    /// The containers whose leases are renewed.
+    leased: Leased,
+    /// Renews them while it lives; dropped when removal starts.
+    renewer: Mutex<Option<Renewer>>,
 }
 
 impl DockerLauncher {
     /// Prepares to launch on `hosts` (from preflight, in plan order) under experiment `id`.
     pub fn new(hosts: Vec<Host>, id: String, ssh: SshOptions) -> DockerLauncher {
-        DockerLauncher { hosts, id, ssh }
+        DockerLauncher {
+            hosts,
+            id,
+            ssh,
+            tracked: Mutex::default(),
+            removed: Mutex::default(),
+            leased: Leased::default(),
+            renewer: Mutex::default(),
+        }
+    }
+
+    /// Remembers a created container and renews its lease from now on.
+    fn track(&self, host: usize, id: &str, name: String, ranks: Vec<usize>) {
+        let docker = self.hosts[host].docker.clone();
+        self.leased
+            .lock()
+            .expect("lease list lock")
+            .insert(id.to_string(), docker);
+        self.tracked.lock().expect("tracked lock").push(Tracked {
+            host,
+            id: id.to_string(),
+            name,
+            ranks,
+        });
     }
 
     /// Creates and starts every container and rank; events go to `tx`.
     pub async fn start(&self, plan: &Plan, tx: UnboundedSender<Event>) -> Result<(), LaunchError> {
+        *self.renewer.lock().expect("renewer lock") = Some(Renewer::start(self.leased.clone()));
         // Every host (and every rank's container) is brought up concurrently, so launching on many
         // hosts takes about as long as on one.
         let results = match plan.container_mode {
@@ -78,7 +110,9 @@ impl DockerLauncher {
         let host = &self.hosts[r.host];
         let labels = self.labels(plan, &r.rank.to_string());
         let body = container_body(plan, host, labels, &r.gpus, Some(r));
-        let id = create(host, format!("{}-r{}", self.id, r.rank), body).await?;
+        let name = format!("{}-r{}", self.id, r.rank);
+        let id = create(host, name.clone(), body).await?;
+        self.track(r.host, &id, name, vec![r.rank]);
         start(host, &id).await?;
         let _ = tx.send(Event::RankStarted {
             rank: r.rank,
@@ -101,7 +135,9 @@ impl DockerLauncher {
         let ranks: Vec<String> = host_plan.ranks.iter().map(|r| r.to_string()).collect();
         let labels = self.labels(plan, &ranks.join(","));
         let body = container_body(plan, host, labels, &host_plan.gpus, None);
-        let container = create(host, format!("{}-h{index}", self.id), body).await?;
+        let name = format!("{}-h{index}", self.id);
+        let container = create(host, name.clone(), body).await?;
+        self.track(index, &container, name, host_plan.ranks.clone());
         start(host, &container).await?;
         for &rank in &host_plan.ranks {
             let r = &plan.ranks[rank];
@@ -147,34 +183,61 @@ impl DockerLauncher {
         labels(&self.id, plan, rank)
     }
 
-    /// Removes (force, so killed) every container labelled with this experiment on every host,
-    /// concurrently, within [`STOP_DEADLINE`]. Returns what could not be removed.
-    pub async fn remove_all(&self) -> Vec<LaunchError> {
-        let work = join_all(self.hosts.iter().map(|h| self.remove_on(h)));
-        match tokio::time::timeout(STOP_DEADLINE, work).await {
-            Ok(results) => results.into_iter().flatten().collect(),
-            Err(_) => vec![LaunchError::CleanupTimeout {
-                seconds: STOP_DEADLINE.as_secs(),
-            }],
-        }
-    }
-}
-
-impl DockerLauncher {
-    /// Removes the experiment's containers on one host; when its connection was lost, connects
-    /// again once so a lost SSH session does not leave containers behind.
-    async fn remove_on(&self, host: &Host) -> Vec<LaunchError> {
-        let errors = remove_labelled(&host.docker, &host.name, &self.id).await;
-        if errors.is_empty() {
-            return errors;
-        }
-        match crate::hosts::connect(&host.plan, &self.ssh).await {
-            Ok((docker, _tunnel)) => remove_labelled(&docker, &host.name, &self.id).await,
-            Err(e) => {
-                let mut errors = errors;
-                errors.push(e);
-                errors
+    /// Stops renewing every lease, then removes (force, so killed) every container labelled with
+    /// this experiment on every host, concurrently, each host tried again on a new connection until
+    /// `grace` has passed ([`cleanup::remove_on`]). Fails naming exactly the containers left, where,
+    /// and how to remove each by hand.
+    pub async fn remove_all(&self, grace: Duration) -> Result<(), LaunchError> {
+        drop(self.renewer.lock().expect("renewer lock").take());
+        let passes = join_all(
+            self.hosts
+                .iter()
+                .map(|h| cleanup::remove_on(h, &self.ssh, &self.id, grace)),
+        )
+        .await;
+        let mut removed = self.removed.lock().expect("removed lock");
+        let tracked = self.tracked.lock().expect("tracked lock");
+        let mut left = Vec::new();
+        for (index, pass) in passes.into_iter().enumerate() {
+            removed.extend(pass.gone);
+            let Some((error, known)) = pass.failure else {
+                continue;
+            };
+            let host = &self.hosts[index];
+            // Known: what the engine listed and could not remove. Unknown (the engine did not
+            // answer): every container created there and not seen gone.
+            let containers: Vec<(String, String)> = match known {
+                Some(known) => known,
+                None => tracked
+                    .iter()
+                    .filter(|t| t.host == index && !removed.contains(&t.id))
+                    .map(|t| (t.id.clone(), t.name.clone()))
+                    .collect(),
+            };
+            for (id, name) in containers {
+                let ranks = tracked
+                    .iter()
+                    .find(|t| t.id == id)
+                    .map(|t| t.ranks.clone())
+                    .unwrap_or_default();
+                let remove_by_hand =
+                    cleanup::remove_by_hand(&host.plan.machine, self.ssh.config_file.as_deref(), &name);
+                left.push(LeftContainer {
+                    host: host.name.clone(),
+                    name,
+                    id,
+                    ranks,
+                    error: crate::error_chain(&error),
+                    remove_by_hand,
+                });
             }
+        }
+        match left.is_empty() {
+            true => Ok(()),
+            false => Err(LaunchError::ContainersLeft {
+                left,
+                grace_s: grace.as_secs(),
+            }),
         }
     }
 }
@@ -276,13 +339,14 @@ pub(super) fn container_body(
     });
     let (cmd, env) = match rank {
         Some(r) => (r.argv.clone(), env_list(r)),
-        None => (vec!["sleep".into(), "infinity".into()], Vec::new()),
+        None => (Vec::new(), Vec::new()),
     };
     ContainerCreateBody {
         image: Some(host.image.clone()),
+        // The guard runs the argument vector as its positional parameters (no argument vector: it
+        // is a per-host container's idle process), and replaces the image's own entrypoint.
+        entrypoint: Some(lease::guarded(&[])),
         cmd: Some(cmd),
-        // The image's entrypoint must not wrap our argument vector in a shell.
-        entrypoint: Some(Vec::new()),
         env: Some(env),
         labels: Some(labels),
         host_config: Some(HostConfig {
@@ -308,28 +372,39 @@ async fn follow_container(host: Host, id: String, rank: usize, tx: UnboundedSend
     let logs = host.docker.logs(&id, Some(options));
     let lost = forward(logs, rank, &tx).await;
     let mut wait = host.docker.wait_container(&id, None::<WaitContainerOptions>);
-    let exit_code = match wait.next().await {
-        Some(Ok(r)) => Some(r.status_code),
-        Some(Err(DockerError::DockerContainerWaitError { code, .. })) => Some(code),
-        // Removed by the driver while stopping: no exit code to report.
-        Some(Err(DockerError::DockerResponseServerError { status_code: 404, .. })) | None => None,
-        Some(Err(e)) => {
-            let _ = tx.send(Event::HostLost {
-                host: host.name.clone(),
-                reason: e.to_string(),
-            });
-            None
+    let event = match wait.next().await {
+        Some(Ok(r)) => Event::RankExited {
+            rank,
+            exit_code: Some(r.status_code),
+        },
+        Some(Err(DockerError::DockerContainerWaitError { code, .. })) => Event::RankExited {
+            rank,
+            exit_code: Some(code),
+        },
+        // Removed (by the driver while stopping) before its exit was seen.
+        Some(Err(DockerError::DockerResponseServerError { status_code: 404, .. })) => {
+            Event::RankRemoved { rank }
         }
+        Some(Err(e)) => lost_rank(&host, rank, lost.unwrap_or_else(|| e.to_string()), &tx),
+        None => match lost {
+            Some(reason) => lost_rank(&host, rank, reason, &tx),
+            None => Event::RankRemoved { rank },
+        },
     };
-    if let Some(reason) = lost {
-        if exit_code.is_none() {
-            let _ = tx.send(Event::HostLost {
-                host: host.name.clone(),
-                reason,
-            });
-        }
+    let _ = tx.send(event);
+}
+
+/// Reports `host` lost and returns the event for its `rank`, whose exit was not seen.
+fn lost_rank(host: &Host, rank: usize, reason: String, tx: &UnboundedSender<Event>) -> Event {
+    let _ = tx.send(Event::HostLost {
+        host: host.name.clone(),
+        reason: reason.clone(),
+    });
+    Event::RankLost {
+        rank,
+        host: host.name.clone(),
+        reason,
     }
-    let _ = tx.send(Event::RankExited { rank, exit_code });
 }
 
 /// Streams an exec's output into events, then reports its exit code.
@@ -342,27 +417,32 @@ async fn follow_exec(
 ) {
     let lost = forward(output, rank, &tx).await;
     // The exec may still be winding down for a moment after its output closes.
-    let mut exit_code = None;
+    let mut event = Event::RankExited {
+        rank,
+        exit_code: None,
+    };
     for _ in 0..20 {
         match host.docker.inspect_exec(&exec).await {
             Ok(i) if i.running == Some(true) => tokio::time::sleep(Duration::from_millis(50)).await,
             Ok(i) => {
-                exit_code = i.exit_code;
+                event = Event::RankExited {
+                    rank,
+                    exit_code: i.exit_code,
+                };
                 break;
             }
-            // The container was removed by the driver while stopping.
-            Err(DockerError::DockerResponseServerError { status_code: 404, .. }) => break,
+            // The container was removed (by the driver while stopping) before the exit was seen.
+            Err(DockerError::DockerResponseServerError { status_code: 404, .. }) => {
+                event = Event::RankRemoved { rank };
+                break;
+            }
             Err(e) => {
-                let reason = lost.unwrap_or_else(|| e.to_string());
-                let _ = tx.send(Event::HostLost {
-                    host: host.name.clone(),
-                    reason,
-                });
+                event = lost_rank(&host, rank, lost.unwrap_or_else(|| e.to_string()), &tx);
                 break;
             }
         }
     }
-    let _ = tx.send(Event::RankExited { rank, exit_code });
+    let _ = tx.send(event);
 }
 
 /// Forwards a Docker output stream line by line; returns the error that ended it, if any.
@@ -535,38 +615,8 @@ pub(super) async fn run_to_end(
 
 /// Removes every container on `host` labelled with experiment `id`.
 pub(super) async fn remove_labelled(docker: &bollard::Docker, host: &str, id: &str) -> Vec<LaunchError> {
-    let filters = HashMap::from([("label", vec![format!("{LABEL_EXPERIMENT}={id}")])]);
-    let options = ListContainersOptionsBuilder::default()
-        .all(true)
-        .filters(&filters)
-        .build();
-    let containers = match docker.list_containers(Some(options)).await {
-        Ok(c) => c,
-        Err(source) => {
-            return vec![LaunchError::Docker {
-                host: host.to_string(),
-                action: "list the experiment's containers",
-                source,
-            }]
-        }
-    };
-    let removals = containers.into_iter().filter_map(|c| c.id).map(|cid| async move {
-        let options = RemoveContainerOptionsBuilder::default()
-            .force(true)
-            .v(true)
-            .build();
-        match docker.remove_container(&cid, Some(options)).await {
-            Ok(()) | Err(DockerError::DockerResponseServerError { status_code: 404, .. }) => None,
-            // 409: removal already in progress (a concurrent stop); it will finish.
-            Err(DockerError::DockerResponseServerError { status_code: 409, .. }) => None,
-            Err(source) => Some(LaunchError::Docker {
-                host: host.to_string(),
-                action: "remove a container",
-                source,
-            }),
-        }
-    });
-    join_all(removals).await.into_iter().flatten().collect()
+    let pass = cleanup::remove_labelled(docker, host, id).await;
+    pass.failure.into_iter().map(|(e, _)| e).collect()
 }
 
 fn short(id: &str) -> String {

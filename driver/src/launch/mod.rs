@@ -2,7 +2,9 @@
 //! events; [`supervise`] watches the events, stops every rank when one fails or the user
 //! interrupts, and decides the run's status.
 
+pub mod cleanup;
 pub mod docker;
+pub mod lease;
 mod lines;
 pub mod process;
 pub mod reach;
@@ -13,7 +15,7 @@ use std::time::Duration;
 use tokio::signal::unix::Signal;
 use tokio::sync::mpsc::UnboundedReceiver;
 
-use crate::events::{Event, Status, StopCause, Stream};
+use crate::events::{Event, LeftContainer, Status, StopCause, Stream};
 use crate::hosts::context::ContextError;
 use crate::plan::Plan;
 use crate::reporters::Reporters;
@@ -98,10 +100,41 @@ pub enum LaunchError {
         #[from]
         source: ContextError,
     },
-    #[error("removing the experiment's containers took longer than {seconds} s; list them with `docker ps -a --filter label=stagehand.experiment`")]
-    CleanupTimeout { seconds: u64 },
+    #[error("removing the experiment's containers on {host} took longer than {seconds} s")]
+    CleanupTimeout { host: String, seconds: u64 },
+    #[error("{} could not be removed, tried for {grace_s} s: {}; each stops itself once its lease has not been renewed for {ttl_s} s, but stays listed until removed: once its host answers, run {}", count(.left.len()), describe(.left), by_hand(.left), ttl_s = lease::LEASE_TTL.as_secs())]
+    ContainersLeft { left: Vec<LeftContainer>, grace_s: u64 },
     #[error("interrupted before the ranks started")]
     Interrupted,
+}
+
+fn count(n: usize) -> String {
+    match n {
+        1 => "1 container of the experiment".to_string(),
+        n => format!("{n} containers of the experiment"),
+    }
+}
+
+/// `NAME (id ID, rank(s) R) on HOST: why`, for each container left.
+fn describe(left: &[LeftContainer]) -> String {
+    let one = |c: &LeftContainer| {
+        let ranks: Vec<String> = c.ranks.iter().map(|r| r.to_string()).collect();
+        let id: String = c.id.chars().take(12).collect();
+        format!(
+            "{} (id {id}, rank {}) on {}: {}",
+            c.name,
+            ranks.join(","),
+            c.host,
+            c.error
+        )
+    };
+    left.iter().map(one).collect::<Vec<_>>().join("; ")
+}
+
+/// The commands that remove the containers left, each in backquotes.
+fn by_hand(left: &[LeftContainer]) -> String {
+    let commands: Vec<String> = left.iter().map(|c| format!("`{}`", c.remove_by_hand)).collect();
+    commands.join(", ")
 }
 
 /// Turns an output line into an event: metrics lines on stdout become [`Event::Metrics`].
@@ -127,10 +160,9 @@ impl Launcher {
     pub async fn stop_all(&self) {
         match self {
             Launcher::Process(p) => p.stop_all().await,
+            // One quick try: what it leaves is tried again, and reported, when the run ends.
             Launcher::Docker(d) => {
-                for e in d.remove_all().await {
-                    eprintln!("warning: {}", crate::error_chain(&e));
-                }
+                let _ = d.remove_all(std::time::Duration::ZERO).await;
             }
         }
     }
@@ -172,7 +204,8 @@ pub async fn supervise(
     reporters: &mut Reporters,
     signals: &mut StopSignals,
 ) -> Status {
-    let mut exited = 0;
+    // Ranks seen to exit, removed, or lost with their host: no more to hear from them.
+    let mut ended = 0;
     let mut cause: Option<StopCause> = None;
     let mut deadline: Option<tokio::time::Instant> = None;
     loop {
@@ -200,17 +233,31 @@ pub async fn supervise(
         reporters.report(&event);
         let stop = match &event {
             Event::RankExited { rank, exit_code } => {
-                exited += 1;
+                ended += 1;
                 (*exit_code != Some(0)).then(|| StopCause::RankFailed {
                     rank: *rank,
                     host: plan.host_of(*rank).name.clone(),
                     exit_code: *exit_code,
                 })
             }
-            Event::HostLost { host, reason } => Some(StopCause::HostLost {
-                host: host.clone(),
-                reason: reason.clone(),
-            }),
+            // Removed by the driver while stopping, or by someone else: then the rank failed.
+            Event::RankRemoved { rank } => {
+                ended += 1;
+                Some(StopCause::RankFailed {
+                    rank: *rank,
+                    host: plan.host_of(*rank).name.clone(),
+                    exit_code: None,
+                })
+            }
+            Event::HostLost { host, reason } | Event::RankLost { host, reason, .. } => {
+                if matches!(event, Event::RankLost { .. }) {
+                    ended += 1;
+                }
+                Some(StopCause::HostLost {
+                    host: host.clone(),
+                    reason: reason.clone(),
+                })
+            }
             Event::HostReady(_)
             | Event::RankStarted { .. }
             | Event::LineLogged { .. }
@@ -219,6 +266,7 @@ pub async fn supervise(
             | Event::ProfileLine { .. }
             | Event::Planned(_)
             | Event::Stopping(_)
+            | Event::ContainersLeft(_)
             | Event::Finished { .. } => None,
         };
         if let (Some(c), None) = (stop, &cause) {
@@ -227,7 +275,7 @@ pub async fn supervise(
             reporters.report(&Event::Stopping(c));
             launcher.stop_all().await;
         }
-        if exited == plan.world_size() {
+        if ended == plan.world_size() {
             break;
         }
     }

@@ -71,6 +71,9 @@ impl Reporter for ProgressReporter {
             Event::HostReady(_)
             | Event::LineLogged { .. }
             | Event::RankExited { .. }
+            | Event::RankRemoved { .. }
+            | Event::RankLost { .. }
+            | Event::ContainersLeft(_)
             | Event::HostLost { .. } => {}
             Event::RankStarted { .. } => {
                 self.started += 1;

@@ -9,7 +9,7 @@ use indicatif::ProgressBar;
 use super::record::RecordError;
 use super::Reporter;
 use crate::cli::Verbosity;
-use crate::events::{Event, StopCause, Stream};
+use crate::events::{Event, StopCause, Stream, LEASE_EXPIRED_EXIT_CODE};
 
 /// Prints events for a person watching.
 pub struct TerminalReporter {
@@ -71,7 +71,13 @@ impl TerminalReporter {
             }
             Event::RankExited { rank, exit_code } => {
                 let failed = *exit_code != Some(0);
-                let code = exit_code.map_or("none (killed)".to_string(), |c| c.to_string());
+                let code = match exit_code {
+                    None => "none (killed)".to_string(),
+                    Some(c) if *c == LEASE_EXPIRED_EXIT_CODE => {
+                        format!("{c} (its lease guard's code: the driver's lease on it expired)")
+                    }
+                    Some(c) => c.to_string(),
+                };
                 (failed || verbose).then(|| {
                     (
                         Stream::Stderr,
@@ -79,6 +85,15 @@ impl TerminalReporter {
                     )
                 })
             }
+            Event::RankRemoved { rank } => {
+                verbose.then(|| (Stream::Stderr, format!("{} removed", self.prefix(*rank))))
+            }
+            Event::RankLost { rank, host, .. } => err(format!(
+                "{} was not seen to exit: {host} stopped answering",
+                self.prefix(*rank)
+            )),
+            // The run's error lists them, with the commands that remove them.
+            Event::ContainersLeft(_) => None,
             Event::HostLost { host, reason } => {
                 if !self.lost.insert(host.clone()) {
                     return None;

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use jiff::Timestamp;
 
-use self::summary::{Failure, RankOutcome, Summary, FORMAT_VERSION};
+use self::summary::{Failure, RankOutcome, RankState, Summary, FORMAT_VERSION};
 use super::stats::Stats;
 use super::Reporter;
 use crate::config::Loaded;
@@ -122,15 +122,10 @@ impl RecordReporter {
             ranks: plan
                 .ranks
                 .iter()
-                .map(|r| RankOutcome {
-                    rank: r.rank,
-                    host: plan.hosts[r.host].name.clone(),
-                    handle: None,
-                    exit_code: None,
-                    exited: false,
-                })
+                .map(|r| RankOutcome::pending(r.rank, plan.hosts[r.host].name.clone()))
                 .collect(),
             failure: None,
+            containers_not_removed: Vec::new(),
             plan: None,
         };
         let mut reporter = RecordReporter {
@@ -209,6 +204,7 @@ impl Reporter for RecordReporter {
             Event::RankStarted { rank, handle, .. } => {
                 if let Some(r) = self.summary.ranks.get_mut(*rank) {
                     r.handle = Some(handle.clone());
+                    r.saw(RankState::Running, None);
                 }
                 self.write_summary()?;
             }
@@ -230,9 +226,29 @@ impl Reporter for RecordReporter {
             }
             Event::RankExited { rank, exit_code } => {
                 if let Some(r) = self.summary.ranks.get_mut(*rank) {
-                    r.exit_code = *exit_code;
-                    r.exited = true;
+                    r.saw(RankState::Exited, *exit_code);
                 }
+                self.write_summary()?;
+            }
+            Event::RankRemoved { rank } | Event::RankLost { rank, .. } => {
+                let state = match event {
+                    Event::RankRemoved { .. } => RankState::Removed,
+                    _ => RankState::Lost,
+                };
+                if let Some(r) = self.summary.ranks.get_mut(*rank) {
+                    r.saw(state, None);
+                }
+                self.write_summary()?;
+            }
+            Event::ContainersLeft(left) => {
+                for container in left {
+                    for rank in &container.ranks {
+                        if let Some(r) = self.summary.ranks.get_mut(*rank) {
+                            r.saw(RankState::NotRemoved, None);
+                        }
+                    }
+                }
+                self.summary.containers_not_removed.extend(left.iter().cloned());
                 self.write_summary()?;
             }
             Event::HostLost { .. } | Event::Profiling { .. } => {}

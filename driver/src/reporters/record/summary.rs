@@ -2,11 +2,29 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::events::{PlanFacts, Status, StopCause};
+use crate::events::{LeftContainer, PlanFacts, Status, StopCause};
 use crate::reporters::stats::{StageShares, Throughput};
 
 /// Version of `summary.json`; bumped when a field changes meaning.
 pub const FORMAT_VERSION: u32 = 1;
+
+/// Where a rank is, as far as the driver saw.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RankState {
+    /// Not started yet.
+    Pending,
+    /// Started, not seen to end.
+    Running,
+    /// Seen to exit (`exit_code` says how).
+    Exited,
+    /// Its container was removed before it was seen to exit (the driver stopping it).
+    Removed,
+    /// Its host stopped answering before it was seen to exit; it may still run.
+    Lost,
+    /// Not seen to exit, and its container could not be removed: see `containers_not_removed`.
+    NotRemoved,
+}
 
 /// How each rank ended.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -17,10 +35,40 @@ pub struct RankOutcome {
     pub host: String,
     /// Container or process id.
     pub handle: Option<String>,
-    /// Exit code, once exited (`null` while running or when killed without one).
+    /// Exit code, only once seen to exit (`null` while running, when killed without one, or
+    /// when its exit was never seen).
     pub exit_code: Option<i64>,
-    /// Whether it has exited.
+    /// Whether it was seen to exit.
     pub exited: bool,
+    /// Where it is (absent in records written before rank states were kept).
+    #[serde(default)]
+    pub state: Option<RankState>,
+}
+
+impl RankOutcome {
+    /// A rank of the plan, not started yet.
+    pub fn pending(rank: usize, host: String) -> RankOutcome {
+        RankOutcome {
+            rank,
+            host,
+            handle: None,
+            exit_code: None,
+            exited: false,
+            state: Some(RankState::Pending),
+        }
+    }
+
+    /// Takes in what the driver saw of this rank; an exit once seen stays.
+    pub fn saw(&mut self, state: RankState, exit_code: Option<i64>) {
+        if self.exited {
+            return;
+        }
+        self.state = Some(state);
+        if state == RankState::Exited {
+            self.exited = true;
+            self.exit_code = exit_code;
+        }
+    }
 }
 
 /// What went wrong, for a failed or interrupted run.
@@ -63,6 +111,10 @@ pub struct Summary {
     pub ranks: Vec<RankOutcome>,
     /// Why the run stopped early, if it did.
     pub failure: Option<Failure>,
+    /// Containers the driver could not remove: host, name, id, ranks, why, and the command that
+    /// removes each by hand.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub containers_not_removed: Vec<LeftContainer>,
     /// The stage config planned at launch and its prediction (`config_file: auto` only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub plan: Option<PlanFacts>,

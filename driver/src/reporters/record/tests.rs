@@ -6,7 +6,7 @@ use serde_json::Value;
 
 use super::*;
 use crate::cli::{ContainerMode, Options, Progress, Verbosity};
-use crate::events::Stream;
+use crate::events::{LeftContainer, Stream};
 
 fn plan(dir: &Path) -> (Loaded, Plan) {
     let path = dir.join("exp.yml");
@@ -181,4 +181,81 @@ fn a_failed_run_is_recorded_as_it_goes() {
         ],
         "no temporary files are left from atomic writes"
     );
+}
+
+#[test]
+fn a_rank_on_a_lost_host_is_never_recorded_as_exited_and_its_container_is_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (_, plan) = plan(tmp.path());
+    let record = Record::create(&tmp.path().join("records"), &plan.name).unwrap();
+    let dir = record.dir.clone();
+    let mut r = RecordReporter::new(record, &plan).unwrap();
+    assert_eq!(summary(&dir)["ranks"][1]["state"], "pending");
+    for rank in 0..2 {
+        r.report(&Event::RankStarted {
+            rank,
+            host: "localhost".into(),
+            handle: format!("c{rank}"),
+        })
+        .unwrap();
+    }
+    assert_eq!(summary(&dir)["ranks"][1]["state"], "running");
+    let reason = "connection reset".to_string();
+    r.report(&Event::HostLost {
+        host: "th2".into(),
+        reason: reason.clone(),
+    })
+    .unwrap();
+    r.report(&Event::RankLost {
+        rank: 1,
+        host: "th2".into(),
+        reason,
+    })
+    .unwrap();
+    let s = summary(&dir);
+    assert_eq!(s["ranks"][1]["state"], "lost");
+    assert_eq!(s["ranks"][1]["exited"], false);
+    assert!(s["ranks"][1]["exit_code"].is_null());
+    // Rank 0 exited before its container was removed; a later report does not undo what was seen.
+    r.report(&Event::RankExited {
+        rank: 0,
+        exit_code: Some(143),
+    })
+    .unwrap();
+    r.report(&Event::RankRemoved { rank: 0 }).unwrap();
+    let left = LeftContainer {
+        host: "th2".into(),
+        name: "exp-r1".into(),
+        id: "0123456789abcdef".into(),
+        ranks: vec![1],
+        error: "cannot open an SSH connection to th2".into(),
+        remove_by_hand: "ssh th2 docker rm -f exp-r1".into(),
+    };
+    r.report(&Event::ContainersLeft(vec![left])).unwrap();
+    r.report(&Event::Finished {
+        status: Status::Failed,
+    })
+    .unwrap();
+
+    let s = summary(&dir);
+    assert_eq!(s["ranks"][0]["state"], "exited");
+    assert_eq!(s["ranks"][0]["exit_code"], 143);
+    assert_eq!(s["ranks"][1]["state"], "not_removed");
+    assert_eq!(s["ranks"][1]["exited"], false);
+    assert!(s["ranks"][1]["exit_code"].is_null());
+    let left = &s["containers_not_removed"];
+    assert_eq!(left.as_array().unwrap().len(), 1, "{left}");
+    assert_eq!(left[0]["host"], "th2");
+    assert_eq!(left[0]["name"], "exp-r1");
+    assert_eq!(left[0]["id"], "0123456789abcdef");
+    assert_eq!(left[0]["ranks"], serde_json::json!([1]));
+    assert_eq!(left[0]["remove_by_hand"], "ssh th2 docker rm -f exp-r1");
+}
+
+#[test]
+fn a_summary_without_rank_states_or_left_containers_still_reads() {
+    let old = r#"{"rank":0,"host":"localhost","handle":null,"exit_code":0,"exited":true}"#;
+    let outcome: RankOutcome = serde_json::from_str(old).unwrap();
+    assert_eq!(outcome.state, None);
+    assert!(outcome.exited);
 }

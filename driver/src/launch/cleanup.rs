@@ -1,0 +1,267 @@
+//! Removing an experiment's containers: by its label on each host, retried on a fresh connection
+//! for a grace period when a host does not answer, and, for what still could not be removed,
+//! exactly which containers are left where and the command that removes them by hand.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use bollard::errors::Error as DockerError;
+use bollard::query_parameters::{ListContainersOptionsBuilder, RemoveContainerOptionsBuilder};
+use futures_util::future::join_all;
+
+use super::docker::LABEL_EXPERIMENT;
+use super::LaunchError;
+use crate::config::machine::Machine;
+use crate::hosts::{Host, SshOptions};
+
+/// How long the driver keeps trying to remove the containers of a host that does not answer,
+/// connecting to it again between tries, before it says what is left and how to remove it.
+pub const REMOVAL_GRACE: Duration = Duration::from_secs(20);
+/// The most one try on one host may take (an SSH connection that cannot be made takes 10 s).
+const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(12);
+/// The pause between tries.
+const RETRY_PAUSE: Duration = Duration::from_secs(2);
+
+/// A container the driver created: where, and which ranks it runs.
+#[derive(Debug, Clone)]
+pub struct Tracked {
+    /// Index of its host in the launcher's hosts.
+    pub host: usize,
+    /// Full container id.
+    pub id: String,
+    /// Container name.
+    pub name: String,
+    /// The ranks it runs.
+    pub ranks: Vec<usize>,
+}
+
+/// What removing one experiment's containers on one engine did.
+pub struct Pass {
+    /// Containers seen gone: removed now, or already.
+    pub gone: Vec<String>,
+    /// Why it did not finish, and which containers (id, name) are known to be left; `None` when
+    /// the engine could not even list them.
+    pub failure: Option<(LaunchError, Option<Named>)>,
+}
+
+/// Containers by (id, name).
+pub type Named = Vec<(String, String)>;
+
+/// Removes (force: killed first) every container on `docker` labelled with experiment `id`.
+pub async fn remove_labelled(docker: &bollard::Docker, host: &str, id: &str) -> Pass {
+    let filters = HashMap::from([("label", vec![format!("{LABEL_EXPERIMENT}={id}")])]);
+    let options = ListContainersOptionsBuilder::default()
+        .all(true)
+        .filters(&filters)
+        .build();
+    let containers = match docker.list_containers(Some(options)).await {
+        Ok(c) => c,
+        Err(source) => {
+            let e = LaunchError::Docker {
+                host: host.to_string(),
+                action: "list the experiment's containers",
+                source,
+            };
+            return Pass {
+                gone: Vec::new(),
+                failure: Some((e, None)),
+            };
+        }
+    };
+    let removals = containers.into_iter().filter_map(|c| {
+        let name = c
+            .names
+            .and_then(|n| n.into_iter().next())
+            .map(|n| n.trim_start_matches('/').to_string())
+            .unwrap_or_default();
+        c.id.map(|cid| async move {
+            let options = RemoveContainerOptionsBuilder::default()
+                .force(true)
+                .v(true)
+                .build();
+            let outcome = match docker.remove_container(&cid, Some(options)).await {
+                Ok(()) | Err(DockerError::DockerResponseServerError { status_code: 404, .. }) => Ok(()),
+                // 409: removal already in progress (a concurrent stop); it will finish.
+                Err(DockerError::DockerResponseServerError { status_code: 409, .. }) => Ok(()),
+                Err(source) => Err(LaunchError::Docker {
+                    host: host.to_string(),
+                    action: "remove a container",
+                    source,
+                }),
+            };
+            (cid, name, outcome)
+        })
+    });
+    let mut pass = Pass {
+        gone: Vec::new(),
+        failure: None,
+    };
+    let mut left = Vec::new();
+    for (cid, name, outcome) in join_all(removals).await {
+        match outcome {
+            Ok(()) => pass.gone.push(cid),
+            Err(e) => {
+                left.push((cid, name));
+                if pass.failure.is_none() {
+                    pass.failure = Some((e, None));
+                }
+            }
+        }
+    }
+    if let Some((_, known)) = &mut pass.failure {
+        *known = Some(left);
+    }
+    pass
+}
+
+/// Removes experiment `id`'s containers on `host`: a try on the connection it has, then, until
+/// `grace` has passed since the start, tries on a new connection. Every try is time-bounded.
+pub async fn remove_on(host: &Host, ssh: &SshOptions, id: &str, grace: Duration) -> Pass {
+    let deadline = tokio::time::Instant::now() + grace;
+    let timed_out = |seconds: u64| Pass {
+        gone: Vec::new(),
+        failure: Some((
+            LaunchError::CleanupTimeout {
+                host: host.name.clone(),
+                seconds,
+            },
+            None,
+        )),
+    };
+    let first = tokio::time::timeout(ATTEMPT_TIMEOUT, remove_labelled(&host.docker, &host.name, id)).await;
+    let mut pass = first.unwrap_or_else(|_| timed_out(ATTEMPT_TIMEOUT.as_secs()));
+    let mut gone = Vec::new();
+    loop {
+        gone.append(&mut pass.gone);
+        let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
+        if pass.failure.is_none() || remaining.is_zero() {
+            pass.gone = gone;
+            return pass;
+        }
+        tokio::time::sleep(RETRY_PAUSE.min(remaining)).await;
+        let limit = ATTEMPT_TIMEOUT.min(deadline.saturating_duration_since(tokio::time::Instant::now()));
+        let again = async {
+            match crate::hosts::connect(&host.plan, ssh).await {
+                // The new connection lives as long as this try.
+                Ok((docker, _tunnel)) => remove_labelled(&docker, &host.name, id).await,
+                Err(e) => Pass {
+                    gone: Vec::new(),
+                    failure: Some((e, None)),
+                },
+            }
+        };
+        let next = tokio::time::timeout(limit.max(Duration::from_millis(1)), again).await;
+        let earlier = pass.failure.and_then(|(_, known)| known);
+        pass = next.unwrap_or_else(|_| timed_out(limit.as_secs()));
+        // A try that could not list the containers keeps an earlier try's account of them.
+        if let Some((_, known @ None)) = &mut pass.failure {
+            *known = earlier;
+        }
+    }
+}
+
+/// The command that removes container `name` of `machine` by hand, quoted for a POSIX shell:
+/// `docker rm -f NAME` for the local engine, `ssh HOST docker rm -f NAME` for another host, with
+/// the ssh options and the Docker socket the experiment names. Printed for the user, never run.
+pub fn remove_by_hand(machine: &Machine, ssh_config: Option<&std::path::Path>, name: &str) -> String {
+    let mut docker = vec!["docker".to_string()];
+    if let Some(socket) = &machine.docker_socket {
+        docker.push("-H".into());
+        docker.push(format!("unix://{}", socket.display()));
+    }
+    docker.extend(["rm".to_string(), "-f".to_string(), name.to_string()]);
+    if machine.is_local() {
+        return docker.iter().map(|w| sh_quote(w)).collect::<Vec<_>>().join(" ");
+    }
+    let mut words = vec!["ssh".to_string()];
+    if let Some(config) = ssh_config {
+        words.push("-F".into());
+        words.push(config.display().to_string());
+    }
+    if let Some(port) = machine.port {
+        words.push("-p".into());
+        words.push(port.to_string());
+    }
+    if let Some(key) = &machine.identity_file {
+        words.push("-i".into());
+        words.push(key.display().to_string());
+    }
+    words.push(match &machine.user {
+        Some(user) => format!("{user}@{}", machine.host),
+        None => machine.host.clone(),
+    });
+    let mut text: Vec<String> = words.iter().map(|w| sh_quote(w)).collect();
+    // ssh joins the remote words with spaces for the remote shell: quoted once for it, once here.
+    text.extend(docker.iter().map(|w| sh_quote(&sh_quote(w))));
+    text.join(" ")
+}
+
+/// `word` as one word for a POSIX shell: as it is when it holds only safe characters, else in
+/// single quotes.
+fn sh_quote(word: &str) -> String {
+    let safe = |c: char| c.is_ascii_alphanumeric() || "_-./:@=,+%".contains(c);
+    if !word.is_empty() && word.chars().all(safe) {
+        word.to_string()
+    } else {
+        format!("'{}'", word.replace('\'', r"'\''"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::machine::HostKeyCheck;
+
+    fn machine(host: &str) -> Machine {
+        Machine {
+            host: host.into(),
+            user: None,
+            port: None,
+            identity_file: None,
+            gpus: Vec::new(),
+            host_key_check: HostKeyCheck::Strict,
+            docker_socket: None,
+        }
+    }
+
+    #[test]
+    fn removing_by_hand_names_the_host_as_ssh_reaches_it() {
+        assert_eq!(
+            remove_by_hand(&machine("localhost"), None, "e-r0"),
+            "docker rm -f e-r0"
+        );
+        assert_eq!(
+            remove_by_hand(&machine("th2"), None, "e-r1"),
+            "ssh th2 docker rm -f e-r1"
+        );
+        let mut m = machine("gpu 7");
+        m.user = Some("ann".into());
+        m.port = Some(2222);
+        m.identity_file = Some("/keys/it's".into());
+        m.docker_socket = Some("/run/my docker.sock".into());
+        let cfg = std::path::Path::new("/etc/ssh cfg");
+        assert_eq!(
+            remove_by_hand(&m, Some(cfg), "e-h0"),
+            r#"ssh -F '/etc/ssh cfg' -p 2222 -i '/keys/it'\''s' 'ann@gpu 7' docker -H ''\''unix:///run/my docker.sock'\''' rm -f e-h0"#
+        );
+    }
+
+    #[test]
+    fn quoting_survives_a_posix_shell_twice() {
+        for word in ["plain", "a b", "it's", "$(rm -rf /)", "", "`x`;y"] {
+            let once = std::process::Command::new("/bin/sh")
+                .args(["-c", &format!("printf %s {}", sh_quote(word))])
+                .output()
+                .unwrap();
+            assert_eq!(String::from_utf8_lossy(&once.stdout), word);
+            let twice = std::process::Command::new("/bin/sh")
+                .args([
+                    "-c",
+                    &format!("sh -c \"printf %s \"{}", sh_quote(&sh_quote(word))),
+                ])
+                .output()
+                .unwrap();
+            assert_eq!(String::from_utf8_lossy(&twice.stdout), word, "{word:?}");
+        }
+    }
+}

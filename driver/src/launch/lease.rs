@@ -1,0 +1,290 @@
+//! The lease that keeps a container alive only while its driver is: every container's first
+//! process is a constant POSIX sh guard ([`GUARD_SCRIPT`]) that runs the rank (or, for a per-host
+//! container, just waits) and stops everything once the lease file [`LEASE_FILE`] has not changed
+//! for [`LEASE_TTL`], counted on the container's own clock. The driver rewrites that file's content
+//! every [`RENEW_EVERY`] through the Docker API (an archive upload: no exec, no shell, nothing
+//! the image must provide beyond `/bin/sh` and `sleep`), each call bounded by [`RENEW_CALL_TIMEOUT`]
+//! so a host that does not answer holds up nothing. A driver killed, or a host cut off from it,
+//! stops renewing, and the containers stop themselves, exiting with 86
+//! ([`crate::events::LEASE_EXPIRED_EXIT_CODE`]).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bollard::query_parameters::UploadToContainerOptionsBuilder;
+use futures_util::future::join_all;
+use tokio::task::JoinHandle;
+
+/// How often the driver rewrites every container's lease.
+pub const RENEW_EVERY: Duration = Duration::from_secs(5);
+/// How long a lease that has not changed keeps its container alive.
+pub const LEASE_TTL: Duration = Duration::from_secs(30);
+/// The most one renewal call may take; past it the host is skipped until the next round.
+pub const RENEW_CALL_TIMEOUT: Duration = Duration::from_secs(4);
+/// The lease file inside a container: at the root, where no bind mount of the experiment can
+/// put it on a host's disk shared with another container.
+pub const LEASE_FILE: &str = "/.stagehand-lease";
+
+/// The guard. Constant text: the lease file, the TTL in seconds and the program's argument vector
+/// arrive as positional parameters (`$1`, `$2`, then `"$@"`), never spliced into the script.
+/// With no program it is a per-host container's idle process: it exits when the lease expires,
+/// which stops the container and every rank exec'd into it. With one, it runs the program in the
+/// background, passes TERM on (and INT as TERM: a shell starts background programs with INT
+/// ignored), exits with the program's status, and when the lease expires sends TERM, then KILL
+/// 10 s later, and exits with 86. Time is counted in one-second sleeps, so a loaded host only
+/// stretches the TTL, never shortens it.
+pub const GUARD_SCRIPT: &str = r#"lease=$1 ttl=$2
+shift 2
+watch() {
+  last= age=0
+  while [ "$age" -lt "$ttl" ]; do
+    sleep 1
+    now=
+    { IFS= read -r now <"$lease"; } 2>/dev/null
+    if [ "$now" = "$last" ]; then age=$((age + 1)); else last=$now age=0; fi
+  done
+  echo "stagehand-guard: the driver has not renewed this container's lease for $ttl s (it is gone or cannot reach this host); stopping the rank (exit 86)" >&2
+}
+if [ "$#" -eq 0 ]; then
+  trap 'exit 143' TERM
+  trap 'exit 130' INT
+  watch
+  exit 86
+fi
+"$@" &
+child=$!
+(
+  trap - TERM
+  watch
+  trap '' TERM
+  kill -TERM "$child" 2>/dev/null
+  n=0
+  while kill -0 "$child" 2>/dev/null && [ "$n" -lt 10 ]; do sleep 1; n=$((n + 1)); done
+  kill -KILL "$child" 2>/dev/null
+  exit 86
+) &
+watcher=$!
+trap 'kill -TERM "$child" 2>/dev/null' TERM INT
+while :; do
+  wait "$child" 2>/dev/null
+  status=$?
+  kill -0 "$child" 2>/dev/null || break
+done
+kill -TERM "$watcher" 2>/dev/null
+wait "$watcher" 2>/dev/null
+[ "$?" -eq 86 ] && exit 86
+exit "$status"
+"#;
+
+/// The entrypoint that runs `argv` (none: idle) under the guard.
+pub fn guarded(argv: &[String]) -> Vec<String> {
+    let mut entry = vec![
+        "/bin/sh".to_string(),
+        "-c".to_string(),
+        GUARD_SCRIPT.to_string(),
+        "stagehand-guard".to_string(),
+        LEASE_FILE.to_string(),
+        LEASE_TTL.as_secs().to_string(),
+    ];
+    entry.extend(argv.iter().cloned());
+    entry
+}
+
+/// A tar holding the lease file with `content`, for an upload to `/`.
+pub fn lease_tar(content: &str) -> Vec<u8> {
+    let mut header = tar::Header::new_gnu();
+    header.set_size(content.len() as u64);
+    header.set_mode(0o644);
+    header.set_cksum();
+    let mut builder = tar::Builder::new(Vec::new());
+    let name = LEASE_FILE.trim_start_matches('/');
+    builder
+        .append_data(&mut header, name, content.as_bytes())
+        .expect("a tar in memory cannot fail to grow");
+    builder
+        .into_inner()
+        .expect("a tar in memory cannot fail to finish")
+}
+
+/// The containers whose leases are renewed: id -> its host's engine.
+pub type Leased = Arc<Mutex<HashMap<String, bollard::Docker>>>;
+
+/// Renews the leases of the containers in `leased` until dropped.
+pub struct Renewer {
+    task: JoinHandle<()>,
+}
+
+impl Renewer {
+    /// Starts renewing now, and every [`RENEW_EVERY`].
+    pub fn start(leased: Leased) -> Renewer {
+        let task = tokio::spawn(async move {
+            let mut ticks = tokio::time::interval(RENEW_EVERY);
+            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            for round in 1u64.. {
+                ticks.tick().await;
+                let targets: Vec<(String, bollard::Docker)> = leased
+                    .lock()
+                    .expect("lease list lock")
+                    .iter()
+                    .map(|(id, docker)| (id.clone(), docker.clone()))
+                    .collect();
+                let tar = lease_tar(&format!("{round} {}\n", jiff::Timestamp::now()));
+                join_all(targets.iter().map(|(id, docker)| renew(docker, id, &tar))).await;
+            }
+        });
+        Renewer { task }
+    }
+}
+
+impl Drop for Renewer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// One renewal; a failure is not reported: a container that keeps missing renewals stops itself,
+/// and a host that stopped answering is reported by the streams that follow its ranks.
+async fn renew(docker: &bollard::Docker, id: &str, tar: &[u8]) {
+    let options = UploadToContainerOptionsBuilder::default().path("/").build();
+    let upload = docker.upload_to_container(id, Some(options), bollard::body_full(tar.to_vec().into()));
+    let _ = tokio::time::timeout(RENEW_CALL_TIMEOUT, upload).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::events::LEASE_EXPIRED_EXIT_CODE as EXPIRED_EXIT_CODE;
+    use std::process::{Command, Stdio};
+    use std::time::Instant;
+
+    /// Runs the guard with the system's /bin/sh and a short TTL.
+    fn guard(lease: &std::path::Path, ttl: u32, argv: &[&str]) -> Command {
+        let mut cmd = Command::new("/bin/sh");
+        cmd.arg("-c")
+            .arg(GUARD_SCRIPT)
+            .arg("stagehand-guard")
+            .arg(lease)
+            .arg(ttl.to_string())
+            .args(argv)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        cmd
+    }
+
+    #[test]
+    fn the_programs_arguments_and_exit_status_pass_through_unchanged() {
+        let dir = tempfile::tempdir().unwrap();
+        let tricky = ["a b", "$(echo no)", "'\"", "*", ""];
+        let mut argv = vec![
+            "sh",
+            "-c",
+            r#"for a in "$@"; do printf '[%s]' "$a"; done; exit 7"#,
+            "x",
+        ];
+        argv.extend(tricky);
+        let out = guard(&dir.path().join("lease"), 30, &argv).output().unwrap();
+        assert_eq!(
+            out.status.code(),
+            Some(7),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout),
+            "[a b][$(echo no)]['\"][*][]"
+        );
+        assert!(out.stderr.is_empty(), "{}", String::from_utf8_lossy(&out.stderr));
+    }
+
+    #[test]
+    fn an_unrenewed_lease_stops_the_program_with_86() {
+        let dir = tempfile::tempdir().unwrap();
+        let start = Instant::now();
+        let out = guard(&dir.path().join("lease"), 2, &["sleep", "60"])
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code().map(i64::from), Some(EXPIRED_EXIT_CODE));
+        assert!(GUARD_SCRIPT.contains(&format!("exit {EXPIRED_EXIT_CODE}\n")));
+        let elapsed = start.elapsed();
+        assert!(
+            elapsed >= Duration::from_secs(2) && elapsed < Duration::from_secs(10),
+            "{elapsed:?}"
+        );
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            stderr.contains("has not renewed this container's lease for 2 s"),
+            "{stderr}"
+        );
+    }
+
+    #[test]
+    fn a_renewed_lease_keeps_the_program_running_and_an_idle_guard_exits_when_it_expires() {
+        let dir = tempfile::tempdir().unwrap();
+        let lease = dir.path().join("lease");
+        let mut program = guard(&lease, 2, &["sleep", "5"]).spawn().unwrap();
+        let mut idle = guard(&lease, 2, &[]).spawn().unwrap();
+        let start = Instant::now();
+        let mut n = 0;
+        while start.elapsed() < Duration::from_millis(6500) {
+            n += 1;
+            std::fs::write(&lease, format!("{n}\n")).unwrap();
+            std::thread::sleep(Duration::from_millis(500));
+        }
+        // The program ran its 5 s to the end, renewed past twice the TTL.
+        assert_eq!(program.wait().unwrap().code(), Some(0));
+        assert!(
+            idle.try_wait().unwrap().is_none(),
+            "the idle guard stopped while renewed"
+        );
+        let stopped = Instant::now();
+        assert_eq!(idle.wait().unwrap().code(), Some(86));
+        assert!(
+            stopped.elapsed() < Duration::from_secs(6),
+            "{:?}",
+            stopped.elapsed()
+        );
+    }
+
+    #[test]
+    fn term_reaches_the_program_and_its_status_is_the_guards() {
+        let dir = tempfile::tempdir().unwrap();
+        let child = guard(&dir.path().join("lease"), 30, &["sleep", "60"])
+            .spawn()
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+        let start = Instant::now();
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(child.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        )
+        .unwrap();
+        let out = child.wait_with_output().unwrap();
+        assert_eq!(
+            out.status.code(),
+            Some(143),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(start.elapsed() < Duration::from_secs(3), "{:?}", start.elapsed());
+    }
+
+    #[test]
+    fn the_lease_tar_holds_one_readable_file_at_the_lease_path() {
+        let tar = lease_tar("7 now\n");
+        let mut archive = tar::Archive::new(tar.as_slice());
+        let mut entries = archive.entries().unwrap();
+        let mut entry = entries.next().unwrap().unwrap();
+        assert_eq!(entry.path().unwrap().to_str(), Some(".stagehand-lease"));
+        assert_eq!(entry.header().mode().unwrap(), 0o644);
+        let mut text = String::new();
+        std::io::Read::read_to_string(&mut entry, &mut text).unwrap();
+        assert_eq!(text, "7 now\n");
+        assert!(entries.next().is_none());
+        assert_eq!(
+            &guarded(&["p".into()])[3..],
+            ["stagehand-guard", LEASE_FILE, "30", "p"]
+        );
+    }
+}
