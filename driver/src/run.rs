@@ -112,8 +112,8 @@ pub async fn run_loaded(
     // A local runtime must exist here (it is mounted or copied into containers); the image's
     // runtime and a `command:` program in containers come with the image.
     let program = &plan.ranks[0].argv[0];
-    let must_exist_here = plan.backend == Backend::Process
-        || (loaded.file.command.is_none() && options.runtime.is_some());
+    let must_exist_here =
+        plan.backend == Backend::Process || (loaded.file.command.is_none() && options.runtime.is_some());
     if must_exist_here && find_program(program).is_none() {
         return Err(RunError::Preflight(LaunchError::ProgramMissing {
             path: program.into(),

@@ -36,7 +36,11 @@ fn git(dir: &std::path::Path, args: &[&str]) {
 fn hosts(h: &Harness) -> Vec<Value> {
     let (dir, _) = h.summary();
     let text = std::fs::read_to_string(dir.join("hosts.json")).unwrap();
-    serde_json::from_str::<Value>(&text).unwrap().as_array().unwrap().clone()
+    serde_json::from_str::<Value>(&text)
+        .unwrap()
+        .as_array()
+        .unwrap()
+        .clone()
 }
 
 fn host<'a>(hosts: &'a [Value], name: &str) -> &'a Value {
@@ -68,7 +72,17 @@ fn a_build_context_is_what_git_tracks_less_dockerignore_and_its_arguments_reach_
     write("notes.tmp", "left out by .dockerignore\n");
     write("build/out", "left out by .gitignore\n");
     git(&ctx, &["init", "-q"]);
-    git(&ctx, &["add", ".gitignore", ".dockerignore", "docker", "kept.txt", "notes.tmp"]);
+    git(
+        &ctx,
+        &[
+            "add",
+            ".gitignore",
+            ".dockerignore",
+            "docker",
+            "kept.txt",
+            "notes.tmp",
+        ],
+    );
     git(&ctx, &["commit", "-qm", "ctx"]);
     write("new.txt", "not committed, not ignored: sent\n");
     let experiment = |greeting: &str| {
@@ -84,7 +98,10 @@ fn a_build_context_is_what_git_tracks_less_dockerignore_and_its_arguments_reach_
     let log = std::fs::read_to_string(dir.join("rank-0.log")).unwrap();
     assert!(log.contains("hello") && log.contains("kept"), "{log}");
     let first = hosts(&h)[0].clone();
-    assert!(first["image"].as_str().unwrap().starts_with("stagehand-ctx:"), "{first}");
+    assert!(
+        first["image"].as_str().unwrap().starts_with("stagehand-ctx:"),
+        "{first}"
+    );
 
     // A file .dockerignore leaves out does not change the tag: no rebuild.
     write("notes.tmp", "changed, still left out\n");
@@ -107,7 +124,9 @@ fn a_build_context_is_what_git_tracks_less_dockerignore_and_its_arguments_reach_
     let log = std::fs::read_to_string(dir.join("rank-0.log")).unwrap();
     assert!(log.contains("bonjour") && log.contains("kept, edited"), "{log}");
     for tag in [&first["image"], &edited["image"]] {
-        let _ = Command::new("docker").args(["rmi", tag.as_str().unwrap()]).output();
+        let _ = Command::new("docker")
+            .args(["rmi", tag.as_str().unwrap()])
+            .output();
     }
     h3.assert_no_containers();
 }
@@ -144,10 +163,23 @@ fn the_quickstart_runs_the_runtime_image_built_from_the_workspace() {
         serde_json::from_str(&std::fs::read_to_string(dir.join("config.resolved.json")).unwrap()).unwrap();
     assert_eq!(resolved["plan"]["ranks"][0]["argv"][0], "/usr/local/bin/runtime");
     let mounts = resolved["plan"]["mounts"].to_string();
-    assert!(!mounts.contains("target/release") && !mounts.contains("torch-2.11.0"), "{mounts}");
+    assert!(
+        !mounts.contains("target/release") && !mounts.contains("torch-2.11.0"),
+        "{mounts}"
+    );
     // The image's torch is its own: the CPU variant, without libtorch_cuda.
-    let listing = docker(&["run", "--rm", "--entrypoint", "ls", &tag, "/opt/site-packages/torch/lib"]);
-    assert!(listing.contains("libtorch_cpu.so") && !listing.contains("libtorch_cuda.so"), "{listing}");
+    let listing = docker(&[
+        "run",
+        "--rm",
+        "--entrypoint",
+        "ls",
+        &tag,
+        "/opt/site-packages/torch/lib",
+    ]);
+    assert!(
+        listing.contains("libtorch_cpu.so") && !listing.contains("libtorch_cuda.so"),
+        "{listing}"
+    );
 
     // The next run reuses it.
     let h2 = Harness::new("img-quickstart-again");
@@ -176,11 +208,17 @@ fn load_bases(host: &str) {
         .output()
         .unwrap();
     assert!(save.wait().unwrap().success(), "docker save");
-    assert!(load.status.success(), "docker load on {host}: {}", text(&load.stderr));
+    assert!(
+        load.status.success(),
+        "docker load on {host}: {}",
+        text(&load.stderr)
+    );
 }
 
 fn has_image(bed: &Bed, host: &str, image: &str) -> bool {
-    bed.ssh(host, &format!("docker image inspect {image}")).status.success()
+    bed.ssh(host, &format!("docker image inspect {image}"))
+        .status
+        .success()
 }
 
 fn no_containers(bed: &Bed) {
@@ -244,7 +282,10 @@ fn testbed_the_runtime_image_is_built_once_and_sent_to_every_host_that_lacks_it(
         assert_eq!(host(&facts, name)["image"], tag.as_str(), "{facts:?}");
         assert_eq!(host(&facts, name)["image_built"], false, "{facts:?}");
     }
-    assert!(host(&facts, "th3")["image_received_from"].is_string(), "{facts:?}");
+    assert!(
+        host(&facts, "th3")["image_received_from"].is_string(),
+        "{facts:?}"
+    );
     assert!(host(&facts, "th1")["image_received_from"].is_null(), "{facts:?}");
     no_containers(&bed);
 
@@ -263,5 +304,30 @@ fn testbed_the_runtime_image_is_built_once_and_sent_to_every_host_that_lacks_it(
     assert_eq!(run.code(), 0, "{}", run.stderr());
     let (_, summary) = h.summary();
     assert_eq!(summary["status"], "succeeded", "{summary}");
+    no_containers(&bed);
+
+    // A host that cannot reach the master port is named at preflight; nothing starts.
+    let port = "29517";
+    let th1 = bed.address("th1");
+    let rule = ["OUTPUT", "-d", &th1, "-p", "tcp", "--dport", port, "-j", "REJECT"];
+    let iptables = |op: &str| {
+        let out = Command::new("ip")
+            .args(["netns", "exec", "stagehand-th3", "iptables", "-w", op])
+            .args(rule)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "iptables {op}: {}", text(&out.stderr));
+    };
+    iptables("-A");
+    let h = Harness::new("tb-img-unreachable");
+    let exp = h.config(&mlp("th1, th2, th3", ""));
+    let run = h.run_image_mode(&exp, &["--master-port", port], BUILD_DEADLINE);
+    iptables("-D");
+    assert_eq!(run.code(), 3, "{}", run.stderr());
+    let stderr = run.stderr();
+    assert!(
+        stderr.contains(&format!("th3 cannot reach the master port at {th1}:{port}")),
+        "{stderr}"
+    );
     no_containers(&bed);
 }

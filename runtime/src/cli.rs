@@ -247,13 +247,16 @@ struct DistArgs {
     #[arg(long, value_name = "MB", default_value_t = 25.0)]
     bucket_mb: f64,
     /// Start each bucket's all-reduce during the backward pass, as soon as its gradients are
-    /// final (DDP), or only after the backward.
-    #[arg(long, value_enum, default_value_t = OnOff::On)]
-    overlap_reduce: OnOff,
+    /// final (DDP), or only after the backward. `auto` (the default): on with CUDA devices, off
+    /// on CPUs, where Gloo's reduction takes the cores the backward pass runs on (measured on 2
+    /// cores: a slower step, bench/overlap_reduce.py).
+    #[arg(long, value_enum, default_value_t = Overlap::Auto)]
+    overlap_reduce: Overlap,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-enum OnOff {
+enum Overlap {
+    Auto,
     On,
     Off,
 }
@@ -501,7 +504,11 @@ impl DistArgs {
         }
         let reduce = ReduceOptions {
             bucket_bytes: bucket_bytes as usize,
-            overlap: self.overlap_reduce == OnOff::On,
+            overlap: match self.overlap_reduce {
+                Overlap::On => true,
+                Overlap::Off => false,
+                Overlap::Auto => matches!(device, DeviceSpec::Cuda(_)),
+            },
         };
         let backend = match (self.backend, device) {
             (Some(BackendArg::Gloo), _) | (None, DeviceSpec::Cpu) => Backend::Gloo,

@@ -74,8 +74,11 @@ fn attempt(host: &str, port: u16, end: Instant) -> Result<(), String> {
         .map_err(|e| format!("cannot resolve {host}: {e}"))?
         .collect();
     let addr = addrs.first().ok_or_else(|| format!("{host} has no address"))?;
-    let left = end.saturating_duration_since(Instant::now()).max(Duration::from_millis(100));
-    let stream = TcpStream::connect_timeout(addr, left.min(Duration::from_secs(3))).map_err(|e| e.to_string())?;
+    let left = end
+        .saturating_duration_since(Instant::now())
+        .max(Duration::from_millis(100));
+    let stream =
+        TcpStream::connect_timeout(addr, left.min(Duration::from_secs(3))).map_err(|e| e.to_string())?;
     stream
         .set_read_timeout(Some(Duration::from_secs(3)))
         .map_err(|e| e.to_string())?;
@@ -93,7 +96,11 @@ mod tests {
     use super::*;
 
     fn free_port() -> u16 {
-        TcpListener::bind(("127.0.0.1", 0)).unwrap().local_addr().unwrap().port()
+        TcpListener::bind(("127.0.0.1", 0))
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
     }
 
     #[test]
@@ -114,7 +121,10 @@ mod tests {
             &mut out,
         )
         .unwrap();
-        assert_eq!(String::from_utf8(out).unwrap(), format!("reached 127.0.0.1:{port}\n"));
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            format!("reached 127.0.0.1:{port}\n")
+        );
         listener.join().unwrap();
     }
 
@@ -122,7 +132,11 @@ mod tests {
     fn nothing_listening_fails_with_the_reason() {
         let port = free_port();
         let err = connect("127.0.0.1", port, Duration::from_millis(300)).unwrap_err();
-        assert!(err.to_string().contains(&format!("cannot reach 127.0.0.1:{port}")), "{err}");
+        assert!(
+            err.to_string()
+                .contains(&format!("cannot reach 127.0.0.1:{port}")),
+            "{err}"
+        );
     }
 
     #[test]

@@ -108,7 +108,7 @@ fn overlap_matches_after_backward(what: &str, world: usize, base: &str, split: &
         .map(|mb| {
             (
                 format!("{what}, overlapped, {mb} MiB buckets"),
-                [split, &["--bucket-mb", mb]].concat(),
+                [split, &["--overlap-reduce", "on", "--bucket-mb", mb]].concat(),
             )
         })
         .collect();
@@ -171,9 +171,11 @@ fn buckets_start_before_the_backward_ends_only_when_overlapped() {
         "--bucket-mb",
         "0.00001526",
     ];
-    let on = train(2, MLP, &dp, &tmp.path().join("on"));
-    let off_args = [&dp[..], &["--overlap-reduce", "off"]].concat();
-    let off = train(2, MLP, &off_args, &tmp.path().join("off"));
+    let on_args = [&dp[..], &["--overlap-reduce", "on"]].concat();
+    let on = train(2, MLP, &on_args, &tmp.path().join("on"));
+    // On CPUs the default is off.
+    let off_args = &dp[..];
+    let off = train(2, MLP, off_args, &tmp.path().join("off"));
     let tensors = read_params(&tmp.path().join("on")).len() as u64;
     assert!(
         tensors >= 10,

@@ -88,9 +88,11 @@ impl<'de> Deserialize<'de> for Container {
                         )));
                     }
                 }
-                if let Some(name) = m.args.keys().find(|k| {
-                    k.is_empty() || !k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
-                }) {
+                if let Some(name) = m
+                    .args
+                    .keys()
+                    .find(|k| k.is_empty() || !k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'))
+                {
                     return Err(de::Error::custom(format!(
                         "build argument `{name}` is not a valid ARG name (letters, digits and `_`)"
                     )));

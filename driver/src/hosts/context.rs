@@ -112,7 +112,11 @@ pub fn list(root: &Path, dockerfile: &str, extra: &str) -> Result<Context, Conte
                 link: Some(target),
             });
         } else if meta.is_file() {
-            entries.push(Entry { rel, mode, link: None });
+            entries.push(Entry {
+                rel,
+                mode,
+                link: None,
+            });
         }
     }
     entries.sort_by(|a, b| a.rel.cmp(&b.rel));
@@ -166,14 +170,27 @@ fn git_files(root: &Path) -> Option<Vec<String>> {
     let out = Command::new("git")
         .arg("-C")
         .arg(root)
-        .args(["ls-files", "-z", "--cached", "--others", "--exclude-standard", "--", "."])
+        .args([
+            "ls-files",
+            "-z",
+            "--cached",
+            "--others",
+            "--exclude-standard",
+            "--",
+            ".",
+        ])
         .output()
         .ok()?;
     if !out.status.success() {
         return None;
     }
     let text = String::from_utf8(out.stdout).ok()?;
-    Some(text.split('\0').filter(|s| !s.is_empty()).map(str::to_string).collect())
+    Some(
+        text.split('\0')
+            .filter(|s| !s.is_empty())
+            .map(str::to_string)
+            .collect(),
+    )
 }
 
 fn walk(root: &Path, dir: &Path, out: &mut Vec<String>) -> Result<(), ContextError> {
@@ -262,9 +279,12 @@ impl ChunkWriter {
             return Ok(());
         }
         let chunk = Bytes::from(std::mem::replace(&mut self.buf, Vec::with_capacity(CHUNK)));
-        self.tx
-            .blocking_send(Ok(chunk))
-            .map_err(|_| std::io::Error::new(std::io::ErrorKind::BrokenPipe, "the engine stopped reading the context"))
+        self.tx.blocking_send(Ok(chunk)).map_err(|_| {
+            std::io::Error::new(
+                std::io::ErrorKind::BrokenPipe,
+                "the engine stopped reading the context",
+            )
+        })
     }
 }
 
@@ -339,8 +359,17 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let root = dir.path();
         let git = |args: &[&str]| {
-            let out = Command::new("git").arg("-C").arg(root).args(args).output().unwrap();
-            assert!(out.status.success(), "git {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+            let out = Command::new("git")
+                .arg("-C")
+                .arg(root)
+                .args(args)
+                .output()
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "git {args:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
         };
         git(&["init", "-q"]);
         write(root, ".gitignore", "target/\n");
@@ -351,12 +380,26 @@ mod tests {
         write(root, "src/x.tmp", "tmp");
         write(root, "docs/a.md", "docs");
         write(root, "target/release/big", "build output");
-        git(&["add", ".gitignore", ".dockerignore", "docker", "src/main.rs", "src/x.tmp", "docs"]);
+        git(&[
+            "add",
+            ".gitignore",
+            ".dockerignore",
+            "docker",
+            "src/main.rs",
+            "src/x.tmp",
+            "docs",
+        ]);
         let ctx = list(root, "docker/Dockerfile", "").unwrap();
         let paths: Vec<&str> = ctx.paths().collect();
         assert_eq!(
             paths,
-            [".dockerignore", ".gitignore", "docker/Dockerfile", "src/main.rs", "src/new.rs"]
+            [
+                ".dockerignore",
+                ".gitignore",
+                "docker/Dockerfile",
+                "src/main.rs",
+                "src/new.rs"
+            ]
         );
         let files = untar(&ctx).await;
         let names: Vec<&str> = files.iter().map(|(p, _)| p.as_str()).collect();
@@ -369,7 +412,9 @@ mod tests {
     async fn a_context_larger_than_a_chunk_streams_whole() {
         let dir = tempfile::tempdir().unwrap();
         write(dir.path(), "Dockerfile", "FROM scratch\n");
-        let big: String = (0..3 * CHUNK).map(|i| char::from(b'a' + (i % 26) as u8)).collect();
+        let big: String = (0..3 * CHUNK)
+            .map(|i| char::from(b'a' + (i % 26) as u8))
+            .collect();
         write(dir.path(), "big.txt", &big);
         let ctx = list(dir.path(), "Dockerfile", "").unwrap();
         let files = untar(&ctx).await;

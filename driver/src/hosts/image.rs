@@ -217,7 +217,10 @@ async fn ensure_built(
             out[i] = Some(prepared);
         }
     }
-    Ok(out.into_iter().map(|p| p.expect("every host has the image")).collect())
+    Ok(out
+        .into_iter()
+        .map(|p| p.expect("every host has the image"))
+        .collect())
 }
 
 /// Builds the image on one engine from the streamed context; returns its id.
@@ -263,7 +266,10 @@ async fn build(
         }
     }
     let image = engine.docker.inspect_image(tag).await.map_err(|e| {
-        failed(format!("the build ended but {tag} is missing ({e}){}", last_lines(&tail)))
+        failed(format!(
+            "the build ended but {tag} is missing ({e}){}",
+            last_lines(&tail)
+        ))
     })?;
     Ok(image.id.unwrap_or_default())
 }
@@ -341,7 +347,9 @@ async fn distribute(
             let id = docker
                 .inspect_image(tag)
                 .await
-                .map_err(|err| transfer_err(host, format!("the load ended but the image is missing ({err})")))?
+                .map_err(|err| {
+                    transfer_err(host, format!("the load ended but the image is missing ({err})"))
+                })?
                 .id
                 .unwrap_or_default();
             bar.finish_and_clear();
@@ -419,9 +427,15 @@ mod tests {
             args: BTreeMap::new(),
             repository: "stagehand-x".into(),
         };
-        let a = tag_of(&spec, &context::list(dir.path(), "Dockerfile", &extra(&spec)).unwrap());
+        let a = tag_of(
+            &spec,
+            &context::list(dir.path(), "Dockerfile", &extra(&spec)).unwrap(),
+        );
         spec.args.insert("TORCH_IMAGE".into(), "t:cuda".into());
-        let b = tag_of(&spec, &context::list(dir.path(), "Dockerfile", &extra(&spec)).unwrap());
+        let b = tag_of(
+            &spec,
+            &context::list(dir.path(), "Dockerfile", &extra(&spec)).unwrap(),
+        );
         assert!(a.starts_with("stagehand-x:") && a.len() == "stagehand-x:".len() + 16);
         assert_ne!(a, b);
     }

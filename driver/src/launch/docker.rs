@@ -254,7 +254,11 @@ pub(super) async fn start(host: &Host, id: &str) -> Result<(), LaunchError> {
 }
 
 /// Creates a container and copies in the files the host lacks, so it is ready to start.
-pub(super) async fn create(host: &Host, name: String, body: ContainerCreateBody) -> Result<String, LaunchError> {
+pub(super) async fn create(
+    host: &Host,
+    name: String,
+    body: ContainerCreateBody,
+) -> Result<String, LaunchError> {
     let options = CreateContainerOptionsBuilder::default().name(&name).build();
     let id = host
         .docker

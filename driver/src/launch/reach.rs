@@ -19,7 +19,12 @@ const LISTEN_SECONDS: u32 = 60;
 /// Checks that every host reaches `plan.master_addr:plan.master_port` with the runtime at
 /// `runtime` (its path in the containers). Containers carry `id` as their experiment label and
 /// are removed afterwards. Nothing to check with one host.
-pub async fn master_reachable(hosts: &[Host], plan: &Plan, runtime: &str, id: &str) -> Result<(), LaunchError> {
+pub async fn master_reachable(
+    hosts: &[Host],
+    plan: &Plan,
+    runtime: &str,
+    id: &str,
+) -> Result<(), LaunchError> {
     if hosts.len() < 2 {
         return Ok(());
     }
@@ -44,14 +49,29 @@ pub async fn master_reachable(hosts: &[Host], plan: &Plan, runtime: &str, id: &s
     outcome
 }
 
-async fn connect_all(hosts: &[Host], plan: &Plan, runtime: &str, port: &str, id: &str) -> Result<(), LaunchError> {
+async fn connect_all(
+    hosts: &[Host],
+    plan: &Plan,
+    runtime: &str,
+    port: &str,
+    id: &str,
+) -> Result<(), LaunchError> {
     let tries = plan.hosts.iter().zip(hosts).map(|(hp, host)| async move {
         let mut connect = plan.ranks[hp.ranks[0]].clone();
-        connect.argv = [runtime, "reach", "connect", "--host", &plan.master_addr, "--port", port, "--seconds"]
-            .map(String::from)
-            .into_iter()
-            .chain([CONNECT_SECONDS.to_string()])
-            .collect();
+        connect.argv = [
+            runtime,
+            "reach",
+            "connect",
+            "--host",
+            &plan.master_addr,
+            "--port",
+            port,
+            "--seconds",
+        ]
+        .map(String::from)
+        .into_iter()
+        .chain([CONNECT_SECONDS.to_string()])
+        .collect();
         let body = container_body(plan, host, labels(id, plan, "reach"), &[], Some(&connect));
         let name = format!(
             "{id}-connect-{}",

@@ -609,7 +609,13 @@ fn image_source(
             .unwrap_or_default();
         let stem: String = stem
             .chars()
-            .map(|c| if c.is_ascii_alphanumeric() || c == '-' { c } else { '-' })
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || c == '-' {
+                    c
+                } else {
+                    '-'
+                }
+            })
             .collect();
         return Ok(ImageSource::Build(BuildSpec {
             context,
@@ -664,7 +670,9 @@ pub fn source_root(given: Option<&Path>) -> Option<PathBuf> {
         return Some(absolute(dir));
     }
     let cwd = std::env::current_dir().ok()?;
-    let built_from = Path::new(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf);
+    let built_from = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_path_buf);
     cwd.ancestors()
         .map(Path::to_path_buf)
         .chain(built_from)
