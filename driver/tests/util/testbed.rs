@@ -15,7 +15,7 @@ use nix::fcntl::{Flock, FlockArg};
 use super::workspace;
 
 /// Held by the test that owns the bed.
-const LOCK: &str = "/run/lock/stagehand-testbed-tests.lock";
+pub const LOCK: &str = "/run/lock/stagehand-testbed-tests.lock";
 /// `scripts/testbed check` exits with this where the bed cannot be built.
 const UNAVAILABLE: i32 = 3;
 
