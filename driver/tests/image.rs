@@ -8,7 +8,7 @@ use std::time::Duration;
 use serde_json::Value;
 
 use crate::util::testbed::{self, text, Bed};
-use crate::util::{base_image, docker, workspace, Harness};
+use crate::util::{base_image, docker, Harness};
 
 /// How long a run may take that builds the runtime image (a release build of the runtime and
 /// libtorch's bindings on two busy cores).
@@ -148,10 +148,10 @@ fn mlp(machines: &str, extra: &str) -> String {
 
 /// Holds the test bed's lock: a build of the runtime image takes both cores, so this test's build
 /// and the bed's (which holds the lock too) run one after the other, not against each other.
-fn one_build_at_a_time() -> nix::fcntl::Flock<std::fs::File> {
-    let file = std::fs::File::create(testbed::LOCK).unwrap();
-    nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusive)
-        .unwrap_or_else(|(_, e)| panic!("lock: {e}"))
+/// Without the lock file (no /run/lock), the builds may overlap; nothing else changes.
+fn one_build_at_a_time() -> Option<nix::fcntl::Flock<std::fs::File>> {
+    let file = std::fs::File::create(testbed::LOCK).ok()?;
+    nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusive).ok()
 }
 
 #[test]
