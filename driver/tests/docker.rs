@@ -265,18 +265,13 @@ fn the_quickstart_trains_the_real_runtime_in_a_container() {
 fn wait_until_none_runs(h: &Harness, limit: Duration) -> Duration {
     let start = Instant::now();
     loop {
-        let running = docker(&[
-            "ps",
-            "-q",
-            "--filter",
-            &format!("label=stagehand.name={}", h.name),
-        ]);
-        if running.trim().is_empty() {
+        let running = h.running();
+        if running.is_empty() {
             return start.elapsed();
         }
         assert!(
             start.elapsed() < limit,
-            "containers of {} still running after {limit:?}: {running}",
+            "containers of {} still running after {limit:?}: {running:?}",
             h.name
         );
         std::thread::sleep(Duration::from_millis(250));

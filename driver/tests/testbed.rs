@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use crate::util::testbed::{self, text, Bed};
 use crate::util::{
-    base_image, docker, local_context, runtime, wait_with_deadline, workspace, Harness, DRIVER, FAKE_RANK,
+    base_image, docker, interrupt, local_context, runtime, wait_with_deadline, workspace, Harness, DRIVER,
+    FAKE_RANK,
 };
 
 /// Where the script keeps the hosts' pid files and engine sockets.
@@ -566,4 +567,80 @@ fn testbed_a_host_cut_off_mid_run_is_named_and_its_container_stops_itself() {
         "containers left on th2: {}",
         ps("th2", "-a")
     );
+}
+
+#[test]
+fn testbed_a_failing_rank_and_ctrl_c_leave_nothing_on_any_host() {
+    let test = "testbed_a_failing_rank_and_ctrl_c_leave_nothing_on_any_host";
+    let Some(bed) = testbed::up(test, 2) else {
+        return;
+    };
+    let image = format!("stagehand-testbed-shell:{}", std::process::id());
+    let tar = shell_only_image_tar();
+    for host in &bed.hosts {
+        let out = bed.ssh_with_input(host, &format!("docker import - {image}"), &tar);
+        assert!(
+            out.status.success(),
+            "docker import on {host}: {}",
+            text(&out.stderr)
+        );
+    }
+    let left = |h: &Harness| -> Vec<String> {
+        bed.hosts
+            .iter()
+            .map(|host| {
+                let ids = bed.ssh_ok(
+                    host,
+                    &format!("docker ps -aq --filter label=stagehand.name={}", h.name),
+                );
+                format!("{host}: {}", ids.trim())
+            })
+            .filter(|line| !line.ends_with(": "))
+            .collect()
+    };
+
+    // Rank 1 on th2 fails; rank 0 on th1 would sleep for ten minutes. The run ends failed, with
+    // th2's exit code, and neither host keeps a container.
+    let h = Harness::new("testbed-failing-rank");
+    let exp = h.config(&format!(
+        "machines: [th1, th2]\ncontainer: {image}\n\
+         command: [sh, -c, 'if [ \"$RANK\" = 1 ]; then sleep 1; exit 3; fi; sleep 600']\n"
+    ));
+    let run = h.run(&exp, &[]);
+    assert_eq!(run.code(), 1, "{}", run.stderr());
+    assert!(run.elapsed < Duration::from_secs(60), "took {:?}", run.elapsed);
+    let (_, summary) = h.summary();
+    assert_eq!(summary["status"], "failed", "{summary}");
+    assert_eq!(summary["ranks"][1]["exit_code"], 3, "{summary}");
+    assert!(left(&h).is_empty(), "containers left: {:?}", left(&h));
+
+    // Ctrl-C while both ranks run: the run ends interrupted and both hosts are clean.
+    let h = Harness::new("testbed-ctrl-c");
+    let exp = h.config(&format!(
+        "machines: [th1, th2]\ncontainer: {image}\ncommand: [sleep, '600']\n"
+    ));
+    let driver = h.spawn(&exp, &[]);
+    let start = std::time::Instant::now();
+    while bed.hosts.iter().any(|host| {
+        bed.ssh_ok(
+            host,
+            &format!("docker ps -q --filter label=stagehand.name={}", h.name),
+        )
+        .trim()
+        .is_empty()
+    }) {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "the ranks did not start"
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    let since = std::time::Instant::now();
+    interrupt(&driver);
+    let (_, summary) = h.expect_stop(driver, since, Duration::from_secs(30), 130);
+    assert_eq!(summary["status"], "interrupted", "{summary}");
+    assert!(left(&h).is_empty(), "containers left: {:?}", left(&h));
+    for host in &bed.hosts {
+        let _ = bed.ssh(host, &format!("docker rmi {image}"));
+    }
 }

@@ -529,7 +529,18 @@ pub async fn self_check(hosts: &[Host], plan: &Plan, id: &str) -> Result<(), Lau
         )
         .await;
         let _ = remove_labelled(&host.docker, &host.name, id).await;
-        let (code, stdout, stderr) = outcome?;
+        // With GPUs asked for, the engine refusing the container is the NVIDIA runtime refusing
+        // an index this host lacks (or the toolkit missing): say so, naming host and GPUs.
+        let (code, stdout, stderr) = match outcome {
+            Err(LaunchError::Docker { source, .. }) if !hp.gpus.is_empty() => {
+                return Err(LaunchError::GpusUnavailable {
+                    host: host.name.clone(),
+                    gpus: hp.gpus.clone(),
+                    message: source.to_string(),
+                })
+            }
+            other => other?,
+        };
         let failed = |reason: String| LaunchError::SelfCheck {
             host: host.name.clone(),
             reason,

@@ -78,6 +78,12 @@ pub enum LaunchError {
         port: u16,
         reason: String,
     },
+    #[error("the engine on {host} cannot give a container GPUs {gpus:?}: {message}; check that these GPU indices exist there (`nvidia-smi -L`) and that the NVIDIA container toolkit is installed")]
+    GpusUnavailable {
+        host: String,
+        gpus: Vec<u32>,
+        message: String,
+    },
     #[error("master port {port} is in use on {host}; pass another with --master-port, or leave it out to get a free one")]
     PortInUse { host: String, port: u16 },
     #[error("image {image} does not exist on {host}; build it there, or name a build context with `container: {{build: DIR}}`")]

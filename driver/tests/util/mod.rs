@@ -265,17 +265,20 @@ impl Harness {
         assert!(left.is_empty(), "containers left behind: {left:?}");
     }
 
+    /// Ids of this test's running containers on the machine's engine.
+    pub fn running(&self) -> Vec<String> {
+        let filter = format!("label=stagehand.name={}", self.name);
+        docker(&["ps", "-q", "--filter", &filter])
+            .lines()
+            .map(str::to_string)
+            .collect()
+    }
+
     /// Waits until `n` containers of this test are running.
     pub fn wait_for_running(&self, n: usize, timeout: Duration) -> Vec<String> {
         let start = Instant::now();
         loop {
-            let running = docker(&[
-                "ps",
-                "-q",
-                "--filter",
-                &format!("label=stagehand.name={}", self.name),
-            ]);
-            let ids: Vec<String> = running.lines().map(str::to_string).collect();
+            let ids = self.running();
             if ids.len() >= n {
                 return ids;
             }
