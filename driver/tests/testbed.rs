@@ -446,12 +446,8 @@ fn shell_only_image_tar() -> Vec<u8> {
     builder.into_inner().unwrap()
 }
 
-#[test]
-fn testbed_a_host_cut_off_mid_run_is_named_and_its_container_stops_itself() {
-    let test = "testbed_a_host_cut_off_mid_run_is_named_and_its_container_stops_itself";
-    let Some(bed) = testbed::up(test, 2) else {
-        return;
-    };
+/// Imports the shell-only image on every host of the bed; returns its name.
+fn import_shell_image(bed: &Bed) -> String {
     let image = format!("stagehand-testbed-shell:{}", std::process::id());
     let tar = shell_only_image_tar();
     for host in &bed.hosts {
@@ -462,6 +458,16 @@ fn testbed_a_host_cut_off_mid_run_is_named_and_its_container_stops_itself() {
             text(&out.stderr)
         );
     }
+    image
+}
+
+#[test]
+fn testbed_a_host_cut_off_mid_run_is_named_and_its_container_stops_itself() {
+    let test = "testbed_a_host_cut_off_mid_run_is_named_and_its_container_stops_itself";
+    let Some(bed) = testbed::up(test, 2) else {
+        return;
+    };
+    let image = import_shell_image(&bed);
     let h = Harness::new("testbed-cut");
     let exp = h.config(&format!(
         "machines: [th1, th2]\ncontainer: {image}\ncommand: [sleep, '600']\n"
@@ -575,16 +581,7 @@ fn testbed_a_failing_rank_and_ctrl_c_leave_nothing_on_any_host() {
     let Some(bed) = testbed::up(test, 2) else {
         return;
     };
-    let image = format!("stagehand-testbed-shell:{}", std::process::id());
-    let tar = shell_only_image_tar();
-    for host in &bed.hosts {
-        let out = bed.ssh_with_input(host, &format!("docker import - {image}"), &tar);
-        assert!(
-            out.status.success(),
-            "docker import on {host}: {}",
-            text(&out.stderr)
-        );
-    }
+    let image = import_shell_image(&bed);
     let left = |h: &Harness| -> Vec<String> {
         bed.hosts
             .iter()
