@@ -60,3 +60,31 @@ fn a_two_stage_pipeline_runs_in_both_container_modes() {
         check(&h, &run);
     }
 }
+
+#[test]
+fn a_request_the_runtime_refuses_fails_preflight_before_any_rank_starts() {
+    base_image();
+    let h = Harness::new("pipe-refused");
+    std::fs::write(
+        h.dir.path().join("mlp_hybrid.json"),
+        r#"{"module_to_stage_map": [0,0,0,1,1,1], "stage_to_rank_map": {"0": [0, 1], "1": [2]}}"#,
+    )
+    .unwrap();
+    // PipeDream needs the microbatches to be a multiple of stage 0's two replicas.
+    let exp = h.config(&format!(
+        "machines: [localhost, localhost, localhost]\ncontainer: {{build: '{}'}}\nmodule: mlp\n\
+         config_file: mlp_hybrid.json\nschedule: pipedream\nmicrobatches: 3\nbatch_size: 12\n\
+         iterations: 2\ndistributed_backend: gloo\nthreads: 1\n",
+        local_context().display()
+    ));
+    let run = h.run(&exp, &[]);
+    assert_eq!(run.code(), 3, "{}", run.stderr());
+    let stderr = run.stderr();
+    assert!(
+        stderr.contains("the runtime refuses the experiment's training request")
+            && stderr.contains("multiple of every stage's replica count"),
+        "{stderr}"
+    );
+    assert!(!h.records().exists(), "nothing started, so no record");
+    h.assert_no_containers();
+}

@@ -31,6 +31,11 @@ use crate::profile::ProfileConfig;
 pub struct Cli {
     #[command(subcommand)]
     command: Option<Sub>,
+    /// Validate the training request (model, stage config, schedule, replicas, microbatches,
+    /// batch split) as a run would before connecting, print one JSON line and exit: 0 when it
+    /// would start, 2 with the reason when not. Needs no device, data or other rank.
+    #[arg(long)]
+    check: bool,
     #[command(flatten)]
     train: TrainArgs,
 }
@@ -349,10 +354,13 @@ impl Cli {
                     rounds: positive("--rounds", p.rounds)?,
                 }))
             }
-            None => self
-                .train
-                .into_config()
-                .map(|config| Command::Train(Box::new(config))),
+            None => {
+                let check = self.check;
+                self.train.into_config().map(|config| match check {
+                    true => Command::Check(Box::new(config)),
+                    false => Command::Train(Box::new(config)),
+                })
+            }
         }
     }
 }

@@ -16,6 +16,8 @@ use crate::models::{ModelOptions, MODEL_NAMES};
 pub enum Command {
     /// Train (the default).
     Train(Box<TrainConfig>),
+    /// Validate a training request without training or connecting (`--check`).
+    Check(Box<TrainConfig>),
     /// List the model's modules.
     Modules(ModulesConfig),
     /// Profile the model's modules.
@@ -34,7 +36,11 @@ impl Command {
         match self {
             Command::Train(config) => Some(config.device),
             Command::Profile(config) => Some(config.device),
-            Command::Modules(_) | Command::P2pBench(_) | Command::Info | Command::Reach(_) => None,
+            Command::Modules(_)
+            | Command::P2pBench(_)
+            | Command::Info
+            | Command::Reach(_)
+            | Command::Check(_) => None,
         }
     }
 }

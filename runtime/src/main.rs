@@ -58,6 +58,16 @@ fn main() -> ExitCode {
         }
     }
     let result = match command {
+        // A request that would not start is a bad argument.
+        Command::Check(config) => {
+            return match train::check(&config, &mut std::io::stdout().lock()) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("runtime: error: {e:#}");
+                    ExitCode::from(EXIT_USAGE)
+                }
+            }
+        }
         Command::Info => info::run(&mut std::io::stdout().lock()),
         Command::Reach(config) => reach::run(&config, &mut std::io::stdout().lock()),
         Command::Train(config) => train::run(&config, &mut metrics::Emitter::new(std::io::stdout())),

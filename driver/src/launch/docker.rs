@@ -572,6 +572,22 @@ pub async fn self_check(hosts: &[Host], plan: &Plan, id: &str) -> Result<(), Lau
                 why,
             });
         }
+        // The training request itself, as the runtime validates it before connecting (model,
+        // stage config, schedule, replicas, microbatches): once, where rank 0 runs.
+        if first == 0 {
+            let mut request = rank.clone();
+            request.argv.push("--check".into());
+            let body = container_body(plan, host, labels(id, plan, "check"), &[], Some(&request));
+            let outcome = run_to_end(host, format!("{id}-request"), body).await;
+            let _ = remove_labelled(&host.docker, &host.name, id).await;
+            let (code, _, stderr) = outcome?;
+            if code != 0 {
+                let last = stderr.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("");
+                return Err(LaunchError::RequestRefused {
+                    reason: last.trim_start_matches("runtime: error: ").to_string(),
+                });
+            }
+        }
         Ok(())
     });
     join_all(checks).await.into_iter().collect()

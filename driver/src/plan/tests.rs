@@ -379,7 +379,9 @@ fn every_shipped_config_resolves() {
             let loaded = crate::config::load(&path).unwrap_or_else(|e| panic!("{e}"));
             let plan = resolve(&loaded, &options(None, ContainerMode::PerHost), 29500)
                 .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-            assert!(plan.world_size() >= 1);
+            if loaded.file.config_file != Some(crate::config::StageConfigRef::Auto) {
+                runtime_accepts_every_rank(&path, &plan);
+            }
             seen += 1;
         }
     }
@@ -387,4 +389,33 @@ fn every_shipped_config_resolves() {
         seen >= 4,
         "quickstart, 2-stage, data-parallel and hybrid configs ship"
     );
+}
+
+/// The runtime's own validation (`runtime --check`, the build scripts/setup.sh makes) accepts
+/// every rank's argument vector and environment as the plan resolves them.
+fn runtime_accepts_every_rank(config: &Path, plan: &Plan) {
+    let runtime = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/release/runtime");
+    assert!(
+        runtime.is_file(),
+        "{} is missing: build the workspace (scripts/setup.sh) first",
+        runtime.display()
+    );
+    for rank in &plan.ranks {
+        let out = std::process::Command::new(&runtime)
+            .args(&rank.argv[1..])
+            .arg("--check")
+            .envs(&rank.env)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{} rank {}: runtime --check refused {:?}: {}",
+            config.display(),
+            rank.rank,
+            rank.argv,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let line: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(line["world_size"], plan.world_size(), "{line}");
+    }
 }

@@ -146,17 +146,20 @@ fn first_specs(input: InputKind, micro_size: i64) -> (TensorSpec, TensorSpec) {
     }
 }
 
-/// Trains this rank's part of the model.
-pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Result<()> {
-    if let Some(threads) = config.threads {
-        tch::set_num_threads(threads as i32);
-    }
-    bind_device(config.device)?;
-    let dist = &config.dist;
-    let device = config.device.tch();
-    let model = ModelDef::named(&config.model.name, &config.model.options)?;
+/// What [`check_plan`] found valid.
+struct Checked {
+    model: ModelDef,
+    plan: StagePlan,
+    microbatches: usize,
+    actions: Vec<Action>,
+}
 
-    // Everything that can be wrong with the plan is found before talking to any other rank.
+/// Everything about a training request that can be checked without data, devices or other ranks:
+/// the model, the stage config against its modules and the world size, the schedule with the
+/// replicas and microbatches, the batch split, and this rank's actions.
+fn check_plan(config: &TrainConfig) -> anyhow::Result<Checked> {
+    let dist = &config.dist;
+    let model = ModelDef::named(&config.model.name, &config.model.options)?;
     let plan = stage_plan(dist, model.num_modules())?;
     let max_replicas = plan.stages.iter().map(|s| s.ranks.len()).max().unwrap_or(1);
     let microbatches = dist.microbatches.unwrap_or(plan.stages.len().max(max_replicas));
@@ -167,8 +170,48 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
             config.batch_size
         );
     }
-    let micro_size = (config.batch_size / microbatches) as i64;
     let actions = rank_actions(&plan, dist, microbatches, config.iterations)?;
+    Ok(Checked {
+        model,
+        plan,
+        microbatches,
+        actions,
+    })
+}
+
+/// `runtime --check`: validates a training request as [`run`] would before it connects, and
+/// prints one JSON line describing the plan (`driver check` and preflight ask it).
+pub fn check<W: Write>(config: &TrainConfig, out: &mut W) -> anyhow::Result<()> {
+    let checked = check_plan(config)?;
+    let line = serde_json::json!({
+        "check": "ok",
+        "model": config.model.name,
+        "modules": checked.model.num_modules(),
+        "world_size": config.dist.world_size,
+        "stages": checked.plan.stages.iter().map(|s| s.ranks.len()).collect::<Vec<_>>(),
+        "schedule": format!("{:?}", config.dist.schedule).to_lowercase(),
+        "microbatches": checked.microbatches,
+    });
+    writeln!(out, "{line}")?;
+    Ok(())
+}
+
+/// Trains this rank's part of the model.
+pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Result<()> {
+    if let Some(threads) = config.threads {
+        tch::set_num_threads(threads as i32);
+    }
+    bind_device(config.device)?;
+    let dist = &config.dist;
+    let device = config.device.tch();
+    // Everything that can be wrong with the plan is found before talking to any other rank.
+    let Checked {
+        model,
+        plan,
+        microbatches,
+        actions,
+    } = check_plan(config)?;
+    let micro_size = (config.batch_size / microbatches) as i64;
     let my_stage = plan.stage_of_rank(dist.rank).clone();
     let num_params: u64 = model.param_counts().iter().sum();
 
