@@ -573,8 +573,9 @@ pub async fn self_check(hosts: &[Host], plan: &Plan, id: &str) -> Result<(), Lau
             });
         }
         // The training request itself, as the runtime validates it before connecting (model,
-        // stage config, schedule, replicas, microbatches): once, where rank 0 runs.
-        if first == 0 {
+        // stage config, schedule, replicas, microbatches): once, where rank 0 runs. With
+        // `config_file: auto` the request is not final until planned (the profile checks it).
+        if first == 0 && plan.auto.is_none() {
             let mut request = rank.clone();
             request.argv.push("--check".into());
             let body = container_body(plan, host, labels(id, plan, "check"), &[], Some(&request));
