@@ -140,7 +140,7 @@ fn run_image(h: &Harness, exp: &std::path::Path) -> crate::util::Run {
 /// The quickstart's settings, shortened.
 fn mlp(machines: &str, extra: &str) -> String {
     format!(
-        "machines: [{machines}]\nmodule: mlp\nbatch_size: 16\niterations: 3\nlearning_rate: 0.01\n\
+        "machines: [{machines}]\nmodule: mlp\nbatch_size: 24\niterations: 3\nlearning_rate: 0.01\n\
          optimizer: sgd\nseed: 0\ndevice: cpu\nthreads: 1\ndata_dir: synthetic\n\
          env: {{OMP_NUM_THREADS: '1'}}\n{extra}"
     )
