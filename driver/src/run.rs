@@ -76,6 +76,23 @@ impl RunError {
     }
 }
 
+/// Waits for a preflight check that runs containers labelled `id`; Ctrl-C removes them on every
+/// host and ends the run as interrupted.
+async fn in_check_containers(
+    check: impl std::future::Future<Output = Result<(), LaunchError>>,
+    hosts: &[hosts::Host],
+    id: &str,
+    signals: &mut StopSignals,
+) -> Result<(), RunError> {
+    tokio::select! {
+        r = check => r.map_err(RunError::Preflight),
+        _ = signals.recv() => {
+            crate::launch::docker::remove_everywhere(hosts, id).await;
+            Err(RunError::Launch(LaunchError::Interrupted))
+        }
+    }
+}
+
 /// Runs the experiment the options name.
 pub async fn run(options: Options) -> Result<(), RunError> {
     let loaded = config::load(&options.config_file)?;
@@ -155,13 +172,7 @@ pub async fn run_loaded(
     if let (Some(hosts), None) = (&engines, &loaded.file.command) {
         let id = format!("{}-check-{}", plan.name, std::process::id());
         let check = crate::launch::docker::self_check(hosts, &plan, &id);
-        tokio::select! {
-            r = check => r.map_err(RunError::Preflight)?,
-            _ = signals.recv() => {
-                crate::launch::docker::remove_everywhere(hosts, &id).await;
-                return Err(RunError::Launch(LaunchError::Interrupted));
-            }
-        }
+        in_check_containers(check, hosts, &id, &mut signals).await?;
     }
 
     // The master port must be free where rank 0 listens; a port the driver picked is replaced
@@ -195,13 +206,7 @@ pub async fn run_loaded(
         let id = format!("{}-reach-{}", plan.name, std::process::id());
         let runtime = plan.ranks[0].argv[0].clone();
         let check = crate::launch::reach::master_reachable(hosts, &plan, &runtime, &id);
-        tokio::select! {
-            r = check => r.map_err(RunError::Preflight)?,
-            _ = signals.recv() => {
-                crate::launch::docker::remove_everywhere(hosts, &id).await;
-                return Err(RunError::Launch(LaunchError::Interrupted));
-            }
-        }
+        in_check_containers(check, hosts, &id, &mut signals).await?;
     }
 
     let record = Record::create(&plan.log_directory, &plan.name)?;

@@ -52,6 +52,8 @@ pub struct Engine<'a> {
     pub host: &'a str,
     /// Its engine.
     pub docker: &'a Docker,
+    /// Its CPU architecture, as the engine reports it.
+    pub arch: &'a str,
 }
 
 /// Makes sure every engine has the image; returns what each got, in the same order.
@@ -112,29 +114,17 @@ async fn ensure_built(
     };
     let tag = tag_of(spec, &listing);
 
-    // What each host has, and its architecture.
-    let looks = join_all(engines.iter().map(|e| async {
-        let have = e.docker.inspect_image(&tag).await.ok().and_then(|i| i.id);
-        let arch = e
-            .docker
-            .version()
-            .await
-            .map_err(|source| LaunchError::Docker {
-                host: e.host.to_string(),
-                action: "ask for its version",
-                source,
-            })?
-            .arch
-            .unwrap_or_default();
-        Ok::<_, LaunchError>((have, arch))
-    }))
-    .await
-    .into_iter()
-    .collect::<Result<Vec<_>, _>>()?;
+    // What each host has.
+    let looks = join_all(
+        engines
+            .iter()
+            .map(|e| async { e.docker.inspect_image(&tag).await.ok().and_then(|i| i.id) }),
+    )
+    .await;
 
     let mut out: Vec<Option<Prepared>> = looks
         .iter()
-        .map(|(have, _)| {
+        .map(|have| {
             have.as_ref().map(|id| Prepared {
                 tag: tag.clone(),
                 id: id.clone(),
@@ -147,8 +137,8 @@ async fn ensure_built(
 
     // One build (at most) and one fan-out per architecture, the architectures side by side.
     let mut by_arch: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
-    for (i, (_, arch)) in looks.iter().enumerate() {
-        by_arch.entry(arch.as_str()).or_default().push(i);
+    for (i, e) in engines.iter().enumerate() {
+        by_arch.entry(e.arch).or_default().push(i);
     }
     let groups = by_arch.into_values().map(|members| {
         let out = &out;

@@ -31,6 +31,8 @@ pub struct Host {
     pub docker: Docker,
     /// The image tag containers run.
     pub image: String,
+    /// The engine's CPU architecture (images are built once per architecture).
+    pub arch: String,
     /// Bind mounts whose source exists on this host.
     pub mounts: Vec<Mount>,
     /// Files this host lacks, copied into each container before it starts.
@@ -92,6 +94,7 @@ pub async fn prepare_all(
         .map(|(h, _)| image::Engine {
             host: &h.name,
             docker: &h.docker,
+            arch: &h.arch,
         })
         .collect();
     let images = image::ensure_all(&engines, image, feedback).await?;
@@ -176,6 +179,7 @@ async fn prepare(
         plan: host.clone(),
         docker,
         image: String::new(),
+        arch: version.arch.unwrap_or_default(),
         mounts,
         copies,
         _tunnel: tunnel,

@@ -546,7 +546,7 @@ pub async fn self_check(hosts: &[Host], plan: &Plan, id: &str) -> Result<(), Lau
             reason,
         };
         if code != 0 {
-            let last = stderr.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("");
+            let last = last_line(&stderr);
             return Err(failed(format!(
                 "`{} info` exited with {code}: {last}",
                 rank.argv[0]
@@ -583,7 +583,7 @@ pub async fn self_check(hosts: &[Host], plan: &Plan, id: &str) -> Result<(), Lau
             let _ = remove_labelled(&host.docker, &host.name, id).await;
             let (code, _, stderr) = outcome?;
             if code != 0 {
-                let last = stderr.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("");
+                let last = last_line(&stderr);
                 return Err(LaunchError::RequestRefused {
                     reason: last.trim_start_matches("runtime: error: ").to_string(),
                 });
@@ -602,6 +602,11 @@ pub async fn remove_everywhere(hosts: &[Host], id: &str) -> Vec<LaunchError> {
         .into_iter()
         .flatten()
         .collect()
+}
+
+/// The last line of a program's output that is not blank (its error, as a rule).
+pub(super) fn last_line(text: &str) -> &str {
+    text.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("")
 }
 
 /// Creates, starts and waits for a container; returns its exit code, stdout and stderr.

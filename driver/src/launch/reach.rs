@@ -6,7 +6,7 @@
 
 use futures_util::future::join_all;
 
-use super::docker::{container_body, create, labels, remove_labelled, run_to_end, start};
+use super::docker::{container_body, create, labels, last_line, remove_everywhere, run_to_end, start};
 use super::LaunchError;
 use crate::hosts::Host;
 use crate::plan::Plan;
@@ -45,7 +45,7 @@ pub async fn master_reachable(
         Ok(()) => connect_all(hosts, plan, runtime, &port, id).await,
         Err(e) => Err(e),
     };
-    join_all(hosts.iter().map(|h| remove_labelled(&h.docker, &h.name, id))).await;
+    remove_everywhere(hosts, id).await;
     outcome
 }
 
@@ -79,8 +79,9 @@ async fn connect_all(
         );
         let (code, _, stderr) = run_to_end(host, name, body).await?;
         Ok::<_, LaunchError>((code == 0).then_some(()).ok_or_else(|| {
-            let last = stderr.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("");
-            let reason = last.trim_start_matches("runtime: error: ").to_string();
+            let reason = last_line(&stderr)
+                .trim_start_matches("runtime: error: ")
+                .to_string();
             (host.name.clone(), format!("exit {code}: {reason}"))
         }))
     });
