@@ -35,35 +35,96 @@ fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
     ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Compares the predicted seconds per iteration with the mean of `rank`'s iterations after two of
-/// warm-up (ten of them) in `metrics` (metrics lines), prints the error and checks its range. The
-/// profile and the run are timed minutes apart on two shared cores (CI machines run other jobs),
-/// so contention can slow one and not the other: only a prediction off by more than 4x either way
-/// (a cost model that forgot microbatches, replicas or the step) fails. How close predictions
-/// come is a benchmark's question, not this test's.
-fn compare(what: &str, predicted_s: f64, metrics: &str, rank: usize) {
-    let times: Vec<f64> = metrics
+/// Seconds of forward, backward and optimizer work per minibatch that `profile` (taken at the
+/// microbatch size) says `rank` does under `stages` with `microbatches`: what the run's
+/// `compute_s` measures for that rank.
+fn profiled_compute_s(profile: &Path, stages: &Path, microbatches: usize, rank: usize) -> f64 {
+    let read = |p: &Path| -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
+    };
+    let (profile, stages) = (read(profile), read(stages));
+    let stage = stages["stage_to_rank_map"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .find(|(_, ranks)| ranks.as_array().unwrap().iter().any(|r| r == rank))
+        .map(|(stage, _)| stage.parse::<u64>().unwrap())
+        .unwrap_or_else(|| panic!("rank {rank} is in no stage: {stages}"));
+    let map = stages["module_to_stage_map"].as_array().unwrap();
+    let modules = profile["modules"].as_array().unwrap();
+    assert_eq!(map.len(), modules.len(), "{stages}");
+    modules
+        .iter()
+        .zip(map)
+        .filter(|(_, s)| s.as_u64() == Some(stage))
+        .map(|(m, _)| {
+            let f = |k: &str| m[k].as_f64().unwrap();
+            (f("forward_s") + f("backward_s")) * microbatches as f64 + f("optimizer_s")
+        })
+        .sum()
+}
+
+/// Checks the plan's predicted seconds per iteration against the run's iterations after two of
+/// warm-up (ten of them) in `metrics` (every rank's metrics lines).
+///
+/// The profile and the run are timed apart on two shared cores (CI machines, other jobs): the
+/// run's ranks can be slowed two-fold or more against the profile, or the profile against the
+/// run, and comparing the two wall times directly failed on a busy machine (predicted 65 ms,
+/// measured 137 ms). So the run is first put on the profile's footing: `slowdown` is how much
+/// slower the ranks' own compute ran than the profile says it takes (the ranks' measured
+/// `compute_s` against the profile's forward, backward and step for their stages, both summed
+/// over the ranks), a factor that contention stretches exactly as it stretches the rest of the
+/// iteration (waits on the other stage are its compute; the loopback transfers are memory copies
+/// on the same cores). What is left of the measured-to-predicted ratio is the cost model's own
+/// error. The bounds (2.5x either way) leave room for contention that changes within the run and
+/// falls unevenly on the two ranks (with three busy-loop processes beside the test on 2 cores the
+/// ratio was 1.2 to 1.45; on a quiet machine about 1.05), and still fail a cost model off by the
+/// factor of a real mistake, such as forgetting the microbatches (4x here).
+fn compare(what: &str, predicted_s: f64, metrics: &str, profile: &Path, stages: &Path, microbatches: usize) {
+    let iterations: Vec<stagehand_contract::Iteration> = metrics
         .lines()
         .filter_map(stagehand_contract::Event::parse_line)
         .filter_map(|e| match e {
-            stagehand_contract::Event::Iteration(i) if i.rank == rank && i.iteration >= 2 => Some(i.time_s),
+            stagehand_contract::Event::Iteration(i) if i.iteration >= 2 => Some(i),
             _ => None,
         })
         .collect();
-    assert_eq!(times.len(), 10, "{what}: {metrics}");
-    let measured_s = times.iter().sum::<f64>() / times.len() as f64;
-    let error = (measured_s - predicted_s) / predicted_s;
+    let last: Vec<f64> = iterations
+        .iter()
+        .filter(|i| i.rank == 1)
+        .map(|i| i.time_s)
+        .collect();
+    assert_eq!(last.len(), 10, "{what}: {metrics}");
+    let measured_s = last.iter().sum::<f64>() / last.len() as f64;
+    let mut compute = [0.0f64; 2];
+    let mut profiled = [0.0f64; 2];
+    for rank in 0..2 {
+        let mine: Vec<f64> = iterations
+            .iter()
+            .filter(|i| i.rank == rank)
+            .map(|i| i.compute_s)
+            .collect();
+        assert_eq!(mine.len(), 10, "{what}: rank {rank}: {metrics}");
+        compute[rank] = mine.iter().sum::<f64>() / mine.len() as f64;
+        profiled[rank] = profiled_compute_s(profile, stages, microbatches, rank);
+    }
+    let slowdown = compute.iter().sum::<f64>() / profiled.iter().sum::<f64>();
+    let ratio = measured_s / (predicted_s * slowdown);
     eprintln!(
-        "{what}: predicted {:.1} ms per iteration, measured {:.1} ms, error {:+.0}%",
+        "{what}: predicted {:.1} ms per iteration, measured {:.1} ms; compute {:.1}+{:.1} ms \
+         against {:.1}+{:.1} ms profiled: the run {slowdown:.2}x the profile's pace; \
+         measured / (predicted x {slowdown:.2}) = {ratio:.2}",
         predicted_s * 1e3,
         measured_s * 1e3,
-        error * 100.0
+        compute[0] * 1e3,
+        compute[1] * 1e3,
+        profiled[0] * 1e3,
+        profiled[1] * 1e3,
     );
-    let ratio = measured_s / predicted_s;
     assert!(
-        (0.25..4.0).contains(&ratio),
-        "{what}: predicted {predicted_s:.4}s, measured {measured_s:.4}s (error {:+.0}%)",
-        error * 100.0
+        (0.4..2.5).contains(&ratio),
+        "{what}: predicted {predicted_s:.4}s, measured {measured_s:.4}s with compute {slowdown:.2}x \
+         the profile's: {ratio:.2}x the prediction at the run's pace"
     );
 }
 
@@ -171,8 +232,11 @@ fn plan_then_run_on_cpu_and_compare_the_prediction() {
         .into_iter()
         .map(|c| ok(c.wait_with_output().unwrap(), "a planned rank"))
         .collect();
-    let last = String::from_utf8(outputs[1].stdout.clone()).unwrap();
-    compare("plan vs run", predicted_s, &last, 1);
+    let metrics: String = outputs
+        .iter()
+        .map(|o| String::from_utf8(o.stdout.clone()).unwrap())
+        .collect();
+    compare("plan vs run", predicted_s, &metrics, &profile, &stages, 4);
 }
 
 /// The same comparison through `config_file: auto`: the driver profiles on the first machine,
@@ -218,5 +282,12 @@ fn an_auto_planned_experiment_records_its_prediction_and_meets_it() {
         .unwrap();
 
     let metrics = std::fs::read_to_string(record.join("metrics.jsonl")).unwrap();
-    compare("config_file auto", predicted_s, &metrics, 1);
+    compare(
+        "config_file auto",
+        predicted_s,
+        &metrics,
+        &record.join("profile.json"),
+        &record.join("stage_config.json"),
+        4,
+    );
 }

@@ -5,7 +5,8 @@ use std::path::PathBuf;
 
 use clap::{ArgAction, Args, Parser, Subcommand, ValueEnum};
 
-use crate::planning::{PlanOptions, PlanRequest};
+use crate::options::{default_torch_venv, Backend, ContainerMode, Options, Progress, Verbosity};
+use crate::partition::{PartitionOptions, PlanRequest};
 use crate::results::{Format, ResultsOptions};
 use crate::sweep::{SweepOptions, SweepSource};
 
@@ -35,6 +36,10 @@ pub struct Cli {
 enum Command {
     /// Runs one experiment (what `driver --config-file FILE` does).
     Run(RunArgs),
+    /// Resolves an experiment and prints what a run would do (hosts, containers, each rank's
+    /// GPUs and command, the image), with the runtime's own check of every rank's request;
+    /// touches no host. The same as `driver run --dry-run`.
+    Check(CheckArgs),
     /// Runs an experiment once per point of a configuration grid, into one sweep folder.
     Sweep(SweepArgs),
     /// Prints a table (or writes a plot) of experiment records: one record, a sweep folder, or a
@@ -47,8 +52,28 @@ enum Command {
 #[derive(Debug, Args)]
 struct RunArgs {
     /// The experiment YAML (see driver_configs/).
-    #[arg(long = "config-file", short = 'c', value_name = "FILE", required = true)]
+    #[arg(
+        long = "config-file",
+        alias = "config_file",
+        short = 'c',
+        value_name = "FILE",
+        required = true
+    )]
     config_file: Option<PathBuf>,
+
+    /// Check the experiment and print what would run, as `driver check`; start nothing.
+    #[arg(long = "dry-run")]
+    dry_run: bool,
+
+    #[command(flatten)]
+    experiment: ExperimentArgs,
+}
+
+#[derive(Debug, Args)]
+struct CheckArgs {
+    /// The experiment YAML (see driver_configs/).
+    #[arg(long = "config-file", alias = "config_file", short = 'c', value_name = "FILE")]
+    config_file: PathBuf,
 
     #[command(flatten)]
     experiment: ExperimentArgs,
@@ -59,6 +84,7 @@ struct SweepArgs {
     /// The experiment YAML; its `sweep:` section and every --grid give the grid.
     #[arg(
         long = "config-file",
+        alias = "config_file",
         short = 'c',
         value_name = "FILE",
         required_unless_present = "resume"
@@ -143,9 +169,17 @@ struct PlanArgs {
     #[arg(long)]
     straight: bool,
 
-    /// Microbatches per minibatch, for GPipe/1F1B's predicted time.
+    /// Microbatches per minibatch. The profile's batch is one microbatch, so this sets the
+    /// minibatch (M x the profile's batch) the plan is for: forward, backward and transfers
+    /// happen M times per minibatch, the all-reduce and optimizer step once. It changes the
+    /// plan (more microbatches make replication cheaper) and GPipe/1F1B's fill-and-drain.
     #[arg(long, value_name = "M", default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..))]
     microbatches: u64,
+
+    /// Also print why: each stage's compute, optimizer, all-reduce and transfer per minibatch
+    /// and their share of the predicted time, the bottleneck marked.
+    #[arg(long)]
+    explain: bool,
 
     /// Where to write the stage config (default: stdout).
     #[arg(long, short = 'o', value_name = "FILE")]
@@ -272,94 +306,19 @@ enum BackendArg {
     Process,
 }
 
-/// How much the terminal shows.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Verbosity {
-    /// Failures and the final result only.
-    Quiet,
-    /// Rank log lines, prefixed by host and rank.
-    Normal,
-    /// Rank log lines, metrics lines and image build output.
-    Verbose,
-}
-
-/// Where ranks run, when the command line chose.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Backend {
-    /// Containers on the machines' Docker engines.
-    Docker,
-    /// Local child processes, no Docker involved.
-    Process,
-}
-
-/// How ranks are packed into containers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ContainerMode {
-    /// One container per rank.
-    PerRank,
-    /// One container per host, running all of the host's ranks.
-    PerHost,
-}
-
-/// Whether to draw a progress bar.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Progress {
-    /// Draw it when stderr is a terminal.
-    Auto,
-    /// Never draw it.
-    Off,
-}
-
-/// The command line, validated; what the core reads instead of clap types.
-#[derive(Debug, Clone)]
-pub struct Options {
-    /// The experiment YAML.
-    pub config_file: PathBuf,
-    /// Container packing.
-    pub container_mode: ContainerMode,
-    /// Overrides the YAML's `log_directory`.
-    pub output_dir: Option<PathBuf>,
-    /// Overrides the YAML's `backend`.
-    pub backend: Option<Backend>,
-    /// This machine's runtime build to run instead of the image's (`--runtime`).
-    pub runtime: Option<PathBuf>,
-    /// The source the runtime image is built from (`--source`).
-    pub source: Option<PathBuf>,
-    /// The torch environment to mount into containers.
-    pub torch_venv: PathBuf,
-    /// Extra directories mounted at the same path in every container.
-    pub mount_directories: Vec<PathBuf>,
-    /// Master port chosen by the user, if any.
-    pub master_port: Option<u16>,
-    /// ssh_config file for SSH hosts, instead of ~/.ssh/config.
-    pub ssh_config: Option<PathBuf>,
-    /// Terminal verbosity.
-    pub verbosity: Verbosity,
-    /// Progress bar.
-    pub progress: Progress,
-}
-
-/// Default location of the torch environment, matching the runtime's build scripts.
-fn default_torch_venv() -> PathBuf {
-    let home = std::env::var_os("HOME")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("/root"));
-    home.join(".cache/stagehand/torch-2.11.0")
-}
-
 /// What the command line asks for, validated.
 #[derive(Debug, Clone)]
 pub enum Task {
     /// Run one experiment.
     Run(Options),
+    /// Check one experiment and show what would run.
+    Check(Options),
     /// Run or resume a sweep.
     Sweep(SweepOptions),
     /// Read records into a table or plot.
     Results(ResultsOptions),
     /// Plan a pipeline from a profile.
-    Plan(PlanOptions),
+    Plan(PartitionOptions),
 }
 
 impl Cli {
@@ -367,8 +326,9 @@ impl Cli {
     /// clap's, printed and turned into exit code 2 like any other bad argument.
     pub fn into_task(self) -> Result<Task, clap::Error> {
         Ok(match self.command {
-            None => Task::Run(self.run.into_options()),
-            Some(Command::Run(run)) => Task::Run(run.into_options()),
+            None => self.run.into_task(),
+            Some(Command::Run(run)) => run.into_task(),
+            Some(Command::Check(check)) => Task::Check(check.experiment.into_options(check.config_file)),
             Some(Command::Sweep(sweep)) => Task::Sweep(sweep.into_options()),
             Some(Command::Results(results)) => Task::Results(results.into_options()),
             Some(Command::Plan(plan)) => Task::Plan(plan.into_options()?),
@@ -377,9 +337,13 @@ impl Cli {
 }
 
 impl RunArgs {
-    fn into_options(self) -> Options {
+    fn into_task(self) -> Task {
         let config_file = self.config_file.expect("clap requires --config-file");
-        self.experiment.into_options(config_file)
+        let options = self.experiment.into_options(config_file);
+        match self.dry_run {
+            true => Task::Check(options),
+            false => Task::Run(options),
+        }
     }
 }
 
@@ -438,7 +402,7 @@ impl ResultsArgs {
 }
 
 impl PlanArgs {
-    fn into_options(self) -> Result<PlanOptions, clap::Error> {
+    fn into_options(self) -> Result<PartitionOptions, clap::Error> {
         let workers = self.workers as usize;
         let invalid = |message: String| {
             let mut command = <Cli as clap::CommandFactory>::command();
@@ -468,7 +432,7 @@ impl PlanArgs {
         if let Some(last) = levels.last_mut() {
             last.0 = workers;
         }
-        Ok(PlanOptions {
+        Ok(PartitionOptions {
             profile: self.profile,
             request: PlanRequest {
                 workers,
@@ -479,6 +443,7 @@ impl PlanArgs {
             },
             output: self.output,
             prediction: self.prediction,
+            explain: self.explain,
         })
     }
 }
@@ -542,7 +507,7 @@ mod tests {
         }
     }
 
-    fn plan(args: &[&str]) -> PlanOptions {
+    fn plan(args: &[&str]) -> PartitionOptions {
         let mut all = vec!["plan", "--profile", "p.json"];
         all.extend_from_slice(args);
         match task(&all) {

@@ -52,6 +52,27 @@ pub enum Status {
     Interrupted,
 }
 
+/// How ranks ended: a run's final [`Status`], never `Running`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ended {
+    /// Every rank exited 0.
+    Succeeded,
+    /// A rank exited non-zero or a host was lost.
+    Failed,
+    /// The user interrupted the run.
+    Interrupted,
+}
+
+impl From<Ended> for Status {
+    fn from(ended: Ended) -> Status {
+        match ended {
+            Ended::Succeeded => Status::Succeeded,
+            Ended::Failed => Status::Failed,
+            Ended::Interrupted => Status::Interrupted,
+        }
+    }
+}
+
 /// Why the driver stopped the ranks early.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", tag = "kind")]

@@ -2,40 +2,42 @@
 //! sweeps grids of experiments, reads records into tables and plots, and plans pipelines.
 //! This file only parses arguments, runs, and turns the outcome into an exit code (see
 //! [`exit_codes`]), printing an error once with its whole cause chain.
-
-mod autoplan;
+//!
+//! Modules import only downwards, bottom to top:
+//! - `error`, `exit_codes`, `signals`, `events`, `options`: what everything shares;
+//! - `config` (the YAML, typed) -> `experiment` (resolved: hosts, ranks, argv, image);
+//! - `records` (the record format: folders, files, summary, resolved config, sweep index);
+//! - `reporters` (events rendered: terminal, progress bar, the record);
+//! - `hosts` (engines, SSH, preflight, images) -> `launch` (backends, one `run_ranks`);
+//! - `partition` (`driver plan`) -> `auto_partition` (`config_file: auto` inside a run);
+//! - `run` (one experiment) -> `sweep`; `results` (reads records only);
+//! - `cli` (clap, only `main` imports it).
+mod auto_partition;
+mod check;
 mod cli;
 mod config;
+mod error;
 mod events;
 mod exit_codes;
+mod experiment;
 mod hosts;
 mod launch;
-mod plan;
-mod planning;
+mod options;
+mod partition;
+mod records;
 mod reporters;
 mod results;
 mod run;
+mod signals;
 mod sweep;
 
 use clap::Parser;
 
 use crate::cli::Task;
 
-/// An error and its sources, one `caused by` per line.
-pub fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(s) = source {
-        text.push_str("\n  caused by: ");
-        text.push_str(&s.to_string());
-        source = s.source();
-    }
-    text
-}
-
 /// Prints `error` once with its causes and returns its exit code.
 fn fail(error: &dyn std::error::Error, code: i32) -> i32 {
-    eprintln!("error: {}", error_chain(error));
+    eprintln!("error: {}", error::error_chain(error));
     code
 }
 
@@ -48,6 +50,10 @@ fn main() {
                 Err(e) => fail(&e, e.exit_code()),
             }
         }),
+        Task::Check(options) => match check::run(&options) {
+            Ok(()) => exit_codes::SUCCESS,
+            Err(e) => fail(&e, e.exit_code()),
+        },
         Task::Sweep(options) => on_async(async {
             match sweep::run(options).await {
                 Ok(code) => code,
@@ -58,7 +64,7 @@ fn main() {
             Ok(()) => exit_codes::SUCCESS,
             Err(e) => fail(&e, e.exit_code()),
         },
-        Task::Plan(options) => match planning::run(&options) {
+        Task::Plan(options) => match partition::run(&options) {
             Ok(()) => exit_codes::SUCCESS,
             Err(e) => fail(&e, plan_exit_code(&e)),
         },
@@ -68,12 +74,12 @@ fn main() {
 
 /// `driver plan`: a bad profile or plan request is the user's to fix (2); an output file that
 /// cannot be written is 5, as a record folder.
-fn plan_exit_code(error: &planning::PlanningError) -> i32 {
+fn plan_exit_code(error: &partition::PartitionError) -> i32 {
     match error {
-        planning::PlanningError::Read { .. }
-        | planning::PlanningError::Profile { .. }
-        | planning::PlanningError::Plan(_) => exit_codes::INVALID_CONFIG,
-        planning::PlanningError::Write { .. } => exit_codes::RECORD_FAILED,
+        partition::PartitionError::Read { .. }
+        | partition::PartitionError::Profile { .. }
+        | partition::PartitionError::Plan(_) => exit_codes::INVALID_CONFIG,
+        partition::PartitionError::Write { .. } => exit_codes::RECORD_FAILED,
     }
 }
 

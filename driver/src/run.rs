@@ -3,23 +3,21 @@
 
 use std::collections::BTreeMap;
 
-use tokio::sync::mpsc;
-
-use crate::autoplan::{self, AutoError, FirstHost, ProfileCache};
-use crate::cli::{Backend, ContainerMode, Options};
+use crate::auto_partition::{self, AutoError, FirstHost, ProfileCache};
+use crate::check::{self, CheckError};
 use crate::config::{self, ConfigError};
-use crate::events::{Event, HostFacts, Status};
+use crate::events::{Ended, Event, HostFacts, Status};
 use crate::exit_codes;
+use crate::experiment;
 use crate::hosts;
-use crate::launch::{
-    self, cleanup::REMOVAL_GRACE, docker::DockerLauncher, process::ProcessLauncher, LaunchError, Launcher,
-    StopSignals,
-};
-use crate::plan;
+use crate::launch::{self, LaunchError, Outcome, Target};
+use crate::options::{Backend, ContainerMode, Options};
+use crate::records::{Record, RecordError};
 use crate::reporters::progress::{self, ProgressReporter};
-use crate::reporters::record::{Record, RecordError, RecordReporter};
+use crate::reporters::record::RecordReporter;
 use crate::reporters::terminal::TerminalReporter;
 use crate::reporters::{Reporter, Reporters};
+use crate::signals::StopSignals;
 
 /// Why a run did not succeed.
 #[derive(Debug, thiserror::Error)]
@@ -114,11 +112,11 @@ pub async fn run_loaded(
     let options = options.clone();
     let port = match options.master_port {
         Some(p) => p,
-        None => plan::free_local_port().map_err(RunError::Port)?,
+        None => experiment::free_local_port().map_err(RunError::Port)?,
     };
-    let plan = plan::resolve(&loaded, &options, port)?;
+    let plan = experiment::resolve(&loaded, &options, port)?;
     let mut signals = StopSignals::install().map_err(RunError::Signals)?;
-    let verbose = options.verbosity == crate::cli::Verbosity::Verbose;
+    let verbose = options.verbosity == crate::options::Verbosity::Verbose;
     if plan.backend == Backend::Process && options.container_mode == ContainerMode::PerHost {
         eprintln!("warning: --launch-single-container is ignored with the process backend");
     }
@@ -131,10 +129,20 @@ pub async fn run_loaded(
     let program = &plan.ranks[0].argv[0];
     let must_exist_here =
         plan.backend == Backend::Process || (loaded.file.command.is_none() && options.runtime.is_some());
-    if must_exist_here && find_program(program).is_none() {
+    if must_exist_here && check::find_program(program).is_none() {
         return Err(RunError::Preflight(LaunchError::ProgramMissing {
             path: program.into(),
         }));
+    }
+
+    // The training request, checked by a runtime on this machine when there is one, before any
+    // host is touched (the image's runtime checks it again at preflight).
+    match check::runtime_check(&loaded, &plan, &options, false) {
+        Err(CheckError::Refused { reason, .. }) => {
+            return Err(RunError::Preflight(LaunchError::RequestRefused { reason }))
+        }
+        Err(CheckError::Config(e)) => return Err(RunError::Config(e)),
+        Ok(_) | Err(CheckError::Runtime { .. }) => {}
     }
 
     // Preflight every host concurrently before anything starts anywhere.
@@ -143,15 +151,15 @@ pub async fn run_loaded(
         Backend::Docker => {
             let feedback = hosts::image::Feedback {
                 verbose,
-                normal: options.verbosity != crate::cli::Verbosity::Quiet,
-                bars: options.progress == crate::cli::Progress::Auto,
+                normal: options.verbosity != crate::options::Verbosity::Quiet,
+                bars: options.progress == crate::options::Progress::Auto,
             };
             let work = hosts::prepare_all(&plan.hosts, &plan.image, &plan.mounts, &ssh, feedback);
             let results = tokio::select! {
                 r = work => r,
                 _ = signals.recv() => return Err(RunError::Launch(LaunchError::Interrupted)),
             };
-            Some(results.map_err(RunError::Preflight)?)
+            Some(results.map_err(|e| RunError::Preflight(e.into()))?)
         }
     };
 
@@ -162,9 +170,12 @@ pub async fn run_loaded(
         .as_ref()
         .map(|p| p.iter().map(|(h, _)| h.clone()).collect());
     if let (Some(hosts), None) = (&engines, &loaded.file.master_addr) {
-        if let Some(addr) = hosts::master_address(hosts).await.map_err(RunError::Preflight)? {
+        if let Some(addr) = hosts::master_address(hosts)
+            .await
+            .map_err(|e| RunError::Preflight(e.into()))?
+        {
             loaded.file.master_addr = Some(addr);
-            plan = plan::resolve(&loaded, &options, plan.master_port)?;
+            plan = experiment::resolve(&loaded, &options, plan.master_port)?;
         }
     }
 
@@ -178,28 +189,27 @@ pub async fn run_loaded(
     // The master port must be free where rank 0 listens; a port the driver picked is replaced
     // when the first machine has it taken, a port the user chose is reported.
     let master = prepared.as_ref().and_then(|p| p.first()).map(|(host, _)| host);
-    for attempt in 0.. {
-        match hosts::master_port_free(master, plan.master_port).await {
-            Some(true) => break,
-            Some(false) if options.master_port.is_none() && attempt < 5 => {
-                let port = plan::free_local_port().map_err(RunError::Port)?;
-                plan = plan::resolve(&loaded, &options, port)?;
-            }
-            Some(false) => {
-                let host = plan.hosts[0].name.clone();
-                return Err(RunError::Preflight(LaunchError::PortInUse {
-                    host,
-                    port: plan.master_port,
-                }));
-            }
-            None => {
-                let (port, host) = (plan.master_port, &plan.hosts[0].name);
-                eprintln!("warning: could not check that master port {port} is free on {host}");
-                break;
-            }
+    let port = master_port(
+        plan.master_port,
+        options.master_port.is_some(),
+        experiment::free_local_port,
+        |port| hosts::master_port_free(master, port),
+    )
+    .await;
+    let plan = match port {
+        PortPick::Free(port) if port == plan.master_port => plan,
+        PortPick::Free(port) => experiment::resolve(&loaded, &options, port)?,
+        PortPick::Unchecked => {
+            let (port, host) = (plan.master_port, &plan.hosts[0].name);
+            eprintln!("warning: could not check that master port {port} is free on {host}");
+            plan
         }
-    }
-    let plan = plan;
+        PortPick::Taken(port) => {
+            let host = plan.hosts[0].name.clone();
+            return Err(RunError::Preflight(LaunchError::PortInUse { host, port }));
+        }
+        PortPick::NoneFree(e) => return Err(RunError::Port(e)),
+    };
 
     // Every host must reach the master port where rank 0 will listen (checked with the runtime).
     if let (Some(hosts), None) = (&engines, &loaded.file.command) {
@@ -223,7 +233,7 @@ pub async fn run_loaded(
         Box::new(ProgressReporter::new(bar)),
     ];
     let mut reporters = Reporters::new(reporters);
-    if options.verbosity != crate::cli::Verbosity::Quiet {
+    if options.verbosity != crate::options::Verbosity::Quiet {
         let how = match plan.backend {
             Backend::Process => "local processes",
             Backend::Docker => match plan.container_mode {
@@ -252,7 +262,7 @@ pub async fn run_loaded(
                 cache: profiles,
             };
             let schedule = loaded.file.schedule;
-            let outcome = autoplan::profile_and_plan(
+            let outcome = auto_partition::profile_and_plan(
                 &plan,
                 &auto,
                 schedule,
@@ -266,11 +276,11 @@ pub async fn run_loaded(
                 Ok(planned) => planned,
                 Err(e) => return Err(auto_failed(e, &record, &mut reporters)),
             };
-            let plan = match plan::resolve_planned(&loaded, &options, plan.master_port, &planned) {
+            let plan = match experiment::resolve_planned(&loaded, &options, plan.master_port, &planned) {
                 Ok(plan) => plan,
                 Err(e) => {
-                    let reason = crate::error_chain(&e);
-                    let e = autoplan::plan_failed(&mut reporters, reason);
+                    let reason = crate::error::error_chain(&e);
+                    let e = auto_partition::plan_failed(&mut reporters, reason);
                     return Err(auto_failed(e, &record, &mut reporters));
                 }
             };
@@ -282,8 +292,7 @@ pub async fn run_loaded(
         }
     };
 
-    let (tx, rx) = mpsc::unbounded_channel();
-    let (status, cleanup) = match prepared {
+    let target = match prepared {
         None => {
             reporters.report(&Event::HostReady(HostFacts {
                 host: plan.hosts[0].name.clone(),
@@ -296,65 +305,87 @@ pub async fn run_loaded(
                 image_seconds: 0.0,
                 copied_in: Vec::new(),
             }));
-            let launcher = match ProcessLauncher::start(&plan, tx) {
-                Ok(l) => l,
-                Err(e) => {
-                    reporters.report(&Event::Finished {
-                        status: Status::Failed,
-                    });
-                    return Err(RunError::Launch(e));
-                }
-            };
-            let launcher = Launcher::Process(launcher);
-            let status = launch::supervise(&plan, &launcher, rx, &mut reporters, &mut signals).await;
-            (status, Ok(()))
+            Target::Processes
         }
         Some(prepared) => {
             let (hosts, facts): (Vec<_>, Vec<_>) = prepared.into_iter().unzip();
             for f in facts {
                 reporters.report(&Event::HostReady(f));
             }
-            let docker = DockerLauncher::new(hosts, record.id.clone(), ssh.clone());
-            let started = docker.start(&plan, tx).await;
-            let launcher = Launcher::Docker(docker);
-            let status = match started {
-                Ok(()) => launch::supervise(&plan, &launcher, rx, &mut reporters, &mut signals).await,
-                Err(e) => {
-                    let Launcher::Docker(d) = &launcher else {
-                        unreachable!()
-                    };
-                    if let Err(LaunchError::ContainersLeft { left, .. }) = d.remove_all(REMOVAL_GRACE).await {
-                        reporters.report(&Event::ContainersLeft(left));
-                    }
-                    reporters.report(&Event::Finished {
-                        status: Status::Failed,
-                    });
-                    return Err(RunError::Launch(e));
-                }
-            };
-            let Launcher::Docker(d) = &launcher else {
-                unreachable!()
-            };
-            (status, d.remove_all(REMOVAL_GRACE).await)
+            Target::Containers {
+                hosts,
+                id: record.id.clone(),
+                ssh: ssh.clone(),
+            }
         }
     };
-    if let Err(LaunchError::ContainersLeft { left, .. }) = &cleanup {
-        reporters.report(&Event::ContainersLeft(left.clone()));
-    }
-    reporters.report(&Event::Finished { status });
+    let Outcome { status, cleanup } =
+        match launch::run_ranks(target, &plan, &mut reporters, &mut signals, &mut launch::Ranks).await {
+            Ok(outcome) => outcome,
+            Err(e) => {
+                reporters.report(&Event::Finished {
+                    status: Status::Failed,
+                });
+                return Err(RunError::Launch(e));
+            }
+        };
+    reporters.report(&Event::Finished {
+        status: status.into(),
+    });
     cleanup.map_err(RunError::Cleanup)?;
     let (id, dir) = (record.id, record.dir);
     match status {
-        Status::Succeeded => {
+        Ended::Succeeded => {
             say(
                 bars,
                 format!("driver: experiment {id} succeeded; record in {}", dir.display()),
             );
             Ok(dir)
         }
-        Status::Failed => Err(RunError::Failed { id, dir }),
-        Status::Interrupted => Err(RunError::Interrupted { id, dir }),
-        Status::Running => unreachable!("supervise returns a final status"),
+        Ended::Failed => Err(RunError::Failed { id, dir }),
+        Ended::Interrupted => Err(RunError::Interrupted { id, dir }),
+    }
+}
+
+/// How many times a port the driver picked is replaced when the first machine has it taken.
+const PORT_RETRIES: usize = 5;
+
+/// The master port [`master_port`] settled on.
+#[derive(Debug)]
+enum PortPick {
+    /// Free on the first machine.
+    Free(u16),
+    /// Could not be checked there; the port first given is used.
+    Unchecked,
+    /// Taken there: the user's port, or the last of the driver's picks.
+    Taken(u16),
+    /// No free port could be picked on this machine.
+    NoneFree(std::io::Error),
+}
+
+/// Checks `port` with `is_free` on the first machine; a port the driver picked (`chosen` false)
+/// that is taken is replaced by `pick` up to [`PORT_RETRIES`] times, a port the user chose is
+/// reported taken.
+async fn master_port<F: std::future::Future<Output = Option<bool>>>(
+    mut port: u16,
+    chosen: bool,
+    mut pick: impl FnMut() -> std::io::Result<u16>,
+    is_free: impl Fn(u16) -> F,
+) -> PortPick {
+    let mut retries = 0;
+    loop {
+        match is_free(port).await {
+            Some(true) => return PortPick::Free(port),
+            None => return PortPick::Unchecked,
+            Some(false) if chosen || retries == PORT_RETRIES => return PortPick::Taken(port),
+            Some(false) => match pick() {
+                Ok(p) => {
+                    port = p;
+                    retries += 1;
+                }
+                Err(e) => return PortPick::NoneFree(e),
+            },
+        }
     }
 }
 
@@ -362,7 +393,7 @@ pub async fn run_loaded(
 fn auto_failed(error: AutoError, record: &Record, reporters: &mut Reporters) -> RunError {
     let (id, dir) = (record.id.clone(), record.dir.clone());
     let (status, error) = match error {
-        AutoError::Stopped(Status::Interrupted) => (Status::Interrupted, RunError::Interrupted { id, dir }),
+        AutoError::Stopped(Ended::Interrupted) => (Status::Interrupted, RunError::Interrupted { id, dir }),
         AutoError::Stopped(_) => (Status::Failed, RunError::Failed { id, dir }),
         AutoError::Launch(e) => (Status::Failed, RunError::Launch(e)),
         AutoError::Record(e) => (Status::Failed, RunError::Record(e)),
@@ -380,15 +411,69 @@ fn say(bars: Option<&indicatif::MultiProgress>, text: String) {
     }
 }
 
-/// Where `program` would be found: a path as given, or a bare name on `PATH`.
-fn find_program(program: &str) -> Option<std::path::PathBuf> {
-    let path = std::path::Path::new(program);
-    if program.contains('/') {
-        return path.is_file().then(|| path.to_path_buf());
+#[cfg(test)]
+mod tests {
+    use std::cell::RefCell;
+
+    use super::*;
+
+    fn block_on<T>(work: impl std::future::Future<Output = T>) -> T {
+        let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        runtime.block_on(work)
     }
-    std::env::var_os("PATH")
-        .iter()
-        .flat_map(std::env::split_paths)
-        .map(|dir| dir.join(program))
-        .find(|p| p.is_file())
+
+    /// Runs [`master_port`] against a first machine where `taken` ports are in use, picking from
+    /// `picks`; returns the outcome and the ports it asked about.
+    fn settle(port: u16, chosen: bool, picks: &[u16], taken: &[u16]) -> (PortPick, Vec<u16>) {
+        let asked = RefCell::new(Vec::new());
+        let mut picks = picks.iter().copied();
+        let outcome = block_on(master_port(
+            port,
+            chosen,
+            || picks.next().ok_or_else(|| std::io::Error::other("no more ports")),
+            |p| {
+                asked.borrow_mut().push(p);
+                std::future::ready(Some(!taken.contains(&p)))
+            },
+        ));
+        (outcome, asked.into_inner())
+    }
+
+    #[test]
+    fn a_picked_port_taken_on_the_first_machine_is_replaced() {
+        let (outcome, asked) = settle(4000, false, &[4001, 4002], &[4000, 4001]);
+        assert!(matches!(outcome, PortPick::Free(4002)), "{outcome:?}");
+        assert_eq!(asked, [4000, 4001, 4002]);
+    }
+
+    #[test]
+    fn a_port_the_user_chose_is_reported_taken_not_replaced() {
+        let (outcome, asked) = settle(4000, true, &[4001], &[4000]);
+        assert!(matches!(outcome, PortPick::Taken(4000)), "{outcome:?}");
+        assert_eq!(asked, [4000]);
+    }
+
+    #[test]
+    fn picking_gives_up_after_its_retries() {
+        let picks: Vec<u16> = (4001..4100).collect();
+        let (outcome, asked) = settle(
+            4000,
+            false,
+            &picks,
+            &picks.iter().copied().chain([4000]).collect::<Vec<_>>(),
+        );
+        assert!(matches!(outcome, PortPick::Taken(4005)), "{outcome:?}");
+        assert_eq!(asked.len(), PORT_RETRIES + 1);
+    }
+
+    #[test]
+    fn a_port_that_cannot_be_checked_is_used_as_given() {
+        let outcome = block_on(master_port(
+            4000,
+            false,
+            || Ok(4001),
+            |_| std::future::ready(None),
+        ));
+        assert!(matches!(outcome, PortPick::Unchecked), "{outcome:?}");
+    }
 }

@@ -20,7 +20,7 @@ fn a_malformed_config_exits_2_with_its_location() {
         run.stderr()
     );
     assert!(!h.records().exists(), "no record for a config that never ran");
-    h.assert_no_containers();
+    h.assert_no_processes();
 }
 
 #[test]
@@ -37,7 +37,7 @@ fn a_stage_config_for_another_world_size_is_refused_before_launch() {
     assert_eq!(run.code(), 2, "{}", run.stderr());
     assert!(run.stderr().contains("exp.yml:3:1:"), "{}", run.stderr());
     assert!(run.stderr().contains("rank 2 is in no stage"), "{}", run.stderr());
-    h.assert_no_containers();
+    h.assert_no_processes();
 }
 
 #[test]
@@ -55,5 +55,5 @@ fn a_missing_config_file_is_a_config_error() {
         "the cause chain is printed: {}",
         run.stderr()
     );
-    h.assert_no_containers();
+    h.assert_no_processes();
 }

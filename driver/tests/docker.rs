@@ -353,3 +353,75 @@ fn a_container_whose_driver_was_killed_stops_itself_when_its_lease_expires() {
     }
     // The harnesses remove the stopped containers when dropped.
 }
+
+/// When the engine says a container was created and when its process started.
+fn created_and_started(id: &str) -> (jiff::Timestamp, jiff::Timestamp) {
+    let out = docker(&["inspect", "-f", "{{.Created}} {{.State.StartedAt}}", id]);
+    let (created, started) = out.trim().split_once(' ').expect("two times");
+    (created.parse().unwrap(), started.parse().unwrap())
+}
+
+#[test]
+fn the_ranks_containers_are_created_and_started_concurrently() {
+    base_image();
+    let h = Harness::new("dk-concurrent");
+    let config = h.config(&format!(
+        "machines: [localhost, localhost, localhost, localhost]\ncontainer: {{build: '{}'}}\n\
+         command: ['{FAKE_RANK}', --iterations, '1', --hang]\n",
+        local_context().display()
+    ));
+    let child = h.spawn(&config, &[]);
+    let ids = h.wait_for_running(4, Duration::from_secs(60));
+    assert_eq!(ids.len(), 4, "one container per rank");
+    // Each rank's launch is the interval from its container's creation to its process starting,
+    // as the engine recorded them. Launched one after another, the intervals would not overlap
+    // and the whole launch would span at least their sum; launched together they overlap, so the
+    // span is shorter than the sum. Both sides are measured in the same launch, so a slow or busy
+    // machine stretches them alike; no absolute time is assumed.
+    let launches: Vec<_> = ids.iter().map(|id| created_and_started(id)).collect();
+    let sum: f64 = launches
+        .iter()
+        .map(|(c, s)| s.duration_since(*c).as_secs_f64())
+        .sum();
+    let first = launches.iter().map(|(c, _)| *c).min().unwrap();
+    let last = launches.iter().map(|(_, s)| *s).max().unwrap();
+    let span = last.duration_since(first).as_secs_f64();
+    eprintln!("launch span {span:.3} s, sum of the launches {sum:.3} s");
+    let sent = Instant::now();
+    interrupt(&child);
+    let (_, summary) = h.expect_stop(child, sent, Duration::from_secs(15), 130);
+    assert_eq!(summary["status"], "interrupted");
+    assert!(
+        span < sum,
+        "the launches did not overlap: span {span:.3} s, sum of launches {sum:.3} s: {launches:?}"
+    );
+    h.assert_no_containers();
+}
+
+#[test]
+fn a_dry_run_creates_no_container_and_no_record() {
+    let h = Harness::new("dk-dry");
+    let config = fake_rank_config(&h, "--iterations, '1'");
+    let since = jiff::Timestamp::now();
+    let run = h.run(&config, &["--dry-run"]);
+    assert_eq!(run.code(), 0, "{}", run.stderr());
+    assert!(
+        run.stdout().contains("docker containers, one per rank"),
+        "{}",
+        run.stdout()
+    );
+    assert!(!h.records().exists(), "no record folder");
+    // Not even a container created and removed again: the engine's event log has nothing of it.
+    let until = jiff::Timestamp::now() + jiff::SignedDuration::from_secs(1);
+    let events = docker(&[
+        "events",
+        "--since",
+        &since.as_second().to_string(),
+        "--until",
+        &until.as_second().to_string(),
+        "--filter",
+        &format!("label=stagehand.name={}", h.name),
+    ]);
+    assert!(events.trim().is_empty(), "{events}");
+    h.assert_no_containers();
+}

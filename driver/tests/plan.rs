@@ -73,7 +73,7 @@ fn a_plan_from_a_real_profile_trains() {
     let (_, summary) = h.summary();
     assert_eq!(summary["status"], "succeeded");
     assert_eq!(summary["iterations_done"], 2);
-    h.assert_no_containers();
+    h.assert_no_processes();
 }
 
 #[test]
@@ -107,5 +107,5 @@ fn a_bad_profile_or_level_exits_2() {
     );
     assert_eq!(run.code(), 2, "{}", run.stderr());
     assert!(run.stderr().contains("WORKERS:GBPS"), "{}", run.stderr());
-    h.assert_no_containers();
+    h.assert_no_processes();
 }

@@ -45,7 +45,7 @@ fn two_ranks_succeed_and_the_record_has_everything() {
         "{}",
         run.stderr()
     );
-    h.assert_no_containers();
+    h.assert_no_processes();
 }
 
 #[test]
@@ -58,7 +58,7 @@ fn quiet_prints_only_the_outcome() {
     assert_eq!(run.code(), 0, "{}", run.stderr());
     assert!(!run.stderr().contains("[localhost r0]"), "{}", run.stderr());
     assert!(run.stdout().is_empty(), "{}", run.stdout());
-    h.assert_no_containers();
+    h.assert_no_processes();
 }
 
 #[test]
@@ -95,7 +95,7 @@ fn a_failing_rank_stops_the_others_and_is_recorded() {
     // Rank 0 was stopped by the driver (SIGTERM), not left running.
     assert_eq!(summary["ranks"][0]["exited"], true);
     assert_ne!(summary["ranks"][0]["exit_code"], 0);
-    h.assert_no_containers();
+    h.assert_no_processes();
 }
 
 #[test]
@@ -119,6 +119,12 @@ fn sigint_stops_every_rank_and_records_interrupted() {
             .starts_with("pid "),
         "{running}"
     );
+    // The harness's witness of leftovers sees both ranks while they run.
+    let seen: Vec<u32> = h.processes().iter().map(|(pid, _)| *pid).collect();
+    for rank in running["ranks"].as_array().unwrap() {
+        let pid: u32 = rank["handle"].as_str().unwrap()["pid ".len()..].parse().unwrap();
+        assert!(seen.contains(&pid), "rank {rank} not among {seen:?}");
+    }
     // stdout and stderr are read separately, so wait for the metrics rather than assume an order.
     let start = std::time::Instant::now();
     while lines(&record.join("metrics.jsonl")).len() < 4 {
@@ -141,7 +147,7 @@ fn sigint_stops_every_rank_and_records_interrupted() {
             "rank process {pid} still exists"
         );
     }
-    h.assert_no_containers();
+    h.assert_no_processes();
 }
 
 #[test]
@@ -159,7 +165,7 @@ fn the_real_runtime_trains_as_a_process() {
     let metrics = lines(&dir.join("metrics.jsonl"));
     assert!(metrics[0].contains(r#""model":"mlp""#), "{metrics:?}");
     assert!(metrics.last().unwrap().contains(r#""event":"summary""#));
-    h.assert_no_containers();
+    h.assert_no_processes();
 }
 
 #[test]
@@ -175,7 +181,7 @@ fn a_missing_program_fails_preflight() {
         run.stderr()
     );
     assert!(!h.records().exists());
-    h.assert_no_containers();
+    h.assert_no_processes();
 }
 
 #[test]
@@ -195,7 +201,7 @@ fn a_master_port_in_use_fails_preflight() {
         run.stderr()
     );
     assert!(!h.records().exists());
-    h.assert_no_containers();
+    h.assert_no_processes();
 }
 
 #[test]
@@ -215,5 +221,5 @@ fn sigterm_is_handled_like_ctrl_c() {
     assert!(status.success());
     let (_, summary) = h.expect_stop(child, sent, Duration::from_secs(15), 130);
     assert_eq!(summary["status"], "interrupted");
-    h.assert_no_containers();
+    h.assert_no_processes();
 }

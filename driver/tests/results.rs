@@ -42,7 +42,7 @@ fn a_folder_of_records_and_sweeps_is_one_table_with_nothing_dropped() {
         "{out}"
     );
     assert!(out.contains("| not run"), "{out}");
-    h.assert_no_containers();
+    h.assert_no_processes();
 }
 
 #[test]
@@ -79,5 +79,5 @@ fn mistakes_on_the_command_line_exit_2_with_what_to_change() {
         assert_eq!(run.code(), 2, "{args:?}: {}", run.stderr());
         assert!(run.stderr().contains(expected), "{args:?}: {}", run.stderr());
     }
-    h.assert_no_containers();
+    h.assert_no_processes();
 }

@@ -194,3 +194,69 @@ fn a_master_port_in_use_on_the_first_host_fails_preflight() {
     assert_eq!(run.code(), 0, "{}", run.stderr());
     h.assert_no_containers();
 }
+
+#[test]
+fn every_host_is_connected_to_at_once() {
+    let sshd = Sshd::start();
+    let h = Harness::new("ssh-concurrent");
+    // An `ssh` first on the driver's PATH that logs when each invocation began and returned. The
+    // master connection (`-M`) returns once the host has accepted it (it forks into the
+    // background after authenticating): that interval is the first part of preparing the host.
+    let bin = h.dir.path().join("bin");
+    std::fs::create_dir(&bin).unwrap();
+    let log = h.dir.path().join("ssh.log");
+    std::fs::write(
+        bin.join("ssh"),
+        format!(
+            "#!/bin/sh\nstart=$(date +%s.%N)\n/usr/bin/ssh \"$@\"\nrc=$?\n\
+             echo \"$start $(date +%s.%N) $*\" >> '{}'\nexit $rc\n",
+            log.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(
+        bin.join("ssh"),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default());
+    let exp = config(&h, &TRUSTED, "--iterations, '1'");
+    let records = h.records();
+    let ssh_config = sshd.config();
+    let run = h.driver_with_env(
+        &[
+            "--config-file".as_ref(),
+            exp.as_os_str(),
+            "--output-dir".as_ref(),
+            records.as_os_str(),
+            "--ssh-config".as_ref(),
+            ssh_config.as_os_str(),
+        ],
+        &[("PATH", &path)],
+        Duration::from_secs(120),
+    );
+    assert_eq!(run.code(), 0, "{}", run.stderr());
+    let text = std::fs::read_to_string(&log).expect("the driver ran ssh through the wrapper");
+    // Each host's first master connection: (began, returned) in seconds.
+    let mut connects: Vec<(String, f64, f64)> = Vec::new();
+    for line in text.lines() {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        let host = words.last().unwrap().to_string();
+        if words.contains(&"-M") && !connects.iter().any(|(h, _, _)| *h == host) {
+            connects.push((host, words[0].parse().unwrap(), words[1].parse().unwrap()));
+        }
+    }
+    let mut hosts: Vec<&str> = connects.iter().map(|(h, _, _)| h.as_str()).collect();
+    hosts.sort();
+    assert_eq!(hosts, TRUSTED, "one master connection per host: {text}");
+    // Connected one after another, the intervals would not overlap and the whole would span at
+    // least their sum; connected together they overlap and span less. Both are measured in the
+    // same run, so a busy machine stretches them alike.
+    let sum: f64 = connects.iter().map(|(_, b, e)| e - b).sum();
+    let first = connects.iter().map(|(_, b, _)| *b).fold(f64::INFINITY, f64::min);
+    let last = connects.iter().map(|(_, _, e)| *e).fold(0.0, f64::max);
+    let span = last - first;
+    eprintln!("connections span {span:.3} s, sum of the connections {sum:.3} s");
+    assert!(span < sum, "the hosts were connected one at a time: {text}");
+    h.assert_no_containers();
+}

@@ -641,3 +641,114 @@ fn testbed_a_failing_rank_and_ctrl_c_leave_nothing_on_any_host() {
         let _ = bed.ssh(host, &format!("docker rmi {image}"));
     }
 }
+
+/// Every container of `h`'s run on `host`, as its rank label, the device requests the engine holds
+/// for it (`docker inspect`) and `NVIDIA_VISIBLE_DEVICES` as its first process got it from the
+/// engine's GPU driver (its environment in /proc), sorted by rank label.
+fn device_requests(bed: &Bed, host: &str, h: &Harness) -> Vec<(String, serde_json::Value, String)> {
+    let ids = bed.ssh_ok(
+        host,
+        &format!("docker ps -q --filter label=stagehand.name={}", h.name),
+    );
+    let mut out = Vec::new();
+    for id in ids.split_whitespace() {
+        let line = bed.ssh_ok(
+            host,
+            &format!(
+                "docker inspect -f '{{{{index .Config.Labels \"stagehand.rank\"}}}} {{{{json .HostConfig.DeviceRequests}}}}' {id}; \
+                 tr '\\0' '\\n' </proc/$(docker inspect -f '{{{{.State.Pid}}}}' {id})/environ"
+            ),
+        );
+        let (ranks, rest) = line.split_once(' ').unwrap();
+        let (requests, env) = rest.split_once('\n').unwrap_or((rest, ""));
+        let visible = env
+            .lines()
+            .find_map(|l| l.strip_prefix("NVIDIA_VISIBLE_DEVICES="))
+            .unwrap_or("")
+            .to_string();
+        out.push((
+            ranks.to_string(),
+            serde_json::from_str(requests.trim()).unwrap(),
+            visible,
+        ));
+    }
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}
+
+/// Waits until `n` containers of `h`'s run are running on `host`.
+fn wait_for_containers(bed: &Bed, host: &str, h: &Harness, n: usize) {
+    let start = std::time::Instant::now();
+    loop {
+        let ids = bed.ssh_ok(
+            host,
+            &format!("docker ps -q --filter label=stagehand.name={}", h.name),
+        );
+        if ids.split_whitespace().count() == n {
+            return;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "{n} container(s) did not start on {host}: {ids:?}"
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
+#[test]
+fn testbed_each_container_asks_its_engine_for_its_ranks_gpus() {
+    let test = "testbed_each_container_asks_its_engine_for_its_ranks_gpus";
+    let Some(bed) = testbed::up(test, 2) else {
+        return;
+    };
+    let image = import_shell_image(&bed);
+    // The bed's engines carry a stand-in for the NVIDIA container toolkit (scripts/testbed): they
+    // accept GPU device requests and start the containers; no GPU is there, so the ranks sleep.
+    let body = format!("machines: [th1:0, th1:1, th2:1]\ncontainer: {image}\ncommand: [sleep, '600']\n");
+    let request = |ids: &[&str]| {
+        serde_json::json!([{
+            "Driver": "nvidia", "Count": 0, "DeviceIDs": ids, "Capabilities": [["gpu"]], "Options": null
+        }])
+    };
+
+    // One container per rank: each asks for its own GPU, by the host's numbering.
+    let h = Harness::new("testbed-gpus-per-rank");
+    let driver = h.spawn(&h.config(&body), &[]);
+    wait_for_containers(&bed, "th1", &h, 2);
+    wait_for_containers(&bed, "th2", &h, 1);
+    let th1 = device_requests(&bed, "th1", &h);
+    let th2 = device_requests(&bed, "th2", &h);
+    assert_eq!(th1.len(), 2, "{th1:?}");
+    assert_eq!((th1[0].0.as_str(), &th1[0].1), ("0", &request(&["0"])), "{th1:?}");
+    assert_eq!((th1[1].0.as_str(), &th1[1].1), ("1", &request(&["1"])), "{th1:?}");
+    assert_eq!((th2[0].0.as_str(), &th2[0].1), ("2", &request(&["1"])), "{th2:?}");
+    // What the engine made of it: the variable the toolkit's hook reads names the same devices.
+    assert_eq!(
+        [th1[0].2.as_str(), th1[1].2.as_str(), th2[0].2.as_str()],
+        ["0", "1", "1"]
+    );
+    let since = std::time::Instant::now();
+    interrupt(&driver);
+    h.expect_stop(driver, since, Duration::from_secs(30), 130);
+
+    // One container per host: it asks for every GPU of the host's ranks.
+    let h = Harness::new("testbed-gpus-per-host");
+    let driver = h.spawn(&h.config(&body), &["--launch-single-container"]);
+    wait_for_containers(&bed, "th1", &h, 1);
+    wait_for_containers(&bed, "th2", &h, 1);
+    let th1 = device_requests(&bed, "th1", &h);
+    let th2 = device_requests(&bed, "th2", &h);
+    assert_eq!(
+        (th1[0].0.as_str(), &th1[0].1),
+        ("0,1", &request(&["0", "1"])),
+        "{th1:?}"
+    );
+    assert_eq!((th2[0].0.as_str(), &th2[0].1), ("2", &request(&["1"])), "{th2:?}");
+    let since = std::time::Instant::now();
+    interrupt(&driver);
+    h.expect_stop(driver, since, Duration::from_secs(30), 130);
+    for host in &bed.hosts {
+        let left = bed.ssh_ok(host, "docker ps -aq --filter label=stagehand.name=testbed-gpus");
+        assert!(left.trim().is_empty(), "{host}: {left}");
+    }
+}

@@ -1,16 +1,14 @@
-//! The driver's integration tests: the real binary against real processes and the machine's real
-//! Docker engine. Every test checks that none of its containers are left behind.
+//! The driver's integration tests that need the machine's Docker engine: the real binary against
+//! real containers (and real sshd, test-bed engines). Every test checks that none of its
+//! containers are left behind. The tests that need no engine are the `local` binary (local.rs).
+
+/// This binary's tests talk to the machine's Docker engine (see util's docker helpers).
+pub const USES_DOCKER: bool = true;
 
 mod util;
 
-mod autoplan;
-mod cli;
 mod docker;
+mod docker_runtime;
 mod image;
-mod pipeline;
-mod plan;
-mod process;
-mod results;
 mod ssh;
-mod sweep;
 mod testbed;

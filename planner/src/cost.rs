@@ -45,6 +45,24 @@ impl Network {
     }
 }
 
+/// What one worker of a stage spends per minibatch, by kind.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StageParts {
+    /// Forward and backward of its share of the microbatches.
+    pub compute_s: f64,
+    /// The optimizer step over the stage's parameters.
+    pub optimizer_s: f64,
+    /// The replicas' gradient all-reduce (0 for one replica).
+    pub allreduce_s: f64,
+}
+
+impl StageParts {
+    /// The stage's time: the parts add.
+    pub fn total(&self) -> f64 {
+        self.compute_s + self.optimizer_s + self.allreduce_s
+    }
+}
+
 /// The costs of a split, computed from the modules' measurements.
 #[derive(Debug, Clone)]
 pub struct CostModel {
@@ -96,16 +114,26 @@ impl CostModel {
 
     /// Seconds per minibatch of stage `modules` on `workers` (its replicas): they share the
     /// microbatches, all-reduce their gradients (a ring: 2 (r-1)/r of the parameters each way),
-    /// and each steps the stage's parameters. This runtime does not overlap the all-reduce with
-    /// the backward, so the parts add.
+    /// and each steps the stage's parameters. The model charges the all-reduce after the backward,
+    /// so the parts add.
     pub fn stage_time(&self, modules: &Range<usize>, workers: &Range<usize>) -> f64 {
+        self.stage_parts(modules, workers).total()
+    }
+
+    /// [`CostModel::stage_time`] in its parts.
+    pub fn stage_parts(&self, modules: &Range<usize>, workers: &Range<usize>) -> StageParts {
         let replicas = workers.len() as f64;
-        let compute = Self::sum(&self.compute, modules) / replicas + Self::sum(&self.optimizer, modules);
-        if workers.len() == 1 {
-            return compute;
+        let allreduce_s = if workers.len() > 1 {
+            let bytes = 2.0 * (replicas - 1.0) / replicas * Self::sum(&self.params, modules);
+            bytes / self.network.bandwidth(workers)
+        } else {
+            0.0
+        };
+        StageParts {
+            compute_s: Self::sum(&self.compute, modules) / replicas,
+            optimizer_s: Self::sum(&self.optimizer, modules),
+            allreduce_s,
         }
-        let bytes = 2.0 * (replicas - 1.0) / replicas * Self::sum(&self.params, modules);
-        compute + bytes / self.network.bandwidth(workers)
     }
 
     /// Seconds per minibatch to send module `last`'s output forward and its gradient back across

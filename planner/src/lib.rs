@@ -13,7 +13,7 @@
 mod cost;
 mod solve;
 
-pub use cost::{CostModel, LayerCost, Network};
+pub use cost::{CostModel, LayerCost, Network, StageParts};
 pub use solve::{plan, Plan, PlanError, PlannedStage};
 
 #[cfg(test)]

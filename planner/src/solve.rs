@@ -5,7 +5,7 @@ use std::ops::Range;
 
 use stagehand_contract::StageConfig;
 
-use crate::cost::CostModel;
+use crate::cost::{CostModel, StageParts};
 
 /// One stage of a plan.
 #[derive(Debug, Clone, PartialEq)]
@@ -16,6 +16,11 @@ pub struct PlannedStage {
     pub replicas: usize,
     /// Predicted seconds per minibatch of its compute and all-reduce.
     pub time_s: f64,
+    /// [`PlannedStage::time_s`] in its parts.
+    pub parts: StageParts,
+    /// Seconds per minibatch to send its output to the next stage and the gradient back
+    /// (`None` for the last stage).
+    pub transfer_s: Option<f64>,
     /// Predicted bytes per worker.
     pub memory_bytes: f64,
 }
@@ -143,8 +148,11 @@ pub fn plan(model: &CostModel, workers: usize, straight: bool) -> Result<Plan, P
         let b = best[start][m].expect("the chosen path exists");
         let first_worker = workers - m;
         let range = start..b.end;
+        let parts = model.stage_parts(&range, &(first_worker..first_worker + b.replicas));
         stages.push(PlannedStage {
-            time_s: model.stage_time(&range, &(first_worker..first_worker + b.replicas)),
+            time_s: parts.total(),
+            parts,
+            transfer_s: (b.end < modules).then(|| model.boundary_time(b.end - 1, first_worker + b.replicas)),
             memory_bytes: model.stage_memory(&range, b.replicas, m),
             modules: range,
             replicas: b.replicas,

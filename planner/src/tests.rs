@@ -208,3 +208,31 @@ fn bandwidth_is_that_of_the_innermost_level_holding_the_workers() {
     assert_eq!(net.bandwidth(&(4..8)), 100.0);
     assert_eq!(net.bandwidth(&(0..16)), 10.0);
 }
+
+#[test]
+fn the_stages_parts_and_transfers_account_for_the_predicted_time() {
+    let mut rng = Rng(7);
+    for workers in [2, 3, 5] {
+        let layers: Vec<LayerCost> = (0..8)
+            .map(|_| layer(0.01 + rng.next(), 1e6 * rng.next(), 4e6 * rng.next()))
+            .collect();
+        let network = Network {
+            levels: vec![(2, 1e9), (workers, 1e8)],
+        };
+        let model = CostModel::new(&layers, network, None);
+        let plan = plan(&model, workers, false).unwrap();
+        let mut slowest: f64 = 0.0;
+        for (i, s) in plan.stages.iter().enumerate() {
+            assert_eq!(s.time_s, s.parts.total());
+            assert!(s.parts.compute_s > 0.0 && s.parts.optimizer_s >= 0.0);
+            assert_eq!(s.parts.allreduce_s == 0.0, s.replicas == 1, "stage {i}: {s:?}");
+            assert_eq!(
+                s.transfer_s.is_none(),
+                i + 1 == plan.stages.len(),
+                "stage {i}: {s:?}"
+            );
+            slowest = slowest.max(s.time_s).max(s.transfer_s.unwrap_or(0.0));
+        }
+        assert_eq!(plan.time_per_minibatch, slowest, "{workers} workers: {plan:?}");
+    }
+}

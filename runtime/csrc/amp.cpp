@@ -1,4 +1,4 @@
-// Mixed precision and memory formats, as a C ABI for runtime/src/train/amp.rs: PyTorch's own
+// Mixed precision and memory formats, as a C ABI for runtime/src/stage/amp.rs: PyTorch's own
 // autocast (the same per-op casting policy `torch.autocast` applies), GradScaler's two kernels
 // (unscale with an inf/nan check, and the scale update), and channels_last, none of which tch
 // exposes.

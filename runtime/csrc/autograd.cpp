@@ -1,4 +1,4 @@
-// Autograd entry points tch does not expose, as a C ABI for runtime/src/train/autograd.rs:
+// Autograd entry points tch does not expose, as a C ABI for runtime/src/stage/autograd.rs:
 // backward from a tensor with an incoming gradient (what a pipeline stage does with the gradient
 // its successor sent), and dropping a parameter's gradient (PyTorch's zero_grad(set_to_none=True),
 // cheaper than zeroing: no memset, and the next backward writes instead of accumulating), and a

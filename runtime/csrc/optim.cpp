@@ -1,4 +1,4 @@
-// The optimizer step as a C ABI for runtime/src/train/fused.rs: PyTorch's fused multi-tensor
+// The optimizer step as a C ABI for runtime/src/stage/optim/fused.rs: PyTorch's fused multi-tensor
 // kernels (`_fused_sgd_`, `_fused_adam_`, `_fused_adamw_`) over all of a stage's parameters at
 // once, as `torch.optim.SGD/Adam/AdamW(fused=True)` call them. Hyper-parameters, the learning rate
 // included, travel as doubles, so a step copies nothing from host to device and never waits for

@@ -9,13 +9,10 @@ use stagehand_contract::StageConfig;
 
 use crate::config::{
     Backend, Command, ConfigError, DeviceSpec, DistConfig, ModelChoice, ModulesConfig, OptimizerKind,
-    Precision, TrainConfig,
+    P2pConfig, Precision, ProfileConfig, ReachConfig, ReduceOptions, TrainConfig,
 };
 use crate::data::DataSpec;
-use crate::p2p::P2pConfig;
-use crate::pipeline::schedule::Schedule;
-use crate::pipeline::ReduceOptions;
-use crate::profile::ProfileConfig;
+use crate::schedule::Schedule;
 
 /// One training process (rank) of a model split across ranks.
 ///
@@ -329,11 +326,11 @@ impl Cli {
             })),
             Some(Sub::Info) => Ok(Command::Info),
             Some(Sub::Reach(r)) => Ok(Command::Reach(match r {
-                ReachSub::Listen { port, seconds } => crate::reach::ReachConfig::Listen {
+                ReachSub::Listen { port, seconds } => ReachConfig::Listen {
                     port,
                     seconds: positive_seconds("--seconds", seconds)?,
                 },
-                ReachSub::Connect { host, port, seconds } => crate::reach::ReachConfig::Connect {
+                ReachSub::Connect { host, port, seconds } => ReachConfig::Connect {
                     host,
                     port,
                     seconds: positive_seconds("--seconds", seconds)?,

@@ -1,15 +1,15 @@
-//! The validated configuration of a run: what the CLI resolves to, with per-model defaults
-//! filled in, before anything is built.
+//! Every validated request the runtime can be given: what the CLI resolves to, with per-model
+//! defaults filled in, before anything is built. The commands read these types and nothing of
+//! the CLI; this module names only the models, datasets and schedules they refer to.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use stagehand_contract::{RunConfig, StageConfig};
 
-use crate::pipeline::schedule::Schedule;
-use crate::pipeline::ReduceOptions;
-
 use crate::data::{DataError, DataSpec};
 use crate::models::{ModelOptions, MODEL_NAMES};
+use crate::schedule::Schedule;
 
 /// What the process was asked to do.
 #[derive(Debug)]
@@ -21,13 +21,13 @@ pub enum Command {
     /// List the model's modules.
     Modules(ModulesConfig),
     /// Profile the model's modules.
-    Profile(crate::profile::ProfileConfig),
+    Profile(ProfileConfig),
     /// Measure point-to-point throughput.
-    P2pBench(crate::p2p::P2pConfig),
+    P2pBench(P2pConfig),
     /// Say what this runtime can use on this machine.
     Info,
     /// Listen on or connect to the master port (the driver's preflight).
-    Reach(crate::reach::ReachConfig),
+    Reach(ReachConfig),
 }
 
 impl Command {
@@ -259,7 +259,7 @@ pub struct TrainConfig {
     /// Where this rank sits in the job and how it talks to the others.
     pub dist: DistConfig,
     /// Folder to write each rank's final parameters to.
-    pub save_params: Option<std::path::PathBuf>,
+    pub save_params: Option<PathBuf>,
     /// Emit `trace` events.
     pub trace: bool,
 }
@@ -313,6 +313,15 @@ pub struct DistConfig {
     pub reduce: ReduceOptions,
 }
 
+/// How the replicas' gradients are all-reduced.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ReduceOptions {
+    /// A bucket holds at most this many bytes of gradients, or one larger gradient alone.
+    pub bucket_bytes: usize,
+    /// Start buckets during the backward pass (DDP) instead of after it.
+    pub overlap: bool,
+}
+
 impl TrainConfig {
     /// The configuration as the `start` event reports it.
     pub fn to_run_config(&self, threads: usize, microbatches: usize, stages: usize) -> RunConfig {
@@ -346,6 +355,38 @@ pub struct ModulesConfig {
     pub model: ModelChoice,
     pub batch_size: usize,
     pub json: bool,
+}
+
+/// A validated `runtime profile` request.
+#[derive(Debug)]
+pub struct ProfileConfig {
+    pub model: ModelChoice,
+    pub batch_size: usize,
+    pub device: DeviceSpec,
+    pub threads: Option<usize>,
+    /// Timed repeats per module, after one untimed warm-up.
+    pub repeats: usize,
+    /// Where to write the profile; stdout when `None`.
+    pub output: Option<PathBuf>,
+}
+
+/// A validated `runtime p2p-bench` request.
+#[derive(Debug)]
+pub struct P2pConfig {
+    pub rank: usize,
+    pub master_addr: String,
+    pub master_port: u16,
+    pub bytes: usize,
+    pub rounds: usize,
+}
+
+/// What `runtime reach` does.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ReachConfig {
+    /// Listen on `port` (every address) for `seconds`.
+    Listen { port: u16, seconds: f64 },
+    /// Connect to `host:port`, retrying for up to `seconds`.
+    Connect { host: String, port: u16, seconds: f64 },
 }
 
 #[cfg(test)]

@@ -1,11 +1,24 @@
 //! The `runtime` binary: parse arguments, run, and map the outcome to an exit code
 //! (0 success, 1 the run failed, 2 a bad argument).
+//!
+//! The modules are layered, bottom first; each imports only modules listed before it, so none
+//! imports one that imports it back:
+//! - `ffi`: the C ABI of the bridge to libtorch (`csrc/`);
+//! - `cuda`: CUDA, loaded at run time; `comm`: c10d's store and process groups;
+//! - `models`; `data`: batch streams for a model's input; `schedule`: per-rank action lists;
+//! - `config`: every validated request;
+//! - `metrics`: the metrics lines and the measurements they carry;
+//! - `stage`: one rank's slice of the model with its optimizer, autograd helpers and amp;
+//! - `pipeline`: running a stage's action list across ranks;
+//! - the commands, none importing another: `train`, `profile`, `inspect`, `p2p`, `reach`, `info`;
+//! - `cli`, where clap stops, and this file.
 
 mod cli;
 mod comm;
 mod config;
 mod cuda;
 mod data;
+mod ffi;
 mod info;
 mod inspect;
 mod metrics;
@@ -14,6 +27,8 @@ mod p2p;
 mod pipeline;
 mod profile;
 mod reach;
+mod schedule;
+mod stage;
 mod train;
 
 use std::process::ExitCode;

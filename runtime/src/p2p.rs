@@ -7,16 +7,7 @@ use std::time::{Duration, Instant};
 use tch::{Device, Kind, Tensor};
 
 use crate::comm::{ProcessGroup, Store};
-
-/// A validated `runtime p2p-bench` request.
-#[derive(Debug)]
-pub struct P2pConfig {
-    pub rank: usize,
-    pub master_addr: String,
-    pub master_port: u16,
-    pub bytes: usize,
-    pub rounds: usize,
-}
+use crate::config::P2pConfig;
 
 /// Rank 0 sends `rounds` tensors of `bytes` to rank 1; rank 1 prints one JSON line with the rate.
 pub fn run(config: &P2pConfig, out: &mut impl Write) -> anyhow::Result<()> {

@@ -3,29 +3,15 @@
 //! planner reads (`stagehand_contract::Profile`).
 
 use std::io::Write;
-use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::Context;
 use stagehand_contract::{ModuleProfile, Profile, PROFILE_VERSION};
 use tch::{nn, Device, Kind, Tensor};
 
-use crate::config::{DeviceSpec, ModelChoice, OptimizerKind};
+use crate::config::{OptimizerKind, ProfileConfig};
 use crate::models::{InputKind, ModelDef};
-use crate::train::{backward_with_grad, bind_device, Optimizer};
-
-/// A validated `runtime profile` request.
-#[derive(Debug)]
-pub struct ProfileConfig {
-    pub model: ModelChoice,
-    pub batch_size: usize,
-    pub device: DeviceSpec,
-    pub threads: Option<usize>,
-    /// Timed repeats per module, after one untimed warm-up.
-    pub repeats: usize,
-    /// Where to write the profile; stdout when `None`.
-    pub output: Option<PathBuf>,
-}
+use crate::stage::{backward_with_grad, Optimizer};
 
 fn sync(device: Device) {
     crate::cuda::synchronize(device);
@@ -85,7 +71,7 @@ pub fn measure(config: &ProfileConfig) -> anyhow::Result<Profile> {
     if let Some(threads) = config.threads {
         tch::set_num_threads(threads as i32);
     }
-    bind_device(config.device)?;
+    crate::cuda::bind_device(config.device.tch()).map_err(anyhow::Error::msg)?;
     let device = config.device.tch();
     let model = ModelDef::named(&config.model.name, &config.model.options)?;
     let param_bytes: Vec<u64> = model.param_counts().iter().map(|n| n * 4).collect();

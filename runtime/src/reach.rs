@@ -7,18 +7,11 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
+use crate::config::ReachConfig;
+
 /// What the listener sends, so that `connect` knows it reached this listener and not something
 /// else on the port.
 pub const GREETING: &[u8] = b"stagehand-reach\n";
-
-/// What `runtime reach` does.
-#[derive(Debug, Clone, PartialEq)]
-pub enum ReachConfig {
-    /// Listen on `port` (every address) for `seconds`.
-    Listen { port: u16, seconds: f64 },
-    /// Connect to `host:port`, retrying for up to `seconds`.
-    Connect { host: String, port: u16, seconds: f64 },
-}
 
 /// Runs it; `Ok` when the listener ran its time or the connection was greeted.
 pub fn run(config: &ReachConfig, out: &mut impl Write) -> anyhow::Result<()> {

@@ -1,6 +1,6 @@
 //! The optimizer flags end to end: every optimizer trains a model, and impossible combinations
 //! are refused before training. (The update rules themselves are checked against torch.optim by
-//! the unit tests in src/train/optim/.)
+//! the unit tests in src/stage/optim/.)
 
 use crate::util::{run, run_ok};
 

@@ -155,15 +155,17 @@ fn metrics_follow_the_contract() {
     );
     for i in &iterations {
         assert_eq!(i.samples, 16);
-        assert!(
-            (i.compute_s + i.comm_wait_s + i.idle_s - i.time_s).abs() < 1e-6,
-            "{i:?}"
-        );
+        // One process has no peers: nothing of its time is communication, and its compute is a
+        // part of the iteration's wall-clock time (the runtime measures both separately).
+        assert_eq!(i.comm_wait_s, 0.0, "{i:?}");
+        assert!(i.compute_s > 0.0 && i.compute_s <= i.time_s, "{i:?}");
+        assert_eq!(i.reduce, Default::default(), "no replicas, no all-reduce: {i:?}");
         assert!((i.samples_per_sec - 16.0 / i.time_s).abs() < 1e-6 * i.samples_per_sec);
         assert!(i.peak_mem_bytes.unwrap() > 0);
     }
     let summary = run.summary();
     assert_eq!((summary.iterations, summary.warmup_iterations), (5, 2));
+    assert_eq!(summary.comm_wait_s, 0.0);
     let kept: Vec<f64> = iterations[2..].iter().map(|i| i.samples_per_sec).collect();
     let mean = kept.iter().sum::<f64>() / 3.0;
     assert!((summary.samples_per_sec_mean - mean).abs() < 1e-6 * mean);

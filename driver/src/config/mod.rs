@@ -21,7 +21,7 @@ pub use planner::{PlannerSettings, StageConfigRef};
 pub use sweep::{check_grid_value, value_text, with_overrides, Axis, Sweep};
 pub use yaml::{load, parse_scalar, ConfigError, Loaded};
 
-use crate::cli::Backend;
+use crate::options::Backend;
 
 /// One experiment file, as written.
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
@@ -103,6 +103,39 @@ pub struct ExperimentFile {
     /// `bucket_cap_mb`; the runtime's default is 25).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bucket_mb: Option<BucketMb>,
+    /// L2 weight decay of the optimizer (`--weight-decay`; PipeDream's `weight_decay`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weight_decay: Option<f64>,
+    /// PipeDream's kind of model; only `image_classification` (what PipeDream's image models and
+    /// this runtime's are) is accepted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_type: Option<String>,
+    /// PipeDream keys this driver does not honour yet; each is refused at resolve with what to
+    /// use instead (experiment/mod.rs), so an experiment never runs with one silently ignored.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub epochs: Option<serde_json::Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub synthetic_data: Option<serde_json::Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub learning_rate_policy: Option<serde_json::Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub print_frequency: Option<serde_json::Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub verbose_frequency: Option<serde_json::Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compress_activations: Option<serde_json::Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compress_in_gpu: Option<serde_json::Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub translation_model: Option<serde_json::Value>,
+    /// Start each gradient bucket's all-reduce during the backward pass (`on`, as DDP does), only
+    /// after it (`off`), or `auto` (the runtime's default: on with CUDA devices).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub overlap_reduce: Option<OverlapReduce>,
+    /// Straggler and heterogeneity emulation: a rank's, or a machine's ranks', compute stretched
+    /// by a factor (`--slowdown`), as SD-PIPE's `--hetero`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub slowdown: Vec<Slowdown>,
     /// Pipeline schedule.
     #[serde(default)]
     pub schedule: Option<Schedule>,
@@ -196,6 +229,41 @@ impl From<BucketMb> for f64 {
     fn from(mb: BucketMb) -> f64 {
         mb.0
     }
+}
+
+/// When replicas start their gradient all-reduce (`--overlap-reduce`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OverlapReduce {
+    Auto,
+    On,
+    Off,
+}
+
+impl OverlapReduce {
+    /// The runtime's spelling.
+    pub fn as_arg(self) -> &'static str {
+        match self {
+            OverlapReduce::Auto => "auto",
+            OverlapReduce::On => "on",
+            OverlapReduce::Off => "off",
+        }
+    }
+}
+
+/// One `slowdown:` entry: the rank, or the machine (every rank on it), whose compute takes
+/// `factor` times as long. A rank's own entry wins over its machine's.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Slowdown {
+    /// A global rank.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rank: Option<usize>,
+    /// A host, as written in `machines`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
+    /// How many times as long its compute takes; at least 1.
+    pub factor: f64,
 }
 
 /// Collective backends.

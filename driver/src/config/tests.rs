@@ -58,7 +58,7 @@ mounts: ['/data:/data:ro', {source: ./x, target: /x}]
 command: [python3, train.py, --epochs, '1']
 ");
     assert_eq!(f.module.as_deref(), Some("mlp"));
-    assert_eq!(f.backend, Some(crate::cli::Backend::Process));
+    assert_eq!(f.backend, Some(crate::options::Backend::Process));
     assert_eq!(f.machines[1].port, Some(2222));
     assert_eq!(f.machines[1].gpus, vec![0, 1]);
     assert_eq!(

@@ -17,8 +17,8 @@ use futures_util::StreamExt;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use super::context;
-use crate::launch::LaunchError;
-use crate::plan::{BuildSpec, ImageSource};
+use super::HostError;
+use crate::experiment::{BuildSpec, ImageSource};
 
 /// What preflight learned about a host's image.
 #[derive(Debug, Clone, PartialEq)]
@@ -61,7 +61,7 @@ pub async fn ensure_all(
     engines: &[Engine<'_>],
     source: &ImageSource,
     feedback: Feedback,
-) -> Result<Vec<Prepared>, LaunchError> {
+) -> Result<Vec<Prepared>, HostError> {
     match source {
         ImageSource::Named(name) => {
             let found = join_all(engines.iter().map(|e| e.docker.inspect_image(name))).await;
@@ -76,7 +76,7 @@ pub async fn ensure_all(
                         received_from: None,
                         seconds: 0.0,
                     }),
-                    Err(_) => Err(LaunchError::ImageMissing {
+                    Err(_) => Err(HostError::ImageMissing {
                         host: e.host.to_string(),
                         image: name.clone(),
                     }),
@@ -92,6 +92,12 @@ pub fn tag_of(spec: &BuildSpec, context: &context::Context) -> String {
     format!("{}:{}", spec.repository, &context.hash[..16])
 }
 
+/// The tag `spec` builds, from its context as it is now on this machine (no engine asked).
+pub fn planned_tag(spec: &BuildSpec) -> Result<String, HostError> {
+    let listing = context::list(&spec.context, &spec.dockerfile, &extra(spec))?;
+    Ok(tag_of(spec, &listing))
+}
+
 /// What the hash covers beside the files: the Dockerfile's name and the build arguments.
 fn extra(spec: &BuildSpec) -> String {
     let mut s = format!("dockerfile={}\n", spec.dockerfile);
@@ -105,7 +111,7 @@ async fn ensure_built(
     engines: &[Engine<'_>],
     spec: &BuildSpec,
     feedback: Feedback,
-) -> Result<Vec<Prepared>, LaunchError> {
+) -> Result<Vec<Prepared>, HostError> {
     let listing = {
         let spec = spec.clone();
         tokio::task::spawn_blocking(move || context::list(&spec.context, &spec.dockerfile, &extra(&spec)))
@@ -199,7 +205,7 @@ async fn ensure_built(
                     ));
                 }
             }
-            Ok::<_, LaunchError>(got)
+            Ok::<_, HostError>(got)
         }
     });
     for group in join_all(groups).await {
@@ -220,8 +226,8 @@ async fn build(
     listing: &context::Context,
     tag: &str,
     feedback: Feedback,
-) -> Result<String, LaunchError> {
-    let failed = |message: String| LaunchError::ImageBuild {
+) -> Result<String, HostError> {
+    let failed = |message: String| HostError::ImageBuild {
         host: engine.host.to_string(),
         context: spec.context.clone(),
         message,
@@ -282,7 +288,7 @@ async fn distribute(
     to: &[&Engine<'_>],
     tag: &str,
     feedback: Feedback,
-) -> Result<Vec<(String, f64)>, LaunchError> {
+) -> Result<Vec<(String, f64)>, HostError> {
     let started = Instant::now();
     let size = from
         .docker
@@ -301,7 +307,7 @@ async fn distribute(
             names.join(", ")
         );
     }
-    let transfer_err = |host: &str, message: String| LaunchError::ImageTransfer {
+    let transfer_err = |host: &str, message: String| HostError::ImageTransfer {
         from: from.host.to_string(),
         to: host.to_string(),
         image: tag.to_string(),
@@ -343,7 +349,7 @@ async fn distribute(
                 .id
                 .unwrap_or_default();
             bar.finish_and_clear();
-            Ok::<_, LaunchError>((id, started.elapsed().as_secs_f64()))
+            Ok::<_, HostError>((id, started.elapsed().as_secs_f64()))
         });
     }
     let pump = async {

@@ -15,10 +15,54 @@ use bollard::Docker;
 
 pub use ssh::SshOptions;
 
+use self::context::ContextError;
 use crate::config::Mount;
 use crate::events::HostFacts;
-use crate::launch::LaunchError;
-use crate::plan::{HostPlan, ImageSource, PlannedMount, WhenMissing};
+use crate::experiment::{HostSpec, ImageSource, MountSpec, WhenMissing};
+
+/// Failures while reaching a host's engine or preparing it (mounts, GPUs, the image).
+#[derive(Debug, thiserror::Error)]
+pub enum HostError {
+    #[error("cannot reach the Docker engine on {host}; is it running, and may this user use its socket? (or use --backend process)")]
+    Connect {
+        host: String,
+        #[source]
+        source: bollard::errors::Error,
+    },
+    #[error(transparent)]
+    Ssh(#[from] crate::hosts::ssh::SshError),
+    #[error("docker on {host} could not {action}")]
+    Docker {
+        host: String,
+        action: &'static str,
+        #[source]
+        source: bollard::errors::Error,
+    },
+    #[error("host {host} has GPUs {gpus:?} requested but its engine has no nvidia runtime or CDI devices; install nvidia-container-toolkit there or use CPU machines")]
+    NoGpuRuntime { host: String, gpus: Vec<u32> },
+    #[error("{} does not exist on {host}; create it there, or drop it from data_dir, mounts or --mount-directories", path.display())]
+    MountMissing { host: String, path: PathBuf },
+    #[error("image {image} does not exist on {host}; build it there, or name a build context with `container: {{build: DIR}}`")]
+    ImageMissing { host: String, image: String },
+    #[error("building the image from {} on {host} failed: {message}", context.display())]
+    ImageBuild {
+        host: String,
+        context: PathBuf,
+        message: String,
+    },
+    #[error("sending image {image} from {from} to {to} failed: {message}")]
+    ImageTransfer {
+        from: String,
+        to: String,
+        image: String,
+        message: String,
+    },
+    #[error(transparent)]
+    Context {
+        #[from]
+        source: ContextError,
+    },
+}
 
 /// A host whose engine answered.
 #[derive(Clone)]
@@ -26,7 +70,7 @@ pub struct Host {
     /// Name as in the experiment file.
     pub name: String,
     /// The host's part of the plan, kept to reconnect after a lost connection.
-    pub plan: HostPlan,
+    pub plan: HostSpec,
     /// The engine.
     pub docker: Docker,
     /// The image tag containers run.
@@ -60,14 +104,14 @@ impl Host {
 
 /// Connects to a host's engine and agrees on an API version (servers here speak 1.41).
 pub async fn connect(
-    host: &HostPlan,
+    host: &HostSpec,
     ssh: &SshOptions,
-) -> Result<(Docker, Option<Arc<ssh::Tunnel>>), LaunchError> {
+) -> Result<(Docker, Option<Arc<ssh::Tunnel>>), HostError> {
     if !host.machine.is_local() {
         let (docker, tunnel) = ssh::connect(host, ssh).await?;
         return Ok((docker, Some(tunnel)));
     }
-    let connect_err = |source| LaunchError::Connect {
+    let connect_err = |source| HostError::Connect {
         host: host.name.clone(),
         source,
     };
@@ -79,12 +123,12 @@ pub async fn connect(
 /// Preflight for every host: each engine reachable, its mounts and GPUs checked, all at once;
 /// then the image on every host, built once and streamed where it is missing ([`image`]).
 pub async fn prepare_all(
-    hosts: &[HostPlan],
+    hosts: &[HostSpec],
     image: &ImageSource,
-    planned: &[PlannedMount],
+    planned: &[MountSpec],
     ssh: &SshOptions,
     feedback: image::Feedback,
-) -> Result<Vec<(Host, HostFacts)>, LaunchError> {
+) -> Result<Vec<(Host, HostFacts)>, HostError> {
     let ready = futures_util::future::join_all(hosts.iter().map(|h| prepare(h, planned, ssh)))
         .await
         .into_iter()
@@ -116,10 +160,10 @@ pub async fn prepare_all(
 /// Preflight for one host: engine reachable, mounts present or copied, GPUs usable when asked for.
 /// The image is left to [`prepare_all`].
 async fn prepare(
-    host: &HostPlan,
-    planned: &[PlannedMount],
+    host: &HostSpec,
+    planned: &[MountSpec],
     ssh: &SshOptions,
-) -> Result<(Host, HostFacts), LaunchError> {
+) -> Result<(Host, HostFacts), HostError> {
     let (docker, tunnel) = connect(host, ssh).await?;
     // One remote check per path, all at once over the multiplexed connection.
     let checks = futures_util::future::join_all(planned.iter().map(|p| async {
@@ -137,7 +181,7 @@ async fn prepare(
             (false, WhenMissing::Copy) => copies.push(p.mount.source.clone()),
             (false, WhenMissing::Skip) => {}
             (false, WhenMissing::Fail) => {
-                return Err(LaunchError::MountMissing {
+                return Err(HostError::MountMissing {
                     host: host.name.clone(),
                     path: p.mount.source.clone(),
                 })
@@ -146,7 +190,7 @@ async fn prepare(
     }
     let docker_err = |action: &'static str| {
         let host = host.name.clone();
-        move |source| LaunchError::Docker { host, action, source }
+        move |source| HostError::Docker { host, action, source }
     };
     let version = docker
         .version()
@@ -157,7 +201,7 @@ async fn prepare(
         let has_nvidia = info.runtimes.as_ref().is_some_and(|r| r.contains_key("nvidia"))
             || info.cdi_spec_dirs.as_ref().is_some_and(|d| !d.is_empty());
         if !has_nvidia {
-            return Err(LaunchError::NoGpuRuntime {
+            return Err(HostError::NoGpuRuntime {
                 host: host.name.clone(),
                 gpus: host.gpus.clone(),
             });
@@ -192,7 +236,7 @@ async fn prepare(
 /// hosts): the first machine's own address on the driver's SSH connection to it, or, when the first
 /// machine is this one, the address a remote machine sees this one at. `None` when every machine
 /// is this one.
-pub async fn master_address(hosts: &[Host]) -> Result<Option<String>, LaunchError> {
+pub async fn master_address(hosts: &[Host]) -> Result<Option<String>, HostError> {
     let Some(first) = hosts.first() else {
         return Ok(None);
     };

@@ -12,7 +12,7 @@ use bollard::Docker;
 use openssh::{ForwardType, KnownHosts, Session, SessionBuilder, Socket};
 
 use crate::config::machine::HostKeyCheck;
-use crate::plan::HostPlan;
+use crate::experiment::HostSpec;
 
 /// Where the Docker socket is on a host unless the machine entry says otherwise.
 const DEFAULT_REMOTE_SOCKET: &str = "/var/run/docker.sock";
@@ -134,7 +134,7 @@ impl Tunnel {
     /// refused (closed at once) when the port is free, and stays open when something listens.
     pub async fn port_free(&self, port: u16) -> Result<bool, openssh::Error> {
         let session = self.session.as_ref().expect("a live tunnel has a session");
-        let local = crate::plan::free_local_port().map_err(openssh::Error::Connect)?;
+        let local = crate::experiment::free_local_port().map_err(openssh::Error::Connect)?;
         let listen = Socket::TcpSocket {
             host: "127.0.0.1".into(),
             port: local,
@@ -175,7 +175,7 @@ pub struct SshOptions {
 }
 
 /// Opens the connection and returns a Docker handle through it, plus the tunnel to keep alive.
-pub async fn connect(host: &HostPlan, options: &SshOptions) -> Result<(Docker, Arc<Tunnel>), SshError> {
+pub async fn connect(host: &HostSpec, options: &SshOptions) -> Result<(Docker, Arc<Tunnel>), SshError> {
     let m = &host.machine;
     let dir = tempfile::Builder::new()
         .prefix("stagehand-ssh-")

@@ -9,9 +9,10 @@ use bollard::errors::Error as DockerError;
 use bollard::query_parameters::{ListContainersOptionsBuilder, RemoveContainerOptionsBuilder};
 use futures_util::future::join_all;
 
-use super::docker::LABEL_EXPERIMENT;
+use super::labels::LABEL_EXPERIMENT;
 use super::LaunchError;
 use crate::config::machine::Machine;
+use crate::hosts::HostError;
 use crate::hosts::{Host, SshOptions};
 
 /// How long the driver keeps trying to remove the containers of a host that does not answer,
@@ -57,11 +58,11 @@ pub async fn remove_labelled(docker: &bollard::Docker, host: &str, id: &str) -> 
     let containers = match docker.list_containers(Some(options)).await {
         Ok(c) => c,
         Err(source) => {
-            let e = LaunchError::Docker {
+            let e = LaunchError::from(HostError::Docker {
                 host: host.to_string(),
                 action: "list the experiment's containers",
                 source,
-            };
+            });
             return Pass {
                 gone: Vec::new(),
                 failure: Some((e, None)),
@@ -83,11 +84,11 @@ pub async fn remove_labelled(docker: &bollard::Docker, host: &str, id: &str) -> 
                 Ok(()) | Err(DockerError::DockerResponseServerError { status_code: 404, .. }) => Ok(()),
                 // 409: removal already in progress (a concurrent stop); it will finish.
                 Err(DockerError::DockerResponseServerError { status_code: 409, .. }) => Ok(()),
-                Err(source) => Err(LaunchError::Docker {
+                Err(source) => Err(LaunchError::from(HostError::Docker {
                     host: host.to_string(),
                     action: "remove a container",
                     source,
-                }),
+                })),
             };
             (cid, name, outcome)
         })
@@ -146,7 +147,7 @@ pub async fn remove_on(host: &Host, ssh: &SshOptions, id: &str, grace: Duration)
                 Ok((docker, _tunnel)) => remove_labelled(&docker, &host.name, id).await,
                 Err(e) => Pass {
                     gone: Vec::new(),
-                    failure: Some((e, None)),
+                    failure: Some((e.into(), None)),
                 },
             }
         };

@@ -20,20 +20,16 @@ use futures_util::{Stream as FutStream, StreamExt};
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::cleanup::{self, Tracked};
+use super::labels::{LABEL_EXPERIMENT, LABEL_NAME, LABEL_RANK};
 use super::lease::{self, Leased, Renewer};
 use super::lines::LineSplitter;
 use super::{classify_line, LaunchError};
-use crate::cli::ContainerMode;
 use crate::events::{Event, LeftContainer, Stream};
+use crate::experiment::{Experiment, RankSpec};
+use crate::hosts::HostError;
 use crate::hosts::{Host, SshOptions};
-use crate::plan::{Plan, RankPlan};
+use crate::options::ContainerMode;
 
-/// Label holding the experiment id; the only thing cleanup selects on.
-pub const LABEL_EXPERIMENT: &str = "stagehand.experiment";
-/// Label holding the experiment name.
-pub const LABEL_NAME: &str = "stagehand.name";
-/// Label holding the rank (or ranks, comma-separated, for a per-host container).
-pub const LABEL_RANK: &str = "stagehand.rank";
 /// Containers of one experiment across its hosts.
 pub struct DockerLauncher {
     hosts: Vec<Host>,
@@ -79,7 +75,7 @@ impl DockerLauncher {
     }
 
     /// Creates and starts every container and rank; events go to `tx`.
-    pub async fn start(&self, plan: &Plan, tx: UnboundedSender<Event>) -> Result<(), LaunchError> {
+    pub async fn start(&self, plan: &Experiment, tx: UnboundedSender<Event>) -> Result<(), LaunchError> {
         *self.renewer.lock().expect("renewer lock") = Some(Renewer::start(self.leased.clone()));
         // Every host (and every rank's container) is brought up concurrently, so launching on many
         // hosts takes about as long as on one.
@@ -103,8 +99,8 @@ impl DockerLauncher {
     /// One container running one rank.
     async fn start_rank(
         &self,
-        plan: &Plan,
-        r: &RankPlan,
+        plan: &Experiment,
+        r: &RankSpec,
         tx: &UnboundedSender<Event>,
     ) -> Result<(), LaunchError> {
         let host = &self.hosts[r.host];
@@ -126,7 +122,7 @@ impl DockerLauncher {
     /// One container per host, its ranks started inside it through the exec API.
     async fn start_host(
         &self,
-        plan: &Plan,
+        plan: &Experiment,
         index: usize,
         tx: &UnboundedSender<Event>,
     ) -> Result<(), LaunchError> {
@@ -143,7 +139,7 @@ impl DockerLauncher {
             let r = &plan.ranks[rank];
             let docker_err = |action: &'static str| {
                 let host = host.name.clone();
-                move |source| LaunchError::Docker { host, action, source }
+                move |source| LaunchError::from(HostError::Docker { host, action, source })
             };
             let options = CreateExecOptions {
                 cmd: Some(r.argv.clone()),
@@ -179,7 +175,7 @@ impl DockerLauncher {
         Ok(())
     }
 
-    fn labels(&self, plan: &Plan, rank: &str) -> HashMap<String, String> {
+    fn labels(&self, plan: &Experiment, rank: &str) -> HashMap<String, String> {
         labels(&self.id, plan, rank)
     }
 
@@ -227,7 +223,7 @@ impl DockerLauncher {
                     name,
                     id,
                     ranks,
-                    error: crate::error_chain(&error),
+                    error: crate::error::error_chain(&error),
                     remove_by_hand,
                 });
             }
@@ -246,10 +242,12 @@ pub(super) async fn start(host: &Host, id: &str) -> Result<(), LaunchError> {
     host.docker
         .start_container(id, None::<bollard::query_parameters::StartContainerOptions>)
         .await
-        .map_err(|source| LaunchError::Docker {
-            host: host.name.clone(),
-            action: "start a container",
-            source,
+        .map_err(|source| {
+            LaunchError::from(HostError::Docker {
+                host: host.name.clone(),
+                action: "start a container",
+                source,
+            })
         })
 }
 
@@ -265,10 +263,12 @@ pub(super) async fn create(
         .create_container(Some(options), body)
         .await
         .map(|r| r.id)
-        .map_err(|source| LaunchError::Docker {
-            host: host.name.clone(),
-            action: "create a container",
-            source,
+        .map_err(|source| {
+            LaunchError::from(HostError::Docker {
+                host: host.name.clone(),
+                action: "create a container",
+                source,
+            })
         })?;
     if !host.copies.is_empty() {
         let tar = pack_files(host)?;
@@ -276,10 +276,12 @@ pub(super) async fn create(
         host.docker
             .upload_to_container(&id, Some(options), bollard::body_full(tar.into()))
             .await
-            .map_err(|source| LaunchError::Docker {
-                host: host.name.clone(),
-                action: "copy code into a container",
-                source,
+            .map_err(|source| {
+                LaunchError::from(HostError::Docker {
+                    host: host.name.clone(),
+                    action: "copy code into a container",
+                    source,
+                })
             })?;
     }
     Ok(id)
@@ -309,18 +311,18 @@ fn pack_paths(paths: &[PathBuf]) -> Result<Vec<u8>, (PathBuf, std::io::Error)> {
     builder.into_inner().map_err(|source| ("/".into(), source))
 }
 
-fn env_list(rank: &RankPlan) -> Vec<String> {
+fn env_list(rank: &RankSpec) -> Vec<String> {
     rank.env.iter().map(|(k, v)| format!("{k}={v}")).collect()
 }
 
 /// The container for one rank (`rank` given) or for a host's ranks (an idle init process the
 /// ranks are exec'd into).
 pub(super) fn container_body(
-    plan: &Plan,
+    plan: &Experiment,
     host: &Host,
     labels: HashMap<String, String>,
     gpus: &[u32],
-    rank: Option<&RankPlan>,
+    rank: Option<&RankSpec>,
 ) -> ContainerCreateBody {
     let mounts = host
         .mounts
@@ -486,7 +488,7 @@ async fn forward(
 }
 
 /// The labels of a container of experiment `id`: cleanup selects on the experiment label only.
-pub(super) fn labels(id: &str, plan: &Plan, rank: &str) -> HashMap<String, String> {
+pub(super) fn labels(id: &str, plan: &Experiment, rank: &str) -> HashMap<String, String> {
     HashMap::from([
         (LABEL_EXPERIMENT.to_string(), id.to_string()),
         (LABEL_NAME.to_string(), plan.name.clone()),
@@ -509,7 +511,7 @@ pub struct RuntimeInfo {
 /// A runtime that cannot start (a missing library) or a host that shows fewer CUDA devices than
 /// its ranks asked for is refused here, naming the host, before any rank starts. The containers
 /// carry `id` as their experiment label and are removed afterwards.
-pub async fn self_check(hosts: &[Host], plan: &Plan, id: &str) -> Result<(), LaunchError> {
+pub async fn self_check(hosts: &[Host], plan: &Experiment, id: &str) -> Result<(), LaunchError> {
     let checks = plan.hosts.iter().zip(hosts).map(|(hp, host)| async move {
         let Some(&first) = hp.ranks.first() else {
             return Ok(());
@@ -532,7 +534,7 @@ pub async fn self_check(hosts: &[Host], plan: &Plan, id: &str) -> Result<(), Lau
         // With GPUs asked for, the engine refusing the container is the NVIDIA runtime refusing
         // an index this host lacks (or the toolkit missing): say so, naming host and GPUs.
         let (code, stdout, stderr) = match outcome {
-            Err(LaunchError::Docker { source, .. }) if !hp.gpus.is_empty() => {
+            Err(LaunchError::Host(HostError::Docker { source, .. })) if !hp.gpus.is_empty() => {
                 return Err(LaunchError::GpusUnavailable {
                     host: host.name.clone(),
                     gpus: hp.gpus.clone(),
@@ -583,9 +585,8 @@ pub async fn self_check(hosts: &[Host], plan: &Plan, id: &str) -> Result<(), Lau
             let _ = remove_labelled(&host.docker, &host.name, id).await;
             let (code, _, stderr) = outcome?;
             if code != 0 {
-                let last = last_line(&stderr);
                 return Err(LaunchError::RequestRefused {
-                    reason: last.trim_start_matches("runtime: error: ").to_string(),
+                    reason: runtime_error(&stderr).to_string(),
                 });
             }
         }
@@ -609,6 +610,11 @@ pub(super) fn last_line(text: &str) -> &str {
     text.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("")
 }
 
+/// Why the runtime refused, from its stderr: its last line less the `runtime: error: ` prefix.
+pub fn runtime_error(stderr: &str) -> &str {
+    last_line(stderr).trim_start_matches("runtime: error: ")
+}
+
 /// Creates, starts and waits for a container; returns its exit code, stdout and stderr.
 pub(super) async fn run_to_end(
     host: &Host,
@@ -622,11 +628,11 @@ pub(super) async fn run_to_end(
         Some(Ok(r)) => r.status_code,
         Some(Err(DockerError::DockerContainerWaitError { code, .. })) => code,
         Some(Err(source)) => {
-            return Err(LaunchError::Docker {
+            return Err(LaunchError::from(HostError::Docker {
                 host: host.name.clone(),
                 action: "wait for the runtime's self-check",
                 source,
-            })
+            }))
         }
         None => -1,
     };
@@ -639,11 +645,11 @@ pub(super) async fn run_to_end(
             Ok(LogOutput::StdErr { message }) => stderr.push_str(&String::from_utf8_lossy(&message)),
             Ok(_) => {}
             Err(source) => {
-                return Err(LaunchError::Docker {
+                return Err(LaunchError::from(HostError::Docker {
                     host: host.name.clone(),
                     action: "read the runtime's self-check",
                     source,
-                })
+                }))
             }
         }
     }

@@ -4,6 +4,7 @@
 
 pub mod cleanup;
 pub mod docker;
+mod labels;
 pub mod lease;
 mod lines;
 pub mod process;
@@ -12,13 +13,13 @@ pub mod reach;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use tokio::signal::unix::Signal;
-use tokio::sync::mpsc::UnboundedReceiver;
+use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
 
-use crate::events::{Event, LeftContainer, Status, StopCause, Stream};
-use crate::hosts::context::ContextError;
-use crate::plan::Plan;
+use crate::events::{Ended, Event, LeftContainer, StopCause, Stream};
+use crate::experiment::Experiment;
+use crate::hosts::{Host, HostError, SshOptions};
 use crate::reporters::Reporters;
+use crate::signals::StopSignals;
 
 /// How long ranks get to report their exit after being stopped before the driver gives up on them.
 const EXIT_DEADLINE: Duration = Duration::from_secs(15);
@@ -26,6 +27,8 @@ const EXIT_DEADLINE: Duration = Duration::from_secs(15);
 /// Failures while preparing hosts or starting ranks.
 #[derive(Debug, thiserror::Error)]
 pub enum LaunchError {
+    #[error(transparent)]
+    Host(#[from] HostError),
     #[error("cannot start rank {rank}: `{program}`; check that it exists and is executable (build the runtime with `cargo build --release -p stagehand-runtime`, or pass --runtime)")]
     Spawn {
         rank: usize,
@@ -35,25 +38,6 @@ pub enum LaunchError {
     },
     #[error("program {} for the ranks does not exist; build the runtime with `cargo build --release -p stagehand-runtime`, pass --runtime, or set `command:`", path.display())]
     ProgramMissing { path: PathBuf },
-    #[error("cannot reach the Docker engine on {host}; is it running, and may this user use its socket? (or use --backend process)")]
-    Connect {
-        host: String,
-        #[source]
-        source: bollard::errors::Error,
-    },
-    #[error(transparent)]
-    Ssh(#[from] crate::hosts::ssh::SshError),
-    #[error("docker on {host} could not {action}")]
-    Docker {
-        host: String,
-        action: &'static str,
-        #[source]
-        source: bollard::errors::Error,
-    },
-    #[error("host {host} has GPUs {gpus:?} requested but its engine has no nvidia runtime or CDI devices; install nvidia-container-toolkit there or use CPU machines")]
-    NoGpuRuntime { host: String, gpus: Vec<u32> },
-    #[error("{} does not exist on {host}; create it there, or drop it from data_dir, mounts or --mount-directories", path.display())]
-    MountMissing { host: String, path: PathBuf },
     #[error("cannot pack {} to copy it into the containers on {host}", path.display())]
     Pack {
         host: String,
@@ -88,26 +72,6 @@ pub enum LaunchError {
     },
     #[error("master port {port} is in use on {host}; pass another with --master-port, or leave it out to get a free one")]
     PortInUse { host: String, port: u16 },
-    #[error("image {image} does not exist on {host}; build it there, or name a build context with `container: {{build: DIR}}`")]
-    ImageMissing { host: String, image: String },
-    #[error("building the image from {} on {host} failed: {message}", context.display())]
-    ImageBuild {
-        host: String,
-        context: PathBuf,
-        message: String,
-    },
-    #[error("sending image {image} from {from} to {to} failed: {message}")]
-    ImageTransfer {
-        from: String,
-        to: String,
-        image: String,
-        message: String,
-    },
-    #[error(transparent)]
-    Context {
-        #[from]
-        source: ContextError,
-    },
     #[error("removing the experiment's containers on {host} took longer than {seconds} s")]
     CleanupTimeout { host: String, seconds: u64 },
     #[error("{} could not be removed, tried for {grace_s} s: {}; each stops itself once its lease has not been renewed for {ttl_s} s, but stays listed until removed: once its host answers, run {}", count(.left.len()), describe(.left), by_hand(.left), ttl_s = lease::LEASE_TTL.as_secs())]
@@ -155,6 +119,19 @@ pub fn classify_line(rank: usize, stream: Stream, line: String) -> Event {
     Event::LineLogged { rank, stream, line }
 }
 
+/// Where a launch's ranks run.
+pub enum Target {
+    /// Local child processes.
+    Processes,
+    /// Containers on these hosts (from preflight, in the experiment's host order), labelled with
+    /// experiment id `id`.
+    Containers {
+        hosts: Vec<Host>,
+        id: String,
+        ssh: SshOptions,
+    },
+}
+
 /// A started backend.
 pub enum Launcher {
     /// Local processes.
@@ -164,54 +141,126 @@ pub enum Launcher {
 }
 
 impl Launcher {
+    /// Starts every rank of `plan` on `target`; events go to `tx`. A start that fails removes
+    /// what it started: what could not be removed comes back with the error.
+    pub async fn start(
+        target: Target,
+        plan: &Experiment,
+        tx: UnboundedSender<Event>,
+    ) -> Result<Launcher, (LaunchError, Vec<LeftContainer>)> {
+        match target {
+            Target::Processes => process::ProcessLauncher::start(plan, tx)
+                .map(Launcher::Process)
+                .map_err(|e| (e, Vec::new())),
+            Target::Containers { hosts, id, ssh } => {
+                let docker = docker::DockerLauncher::new(hosts, id, ssh);
+                match docker.start(plan, tx).await {
+                    Ok(()) => Ok(Launcher::Docker(docker)),
+                    Err(e) => match docker.remove_all(cleanup::REMOVAL_GRACE).await {
+                        Err(LaunchError::ContainersLeft { left, .. }) => Err((e, left)),
+                        _ => Err((e, Vec::new())),
+                    },
+                }
+            }
+        }
+    }
+
     /// Stops every rank (and removes every container) this launcher started.
     pub async fn stop_all(&self) {
         match self {
             Launcher::Process(p) => p.stop_all().await,
-            // One quick try: what it leaves is tried again, and reported, when the run ends.
+            // One quick try: what it leaves is tried again, and reported, by `finish`.
             Launcher::Docker(d) => {
-                let _ = d.remove_all(std::time::Duration::ZERO).await;
+                let _ = d.remove_all(Duration::ZERO).await;
             }
         }
     }
-}
 
-/// Signals that stop a run: SIGINT (Ctrl-C) and SIGTERM.
-pub struct StopSignals {
-    /// SIGINT.
-    pub int: Signal,
-    /// SIGTERM.
-    pub term: Signal,
-}
-
-impl StopSignals {
-    /// Installs the handlers; from now on these signals are the driver's to act on.
-    pub fn install() -> std::io::Result<StopSignals> {
-        use tokio::signal::unix::{signal, SignalKind};
-        Ok(StopSignals {
-            int: signal(SignalKind::interrupt())?,
-            term: signal(SignalKind::terminate())?,
-        })
-    }
-
-    /// Resolves when either signal arrives.
-    pub async fn recv(&mut self) {
-        tokio::select! {
-            _ = self.int.recv() => {}
-            _ = self.term.recv() => {}
+    /// Stops whatever still runs and removes every container, trying for
+    /// [`cleanup::REMOVAL_GRACE`]; an error names what is left.
+    pub async fn finish(&self) -> Result<(), LaunchError> {
+        match self {
+            Launcher::Process(p) => {
+                p.stop_all().await;
+                Ok(())
+            }
+            Launcher::Docker(d) => d.remove_all(cleanup::REMOVAL_GRACE).await,
         }
     }
+}
+
+/// What a caller of [`run_ranks`] makes of the ranks' events: what the reporters see of each,
+/// and which cause stops the run when a rank fails.
+pub trait Watch {
+    /// The event the reporters see for `event`, if any.
+    fn show(&mut self, event: Event) -> Option<Event>;
+
+    /// Why the run stops when `rank` on `host` exits with `exit_code` (not 0), or is removed
+    /// (`None`).
+    fn failed(&self, rank: usize, host: String, exit_code: Option<i64>) -> StopCause {
+        StopCause::RankFailed {
+            rank,
+            host,
+            exit_code,
+        }
+    }
+}
+
+/// An experiment's ranks: the reporters see every event.
+pub struct Ranks;
+
+impl Watch for Ranks {
+    fn show(&mut self, event: Event) -> Option<Event> {
+        Some(event)
+    }
+}
+
+/// How [`run_ranks`] ended once the ranks started.
+pub struct Outcome {
+    /// How the ranks ended.
+    pub status: Ended,
+    /// Removing what was started; an error names what is left (already reported).
+    pub cleanup: Result<(), LaunchError>,
+}
+
+/// Starts `plan`'s ranks on `target`, supervises them until they have all ended (stopping all on
+/// the first failure or a signal) and removes what was started. Containers that could not be
+/// removed are reported as [`Event::ContainersLeft`]. An error means the ranks could not start.
+pub async fn run_ranks(
+    target: Target,
+    plan: &Experiment,
+    reporters: &mut Reporters,
+    signals: &mut StopSignals,
+    watch: &mut dyn Watch,
+) -> Result<Outcome, LaunchError> {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let launcher = match Launcher::start(target, plan, tx).await {
+        Ok(l) => l,
+        Err((e, left)) => {
+            if !left.is_empty() {
+                reporters.report(&Event::ContainersLeft(left));
+            }
+            return Err(e);
+        }
+    };
+    let status = supervise(plan, &launcher, rx, reporters, signals, watch).await;
+    let cleanup = launcher.finish().await;
+    if let Err(LaunchError::ContainersLeft { left, .. }) = &cleanup {
+        reporters.report(&Event::ContainersLeft(left.clone()));
+    }
+    Ok(Outcome { status, cleanup })
 }
 
 /// Feeds events to the reporters until every rank has exited; stops all ranks on the first failure
 /// or signal. Returns the run's status.
-pub async fn supervise(
-    plan: &Plan,
+async fn supervise(
+    plan: &Experiment,
     launcher: &Launcher,
     mut events: UnboundedReceiver<Event>,
     reporters: &mut Reporters,
     signals: &mut StopSignals,
-) -> Status {
+    watch: &mut dyn Watch,
+) -> Ended {
     // Ranks seen to exit, removed, or lost with their host: no more to hear from them.
     let mut ended = 0;
     let mut cause: Option<StopCause> = None;
@@ -238,27 +287,19 @@ pub async fn supervise(
             }
             _ = until_deadline => break,
         };
-        reporters.report(&event);
         let stop = match &event {
             Event::RankExited { rank, exit_code } => {
                 ended += 1;
-                (*exit_code != Some(0)).then(|| StopCause::RankFailed {
-                    rank: *rank,
-                    host: plan.host_of(*rank).name.clone(),
-                    exit_code: *exit_code,
-                })
+                (*exit_code != Some(0))
+                    .then(|| watch.failed(*rank, plan.host_of(*rank).name.clone(), *exit_code))
             }
             // Removed by the driver while stopping, or by someone else: then the rank failed.
             Event::RankRemoved { rank } => {
                 ended += 1;
-                Some(StopCause::RankFailed {
-                    rank: *rank,
-                    host: plan.host_of(*rank).name.clone(),
-                    exit_code: None,
-                })
+                Some(watch.failed(*rank, plan.host_of(*rank).name.clone(), None))
             }
             Event::HostLost { host, reason } | Event::RankLost { host, reason, .. } => {
-                if matches!(event, Event::RankLost { .. }) {
+                if matches!(&event, Event::RankLost { .. }) {
                     ended += 1;
                 }
                 Some(StopCause::HostLost {
@@ -277,6 +318,9 @@ pub async fn supervise(
             | Event::ContainersLeft(_)
             | Event::Finished { .. } => None,
         };
+        if let Some(shown) = watch.show(event) {
+            reporters.report(&shown);
+        }
         if let (Some(c), None) = (stop, &cause) {
             cause = Some(c.clone());
             deadline = Some(tokio::time::Instant::now() + EXIT_DEADLINE);
@@ -288,13 +332,13 @@ pub async fn supervise(
         }
     }
     match cause {
-        None => Status::Succeeded,
-        Some(StopCause::Interrupted) => Status::Interrupted,
+        None => Ended::Succeeded,
+        Some(StopCause::Interrupted) => Ended::Interrupted,
         Some(
             StopCause::RankFailed { .. }
             | StopCause::HostLost { .. }
             | StopCause::ProfileFailed { .. }
             | StopCause::PlanFailed { .. },
-        ) => Status::Failed,
+        ) => Ended::Failed,
     }
 }

@@ -12,7 +12,7 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use super::{classify_line, LaunchError};
 use crate::events::{Event, Stream};
-use crate::plan::Plan;
+use crate::experiment::Experiment;
 
 /// Time between SIGTERM and SIGKILL when stopping ranks.
 const GRACE: Duration = Duration::from_secs(3);
@@ -24,7 +24,7 @@ pub struct ProcessLauncher {
 
 impl ProcessLauncher {
     /// Starts every rank; events go to `tx`.
-    pub fn start(plan: &Plan, tx: UnboundedSender<Event>) -> Result<ProcessLauncher, LaunchError> {
+    pub fn start(plan: &Experiment, tx: UnboundedSender<Event>) -> Result<ProcessLauncher, LaunchError> {
         let mut launcher = ProcessLauncher { groups: Vec::new() };
         for rank in &plan.ranks {
             let program = &rank.argv[0];

@@ -6,10 +6,10 @@
 
 use futures_util::future::join_all;
 
-use super::docker::{container_body, create, labels, last_line, remove_everywhere, run_to_end, start};
+use super::docker::{container_body, create, labels, remove_everywhere, run_to_end, runtime_error, start};
 use super::LaunchError;
+use crate::experiment::Experiment;
 use crate::hosts::Host;
-use crate::plan::Plan;
 
 /// How long each host keeps trying to connect (the listener may still be starting).
 const CONNECT_SECONDS: u32 = 10;
@@ -21,7 +21,7 @@ const LISTEN_SECONDS: u32 = 60;
 /// are removed afterwards. Nothing to check with one host.
 pub async fn master_reachable(
     hosts: &[Host],
-    plan: &Plan,
+    plan: &Experiment,
     runtime: &str,
     id: &str,
 ) -> Result<(), LaunchError> {
@@ -51,7 +51,7 @@ pub async fn master_reachable(
 
 async fn connect_all(
     hosts: &[Host],
-    plan: &Plan,
+    plan: &Experiment,
     runtime: &str,
     port: &str,
     id: &str,
@@ -79,9 +79,7 @@ async fn connect_all(
         );
         let (code, _, stderr) = run_to_end(host, name, body).await?;
         Ok::<_, LaunchError>((code == 0).then_some(()).ok_or_else(|| {
-            let reason = last_line(&stderr)
-                .trim_start_matches("runtime: error: ")
-                .to_string();
+            let reason = runtime_error(&stderr).to_string();
             (host.name.clone(), format!("exit {code}: {reason}"))
         }))
     });

@@ -3,7 +3,6 @@
 
 pub mod progress;
 pub mod record;
-pub mod stats;
 pub mod terminal;
 
 use crate::events::Event;
@@ -12,7 +11,7 @@ use crate::events::Event;
 pub trait Reporter {
     /// Handles one event. An error is shown once and does not stop the run: the ranks' work is
     /// worth more than a record file.
-    fn report(&mut self, event: &Event) -> Result<(), record::RecordError>;
+    fn report(&mut self, event: &Event) -> Result<(), crate::records::RecordError>;
 }
 
 /// Fans events out to several reporters.
@@ -36,7 +35,7 @@ impl Reporters {
             if let Err(e) = r.report(event) {
                 if !self.warned {
                     self.warned = true;
-                    eprintln!("warning: {}", crate::error_chain(&e));
+                    eprintln!("warning: {}", crate::error::error_chain(&e));
                 }
             }
         }

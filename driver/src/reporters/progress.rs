@@ -5,11 +5,11 @@ use std::time::Duration;
 
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 
-use super::record::RecordError;
-use super::stats::Stats;
 use super::Reporter;
-use crate::cli::Progress;
 use crate::events::Event;
+use crate::options::Progress;
+use crate::records::stats::Stats;
+use crate::records::RecordError;
 
 /// Creates the bar (hidden when off or when stderr is not a terminal), below a sweep's bar when
 /// `under` is given.

@@ -6,10 +6,10 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use indicatif::ProgressBar;
 
-use super::record::RecordError;
 use super::Reporter;
-use crate::cli::Verbosity;
 use crate::events::{Event, StopCause, Stream, LEASE_EXPIRED_EXIT_CODE};
+use crate::options::Verbosity;
+use crate::records::RecordError;
 
 /// Prints events for a person watching.
 pub struct TerminalReporter {

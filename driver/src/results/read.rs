@@ -4,14 +4,12 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use serde::Deserialize;
-
 use super::ResultsError;
-use crate::config::ExperimentFile;
 use crate::events::{Status, StopCause};
-use crate::reporters::record::summary::{Summary, FORMAT_VERSION};
-use crate::reporters::stats::Throughput;
-use crate::sweep::index::{self, Index, PointEntry, PointStatus, INDEX_FILE};
+use crate::records::index::{self, Index, PointEntry, PointStatus, INDEX_FILE};
+use crate::records::stats::{StageShares, Throughput};
+use crate::records::summary::read_summary;
+use crate::records::{read_resolved, ResolvedRank};
 
 /// Where a row's run stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -202,51 +200,6 @@ fn folder_name(dir: &Path) -> String {
         .unwrap_or_else(|| dir.display().to_string())
 }
 
-/// Only the version, read first so another version gets its own message.
-#[derive(Deserialize)]
-struct Versioned {
-    format_version: u32,
-}
-
-/// `config.resolved.json`, the parts a table needs.
-#[derive(Deserialize)]
-struct Resolved {
-    experiment: ExperimentFile,
-    plan: ResolvedPlan,
-}
-
-#[derive(Deserialize)]
-struct ResolvedPlan {
-    ranks: Vec<ResolvedRank>,
-    batch_size: Option<u32>,
-}
-
-#[derive(Deserialize)]
-struct ResolvedRank {
-    stage: Option<usize>,
-}
-
-/// Reads a record's summary, refusing another format version with a message saying so.
-pub fn read_summary(dir: &Path) -> Result<Summary, String> {
-    let path = dir.join("summary.json");
-    let text = std::fs::read_to_string(&path).map_err(|e| format!("cannot read summary.json: {e}"))?;
-    let version: Versioned =
-        serde_json::from_str(&text).map_err(|e| format!("summary.json is not a record summary: {e}"))?;
-    if version.format_version != FORMAT_VERSION {
-        let age = if version.format_version > FORMAT_VERSION {
-            "a newer"
-        } else {
-            "an older"
-        };
-        return Err(format!(
-            "summary.json has format_version {}, written by {age} driver; this driver reads version \
-             {FORMAT_VERSION}; read it with the driver that wrote it",
-            version.format_version
-        ));
-    }
-    serde_json::from_str(&text).map_err(|e| format!("summary.json: {e}"))
-}
-
 /// One record folder as a row.
 pub fn record(dir: &Path) -> Row {
     let id = folder_name(dir);
@@ -258,10 +211,7 @@ pub fn record(dir: &Path) -> Row {
             return row;
         }
     };
-    let resolved: Result<Resolved, String> = std::fs::read_to_string(dir.join("config.resolved.json"))
-        .map_err(|e| format!("cannot read config.resolved.json: {e}"))
-        .and_then(|t| serde_json::from_str(&t).map_err(|e| format!("config.resolved.json: {e}")));
-    let resolved = match resolved {
+    let resolved = match read_resolved(dir) {
         Ok(r) => r,
         Err(reason) => {
             let mut row = Row::empty(dir, summary.name, RowStatus::Unreadable, Some(reason));
@@ -276,7 +226,7 @@ pub fn record(dir: &Path) -> Row {
         Status::Interrupted => RowStatus::Interrupted,
     };
     let (stages, replicas) = layout(&resolved.plan.ranks);
-    let mean = |f: fn(&crate::reporters::stats::StageShares) -> f64| {
+    let mean = |f: fn(&StageShares) -> f64| {
         (!summary.stages.is_empty())
             .then(|| summary.stages.iter().map(f).sum::<f64>() / summary.stages.len() as f64)
     };
@@ -354,7 +304,7 @@ pub fn sweep(dir: &Path) -> Vec<Row> {
                 dir,
                 folder_name(dir),
                 RowStatus::Unreadable,
-                Some(crate::error_chain(&e)),
+                Some(crate::error::error_chain(&e)),
             )]
         }
     };

@@ -17,7 +17,7 @@ fn options(format: Format) -> ResultsOptions {
 /// The output with the machine-specific fixture path replaced.
 fn rendered(options: &ResultsOptions) -> String {
     render(options)
-        .unwrap_or_else(|e| panic!("{}", crate::error_chain(&e)))
+        .unwrap_or_else(|e| panic!("{}", crate::error::error_chain(&e)))
         .replace(&fixtures().display().to_string(), "<fixtures>")
 }
 
@@ -131,7 +131,8 @@ fn plots_are_svg_drawn_by_plotters() {
 
 #[test]
 fn a_record_of_another_format_version_says_so() {
-    let reason = read::read_summary(&fixtures().join("20261122T092000Z_future")).unwrap_err();
+    let reason =
+        crate::records::summary::read_summary(&fixtures().join("20261122T092000Z_future")).unwrap_err();
     assert!(
         reason.contains("format_version 2, written by a newer driver"),
         "{reason}"

@@ -4,21 +4,20 @@
 //! runs only the points without a succeeded record.
 
 pub mod grid;
-pub mod index;
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 use self::grid::{GridError, Point};
-use self::index::{Index, IndexError, PointEntry, PointStatus, INDEX_VERSION};
-use crate::cli::{Options, Verbosity};
 use crate::config::{self, ConfigError, Loaded};
 use crate::exit_codes;
+use crate::options::{Options, Verbosity};
+use crate::records::index::{self, Index, IndexError, PointEntry, PointStatus, INDEX_VERSION};
+use crate::records::{files, Record, RecordError};
 use crate::reporters::progress;
-use crate::reporters::record::{files, Record, RecordError};
 use crate::results;
 use crate::run;
+use crate::signals::StopSignals;
 
 /// What `driver sweep` was asked to do.
 #[derive(Debug, Clone)]
@@ -84,7 +83,7 @@ impl SweepError {
 /// Runs (or resumes) a sweep; returns the exit code: 0 when every point succeeded, 1 when some
 /// failed, 130 when interrupted.
 pub async fn run(options: SweepOptions) -> Result<i32, SweepError> {
-    let interrupted = watch_signals()?;
+    let interrupted = StopSignals::install().map_err(SweepError::Signals)?.into_flag();
     // Every point's file parses and plans before the sweep folder is made and the first runs.
     let (dir, mut index, points) = match &options.source {
         SweepSource::New {
@@ -127,7 +126,7 @@ pub async fn run(options: SweepOptions) -> Result<i32, SweepError> {
     let (bars, bar) = progress::sweep_bars(options.run.progress, todo.len() as u64);
     let mut stopped = false;
     // Points that share a model, batch and first machine share one profile (`config_file: auto`).
-    let profiles = crate::autoplan::ProfileCache::default();
+    let profiles = crate::auto_partition::ProfileCache::default();
     for &i in &todo {
         if interrupted.load(Ordering::SeqCst) {
             stopped = true;
@@ -157,9 +156,11 @@ pub async fn run(options: SweepOptions) -> Result<i32, SweepError> {
                     _ => PointStatus::Failed,
                 };
                 entry.record = e.record_dir().and_then(record_name);
-                entry.error = Some(crate::error_chain(e));
+                entry.error = Some(crate::error::error_chain(e));
                 if entry.status == PointStatus::Failed {
-                    bar.suspend(|| eprintln!("driver: point {label} failed: {}", crate::error_chain(e)));
+                    bar.suspend(|| {
+                        eprintln!("driver: point {label} failed: {}", crate::error::error_chain(e))
+                    });
                 }
             }
         }
@@ -221,14 +222,10 @@ fn new_index(
         path: config_file.to_path_buf(),
         source,
     })?;
-    let name = experiment_name(&loaded);
+    let name = crate::experiment::experiment_name(&loaded);
     let points: Vec<Point> = grid::expand(&axes, repeat);
     let width = (points.len().saturating_sub(1)).to_string().len();
-    let parent = options
-        .output_dir
-        .clone()
-        .or_else(|| loaded.file.log_directory.clone())
-        .unwrap_or_else(|| PathBuf::from("experiments"));
+    let parent = crate::experiment::log_directory(&loaded, options);
     let config_file = std::path::absolute(config_file).unwrap_or_else(|_| config_file.to_path_buf());
     let index = Index {
         format_version: INDEX_VERSION,
@@ -262,12 +259,12 @@ fn points(loaded: &Loaded, index: &Index, options: &Options) -> Result<Vec<Loade
         .iter()
         .map(|entry| {
             config::with_overrides(loaded, &entry.name, &entry.settings)
-                .and_then(|p| crate::plan::resolve(&p, options, 0).map(|_| p))
+                .and_then(|p| crate::experiment::resolve(&p, options, 0).map(|_| p))
                 .map_err(|e| SweepError::Point {
                     label: index::label(&entry.settings, entry.repeat),
                     message: match e {
                         ConfigError::Invalid { message, .. } => message,
-                        other => crate::error_chain(&other),
+                        other => crate::error::error_chain(&other),
                     },
                 })
         })
@@ -309,31 +306,13 @@ fn succeeded(dir: &Path, entry: &PointEntry) -> bool {
             .is_some_and(|r| results::record_succeeded(&dir.join(r)))
 }
 
-/// Sets a flag on SIGINT/SIGTERM, so a signal between two points stops the sweep (each point's
-/// run handles the signal during it).
-fn watch_signals() -> Result<Arc<AtomicBool>, SweepError> {
-    use tokio::signal::unix::{signal, SignalKind};
-    let flag = Arc::new(AtomicBool::new(false));
-    let mut int = signal(SignalKind::interrupt()).map_err(SweepError::Signals)?;
-    let mut term = signal(SignalKind::terminate()).map_err(SweepError::Signals)?;
-    let set = flag.clone();
-    tokio::spawn(async move {
-        tokio::select! {
-            _ = int.recv() => {}
-            _ = term.recv() => {}
-        }
-        set.store(true, Ordering::SeqCst);
-    });
-    Ok(flag)
-}
-
 /// Writes `sweep.svg`; a plot that cannot be drawn is a warning, the records are what matter.
 fn write_plot(dir: &Path) {
     if let Err(e) = results::plot_sweep(dir, &dir.join("sweep.svg")) {
         eprintln!(
             "warning: no plot in {}: {}",
             dir.display(),
-            crate::error_chain(&e)
+            crate::error::error_chain(&e)
         );
     }
 }
@@ -342,17 +321,9 @@ fn write_plot(dir: &Path) {
 fn print_table(dir: &Path) {
     match results::table_of(dir) {
         Ok(table) => println!("{table}"),
-        Err(e) => eprintln!("warning: cannot show the results: {}", crate::error_chain(&e)),
+        Err(e) => eprintln!(
+            "warning: cannot show the results: {}",
+            crate::error::error_chain(&e)
+        ),
     }
-}
-
-/// The experiment's name as a single run would use it: `name:`, or the file's stem.
-fn experiment_name(loaded: &Loaded) -> String {
-    loaded.file.name.clone().unwrap_or_else(|| {
-        loaded
-            .path
-            .file_stem()
-            .map(|s| s.to_string_lossy().into_owned())
-            .unwrap_or_else(|| "experiment".into())
-    })
 }

@@ -1,9 +1,13 @@
 //! The integration tests' harness: a scratch folder per test, the driver binary run on a YAML
-//! written there, its record read back, and the Docker engine asked (through the docker CLI, as
-//! an independent witness) whether any of the test's containers remain.
+//! written there, its record read back, and independent witnesses of what it left: the Docker
+//! engine (through the docker CLI) for the test's containers, `/proc` for its processes.
+//!
+//! Both test binaries use it. The `local` binary's tests must run without a Docker engine, so its
+//! crate root sets `USES_DOCKER = false` and every docker helper here refuses to run there.
 
 #![allow(dead_code)]
 
+pub mod experiments;
 pub mod sshd;
 pub mod testbed;
 
@@ -19,6 +23,9 @@ use serde_json::Value;
 pub const DRIVER: &str = env!("CARGO_BIN_EXE_driver");
 /// The stand-in rank program.
 pub const FAKE_RANK: &str = env!("CARGO_BIN_EXE_fake-rank");
+/// Set on every driver the harness starts, to the harness's name, and so inherited by every
+/// process the driver starts (ranks, profiles, checks): how the harness finds what was left.
+pub const MARKER: &str = "STAGEHAND_TEST_HARNESS";
 
 static COUNTER: AtomicUsize = AtomicUsize::new(0);
 
@@ -228,6 +235,23 @@ impl Harness {
         }
     }
 
+    /// [`Harness::driver`] with these variables added to the driver's environment.
+    pub fn driver_with_env(
+        &self,
+        args: &[&std::ffi::OsStr],
+        env: &[(&str, &str)],
+        deadline: Duration,
+    ) -> Run {
+        let start = Instant::now();
+        let mut cmd = self.driver_command(args);
+        cmd.envs(env.iter().copied());
+        let output = wait_with_deadline(cmd.spawn().expect("start driver"), deadline);
+        Run {
+            output,
+            elapsed: start.elapsed(),
+        }
+    }
+
     /// Starts the driver with exactly these arguments and returns it running.
     pub fn spawn_driver(&self, args: &[&std::ffi::OsStr]) -> Child {
         self.driver_command(args).spawn().expect("start driver")
@@ -235,8 +259,13 @@ impl Harness {
 
     fn driver_command(&self, args: &[&std::ffi::OsStr]) -> Command {
         let mut cmd = Command::new(DRIVER);
+        if !crate::USES_DOCKER {
+            // The `local` binary's tests prove on every run that they need no engine.
+            cmd.env("DOCKER_HOST", "unix:///nonexistent.sock");
+        }
         cmd.args(args)
             .env("STAGEHAND_RUNTIME", runtime_or_placeholder())
+            .env(MARKER, &self.name)
             .current_dir(self.dir.path())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -263,6 +292,47 @@ impl Harness {
     pub fn assert_no_containers(&self) {
         let left = self.containers();
         assert!(left.is_empty(), "containers left behind: {left:?}");
+    }
+
+    /// Live processes started by this test's drivers (they carry [`MARKER`] set to this
+    /// harness's name in their environment), each as its pid and command line. The drivers
+    /// themselves are included while they run.
+    pub fn processes(&self) -> Vec<(u32, String)> {
+        let marker = format!("{MARKER}={}", self.name);
+        let Ok(entries) = std::fs::read_dir("/proc") else {
+            return Vec::new();
+        };
+        entries
+            .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+            .filter(|pid| {
+                // A zombie's (or a vanished process's) environment reads as empty: not live.
+                std::fs::read(format!("/proc/{pid}/environ"))
+                    .is_ok_and(|env| env.split(|&b| b == 0).any(|v| v == marker.as_bytes()))
+            })
+            .map(|pid| {
+                let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+                (pid, String::from_utf8_lossy(&cmdline).replace('\0', " "))
+            })
+            .collect()
+    }
+
+    /// Asserts that no process this test's drivers started is left. Call it once every driver
+    /// of the test has exited. A rank the driver stopped may take a moment to be gone after the
+    /// driver exits (its SIGKILL is asynchronous), so the check waits up to 10 s for them to go;
+    /// a leaked rank (a process backend that forgot one, or a `--hang` rank) never goes.
+    pub fn assert_no_processes(&self) {
+        let start = Instant::now();
+        loop {
+            let left = self.processes();
+            if left.is_empty() {
+                return;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "processes left behind: {left:?}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
     }
 
     /// Ids of this test's running containers on the machine's engine.
@@ -294,9 +364,14 @@ impl Harness {
 
 impl Drop for Harness {
     fn drop(&mut self) {
-        // A failed assertion must not leak containers into the next test run.
-        for id in self.containers() {
-            let _ = Command::new("docker").args(["rm", "-f", &id]).output();
+        // A failed assertion must not leak processes or containers into the next test run.
+        for (pid, _) in self.processes() {
+            let _ = Command::new("kill").args(["-KILL", &pid.to_string()]).output();
+        }
+        if crate::USES_DOCKER {
+            for id in self.containers() {
+                let _ = Command::new("docker").args(["rm", "-f", &id]).output();
+            }
         }
     }
 }
@@ -309,6 +384,12 @@ fn runtime_or_placeholder() -> PathBuf {
 
 /// Runs the docker CLI and returns its stdout.
 pub fn docker(args: &[&str]) -> String {
+    if !crate::USES_DOCKER {
+        panic!(
+            "docker {args:?} from a test of the `local` binary, which must run without a Docker \
+         engine; move the test to the `integration` binary (tests.rs)"
+        );
+    }
     let out = Command::new("docker").args(args).output().expect("docker CLI");
     assert!(
         out.status.success(),

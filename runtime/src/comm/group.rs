@@ -10,7 +10,8 @@ use std::time::Duration;
 
 use tch::{Device, Tensor};
 
-use super::{ffi, millis, CommError, Store};
+use super::{millis, CommError, Store};
+use crate::ffi;
 
 /// Which c10d backend a group runs on; subgroups inherit it.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -23,13 +23,14 @@
 // The API is complete for the stage runtime; not every part of it has a caller in every build.
 #![allow(dead_code, unused_imports)]
 
-pub(crate) mod ffi;
 mod group;
 mod store;
 #[cfg(test)]
 mod tests;
 
 use std::time::Duration;
+
+use crate::ffi;
 
 pub use group::{ProcessGroup, Work};
 pub use store::Store;

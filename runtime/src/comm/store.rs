@@ -7,7 +7,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::time::Duration;
 
-use super::{ffi, millis, CommError};
+use super::{millis, CommError};
+use crate::ffi;
 
 /// A connection to the job's TCPStore. Rank 0 hosts it (and must outlive everyone's use of it);
 /// the key/value operations are thread-safe.

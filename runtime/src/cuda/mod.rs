@@ -19,7 +19,7 @@ pub use load::torch_lib_dir;
 use std::ffi::{c_char, CStr};
 use std::sync::OnceLock;
 
-use crate::comm::ffi::{check, RawGroup, RawStore};
+use crate::ffi::{check, RawGroup, RawStore};
 
 /// The CUDA half's entry points, resolved from the loaded object.
 #[allow(clippy::type_complexity)]
@@ -181,6 +181,18 @@ pub fn nccl() -> Result<&'static Cuda, String> {
     cuda.nccl_version()
         .map_err(|e| format!("NCCL is unavailable: {e}"))?;
     Ok(cuda)
+}
+
+/// Binds this process to `device` before any CUDA work: a CUDA device becomes current, so
+/// contexts, streams and NCCL communicators are created there and not on cuda:0; nothing to do
+/// on the CPU.
+pub fn bind_device(device: tch::Device) -> Result<(), String> {
+    if let tch::Device::Cuda(index) = device {
+        let cuda = require_device(index)?;
+        cuda.set_device(index)
+            .map_err(|e| format!("making cuda:{index} the current device: {e}"))?;
+    }
+    Ok(())
 }
 
 /// Waits for `device`'s queued work when it is a CUDA device (a timing boundary); a no-op on the

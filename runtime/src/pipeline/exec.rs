@@ -13,11 +13,11 @@ use tch::{Device, Kind, Tensor};
 use super::channel::Channels;
 use super::reduce::{last_backwards, ReduceStats, Reducer};
 use super::route::{Op, Route, Transfer};
-use super::schedule::{Action, Schedule};
 use super::wire::{self, header, header_buffer, read_header, Message, TensorSpec};
 use crate::comm::{ProcessGroup, Work};
 use crate::data::Batches;
-use crate::train::{backward_with_grad, GradScaler, Optimizer, Stage};
+use crate::schedule::{Action, Schedule};
+use crate::stage::{backward_with_grad, GradScaler, Optimizer, Stage};
 
 /// The process groups a rank talks through; `None` in a single-process run.
 pub struct Links {
@@ -367,7 +367,13 @@ impl Executor {
             }
         };
         crate::cuda::synchronize(self.device);
-        progress.timing.comm += started.elapsed();
+        if self.links.channels.is_some() || self.links.replicas.is_some() {
+            progress.timing.comm += started.elapsed();
+        } else {
+            // Without peers nothing was waited on (comm_wait_s is 0 in one process): what ran
+            // was the gradient scaler's kernels, if any.
+            progress.timing.compute += started.elapsed();
+        }
         if !skip {
             let slowdown = self.slowdown;
             timed(self.device, slowdown, &mut progress.timing, || {
@@ -522,4 +528,40 @@ fn timed<T>(device: Device, slowdown: f64, timing: &mut Timing, f: impl FnOnce()
     }
     timing.compute += spent;
     value
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The stretch is slept, not only booked: the compute booked is `factor` times the work's own
+    /// time and no more than the time that really passed. (Both hold however loaded the machine
+    /// is: a sleep never ends early, and the work is timed inside the outer clock.)
+    #[test]
+    fn slowdown_sleeps_the_stretch_it_books() {
+        let mut timing = Timing::default();
+        let mut work = Duration::ZERO;
+        let started = Instant::now();
+        timed(Device::Cpu, 3.0, &mut timing, || {
+            let begun = Instant::now();
+            std::thread::sleep(Duration::from_millis(5));
+            work = begun.elapsed();
+        });
+        let passed = started.elapsed();
+        // A nanosecond's slack for the float arithmetic of `mul_f64`.
+        let slack = Duration::from_nanos(10);
+        assert!(
+            timing.compute + slack >= work.mul_f64(3.0),
+            "{timing:?} for {work:?} of work"
+        );
+        assert!(timing.compute <= passed, "{timing:?} booked, {passed:?} passed");
+        assert_eq!(timing.comm, Duration::ZERO);
+
+        let mut plain = Timing::default();
+        let started = Instant::now();
+        timed(Device::Cpu, 1.0, &mut plain, || {
+            std::thread::sleep(Duration::from_millis(5))
+        });
+        assert!(plain.compute >= Duration::from_millis(5) && plain.compute <= started.elapsed());
+    }
 }

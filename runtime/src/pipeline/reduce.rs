@@ -15,18 +15,10 @@ use std::time::{Duration, Instant};
 
 use tch::{Device, Tensor};
 
-use super::schedule::Action;
 use crate::comm::{ProcessGroup, Work};
-use crate::train::{set_grad_ready_hook, GradReadyFn};
-
-/// How the replicas' gradients are all-reduced.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct ReduceOptions {
-    /// A bucket holds at most this many bytes of gradients, or one larger gradient alone.
-    pub bucket_bytes: usize,
-    /// Start buckets during the backward pass (DDP) instead of after it.
-    pub overlap: bool,
-}
+use crate::config::ReduceOptions;
+use crate::schedule::Action;
+use crate::stage::{set_grad_ready_hook, GradReadyFn};
 
 /// What one step's all-reduce did, for the iteration's metrics.
 #[derive(Debug, Default, Clone, Copy, PartialEq)]
@@ -345,7 +337,7 @@ unsafe extern "C" fn grad_ready(context: *mut c_void, index: i64) -> *mut c_char
         Ok(Err(message)) => message,
         Err(_) => "a panic in the gradient hook".to_string(),
     };
-    crate::comm::ffi::malloc_message(&message)
+    crate::ffi::malloc_message(&message)
 }
 
 #[cfg(test)]

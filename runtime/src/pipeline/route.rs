@@ -31,8 +31,8 @@
 
 use stagehand_contract::StagePlan;
 
-use super::schedule::{rank_for, Action};
 use super::wire::Message;
+use crate::schedule::{rank_for, Action};
 
 /// One message to or from another rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

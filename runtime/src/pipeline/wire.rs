@@ -6,7 +6,7 @@ use std::collections::HashSet;
 use stagehand_contract::{Channel, P2pTensor};
 use tch::{Device, Kind, Tensor};
 
-use super::schedule::Action;
+use crate::schedule::Action;
 
 /// One tensor that crosses a stage boundary.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

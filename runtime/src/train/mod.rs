@@ -2,11 +2,6 @@
 //! runs its schedule, and reports each iteration as a metrics event. One process holding the
 //! whole model is the same path with a one-stage, one-rank plan and no peers.
 
-mod amp;
-mod autograd;
-mod optim;
-mod stage;
-
 use std::io::Write;
 use std::time::Duration;
 
@@ -19,24 +14,9 @@ use crate::config::{Backend, DeviceSpec, DistConfig, Precision, TrainConfig};
 use crate::data::{self, BatchRequest, Shard};
 use crate::metrics::{Emitter, Memory, Throughput};
 use crate::models::{InputKind, ModelDef};
-use crate::pipeline::schedule::{self, Action, Schedule};
 use crate::pipeline::{Channels, Executor, Links, Reducer, TensorSpec};
-pub use amp::GradScaler;
-pub use autograd::{backward_with_grad, set_grad_ready_hook, GradReadyFn};
-pub use optim::Optimizer;
-pub use stage::Stage;
-
-/// Binds this process to its device before any CUDA work: the device becomes current, so
-/// contexts, streams and NCCL communicators are created there and not on cuda:0. (`main` has
-/// checked that it exists.)
-pub fn bind_device(device: DeviceSpec) -> anyhow::Result<()> {
-    if let DeviceSpec::Cuda(index) = device {
-        let cuda = crate::cuda::require_device(index).map_err(anyhow::Error::msg)?;
-        cuda.set_device(index)
-            .map_err(|e| anyhow::anyhow!("making cuda:{index} the current device: {e}"))?;
-    }
-    Ok(())
-}
+use crate::schedule::{self, Action, Schedule};
+use crate::stage::{GradScaler, Optimizer, Stage};
 
 /// The plan of stages: the config's, or every rank on one stage (data parallelism).
 fn stage_plan(dist: &DistConfig, num_modules: usize) -> anyhow::Result<StagePlan> {
@@ -201,7 +181,7 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
     if let Some(threads) = config.threads {
         tch::set_num_threads(threads as i32);
     }
-    bind_device(config.device)?;
+    crate::cuda::bind_device(config.device.tch()).map_err(anyhow::Error::msg)?;
     let dist = &config.dist;
     let device = config.device.tch();
     // Everything that can be wrong with the plan is found before talking to any other rank.

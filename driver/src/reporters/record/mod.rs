@@ -2,92 +2,25 @@
 //! logs, `metrics.jsonl` and `summary.json`, written as the run goes so a crash keeps what was
 //! gathered. Whole files are replaced atomically; logs and metrics are appended line by line.
 
-pub mod files;
-pub mod summary;
-
 use std::collections::{BTreeMap, VecDeque};
 use std::fs::{File, OpenOptions};
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use jiff::Timestamp;
 
-use self::summary::{Failure, RankOutcome, RankState, Summary, FORMAT_VERSION};
-use super::stats::Stats;
 use super::Reporter;
-use crate::config::Loaded;
 use crate::events::{Event, HostFacts, Status, StopCause};
-use crate::plan::Plan;
+use crate::experiment::Experiment;
+use crate::records::stats::Stats;
+use crate::records::summary::{Failure, RankOutcome, RankState, Summary, FORMAT_VERSION};
+use crate::records::{files, Record, RecordError};
 
 /// Lines kept per rank for the failure report.
 const LAST_LINES: usize = 20;
 /// How often `summary.json` is rewritten while only metrics arrive.
 const SUMMARY_EVERY: Duration = Duration::from_secs(1);
-
-/// A record file could not be written.
-#[derive(Debug, thiserror::Error)]
-pub enum RecordError {
-    #[error("cannot create record folder {}; check --output-dir or log_directory", path.display())]
-    CreateDir {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("cannot write record file {}", path.display())]
-    Write {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
-}
-
-/// A created record folder.
-#[derive(Debug, Clone)]
-pub struct Record {
-    /// The folder.
-    pub dir: PathBuf,
-    /// Its name, also the experiment id used in container labels.
-    pub id: String,
-    /// When the run started.
-    pub started: Timestamp,
-}
-
-impl Record {
-    /// Creates a fresh folder under `parent` named by the UTC time and `name`.
-    pub fn create(parent: &Path, name: &str) -> Result<Record, RecordError> {
-        let started = Timestamp::now();
-        let stamp = started.strftime("%Y%m%dT%H%M%SZ").to_string();
-        std::fs::create_dir_all(parent).map_err(|source| RecordError::CreateDir {
-            path: parent.to_path_buf(),
-            source,
-        })?;
-        for n in 0.. {
-            let id = if n == 0 {
-                format!("{stamp}_{name}")
-            } else {
-                format!("{stamp}_{name}-{n}")
-            };
-            let dir = parent.join(&id);
-            match std::fs::create_dir(&dir) {
-                Ok(()) => return Ok(Record { dir, id, started }),
-                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
-                Err(source) => return Err(RecordError::CreateDir { path: dir, source }),
-            }
-        }
-        unreachable!("some suffix is free")
-    }
-
-    /// Writes what is known before launch: the configs and the git state.
-    pub fn write_setup(&self, loaded: &Loaded, plan: &Plan) -> Result<(), RecordError> {
-        files::write_atomic(&self.dir.join("config.given.yml"), loaded.text.as_bytes())?;
-        let resolved = serde_json::json!({ "experiment": loaded.file, "plan": plan });
-        files::write_json(&self.dir.join("config.resolved.json"), &resolved)?;
-        let (git, diff) = files::git_state();
-        files::write_json(&self.dir.join("git.json"), &git)?;
-        files::write_atomic(&self.dir.join("git.diff"), diff.as_bytes())
-    }
-}
 
 /// Writes the record as events arrive.
 pub struct RecordReporter {
@@ -105,7 +38,7 @@ pub struct RecordReporter {
 
 impl RecordReporter {
     /// Starts the record for `plan` in `record`, writing an initial `summary.json`.
-    pub fn new(record: Record, plan: &Plan) -> Result<RecordReporter, RecordError> {
+    pub fn new(record: Record, plan: &Experiment) -> Result<RecordReporter, RecordError> {
         let summary = Summary {
             format_version: FORMAT_VERSION,
             id: record.id.clone(),

@@ -5,10 +5,11 @@ use std::path::Path;
 use serde_json::Value;
 
 use super::*;
-use crate::cli::{ContainerMode, Options, Progress, Verbosity};
+use crate::config::Loaded;
 use crate::events::{LeftContainer, Stream};
+use crate::options::{ContainerMode, Options, Progress, Verbosity};
 
-fn plan(dir: &Path) -> (Loaded, Plan) {
+fn plan(dir: &Path) -> (Loaded, Experiment) {
     let path = dir.join("exp.yml");
     std::fs::write(
         &path,
@@ -30,7 +31,7 @@ fn plan(dir: &Path) -> (Loaded, Plan) {
         verbosity: Verbosity::Quiet,
         progress: Progress::Off,
     };
-    let plan = crate::plan::resolve(&loaded, &options, 29500).unwrap();
+    let plan = crate::experiment::resolve(&loaded, &options, 29500).unwrap();
     (loaded, plan)
 }
 

@@ -8,8 +8,8 @@ use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use stagehand_contract::{Channel, P2pOp, StagePlan};
 
 use super::*;
-use crate::pipeline::schedule::tests::plan;
-use crate::pipeline::schedule::{timeline, validate, Schedule};
+use crate::schedule::tests::plan;
+use crate::schedule::{timeline, validate, Schedule};
 use Action::{Backward as B, Forward as F, Step};
 use Message::{Activation as A, Gradient as G, Target as T};
 

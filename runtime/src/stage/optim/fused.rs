@@ -5,7 +5,7 @@ use std::os::raw::c_char;
 use tch::Tensor;
 use torch_sys::C_tensor;
 
-use crate::comm::ffi::check;
+use crate::ffi::check;
 
 extern "C" {
     fn sh_fused_sgd_step(

@@ -7,8 +7,8 @@ use std::os::raw::{c_char, c_int, c_void};
 use tch::{Device, Kind, Tensor};
 use torch_sys::C_tensor;
 
-use crate::comm::ffi::check;
 use crate::config::Precision;
+use crate::ffi::check;
 
 extern "C" {
     fn sh_autocast_enter(cuda: c_int, dtype: c_int) -> *mut c_char;

@@ -5,7 +5,7 @@ use std::os::raw::{c_char, c_void};
 use tch::Tensor;
 use torch_sys::C_tensor;
 
-use crate::comm::ffi::check;
+use crate::ffi::check;
 
 extern "C" {
     fn sh_backward_with_grad(output: *const C_tensor, grad: *const C_tensor) -> *mut c_char;
@@ -20,7 +20,7 @@ extern "C" {
 
 /// A parameter's gradient-ready hook: called with its context and index once a backward has
 /// written the parameter's gradient; returns null, or a message from
-/// [`crate::comm::ffi::malloc_message`] that fails the backward.
+/// [`crate::ffi::malloc_message`] that fails the backward.
 pub type GradReadyFn = unsafe extern "C" fn(context: *mut c_void, index: i64) -> *mut c_char;
 
 /// Backward from `output` given the gradient of the loss with respect to it (a pipeline stage's
@@ -97,7 +97,7 @@ mod tests {
         let (calls, fail) = unsafe { &mut *context.cast::<(Vec<i64>, bool)>() };
         calls.push(index);
         if *fail {
-            crate::comm::ffi::malloc_message("the hook says no")
+            crate::ffi::malloc_message("the hook says no")
         } else {
             std::ptr::null_mut()
         }

@@ -2,8 +2,9 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::stats::{StageShares, Throughput};
+use super::{read_versioned, VersionedError};
 use crate::events::{LeftContainer, PlanFacts, Status, StopCause};
-use crate::reporters::stats::{StageShares, Throughput};
 
 /// Version of `summary.json`; bumped when a field changes meaning.
 pub const FORMAT_VERSION: u32 = 1;
@@ -118,4 +119,24 @@ pub struct Summary {
     /// The stage config planned at launch and its prediction (`config_file: auto` only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub plan: Option<PlanFacts>,
+}
+
+/// Reads a record's summary, refusing another format version with a message saying so.
+pub fn read_summary(dir: &std::path::Path) -> Result<Summary, String> {
+    read_versioned(&dir.join("summary.json"), FORMAT_VERSION).map_err(|e| match e {
+        VersionedError::Read(e) => format!("cannot read summary.json: {e}"),
+        VersionedError::NotVersioned(e) => format!("summary.json is not a record summary: {e}"),
+        VersionedError::Version(found) => {
+            let age = if found > FORMAT_VERSION {
+                "a newer"
+            } else {
+                "an older"
+            };
+            format!(
+                "summary.json has format_version {found}, written by {age} driver; this driver reads \
+                 version {FORMAT_VERSION}; read it with the driver that wrote it"
+            )
+        }
+        VersionedError::Parse(e) => format!("summary.json: {e}"),
+    })
 }

@@ -4,10 +4,10 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use crate::cli::{Backend, ContainerMode};
 use crate::config::{Device, ExperimentFile};
+use crate::options::{Backend, ContainerMode};
 
-use super::HostPlan;
+use super::HostSpec;
 
 /// What every rank's command is built from.
 pub(super) struct ArgsContext<'a> {
@@ -30,7 +30,7 @@ pub(super) fn rank_command(
     ctx: &ArgsContext,
     rank: usize,
     local_rank: usize,
-    host: &HostPlan,
+    host: &HostSpec,
     gpus: &[u32],
 ) -> (Vec<String>, BTreeMap<String, String>) {
     let mut env: BTreeMap<String, String> = ctx.file.env.clone();
@@ -66,6 +66,9 @@ pub(super) fn rank_command(
     }
     if let Some(s) = f.seed {
         flag("seed", s.to_string());
+    }
+    if let Some(w) = f.weight_decay {
+        flag("weight-decay", w.to_string());
     }
     if let Some(d) = data_arg(ctx) {
         flag("data", d);
@@ -106,7 +109,22 @@ pub(super) fn rank_command(
         argv.push("--bucket-mb".into());
         argv.push(f64::from(mb).to_string());
     }
+    if let Some(o) = f.overlap_reduce {
+        argv.push("--overlap-reduce".into());
+        argv.push(o.as_arg().to_string());
+    }
+    if let Some(factor) = slowdown_of(f, rank, &host.name) {
+        argv.push("--slowdown".into());
+        argv.push(format!("{rank}={factor}"));
+    }
     (argv, env)
+}
+
+/// The factor `slowdown:` gives `rank` on `host`: its own entry's, else its machine's.
+pub(super) fn slowdown_of(file: &ExperimentFile, rank: usize, host: &str) -> Option<f64> {
+    let own = file.slowdown.iter().find(|s| s.rank == Some(rank));
+    let machine = || file.slowdown.iter().find(|s| s.host.as_deref() == Some(host));
+    own.or_else(machine).map(|s| s.factor)
 }
 
 /// The model's flags, the same for training and for profiling so both build one model.
@@ -141,7 +159,7 @@ fn data_arg(ctx: &ArgsContext) -> Option<String> {
 /// microbatch size, printing the profile JSON on stdout.
 pub(super) fn profile_command(
     ctx: &ArgsContext,
-    host: &HostPlan,
+    host: &HostSpec,
     gpus: &[u32],
     micro_batch_size: u32,
     repeats: Option<u32>,
@@ -167,7 +185,7 @@ pub(super) fn profile_command(
 }
 
 /// The `--device` value as the rank sees its GPUs: a container given one GPU sees it as `cuda:0`.
-pub(super) fn device_arg(ctx: &ArgsContext, host: &HostPlan, gpus: &[u32]) -> String {
+pub(super) fn device_arg(ctx: &ArgsContext, host: &HostSpec, gpus: &[u32]) -> String {
     let Some(&gpu) = gpus.first() else {
         return "cpu".to_string();
     };

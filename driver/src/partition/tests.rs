@@ -32,10 +32,10 @@ fn profile() -> Profile {
     }
 }
 
-fn options(dir: &std::path::Path) -> PlanOptions {
+fn options(dir: &std::path::Path) -> PartitionOptions {
     let path = dir.join("profile.json");
     std::fs::write(&path, serde_json::to_string(&profile()).unwrap()).unwrap();
-    PlanOptions {
+    PartitionOptions {
         profile: path,
         request: PlanRequest {
             workers: 3,
@@ -46,6 +46,7 @@ fn options(dir: &std::path::Path) -> PlanOptions {
         },
         output: Some(dir.join("stages.json")),
         prediction: Some(dir.join("prediction.json")),
+        explain: false,
     }
 }
 
@@ -78,6 +79,46 @@ fn the_plan_renders_for_people() {
     let dir = tempfile::tempdir().unwrap();
     let (profile, plan, prediction) = solve(&options(dir.path())).unwrap();
     insta::assert_snapshot!(render(&profile, &plan, &prediction));
+}
+
+#[test]
+fn the_explanation_marks_the_bottleneck_and_its_shares() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_, plan, _) = solve(&options(dir.path())).unwrap();
+    let text = explain(&plan);
+    insta::assert_snapshot!(text);
+    // Straight on 3 workers: the heavy module's stage is the bottleneck, and only its line says so.
+    let marked: Vec<&str> = text.lines().filter(|l| l.contains("bottleneck")).collect();
+    assert_eq!(marked.len(), 1, "{text}");
+    assert!(marked[0].contains("stage 1:"), "{text}");
+}
+
+#[test]
+fn more_microbatches_make_replication_cheaper_and_change_the_plan() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut opts = options(dir.path());
+    opts.request.straight = false;
+    // 256 MiB of weights per module: at 1 GB/s their all-reduce (once per minibatch) costs far
+    // more than one microbatch's compute, and far less than 64 microbatches'.
+    let mut heavy_weights = profile();
+    for m in &mut heavy_weights.modules[..4] {
+        m.param_bytes = 1 << 28;
+    }
+    std::fs::write(&opts.profile, serde_json::to_string(&heavy_weights).unwrap()).unwrap();
+    let most_replicas = |m: usize, opts: &mut PartitionOptions| {
+        opts.request.microbatches = m;
+        let (_, plan, _) = solve(opts).unwrap();
+        plan.stages.iter().map(|s| s.replicas).max().unwrap()
+    };
+    assert_eq!(
+        most_replicas(1, &mut opts),
+        1,
+        "one microbatch: a straight pipeline"
+    );
+    assert!(
+        most_replicas(64, &mut opts) > 1,
+        "64 microbatches: some stage replicated"
+    );
 }
 
 #[test]

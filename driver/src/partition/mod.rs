@@ -26,7 +26,7 @@ pub struct PlanRequest {
 
 /// A validated `driver plan` request.
 #[derive(Debug, Clone, PartialEq)]
-pub struct PlanOptions {
+pub struct PartitionOptions {
     /// The profile JSON written by `runtime profile`.
     pub profile: PathBuf,
     /// What to plan for.
@@ -35,11 +35,13 @@ pub struct PlanOptions {
     pub output: Option<PathBuf>,
     /// Where to write the predictions as JSON, if anywhere.
     pub prediction: Option<PathBuf>,
+    /// Also print each stage's parts of the predicted time.
+    pub explain: bool,
 }
 
 /// Why planning failed; each says what to change.
 #[derive(Debug, thiserror::Error)]
-pub enum PlanningError {
+pub enum PartitionError {
     #[error("cannot read the profile {path}")]
     Read {
         path: PathBuf,
@@ -104,19 +106,19 @@ pub fn layer_costs(profile: &Profile, microbatches: usize) -> Vec<LayerCost> {
 }
 
 /// Reads a profile JSON file.
-pub fn read_profile(path: &std::path::Path) -> Result<Profile, PlanningError> {
-    let text = std::fs::read_to_string(path).map_err(|source| PlanningError::Read {
+pub fn read_profile(path: &std::path::Path) -> Result<Profile, PartitionError> {
+    let text = std::fs::read_to_string(path).map_err(|source| PartitionError::Read {
         path: path.to_path_buf(),
         source,
     })?;
-    Profile::from_json(&text).map_err(|reason| PlanningError::Profile {
+    Profile::from_json(&text).map_err(|reason| PartitionError::Profile {
         path: path.to_path_buf(),
         reason,
     })
 }
 
 /// Reads the profile and solves.
-pub fn solve(options: &PlanOptions) -> Result<(Profile, Plan, Prediction), PlanningError> {
+pub fn solve(options: &PartitionOptions) -> Result<(Profile, Plan, Prediction), PartitionError> {
     let profile = read_profile(&options.profile)?;
     let (plan, prediction) = solve_profile(&profile, &options.request)?;
     Ok((profile, plan, prediction))
@@ -203,13 +205,54 @@ pub fn render(profile: &Profile, plan: &Plan, prediction: &Prediction) -> String
     out
 }
 
+/// Why the plan predicts what it does: per stage, what one worker spends per minibatch on
+/// compute, the optimizer, the all-reduce and the transfer to the next stage, as milliseconds and
+/// as shares of the predicted steady-state time; the part that sets it is marked.
+pub fn explain(plan: &Plan) -> String {
+    let mut out = String::new();
+    let time = plan.time_per_minibatch;
+    let part = |name: &str, s: f64| format!("{name} {:.1} ms ({:.0}%)", s * 1e3, 100.0 * s / time);
+    // A stage or a transfer sets the time; its parts only add up to it.
+    let sets = |name: &str, s: f64| {
+        let mark = if s >= time * (1.0 - 1e-9) {
+            " <- bottleneck"
+        } else {
+            ""
+        };
+        format!("{}{mark}", part(name, s))
+    };
+    let _ = writeln!(
+        out,
+        "why: per minibatch, each worker of a stage spends (share of the predicted {:.1} ms):",
+        time * 1e3
+    );
+    for (id, s) in plan.stages.iter().enumerate() {
+        let parts = [
+            part("compute", s.parts.compute_s),
+            part("optimizer", s.parts.optimizer_s),
+            part("all-reduce", s.parts.allreduce_s),
+        ];
+        let mut line = format!("  stage {id}: {}", parts.join(" + "));
+        let _ = write!(line, " = {}", sets("stage", s.time_s));
+        if let Some(t) = s.transfer_s {
+            let _ = write!(line, "; {}", sets(&format!("transfer to stage {}", id + 1), t));
+        }
+        let _ = writeln!(out, "{line}");
+    }
+    let _ = writeln!(
+        out,
+        "the slowest stage or transfer sets the time; a stage's parts add, transfers overlap with compute"
+    );
+    out
+}
+
 /// Runs `driver plan`: writes the stage config (or prints it) and the predictions, and prints
 /// the plan for people on stderr.
-pub fn run(options: &PlanOptions) -> Result<(), PlanningError> {
+pub fn run(options: &PartitionOptions) -> Result<(), PartitionError> {
     let (profile, plan, prediction) = solve(options)?;
     let config = serde_json::to_string_pretty(&plan.stage_config()).expect("stage configs serialize") + "\n";
     match &options.output {
-        Some(path) => std::fs::write(path, &config).map_err(|source| PlanningError::Write {
+        Some(path) => std::fs::write(path, &config).map_err(|source| PartitionError::Write {
             path: path.clone(),
             source,
         })?,
@@ -217,12 +260,15 @@ pub fn run(options: &PlanOptions) -> Result<(), PlanningError> {
     }
     if let Some(path) = &options.prediction {
         let text = serde_json::to_string_pretty(&prediction).expect("predictions serialize") + "\n";
-        std::fs::write(path, text).map_err(|source| PlanningError::Write {
+        std::fs::write(path, text).map_err(|source| PartitionError::Write {
             path: path.clone(),
             source,
         })?;
     }
     eprint!("{}", render(&profile, &plan, &prediction));
+    if options.explain {
+        eprint!("{}", explain(&plan));
+    }
     Ok(())
 }
 

@@ -2,23 +2,18 @@
 //! of the experiment's image, or as a local process), plan the stages for the experiment's
 //! machines, and keep the profile, the predictions and the stage config in the record.
 
-use std::time::Duration;
-
 use stagehand_contract::Profile;
-use tokio::sync::mpsc;
 
-use crate::cli::ContainerMode;
 use crate::config::Schedule;
-use crate::events::{Event, PlanFacts, Status, StopCause, Stream};
+use crate::events::{Ended, Event, PlanFacts, StopCause, Stream};
+use crate::experiment::{AutoPartition, Experiment, Partitioned};
 use crate::hosts::{Host, SshOptions};
-use crate::launch::{
-    cleanup::REMOVAL_GRACE, docker::DockerLauncher, process::ProcessLauncher, LaunchError, Launcher,
-    StopSignals,
-};
-use crate::plan::{AutoPlan, Plan, Planned};
-use crate::planning::{self, PlanRequest};
-use crate::reporters::record::{files, Record, RecordError};
+use crate::launch::{self, LaunchError, Target, Watch};
+use crate::options::ContainerMode;
+use crate::partition::{self, PlanRequest};
+use crate::records::{files, Record, RecordError};
 use crate::reporters::Reporters;
+use crate::signals::StopSignals;
 
 /// Profiles taken by this driver process, by host and profiling command: a sweep whose points
 /// differ only in what the profile does not depend on (schedule, iterations, learning rate, ...)
@@ -45,15 +40,12 @@ impl ProfileCache {
     }
 }
 
-/// How long the profiling process gets to exit once stopped.
-const EXIT_DEADLINE: Duration = Duration::from_secs(15);
-
 /// Why no stage config came out; the run ends with this.
 #[derive(Debug)]
 pub enum AutoError {
     /// Profiling failed or was interrupted, or planning failed; the reporters were told
     /// (`Stopping`) and the run ends with this status.
-    Stopped(Status),
+    Stopped(Ended),
     /// The profiling container or process could not be started.
     Launch(LaunchError),
     /// The record could not be written.
@@ -75,18 +67,18 @@ pub struct FirstHost<'a> {
 /// Profiles (or reads the given profile), plans and writes `profile.json`, `plan.json` and
 /// `stage_config.json` into the record. Returns what the ranks run with.
 pub async fn profile_and_plan(
-    plan: &Plan,
-    auto: &AutoPlan,
+    plan: &Experiment,
+    auto: &AutoPartition,
     schedule: Option<Schedule>,
     first: FirstHost<'_>,
     record: &Record,
     reporters: &mut Reporters,
     signals: &mut StopSignals,
-) -> Result<Planned, AutoError> {
+) -> Result<Partitioned, AutoError> {
     let (profile, profiled_on) = match (&auto.profile_argv, &auto.profile_file) {
-        (_, Some(path)) => match planning::read_profile(path) {
+        (_, Some(path)) => match partition::read_profile(path) {
             Ok(p) => (p, path.display().to_string()),
-            Err(e) => return Err(plan_failed(reporters, crate::error_chain(&e))),
+            Err(e) => return Err(plan_failed(reporters, crate::error::error_chain(&e))),
         },
         (Some(argv), None) => {
             let host = plan.hosts[0].name.clone();
@@ -133,7 +125,7 @@ pub async fn profile_and_plan(
         straight: auto.straight,
         microbatches: auto.microbatches as usize,
     };
-    let (solved, prediction) = match planning::solve_profile(&profile, &request) {
+    let (solved, prediction) = match partition::solve_profile(&profile, &request) {
         Ok(s) => s,
         Err(e) => return Err(plan_failed(reporters, e.to_string())),
     };
@@ -169,10 +161,10 @@ pub async fn profile_and_plan(
         replicas: solved.stages.iter().map(|s| s.replicas).collect(),
         predicted_time_per_iteration_s: predicted,
         data_parallel_time_s: prediction.data_parallel_time_s,
-        table: planning::render(&profile, &solved, &prediction),
+        table: partition::render(&profile, &solved, &prediction),
     }));
-    Ok(Planned {
-        stage_config: crate::plan::absolute(&stage_config),
+    Ok(Partitioned {
+        stage_config: crate::experiment::absolute(&stage_config),
         microbatches: auto.microbatches,
     })
 }
@@ -184,13 +176,13 @@ fn write(record: &Record, name: &str, value: &impl serde::Serialize) -> Result<(
 /// Tells the reporters planning failed, and why.
 pub fn plan_failed(reporters: &mut Reporters, reason: String) -> AutoError {
     reporters.report(&Event::Stopping(StopCause::PlanFailed { reason }));
-    AutoError::Stopped(Status::Failed)
+    AutoError::Stopped(Ended::Failed)
 }
 
 /// Runs the profiling command as rank 0 would run, on its host and device, and returns what it
 /// printed on stdout (the profile JSON).
 async fn run_profile(
-    plan: &Plan,
+    plan: &Experiment,
     argv: &[String],
     first: &FirstHost<'_>,
     record: &Record,
@@ -198,119 +190,71 @@ async fn run_profile(
     signals: &mut StopSignals,
 ) -> Result<String, AutoError> {
     let profile_plan = one_rank(plan, argv);
-    let host = profile_plan.hosts[0].name.clone();
-    let (tx, mut rx) = mpsc::unbounded_channel();
-    let launcher = match first.host {
-        None => ProcessLauncher::start(&profile_plan, tx)
-            .map(Launcher::Process)
-            .map_err(AutoError::Launch)?,
-        Some(h) => {
-            let docker = DockerLauncher::new(
-                vec![h.clone()],
-                format!("{}-profile", record.id),
-                first.ssh.clone(),
-            );
-            if let Err(e) = docker.start(&profile_plan, tx).await {
-                let _ = docker.remove_all(REMOVAL_GRACE).await;
-                return Err(AutoError::Launch(e));
-            }
-            Launcher::Docker(docker)
-        }
+    let target = match first.host {
+        None => Target::Processes,
+        Some(h) => Target::Containers {
+            hosts: vec![h.clone()],
+            id: format!("{}-profile", record.id),
+            ssh: first.ssh.clone(),
+        },
     };
+    let mut watch = Profiling {
+        host: profile_plan.hosts[0].name.clone(),
+        stdout: String::new(),
+    };
+    let outcome = launch::run_ranks(target, &profile_plan, reporters, signals, &mut watch)
+        .await
+        .map_err(AutoError::Launch)?;
+    outcome.cleanup.map_err(AutoError::Cleanup)?;
+    match outcome.status {
+        Ended::Succeeded => Ok(watch.stdout),
+        ended => Err(AutoError::Stopped(ended)),
+    }
+}
 
-    let mut stdout = String::new();
-    let mut cause: Option<StopCause> = None;
-    let mut deadline: Option<tokio::time::Instant> = None;
-    let exit_code = loop {
-        let until_deadline = async {
-            match deadline {
-                Some(d) => tokio::time::sleep_until(d).await,
-                None => std::future::pending().await,
-            }
-        };
-        let event = tokio::select! {
-            e = rx.recv() => e,
-            _ = signals.recv(), if cause.is_none() => {
-                let c = StopCause::Interrupted;
-                reporters.report(&Event::Stopping(c.clone()));
-                cause = Some(c);
-                deadline = Some(tokio::time::Instant::now() + EXIT_DEADLINE);
-                launcher.stop_all().await;
-                continue;
-            }
-            _ = until_deadline => None,
-        };
+/// The profiling rank: its stdout is the profile, kept here; its stderr is shown as profile
+/// lines; its start and end are not the experiment's ranks' and are not reported.
+struct Profiling {
+    host: String,
+    stdout: String,
+}
+
+impl Watch for Profiling {
+    fn show(&mut self, event: Event) -> Option<Event> {
         match event {
-            None => break None,
-            Some(Event::LineLogged {
+            Event::LineLogged {
                 stream: Stream::Stdout,
                 line,
                 ..
-            })
-            | Some(Event::Metrics { line, .. }) => {
-                stdout.push_str(&line);
-                stdout.push('\n');
             }
-            Some(Event::LineLogged {
+            | Event::Metrics { line, .. } => {
+                self.stdout.push_str(&line);
+                self.stdout.push('\n');
+                None
+            }
+            Event::LineLogged {
                 stream: Stream::Stderr,
                 line,
                 ..
-            }) => {
-                reporters.report(&Event::ProfileLine {
-                    host: host.clone(),
-                    line,
-                });
-            }
-            Some(Event::RankExited { exit_code, .. }) => break exit_code,
-            Some(Event::RankRemoved { .. }) => break None,
-            Some(Event::RankLost { host, reason, .. }) => {
-                if cause.is_none() {
-                    let c = StopCause::HostLost { host, reason };
-                    reporters.report(&Event::Stopping(c.clone()));
-                    cause = Some(c);
-                }
-                break None;
-            }
-            Some(Event::HostLost { host, reason }) if cause.is_none() => {
-                reporters.report(&Event::HostLost {
-                    host: host.clone(),
-                    reason: reason.clone(),
-                });
-                let c = StopCause::HostLost { host, reason };
-                reporters.report(&Event::Stopping(c.clone()));
-                cause = Some(c);
-                deadline = Some(tokio::time::Instant::now() + EXIT_DEADLINE);
-                launcher.stop_all().await;
-            }
-            Some(_) => {}
+            } => Some(Event::ProfileLine {
+                host: self.host.clone(),
+                line,
+            }),
+            Event::RankStarted { .. }
+            | Event::RankExited { .. }
+            | Event::RankRemoved { .. }
+            | Event::RankLost { .. } => None,
+            other => Some(other),
         }
-    };
-    let cleanup = match &launcher {
-        Launcher::Docker(d) => d.remove_all(REMOVAL_GRACE).await,
-        Launcher::Process(p) => {
-            p.stop_all().await;
-            Ok(())
-        }
-    };
-    if let Err(e) = cleanup {
-        if let LaunchError::ContainersLeft { left, .. } = &e {
-            reporters.report(&Event::ContainersLeft(left.clone()));
-        }
-        return Err(AutoError::Cleanup(e));
     }
-    match cause {
-        Some(StopCause::Interrupted) => Err(AutoError::Stopped(Status::Interrupted)),
-        Some(_) => Err(AutoError::Stopped(Status::Failed)),
-        None if exit_code == Some(0) => Ok(stdout),
-        None => {
-            reporters.report(&Event::Stopping(StopCause::ProfileFailed { host, exit_code }));
-            Err(AutoError::Stopped(Status::Failed))
-        }
+
+    fn failed(&self, _rank: usize, host: String, exit_code: Option<i64>) -> StopCause {
+        StopCause::ProfileFailed { host, exit_code }
     }
 }
 
 /// The experiment's plan cut down to rank 0 running `argv` alone in its own container.
-fn one_rank(plan: &Plan, argv: &[String]) -> Plan {
+fn one_rank(plan: &Experiment, argv: &[String]) -> Experiment {
     let mut one = plan.clone();
     let mut rank = plan.ranks[0].clone();
     rank.argv = argv.to_vec();

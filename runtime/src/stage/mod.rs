@@ -1,14 +1,23 @@
-//! A stage: a contiguous slice of the model's modules with its own parameters. A single-process
-//! run is one stage holding every module, the loss included.
+//! A stage: a contiguous slice of the model's modules with its own parameters, and what
+//! training them takes on one rank: the optimizer (`optim/`), autograd beyond tch's `backward()`
+//! (`autograd.rs`), mixed precision and channels_last (`amp.rs`). A single-process run is one
+//! stage holding every module, the loss included. Nothing here talks to other ranks.
+
+mod amp;
+mod autograd;
+mod optim;
 
 use std::ops::Range;
 
 use tch::nn;
 use tch::{Device, Tensor};
 
-use super::amp;
 use crate::config::Precision;
 use crate::models::{count_params, Loss, ModelDef};
+
+pub use amp::GradScaler;
+pub use autograd::{backward_with_grad, set_grad_ready_hook, GradReadyFn};
+pub use optim::Optimizer;
 
 pub struct Stage {
     layers: Vec<Box<dyn nn::ModuleT>>,

@@ -1,4 +1,8 @@
-//! The C ABI of `csrc/c10d_bridge.cpp`, and turning its error strings into Rust strings.
+//! The C ABI of the bridge to libtorch (`csrc/`), at the bottom of the runtime: the entry points
+//! of `csrc/c10d_bridge.cpp` (the store and process groups `comm` wraps), the opaque handles the
+//! CUDA half (`csrc/cuda_bridge.cpp`, loaded by `cuda`) takes and returns, and the error-string
+//! rule every part of the bridge keeps (the stage's `amp.cpp`, `autograd.cpp` and `optim.cpp`
+//! included).
 //!
 //! Every fallible bridge call returns null on success or a malloc'd, NUL-terminated message that
 //! the caller owns; [`check`] takes that ownership.

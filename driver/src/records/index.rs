@@ -6,9 +6,8 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use super::{files, read_versioned, RecordError, VersionedError};
 use crate::config::Axis;
-use crate::reporters::record::files;
-use crate::reporters::record::RecordError;
 
 /// Version of `sweep.json`; bumped when a field changes meaning.
 pub const INDEX_VERSION: u32 = 1;
@@ -91,32 +90,17 @@ pub enum IndexError {
     Version { path: PathBuf, found: u32 },
 }
 
-/// Only the version, read first so another version gets its own message.
-#[derive(Deserialize)]
-struct Versioned {
-    format_version: u32,
-}
-
 impl Index {
     /// Reads `dir/sweep.json`.
     pub fn read(dir: &Path) -> Result<Index, IndexError> {
         let path = dir.join(INDEX_FILE);
-        let text = std::fs::read_to_string(&path).map_err(|source| IndexError::Read {
-            path: path.clone(),
-            source,
-        })?;
-        let parse = |e: serde_json::Error| IndexError::Parse {
-            path: path.clone(),
-            message: e.to_string(),
-        };
-        let version: Versioned = serde_json::from_str(&text).map_err(parse)?;
-        if version.format_version != INDEX_VERSION {
-            return Err(IndexError::Version {
-                path,
-                found: version.format_version,
-            });
-        }
-        serde_json::from_str(&text).map_err(parse)
+        read_versioned(&path, INDEX_VERSION).map_err(|e| match e {
+            VersionedError::Read(source) => IndexError::Read { path, source },
+            VersionedError::NotVersioned(message) | VersionedError::Parse(message) => {
+                IndexError::Parse { path, message }
+            }
+            VersionedError::Version(found) => IndexError::Version { path, found },
+        })
     }
 
     /// Replaces `dir/sweep.json` atomically.

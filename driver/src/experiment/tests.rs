@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 
 use super::*;
-use crate::cli::{Progress, Verbosity};
+use crate::options::{Progress, Verbosity};
 
 fn options(backend: Option<Backend>, mode: ContainerMode) -> Options {
     Options {
@@ -28,7 +28,7 @@ fn loaded(dir: &Path, text: &str) -> Loaded {
     crate::config::load(&path).unwrap()
 }
 
-fn resolve_text(text: &str, opts: &Options) -> Result<Plan, ConfigError> {
+fn resolve_text(text: &str, opts: &Options) -> Result<Experiment, ConfigError> {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(
         dir.path().join("two.json"),
@@ -268,7 +268,7 @@ fn a_planned_stage_config_and_its_microbatches_reach_every_rank() {
     let auto = pending.auto.unwrap();
     assert_eq!(auto.microbatches, 3, "3 divides 30");
     assert_eq!(auto.levels, vec![(3, 2e9)], "CPU ranks of one machine");
-    let planned = Planned {
+    let planned = Partitioned {
         stage_config: stages.clone(),
         microbatches: auto.microbatches,
     };
@@ -326,11 +326,11 @@ fn auto_needs_the_runtime_a_model_and_a_batch_size() {
 
 #[test]
 fn auto_networks_follow_the_machines() {
-    let hosts = |counts: &[usize]| -> Vec<HostPlan> {
+    let hosts = |counts: &[usize]| -> Vec<HostSpec> {
         counts
             .iter()
             .enumerate()
-            .map(|(i, &n)| HostPlan {
+            .map(|(i, &n)| HostSpec {
                 name: format!("h{i}"),
                 machine: Machine {
                     host: format!("h{i}"),
@@ -393,7 +393,7 @@ fn every_shipped_config_resolves() {
 
 /// The runtime's own validation (`runtime --check`, the build scripts/setup.sh makes) accepts
 /// every rank's argument vector and environment as the plan resolves them.
-fn runtime_accepts_every_rank(config: &Path, plan: &Plan) {
+fn runtime_accepts_every_rank(config: &Path, plan: &Experiment) {
     let runtime = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/release/runtime");
     assert!(
         runtime.is_file(),
@@ -417,5 +417,108 @@ fn runtime_accepts_every_rank(config: &Path, plan: &Plan) {
         );
         let line: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
         assert_eq!(line["world_size"], plan.world_size(), "{line}");
+    }
+}
+
+#[test]
+fn slowdown_reaches_the_ranks_it_names_and_a_rank_wins_over_its_machine() {
+    let o = options(None, ContainerMode::PerRank);
+    let plan = resolve_text(
+        "machines: [localhost, localhost, localhost]\nmodule: mlp\nslowdown:\n  - {host: localhost, factor: 1.5}\n  - {rank: 2, factor: 3}\n",
+        &o,
+    )
+    .unwrap();
+    assert_eq!(flag(&plan.ranks[0].argv, "--slowdown"), Some("0=1.5"));
+    assert_eq!(flag(&plan.ranks[1].argv, "--slowdown"), Some("1=1.5"));
+    assert_eq!(flag(&plan.ranks[2].argv, "--slowdown"), Some("2=3"));
+    let plan = resolve_text(
+        "machines: [localhost, localhost]\nslowdown: [{rank: 1, factor: 2}]\n",
+        &o,
+    )
+    .unwrap();
+    assert_eq!(flag(&plan.ranks[0].argv, "--slowdown"), None);
+    assert_eq!(flag(&plan.ranks[1].argv, "--slowdown"), Some("1=2"));
+}
+
+#[test]
+fn a_slowdown_that_names_nothing_real_is_refused_with_what_to_change() {
+    let o = options(None, ContainerMode::PerRank);
+    for (body, expected) in [
+        (
+            "slowdown: [{rank: 2, factor: 2}]",
+            "names rank 2, but the machines give 2 rank(s)",
+        ),
+        (
+            "slowdown: [{host: node9, factor: 2}]",
+            "names host `node9`, which is not one of the machines",
+        ),
+        (
+            "slowdown: [{rank: 1, host: localhost, factor: 2}]",
+            "either a `rank` or a `host`",
+        ),
+        ("slowdown: [{rank: 1, factor: 0.5}]", "a factor is at least 1"),
+        (
+            "command: [sleep, '1']\nslowdown: [{rank: 1, factor: 2}]",
+            "the ranks run `command:`",
+        ),
+    ] {
+        let text = format!("machines: [localhost, localhost]\n{body}\n");
+        let e = resolve_text(&text, &o).unwrap_err().to_string();
+        assert!(e.contains(expected), "{body}: {e}");
+        assert!(e.contains("exp.yml:"), "located in the file: {e}");
+    }
+}
+
+#[test]
+fn overlap_reduce_reaches_every_rank() {
+    let plan = resolve_text(
+        "machines: [localhost, localhost]\nmodule: mlp\noverlap_reduce: on\n",
+        &options(None, ContainerMode::PerRank),
+    )
+    .unwrap();
+    for rank in &plan.ranks {
+        assert_eq!(flag(&rank.argv, "--overlap-reduce"), Some("on"));
+    }
+}
+
+#[test]
+fn pipedreams_weight_decay_and_model_type_are_honoured() {
+    let o = options(None, ContainerMode::PerRank);
+    let plan = resolve_text(
+        "machines: [localhost]\nmodule: vgg16\nweight_decay: 0.0001\nmodel_type: image_classification\n",
+        &o,
+    )
+    .unwrap();
+    assert_eq!(flag(&plan.ranks[0].argv, "--weight-decay"), Some("0.0001"));
+    let e = resolve_text("machines: [localhost]\nmodel_type: translation\n", &o)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("model_type `translation` is not one the runtime has"),
+        "{e}"
+    );
+}
+
+#[test]
+fn pipedreams_keys_not_honoured_yet_are_refused_with_what_to_use_instead() {
+    let o = options(None, ContainerMode::PerRank);
+    for (key, value, instead) in [
+        ("epochs", "10", "`iterations`"),
+        ("synthetic_data", "true", "leave `data_dir` out"),
+        ("learning_rate_policy", "polynomial", "constant"),
+        ("print_frequency", "100", "metrics.jsonl"),
+        ("verbose_frequency", "100", "metrics.jsonl"),
+        ("compress_activations", "true", "precision: fp16"),
+        ("compress_in_gpu", "true", "precision: fp16"),
+        ("translation_model", "gnmt", "module: transformer"),
+    ] {
+        let text = format!("machines: [localhost]\n{key}: {value}\n");
+        let e = resolve_text(&text, &o).unwrap_err().to_string();
+        assert!(
+            e.contains(&format!("`{key}` (PipeDream's) is not supported")),
+            "{key}: {e}"
+        );
+        assert!(e.contains(instead), "{key}: {e}");
+        assert!(e.contains("exp.yml:2:1"), "{key} located at its line: {e}");
     }
 }

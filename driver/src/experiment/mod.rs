@@ -10,8 +10,8 @@ use std::path::{Path, PathBuf};
 use serde::Serialize;
 use stagehand_contract::StageConfig;
 
-use crate::cli::{Backend, ContainerMode, Options};
 use crate::config::{ConfigError, Container, Device, Loaded, Machine, Mount, StageConfigRef};
+use crate::options::{Backend, ContainerMode, Options};
 
 /// The process backend's runtime when `--runtime` gives none (relative to the working folder).
 pub const DEFAULT_LOCAL_RUNTIME: &str = "target/release/runtime";
@@ -26,7 +26,7 @@ const DEFAULT_INTER_HOST_GBPS: f64 = 1.25;
 
 /// What `config_file: auto` does before launch: profile (or read a profile), then plan.
 #[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct AutoPlan {
+pub struct AutoPartition {
     /// The profiling command, run on rank 0's machine and device; `None` when a profile is given.
     pub profile_argv: Option<Vec<String>>,
     /// A profile to use instead of profiling.
@@ -51,7 +51,7 @@ pub struct AutoPlan {
 
 /// The outcome of `config_file: auto`, for the second resolution.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Planned {
+pub struct Partitioned {
     /// The stage config written for the run (absolute).
     pub stage_config: PathBuf,
     /// Microbatches per minibatch.
@@ -100,7 +100,7 @@ pub enum WhenMissing {
 
 /// A bind mount and its fallback.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct PlannedMount {
+pub struct MountSpec {
     /// The mount.
     pub mount: Mount,
     /// What to do where the source path does not exist.
@@ -109,7 +109,7 @@ pub struct PlannedMount {
 
 /// One distinct host and the ranks it runs.
 #[derive(Debug, Clone, Serialize)]
-pub struct HostPlan {
+pub struct HostSpec {
     /// Host name as written (`localhost` for the local engine).
     pub name: String,
     /// SSH details from the first entry naming this host.
@@ -122,10 +122,10 @@ pub struct HostPlan {
 
 /// One rank: where it runs and exactly what it is started with.
 #[derive(Debug, Clone, Serialize)]
-pub struct RankPlan {
+pub struct RankSpec {
     /// Global rank.
     pub rank: usize,
-    /// Index into [`Plan::hosts`].
+    /// Index into [`Experiment::hosts`].
     pub host: usize,
     /// Rank among the ranks on the same host.
     pub local_rank: usize,
@@ -141,7 +141,7 @@ pub struct RankPlan {
 
 /// Everything the launch needs, resolved and checked.
 #[derive(Debug, Clone, Serialize)]
-pub struct Plan {
+pub struct Experiment {
     /// Experiment name.
     pub name: String,
     /// Where ranks run.
@@ -151,9 +151,9 @@ pub struct Plan {
     /// The image (ignored by the process backend).
     pub image: ImageSource,
     /// Distinct hosts in order of first appearance.
-    pub hosts: Vec<HostPlan>,
+    pub hosts: Vec<HostSpec>,
     /// Ranks by global rank.
-    pub ranks: Vec<RankPlan>,
+    pub ranks: Vec<RankSpec>,
     /// Master address as every rank reaches it.
     pub master_addr: String,
     /// Master port chosen by the driver.
@@ -164,31 +164,52 @@ pub struct Plan {
     pub batch_size: Option<u32>,
     /// Bind mounts for every container (host path = container path for code and data), each
     /// with what to do on a host that lacks the source path.
-    pub mounts: Vec<PlannedMount>,
+    pub mounts: Vec<MountSpec>,
     /// Shared memory per container in bytes.
     pub shm_size_bytes: u64,
     /// Where the record folder goes.
     pub log_directory: PathBuf,
     /// Profiling and planning still to do (`config_file: auto`), before the ranks can start.
-    pub auto: Option<AutoPlan>,
+    pub auto: Option<AutoPartition>,
 }
 
-impl Plan {
+impl Experiment {
     /// Number of ranks.
     pub fn world_size(&self) -> usize {
         self.ranks.len()
     }
 
     /// The host a rank runs on.
-    pub fn host_of(&self, rank: usize) -> &HostPlan {
+    pub fn host_of(&self, rank: usize) -> &HostSpec {
         &self.hosts[self.ranks[rank].host]
     }
 }
 
+/// The experiment's name: the file's `name`, else the file's stem.
+pub fn experiment_name(loaded: &Loaded) -> String {
+    loaded.file.name.clone().unwrap_or_else(|| {
+        loaded
+            .path
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "experiment".into())
+    })
+}
+
+/// Where record (and sweep) folders go: `--output-dir`, else the file's `log_directory`, else
+/// `experiments/`.
+pub fn log_directory(loaded: &Loaded, options: &Options) -> PathBuf {
+    options
+        .output_dir
+        .clone()
+        .or_else(|| loaded.file.log_directory.clone())
+        .unwrap_or_else(|| PathBuf::from("experiments"))
+}
+
 /// Resolves the plan; `master_port` is chosen by the caller (it depends on the hosts). With
-/// `config_file: auto` the plan carries [`Plan::auto`]; once planned, [`resolve_planned`] gives
+/// `config_file: auto` the plan carries [`Experiment::auto`]; once planned, [`resolve_planned`] gives
 /// the plan the ranks run.
-pub fn resolve(loaded: &Loaded, options: &Options, master_port: u16) -> Result<Plan, ConfigError> {
+pub fn resolve(loaded: &Loaded, options: &Options, master_port: u16) -> Result<Experiment, ConfigError> {
     resolve_with(loaded, options, master_port, None)
 }
 
@@ -197,8 +218,8 @@ pub fn resolve_planned(
     loaded: &Loaded,
     options: &Options,
     master_port: u16,
-    planned: &Planned,
-) -> Result<Plan, ConfigError> {
+    planned: &Partitioned,
+) -> Result<Experiment, ConfigError> {
     resolve_with(loaded, options, master_port, Some(planned))
 }
 
@@ -206,8 +227,8 @@ fn resolve_with(
     loaded: &Loaded,
     options: &Options,
     master_port: u16,
-    planned: Option<&Planned>,
-) -> Result<Plan, ConfigError> {
+    planned: Option<&Partitioned>,
+) -> Result<Experiment, ConfigError> {
     let file = &loaded.file;
     let base = absolute(&loaded.base_dir());
     if file.machines.is_empty() {
@@ -232,6 +253,8 @@ fn resolve_with(
 
     let (hosts, rank_slots) = group_hosts(&file.machines);
     let world_size = rank_slots.len();
+    check_slowdown(loaded, &hosts, world_size)?;
+    check_pipedream_keys(loaded)?;
 
     let auto = matches!(file.config_file, Some(StageConfigRef::Auto));
     let stage_config_file = match planned {
@@ -240,7 +263,7 @@ fn resolve_with(
             .config_file
             .as_ref()
             .and_then(StageConfigRef::file)
-            .map(|rel| base.join(rel)),
+            .map(|rel| stage_config_path(&base, rel)),
     };
     let stages = match stage_config_file {
         Some(path) => {
@@ -298,13 +321,7 @@ fn resolve_with(
         ));
     }
 
-    let name = file.name.clone().unwrap_or_else(|| {
-        loaded
-            .path
-            .file_stem()
-            .map(|s| s.to_string_lossy().into_owned())
-            .unwrap_or_else(|| "experiment".into())
-    });
+    let name = experiment_name(loaded);
     if name.is_empty()
         || !name
             .chars()
@@ -350,7 +367,7 @@ fn resolve_with(
             target: path,
             read_only,
         };
-        mounts.push(PlannedMount { mount, when_missing });
+        mounts.push(MountSpec { mount, when_missing });
     };
     // Code reaches containers by a bind mount where the host has the path, else it is copied in.
     let program = (runtime_is_local || file.command.is_some()).then_some(program);
@@ -379,7 +396,7 @@ fn resolve_with(
             target: m.target.clone(),
             read_only: m.read_only,
         };
-        mounts.push(PlannedMount {
+        mounts.push(MountSpec {
             mount,
             when_missing: WhenMissing::Fail,
         });
@@ -414,7 +431,7 @@ fn resolve_with(
                 .expect("rank is on its host");
             let stage = stages.as_ref().map(|(_, p)| p.stage_of_rank(rank).id);
             let (argv, env) = args::rank_command(&ctx, rank, local_rank, host_plan, gpus);
-            RankPlan {
+            RankSpec {
                 rank,
                 host: *host,
                 local_rank,
@@ -426,7 +443,7 @@ fn resolve_with(
         })
         .collect();
 
-    Ok(Plan {
+    Ok(Experiment {
         name,
         backend,
         container_mode: options.container_mode,
@@ -439,13 +456,118 @@ fn resolve_with(
         batch_size: file.batch_size,
         mounts,
         shm_size_bytes: file.shm_size_mb.unwrap_or(DEFAULT_SHM_MB) * 1024 * 1024,
-        log_directory: options
-            .output_dir
-            .clone()
-            .or_else(|| file.log_directory.clone())
-            .unwrap_or_else(|| PathBuf::from("experiments")),
+        log_directory: log_directory(loaded, options),
         auto,
     })
+}
+
+/// A stage config named in the experiment file: next to the file, or, as PipeDream's driver
+/// found it, relative to the working directory (its configs name `models/<model>/gpus=<N>/...`
+/// from PipeDream's runtime folder). Next to the file when it is in neither, so the error names
+/// that path.
+fn stage_config_path(base: &Path, given: &Path) -> PathBuf {
+    let beside = base.join(given);
+    if beside.exists() || given.is_absolute() {
+        return beside;
+    }
+    match std::path::absolute(given) {
+        Ok(here) if here.exists() => here,
+        _ => beside,
+    }
+}
+
+/// Checks the keys PipeDream's driver configs have that this driver does not honour yet: each
+/// is refused with what to use instead, never ignored.
+fn check_pipedream_keys(loaded: &Loaded) -> Result<(), ConfigError> {
+    let f = &loaded.file;
+    let metrics = "every iteration's metrics are recorded in metrics.jsonl; drop the key";
+    let compress = "activations cross stages in the arithmetic's dtype: `precision: fp16` sends them \
+                    in half precision (and computes in it); or drop the key";
+    let not_yet = [
+        (
+            "epochs",
+            &f.epochs,
+            "give the number of optimizer steps as `iterations`",
+        ),
+        (
+            "synthetic_data",
+            &f.synthetic_data,
+            "synthetic data is the default; leave `data_dir` out for it",
+        ),
+        (
+            "learning_rate_policy",
+            &f.learning_rate_policy,
+            "the learning rate is constant; drop the key",
+        ),
+        ("print_frequency", &f.print_frequency, metrics),
+        ("verbose_frequency", &f.verbose_frequency, metrics),
+        ("compress_activations", &f.compress_activations, compress),
+        ("compress_in_gpu", &f.compress_in_gpu, compress),
+        (
+            "translation_model",
+            &f.translation_model,
+            "the runtime has no GNMT; `module: transformer` is its BERT-style language model",
+        ),
+    ];
+    if let Some((key, _, instead)) = not_yet.iter().find(|(_, given, _)| given.is_some()) {
+        return Err(loaded.error_at(
+            key,
+            format!("`{key}` (PipeDream's) is not supported by this driver yet; {instead}"),
+        ));
+    }
+    match f.model_type.as_deref() {
+        None | Some("image_classification") => Ok(()),
+        Some(other) => Err(loaded.error_at(
+            "model_type",
+            format!(
+                "model_type `{other}` is not one the runtime has; it trains image classification \
+                 (mlp, vgg16, resnet50/101/152) and a BERT-style transformer: use \
+                 `model_type: image_classification` or leave the key out"
+            ),
+        )),
+    }
+}
+
+/// Every `slowdown:` entry names one rank of the world or one of the machines, with a factor of
+/// at least 1, and the ranks run the runtime (the factor is its `--slowdown`).
+fn check_slowdown(loaded: &Loaded, hosts: &[HostSpec], world_size: usize) -> Result<(), ConfigError> {
+    let file = &loaded.file;
+    let invalid = |message: String| Err(loaded.error_at("slowdown", message));
+    if !file.slowdown.is_empty() && file.command.is_some() {
+        return invalid(
+            "slowdown stretches the runtime's compute, but the ranks run `command:`; drop one".into(),
+        );
+    }
+    for (i, s) in file.slowdown.iter().enumerate() {
+        match (&s.rank, &s.host) {
+            (Some(_), Some(_)) | (None, None) => {
+                return invalid(format!(
+                    "slowdown entry {i} must name either a `rank` or a `host`, not both or neither"
+                ))
+            }
+            (Some(rank), None) if *rank >= world_size => {
+                return invalid(format!(
+                "slowdown entry {i} names rank {rank}, but the machines give {world_size} rank(s) (0 to {})",
+                world_size - 1
+            ))
+            }
+            (None, Some(host)) if !hosts.iter().any(|h| &h.name == host) => {
+                let names: Vec<&str> = hosts.iter().map(|h| h.name.as_str()).collect();
+                return invalid(format!(
+                    "slowdown entry {i} names host `{host}`, which is not one of the machines ({})",
+                    names.join(", ")
+                ));
+            }
+            _ => {}
+        }
+        if !(s.factor.is_finite() && s.factor >= 1.0) {
+            return invalid(format!(
+                "slowdown entry {i} has factor {}; a factor is at least 1 (2 makes compute take twice as long)",
+                s.factor
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// What `config_file: auto` will do: checks the keys it needs, picks the microbatches and the
@@ -453,9 +575,9 @@ fn resolve_with(
 fn auto_plan(
     loaded: &Loaded,
     ctx: &args::ArgsContext,
-    hosts: &[HostPlan],
+    hosts: &[HostSpec],
     rank_slots: &[(usize, Vec<u32>)],
-) -> Result<AutoPlan, ConfigError> {
+) -> Result<AutoPartition, ConfigError> {
     let file = &loaded.file;
     let need = |what: &str| {
         loaded.error_at(
@@ -515,7 +637,7 @@ fn auto_plan(
             settings.repeats,
         )),
     };
-    Ok(AutoPlan {
+    Ok(AutoPartition {
         profile_argv,
         profile_file,
         profile_device: args::device_arg(ctx, &hosts[*host], gpus),
@@ -538,7 +660,7 @@ fn default_microbatches(batch_size: u32, world_size: usize) -> Option<u32> {
 
 /// The network as the planner sees it: ranks of one machine talk at `intra` bytes/s, machines at
 /// `inter`. Machines with different rank counts are planned as one flat level at `inter`.
-fn network_levels(hosts: &[HostPlan], world_size: usize, intra: f64, inter: f64) -> Vec<(usize, f64)> {
+fn network_levels(hosts: &[HostSpec], world_size: usize, intra: f64, inter: f64) -> Vec<(usize, f64)> {
     if hosts.len() == 1 {
         return vec![(world_size, intra)];
     }
@@ -551,14 +673,14 @@ fn network_levels(hosts: &[HostPlan], world_size: usize, intra: f64, inter: f64)
 }
 
 /// Groups machine entries by host; returns the hosts and, per rank, its host index and GPUs.
-fn group_hosts(machines: &[Machine]) -> (Vec<HostPlan>, Vec<(usize, Vec<u32>)>) {
-    let mut hosts: Vec<HostPlan> = Vec::new();
+fn group_hosts(machines: &[Machine]) -> (Vec<HostSpec>, Vec<(usize, Vec<u32>)>) {
+    let mut hosts: Vec<HostSpec> = Vec::new();
     let mut slots = Vec::new();
     for m in machines {
         let index = match hosts.iter().position(|h| h.name == m.host) {
             Some(i) => i,
             None => {
-                hosts.push(HostPlan {
+                hosts.push(HostSpec {
                     name: m.host.clone(),
                     machine: m.clone(),
                     ranks: Vec::new(),

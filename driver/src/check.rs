@@ -1,0 +1,256 @@
+//! `driver check` and `driver run --dry-run`: the experiment resolved and shown as it would be
+//! launched (hosts, containers, each rank's GPUs and command, the image), and the training request
+//! validated by the runtime's own check (`runtime --check`, run here with each rank's arguments),
+//! without touching any host. A real run does the same validation in rank 0's image at preflight.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use crate::config::{self, ConfigError, Loaded, StageConfigRef};
+use crate::error::error_chain;
+use crate::exit_codes;
+use crate::experiment::{self, Experiment, ImageSource, RUNTIME_IN_IMAGE};
+use crate::hosts::image::planned_tag;
+use crate::launch::docker::runtime_error;
+use crate::options::{Backend, ContainerMode, Options};
+
+/// Why an experiment does not pass the check.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckError {
+    #[error("invalid experiment file")]
+    Config(#[from] ConfigError),
+    #[error("the runtime refuses rank {rank}'s training request: {reason}; change the experiment file")]
+    Refused { rank: usize, reason: String },
+    #[error("cannot run the runtime's check with {}", runtime.display())]
+    Runtime {
+        runtime: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl CheckError {
+    /// The documented exit code: every refusal is the experiment file's to fix.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            CheckError::Config(_) | CheckError::Refused { .. } => exit_codes::INVALID_CONFIG,
+            CheckError::Runtime { .. } => exit_codes::PREFLIGHT_FAILED,
+        }
+    }
+}
+
+/// What the runtime's check said of the experiment.
+#[derive(Debug, PartialEq, Eq)]
+pub enum RuntimeCheck {
+    /// Every rank's request was accepted by this runtime.
+    Accepted(PathBuf),
+    /// Not checked, and why.
+    Skipped(String),
+}
+
+/// Checks the experiment `options` names and prints what a run would do on stdout.
+pub fn run(options: &Options) -> Result<(), CheckError> {
+    let loaded = config::load(&options.config_file)?;
+    // A port picked at launch is shown as the usual default.
+    let port = options.master_port.unwrap_or(29500);
+    let plan = experiment::resolve(&loaded, options, port)?;
+    let verdict = runtime_check(&loaded, &plan, options, true)?;
+    print!(
+        "{}",
+        render(&plan, &image_line(&plan), &verdict, options.master_port.is_none())
+    );
+    Ok(())
+}
+
+/// Runs `runtime --check` with the arguments and environment of every rank (or of rank 0 alone,
+/// as a run does before it touches a host), with a runtime found on this machine; refuses on the
+/// first rank it refuses.
+pub fn runtime_check(
+    loaded: &Loaded,
+    plan: &Experiment,
+    options: &Options,
+    every_rank: bool,
+) -> Result<RuntimeCheck, CheckError> {
+    if loaded.file.command.is_some() {
+        return Ok(RuntimeCheck::Skipped(
+            "the ranks run `command:`, not the runtime".into(),
+        ));
+    }
+    if loaded.file.config_file == Some(StageConfigRef::Auto) {
+        return Ok(RuntimeCheck::Skipped(
+            "config_file: auto; the stage config is planned at launch and checked there".into(),
+        ));
+    }
+    let Some(runtime) = local_runtime(plan, options) else {
+        return Ok(RuntimeCheck::Skipped(
+            "no runtime on this machine (build it, or pass --runtime); a run checks in the image".into(),
+        ));
+    };
+    let ranks = if every_rank {
+        &plan.ranks[..]
+    } else {
+        &plan.ranks[..1]
+    };
+    for rank in ranks {
+        let out = Command::new(&runtime)
+            .args(&rank.argv[1..])
+            .arg("--check")
+            .envs(&rank.env)
+            .output()
+            .map_err(|source| CheckError::Runtime {
+                runtime: runtime.clone(),
+                source,
+            })?;
+        if !out.status.success() {
+            return Err(CheckError::Refused {
+                rank: rank.rank,
+                reason: runtime_error(&String::from_utf8_lossy(&out.stderr)).to_string(),
+            });
+        }
+    }
+    Ok(RuntimeCheck::Accepted(runtime))
+}
+
+/// The runtime to check with: `--runtime`, the ranks' own program where it is on this machine,
+/// the source's release build, or `runtime` on PATH.
+fn local_runtime(plan: &Experiment, options: &Options) -> Option<PathBuf> {
+    if let Some(r) = &options.runtime {
+        return Some(r.clone());
+    }
+    let program = Path::new(&plan.ranks[0].argv[0]);
+    if program != Path::new(RUNTIME_IN_IMAGE) && program.is_file() {
+        return Some(program.to_path_buf());
+    }
+    let built = experiment::source_root(options.source.as_deref())
+        .map(|root| root.join("target/release/runtime"))
+        .filter(|p| p.is_file());
+    built.or_else(|| find_program("runtime"))
+}
+
+/// Where `program` would be found: a path as given, or a bare name on `PATH`.
+pub fn find_program(program: &str) -> Option<PathBuf> {
+    let path = Path::new(program);
+    if program.contains('/') {
+        return path.is_file().then(|| path.to_path_buf());
+    }
+    std::env::var_os("PATH")
+        .iter()
+        .flat_map(std::env::split_paths)
+        .map(|dir| dir.join(program))
+        .find(|p| p.is_file())
+}
+
+/// The image line: which image, and whether a run builds it.
+fn image_line(plan: &Experiment) -> String {
+    match (&plan.backend, &plan.image) {
+        (Backend::Process, _) => "none (local processes)".to_string(),
+        (Backend::Docker, ImageSource::Named(name)) => {
+            format!("{name}, used as is (it must exist on every host)")
+        }
+        (Backend::Docker, ImageSource::Build(spec)) => {
+            let tag = match planned_tag(spec) {
+                Ok(tag) => tag,
+                Err(e) => format!(
+                    "{}:? (cannot list the context: {})",
+                    spec.repository,
+                    error_chain(&e)
+                ),
+            };
+            format!(
+                "{tag}, built from {} ({}) on the first host of each architecture that lacks it, \
+                 streamed to the others",
+                spec.context.display(),
+                spec.dockerfile
+            )
+        }
+    }
+}
+
+/// The plan as people read it.
+pub fn render(plan: &Experiment, image: &str, verdict: &RuntimeCheck, port_picked: bool) -> String {
+    let mut out = String::new();
+    let how = match (plan.backend, plan.container_mode) {
+        (Backend::Process, _) => "local processes",
+        (Backend::Docker, ContainerMode::PerRank) => "docker containers, one per rank",
+        (Backend::Docker, ContainerMode::PerHost) => "docker containers, one per host",
+    };
+    let _ = writeln!(
+        out,
+        "experiment {}: {} rank(s) on {} host(s) as {how}",
+        plan.name,
+        plan.world_size(),
+        plan.hosts.len()
+    );
+    let _ = writeln!(out, "image: {image}");
+    let port = if port_picked {
+        format!("a free port picked at launch ({} shown)", plan.master_port)
+    } else {
+        plan.master_port.to_string()
+    };
+    let _ = writeln!(out, "master: {} port {port}", plan.master_addr);
+    let record = plan.log_directory.join(format!("<UTC time>_{}", plan.name));
+    let _ = writeln!(out, "record: {}", record.display());
+    for (i, host) in plan.hosts.iter().enumerate() {
+        let gpus = if host.gpus.is_empty() {
+            "no GPUs".to_string()
+        } else {
+            format!("GPUs {}", join(&host.gpus))
+        };
+        let _ = writeln!(out, "host {}: ranks {}; {gpus}", host.name, join(&host.ranks));
+        for rank in plan.ranks.iter().filter(|r| r.host == i) {
+            let stage = rank.stage.map(|s| format!(" stage {s}")).unwrap_or_default();
+            let gpus = if rank.gpus.is_empty() {
+                "cpu".to_string()
+            } else {
+                format!("gpu {}", join(&rank.gpus))
+            };
+            let _ = writeln!(out, "  rank {}{stage} ({gpus}): {}", rank.rank, shown(&rank.argv));
+        }
+    }
+    if plan.auto.is_some() {
+        let _ = writeln!(
+            out,
+            "stages: config_file: auto; rank 0's host profiles the model and the stages are planned at launch"
+        );
+    }
+    let _ = match verdict {
+        RuntimeCheck::Accepted(runtime) => writeln!(
+            out,
+            "runtime check: every rank's request accepted ({} --check)",
+            runtime.display()
+        ),
+        RuntimeCheck::Skipped(why) => writeln!(out, "runtime check: skipped: {why}"),
+    };
+    out
+}
+
+fn join<T: ToString>(items: &[T]) -> String {
+    items.iter().map(T::to_string).collect::<Vec<_>>().join(",")
+}
+
+/// A command line to read (never run): words with anything but plain characters single-quoted.
+fn shown(argv: &[String]) -> String {
+    let word = |w: &String| {
+        let plain = !w.is_empty()
+            && w.chars()
+                .all(|c| c.is_ascii_alphanumeric() || "-_./=:,@+".contains(c));
+        if plain {
+            w.clone()
+        } else {
+            format!("'{}'", w.replace('\'', r"'\''"))
+        }
+    };
+    argv.iter().map(word).collect::<Vec<_>>().join(" ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn words_people_would_misread_are_quoted() {
+        let argv = ["runtime", "--data", "a b", "it's", "--lr", "0.1"].map(String::from);
+        assert_eq!(shown(&argv), r"runtime --data 'a b' 'it'\''s' --lr 0.1");
+    }
+}

@@ -1,0 +1,13 @@
+//! How an error is shown: with its whole cause chain, one `caused by` per line.
+
+/// An error and its sources, one `caused by` per line.
+pub fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(s) = source {
+        text.push_str("\n  caused by: ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}

@@ -1,0 +1,190 @@
+//! `driver check` and `driver run --dry-run`: the experiment resolved and printed, every rank's
+//! request put to the real runtime's own `runtime --check`, and nothing started: no record, no
+//! process left, and no Docker engine needed (each driver here runs with `DOCKER_HOST` pointing at
+//! a socket that does not exist, so touching an engine would fail it).
+
+use std::collections::BTreeSet;
+use std::ffi::OsStr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use crate::util::experiments::refused_pipedream_mlp;
+use crate::util::*;
+
+/// An engine that cannot be reached.
+const NO_ENGINE: (&str, &str) = ("DOCKER_HOST", "unix:///nonexistent.sock");
+
+fn listing(dir: &Path) -> BTreeSet<PathBuf> {
+    std::fs::read_dir(dir)
+        .map(|d| d.map(|e| e.unwrap().path()).collect())
+        .unwrap_or_default()
+}
+
+/// Runs `driver check --config-file CONFIG` with no engine reachable.
+fn check(h: &Harness, config: &Path) -> Run {
+    h.driver_with_env(
+        &[
+            OsStr::new("check"),
+            OsStr::new("--config-file"),
+            config.as_os_str(),
+        ],
+        &[NO_ENGINE],
+        Duration::from_secs(60),
+    )
+}
+
+/// The number of ranks the first line announces (`experiment NAME: N rank(s) on ...`).
+fn announced_ranks(out: &str) -> usize {
+    let first = out.lines().next().unwrap_or_default();
+    let (_, rest) = first.split_once(": ").unwrap_or_else(|| panic!("{out}"));
+    let (n, _) = rest.split_once(" rank(s) on ").unwrap_or_else(|| panic!("{out}"));
+    n.parse().unwrap_or_else(|_| panic!("{out}"))
+}
+
+/// The ranks that have a line of their own (`  rank N ...`), in the order shown.
+fn ranks_shown(out: &str) -> Vec<usize> {
+    out.lines()
+        .filter_map(|l| l.strip_prefix("  rank "))
+        .map(|l| {
+            let n: String = l.chars().take_while(char::is_ascii_digit).collect();
+            n.parse().unwrap_or_else(|_| panic!("{l}"))
+        })
+        .collect()
+}
+
+#[test]
+fn every_shipped_config_passes_driver_check_and_names_each_rank() {
+    let h = Harness::new("check-shipped");
+    let configs_dir = workspace().join("driver_configs");
+    let mut configs: Vec<PathBuf> = listing(&configs_dir)
+        .into_iter()
+        .filter(|p| p.extension().is_some_and(|e| e == "yml"))
+        .collect();
+    configs.sort();
+    assert!(configs.len() >= 6, "the shipped configs: {configs:?}");
+    let shipped_before = listing(&configs_dir);
+    let scratch_before = listing(h.dir.path());
+    for config in &configs {
+        let run = check(&h, config);
+        let out = run.stdout();
+        assert_eq!(run.code(), 0, "{}: {}{out}", config.display(), run.stderr());
+        let n = announced_ranks(&out);
+        assert!(n >= 1, "{}: {out}", config.display());
+        let mut shown = ranks_shown(&out);
+        shown.sort();
+        assert_eq!(
+            shown,
+            (0..n).collect::<Vec<_>>(),
+            "{}: each rank once: {out}",
+            config.display()
+        );
+        // Whether the stages are planned at launch is read from the file, not from the output.
+        let text = std::fs::read_to_string(config).unwrap();
+        let auto = text.lines().any(|l| l.trim() == "config_file: auto");
+        let verdict = out
+            .lines()
+            .find(|l| l.starts_with("runtime check: "))
+            .unwrap_or_else(|| panic!("{}: no verdict: {out}", config.display()));
+        if auto {
+            assert!(
+                verdict.starts_with("runtime check: skipped: config_file: auto"),
+                "{}: {verdict}",
+                config.display()
+            );
+        } else {
+            assert!(
+                verdict.starts_with("runtime check: every rank's request accepted"),
+                "{}: {verdict}",
+                config.display()
+            );
+        }
+        // The record folder it names (relative ones land where it ran) is not made.
+        let record = out
+            .lines()
+            .find_map(|l| l.strip_prefix("record: "))
+            .unwrap_or_else(|| panic!("{out}"));
+        let (parent, name) = record
+            .split_once("<UTC time>_")
+            .unwrap_or_else(|| panic!("{record}"));
+        let made: Vec<PathBuf> = listing(&h.dir.path().join(parent))
+            .into_iter()
+            .filter(|p| p.to_string_lossy().ends_with(&format!("_{name}")))
+            .collect();
+        assert!(made.is_empty(), "{}: {made:?}", config.display());
+    }
+    assert_eq!(listing(&configs_dir), shipped_before, "driver_configs/ unchanged");
+    assert_eq!(
+        listing(h.dir.path()),
+        scratch_before,
+        "nothing written where it ran"
+    );
+    h.assert_no_processes();
+}
+
+#[test]
+fn a_request_the_runtime_refuses_exits_2_with_its_reason() {
+    let h = Harness::new("check-refused");
+    let config = refused_pipedream_mlp(&h);
+    let run = check(&h, &config);
+    let stderr = run.stderr();
+    assert_eq!(run.code(), 2, "{stderr}");
+    assert!(
+        stderr.contains("the runtime refuses rank 0's training request")
+            && stderr.contains("multiple of every stage's replica count"),
+        "{stderr}"
+    );
+    assert!(
+        run.stdout().is_empty(),
+        "no plan printed for a refused request: {}",
+        run.stdout()
+    );
+    // With 4 microbatches the same file passes: the refusal was about the microbatches.
+    let fixed = std::fs::read_to_string(&config)
+        .unwrap()
+        .replace("microbatches: 3", "microbatches: 4");
+    std::fs::write(&config, fixed).unwrap();
+    let run = check(&h, &config);
+    assert_eq!(run.code(), 0, "{}", run.stderr());
+    assert!(!h.records().exists());
+    h.assert_no_processes();
+}
+
+#[test]
+fn dry_run_prints_what_check_prints_and_starts_nothing() {
+    let h = Harness::new("check-dry");
+    std::fs::write(
+        h.dir.path().join("mlp_2stage.json"),
+        r#"{"module_to_stage_map": [0,0,0,1,1,1], "stage_to_rank_map": {"0": [0], "1": [1]}}"#,
+    )
+    .unwrap();
+    let config = h.config(&format!(
+        "machines: [localhost, localhost]\ncontainer: {{build: '{}'}}\nmodule: mlp\n\
+         config_file: mlp_2stage.json\nschedule: 1f1b\nmicrobatches: 2\nbatch_size: 8\n\
+         iterations: 3\ndistributed_backend: gloo\nthreads: 1\n",
+        local_context().display()
+    ));
+    let records = h.records();
+    let output_dir = [OsStr::new("--output-dir"), records.as_os_str()];
+    let mut checked = vec![OsStr::new("check"), OsStr::new("-c"), config.as_os_str()];
+    checked.extend(output_dir);
+    let checked = h.driver_with_env(&checked, &[NO_ENGINE], Duration::from_secs(60));
+    let mut dry = vec![
+        OsStr::new("--config-file"),
+        config.as_os_str(),
+        OsStr::new("--dry-run"),
+    ];
+    dry.extend(output_dir);
+    let dry = h.driver_with_env(&dry, &[NO_ENGINE], Duration::from_secs(60));
+    assert_eq!(checked.code(), 0, "{}", checked.stderr());
+    assert_eq!(dry.code(), 0, "{}", dry.stderr());
+    let out = checked.stdout();
+    assert_eq!(dry.stdout(), out, "--dry-run prints what `driver check` prints");
+    assert_eq!(ranks_shown(&out), [0, 1], "{out}");
+    assert!(out.contains("docker containers, one per rank"), "{out}");
+    assert!(
+        out.contains(&format!("record: {}", records.join("<UTC time>_").display())),
+        "{out}"
+    );
+    assert!(!records.exists(), "no record folder");
+    h.assert_no_processes();
+}

@@ -1,0 +1,231 @@
+//! The real runtime in containers on the machine's engine: the 2-stage pipeline in both container
+//! modes, a request the runtime refuses stopped at preflight, a 4-point sweep, and
+//! `config_file: auto` profiling in a container (and failing there). Their process-backend
+//! counterparts are in the `local` binary.
+
+use std::ffi::OsStr;
+use std::time::Duration;
+
+use crate::util::experiments::*;
+use crate::util::*;
+
+fn args<'a>(items: &'a [&'a str]) -> Vec<&'a OsStr> {
+    items.iter().map(OsStr::new).collect()
+}
+
+#[test]
+fn a_two_stage_pipeline_runs_in_both_container_modes() {
+    let runtime = runtime();
+    base_image();
+    for mode in [&[][..], &["--launch-single-container"][..]] {
+        let h = Harness::new("pipe-docker");
+        let mut args = vec!["--runtime", runtime.to_str().unwrap()];
+        args.extend_from_slice(mode);
+        let run = h.run(&two_stage_mlp(&h, "docker"), &args);
+        check_pipeline_run(&h, &run);
+        h.assert_no_containers();
+    }
+}
+
+#[test]
+fn a_request_the_runtime_refuses_fails_preflight_before_any_rank_starts() {
+    base_image();
+    let h = Harness::new("pipe-refused");
+    let exp = refused_pipedream_mlp(&h);
+    let run = h.run(&exp, &[]);
+    assert_eq!(run.code(), 3, "{}", run.stderr());
+    let stderr = run.stderr();
+    assert!(
+        stderr.contains("the runtime refuses the experiment's training request")
+            && stderr.contains("multiple of every stage's replica count"),
+        "{stderr}"
+    );
+    assert!(!h.records().exists(), "nothing started, so no record");
+    h.assert_no_containers();
+}
+
+#[test]
+fn a_four_point_sweep_trains_the_real_runtime_on_the_local_engine() {
+    let runtime = runtime();
+    base_image();
+    let h = Harness::new("sw-real");
+    std::fs::write(
+        h.dir.path().join("mlp_2stage.json"),
+        r#"{"module_to_stage_map": [0,0,0,1,1,1], "stage_to_rank_map": {"0": [0], "1": [1]}}"#,
+    )
+    .unwrap();
+    let config = h.config(&format!(
+        "machines: [localhost, localhost]\ncontainer: {{build: '{}'}}\nmodule: mlp\n\
+         config_file: mlp_2stage.json\nbatch_size: 8\niterations: 3\ndistributed_backend: gloo\n\
+         threads: 1\ndevice: cpu\nsweep:\n  schedule: [gpipe, 1f1b]\n",
+        local_context().display()
+    ));
+    let records = h.records();
+    let run = h.driver(
+        &args(&[
+            "sweep",
+            "--config-file",
+            config.to_str().unwrap(),
+            "--grid",
+            "microbatches=2,4",
+            "--output-dir",
+            records.to_str().unwrap(),
+            "--runtime",
+            runtime.to_str().unwrap(),
+            "-q",
+        ]),
+        Duration::from_secs(400),
+    );
+    assert_eq!(run.code(), 0, "{}", run.stderr());
+    let dir = h.sweep_dir();
+    assert_eq!(point_statuses(&dir), ["succeeded"; 4]);
+    let index = sweep_index(&dir);
+    assert_eq!(index["axes"][0]["key"], "schedule", "the file's axis first");
+    assert_eq!(index["axes"][1]["key"], "microbatches");
+    for point in index["points"].as_array().unwrap() {
+        let record = dir.join(point["record"].as_str().unwrap());
+        let summary: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(record.join("summary.json")).unwrap()).unwrap();
+        assert_eq!(summary["status"], "succeeded", "{summary}");
+        assert_eq!(summary["iterations_done"], 3);
+        assert_eq!(summary["stages"].as_array().unwrap().len(), 2, "{summary}");
+        let given = std::fs::read_to_string(record.join("config.given.yml")).unwrap();
+        let schedule = point["settings"][0][1].as_str().unwrap();
+        assert!(given.contains(&format!("schedule: {schedule}")), "{given}");
+        assert!(!given.contains("sweep:"), "{given}");
+    }
+    // The table printed at the end: one row per point, each measured.
+    let table = run.stdout();
+    for label in [
+        "schedule=gpipe microbatches=2",
+        "schedule=gpipe microbatches=4",
+        "schedule=1f1b microbatches=2",
+        "schedule=1f1b microbatches=4",
+    ] {
+        let row = table
+            .lines()
+            .find(|l| l.contains(label))
+            .unwrap_or_else(|| panic!("{label}: {table}"));
+        assert!(
+            row.contains("succeeded") && row.contains("2x1") && row.contains(" ± "),
+            "{row}"
+        );
+    }
+    let svg = std::fs::read_to_string(dir.join("sweep.svg")).expect("the sweep's plot");
+    assert!(
+        svg.starts_with("<svg") && svg.contains("throughput against schedule"),
+        "{svg}"
+    );
+    assert!(svg.contains("microbatches=4"), "one line per other key's value");
+
+    // `driver results` reads the same folder in every format.
+    let csv = h.driver(
+        &args(&[
+            "results",
+            dir.to_str().unwrap(),
+            "--format",
+            "csv",
+            "--sort",
+            "samples_per_sec:desc",
+        ]),
+        Duration::from_secs(30),
+    );
+    assert_eq!(csv.code(), 0, "{}", csv.stderr());
+    let text = csv.stdout();
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 5, "{}", csv.stdout());
+    let sps: Vec<f64> = lines[1..]
+        .iter()
+        .map(|l| l.split(',').nth(10).unwrap().parse().unwrap())
+        .collect();
+    assert!(sps.windows(2).all(|w| w[0] >= w[1]), "sorted descending: {sps:?}");
+    let plot = h.dir.path().join("by-mb.svg");
+    let plotted = h.driver(
+        &args(&[
+            "results",
+            dir.to_str().unwrap(),
+            "schedule=1f1b",
+            "--plot",
+            plot.to_str().unwrap(),
+            "--plot-x",
+            "microbatches",
+        ]),
+        Duration::from_secs(30),
+    );
+    assert_eq!(plotted.code(), 0, "{}", plotted.stderr());
+    assert_eq!(
+        plotted.stdout().matches("1f1b").count(),
+        4,
+        "two rows, filtered: {}",
+        plotted.stdout()
+    );
+    assert!(std::fs::read_to_string(&plot)
+        .unwrap()
+        .contains("throughput against microbatches"));
+    h.assert_no_containers();
+}
+
+#[test]
+fn auto_profiles_in_a_container_on_the_first_host() {
+    let runtime = runtime();
+    base_image();
+    let h = Harness::new("auto-docker");
+    let run = h.run(
+        &auto_mlp(&h, "docker", "planner: {straight: true}\n"),
+        &["--runtime", runtime.to_str().unwrap()],
+    );
+    let (_, summary) = check_planned_run(&h, &run);
+    assert_eq!(
+        summary["plan"]["replicas"],
+        serde_json::json!([1, 1]),
+        "straight: two stages"
+    );
+    h.assert_no_containers();
+}
+
+#[test]
+fn a_failed_profile_ends_the_run_with_its_reason_and_starts_no_rank() {
+    let runtime = runtime();
+    base_image();
+    let h = Harness::new("auto-fail");
+    let config = h.config(&format!(
+        "machines: [localhost, localhost]\ncontainer: {{build: '{}'}}\nmodule: nosuchmodel\n\
+         config_file: auto\nbatch_size: 8\niterations: 3\n",
+        local_context().display()
+    ));
+    let run = h.run(&config, &["--runtime", runtime.to_str().unwrap()]);
+    assert_eq!(run.code(), 1, "{}", run.stderr());
+    assert!(
+        run.stderr().contains(
+            "driver: profiling the model on localhost failed with exit code 2; no rank was started"
+        ),
+        "{}",
+        run.stderr()
+    );
+    let (dir, summary) = h.summary();
+    assert_eq!(summary["status"], "failed");
+    assert_eq!(summary["failure"]["cause"]["kind"], "profile_failed");
+    let last = summary["failure"]["last_lines"].to_string();
+    assert!(
+        last.contains("nosuchmodel"),
+        "the runtime's own message is kept: {last}"
+    );
+    assert!(std::fs::read_to_string(dir.join("profile.log"))
+        .unwrap()
+        .contains("nosuchmodel"));
+    assert!(!dir.join("rank-0.log").exists(), "no rank started");
+    assert!(!dir.join("stage_config.json").exists());
+    // `driver results` shows why.
+    let results = h.driver(
+        &["results".as_ref(), h.records().as_os_str()],
+        std::time::Duration::from_secs(30),
+    );
+    assert!(
+        results
+            .stdout()
+            .contains("profiling on localhost failed with exit code 2"),
+        "{}",
+        results.stdout()
+    );
+    h.assert_no_containers();
+}

@@ -1,0 +1,195 @@
+//! Experiments of the real runtime that both test binaries run, on the process backend (`local`)
+//! and on the local engine (`integration`), and the checks of their records.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+use super::{lines, local_context, Harness, Run};
+
+/// A 2-stage MLP pipeline (gloo over loopback), 3 iterations of GPipe on `backend`.
+pub fn two_stage_mlp(h: &Harness, backend: &str) -> PathBuf {
+    std::fs::write(
+        h.dir.path().join("mlp_2stage.json"),
+        r#"{"module_to_stage_map": [0,0,0,1,1,1], "stage_to_rank_map": {"0": [0], "1": [1]}}"#,
+    )
+    .unwrap();
+    h.config(&format!(
+        "backend: {backend}\nmachines: [localhost, localhost]\ncontainer: {{build: '{}'}}\nmodule: mlp\n\
+         config_file: mlp_2stage.json\nschedule: gpipe\nmicrobatches: 2\nbatch_size: 8\niterations: 3\n\
+         distributed_backend: gloo\nthreads: 1\n",
+        local_context().display()
+    ))
+}
+
+/// A 2+1 hybrid MLP under PipeDream's schedule with 3 microbatches, which the runtime refuses:
+/// they must be a multiple of stage 0's two replicas. `microbatches: 4` (replaced in the file)
+/// makes it valid.
+pub fn refused_pipedream_mlp(h: &Harness) -> PathBuf {
+    std::fs::write(
+        h.dir.path().join("mlp_hybrid.json"),
+        r#"{"module_to_stage_map": [0,0,0,1,1,1], "stage_to_rank_map": {"0": [0, 1], "1": [2]}}"#,
+    )
+    .unwrap();
+    h.config(&format!(
+        "machines: [localhost, localhost, localhost]\ncontainer: {{build: '{}'}}\nmodule: mlp\n\
+         config_file: mlp_hybrid.json\nschedule: pipedream\nmicrobatches: 3\nbatch_size: 12\n\
+         iterations: 2\ndistributed_backend: gloo\nthreads: 1\n",
+        local_context().display()
+    ))
+}
+
+/// The pipeline ran to the end, and the summary's time shares per stage are what the ranks' own
+/// iteration lines in metrics.jsonl say.
+pub fn check_pipeline_run(h: &Harness, run: &Run) {
+    assert_eq!(run.code(), 0, "{}", run.stderr());
+    let (dir, summary) = h.summary();
+    assert_eq!(summary["status"], "succeeded");
+    assert_eq!(summary["iterations_done"], 3);
+    assert!(summary["throughput"]["samples_per_sec_mean"].as_f64().unwrap() > 0.0);
+    let stages = summary["stages"].as_array().unwrap();
+    assert_eq!(stages.len(), 2, "{summary}");
+
+    // Independently of the driver's aggregation: each stage's compute, comm and idle seconds
+    // summed over every iteration line of its ranks, and which ranks reported for it.
+    let mut seconds: BTreeMap<u64, [f64; 3]> = BTreeMap::new();
+    let mut ranks: BTreeMap<u64, BTreeSet<u64>> = BTreeMap::new();
+    for line in lines(&dir.join("metrics.jsonl")) {
+        let event: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{line}: {e}"));
+        if event["event"] != "iteration" {
+            continue;
+        }
+        let stage = event["stage"].as_u64().unwrap();
+        let sums = seconds.entry(stage).or_default();
+        for (sum, key) in sums.iter_mut().zip(["compute_s", "comm_wait_s", "idle_s"]) {
+            *sum += event[key].as_f64().unwrap();
+        }
+        ranks
+            .entry(stage)
+            .or_default()
+            .insert(event["rank"].as_u64().unwrap());
+    }
+    assert_eq!(seconds.keys().copied().collect::<Vec<_>>(), [0, 1], "{seconds:?}");
+    for stage in stages {
+        let number = stage["stage"].as_u64().unwrap();
+        let sums = seconds[&number];
+        let total: f64 = sums.iter().sum();
+        for (key, part) in ["compute_share", "comm_share", "idle_share"].iter().zip(sums) {
+            // The same f64 values summed, in another order at most: equal but for rounding.
+            let expected = part / total;
+            let got = stage[key].as_f64().unwrap();
+            assert!(
+                (got - expected).abs() < 1e-9,
+                "stage {number} {key}: summary {got}, the ranks' lines {expected} ({sums:?})"
+            );
+        }
+        let reported: BTreeSet<u64> = stage["ranks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r.as_u64().unwrap())
+            .collect();
+        assert_eq!(reported, ranks[&number], "stage {number}'s ranks");
+    }
+    assert_eq!(ranks[&0], BTreeSet::from([0]), "rank 0 runs stage 0");
+    assert_eq!(ranks[&1], BTreeSet::from([1]), "rank 1 runs stage 1");
+    // The second stage cannot start a minibatch before the first stage's activations arrive: some
+    // of its time is waiting, whatever the machine's load.
+    let waiting = stages[1]["comm_share"].as_f64().unwrap() + stages[1]["idle_share"].as_f64().unwrap();
+    assert!(waiting > 0.0, "stage 1 never waited: {}", stages[1]);
+}
+
+/// A small MLP on two CPU ranks, planned at launch.
+pub fn auto_mlp(h: &Harness, backend: &str, extra: &str) -> PathBuf {
+    h.config(&format!(
+        "backend: {backend}\nmachines: [localhost, localhost]\ncontainer: {{build: '{}'}}\n\
+         module: mlp\nlayers: 3\nhidden: 256\nconfig_file: auto\nbatch_size: 16\nmicrobatches: 4\n\
+         iterations: 3\ndistributed_backend: gloo\nthreads: 1\n{extra}",
+        local_context().display()
+    ))
+}
+
+/// A JSON file of a record.
+pub fn json(path: &Path) -> Value {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap()
+}
+/// The record holds the profile, the prediction and the stage config, the summary the plan, and
+/// every rank ran with the planned stage config.
+pub fn check_planned_run(h: &Harness, run: &Run) -> (std::path::PathBuf, Value) {
+    assert_eq!(run.code(), 0, "{}", run.stderr());
+    assert!(
+        run.stderr()
+            .contains("driver: profiling mlp at batch 4 on localhost (cpu)"),
+        "{}",
+        run.stderr()
+    );
+    assert!(
+        run.stderr().contains("predicted time per minibatch"),
+        "{}",
+        run.stderr()
+    );
+    let (dir, summary) = h.summary();
+    assert_eq!(summary["status"], "succeeded");
+    assert_eq!(summary["iterations_done"], 3);
+
+    let profile = json(&dir.join("profile.json"));
+    assert_eq!(profile["model"], "mlp");
+    assert_eq!(profile["batch_size"], 4, "profiled at the microbatch size");
+    let modules = profile["modules"].as_array().unwrap();
+    assert!(modules.len() >= 4, "{profile}");
+    assert!(modules.iter().all(|m| m["forward_s"].as_f64().unwrap() >= 0.0));
+
+    let stages = json(&dir.join("stage_config.json"));
+    let map = stages["module_to_stage_map"].as_array().unwrap();
+    assert_eq!(map.len(), modules.len(), "one stage per module of the profile");
+    let prediction = json(&dir.join("plan.json"));
+    assert_eq!(prediction["workers"], 2);
+    assert_eq!(prediction["microbatches"], 4);
+
+    let plan = &summary["plan"];
+    let replicas: Vec<u64> = plan["replicas"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r.as_u64().unwrap())
+        .collect();
+    assert_eq!(replicas.iter().sum::<u64>(), 2, "{plan}");
+    assert_eq!(
+        replicas.len(),
+        stages["stage_to_rank_map"].as_object().unwrap().len()
+    );
+    assert_eq!(plan["microbatches"], 4);
+    assert!(plan["predicted_time_per_iteration_s"].as_f64().unwrap() > 0.0);
+    assert_eq!(plan["profiled_on"], "localhost (cpu)");
+    // The stage shares in the summary come from the ranks' own reports of their stage.
+    assert_eq!(
+        summary["stages"].as_array().unwrap().len(),
+        replicas.len(),
+        "{summary}"
+    );
+
+    // Every rank was given the planned file and the microbatches.
+    let resolved = json(&dir.join("config.resolved.json"));
+    let stage_config = dir.join("stage_config.json");
+    for rank in resolved["plan"]["ranks"].as_array().unwrap() {
+        let argv: Vec<&str> = rank["argv"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| a.as_str().unwrap())
+            .collect();
+        let at = argv
+            .iter()
+            .position(|a| *a == "--stage-config")
+            .expect("--stage-config");
+        assert_eq!(
+            std::path::Path::new(argv[at + 1]),
+            stage_config.canonicalize().unwrap()
+        );
+        assert!(argv.windows(2).any(|w| w == ["--microbatches", "4"]), "{argv:?}");
+    }
+    assert_eq!(resolved["experiment"]["config_file"], "auto");
+    (dir, summary)
+}
