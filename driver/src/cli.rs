@@ -144,7 +144,8 @@ struct ResultsArgs {
 
 #[derive(Debug, Args)]
 struct PlanArgs {
-    /// The layer profile JSON written by `runtime profile`.
+    /// The layer profile: the JSON `runtime profile` writes, or PipeDream's `graph.txt` (planned
+    /// over its layers, cut only where one tensor crosses).
     #[arg(long, value_name = "FILE")]
     profile: PathBuf,
 
@@ -181,7 +182,8 @@ struct PlanArgs {
     #[arg(long)]
     explain: bool,
 
-    /// Where to write the stage config (default: stdout).
+    /// Where to write the stage config (default: stdout); for a PipeDream graph, the graph with
+    /// each node's `stage_id`, as PipeDream's optimizer writes it.
     #[arg(long, short = 'o', value_name = "FILE")]
     output: Option<PathBuf>,
 

@@ -7,8 +7,11 @@ use std::ops::Range;
 pub struct LayerCost {
     /// Seconds of forward plus backward for one minibatch.
     pub compute_s: f64,
-    /// Bytes of the module's output for one minibatch.
+    /// Bytes the module keeps for its backward pass, per minibatch (its output, for the runtime's
+    /// modules; everything its layers keep, for a merged span of a PipeDream graph).
     pub activation_bytes: f64,
+    /// Bytes that cross a stage boundary cut right after this module, per minibatch: its output.
+    pub output_bytes: f64,
     /// Bytes of the module's parameters.
     pub param_bytes: f64,
     /// Seconds of one optimizer step over the module's parameters (every replica steps them all).
@@ -35,14 +38,49 @@ impl Network {
     /// Bandwidth among `workers` (positions in the pipeline, assigned in order): that of the
     /// innermost level one of whose groups holds them all.
     pub fn bandwidth(&self, workers: &Range<usize>) -> f64 {
-        let last = workers.end.max(workers.start + 1) - 1;
+        self.between(workers.start, workers.end.max(workers.start + 1) - 1)
+    }
+
+    /// Bandwidth between workers `a` and `b`: that of the innermost level one of whose groups
+    /// holds both.
+    pub fn between(&self, a: usize, b: usize) -> f64 {
         self.levels
             .iter()
-            .find(|(group, _)| workers.start / group.max(&1) == last / group.max(&1))
+            .find(|(group, _)| a / group.max(&1) == b / group.max(&1))
             .or(self.levels.last())
-            .map(|(_, b)| *b)
+            .map(|(_, bandwidth)| *bandwidth)
             .expect("a network has at least one level")
     }
+
+    /// Seconds to move `bytes` forward across a boundary from the replicas on `from` to those on
+    /// `to`, and as many back (the gradient), per byte. Replicas take microbatches round-robin
+    /// (the runtime's route), so over `lcm(|from|, |to|)` microbatches sender `i % |from|` feeds
+    /// receiver `i % |to|`; each pair's share crosses at the bandwidth of the innermost level
+    /// holding both. A worker's link carries its pairs one after another, so the boundary takes
+    /// as long as its busiest worker, sender or receiver.
+    pub fn boundary_seconds_per_byte(&self, from: &Range<usize>, to: &Range<usize>) -> f64 {
+        let (senders, receivers) = (from.len().max(1), to.len().max(1));
+        let period = lcm(senders, receivers);
+        let mut busy = vec![0.0; senders + receivers];
+        for i in 0..period {
+            let (s, r) = (i % senders, i % receivers);
+            let seconds = 2.0 / period as f64 / self.between(from.start + s, to.start + r);
+            busy[s] += seconds;
+            busy[senders + r] += seconds;
+        }
+        busy.into_iter().fold(0.0, f64::max)
+    }
+}
+
+fn lcm(a: usize, b: usize) -> usize {
+    fn gcd(a: usize, b: usize) -> usize {
+        if b == 0 {
+            a
+        } else {
+            gcd(b, a % b)
+        }
+    }
+    a / gcd(a, b) * b
 }
 
 /// What one worker of a stage spends per minibatch, by kind.
@@ -93,7 +131,7 @@ impl CostModel {
             optimizer: prefix(layers.iter().map(|l| l.optimizer_s)),
             params: prefix(layers.iter().map(|l| l.param_bytes)),
             activations: prefix(layers.iter().map(|l| l.activation_bytes)),
-            outputs: layers.iter().map(|l| l.activation_bytes).collect(),
+            outputs: layers.iter().map(|l| l.output_bytes).collect(),
             network,
             memory_limit,
         }
@@ -137,9 +175,33 @@ impl CostModel {
     }
 
     /// Seconds per minibatch to send module `last`'s output forward and its gradient back across
-    /// the boundary before worker `next` (between workers `next - 1` and `next`).
-    pub fn boundary_time(&self, last: usize, next: usize) -> f64 {
-        2.0 * self.outputs[last] / self.network.bandwidth(&(next - 1..next + 1))
+    /// the boundary from the stage on workers `from` to the next on `to`
+    /// ([`Network::boundary_seconds_per_byte`]).
+    pub fn boundary_time(&self, last: usize, from: &Range<usize>, to: &Range<usize>) -> f64 {
+        self.outputs[last] * self.network.boundary_seconds_per_byte(from, to)
+    }
+
+    /// Bytes per minibatch that cross a cut right after module `last`.
+    pub fn output_bytes(&self, last: usize) -> f64 {
+        self.outputs[last]
+    }
+
+    /// Seconds per minibatch in steady state of `stages` (module ranges with their replica
+    /// counts, workers assigned in order), memory aside: the slowest stage or boundary. The
+    /// planner's figure for any split, so one split can be judged by another's network.
+    pub fn evaluate(&self, stages: &[(Range<usize>, usize)]) -> f64 {
+        let mut time: f64 = 0.0;
+        let mut worker = 0;
+        for (i, (modules, replicas)) in stages.iter().enumerate() {
+            let workers = worker..worker + replicas;
+            time = time.max(self.stage_time(modules, &workers));
+            if let Some((_, next)) = stages.get(i + 1) {
+                let to = workers.end..workers.end + next;
+                time = time.max(self.boundary_time(modules.end - 1, &workers, &to));
+            }
+            worker = workers.end;
+        }
+        time
     }
 
     /// Bytes one worker of the stage holds: weights, gradients and momentum, one stashed weight

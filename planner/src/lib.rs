@@ -11,9 +11,11 @@
 //! microbatches, and with them its memory, are known exactly.
 
 mod cost;
+mod pipedream;
 mod solve;
 
 pub use cost::{CostModel, LayerCost, Network, StageParts};
+pub use pipedream::{Graph, GraphError, GraphNode, Segment};
 pub use solve::{plan, Plan, PlanError, PlannedStage};
 
 #[cfg(test)]

@@ -84,11 +84,17 @@ struct Best {
     time: f64,
     /// The first stage ends before this module...
     end: usize,
-    /// ...and runs on this many workers.
-    replicas: usize,
+    /// ...and the next stage runs on this many workers (0 for none).
+    next_replicas: usize,
 }
 
 /// Solves the partitioning for `workers` workers; `straight` allows no replication.
+///
+/// `best(i, m, r)` is the lowest time for modules `i..` on the last `m` workers with the first
+/// stage on `r` of them. Its boundary with the next stage depends on both stages' replicas and
+/// where they sit, so the state carries `r` and the choice of the next stage's replicas is made
+/// with that boundary in view: the program is exact for the cost model, on networks of any
+/// number of levels.
 pub fn plan(model: &CostModel, workers: usize, straight: bool) -> Result<Plan, PlanError> {
     let modules = model.len();
     if modules == 0 {
@@ -100,65 +106,108 @@ pub fn plan(model: &CostModel, workers: usize, straight: bool) -> Result<Plan, P
     if straight && modules < workers {
         return Err(PlanError::TooFewModules { workers, modules });
     }
-    // best[i][m]: modules i.. on the last m workers; None where impossible.
-    let mut best: Vec<Vec<Option<Best>>> = vec![vec![None; workers + 1]; modules + 1];
-    best[modules][0] = Some(Best {
-        time: 0.0,
-        end: modules,
-        replicas: 0,
-    });
+    let max_replicas = |m: usize| if straight { 1.min(m) } else { m };
+    let w = workers + 1;
+    let at = |start: usize, m: usize, r: usize| (start * w + m) * w + r;
+    // The boundary's seconds per byte from a stage on `r` workers to one on `next` workers
+    // behind it, the `rest` workers after the first being the next stage's and beyond.
+    let mut per_byte = vec![0.0; w * w * w];
+    for rest in 1..workers {
+        for r in 1..=workers - rest {
+            for next in 1..=max_replicas(rest) {
+                let from = workers - rest - r..workers - rest;
+                let to = from.end..from.end + next;
+                per_byte[(rest * w + r) * w + next] = model.network.boundary_seconds_per_byte(&from, &to);
+            }
+        }
+    }
+    let mut best: Vec<Option<Best>> = vec![None; (modules + 1) * w * w];
+    // after[end, rest, r]: the best continuation from module `end` on the last `rest` workers,
+    // behind a stage on `r` workers, its boundary included.
+    let mut after: Vec<Option<(f64, usize)>> = vec![None; (modules + 1) * w * w];
     for start in (0..modules).rev() {
         for m in 1..=workers {
             let first_worker = workers - m;
-            let mut choice: Option<Best> = None;
-            for (end, after_row) in best.iter().enumerate().skip(start + 1) {
-                let max_replicas = if straight { 1 } else { m };
-                for replicas in 1..=max_replicas {
-                    let rest = m - replicas;
+            for r in 1..=max_replicas(m) {
+                let rest = m - r;
+                let stage_workers = first_worker..first_worker + r;
+                let mut choice: Option<Best> = None;
+                for end in start + 1..=modules {
                     if (end == modules) != (rest == 0) {
                         continue;
                     }
                     let stage = start..end;
-                    if !model.fits(&stage, replicas, m) {
+                    if !model.fits(&stage, r, m) {
                         continue;
                     }
-                    let mut time = model.stage_time(&stage, &(first_worker..first_worker + replicas));
+                    let mut time = model.stage_time(&stage, &stage_workers);
+                    let mut next_replicas = 0;
                     if end < modules {
-                        let Some(after) = after_row[rest] else { continue };
-                        time = time
-                            .max(model.boundary_time(end - 1, first_worker + replicas))
-                            .max(after.time);
+                        let Some((continuation, next)) = after[at(end, rest, r)] else { continue };
+                        time = time.max(continuation);
+                        next_replicas = next;
                     }
                     if choice.is_none_or(|c| time < c.time) {
-                        choice = Some(Best { time, end, replicas });
+                        choice = Some(Best {
+                            time,
+                            end,
+                            next_replicas,
+                        });
                     }
                 }
+                best[at(start, m, r)] = choice;
             }
-            best[start][m] = choice;
+        }
+        // The continuations that start at `start`, for the stages before it.
+        if start > 0 {
+            for rest in 1..workers {
+                for r in 1..=workers - rest {
+                    let bytes = model.output_bytes(start - 1);
+                    after[at(start, rest, r)] = (1..=max_replicas(rest))
+                        .filter_map(|next| {
+                            let b = best[at(start, rest, next)]?;
+                            let boundary = bytes * per_byte[(rest * w + r) * w + next];
+                            Some((b.time.max(boundary), next))
+                        })
+                        .fold(None, |acc: Option<(f64, usize)>, c| match acc {
+                            Some(a) if a.0 <= c.0 => Some(a),
+                            _ => Some(c),
+                        });
+                }
+            }
         }
     }
-    let Some(root) = best[0][workers] else {
+    let root = (1..=max_replicas(workers))
+        .filter_map(|r| best[at(0, workers, r)].map(|b| (b, r)))
+        .fold(None, |acc: Option<(Best, usize)>, c| match acc {
+            Some(a) if a.0.time <= c.0.time => Some(a),
+            _ => Some(c),
+        });
+    let Some((root, first_replicas)) = root else {
         return Err(PlanError::NothingFits {
             limit_gib: model.memory_limit.unwrap_or(0.0) / (1u64 << 30) as f64,
         });
     };
     let mut stages = Vec::new();
-    let (mut start, mut m) = (0, workers);
+    let (mut start, mut m, mut r) = (0, workers, first_replicas);
     while start < modules {
-        let b = best[start][m].expect("the chosen path exists");
+        let b = best[at(start, m, r)].expect("the chosen path exists");
         let first_worker = workers - m;
         let range = start..b.end;
-        let parts = model.stage_parts(&range, &(first_worker..first_worker + b.replicas));
+        let stage_workers = first_worker..first_worker + r;
+        let parts = model.stage_parts(&range, &stage_workers);
+        let next_workers = stage_workers.end..stage_workers.end + b.next_replicas;
         stages.push(PlannedStage {
             time_s: parts.total(),
             parts,
-            transfer_s: (b.end < modules).then(|| model.boundary_time(b.end - 1, first_worker + b.replicas)),
-            memory_bytes: model.stage_memory(&range, b.replicas, m),
+            transfer_s: (b.end < modules).then(|| model.boundary_time(b.end - 1, &stage_workers, &next_workers)),
+            memory_bytes: model.stage_memory(&range, r, m),
             modules: range,
-            replicas: b.replicas,
+            replicas: r,
         });
         start = b.end;
-        m -= b.replicas;
+        m -= r;
+        r = b.next_replicas;
     }
     let whole = 0..modules;
     let data_parallel_time = model

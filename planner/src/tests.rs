@@ -20,6 +20,7 @@ fn layer(compute_s: f64, activation_bytes: f64, param_bytes: f64) -> LayerCost {
     LayerCost {
         compute_s,
         activation_bytes,
+        output_bytes: activation_bytes,
         param_bytes,
         optimizer_s: 0.0,
     }
@@ -67,12 +68,16 @@ fn brute_force(model: &CostModel, workers: usize, straight: bool) -> Option<f64>
             let (mut time, mut worker, mut fits) = (0.0f64, 0, true);
             for (s, (range, &r)) in stages.iter().zip(&replicas).enumerate() {
                 fits &= model.fits(range, r, workers - worker);
-                time = time.max(model.stage_time(range, &(worker..worker + r)));
+                let here = worker..worker + r;
+                time = time.max(model.stage_time(range, &here));
                 if s + 1 < stages.len() {
-                    time = time.max(model.boundary_time(range.end - 1, worker + r));
+                    let next = here.end..here.end + replicas[s + 1];
+                    time = time.max(model.boundary_time(range.end - 1, &here, &next));
                 }
                 worker += r;
             }
+            let split: Vec<(Range<usize>, usize)> = stages.iter().cloned().zip(replicas.iter().copied()).collect();
+            assert_eq!(time, model.evaluate(&split));
             if fits && best.is_none_or(|b| time < b) {
                 best = Some(time);
             }
@@ -94,14 +99,16 @@ fn the_program_finds_the_brute_force_optimum() {
                 ..layer(0.01 + rng.next(), 1e6 * rng.next(), 1e8 * rng.next() * rng.next())
             })
             .collect();
-        let network = if case % 2 == 0 {
-            Network::flat(workers, 1e9)
-        } else {
-            Network {
+        let network = match case % 3 {
+            0 => Network::flat(workers, 1e9),
+            1 => Network {
                 levels: vec![(2, 1e10), (workers, 1e8)],
-            }
+            },
+            _ => Network {
+                levels: vec![(2, 1e10), (3, 1e9), (workers, 1e8)],
+            },
         };
-        let memory = (case % 3 == 0).then(|| 3e8 + 3e8 * rng.next());
+        let memory = (case % 4 == 0).then(|| 3e8 + 3e8 * rng.next());
         let model = CostModel::new(&layers, network, memory);
         for straight in [false, true] {
             let expected = brute_force(&model, workers, straight);
@@ -234,5 +241,220 @@ fn the_stages_parts_and_transfers_account_for_the_predicted_time() {
             slowest = slowest.max(s.time_s).max(s.transfer_s.unwrap_or(0.0));
         }
         assert_eq!(plan.time_per_minibatch, slowest, "{workers} workers: {plan:?}");
+    }
+}
+
+#[test]
+fn a_boundary_charges_each_pair_of_replicas_at_the_level_between_them() {
+    // Four machines of four workers: 10 GB/s inside one, 1.25 GB/s between.
+    let net = Network {
+        levels: vec![(4, 10e9), (16, 1.25e9)],
+    };
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-12 * b;
+    // One worker to the next, inside a machine and across machines: the bytes both ways.
+    assert!(close(net.boundary_seconds_per_byte(&(0..1), &(1..2)), 2.0 / 10e9));
+    assert!(close(net.boundary_seconds_per_byte(&(3..4), &(4..5)), 2.0 / 1.25e9));
+    // Four replicas on workers 2..6 (two machines) feed worker 6: it receives a quarter from
+    // each, half of it over the slow link. Charged at the link between workers 5 and 6 alone, as
+    // before, this was 2 / 10e9.
+    let straddling = net.boundary_seconds_per_byte(&(2..6), &(6..7));
+    assert!(close(straddling, 2.0 * (0.25 / 1.25e9 * 2.0 + 0.25 / 10e9 * 2.0)), "{straddling}");
+    // Kept inside one machine (4..8 feeding 8) only the receiver's own link is slow.
+    let aligned = net.boundary_seconds_per_byte(&(4..8), &(8..9));
+    assert!(close(aligned, 2.0 * 4.0 * 0.25 / 1.25e9), "{aligned}");
+    // Two replicas feeding three: six pairs over a period of six microbatches; every worker's
+    // share adds up to its part of the traffic.
+    let flat = Network::flat(5, 1e9);
+    assert!(close(flat.boundary_seconds_per_byte(&(0..2), &(2..5)), 2.0 * 0.5 / 1e9));
+}
+
+/// A VGG-16-shaped model on `batch` images: thirteen 3x3 convolutions with their pooling, then
+/// three fully connected layers; compute from the arithmetic, one TFLOP/s per worker.
+fn vgg16_like(batch: f64) -> Vec<LayerCost> {
+    let mut layers = Vec::new();
+    let (mut side, mut channels) = (224.0f64, 3.0);
+    for (out, pool) in [
+        (64.0, false),
+        (64.0, true),
+        (128.0, false),
+        (128.0, true),
+        (256.0, false),
+        (256.0, false),
+        (256.0, true),
+        (512.0, false),
+        (512.0, false),
+        (512.0, true),
+        (512.0, false),
+        (512.0, false),
+        (512.0, true),
+    ] {
+        let flops = 3.0 * 2.0 * 9.0 * channels * out * side * side * batch;
+        if pool {
+            side /= 2.0;
+        }
+        let output = 4.0 * out * side * side * batch;
+        layers.push(layer(flops / 1e12, output, 4.0 * (9.0 * channels * out + out)));
+        channels = out;
+    }
+    for (inputs, outputs) in [(25088.0, 4096.0), (4096.0, 4096.0), (4096.0, 1000.0)] {
+        let flops = 3.0 * 2.0 * inputs * outputs * batch;
+        layers.push(layer(flops / 1e12, 4.0 * outputs * batch, 4.0 * (inputs * outputs + outputs)));
+    }
+    layers
+}
+
+#[test]
+fn on_two_levels_the_plan_is_never_worse_than_a_flat_networks_plan() {
+    // Four machines of four workers, as in PipeDream's examples.
+    let two_level = Network {
+        levels: vec![(4, 10e9), (16, 1.25e9)],
+    };
+    for batch in [16.0, 64.0, 256.0] {
+        let layers = vgg16_like(batch);
+        let model = CostModel::new(&layers, two_level.clone(), None);
+        let chosen = plan(&model, 16, false).unwrap();
+        assert_eq!(chosen.stages.iter().map(|s| s.replicas).sum::<usize>(), 16);
+        let judged = model.evaluate(&split(&chosen));
+        assert!((judged - chosen.time_per_minibatch).abs() <= 1e-12 * judged);
+        for bandwidth in [10e9, 1.25e9] {
+            let flat = CostModel::new(&layers, Network::flat(16, bandwidth), None);
+            let flat_plan = plan(&flat, 16, false).unwrap();
+            let flat_judged = model.evaluate(&split(&flat_plan));
+            assert!(
+                chosen.time_per_minibatch <= flat_judged * (1.0 + 1e-12),
+                "batch {batch}, flat at {bandwidth}: {} > {flat_judged}\n{chosen:?}\n{flat_plan:?}",
+                chosen.time_per_minibatch
+            );
+        }
+    }
+}
+
+fn split(plan: &Plan) -> Vec<(Range<usize>, usize)> {
+    plan.stages.iter().map(|s| (s.modules.clone(), s.replicas)).collect()
+}
+
+/// A node line of PipeDream's format.
+fn node(id: &str, description: &str, ms: f64, activation: f64, params: f64) -> String {
+    format!(
+        "{id} -- {description} -- forward_compute_time={ms:.3}, backward_compute_time={:.3}, activation_size={activation:.3}, parameter_size={params:.3}\n",
+        2.0 * ms
+    )
+}
+
+/// A residual network's shape in PipeDream's format: an input, a stem, then `blocks` blocks of
+/// two convolutions whose sum with the block's input feeds the next, then a pooled classifier,
+/// with PyTorch's Size/View pair before it as PipeDream's profiler records it.
+fn residual_graph(blocks: usize) -> String {
+    let mut nodes = node("node1", "Input", 1.0, 6e8, 0.0);
+    nodes += &node("node2", "Conv2d(3, 64)", 5.0, 8e8, 1e4);
+    let mut edges = String::from("\tnode1 -- node2\n");
+    let mut input = 2;
+    let mut next = 3;
+    for b in 0..blocks {
+        let (a, c, add) = (next, next + 1, next + 2);
+        nodes += &node(&format!("node{a}"), "Conv2d(64, 64)", 3.0 + b as f64, 8e8, 1e5);
+        nodes += &node(&format!("node{c}"), "Conv2d(64, 64)", 3.0, 8e8, 1e5);
+        nodes += &node(&format!("node{add}"), "Add(inplace)", 0.2, 8e8, 0.0);
+        for (x, y) in [(input, a), (a, c), (c, add), (input, add)] {
+            edges += &format!("\tnode{x} -- node{y}\n");
+        }
+        input = add;
+        next += 3;
+    }
+    let (pool, size, view, linear) = (next, next + 1, next + 2, next + 3);
+    nodes += &node(&format!("node{pool}"), "AdaptiveAvgPool2d", 0.5, 1e6, 0.0);
+    nodes += &node(&format!("node{size}"), "Size(0)", 0.0, 4.0, 0.0);
+    nodes += &node(&format!("node{view}"), "View(-1)", 0.0, 1e6, 0.0);
+    nodes += &node(&format!("node{linear}"), "Linear(64, 1000)", 0.4, 5e5, 2.6e5);
+    for (x, y) in [(input, pool), (pool, size), (pool, view), (size, view), (view, linear)] {
+        edges += &format!("\tnode{x} -- node{y}\n");
+    }
+    nodes + &edges
+}
+
+#[test]
+fn a_pipedream_graph_is_cut_only_where_one_tensor_crosses() {
+    let graph = Graph::parse(&residual_graph(3)).unwrap();
+    assert_eq!(graph.nodes.len(), 2 + 3 * 3 + 4);
+    let chain = graph.chain().unwrap();
+    let ids = |s: &Segment| s.nodes.iter().map(|&i| graph.nodes[i].id.as_str()).collect::<Vec<_>>();
+    let segments: Vec<Vec<&str>> = chain.iter().map(ids).collect();
+    // Input, stem, each block whole (its input crosses until its sum), the pooling (Size and
+    // View both read it, so Size's output never crosses alone), View, the classifier.
+    assert_eq!(
+        segments,
+        vec![
+            vec!["node1"],
+            vec!["node2"],
+            vec!["node3", "node4", "node5"],
+            vec!["node6", "node7", "node8"],
+            vec!["node9", "node10", "node11"],
+            vec!["node12"],
+            vec!["node13", "node14"],
+            vec!["node15"],
+        ]
+    );
+    // Times sum (forward and the profiler's 2x backward, milliseconds to seconds), the block's
+    // activations add for memory, and the cut after it carries the sum's output alone.
+    let block = &chain[2].cost;
+    assert!((block.compute_s - 3.0 * (3.0 + 3.0 + 0.2) / 1e3).abs() < 1e-15);
+    assert_eq!(block.activation_bytes, 3.0 * 8e8);
+    assert_eq!(block.output_bytes, 8e8);
+    assert_eq!(block.param_bytes, 2e5);
+    assert_eq!(chain[5].cost.output_bytes, 1e6);
+    // The planner runs over the chain.
+    let layers: Vec<LayerCost> = chain.iter().map(|s| s.cost.clone()).collect();
+    let model = CostModel::new(&layers, Network::flat(3, 1e9), None);
+    let p = plan(&model, 3, true).unwrap();
+    assert_eq!(p.stages.len(), 3);
+}
+
+#[test]
+fn a_partitioned_graph_round_trips_with_its_stages() {
+    let graph = Graph::parse(&residual_graph(2)).unwrap();
+    let stages: Vec<usize> = (0..graph.nodes.len()).map(|i| usize::from(i >= 5)).collect();
+    let text = graph.with_stages(&stages);
+    let back = Graph::parse(&text).unwrap();
+    assert_eq!(back.edges, graph.edges);
+    for ((a, b), s) in back.nodes.iter().zip(&graph.nodes).zip(&stages) {
+        assert_eq!(a.stage_id, Some(*s));
+        assert_eq!((&a.id, &a.description), (&b.id, &b.description));
+        assert!((a.forward_ms - b.forward_ms).abs() < 1e-3);
+        assert_eq!(a.activation_bytes, b.activation_bytes);
+    }
+}
+
+#[test]
+fn a_graph_that_cannot_be_read_names_the_line() {
+    let good = node("node1", "Input", 1.0, 10.0, 0.0) + &node("node2", "ReLU", 1.0, 10.0, 0.0);
+    let cases = [
+        (good.clone() + "\tnode1 -- node3\n", "line 3: the edge names node3, which no node line declares"),
+        (good.replace("=1.000,", "=fast,"), "line 1: forward_compute_time: `fast` is not a number"),
+        (good.replace(", parameter_size=0.000", ""), "line 1: the node has no parameter_size"),
+        ("node1 -- Input\n".to_string(), "line 1: a node needs its measurements"),
+        (good.clone() + &good, "line 3: node1 is declared twice"),
+        (good.clone() + "\tnode1 node2\n", "line 3: an edge line is `\\t<node> -- <node>`"),
+        (good.clone() + "\tnode1 -- node2\n\tnode2 -- node1\n", "the graph has a cycle through node1"),
+        ("\n".to_string(), "the graph has no nodes"),
+    ];
+    for (text, expected) in cases {
+        let result = Graph::parse(&text).and_then(|g| g.chain().map(|_| g));
+        let message = result.expect_err(expected).to_string();
+        assert!(message.starts_with(expected), "{message:?} does not start with {expected:?}");
+    }
+}
+
+#[test]
+fn a_residual_graph_on_two_levels_is_planned_no_worse_than_flat() {
+    let graph = Graph::parse(&residual_graph(16)).unwrap();
+    let layers: Vec<LayerCost> = graph.chain().unwrap().into_iter().map(|s| s.cost).collect();
+    let two_level = Network {
+        levels: vec![(4, 10e9), (16, 1.25e9)],
+    };
+    let model = CostModel::new(&layers, two_level, None);
+    let chosen = plan(&model, 16, false).unwrap();
+    for bandwidth in [10e9, 1.25e9] {
+        let flat = plan(&CostModel::new(&layers, Network::flat(16, bandwidth), None), 16, false).unwrap();
+        assert!(chosen.time_per_minibatch <= model.evaluate(&split(&flat)) * (1.0 + 1e-12));
     }
 }

@@ -1,12 +1,13 @@
-//! `driver plan`: reads a layer profile (`runtime profile`), solves PipeDream's partitioning for
-//! the workers and network given, and writes the stage config with its predictions.
+//! `driver plan`: reads a layer profile (`runtime profile`'s JSON, or PipeDream's `graph.txt`),
+//! solves PipeDream's partitioning for the workers and network given, and writes the stage config
+//! (or, for a PipeDream graph, the graph partitioned in PipeDream's format) with its predictions.
 
 use std::fmt::Write as _;
 use std::path::PathBuf;
 
 use serde::Serialize;
 use stagehand_contract::Profile;
-use stagehand_planner::{plan, CostModel, LayerCost, Network, Plan};
+use stagehand_planner::{plan, CostModel, Graph, LayerCost, Network, Plan, Segment};
 
 /// What to plan for: the workers, their network and memory, and the schedule's microbatches.
 #[derive(Debug, Clone, PartialEq)]
@@ -27,11 +28,12 @@ pub struct PlanRequest {
 /// A validated `driver plan` request.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PartitionOptions {
-    /// The profile JSON written by `runtime profile`.
+    /// The profile: JSON written by `runtime profile`, or PipeDream's `graph.txt`.
     pub profile: PathBuf,
     /// What to plan for.
     pub request: PlanRequest,
-    /// Where to write the stage config (PipeDream's JSON); stdout when `None`.
+    /// Where to write the stage config (PipeDream's JSON), or for a PipeDream graph the graph with
+    /// each node's `stage_id`; stdout when `None`.
     pub output: Option<PathBuf>,
     /// Where to write the predictions as JSON, if anywhere.
     pub prediction: Option<PathBuf>,
@@ -64,8 +66,9 @@ pub enum PartitionError {
 #[derive(Debug, Clone, Serialize)]
 pub struct Prediction {
     pub model: String,
-    /// Samples per microbatch (the profile's batch size).
-    pub batch_size: usize,
+    /// Samples per microbatch (the profile's batch size; null for a PipeDream graph, which does
+    /// not record it).
+    pub batch_size: Option<usize>,
     pub workers: usize,
     /// Seconds per minibatch in steady state (the slowest stage or boundary; PipeDream's figure).
     pub time_per_minibatch_s: f64,
@@ -81,8 +84,12 @@ pub struct Prediction {
 
 #[derive(Debug, Clone, Serialize)]
 pub struct PredictedStage {
+    /// The stage's units: the runtime's modules, or the segments of a PipeDream graph.
     pub first_module: usize,
     pub end_module: usize,
+    /// The names of its first and last: modules, or PipeDream node ids with their layers.
+    pub first: String,
+    pub last: String,
     pub replicas: usize,
     pub time_s: f64,
     pub memory_bytes: f64,
@@ -99,29 +106,140 @@ pub fn layer_costs(profile: &Profile, microbatches: usize) -> Vec<LayerCost> {
         .map(|module| LayerCost {
             compute_s: m * (module.forward_s + module.backward_s),
             activation_bytes: m * module.activation_bytes as f64,
+            output_bytes: m * module.activation_bytes as f64,
             param_bytes: module.param_bytes as f64,
             optimizer_s: module.optimizer_s,
         })
         .collect()
 }
 
+/// What `driver plan` plans over.
+#[derive(Debug, Clone)]
+pub enum Source {
+    /// The runtime's modules, from `runtime profile`.
+    Runtime(Profile),
+    /// A PipeDream profile graph, as the chain of its cuts the runtime can make.
+    PipeDream {
+        /// The file's name, as the model's.
+        name: String,
+        graph: Graph,
+        chain: Vec<Segment>,
+    },
+}
+
+impl Source {
+    /// Reads `path`: a JSON profile when it starts with `{`, PipeDream's graph otherwise.
+    pub fn read(path: &std::path::Path) -> Result<Source, PartitionError> {
+        let text = std::fs::read_to_string(path).map_err(|source| PartitionError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let invalid = |reason: String| PartitionError::Profile {
+            path: path.to_path_buf(),
+            reason,
+        };
+        if text.trim_start().starts_with('{') {
+            return Profile::from_json(&text).map(Source::Runtime).map_err(invalid);
+        }
+        let read = |e: stagehand_planner::GraphError| invalid(format!("as PipeDream's graph.txt: {e}"));
+        let graph = Graph::parse(&text).map_err(read)?;
+        let chain = graph.chain().map_err(read)?;
+        let name = path
+            .parent()
+            .and_then(|p| p.file_name())
+            .filter(|_| path.file_name().is_some_and(|f| f == "graph.txt"))
+            .or(path.file_stem())
+            .map_or_else(|| "graph".to_string(), |n| n.to_string_lossy().into_owned());
+        Ok(Source::PipeDream { name, graph, chain })
+    }
+
+    fn model(&self) -> &str {
+        match self {
+            Source::Runtime(profile) => &profile.model,
+            Source::PipeDream { name, .. } => name,
+        }
+    }
+
+    fn batch_size(&self) -> Option<usize> {
+        match self {
+            Source::Runtime(profile) => Some(profile.batch_size),
+            Source::PipeDream { .. } => None,
+        }
+    }
+
+    /// The planner's units at `microbatches` microbatches of the profiled batch.
+    fn costs(&self, microbatches: usize) -> Vec<LayerCost> {
+        match self {
+            Source::Runtime(profile) => layer_costs(profile, microbatches),
+            Source::PipeDream { chain, .. } => {
+                let m = microbatches.max(1) as f64;
+                chain
+                    .iter()
+                    .map(|s| LayerCost {
+                        compute_s: m * s.cost.compute_s,
+                        activation_bytes: m * s.cost.activation_bytes,
+                        output_bytes: m * s.cost.output_bytes,
+                        ..s.cost.clone()
+                    })
+                    .collect()
+            }
+        }
+    }
+
+    /// Unit `i`'s first or last name: a module's, or a PipeDream node's id and layer.
+    fn name(&self, i: usize, last: bool) -> String {
+        match self {
+            Source::Runtime(profile) => profile.modules.get(i).map_or("?".into(), |m| m.name.clone()),
+            Source::PipeDream { graph, chain, .. } => chain
+                .get(i)
+                .and_then(|s| if last { s.nodes.last() } else { s.nodes.first() })
+                .map_or("?".into(), |&n| {
+                    let node = &graph.nodes[n];
+                    let layer = node.description.split('(').next().unwrap_or_default();
+                    format!("{} {layer}", node.id)
+                }),
+        }
+    }
+
+    /// What `--output` holds: the stage config, or the graph with each node's stage.
+    fn output(&self, plan: &Plan) -> String {
+        match self {
+            Source::Runtime(_) => {
+                serde_json::to_string_pretty(&plan.stage_config()).expect("stage configs serialize") + "\n"
+            }
+            Source::PipeDream { graph, chain, .. } => {
+                let mut stage_of = vec![0; graph.nodes.len()];
+                for (id, stage) in plan.stages.iter().enumerate() {
+                    for segment in &chain[stage.modules.clone()] {
+                        for &node in &segment.nodes {
+                            stage_of[node] = id;
+                        }
+                    }
+                }
+                graph.with_stages(&stage_of)
+            }
+        }
+    }
+}
+
 /// Reads a profile JSON file.
 pub fn read_profile(path: &std::path::Path) -> Result<Profile, PartitionError> {
-    let text = std::fs::read_to_string(path).map_err(|source| PartitionError::Read {
-        path: path.to_path_buf(),
-        source,
-    })?;
-    Profile::from_json(&text).map_err(|reason| PartitionError::Profile {
-        path: path.to_path_buf(),
-        reason,
-    })
+    match Source::read(path)? {
+        Source::Runtime(profile) => Ok(profile),
+        Source::PipeDream { .. } => Err(PartitionError::Profile {
+            path: path.to_path_buf(),
+            reason: "a PipeDream graph plans over PipeDream's layers, not the runtime's modules; \
+                     profile the model with `runtime profile` (or let config_file: auto do it)"
+                .into(),
+        }),
+    }
 }
 
 /// Reads the profile and solves.
-pub fn solve(options: &PartitionOptions) -> Result<(Profile, Plan, Prediction), PartitionError> {
-    let profile = read_profile(&options.profile)?;
-    let (plan, prediction) = solve_profile(&profile, &options.request)?;
-    Ok((profile, plan, prediction))
+pub fn solve(options: &PartitionOptions) -> Result<(Source, Plan, Prediction), PartitionError> {
+    let source = Source::read(&options.profile)?;
+    let (plan, prediction) = solve_source(&source, &options.request)?;
+    Ok((source, plan, prediction))
 }
 
 /// Solves PipeDream's partitioning of `profile` for `request`.
@@ -129,18 +247,21 @@ pub fn solve_profile(
     profile: &Profile,
     request: &PlanRequest,
 ) -> Result<(Plan, Prediction), stagehand_planner::PlanError> {
+    solve_source(&Source::Runtime(profile.clone()), request)
+}
+
+fn solve_source(
+    source: &Source,
+    request: &PlanRequest,
+) -> Result<(Plan, Prediction), stagehand_planner::PlanError> {
     let network = Network {
         levels: request.levels.clone(),
     };
-    let model = CostModel::new(
-        &layer_costs(profile, request.microbatches),
-        network,
-        request.memory_bytes,
-    );
+    let model = CostModel::new(&source.costs(request.microbatches), network, request.memory_bytes);
     let plan = plan(&model, request.workers, request.straight)?;
     let prediction = Prediction {
-        model: profile.model.clone(),
-        batch_size: profile.batch_size,
+        model: source.model().to_string(),
+        batch_size: source.batch_size(),
         workers: request.workers,
         time_per_minibatch_s: plan.time_per_minibatch,
         flushing_time_per_minibatch_s: plan.flushing_time(request.microbatches),
@@ -153,6 +274,8 @@ pub fn solve_profile(
             .map(|s| PredictedStage {
                 first_module: s.modules.start,
                 end_module: s.modules.end,
+                first: source.name(s.modules.start, false),
+                last: source.name(s.modules.end - 1, true),
                 replicas: s.replicas,
                 time_s: s.time_s,
                 memory_bytes: s.memory_bytes,
@@ -164,25 +287,38 @@ pub fn solve_profile(
 
 /// The plan as a table for people.
 pub fn render(profile: &Profile, plan: &Plan, prediction: &Prediction) -> String {
+    render_source(&Source::Runtime(profile.clone()), plan, prediction)
+}
+
+fn render_source(source: &Source, plan: &Plan, prediction: &Prediction) -> String {
     let mut out = String::new();
-    let name = |i: usize| profile.modules.get(i).map_or("?", |m| m.name.as_str());
+    let (units, batch) = match source {
+        Source::Runtime(profile) => ("modules", format!("{}", profile.batch_size)),
+        Source::PipeDream { .. } => ("segments", "PipeDream's profiled batch".to_string()),
+    };
     let _ = writeln!(
         out,
-        "{} at {} microbatches of {} on {} workers:",
-        profile.model, prediction.microbatches, profile.batch_size, prediction.workers
+        "{} at {} microbatches of {batch} on {} workers:",
+        source.model(),
+        prediction.microbatches,
+        prediction.workers
     );
+    let mut worker = 0;
     for (id, s) in plan.stages.iter().enumerate() {
         let _ = writeln!(
             out,
-            "  stage {id}: modules {}..{} ({} .. {}) on {} worker(s), {:.1} ms, {:.2} GiB per worker",
+            "  stage {id}: {units} {}..{} ({} .. {}) on {} worker(s) [{}..{}], {:.1} ms, {:.2} GiB per worker",
             s.modules.start,
             s.modules.end,
-            name(s.modules.start),
-            name(s.modules.end - 1),
+            source.name(s.modules.start, false),
+            source.name(s.modules.end - 1, true),
             s.replicas,
+            worker,
+            worker + s.replicas,
             s.time_s * 1e3,
             s.memory_bytes / (1u64 << 30) as f64
         );
+        worker += s.replicas;
     }
     let _ = writeln!(
         out,
@@ -249,8 +385,8 @@ pub fn explain(plan: &Plan) -> String {
 /// Runs `driver plan`: writes the stage config (or prints it) and the predictions, and prints
 /// the plan for people on stderr.
 pub fn run(options: &PartitionOptions) -> Result<(), PartitionError> {
-    let (profile, plan, prediction) = solve(options)?;
-    let config = serde_json::to_string_pretty(&plan.stage_config()).expect("stage configs serialize") + "\n";
+    let (source, plan, prediction) = solve(options)?;
+    let config = source.output(&plan);
     match &options.output {
         Some(path) => std::fs::write(path, &config).map_err(|source| PartitionError::Write {
             path: path.clone(),
@@ -265,7 +401,7 @@ pub fn run(options: &PartitionOptions) -> Result<(), PartitionError> {
             source,
         })?;
     }
-    eprint!("{}", render(&profile, &plan, &prediction));
+    eprint!("{}", render_source(&source, &plan, &prediction));
     if options.explain {
         eprint!("{}", explain(&plan));
     }
