@@ -89,7 +89,10 @@ fn parse_node(text: &str, line: usize) -> Result<GraphNode, GraphError> {
             )
         })?;
     if measured < 2 {
-        return Err(error(line, "a node line is `<id> -- <description> -- <measurements>`"));
+        return Err(error(
+            line,
+            "a node line is `<id> -- <description> -- <measurements>`",
+        ));
     }
     let mut values = HashMap::new();
     for field in parts[measured].split(',') {
@@ -102,7 +105,10 @@ fn parse_node(text: &str, line: usize) -> Result<GraphNode, GraphError> {
             .parse()
             .map_err(|_| error(line, format!("{key}: `{}` is not a number", value.trim())))?;
         if !value.is_finite() || value < 0.0 {
-            return Err(error(line, format!("{key} must be a finite number >= 0, not {value}")));
+            return Err(error(
+                line,
+                format!("{key} must be a finite number >= 0, not {value}"),
+            ));
         }
         values.insert(key, value);
     }
@@ -114,10 +120,12 @@ fn parse_node(text: &str, line: usize) -> Result<GraphNode, GraphError> {
     };
     let mut stage_id = None;
     for extra in &parts[measured + 1..] {
-        let value = extra
-            .trim()
-            .strip_prefix("stage_id=")
-            .ok_or_else(|| error(line, format!("`{}` after the measurements is not stage_id=N", extra.trim())))?;
+        let value = extra.trim().strip_prefix("stage_id=").ok_or_else(|| {
+            error(
+                line,
+                format!("`{}` after the measurements is not stage_id=N", extra.trim()),
+            )
+        })?;
         stage_id = Some(
             value
                 .parse()
@@ -171,7 +179,10 @@ impl Graph {
             edges.push((find(&from)?, find(&to)?));
         }
         if nodes.is_empty() {
-            return Err(error(0, "the graph has no nodes (is this PipeDream's graph.txt?)"));
+            return Err(error(
+                0,
+                "the graph has no nodes (is this PipeDream's graph.txt?)",
+            ));
         }
         Ok(Graph { nodes, edges })
     }

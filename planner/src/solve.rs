@@ -143,7 +143,9 @@ pub fn plan(model: &CostModel, workers: usize, straight: bool) -> Result<Plan, P
                     let mut time = model.stage_time(&stage, &stage_workers);
                     let mut next_replicas = 0;
                     if end < modules {
-                        let Some((continuation, next)) = after[at(end, rest, r)] else { continue };
+                        let Some((continuation, next)) = after[at(end, rest, r)] else {
+                            continue;
+                        };
                         time = time.max(continuation);
                         next_replicas = next;
                     }
@@ -200,7 +202,8 @@ pub fn plan(model: &CostModel, workers: usize, straight: bool) -> Result<Plan, P
         stages.push(PlannedStage {
             time_s: parts.total(),
             parts,
-            transfer_s: (b.end < modules).then(|| model.boundary_time(b.end - 1, &stage_workers, &next_workers)),
+            transfer_s: (b.end < modules)
+                .then(|| model.boundary_time(b.end - 1, &stage_workers, &next_workers)),
             memory_bytes: model.stage_memory(&range, r, m),
             modules: range,
             replicas: r,

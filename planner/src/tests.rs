@@ -76,7 +76,8 @@ fn brute_force(model: &CostModel, workers: usize, straight: bool) -> Option<f64>
                 }
                 worker += r;
             }
-            let split: Vec<(Range<usize>, usize)> = stages.iter().cloned().zip(replicas.iter().copied()).collect();
+            let split: Vec<(Range<usize>, usize)> =
+                stages.iter().cloned().zip(replicas.iter().copied()).collect();
             assert_eq!(time, model.evaluate(&split));
             if fits && best.is_none_or(|b| time < b) {
                 best = Some(time);
@@ -253,19 +254,28 @@ fn a_boundary_charges_each_pair_of_replicas_at_the_level_between_them() {
     let close = |a: f64, b: f64| (a - b).abs() <= 1e-12 * b;
     // One worker to the next, inside a machine and across machines: the bytes both ways.
     assert!(close(net.boundary_seconds_per_byte(&(0..1), &(1..2)), 2.0 / 10e9));
-    assert!(close(net.boundary_seconds_per_byte(&(3..4), &(4..5)), 2.0 / 1.25e9));
+    assert!(close(
+        net.boundary_seconds_per_byte(&(3..4), &(4..5)),
+        2.0 / 1.25e9
+    ));
     // Four replicas on workers 2..6 (two machines) feed worker 6: it receives a quarter from
     // each, half of it over the slow link. Charged at the link between workers 5 and 6 alone, as
     // before, this was 2 / 10e9.
     let straddling = net.boundary_seconds_per_byte(&(2..6), &(6..7));
-    assert!(close(straddling, 2.0 * (0.25 / 1.25e9 * 2.0 + 0.25 / 10e9 * 2.0)), "{straddling}");
+    assert!(
+        close(straddling, 2.0 * (0.25 / 1.25e9 * 2.0 + 0.25 / 10e9 * 2.0)),
+        "{straddling}"
+    );
     // Kept inside one machine (4..8 feeding 8) only the receiver's own link is slow.
     let aligned = net.boundary_seconds_per_byte(&(4..8), &(8..9));
     assert!(close(aligned, 2.0 * 4.0 * 0.25 / 1.25e9), "{aligned}");
     // Two replicas feeding three: six pairs over a period of six microbatches; every worker's
     // share adds up to its part of the traffic.
     let flat = Network::flat(5, 1e9);
-    assert!(close(flat.boundary_seconds_per_byte(&(0..2), &(2..5)), 2.0 * 0.5 / 1e9));
+    assert!(close(
+        flat.boundary_seconds_per_byte(&(0..2), &(2..5)),
+        2.0 * 0.5 / 1e9
+    ));
 }
 
 /// A VGG-16-shaped model on `batch` images: thirteen 3x3 convolutions with their pooling, then
@@ -298,7 +308,11 @@ fn vgg16_like(batch: f64) -> Vec<LayerCost> {
     }
     for (inputs, outputs) in [(25088.0, 4096.0), (4096.0, 4096.0), (4096.0, 1000.0)] {
         let flops = 3.0 * 2.0 * inputs * outputs * batch;
-        layers.push(layer(flops / 1e12, 4.0 * outputs * batch, 4.0 * (inputs * outputs + outputs)));
+        layers.push(layer(
+            flops / 1e12,
+            4.0 * outputs * batch,
+            4.0 * (inputs * outputs + outputs),
+        ));
     }
     layers
 }
@@ -330,7 +344,10 @@ fn on_two_levels_the_plan_is_never_worse_than_a_flat_networks_plan() {
 }
 
 fn split(plan: &Plan) -> Vec<(Range<usize>, usize)> {
-    plan.stages.iter().map(|s| (s.modules.clone(), s.replicas)).collect()
+    plan.stages
+        .iter()
+        .map(|s| (s.modules.clone(), s.replicas))
+        .collect()
 }
 
 /// A node line of PipeDream's format.
@@ -366,7 +383,13 @@ fn residual_graph(blocks: usize) -> String {
     nodes += &node(&format!("node{size}"), "Size(0)", 0.0, 4.0, 0.0);
     nodes += &node(&format!("node{view}"), "View(-1)", 0.0, 1e6, 0.0);
     nodes += &node(&format!("node{linear}"), "Linear(64, 1000)", 0.4, 5e5, 2.6e5);
-    for (x, y) in [(input, pool), (pool, size), (pool, view), (size, view), (view, linear)] {
+    for (x, y) in [
+        (input, pool),
+        (pool, size),
+        (pool, view),
+        (size, view),
+        (view, linear),
+    ] {
         edges += &format!("\tnode{x} -- node{y}\n");
     }
     nodes + &edges
@@ -377,7 +400,12 @@ fn a_pipedream_graph_is_cut_only_where_one_tensor_crosses() {
     let graph = Graph::parse(&residual_graph(3)).unwrap();
     assert_eq!(graph.nodes.len(), 2 + 3 * 3 + 4);
     let chain = graph.chain().unwrap();
-    let ids = |s: &Segment| s.nodes.iter().map(|&i| graph.nodes[i].id.as_str()).collect::<Vec<_>>();
+    let ids = |s: &Segment| {
+        s.nodes
+            .iter()
+            .map(|&i| graph.nodes[i].id.as_str())
+            .collect::<Vec<_>>()
+    };
     let segments: Vec<Vec<&str>> = chain.iter().map(ids).collect();
     // Input, stem, each block whole (its input crosses until its sum), the pooling (Size and
     // View both read it, so Size's output never crosses alone), View, the classifier.
@@ -428,19 +456,40 @@ fn a_partitioned_graph_round_trips_with_its_stages() {
 fn a_graph_that_cannot_be_read_names_the_line() {
     let good = node("node1", "Input", 1.0, 10.0, 0.0) + &node("node2", "ReLU", 1.0, 10.0, 0.0);
     let cases = [
-        (good.clone() + "\tnode1 -- node3\n", "line 3: the edge names node3, which no node line declares"),
-        (good.replace("=1.000,", "=fast,"), "line 1: forward_compute_time: `fast` is not a number"),
-        (good.replace(", parameter_size=0.000", ""), "line 1: the node has no parameter_size"),
-        ("node1 -- Input\n".to_string(), "line 1: a node needs its measurements"),
+        (
+            good.clone() + "\tnode1 -- node3\n",
+            "line 3: the edge names node3, which no node line declares",
+        ),
+        (
+            good.replace("=1.000,", "=fast,"),
+            "line 1: forward_compute_time: `fast` is not a number",
+        ),
+        (
+            good.replace(", parameter_size=0.000", ""),
+            "line 1: the node has no parameter_size",
+        ),
+        (
+            "node1 -- Input\n".to_string(),
+            "line 1: a node needs its measurements",
+        ),
         (good.clone() + &good, "line 3: node1 is declared twice"),
-        (good.clone() + "\tnode1 node2\n", "line 3: an edge line is `\\t<node> -- <node>`"),
-        (good.clone() + "\tnode1 -- node2\n\tnode2 -- node1\n", "the graph has a cycle through node1"),
+        (
+            good.clone() + "\tnode1 node2\n",
+            "line 3: an edge line is `\\t<node> -- <node>`",
+        ),
+        (
+            good.clone() + "\tnode1 -- node2\n\tnode2 -- node1\n",
+            "the graph has a cycle through node1",
+        ),
         ("\n".to_string(), "the graph has no nodes"),
     ];
     for (text, expected) in cases {
         let result = Graph::parse(&text).and_then(|g| g.chain().map(|_| g));
         let message = result.expect_err(expected).to_string();
-        assert!(message.starts_with(expected), "{message:?} does not start with {expected:?}");
+        assert!(
+            message.starts_with(expected),
+            "{message:?} does not start with {expected:?}"
+        );
     }
 }
 
@@ -454,7 +503,12 @@ fn a_residual_graph_on_two_levels_is_planned_no_worse_than_flat() {
     let model = CostModel::new(&layers, two_level, None);
     let chosen = plan(&model, 16, false).unwrap();
     for bandwidth in [10e9, 1.25e9] {
-        let flat = plan(&CostModel::new(&layers, Network::flat(16, bandwidth), None), 16, false).unwrap();
+        let flat = plan(
+            &CostModel::new(&layers, Network::flat(16, bandwidth), None),
+            16,
+            false,
+        )
+        .unwrap();
         assert!(chosen.time_per_minibatch <= model.evaluate(&split(&flat)) * (1.0 + 1e-12));
     }
 }

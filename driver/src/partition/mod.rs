@@ -290,7 +290,7 @@ pub fn render(profile: &Profile, plan: &Plan, prediction: &Prediction) -> String
     render_source(&Source::Runtime(profile.clone()), plan, prediction)
 }
 
-fn render_source(source: &Source, plan: &Plan, prediction: &Prediction) -> String {
+pub fn render_source(source: &Source, plan: &Plan, prediction: &Prediction) -> String {
     let mut out = String::new();
     let (units, batch) = match source {
         Source::Runtime(profile) => ("modules", format!("{}", profile.batch_size)),
@@ -307,7 +307,7 @@ fn render_source(source: &Source, plan: &Plan, prediction: &Prediction) -> Strin
     for (id, s) in plan.stages.iter().enumerate() {
         let _ = writeln!(
             out,
-            "  stage {id}: {units} {}..{} ({} .. {}) on {} worker(s) [{}..{}], {:.1} ms, {:.2} GiB per worker",
+            "  stage {id}: {units} {}..{} ({} .. {}) on {} worker(s) (ranks {}..{}), {:.1} ms, {:.2} GiB per worker",
             s.modules.start,
             s.modules.end,
             source.name(s.modules.start, false),

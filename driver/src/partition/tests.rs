@@ -77,8 +77,13 @@ fn writes_a_stage_config_the_runtime_accepts_and_the_predictions() {
 #[test]
 fn the_plan_renders_for_people() {
     let dir = tempfile::tempdir().unwrap();
-    let (profile, plan, prediction) = solve(&options(dir.path())).unwrap();
-    insta::assert_snapshot!(render(&profile, &plan, &prediction));
+    let (source, plan, prediction) = solve(&options(dir.path())).unwrap();
+    let Source::Runtime(profile) = &source else {
+        panic!("a JSON profile is the runtime's")
+    };
+    let text = render(profile, &plan, &prediction);
+    assert_eq!(text, render_source(&source, &plan, &prediction));
+    insta::assert_snapshot!(text);
 }
 
 #[test]
@@ -142,4 +147,98 @@ fn errors_name_the_file_and_what_to_change() {
     opts.profile = dir.path().join("missing.json");
     let err = solve(&opts).err().unwrap();
     assert!(err.to_string().starts_with("cannot read the profile"), "{err}");
+}
+
+/// A small graph in PipeDream's format: an input, a convolution, two residual blocks (two
+/// convolutions and a sum each), a classifier.
+fn pipedream_graph() -> String {
+    let node = |id: usize, layer: &str, ms: f64, activation: f64, params: f64| {
+        format!(
+            "node{id} -- {layer} -- forward_compute_time={ms:.3}, backward_compute_time={:.3}, activation_size={activation:.3}, parameter_size={params:.3}\n",
+            2.0 * ms
+        )
+    };
+    let mut text = node(1, "Input", 1.0, 1e7, 0.0) + &node(2, "Conv2d(3, 64)", 8.0, 4e7, 1e4);
+    for (a, b, add) in [(3, 4, 5), (6, 7, 8)] {
+        text += &node(a, "Conv2d(64, 64)", 6.0, 4e7, 1e5);
+        text += &node(b, "Conv2d(64, 64)", 6.0, 4e7, 1e5);
+        text += &node(add, "Add(inplace)", 0.1, 4e7, 0.0);
+    }
+    text += &node(9, "Linear(64, 10)", 0.5, 1e4, 1e3);
+    for (x, y) in [
+        (1, 2),
+        (2, 3),
+        (3, 4),
+        (4, 5),
+        (2, 5),
+        (5, 6),
+        (6, 7),
+        (7, 8),
+        (5, 8),
+        (8, 9),
+    ] {
+        text += &format!("\tnode{x} -- node{y}\n");
+    }
+    text
+}
+
+#[test]
+fn a_pipedream_graph_is_planned_over_its_layers_and_written_back_partitioned() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut opts = options(dir.path());
+    let folder = dir.path().join("resnet_toy");
+    std::fs::create_dir(&folder).unwrap();
+    opts.profile = folder.join("graph.txt");
+    std::fs::write(&opts.profile, pipedream_graph()).unwrap();
+    opts.request.workers = 4;
+    opts.request.levels = vec![(4, 1e10)];
+    run(&opts).unwrap();
+    // The output is PipeDream's graph with a stage per node, stages in the graph's order, and no
+    // cut inside a residual block: both convolutions and the sum share a stage.
+    let written =
+        stagehand_planner::Graph::parse(&std::fs::read_to_string(dir.path().join("stages.json")).unwrap())
+            .unwrap();
+    let stage = |id: &str| {
+        written
+            .nodes
+            .iter()
+            .find(|n| n.id == id)
+            .and_then(|n| n.stage_id)
+            .unwrap()
+    };
+    let stages: Vec<usize> = (1..=9).map(|i| stage(&format!("node{i}"))).collect();
+    assert!(
+        stages.windows(2).all(|w| w[1] == w[0] || w[1] == w[0] + 1),
+        "{stages:?}"
+    );
+    assert_eq!(
+        *stages.last().unwrap(),
+        3,
+        "a straight plan over 4 workers: {stages:?}"
+    );
+    for block in [[3, 4, 5], [6, 7, 8]] {
+        assert!(
+            block.iter().all(|&i| stages[i - 1] == stages[block[0] - 1]),
+            "{stages:?}"
+        );
+    }
+    let prediction: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("prediction.json")).unwrap()).unwrap();
+    assert_eq!(prediction["model"], "resnet_toy");
+    assert!(prediction["batch_size"].is_null());
+    assert_eq!(prediction["stages"][0]["first"], "node1 Input");
+    // A runtime plan cannot take it: config_file: auto needs the runtime's modules.
+    let err = read_profile(&opts.profile).unwrap_err().to_string();
+    assert!(err.contains("profile the model with `runtime profile`"), "{err}");
+    // A line PipeDream's format does not allow is named.
+    std::fs::write(
+        &opts.profile,
+        pipedream_graph().replace("activation_size=10000.000", "activation_size=big"),
+    )
+    .unwrap();
+    let err = solve(&opts).err().unwrap().to_string();
+    assert!(
+        err.ends_with("graph.txt: as PipeDream's graph.txt: line 9: activation_size: `big` is not a number"),
+        "{err}"
+    );
 }
