@@ -124,6 +124,7 @@ pub async fn profile_and_plan(
         memory_bytes: auto.memory_bytes,
         straight: auto.straight,
         microbatches: auto.microbatches as usize,
+        alternatives: 0,
     };
     let (solved, prediction) = match partition::solve_profile(&profile, &request) {
         Ok(s) => s,

@@ -182,6 +182,12 @@ struct PlanArgs {
     #[arg(long)]
     explain: bool,
 
+    /// Also show the best plan of each of the next N stage shapes (replicas per stage), fastest
+    /// first, with how much slower each is predicted; the predictions JSON gets them with their
+    /// stage configs. Up to 12 workers.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    alternatives: usize,
+
     /// Where to write the stage config (default: stdout); for a PipeDream graph, the graph with
     /// each node's `stage_id`, as PipeDream's optimizer writes it.
     #[arg(long, short = 'o', value_name = "FILE")]
@@ -427,6 +433,17 @@ impl PlanArgs {
                 )));
             }
         }
+        if self.alternatives > 0 && workers > stagehand_planner::MAX_ALTERNATIVE_WORKERS {
+            return Err(invalid(format!(
+                "--alternatives tries every stage shape, up to {} workers; --workers is {workers}",
+                stagehand_planner::MAX_ALTERNATIVE_WORKERS
+            )));
+        }
+        if self.alternatives > 0 && self.straight {
+            return Err(invalid(
+                "--straight has one shape (a worker per stage); drop --alternatives or --straight".into(),
+            ));
+        }
         let mut levels: Vec<(usize, f64)> = self.level.iter().map(|&(w, g)| (w, g * 1e9)).collect();
         if levels.is_empty() || self.bandwidth.is_some() {
             levels.push((workers, self.bandwidth.unwrap_or(DEFAULT_BANDWIDTH_GBPS) * 1e9));
@@ -442,6 +459,7 @@ impl PlanArgs {
                 memory_bytes: self.memory.map(|gib| gib * (1u64 << 30) as f64),
                 straight: self.straight,
                 microbatches: self.microbatches as usize,
+                alternatives: self.alternatives,
             },
             output: self.output,
             prediction: self.prediction,
@@ -663,6 +681,22 @@ mod tests {
             let e = try_task(&all).unwrap_err();
             assert_eq!(e.exit_code(), 2, "{e}");
             assert!(e.to_string().contains("--level"), "{e}");
+        }
+        assert_eq!(
+            plan(&["--workers", "12", "--alternatives", "3"])
+                .request
+                .alternatives,
+            3
+        );
+        for bad in [
+            &["--workers", "13", "--alternatives", "1"][..],
+            &["--workers", "4", "--alternatives", "1", "--straight"],
+        ] {
+            let mut all = vec!["plan", "--profile", "p.json"];
+            all.extend_from_slice(bad);
+            let e = try_task(&all).unwrap_err();
+            assert_eq!(e.exit_code(), 2, "{e}");
+            assert!(e.to_string().contains("--alternatives"), "{e}");
         }
     }
 }

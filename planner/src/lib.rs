@@ -16,7 +16,7 @@ mod solve;
 
 pub use cost::{CostModel, LayerCost, Network, StageParts};
 pub use pipedream::{Graph, GraphError, GraphNode, Segment};
-pub use solve::{plan, Plan, PlanError, PlannedStage};
+pub use solve::{alternatives, plan, plan_for_shape, Plan, PlanError, PlannedStage, MAX_ALTERNATIVE_WORKERS};
 
 #[cfg(test)]
 mod tests;

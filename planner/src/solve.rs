@@ -222,3 +222,110 @@ pub fn plan(model: &CostModel, workers: usize, straight: bool) -> Result<Plan, P
         data_parallel_time,
     })
 }
+
+/// The best split of the modules into stages with exactly `replicas[k]` workers for stage `k`
+/// (workers in order), judged by the same model as [`plan`]; `None` if no split fits in memory
+/// or there are fewer modules than stages. A program over (stage, first module).
+pub fn plan_for_shape(model: &CostModel, replicas: &[usize]) -> Option<Plan> {
+    let (modules, stages) = (model.len(), replicas.len());
+    if stages == 0 || modules < stages || replicas.contains(&0) {
+        return None;
+    }
+    let workers: usize = replicas.iter().sum();
+    let mut first_worker = vec![0; stages + 1];
+    for k in 0..stages {
+        first_worker[k + 1] = first_worker[k] + replicas[k];
+    }
+    let range = |k: usize| first_worker[k]..first_worker[k + 1];
+    // best[k][i]: the lowest time for stages k.. over modules i.., with the end of stage k.
+    let mut best = vec![vec![None::<(f64, usize)>; modules + 1]; stages + 1];
+    best[stages][modules] = Some((0.0, modules));
+    for k in (0..stages).rev() {
+        let remaining = stages - k;
+        for start in k..=modules - remaining {
+            let mut choice: Option<(f64, usize)> = None;
+            let last_end = if k + 1 == stages {
+                modules
+            } else {
+                modules - (remaining - 1)
+            };
+            for end in start + 1..=last_end {
+                if k + 1 == stages && end != modules {
+                    continue;
+                }
+                let Some((after, _)) = best[k + 1][end] else {
+                    continue;
+                };
+                if !model.fits(&(start..end), replicas[k], workers - first_worker[k]) {
+                    continue;
+                }
+                let mut time = model.stage_time(&(start..end), &range(k)).max(after);
+                if k + 1 < stages {
+                    time = time.max(model.boundary_time(end - 1, &range(k), &range(k + 1)));
+                }
+                if choice.is_none_or(|(t, _)| time < t) {
+                    choice = Some((time, end));
+                }
+            }
+            best[k][start] = choice;
+        }
+    }
+    let (time, _) = best[0][0]?;
+    let mut planned = Vec::new();
+    let mut start = 0;
+    for k in 0..stages {
+        let (_, end) = best[k][start].expect("the chosen path exists");
+        let modules_k = start..end;
+        let parts = model.stage_parts(&modules_k, &range(k));
+        planned.push(PlannedStage {
+            time_s: parts.total(),
+            parts,
+            transfer_s: (k + 1 < stages).then(|| model.boundary_time(end - 1, &range(k), &range(k + 1))),
+            memory_bytes: model.stage_memory(&modules_k, replicas[k], workers - first_worker[k]),
+            modules: modules_k,
+            replicas: replicas[k],
+        });
+        start = end;
+    }
+    let whole = 0..modules;
+    Some(Plan {
+        stages: planned,
+        time_per_minibatch: time,
+        data_parallel_time: model
+            .fits(&whole, workers, workers)
+            .then(|| model.stage_time(&whole, &(0..workers))),
+    })
+}
+
+/// The most workers [`alternatives`] enumerates every stage shape for (2^(workers-1) of them).
+pub const MAX_ALTERNATIVE_WORKERS: usize = 12;
+
+/// The best plan of every other stage shape (replicas per stage) on `workers`, fastest first, at
+/// most `count` of them: what the planner passed over, and by how much. Empty beyond
+/// [`MAX_ALTERNATIVE_WORKERS`] workers.
+pub fn alternatives(model: &CostModel, workers: usize, chosen: &Plan, count: usize) -> Vec<Plan> {
+    if workers == 0 || workers > MAX_ALTERNATIVE_WORKERS {
+        return Vec::new();
+    }
+    let shape = |p: &Plan| p.stages.iter().map(|s| s.replicas).collect::<Vec<_>>();
+    let chosen_shape = shape(chosen);
+    let mut found: Vec<Plan> = (0..1u32 << (workers - 1))
+        .map(|cuts| {
+            // Bit b set: a stage boundary after worker b.
+            let mut replicas = vec![1];
+            for b in 0..workers - 1 {
+                if cuts & (1 << b) != 0 {
+                    replicas.push(1);
+                } else {
+                    *replicas.last_mut().expect("starts with one") += 1;
+                }
+            }
+            replicas
+        })
+        .filter(|replicas| *replicas != chosen_shape)
+        .filter_map(|replicas| plan_for_shape(model, &replicas))
+        .collect();
+    found.sort_by(|a, b| a.time_per_minibatch.total_cmp(&b.time_per_minibatch));
+    found.truncate(count);
+    found
+}

@@ -44,9 +44,15 @@ fn compositions(total: usize, parts: usize) -> Vec<Vec<usize>> {
         .collect()
 }
 
+thread_local! {
+    /// The best time of each shape (replicas per stage) the last brute force saw.
+    static BY_SHAPE: std::cell::RefCell<std::collections::HashMap<Vec<usize>, f64>> = Default::default();
+}
+
 /// The best time over every split and replica assignment.
 fn brute_force(model: &CostModel, workers: usize, straight: bool) -> Option<f64> {
     let n = model.len();
+    BY_SHAPE.with(|m| m.borrow_mut().clear());
     let mut best: Option<f64> = None;
     for mask in 0..(1u32 << (n - 1)) {
         let mut stages: Vec<Range<usize>> = Vec::new();
@@ -81,6 +87,13 @@ fn brute_force(model: &CostModel, workers: usize, straight: bool) -> Option<f64>
             assert_eq!(time, model.evaluate(&split));
             if fits && best.is_none_or(|b| time < b) {
                 best = Some(time);
+            }
+            if fits {
+                BY_SHAPE.with(|m| {
+                    let mut m = m.borrow_mut();
+                    let e = m.entry(replicas.clone()).or_insert(f64::INFINITY);
+                    *e = e.min(time);
+                });
             }
         }
     }
@@ -510,5 +523,61 @@ fn a_residual_graph_on_two_levels_is_planned_no_worse_than_flat() {
         )
         .unwrap();
         assert!(chosen.time_per_minibatch <= model.evaluate(&split(&flat)) * (1.0 + 1e-12));
+    }
+}
+
+#[test]
+fn each_shapes_best_split_matches_brute_force_and_the_runner_ups_are_not_faster() {
+    let mut rng = Rng(0x5eed);
+    for case in 0..60 {
+        let modules = 2 + (rng.next() * 5.0) as usize;
+        let workers = 1 + (rng.next() * 5.0) as usize;
+        let layers: Vec<LayerCost> = (0..modules)
+            .map(|_| layer(0.01 + rng.next(), 1e6 * rng.next(), 1e8 * rng.next() * rng.next()))
+            .collect();
+        let network = Network {
+            levels: vec![(2, 1e10), (workers, 1e8)],
+        };
+        let model = CostModel::new(&layers, network, None);
+        let chosen = plan(&model, workers, false).unwrap();
+        // The chosen plan's own shape gives its time back.
+        let same = plan_for_shape(
+            &model,
+            &chosen.stages.iter().map(|s| s.replicas).collect::<Vec<_>>(),
+        )
+        .unwrap();
+        assert!(
+            (same.time_per_minibatch - chosen.time_per_minibatch).abs() <= 1e-12 * chosen.time_per_minibatch
+        );
+        let others = alternatives(&model, workers, &chosen, usize::MAX);
+        for other in &others {
+            assert!(
+                other.time_per_minibatch >= chosen.time_per_minibatch * (1.0 - 1e-12),
+                "case {case}"
+            );
+            assert!(
+                (model.evaluate(&split(other)) - other.time_per_minibatch).abs()
+                    <= 1e-12 * other.time_per_minibatch
+            );
+            assert_eq!(other.stages.iter().map(|s| s.replicas).sum::<usize>(), workers);
+        }
+        assert!(others
+            .windows(2)
+            .all(|w| w[0].time_per_minibatch <= w[1].time_per_minibatch));
+        // Each shape's split is the best brute force finds for that shape.
+        brute_force(&model, workers, false);
+        for other in &others {
+            let shape: Vec<usize> = other.stages.iter().map(|s| s.replicas).collect();
+            let expected = BY_SHAPE.with(|m| m.borrow()[&shape]);
+            assert!(
+                (other.time_per_minibatch - expected).abs() <= 1e-12 * expected,
+                "case {case} {shape:?}"
+            );
+        }
+        // Every shape with no more stages than modules has a plan: 2^(w-1) shapes less the chosen.
+        let shapes = (0..1u32 << (workers - 1))
+            .filter(|c| (c.count_ones() as usize) < modules)
+            .count();
+        assert_eq!(others.len(), shapes - 1, "case {case}");
     }
 }

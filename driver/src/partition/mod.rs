@@ -6,8 +6,8 @@ use std::fmt::Write as _;
 use std::path::PathBuf;
 
 use serde::Serialize;
-use stagehand_contract::Profile;
-use stagehand_planner::{plan, CostModel, Graph, LayerCost, Network, Plan, Segment};
+use stagehand_contract::{Profile, StageConfig};
+use stagehand_planner::{alternatives, plan, CostModel, Graph, LayerCost, Network, Plan, Segment};
 
 /// What to plan for: the workers, their network and memory, and the schedule's microbatches.
 #[derive(Debug, Clone, PartialEq)]
@@ -23,6 +23,8 @@ pub struct PlanRequest {
     pub straight: bool,
     /// Microbatches per minibatch; the profile's batch size is the microbatch's.
     pub microbatches: usize,
+    /// How many runner-up plans (the best of each other stage shape) to predict as well.
+    pub alternatives: usize,
 }
 
 /// A validated `driver plan` request.
@@ -80,6 +82,19 @@ pub struct Prediction {
     /// Data parallelism's time over the plan's (null if data parallelism does not fit).
     pub speedup_over_data_parallel: Option<f64>,
     pub stages: Vec<PredictedStage>,
+    /// The runner-ups `--alternatives` asked for, fastest first.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub alternatives: Vec<Alternative>,
+}
+
+/// One runner-up plan: the best split of another stage shape.
+#[derive(Debug, Clone, Serialize)]
+pub struct Alternative {
+    pub time_per_minibatch_s: f64,
+    pub flushing_time_per_minibatch_s: f64,
+    pub stages: Vec<PredictedStage>,
+    /// Its stage config, to run it (for the runtime's profiles; null for a PipeDream graph).
+    pub stage_config: Option<StageConfig>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -259,17 +274,8 @@ fn solve_source(
     };
     let model = CostModel::new(&source.costs(request.microbatches), network, request.memory_bytes);
     let plan = plan(&model, request.workers, request.straight)?;
-    let prediction = Prediction {
-        model: source.model().to_string(),
-        batch_size: source.batch_size(),
-        workers: request.workers,
-        time_per_minibatch_s: plan.time_per_minibatch,
-        flushing_time_per_minibatch_s: plan.flushing_time(request.microbatches),
-        microbatches: request.microbatches,
-        data_parallel_time_s: plan.data_parallel_time,
-        speedup_over_data_parallel: plan.speedup(),
-        stages: plan
-            .stages
+    let predicted = |plan: &Plan| -> Vec<PredictedStage> {
+        plan.stages
             .iter()
             .map(|s| PredictedStage {
                 first_module: s.modules.start,
@@ -279,6 +285,31 @@ fn solve_source(
                 replicas: s.replicas,
                 time_s: s.time_s,
                 memory_bytes: s.memory_bytes,
+            })
+            .collect()
+    };
+    let runner_ups = if request.straight {
+        Vec::new()
+    } else {
+        alternatives(&model, request.workers, &plan, request.alternatives)
+    };
+    let prediction = Prediction {
+        model: source.model().to_string(),
+        batch_size: source.batch_size(),
+        workers: request.workers,
+        time_per_minibatch_s: plan.time_per_minibatch,
+        flushing_time_per_minibatch_s: plan.flushing_time(request.microbatches),
+        microbatches: request.microbatches,
+        data_parallel_time_s: plan.data_parallel_time,
+        speedup_over_data_parallel: plan.speedup(),
+        stages: predicted(&plan),
+        alternatives: runner_ups
+            .iter()
+            .map(|p| Alternative {
+                time_per_minibatch_s: p.time_per_minibatch,
+                flushing_time_per_minibatch_s: p.flushing_time(request.microbatches),
+                stages: predicted(p),
+                stage_config: matches!(source, Source::Runtime(_)).then(|| p.stage_config()),
             })
             .collect(),
     };
@@ -338,6 +369,20 @@ pub fn render_source(source: &Source, plan: &Plan, prediction: &Prediction) -> S
         ),
         _ => writeln!(out, "pure data parallelism does not fit in memory"),
     };
+    if !prediction.alternatives.is_empty() {
+        let _ = writeln!(out, "runner-ups, the best split of each other shape:");
+        for a in &prediction.alternatives {
+            let shape: Vec<String> = a.stages.iter().map(|s| s.replicas.to_string()).collect();
+            let _ = writeln!(
+                out,
+                "  {:<12} {:.1} ms steady state ({:.2}x the plan's), {:.1} ms with GPipe/1F1B",
+                shape.join("-"),
+                a.time_per_minibatch_s * 1e3,
+                a.time_per_minibatch_s / prediction.time_per_minibatch_s,
+                a.flushing_time_per_minibatch_s * 1e3
+            );
+        }
+    }
     out
 }
 

@@ -43,6 +43,7 @@ fn options(dir: &std::path::Path) -> PartitionOptions {
             memory_bytes: None,
             straight: true,
             microbatches: 4,
+            alternatives: 0,
         },
         output: Some(dir.join("stages.json")),
         prediction: Some(dir.join("prediction.json")),
@@ -72,6 +73,31 @@ fn writes_a_stage_config_the_runtime_accepts_and_the_predictions() {
         prediction["speedup_over_data_parallel"].as_f64().unwrap() < 1.0,
         "straight loses to DP here"
     );
+}
+
+#[test]
+fn runner_ups_are_slower_shapes_with_stage_configs_the_runtime_accepts() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut opts = options(dir.path());
+    opts.request.straight = false;
+    opts.request.alternatives = 3;
+    run(&opts).unwrap();
+    let prediction: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("prediction.json")).unwrap()).unwrap();
+    let chosen = prediction["time_per_minibatch_s"].as_f64().unwrap();
+    let runner_ups = prediction["alternatives"].as_array().unwrap();
+    assert_eq!(runner_ups.len(), 3, "{prediction}");
+    let mut last = chosen;
+    for alternative in runner_ups {
+        let time = alternative["time_per_minibatch_s"].as_f64().unwrap();
+        assert!(time >= last, "{prediction}");
+        last = time;
+        let config: StageConfig = serde_json::from_value(alternative["stage_config"].clone()).unwrap();
+        config.validate(5, 3).unwrap();
+    }
+    let (source, plan, prediction) = solve(&opts).unwrap();
+    let text = render_source(&source, &plan, &prediction);
+    assert_eq!(text.matches("x the plan's").count(), 3, "{text}");
 }
 
 #[test]
