@@ -80,6 +80,19 @@ pub struct RunConfig {
     /// Buckets are all-reduced during the backward pass (`--overlap-reduce on`).
     #[serde(default = "yes")]
     pub overlap_reduce: bool,
+    /// How the learning rate changes: `constant`, `step`, `polynomial` or `exponential`.
+    #[serde(default = "constant")]
+    pub lr_policy: String,
+    /// Epochs of linear warm-up before the policy.
+    #[serde(default)]
+    pub lr_warmup_epochs: u64,
+    /// Iterations per epoch, when the learning rate depends on it.
+    #[serde(default)]
+    pub epoch_iterations: Option<u64>,
+}
+
+fn constant() -> String {
+    "constant".into()
 }
 
 fn default_bucket_mb() -> f64 {
@@ -140,6 +153,9 @@ pub struct Iteration {
     pub stage: usize,
     /// Mean loss over the iteration's samples; only the last stage knows it, others print `null`.
     pub loss: Option<f64>,
+    /// The learning rate this iteration's steps used.
+    #[serde(default)]
+    pub lr: Option<f64>,
     /// Samples that went through the whole pipeline in this iteration.
     pub samples: u64,
     /// Wall-clock seconds of the iteration.
@@ -310,6 +326,7 @@ mod tests {
             rank: 1,
             stage: 1,
             loss: Some(2.25),
+            lr: Some(0.01),
             samples: 32,
             time_s: 0.5,
             samples_per_sec: 64.0,

@@ -125,6 +125,7 @@ pub async fn profile_and_plan(
         straight: auto.straight,
         microbatches: auto.microbatches as usize,
         alternatives: 0,
+        schedule,
     };
     let (solved, prediction) = match partition::solve_profile(&profile, &request) {
         Ok(s) => s,

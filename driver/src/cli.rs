@@ -182,6 +182,13 @@ struct PlanArgs {
     #[arg(long)]
     explain: bool,
 
+    /// The schedule to plan for: gpipe or 1f1b (one update per minibatch; the plan pays for
+    /// filling and draining the pipeline every minibatch) or pipedream (no flush; each replica
+    /// updates after each of its microbatches). Without it: the steady state with one update
+    /// per minibatch, PipeDream's planner's figure.
+    #[arg(long, value_name = "SCHEDULE", value_parser = parse_schedule)]
+    schedule: Option<crate::config::Schedule>,
+
     /// Also show the best plan of each of the next N stage shapes (replicas per stage), fastest
     /// first, with how much slower each is predicted; the predictions JSON gets them with their
     /// stage configs. Up to 12 workers.
@@ -460,11 +467,23 @@ impl PlanArgs {
                 straight: self.straight,
                 microbatches: self.microbatches as usize,
                 alternatives: self.alternatives,
+                schedule: self.schedule,
             },
             output: self.output,
             prediction: self.prediction,
             explain: self.explain,
         })
+    }
+}
+
+/// A schedule as the runtime spells it.
+fn parse_schedule(text: &str) -> Result<crate::config::Schedule, String> {
+    use crate::config::Schedule;
+    match text {
+        "gpipe" => Ok(Schedule::Gpipe),
+        "1f1b" => Ok(Schedule::OneFOneB),
+        "pipedream" => Ok(Schedule::Pipedream),
+        _ => Err("one of gpipe, 1f1b, pipedream".into()),
     }
 }
 

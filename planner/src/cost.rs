@@ -114,6 +114,22 @@ pub struct CostModel {
     pub network: Network,
     /// Bytes per worker; `None` for no limit.
     pub memory_limit: Option<f64>,
+    /// The schedule the plan is for: how often replicas update, and what a minibatch costs.
+    pub schedule: Schedule,
+}
+
+/// The schedule a plan is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Schedule {
+    /// The pipeline's steady state with one update (all-reduce and optimizer step) per minibatch,
+    /// fill and drain left out: PipeDream's planner's figure, and the default.
+    Steady,
+    /// GPipe or 1F1B at `microbatches`: one update per minibatch, and every minibatch fills and
+    /// drains the pipeline, `stages - 1` microbatch slots.
+    Flushing { microbatches: usize },
+    /// PipeDream's asynchronous 1F1B at `microbatches` per minibatch: no flush, and each replica
+    /// updates after each of its backwards, `microbatches / replicas` times per minibatch.
+    PipeDream { microbatches: usize },
 }
 
 fn prefix(values: impl Iterator<Item = f64>) -> Vec<f64> {
@@ -134,6 +150,25 @@ impl CostModel {
             outputs: layers.iter().map(|l| l.output_bytes).collect(),
             network,
             memory_limit,
+            schedule: Schedule::Steady,
+        }
+    }
+
+    /// The same costs for `schedule`.
+    pub fn with_schedule(mut self, schedule: Schedule) -> CostModel {
+        self.schedule = schedule;
+        self
+    }
+
+    /// What the planner minimises for a plan of `stages` stages whose slowest stage or boundary
+    /// takes `steady` seconds per minibatch: that, with fill and drain for a flushing schedule.
+    pub fn objective(&self, steady: f64, stages: usize) -> f64 {
+        match self.schedule {
+            Schedule::Flushing { microbatches } => {
+                let m = microbatches.max(1) as f64;
+                steady * (m + stages as f64 - 1.0) / m
+            }
+            Schedule::Steady | Schedule::PipeDream { .. } => steady,
         }
     }
 
@@ -158,18 +193,23 @@ impl CostModel {
         self.stage_parts(modules, workers).total()
     }
 
-    /// [`CostModel::stage_time`] in its parts.
+    /// [`CostModel::stage_time`] in its parts. Under PipeDream's schedule a replica updates
+    /// after each of its backwards, so its all-reduce and step count once per microbatch it runs.
     pub fn stage_parts(&self, modules: &Range<usize>, workers: &Range<usize>) -> StageParts {
         let replicas = workers.len() as f64;
+        let updates = match self.schedule {
+            Schedule::PipeDream { microbatches } => (microbatches as f64 / replicas).max(1.0),
+            Schedule::Steady | Schedule::Flushing { .. } => 1.0,
+        };
         let allreduce_s = if workers.len() > 1 {
             let bytes = 2.0 * (replicas - 1.0) / replicas * Self::sum(&self.params, modules);
-            bytes / self.network.bandwidth(workers)
+            updates * bytes / self.network.bandwidth(workers)
         } else {
             0.0
         };
         StageParts {
             compute_s: Self::sum(&self.compute, modules) / replicas,
-            optimizer_s: Self::sum(&self.optimizer, modules),
+            optimizer_s: updates * Self::sum(&self.optimizer, modules),
             allreduce_s,
         }
     }
@@ -187,8 +227,9 @@ impl CostModel {
     }
 
     /// Seconds per minibatch in steady state of `stages` (module ranges with their replica
-    /// counts, workers assigned in order), memory aside: the slowest stage or boundary. The
-    /// planner's figure for any split, so one split can be judged by another's network.
+    /// counts, workers assigned in order), memory aside: the slowest stage or boundary. With
+    /// [`CostModel::objective`], the planner's figure for any split, so one split can be judged
+    /// by another's network.
     pub fn evaluate(&self, stages: &[(Range<usize>, usize)]) -> f64 {
         let mut time: f64 = 0.0;
         let mut worker = 0;

@@ -14,7 +14,7 @@ mod cost;
 mod pipedream;
 mod solve;
 
-pub use cost::{CostModel, LayerCost, Network, StageParts};
+pub use cost::{CostModel, LayerCost, Network, Schedule, StageParts};
 pub use pipedream::{Graph, GraphError, GraphNode, Segment};
 pub use solve::{alternatives, plan, plan_for_shape, Plan, PlanError, PlannedStage, MAX_ALTERNATIVE_WORKERS};
 

@@ -5,7 +5,7 @@ use std::ops::Range;
 
 use stagehand_contract::StageConfig;
 
-use crate::cost::{CostModel, StageParts};
+use crate::cost::{CostModel, Schedule, StageParts};
 
 /// One stage of a plan.
 #[derive(Debug, Clone, PartialEq)]
@@ -90,11 +90,13 @@ struct Best {
 
 /// Solves the partitioning for `workers` workers; `straight` allows no replication.
 ///
-/// `best(i, m, r)` is the lowest time for modules `i..` on the last `m` workers with the first
-/// stage on `r` of them. Its boundary with the next stage depends on both stages' replicas and
-/// where they sit, so the state carries `r` and the choice of the next stage's replicas is made
-/// with that boundary in view: the program is exact for the cost model, on networks of any
-/// number of levels.
+/// `best(i, m, r, k)` is the lowest steady-state time for modules `i..` on the last `m` workers
+/// with the first stage on `r` of them. Its boundary with the next stage depends on both stages'
+/// replicas and where they sit, so the state carries `r` and the choice of the next stage's
+/// replicas is made with that boundary in view: the program is exact for the cost model, on
+/// networks of any number of levels. For a flushing schedule, whose fill and drain grow with the
+/// number of stages, `k` counts the stages from `i` on and the root weighs each count's best by
+/// [`CostModel::objective`]; otherwise `k` is always 0.
 pub fn plan(model: &CostModel, workers: usize, straight: bool) -> Result<Plan, PlanError> {
     let modules = model.len();
     if modules == 0 {
@@ -106,9 +108,12 @@ pub fn plan(model: &CostModel, workers: usize, straight: bool) -> Result<Plan, P
     if straight && modules < workers {
         return Err(PlanError::TooFewModules { workers, modules });
     }
+    let counted = matches!(model.schedule, Schedule::Flushing { .. });
+    // Stage counts kept apart: 1..=buckets stages, at index count - 1.
+    let buckets = if counted { workers.min(modules) } else { 1 };
     let max_replicas = |m: usize| if straight { 1.min(m) } else { m };
     let w = workers + 1;
-    let at = |start: usize, m: usize, r: usize| (start * w + m) * w + r;
+    let at = |start: usize, m: usize, r: usize, k: usize| ((start * w + m) * w + r) * buckets + k;
     // The boundary's seconds per byte from a stage on `r` workers to one on `next` workers
     // behind it, the `rest` workers after the first being the next stage's and beyond.
     let mut per_byte = vec![0.0; w * w * w];
@@ -121,79 +126,97 @@ pub fn plan(model: &CostModel, workers: usize, straight: bool) -> Result<Plan, P
             }
         }
     }
-    let mut best: Vec<Option<Best>> = vec![None; (modules + 1) * w * w];
-    // after[end, rest, r]: the best continuation from module `end` on the last `rest` workers,
-    // behind a stage on `r` workers, its boundary included.
-    let mut after: Vec<Option<(f64, usize)>> = vec![None; (modules + 1) * w * w];
+    let mut best: Vec<Option<Best>> = vec![None; (modules + 1) * w * w * buckets];
+    // after[end, rest, r, k]: the best continuation of k (bucket) stages from module `end` on the
+    // last `rest` workers, behind a stage on `r` workers, its boundary included.
+    let mut after: Vec<Option<(f64, usize)>> = vec![None; (modules + 1) * w * w * buckets];
     for start in (0..modules).rev() {
         for m in 1..=workers {
             let first_worker = workers - m;
             for r in 1..=max_replicas(m) {
                 let rest = m - r;
                 let stage_workers = first_worker..first_worker + r;
-                let mut choice: Option<Best> = None;
-                for end in start + 1..=modules {
-                    if (end == modules) != (rest == 0) {
-                        continue;
-                    }
-                    let stage = start..end;
-                    if !model.fits(&stage, r, m) {
-                        continue;
-                    }
-                    let mut time = model.stage_time(&stage, &stage_workers);
-                    let mut next_replicas = 0;
-                    if end < modules {
-                        let Some((continuation, next)) = after[at(end, rest, r)] else {
+                for k in 0..buckets {
+                    let mut choice: Option<Best> = None;
+                    for end in start + 1..=modules {
+                        if (end == modules) != (rest == 0) {
                             continue;
+                        }
+                        // A counted last stage is a count of one; one more stage per boundary.
+                        let continuation = match (counted, end == modules) {
+                            (true, true) if k != 0 => continue,
+                            (true, false) if k == 0 => continue,
+                            (true, false) => Some(k - 1),
+                            (false, false) => Some(0),
+                            (_, true) => None,
                         };
-                        time = time.max(continuation);
-                        next_replicas = next;
+                        let stage = start..end;
+                        if !model.fits(&stage, r, m) {
+                            continue;
+                        }
+                        let mut time = model.stage_time(&stage, &stage_workers);
+                        let mut next_replicas = 0;
+                        if let Some(bucket) = continuation {
+                            let Some((then, next)) = after[at(end, rest, r, bucket)] else {
+                                continue;
+                            };
+                            time = time.max(then);
+                            next_replicas = next;
+                        }
+                        if choice.is_none_or(|c| time < c.time) {
+                            choice = Some(Best {
+                                time,
+                                end,
+                                next_replicas,
+                            });
+                        }
                     }
-                    if choice.is_none_or(|c| time < c.time) {
-                        choice = Some(Best {
-                            time,
-                            end,
-                            next_replicas,
-                        });
-                    }
+                    best[at(start, m, r, k)] = choice;
                 }
-                best[at(start, m, r)] = choice;
             }
         }
         // The continuations that start at `start`, for the stages before it.
         if start > 0 {
+            let bytes = model.output_bytes(start - 1);
             for rest in 1..workers {
                 for r in 1..=workers - rest {
-                    let bytes = model.output_bytes(start - 1);
-                    after[at(start, rest, r)] = (1..=max_replicas(rest))
-                        .filter_map(|next| {
-                            let b = best[at(start, rest, next)]?;
-                            let boundary = bytes * per_byte[(rest * w + r) * w + next];
-                            Some((b.time.max(boundary), next))
-                        })
-                        .fold(None, |acc: Option<(f64, usize)>, c| match acc {
-                            Some(a) if a.0 <= c.0 => Some(a),
-                            _ => Some(c),
-                        });
+                    for k in 0..buckets {
+                        after[at(start, rest, r, k)] = (1..=max_replicas(rest))
+                            .filter_map(|next| {
+                                let b = best[at(start, rest, next, k)]?;
+                                let boundary = bytes * per_byte[(rest * w + r) * w + next];
+                                Some((b.time.max(boundary), next))
+                            })
+                            .fold(None, |acc: Option<(f64, usize)>, c| match acc {
+                                Some(a) if a.0 <= c.0 => Some(a),
+                                _ => Some(c),
+                            });
+                    }
                 }
             }
         }
     }
-    let root = (1..=max_replicas(workers))
-        .filter_map(|r| best[at(0, workers, r)].map(|b| (b, r)))
-        .fold(None, |acc: Option<(Best, usize)>, c| match acc {
-            Some(a) if a.0.time <= c.0.time => Some(a),
-            _ => Some(c),
-        });
-    let Some((root, first_replicas)) = root else {
+    let mut root: Option<(f64, Best, usize, usize)> = None;
+    for r in 1..=max_replicas(workers) {
+        for k in 0..buckets {
+            let Some(b) = best[at(0, workers, r, k)] else {
+                continue;
+            };
+            let objective = model.objective(b.time, k + 1);
+            if root.is_none_or(|(o, ..)| objective < o) {
+                root = Some((objective, b, r, k));
+            }
+        }
+    }
+    let Some((_, root, first_replicas, first_bucket)) = root else {
         return Err(PlanError::NothingFits {
             limit_gib: model.memory_limit.unwrap_or(0.0) / (1u64 << 30) as f64,
         });
     };
     let mut stages = Vec::new();
-    let (mut start, mut m, mut r) = (0, workers, first_replicas);
+    let (mut start, mut m, mut r, mut k) = (0, workers, first_replicas, first_bucket);
     while start < modules {
-        let b = best[at(start, m, r)].expect("the chosen path exists");
+        let b = best[at(start, m, r, k)].expect("the chosen path exists");
         let first_worker = workers - m;
         let range = start..b.end;
         let stage_workers = first_worker..first_worker + r;
@@ -211,6 +234,7 @@ pub fn plan(model: &CostModel, workers: usize, straight: bool) -> Result<Plan, P
         start = b.end;
         m -= r;
         r = b.next_replicas;
+        k = k.saturating_sub(1);
     }
     let whole = 0..modules;
     let data_parallel_time = model
@@ -249,11 +273,11 @@ pub fn plan_for_shape(model: &CostModel, replicas: &[usize]) -> Option<Plan> {
             } else {
                 modules - (remaining - 1)
             };
-            for end in start + 1..=last_end {
+            for (end, then) in best[k + 1].iter().enumerate().take(last_end + 1).skip(start + 1) {
                 if k + 1 == stages && end != modules {
                     continue;
                 }
-                let Some((after, _)) = best[k + 1][end] else {
+                let Some((after, _)) = *then else {
                     continue;
                 };
                 if !model.fits(&(start..end), replicas[k], workers - first_worker[k]) {
@@ -300,7 +324,8 @@ pub fn plan_for_shape(model: &CostModel, replicas: &[usize]) -> Option<Plan> {
 /// The most workers [`alternatives`] enumerates every stage shape for (2^(workers-1) of them).
 pub const MAX_ALTERNATIVE_WORKERS: usize = 12;
 
-/// The best plan of every other stage shape (replicas per stage) on `workers`, fastest first, at
+/// The best plan of every other stage shape (replicas per stage) on `workers`, fastest first (by
+/// [`CostModel::objective`]), at
 /// most `count` of them: what the planner passed over, and by how much. Empty beyond
 /// [`MAX_ALTERNATIVE_WORKERS`] workers.
 pub fn alternatives(model: &CostModel, workers: usize, chosen: &Plan, count: usize) -> Vec<Plan> {
@@ -325,7 +350,8 @@ pub fn alternatives(model: &CostModel, workers: usize, chosen: &Plan, count: usi
         .filter(|replicas| *replicas != chosen_shape)
         .filter_map(|replicas| plan_for_shape(model, &replicas))
         .collect();
-    found.sort_by(|a, b| a.time_per_minibatch.total_cmp(&b.time_per_minibatch));
+    let objective = |p: &Plan| model.objective(p.time_per_minibatch, p.stages.len());
+    found.sort_by(|a, b| objective(a).total_cmp(&objective(b)));
     found.truncate(count);
     found
 }

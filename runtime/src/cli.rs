@@ -11,7 +11,8 @@ use crate::config::{
     Backend, Command, ConfigError, DeviceSpec, DistConfig, ModelChoice, ModulesConfig, OptimizerKind,
     P2pConfig, Precision, ProfileConfig, ReachConfig, ReduceOptions, TrainConfig,
 };
-use crate::data::DataSpec;
+use crate::data::{DataSpec, SYNTHETIC_EPOCH_SAMPLES};
+use crate::lr::{LrPolicy, LrSchedule};
 use crate::schedule::Schedule;
 
 /// One training process (rank) of a model split across ranks.
@@ -120,7 +121,7 @@ struct P2pArgs {
 
 #[derive(Debug, Args)]
 struct ModelArgs {
-    /// Model to train: mlp, vgg16, vgg16_bn, resnet50, resnet101, resnet152 or transformer.
+    /// Model to train: mlp, alexnet, vgg16, vgg16_bn, resnet50, resnet101, resnet152 or transformer.
     #[arg(long, required = true)]
     model: Option<String>,
     /// Output classes of image models [default: from the dataset, else 1000; 10 for mlp].
@@ -144,7 +145,7 @@ struct ModelArgs {
     /// Vocabulary size of the transformer [default: 30522].
     #[arg(long)]
     vocab_size: Option<i64>,
-    /// Dropout probability [default: 0.5 for VGG's classifier, 0.1 for the transformer, 0 otherwise].
+    /// Dropout probability [default: 0.5 for AlexNet's and VGG's classifiers, 0.1 for the transformer, 0 otherwise].
     #[arg(long)]
     dropout: Option<f64>,
 }
@@ -159,9 +160,30 @@ struct TrainArgs {
     /// Iterations (optimizer steps) to run.
     #[arg(long, default_value_t = 10)]
     iterations: u64,
-    /// Learning rate.
+    /// Epochs to run instead of --iterations: each is --epoch-samples samples, in whole batches.
+    #[arg(long, conflicts_with = "iterations")]
+    epochs: Option<u64>,
+    /// Samples in an epoch [default: the dataset's size; with synthetic data 1000000, as
+    /// PipeDream's synthetic dataset]. Read only with --epochs or a learning-rate schedule.
+    #[arg(long, value_name = "N")]
+    epoch_samples: Option<u64>,
+    /// Learning rate (the base rate of --lr-policy).
     #[arg(long, default_value_t = 0.01)]
     lr: f64,
+    /// How the learning rate changes per epoch: constant, step (x --lr-step-factor every
+    /// --lr-step-epochs), polynomial ((1 - epoch/epochs)^2) or exponential (0.97^(epoch/epochs)),
+    /// PipeDream's policies.
+    #[arg(long, value_enum, default_value_t = LrPolicyArg::Constant)]
+    lr_policy: LrPolicyArg,
+    /// Epochs between the step policy's decays.
+    #[arg(long, default_value_t = 30)]
+    lr_step_epochs: u64,
+    /// The step policy's factor.
+    #[arg(long, default_value_t = 0.1)]
+    lr_step_factor: f64,
+    /// Epochs of linear warm-up to --lr before the policy takes over (PipeDream's --lr_warmup: 5).
+    #[arg(long, default_value_t = 0)]
+    lr_warmup_epochs: u64,
     /// Optimizer.
     #[arg(long, value_enum, default_value_t = OptimizerArg::Sgd)]
     optimizer: OptimizerArg,
@@ -290,6 +312,16 @@ struct ModulesArgs {
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
+enum LrPolicyArg {
+    Constant,
+    Step,
+    Polynomial,
+    /// PipeDream's `exponential_decay`.
+    #[value(alias = "exponential_decay")]
+    Exponential,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
 enum OptimizerArg {
     Sgd,
     Adam,
@@ -366,6 +398,8 @@ impl TrainArgs {
     fn into_config(self) -> Result<TrainConfig, ConfigError> {
         let optimizer = self.optimizer_kind()?;
         let data = DataSpec::parse(&self.data)?;
+        let batch_size = positive("--batch-size", self.batch_size)?;
+        let (iterations, lr_schedule) = self.lr_schedule(&data, batch_size)?;
         let model = self.model.into_choice(Some(&data))?;
         if !(self.lr.is_finite() && self.lr > 0.0) {
             return Err(ConfigError::Invalid {
@@ -394,9 +428,10 @@ impl TrainArgs {
         Ok(TrainConfig {
             dist,
             model,
-            batch_size: positive("--batch-size", self.batch_size)?,
-            iterations: self.iterations,
+            batch_size,
+            iterations,
             lr: self.lr,
+            lr_schedule,
             optimizer,
             seed: self.seed,
             data,
@@ -412,6 +447,63 @@ impl TrainArgs {
             save_params: self.save_params,
             trace: self.trace,
         })
+    }
+
+    /// The run's iterations and learning rate per iteration. An epoch's length is read only when
+    /// something needs it: --epochs, a policy other than constant, or a warm-up.
+    fn lr_schedule(&self, data: &DataSpec, batch_size: usize) -> Result<(u64, LrSchedule), ConfigError> {
+        let invalid = |flag, reason: String| ConfigError::Invalid { flag, reason };
+        let policy = match self.lr_policy {
+            LrPolicyArg::Constant => LrPolicy::Constant,
+            LrPolicyArg::Step => {
+                if !(self.lr_step_factor.is_finite() && self.lr_step_factor > 0.0) {
+                    return Err(invalid(
+                        "--lr-step-factor",
+                        format!("{} is not a positive number", self.lr_step_factor),
+                    ));
+                }
+                LrPolicy::Step {
+                    every_epochs: positive("--lr-step-epochs", self.lr_step_epochs as usize)? as u64,
+                    factor: self.lr_step_factor,
+                }
+            }
+            LrPolicyArg::Polynomial => LrPolicy::Polynomial { power: 2.0 },
+            LrPolicyArg::Exponential => LrPolicy::Exponential { rate: 0.97 },
+        };
+        let mut schedule = LrSchedule {
+            policy,
+            warmup_epochs: self.lr_warmup_epochs,
+            ..LrSchedule::constant(self.lr)
+        };
+        if self.epochs.is_none() && !schedule.varies() {
+            return Ok((self.iterations, schedule));
+        }
+        let samples = match (self.epoch_samples, data) {
+            (Some(n), _) => n,
+            (None, DataSpec::Synthetic) => SYNTHETIC_EPOCH_SAMPLES,
+            (None, dataset) => dataset.samples().map_err(|e| {
+                invalid(
+                    "--epoch-samples",
+                    format!(
+                        "an epoch is the dataset once over, and {dataset} cannot be counted on this \
+                         rank ({e}); pass --epoch-samples N"
+                    ),
+                )
+            })?,
+        };
+        schedule.epoch_iterations = samples / batch_size as u64;
+        if schedule.epoch_iterations == 0 {
+            return Err(invalid(
+                "--epoch-samples",
+                format!("an epoch of {samples} samples holds no whole batch of {batch_size}"),
+            ));
+        }
+        let iterations = match self.epochs {
+            Some(epochs) => positive("--epochs", epochs as usize)? as u64 * schedule.epoch_iterations,
+            None => self.iterations,
+        };
+        schedule.epochs = iterations as f64 / schedule.epoch_iterations as f64;
+        Ok((iterations, schedule))
     }
 
     /// The optimizer, with torch.optim's checks of its hyper-parameters.

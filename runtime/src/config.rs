@@ -8,6 +8,7 @@ use std::time::Duration;
 use stagehand_contract::{RunConfig, StageConfig};
 
 use crate::data::{DataError, DataSpec};
+use crate::lr::LrSchedule;
 use crate::models::{ModelOptions, MODEL_NAMES};
 use crate::schedule::Schedule;
 
@@ -126,7 +127,7 @@ impl ModelChoice {
             seq_len: o.seq_len.unwrap_or(128),
             vocab_size: o.vocab_size.unwrap_or(30522),
             dropout: o.dropout.unwrap_or(match name.as_str() {
-                "vgg16" | "vgg16_bn" => 0.5,
+                "vgg16" | "vgg16_bn" | "alexnet" => 0.5,
                 "transformer" => 0.1,
                 _ => 0.0,
             }),
@@ -141,7 +142,11 @@ fn check_options(name: &str, o: &ModelOptions) -> Result<(), ConfigError> {
     if o.num_classes < 1 {
         return invalid("--num-classes", "must be at least 1".into());
     }
-    let min_image = if name.starts_with("vgg") || name.starts_with("resnet") {
+    // AlexNet's 11x11 stride-4 convolution and three 3x3 stride-2 pools leave nothing of a
+    // smaller image.
+    let min_image = if name == "alexnet" {
+        63
+    } else if name.starts_with("vgg") || name.starts_with("resnet") {
         32
     } else {
         1
@@ -244,6 +249,8 @@ pub struct TrainConfig {
     pub batch_size: usize,
     pub iterations: u64,
     pub lr: f64,
+    /// The learning rate of each iteration (`lr` throughout unless a policy or warm-up is set).
+    pub lr_schedule: LrSchedule,
     pub optimizer: OptimizerKind,
     pub seed: u64,
     pub data: DataSpec,
@@ -345,6 +352,12 @@ impl TrainConfig {
             channels_last: self.channels_last,
             bucket_mb: self.dist.reduce.bucket_bytes as f64 / (1u64 << 20) as f64,
             overlap_reduce: self.dist.reduce.overlap,
+            lr_policy: self.lr_schedule.policy.name().into(),
+            lr_warmup_epochs: self.lr_schedule.warmup_epochs,
+            epoch_iterations: self
+                .lr_schedule
+                .varies()
+                .then_some(self.lr_schedule.epoch_iterations),
         }
     }
 }
@@ -423,6 +436,6 @@ mod tests {
         let err = ModelChoice::resolve("lenet".into(), None, Default::default()).unwrap_err();
         assert!(err
             .to_string()
-            .starts_with("--model: unknown model \"lenet\"; known models: mlp, vgg16"));
+            .starts_with("--model: unknown model \"lenet\"; known models: mlp, alexnet, vgg16"));
     }
 }

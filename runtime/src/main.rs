@@ -3,7 +3,7 @@
 //!
 //! The modules are layered, bottom first; each imports only modules listed before it, so none
 //! imports one that imports it back:
-//! - `ffi`: the C ABI of the bridge to libtorch (`csrc/`);
+//! - `ffi`: the C ABI of the bridge to libtorch (`csrc/`); `lr`: learning-rate schedules;
 //! - `cuda`: CUDA, loaded at run time; `comm`: c10d's store and process groups;
 //! - `models`; `data`: batch streams for a model's input; `schedule`: per-rank action lists;
 //! - `config`: every validated request;
@@ -21,6 +21,7 @@ mod data;
 mod ffi;
 mod info;
 mod inspect;
+mod lr;
 mod metrics;
 mod models;
 mod p2p;

@@ -5,6 +5,10 @@ use crate::util::{run, run_ok, runtime, write_cifar, write_image_folder};
 /// Synthetic data cycles a pool of 4 batches: the first and the last 4 iterations see the same
 /// batches, and a model that learns has a lower mean loss on the last pass than on the first.
 fn assert_learns(batch_size: &str, iterations: usize, model_args: &[&str]) {
+    assert_learns_at("32", batch_size, iterations, model_args)
+}
+
+fn assert_learns_at(image_size: &str, batch_size: &str, iterations: usize, model_args: &[&str]) {
     let iterations_text = iterations.to_string();
     let mut args = vec![
         "--batch-size",
@@ -12,7 +16,7 @@ fn assert_learns(batch_size: &str, iterations: usize, model_args: &[&str]) {
         "--iterations",
         &iterations_text,
         "--image-size",
-        "32",
+        image_size,
     ];
     args.extend_from_slice(&[
         "--num-classes",
@@ -37,6 +41,16 @@ fn assert_learns(batch_size: &str, iterations: usize, model_args: &[&str]) {
 #[test]
 fn mlp_learns() {
     assert_learns("8", 8, &["--model", "mlp", "--lr", "0.01"]);
+}
+
+#[test]
+fn alexnet_learns() {
+    assert_learns_at(
+        "64",
+        "8",
+        8,
+        &["--model", "alexnet", "--optimizer", "adam", "--lr", "0.0001"],
+    );
 }
 
 #[test]
@@ -213,6 +227,18 @@ fn trains_on_cifar_and_image_folder_data() {
     ]);
     assert_eq!(run.start().config.data, spec);
     assert_eq!(run.iterations().len(), 3);
+    // An epoch is the dataset once over: 40 images are 2 whole batches of 16.
+    let epochs = run_ok(&[
+        "--model",
+        "mlp",
+        "--data",
+        &spec,
+        "--epochs",
+        "2",
+        "--batch-size",
+        "16",
+    ]);
+    assert_eq!(epochs.iterations().len(), 4);
 
     let folder = tempfile::tempdir().unwrap();
     write_image_folder(folder.path(), 3, 4);
@@ -234,6 +260,83 @@ fn trains_on_cifar_and_image_folder_data() {
     assert_eq!(run.start().num_params, 25_557_032 - 2048 * 997 - 997);
 }
 
+/// Epochs and PipeDream's learning-rate policies: the run's length follows the epoch, each
+/// iteration reports its rate, and the optimizer really steps with it.
+#[test]
+fn epochs_and_learning_rate_policies_set_each_iterations_rate() {
+    let common = [
+        "--model",
+        "mlp",
+        "--batch-size",
+        "8",
+        "--threads",
+        "1",
+        "--lr",
+        "0.05",
+    ];
+    // Epochs of 16 samples are 2 iterations of 8; 3 epochs are 6 iterations.
+    let step = run_ok(
+        &[
+            &common[..],
+            &[
+                "--epochs",
+                "3",
+                "--epoch-samples",
+                "16",
+                "--lr-policy",
+                "step",
+                "--lr-step-epochs",
+                "1",
+            ],
+        ]
+        .concat(),
+    );
+    let rates: Vec<f64> = step.iterations().iter().map(|i| i.lr.unwrap()).collect();
+    let expected = [0.05, 0.05, 0.005, 0.005, 0.0005, 0.0005];
+    assert_eq!(rates.len(), 6);
+    for (got, want) in rates.iter().zip(expected) {
+        assert!((got - want).abs() <= 1e-12 * want, "{rates:?}");
+    }
+    let config = &step.start().config;
+    assert_eq!((config.iterations, config.lr_policy.as_str()), (6, "step"));
+    assert_eq!(config.epoch_iterations, Some(2));
+    // The same run at a constant rate shares the first epoch's losses (the same parameters
+    // and data) and parts once the step policy has cut the rate.
+    let constant = run_ok(&[&common[..], &["--iterations", "6"]].concat());
+    assert!(constant.iterations().iter().all(|i| i.lr == Some(0.05)));
+    let (a, b) = (step.losses(), constant.losses());
+    assert_eq!(a[..3], b[..3], "iteration 2 reports the loss before its own step");
+    assert_ne!(a[3..], b[3..]);
+    // A warm-up of one epoch rises linearly: 1/2 then 2/2 of the rate, then polynomial decay
+    // over 4 epochs: (1 - 1/4)^2 in epoch 1.
+    let warm = run_ok(
+        &[
+            &common[..],
+            &[
+                "--epochs",
+                "4",
+                "--epoch-samples",
+                "16",
+                "--lr-policy",
+                "polynomial",
+                "--lr-warmup-epochs",
+                "1",
+            ],
+        ]
+        .concat(),
+    );
+    let rates: Vec<f64> = warm.iterations().iter().map(|i| i.lr.unwrap()).collect();
+    for (got, want) in rates
+        .iter()
+        .zip([0.025, 0.05, 0.05 * 0.5625, 0.05 * 0.5625, 0.05 * 0.25])
+    {
+        assert!((got - want).abs() <= 1e-12, "{rates:?}");
+    }
+    // With synthetic data and no --epoch-samples an epoch is PipeDream's 1000000 samples.
+    let pipedream = run_ok(&[&common[..], &["--iterations", "2", "--lr-policy", "exponential"]].concat());
+    assert_eq!(pipedream.start().config.epoch_iterations, Some(125_000));
+}
+
 /// Each bad argument exits 2 with one stderr line that names what to change.
 #[test]
 fn bad_arguments_give_one_line_reasons() {
@@ -241,7 +344,14 @@ fn bad_arguments_give_one_line_reasons() {
     write_cifar(cifar.path(), 10);
     let cifar_spec = format!("cifar10:{}", cifar.path().display());
     let cases: Vec<(Vec<&str>, &str)> = vec![
-        (vec!["--model", "alexnet"], "--model: unknown model \"alexnet\""),
+        (
+            vec!["--model", "inception_v3"],
+            "--model: unknown model \"inception_v3\"",
+        ),
+        (
+            vec!["--model", "alexnet", "--image-size", "32"],
+            "--image-size: alexnet needs images of at least 63 pixels",
+        ),
         (
             vec!["--model", "mlp", "--batch-size", "0"],
             "--batch-size: must be at least 1",
@@ -274,6 +384,31 @@ fn bad_arguments_give_one_line_reasons() {
         (
             vec!["--model", "mlp", "--bucket-mb=-2"],
             "--bucket-mb: -2 is not a positive size",
+        ),
+        (
+            vec!["--model", "mlp", "--epochs", "1", "--iterations", "3"],
+            "'--epochs <EPOCHS>' cannot be used with '--iterations <ITERATIONS>'",
+        ),
+        (
+            vec![
+                "--model",
+                "mlp",
+                "--epochs",
+                "1",
+                "--epoch-samples",
+                "10",
+                "--batch-size",
+                "16",
+            ],
+            "--epoch-samples: an epoch of 10 samples holds no whole batch of 16",
+        ),
+        (
+            vec!["--model", "mlp", "--lr-policy", "cosine"],
+            "invalid value 'cosine' for '--lr-policy",
+        ),
+        (
+            vec!["--model", "mlp", "--lr-policy", "step", "--lr-step-factor", "0"],
+            "--lr-step-factor: 0 is not a positive number",
         ),
     ];
     for (args, expected) in cases {

@@ -78,6 +78,9 @@ fn main() {
             channels_last: false,
             bucket_mb: 25.0,
             overlap_reduce: true,
+            lr_policy: "constant".into(),
+            lr_warmup_epochs: 0,
+            epoch_iterations: None,
         },
     };
     println!("{}", Event::Start(start).to_line());
@@ -93,6 +96,7 @@ fn main() {
             rank,
             stage: 0,
             loss: Some(1.0 / (i + 1) as f64),
+            lr: Some(0.1),
             samples: batch_size,
             time_s,
             samples_per_sec: batch_size as f64 / time_s,

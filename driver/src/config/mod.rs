@@ -66,9 +66,28 @@ pub struct ExperimentFile {
     /// Optimizer steps to run.
     #[serde(default)]
     pub iterations: Option<u64>,
+    /// Epochs to run instead of `iterations` (`--epochs`; PipeDream's `epochs`): each is
+    /// `epoch_samples` samples, the dataset's size, or with synthetic data PipeDream's 1000000.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub epochs: Option<u64>,
+    /// Samples in an epoch (`--epoch-samples`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub epoch_samples: Option<u64>,
     /// Learning rate.
     #[serde(default, alias = "lr")]
     pub learning_rate: Option<f64>,
+    /// How the learning rate changes per epoch (`--lr-policy`; PipeDream's `learning_rate_policy`):
+    /// `constant`, `step`, `polynomial` or `exponential_decay`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub learning_rate_policy: Option<LrPolicy>,
+    /// Epochs of linear warm-up to the learning rate (`--lr-warmup-epochs`; PipeDream's
+    /// `--lr_warmup` is 5).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lr_warmup_epochs: Option<u64>,
+    /// PipeDream's choice of synthetic data: `true` is this runtime's default (leave `data_dir`
+    /// out), `false` needs `data_dir`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub synthetic_data: Option<bool>,
     /// `sgd`, `adam` or `adamw`.
     #[serde(default)]
     pub optimizer: Option<Optimizer>,
@@ -112,12 +131,6 @@ pub struct ExperimentFile {
     pub model_type: Option<String>,
     /// PipeDream keys this driver does not honour yet; each is refused at resolve with what to
     /// use instead (experiment/mod.rs), so an experiment never runs with one silently ignored.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub epochs: Option<serde_json::Value>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub synthetic_data: Option<serde_json::Value>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub learning_rate_policy: Option<serde_json::Value>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub print_frequency: Option<serde_json::Value>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -280,6 +293,29 @@ pub enum DistributedBackend {
 pub enum Device {
     Cpu,
     Cuda,
+}
+
+/// The runtime's learning-rate policies, PipeDream's names accepted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LrPolicy {
+    Constant,
+    Step,
+    Polynomial,
+    #[serde(alias = "exponential_decay")]
+    Exponential,
+}
+
+impl LrPolicy {
+    /// The runtime's spelling.
+    pub fn as_arg(self) -> &'static str {
+        match self {
+            LrPolicy::Constant => "constant",
+            LrPolicy::Step => "step",
+            LrPolicy::Polynomial => "polynomial",
+            LrPolicy::Exponential => "exponential",
+        }
+    }
 }
 
 /// Pipeline schedules the runtime knows.

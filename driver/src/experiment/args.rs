@@ -58,8 +58,20 @@ pub(super) fn rank_command(
     if let Some(i) = f.iterations {
         flag("iterations", i.to_string());
     }
+    if let Some(e) = f.epochs {
+        flag("epochs", e.to_string());
+    }
+    if let Some(n) = f.epoch_samples {
+        flag("epoch-samples", n.to_string());
+    }
     if let Some(lr) = f.learning_rate {
         flag("lr", lr.to_string());
+    }
+    if let Some(p) = f.learning_rate_policy {
+        flag("lr-policy", p.as_arg().to_string());
+    }
+    if let Some(w) = f.lr_warmup_epochs {
+        flag("lr-warmup-epochs", w.to_string());
     }
     if let Some(o) = f.optimizer {
         flag("optimizer", o.as_arg().to_string());

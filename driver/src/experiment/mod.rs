@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use serde::Serialize;
 use stagehand_contract::StageConfig;
 
-use crate::config::{ConfigError, Container, Device, Loaded, Machine, Mount, StageConfigRef};
+use crate::config::{ConfigError, Container, Device, ExperimentFile, Loaded, Machine, Mount, StageConfigRef};
 use crate::options::{Backend, ContainerMode, Options};
 
 /// The process backend's runtime when `--runtime` gives none (relative to the working folder).
@@ -452,7 +452,7 @@ fn resolve_with(
         ranks,
         master_addr,
         master_port,
-        iterations: file.iterations,
+        iterations: file.iterations.or_else(|| epoch_iterations(file)),
         batch_size: file.batch_size,
         mounts,
         shm_size_bytes: file.shm_size_mb.unwrap_or(DEFAULT_SHM_MB) * 1024 * 1024,
@@ -476,6 +476,24 @@ fn stage_config_path(base: &Path, given: &Path) -> PathBuf {
     }
 }
 
+/// Iterations of `epochs` epochs when the file says how long an epoch is (`epoch_samples`, or
+/// synthetic data's PipeDream length), for the progress bar; a dataset's size is the runtime's
+/// to read.
+fn epoch_iterations(file: &ExperimentFile) -> Option<u64> {
+    let samples = match (file.epoch_samples, &file.data_dir) {
+        (Some(n), _) => n,
+        (None, None) => SYNTHETIC_EPOCH_SAMPLES,
+        (None, Some(_)) => return None,
+    };
+    let batch = u64::from(file.batch_size.unwrap_or(RUNTIME_BATCH_SIZE));
+    Some(file.epochs? * (samples / batch.max(1)))
+}
+
+/// The runtime's epoch of synthetic data, in samples: PipeDream's synthetic dataset's length.
+const SYNTHETIC_EPOCH_SAMPLES: u64 = 1_000_000;
+/// The runtime's `--batch-size` default.
+const RUNTIME_BATCH_SIZE: u32 = 32;
+
 /// Checks the keys PipeDream's driver configs have that this driver does not honour yet: each
 /// is refused with what to use instead, never ignored.
 fn check_pipedream_keys(loaded: &Loaded) -> Result<(), ConfigError> {
@@ -483,22 +501,41 @@ fn check_pipedream_keys(loaded: &Loaded) -> Result<(), ConfigError> {
     let metrics = "every iteration's metrics are recorded in metrics.jsonl; drop the key";
     let compress = "activations cross stages in the arithmetic's dtype: `precision: fp16` sends them \
                     in half precision (and computes in it); or drop the key";
-    let not_yet = [
-        (
+    if f.epochs.is_some() && f.iterations.is_some() {
+        return Err(loaded.error_at(
             "epochs",
-            &f.epochs,
-            "give the number of optimizer steps as `iterations`",
-        ),
-        (
-            "synthetic_data",
-            &f.synthetic_data,
-            "synthetic data is the default; leave `data_dir` out for it",
-        ),
-        (
-            "learning_rate_policy",
-            &f.learning_rate_policy,
-            "the learning rate is constant; drop the key",
-        ),
+            "`epochs` and `iterations` both say how long to train; keep one",
+        ));
+    }
+    match (f.synthetic_data, &f.data_dir) {
+        (Some(true), Some(_)) => {
+            return Err(loaded.error_at(
+                "synthetic_data",
+                "`synthetic_data: true` with a `data_dir`: drop `data_dir` to train on synthetic \
+                 data, or `synthetic_data` to train on the data",
+            ))
+        }
+        (Some(false), None) => {
+            return Err(loaded.error_at(
+                "synthetic_data",
+                "`synthetic_data: false` needs a `data_dir` to train on",
+            ))
+        }
+        _ => {}
+    }
+    let runtime_keys = [
+        ("epochs", f.epochs.is_some()),
+        ("epoch_samples", f.epoch_samples.is_some()),
+        ("learning_rate_policy", f.learning_rate_policy.is_some()),
+        ("lr_warmup_epochs", f.lr_warmup_epochs.is_some()),
+    ];
+    if let (Some(_), Some((key, _))) = (&f.command, runtime_keys.iter().find(|(_, given)| *given)) {
+        return Err(loaded.error_at(
+            key,
+            format!("`{key}` is the runtime's, but the ranks run `command:`; drop one"),
+        ));
+    }
+    let not_yet = [
         ("print_frequency", &f.print_frequency, metrics),
         ("verbose_frequency", &f.verbose_frequency, metrics),
         ("compress_activations", &f.compress_activations, compress),
@@ -521,7 +558,7 @@ fn check_pipedream_keys(loaded: &Loaded) -> Result<(), ConfigError> {
             "model_type",
             format!(
                 "model_type `{other}` is not one the runtime has; it trains image classification \
-                 (mlp, vgg16, resnet50/101/152) and a BERT-style transformer: use \
+                 (mlp, alexnet, vgg16, resnet50/101/152) and a BERT-style transformer: use \
                  `model_type: image_classification` or leave the key out"
             ),
         )),

@@ -500,12 +500,70 @@ fn pipedreams_weight_decay_and_model_type_are_honoured() {
 }
 
 #[test]
+fn pipedreams_epochs_learning_rate_policy_and_synthetic_data_reach_the_runtime() {
+    let o = options(None, ContainerMode::PerRank);
+    // As in PipeDream's vgg16_4pipedream.yml.
+    let plan = resolve_text(
+        "machines: [localhost]\nbatch_size: 64\nepochs: 60\nlearning_rate_policy: polynomial\n\
+         synthetic_data: true\nlr_warmup_epochs: 5\n",
+        &o,
+    )
+    .unwrap();
+    let argv = &plan.ranks[0].argv;
+    assert_eq!(flag(argv, "--epochs"), Some("60"));
+    assert_eq!(flag(argv, "--lr-policy"), Some("polynomial"));
+    assert_eq!(flag(argv, "--lr-warmup-epochs"), Some("5"));
+    assert_eq!(flag(argv, "--iterations"), None);
+    assert_eq!(
+        flag(argv, "--data"),
+        None,
+        "synthetic data is the runtime's default"
+    );
+    // 60 epochs of PipeDream's 1000000 synthetic samples in batches of 64, for the progress bar.
+    assert_eq!(plan.iterations, Some(60 * (1_000_000 / 64)));
+    let plan = resolve_text(
+        "machines: [localhost]\nepochs: 2\nepoch_samples: 640\nbatch_size: 64\n\
+         learning_rate_policy: exponential_decay\n",
+        &o,
+    )
+    .unwrap();
+    assert_eq!(flag(&plan.ranks[0].argv, "--lr-policy"), Some("exponential"));
+    assert_eq!(flag(&plan.ranks[0].argv, "--epoch-samples"), Some("640"));
+    assert_eq!(plan.iterations, Some(20));
+    for (text, key, reason) in [
+        ("epochs: 2\niterations: 5\n", "epochs", "keep one"),
+        (
+            "synthetic_data: true\ndata_dir: /data\n",
+            "synthetic_data",
+            "drop `data_dir`",
+        ),
+        ("synthetic_data: false\n", "synthetic_data", "needs a `data_dir`"),
+        (
+            "command: [python3, train.py]\nepochs: 3\n",
+            "epochs",
+            "the ranks run `command:`",
+        ),
+    ] {
+        let e = resolve_text(&format!("machines: [localhost]\n{text}"), &o)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(reason), "{text}: {e}");
+        assert!(e.contains(key), "{text}: {e}");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("exp.yml");
+    std::fs::write(&path, "machines: [localhost]\nlearning_rate_policy: cosine\n").unwrap();
+    let e = crate::config::load(&path).unwrap_err().to_string();
+    assert!(
+        e.contains("exp.yml:2:23: learning_rate_policy: unknown variant `cosine`"),
+        "{e}"
+    );
+}
+
+#[test]
 fn pipedreams_keys_not_honoured_yet_are_refused_with_what_to_use_instead() {
     let o = options(None, ContainerMode::PerRank);
     for (key, value, instead) in [
-        ("epochs", "10", "`iterations`"),
-        ("synthetic_data", "true", "leave `data_dir` out"),
-        ("learning_rate_policy", "polynomial", "constant"),
         ("print_frequency", "100", "metrics.jsonl"),
         ("verbose_frequency", "100", "metrics.jsonl"),
         ("compress_activations", "true", "precision: fp16"),

@@ -7,6 +7,8 @@ use std::path::PathBuf;
 
 use serde::Serialize;
 use stagehand_contract::{Profile, StageConfig};
+
+use crate::config::Schedule;
 use stagehand_planner::{alternatives, plan, CostModel, Graph, LayerCost, Network, Plan, Segment};
 
 /// What to plan for: the workers, their network and memory, and the schedule's microbatches.
@@ -25,6 +27,22 @@ pub struct PlanRequest {
     pub microbatches: usize,
     /// How many runner-up plans (the best of each other stage shape) to predict as well.
     pub alternatives: usize,
+    /// The schedule the plan is for; `None` plans the steady state with one update per minibatch.
+    pub schedule: Option<Schedule>,
+}
+
+impl PlanRequest {
+    /// The planner's view of the schedule.
+    fn planner_schedule(&self) -> stagehand_planner::Schedule {
+        let microbatches = self.microbatches;
+        match self.schedule {
+            None => stagehand_planner::Schedule::Steady,
+            Some(Schedule::Gpipe | Schedule::OneFOneB) => {
+                stagehand_planner::Schedule::Flushing { microbatches }
+            }
+            Some(Schedule::Pipedream) => stagehand_planner::Schedule::PipeDream { microbatches },
+        }
+    }
 }
 
 /// A validated `driver plan` request.
@@ -72,6 +90,8 @@ pub struct Prediction {
     /// not record it).
     pub batch_size: Option<usize>,
     pub workers: usize,
+    /// The schedule planned for (null: the steady state with one update per minibatch).
+    pub schedule: Option<Schedule>,
     /// Seconds per minibatch in steady state (the slowest stage or boundary; PipeDream's figure).
     pub time_per_minibatch_s: f64,
     /// Seconds per minibatch with GPipe or 1F1B at `microbatches` (fill and drain included).
@@ -272,7 +292,8 @@ fn solve_source(
     let network = Network {
         levels: request.levels.clone(),
     };
-    let model = CostModel::new(&source.costs(request.microbatches), network, request.memory_bytes);
+    let model = CostModel::new(&source.costs(request.microbatches), network, request.memory_bytes)
+        .with_schedule(request.planner_schedule());
     let plan = plan(&model, request.workers, request.straight)?;
     let predicted = |plan: &Plan| -> Vec<PredictedStage> {
         plan.stages
@@ -297,6 +318,7 @@ fn solve_source(
         model: source.model().to_string(),
         batch_size: source.batch_size(),
         workers: request.workers,
+        schedule: request.schedule,
         time_per_minibatch_s: plan.time_per_minibatch,
         flushing_time_per_minibatch_s: plan.flushing_time(request.microbatches),
         microbatches: request.microbatches,

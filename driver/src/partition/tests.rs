@@ -44,6 +44,7 @@ fn options(dir: &std::path::Path) -> PartitionOptions {
             straight: true,
             microbatches: 4,
             alternatives: 0,
+            schedule: None,
         },
         output: Some(dir.join("stages.json")),
         prediction: Some(dir.join("prediction.json")),

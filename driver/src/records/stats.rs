@@ -166,6 +166,7 @@ mod tests {
             rank,
             stage,
             loss: None,
+            lr: None,
             samples: 8,
             time_s: 8.0 / sps,
             samples_per_sec: sps,

@@ -32,6 +32,11 @@ pub fn class_dirs(dir: &Path) -> Result<Vec<PathBuf>, DataError> {
     Ok(dirs)
 }
 
+/// The images in `dir`'s class folders.
+pub fn count(dir: &Path) -> Result<u64, DataError> {
+    Ok(samples(dir)?.len() as u64)
+}
+
 fn samples(dir: &Path) -> Result<Vec<(PathBuf, i64)>, DataError> {
     let mut samples = Vec::new();
     for (label, class) in class_dirs(dir)?.iter().enumerate() {

@@ -41,7 +41,7 @@ pub enum DataError {
 }
 
 impl DataError {
-    fn malformed(path: &Path, reason: impl Into<String>) -> DataError {
+    pub(crate) fn malformed(path: &Path, reason: impl Into<String>) -> DataError {
         DataError::Malformed {
             path: path.to_path_buf(),
             reason: reason.into(),
@@ -81,6 +81,15 @@ impl DataSpec {
         })
     }
 
+    /// Samples in the dataset (once over is an epoch); synthetic data has no size of its own.
+    pub fn samples(&self) -> Result<u64, DataError> {
+        match self {
+            DataSpec::Synthetic => Ok(SYNTHETIC_EPOCH_SAMPLES),
+            DataSpec::Cifar10(dir) => cifar::count(dir),
+            DataSpec::ImageFolder(dir) => image_folder::count(dir),
+        }
+    }
+
     /// Classes the dataset defines, if it fixes them.
     pub fn num_classes(&self) -> Result<Option<i64>, DataError> {
         match self {
@@ -100,6 +109,9 @@ impl fmt::Display for DataSpec {
         }
     }
 }
+
+/// An epoch of synthetic data, in samples: PipeDream's synthetic dataset's length.
+pub const SYNTHETIC_EPOCH_SAMPLES: u64 = 1_000_000;
 
 /// Which part of the data a rank reads: replicas of a stage read disjoint shards.
 #[derive(Debug, Clone, Copy, PartialEq)]

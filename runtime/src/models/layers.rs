@@ -115,6 +115,25 @@ pub fn conv2d(
     conv
 }
 
+/// A 2-d convolution with a bias, as torch.nn.Conv2d initialises it (the default torchvision's
+/// AlexNet keeps).
+pub fn conv2d_default(
+    p: nn::Path,
+    c_in: i64,
+    c_out: i64,
+    kernel: i64,
+    stride: i64,
+    padding: i64,
+) -> nn::Conv2D {
+    let mut conv = conv2d(p, c_in, c_out, kernel, stride, padding, true);
+    let fan_in = c_in * kernel * kernel;
+    torch_default_weight(fan_in).fill(&mut conv.ws);
+    if let Some(bs) = &mut conv.bs {
+        torch_default_bias(fan_in).fill(bs);
+    }
+    conv
+}
+
 /// 2-d batch norm with weight 1 and bias 0 (running mean 0, running variance 1).
 pub fn batch_norm2d(p: nn::Path, channels: i64) -> nn::BatchNorm {
     let config = nn::BatchNormConfig {

@@ -8,6 +8,7 @@
 //! (torch.nn's defaults, torchvision's and BERT's own rules; `layers.rs`) and drawn on the CPU
 //! whatever the var store's device, so they are also the same on every device.
 
+mod alexnet;
 mod layers;
 mod mlp;
 mod resnet;
@@ -115,6 +116,7 @@ pub struct UnknownModel(pub String);
 /// Every model `--model` accepts.
 pub const MODEL_NAMES: &[&str] = &[
     "mlp",
+    "alexnet",
     "vgg16",
     "vgg16_bn",
     "resnet50",
@@ -128,6 +130,7 @@ impl ModelDef {
     pub fn named(name: &str, options: &ModelOptions) -> Result<ModelDef, UnknownModel> {
         let (modules, loss, input) = match name {
             "mlp" => mlp::modules(options),
+            "alexnet" => alexnet::alexnet(options),
             "vgg16" => vgg::vgg16(options, false),
             "vgg16_bn" => vgg::vgg16(options, true),
             "resnet50" => resnet::resnet(options, [3, 4, 6, 3]),

@@ -18,6 +18,10 @@ fn options(name: &str) -> ModelOptions {
     if name == "mlp" {
         o.num_classes = 10;
     }
+    if name == "alexnet" {
+        // The smallest image its convolutions and pools leave a pixel of.
+        o.image_size = 63;
+    }
     o
 }
 
@@ -29,6 +33,7 @@ fn total_params(name: &str, o: &ModelOptions) -> u64 {
 fn torchvision_parameter_counts_line_up() {
     let o = options("vgg16");
     assert_eq!(total_params("vgg16", &o), 138_357_544);
+    assert_eq!(total_params("alexnet", &o), 61_100_840);
     assert_eq!(total_params("vgg16_bn", &o), 138_365_992);
     assert_eq!(total_params("resnet50", &o), 25_557_032);
     assert_eq!(total_params("resnet101", &o), 44_549_160);
@@ -141,9 +146,9 @@ fn a_module_built_on_a_gpu_holds_the_cpus_values() {
 
 #[test]
 fn unknown_model_lists_known_ones() {
-    let err = ModelDef::named("alexnet", &options("mlp")).err().unwrap();
+    let err = ModelDef::named("inception_v3", &options("mlp")).err().unwrap();
     assert_eq!(
         err.to_string(),
-        "unknown model \"alexnet\"; known models: mlp, vgg16, vgg16_bn, resnet50, resnet101, resnet152, transformer"
+        "unknown model \"inception_v3\"; known models: mlp, alexnet, vgg16, vgg16_bn, resnet50, resnet101, resnet152, transformer"
     );
 }

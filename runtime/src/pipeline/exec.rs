@@ -16,6 +16,7 @@ use super::route::{Op, Route, Transfer};
 use super::wire::{self, header, header_buffer, read_header, Message, TensorSpec};
 use crate::comm::{ProcessGroup, Work};
 use crate::data::Batches;
+use crate::lr::LrSchedule;
 use crate::schedule::{Action, Schedule};
 use crate::stage::{backward_with_grad, GradScaler, Optimizer, Stage};
 
@@ -45,6 +46,8 @@ pub struct IterationReport {
     pub timing: Timing,
     /// Mean loss over the minibatch (last stage only).
     pub loss: Option<f64>,
+    /// The learning rate of the iteration's steps.
+    pub lr: f64,
     /// With tracing on, the weights each finished microbatch used.
     pub traces: Vec<Trace>,
     /// With tracing on, the point-to-point operations issued since the last report (the first
@@ -88,6 +91,8 @@ pub struct Executor {
     pub trace: bool,
     /// fp16: the gradient scaler (the same scale on every rank).
     pub scaler: Option<GradScaler>,
+    /// The learning rate of each iteration.
+    pub lr: LrSchedule,
     /// Shapes crossing into and out of this stage, learned at start.
     pub input_spec: Option<TensorSpec>,
     pub output_spec: Option<TensorSpec>,
@@ -461,6 +466,8 @@ impl Executor {
                 Op::Run(Action::Backward(g)) => {
                     self.backward(&mut progress, g, last_backwards.contains(&g))?;
                     let iteration = g / self.microbatches;
+                    // The step that follows belongs to this backward's iteration.
+                    self.optimizer.set_lr(self.lr.at(iteration as u64));
                     if last_of_iteration[&iteration] == g {
                         pending_end = Some(iteration);
                     }
@@ -473,6 +480,7 @@ impl Executor {
                         let traces = std::mem::take(&mut progress.traces);
                         let p2p = self.links.channels.as_ref().map(Channels::take_log);
                         report(IterationReport {
+                            lr: self.lr.at(iteration as u64),
                             iteration: iteration as u64,
                             time,
                             timing: progress.timing,

@@ -87,6 +87,11 @@ impl Optimizer {
         }
     }
 
+    /// The learning rate of the steps from now on.
+    pub fn set_lr(&mut self, lr: f64) {
+        self.lr = lr;
+    }
+
     /// Applies one update from the accumulated gradients; parameters without a gradient keep
     /// their values and state, as in torch.optim. Fails only where the kernels do (out of device
     /// memory for the optimizer's state, a device lost).
