@@ -3,6 +3,7 @@
 //! format. Both binaries depend on this crate; it never links
 //! libtorch, so the driver builds without it.
 
+pub mod architecture;
 pub mod metrics;
 pub mod profile;
 pub mod stage_config;

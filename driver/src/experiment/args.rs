@@ -148,7 +148,7 @@ fn model_flags(ctx: &ArgsContext, argv: &mut Vec<String>) {
             argv.push(value);
         }
     };
-    flag("model", f.module.clone());
+    flag("model", super::runtime_model(f));
     flag("num-classes", f.num_classes.map(|v| v.to_string()));
     flag("image-size", f.image_size.map(|v| v.to_string()));
     flag("layers", f.layers.map(|v| v.to_string()));

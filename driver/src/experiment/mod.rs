@@ -3,6 +3,7 @@
 //! that can be checked without touching a host is checked here.
 
 mod args;
+pub mod pipedream;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -275,6 +276,10 @@ fn resolve_with(
             })?;
             let config = StageConfig::from_json(&text)
                 .map_err(|e| loaded.error_at("config_file", format!("{}: {e}", path.display())))?;
+            let (path, config) = match planned {
+                Some(_) => (path, config),
+                None => translate_pipedream(loaded, options, &base, config, &path)?,
+            };
             // The driver does not know the model's module count; the runtime checks it. The rank
             // layout is checked here so a wrong world size fails before anything starts.
             let num_modules = config.module_to_stage_map.len();
@@ -476,6 +481,81 @@ fn stage_config_path(base: &Path, given: &Path) -> PathBuf {
     }
 }
 
+/// The runtime's model the file names: its `module`, or the model of a PipeDream partitioned
+/// model (`models.vgg16.gpus=4` is `vgg16`).
+pub fn runtime_model(file: &ExperimentFile) -> Option<String> {
+    let module = file.module.as_deref()?;
+    Some(
+        pipedream::partitioned_module(module)
+            .map_or(module, |(model, _)| model)
+            .to_string(),
+    )
+}
+
+/// The stage config of a PipeDream partitioned model (`module: models.<model>.gpus=<N>`), whose
+/// `module_to_stage_map` numbers PipeDream's stage modules, rewritten over the runtime's modules
+/// with the same split and written beside the records; the path to run with.
+fn translate_pipedream(
+    loaded: &Loaded,
+    options: &Options,
+    base: &Path,
+    config: StageConfig,
+    config_path: &Path,
+) -> Result<(PathBuf, StageConfig), ConfigError> {
+    let file = &loaded.file;
+    let Some((model, folder)) = file.module.as_deref().and_then(pipedream::partitioned_module) else {
+        return Ok((config_path.to_path_buf(), config));
+    };
+    let module = file.module.as_deref().unwrap_or_default();
+    let relative = Path::new("models").join(model).join(folder);
+    let dir = stage_config_path(base, &relative);
+    if !dir.is_dir() {
+        return Err(loaded.error_at(
+            "module",
+            format!(
+                "`{module}` is PipeDream's partitioned model, whose folder {} is neither next to \
+                 the experiment file nor in the working directory; copy PipeDream's models/ folder \
+                 there, or name the runtime's model (`module: {model}`)",
+                relative.display()
+            ),
+        ));
+    }
+    let modules = pipedream::read_folder(&dir).map_err(|e| loaded.error_at("module", e))?;
+    let classes = file.num_classes.unwrap_or(1000);
+    let ours = stagehand_contract::architecture::module_layers(model, classes).ok_or_else(|| {
+        loaded.error_at(
+            "module",
+            format!(
+                "`{module}`: the runtime has no model `{model}` to map PipeDream's stages onto \
+                 (it has alexnet, vgg16, vgg16_bn, resnet50, resnet101, resnet152)"
+            ),
+        )
+    })?;
+    let names = |i: usize| format!("{i} (`runtime modules --model {model}` lists them)");
+    let map = pipedream::translate(&config.module_to_stage_map, &modules, &ours, &names)
+        .map_err(|e| loaded.error_at("config_file", format!("{}: {e}", config_path.display())))?;
+    let translated = StageConfig {
+        module_to_stage_map: map,
+        ..config
+    };
+    let text = serde_json::to_string_pretty(&translated).expect("stage configs serialize") + "\n";
+    let path = absolute(&pipedream::translated_path(
+        &log_directory(loaded, options),
+        &text,
+    ));
+    let written = path
+        .parent()
+        .map_or(Ok(()), std::fs::create_dir_all)
+        .and_then(|()| std::fs::write(&path, &text));
+    written.map_err(|e| {
+        loaded.error_at(
+            "config_file",
+            format!("cannot write the translated stage config {}: {e}", path.display()),
+        )
+    })?;
+    Ok((path, translated))
+}
+
 /// Iterations of `epochs` epochs when the file says how long an epoch is (`epoch_samples`, or
 /// synthetic data's PipeDream length), for the progress bar; a dataset's size is the runtime's
 /// to read.
@@ -625,7 +705,7 @@ fn auto_plan(
     if file.command.is_some() {
         return Err(need("the runtime, not a `command:`"));
     }
-    let Some(model) = file.module.clone() else {
+    let Some(model) = runtime_model(file) else {
         return Err(need("`module:` (the model to profile)"));
     };
     let Some(batch_size) = file.batch_size else {

@@ -580,3 +580,201 @@ fn pipedreams_keys_not_honoured_yet_are_refused_with_what_to_use_instead() {
         assert!(e.contains("exp.yml:2:1"), "{key} located at its line: {e}");
     }
 }
+
+/// PipeDream's `__init__.py` for stage modules `stage0.py`..., criterion last.
+fn pipedream_init(stages: usize) -> String {
+    let mut text = String::from("import torch\n");
+    for s in 0..stages {
+        text += &format!("from .stage{s} import Stage{s}\n");
+    }
+    text += "\ndef arch():\n    return \"model\"\n\ndef model(criterion):\n    return [\n";
+    for s in 0..stages {
+        let input = if s == 0 {
+            "input0".to_string()
+        } else {
+            format!("out{}", s - 1)
+        };
+        text += &format!("        (Stage{s}(), [\"{input}\"], [\"out{s}\"]),\n");
+    }
+    text += &format!(
+        "        (criterion, [\"out{}\"], [\"loss\"])\n    ]\n",
+        stages - 1
+    );
+    text
+}
+
+/// A stage file in the shape PipeDream's `convert_graph_to_model.py` writes: one
+/// `self.layerN = torch.nn...` line per layer.
+fn pipedream_stage(index: usize, layers: &[&str]) -> String {
+    let mut text = format!(
+        "import torch\n\n\nclass Stage{index}(torch.nn.Module):\n    def __init__(self):\n        super(Stage{index}, self).__init__()\n"
+    );
+    for (n, layer) in layers.iter().enumerate() {
+        text += &format!("        self.layer{} = torch.nn.{layer}\n", n + 2);
+    }
+    text += "\n    def forward(self, input0):\n        return input0\n";
+    text
+}
+
+/// VGG-16 as PipeDream's vgg16 folders split it, cut after the third max-pool.
+fn pipedream_vgg16(dir: &Path, cut_after_pool: usize) {
+    let folder = dir.join("models").join("vgg16").join("gpus=2");
+    std::fs::create_dir_all(&folder).unwrap();
+    let (mut first, mut second): (Vec<String>, Vec<String>) = (Vec::new(), Vec::new());
+    let (mut c_in, mut pools) = (3, 0);
+    for entry in [
+        64, 64, 0, 128, 128, 0, 256, 256, 256, 0, 512, 512, 512, 0, 512, 512, 512, 0,
+    ] {
+        let target = if pools < cut_after_pool {
+            &mut first
+        } else {
+            &mut second
+        };
+        if entry == 0 {
+            target.push("MaxPool2d(kernel_size=2, stride=2, padding=0, dilation=1, ceil_mode=False)".into());
+            pools += 1;
+            continue;
+        }
+        target.push(format!(
+            "Conv2d({c_in}, {entry}, kernel_size=(3, 3), stride=(1, 1), padding=(1, 1))"
+        ));
+        target.push("ReLU(inplace=True)".into());
+        c_in = entry;
+    }
+    for (d_in, d_out, last) in [(25088, 4096, false), (4096, 4096, false), (4096, 1000, true)] {
+        second.push(format!(
+            "Linear(in_features={d_in}, out_features={d_out}, bias=True)"
+        ));
+        if !last {
+            second.push("ReLU(inplace=True)".into());
+            second.push("Dropout(p=0.5)".into());
+        }
+    }
+    fn refs(v: &[String]) -> Vec<&str> {
+        v.iter().map(String::as_str).collect()
+    }
+    std::fs::write(folder.join("stage0.py"), pipedream_stage(0, &refs(&first))).unwrap();
+    std::fs::write(folder.join("stage1.py"), pipedream_stage(1, &refs(&second))).unwrap();
+    std::fs::write(folder.join("__init__.py"), pipedream_init(2)).unwrap();
+    std::fs::write(
+        folder.join("hybrid_conf.json"),
+        r#"{"module_to_stage_map": [0, 1, 1], "stage_to_rank_map": {"0": [0], "1": [1]}, "stage_to_depth_map": {"0": 1, "1": 0}}"#,
+    )
+    .unwrap();
+}
+
+fn pipedream_experiment(module: &str, config: &str, logs: &Path) -> String {
+    format!(
+        "machines: [localhost, localhost]\nmodule: {module}\nconfig_file: {config}\n\
+         batch_size: 8\nschedule: 1f1b\nmicrobatches: 2\nlog_directory: {}\n",
+        logs.display()
+    )
+}
+
+const VGG16_CONF: &str = "models/vgg16/gpus=2/hybrid_conf.json";
+
+#[test]
+fn a_pipedream_partitioned_model_runs_the_runtimes_modules_with_the_same_split() {
+    let dir = tempfile::tempdir().unwrap();
+    pipedream_vgg16(dir.path(), 3);
+    let logs = dir.path().join("logs");
+    let o = options(Some(Backend::Process), ContainerMode::PerRank);
+    let plan = resolve(
+        &loaded(
+            dir.path(),
+            &pipedream_experiment("models.vgg16.gpus=2", VGG16_CONF, &logs),
+        ),
+        &o,
+        29500,
+    )
+    .unwrap();
+    let argv = &plan.ranks[0].argv;
+    assert_eq!(flag(argv, "--model"), Some("vgg16"));
+    let written = Path::new(flag(argv, "--stage-config").unwrap());
+    assert!(written.starts_with(&logs), "{}", written.display());
+    let config = StageConfig::from_json(&std::fs::read_to_string(written).unwrap()).unwrap();
+    // The runtime's vgg16: ten modules up to the third pool (seven convolutions, three pools) in
+    // stage 0; the rest, the flattening avgpool, the classifier and the loss in stage 1.
+    let mut expected = vec![0; 10];
+    expected.extend([1; 13]);
+    assert_eq!(config.module_to_stage_map, expected);
+    assert_eq!(config.stage_to_rank_map["0"], vec![0]);
+    assert_eq!(
+        config.stage_to_depth_map,
+        Some([("0".to_string(), 1), ("1".to_string(), 0)].into())
+    );
+    // The same file resolves to the same path.
+    let again = resolve(
+        &loaded(
+            dir.path(),
+            &pipedream_experiment("models.vgg16.gpus=2", VGG16_CONF, &logs),
+        ),
+        &o,
+        29500,
+    )
+    .unwrap();
+    assert_eq!(
+        flag(&again.ranks[0].argv, "--stage-config"),
+        Some(written.to_str().unwrap())
+    );
+}
+
+#[test]
+fn a_pipedream_split_the_runtimes_modules_cannot_make_names_the_layer() {
+    let o = options(Some(Backend::Process), ContainerMode::PerRank);
+    let resolve_in = |dir: &Path, module: &str, config: &str| {
+        resolve(
+            &loaded(dir, &pipedream_experiment(module, config, &dir.join("logs"))),
+            &o,
+            29500,
+        )
+        .unwrap_err()
+        .to_string()
+    };
+    // vgg16_bn's convolutions each come with a batch norm, which PipeDream's vgg16 files lack.
+    let dir = tempfile::tempdir().unwrap();
+    pipedream_vgg16(dir.path(), 3);
+    std::fs::rename(
+        dir.path().join("models/vgg16"),
+        dir.path().join("models/vgg16_bn"),
+    )
+    .unwrap();
+    let e = resolve_in(
+        dir.path(),
+        "models.vgg16_bn.gpus=2",
+        "models/vgg16_bn/gpus=2/hybrid_conf.json",
+    );
+    assert!(e.contains("do not line up"), "{e}");
+    assert!(e.contains("holds BatchNorm2d(64)"), "{e}");
+    assert!(e.contains("stage0.py:"), "{e}");
+    // A stage module whose layers are cut mid-way through the runtime's module: a convolution
+    // moved from stage 1 to stage 0 leaves stage 1's first module short.
+    let dir = tempfile::tempdir().unwrap();
+    pipedream_vgg16(dir.path(), 3);
+    let folder = dir.path().join("models/vgg16/gpus=2");
+    let mut first = std::fs::read_to_string(folder.join("stage0.py")).unwrap();
+    first = first.replace(
+        "    def forward",
+        "        self.layer99 = torch.nn.Linear(in_features=4096, out_features=1000, bias=True)\n\n    def forward",
+    );
+    std::fs::write(folder.join("stage0.py"), first).unwrap();
+    let e = resolve_in(dir.path(), "models.vgg16.gpus=2", VGG16_CONF);
+    assert!(e.contains("stage0.py:"), "{e}");
+    assert!(e.contains("Linear(4096, 1000)"), "{e}");
+    // No folder: where it was looked for, and what to do instead.
+    let empty = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(empty.path().join("models/vgg16/gpus=2")).unwrap();
+    std::fs::write(
+        empty.path().join("models/vgg16/gpus=2/hybrid_conf.json"),
+        r#"{"module_to_stage_map": [0, 1, 1], "stage_to_rank_map": {"0": [0], "1": [1]}}"#,
+    )
+    .unwrap();
+    let e = resolve_in(empty.path(), "models.vgg16.gpus=2", VGG16_CONF);
+    assert!(e.contains("__init__.py (PipeDream's partitioned model)"), "{e}");
+    let e = resolve_in(empty.path(), "models.vgg16.gpus=8", VGG16_CONF);
+    assert!(
+        e.contains("models/vgg16/gpus=8 is neither next to the experiment file"),
+        "{e}"
+    );
+    assert!(e.contains("module: vgg16"), "{e}");
+}

@@ -40,6 +40,40 @@ fn torchvision_parameter_counts_line_up() {
     assert_eq!(total_params("resnet152", &o), 60_192_808);
 }
 
+/// The contract's layer lists, which the driver matches PipeDream's stage modules against, are
+/// the modules this runtime builds: one list per module, parameter for parameter.
+#[test]
+fn the_contracts_layer_lists_are_the_modules_built() {
+    for name in [
+        "alexnet",
+        "vgg16",
+        "vgg16_bn",
+        "resnet50",
+        "resnet101",
+        "resnet152",
+    ] {
+        let o = options(name);
+        let def = ModelDef::named(name, &o).unwrap();
+        let layers = stagehand_contract::architecture::module_layers(name, o.num_classes as u32).unwrap();
+        let counts = def.param_counts();
+        assert_eq!(
+            layers.len() + 1,
+            counts.len(),
+            "{name}: one list per module, the loss aside"
+        );
+        for (i, (module, &count)) in layers.iter().zip(&counts).enumerate() {
+            let listed: u64 = module.iter().map(|l| l.params()).sum();
+            assert_eq!(
+                listed,
+                count,
+                "{name} module {i} ({}): {module:?}",
+                def.module_name(i)
+            );
+        }
+    }
+    assert!(stagehand_contract::architecture::module_layers("mlp", 10).is_none());
+}
+
 #[test]
 fn bert_base_layout_has_bert_parameter_count() {
     let o = ModelOptions {
