@@ -1,6 +1,10 @@
 //! The real runtime as a 2-stage CPU pipeline (gloo over loopback), end to end, with the process
 //! backend. (The same pipeline in both container modes is in `docker_runtime`.)
 
+use std::collections::BTreeMap;
+
+use serde_json::Value;
+
 use crate::util::experiments::*;
 use crate::util::*;
 
@@ -13,5 +17,46 @@ fn a_two_stage_pipeline_runs_as_processes() {
         &["--runtime", runtime.to_str().unwrap()],
     );
     check_pipeline_run(&h, &run);
+    h.assert_no_processes();
+}
+
+/// A PipeDream experiment, keys and partitioned model folder as PipeDream writes them, runs
+/// unchanged: the runtime's AlexNet split as PipeDream's stage files split it, for the epochs
+/// PipeDream's keys ask.
+#[test]
+fn a_pipedream_experiment_runs_as_written() {
+    let runtime = runtime();
+    let h = Harness::new("pipedream-alexnet");
+    let config = pipedream_alexnet(&h, "process");
+    let run = h.run(&config, &["--runtime", runtime.to_str().unwrap()]);
+    assert_eq!(run.code(), 0, "{}", run.stderr());
+    let (dir, summary) = h.summary();
+    assert_eq!(summary["status"], "succeeded");
+    // Two epochs of 4 samples in batches of 4.
+    assert_eq!(summary["iterations_done"], 2);
+    let mut starts = BTreeMap::new();
+    let mut rates = Vec::new();
+    for line in lines(&dir.join("metrics.jsonl")) {
+        let event: Value = serde_json::from_str(&line).unwrap();
+        match event["event"].as_str() {
+            Some("start") => {
+                starts.insert(
+                    event["rank"].as_u64().unwrap(),
+                    (
+                        event["first_module"].as_u64().unwrap(),
+                        event["end_module"].as_u64().unwrap(),
+                    ),
+                );
+                assert_eq!(event["config"]["model"], "alexnet");
+                assert_eq!(event["config"]["lr_policy"], "step");
+            }
+            Some("iteration") => rates.push(event["lr"].as_f64().unwrap()),
+            _ => {}
+        }
+    }
+    // features.0, .2, .3, .5 on rank 0; the other convolutions, the pool, avgpool, the
+    // classifier and the loss (13 modules in all) on rank 1.
+    assert_eq!(starts, BTreeMap::from([(0, (0, 4)), (1, (4, 13))]));
+    assert!(rates.iter().all(|&r| r == 0.01), "{rates:?}");
     h.assert_no_processes();
 }

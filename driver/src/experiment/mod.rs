@@ -278,7 +278,7 @@ fn resolve_with(
                 .map_err(|e| loaded.error_at("config_file", format!("{}: {e}", path.display())))?;
             let (path, config) = match planned {
                 Some(_) => (path, config),
-                None => translate_pipedream(loaded, options, &base, config, &path)?,
+                None => translate_pipedream(loaded, &base, config, &path)?,
             };
             // The driver does not know the model's module count; the runtime checks it. The rank
             // layout is checked here so a wrong world size fails before anything starts.
@@ -494,10 +494,9 @@ pub fn runtime_model(file: &ExperimentFile) -> Option<String> {
 
 /// The stage config of a PipeDream partitioned model (`module: models.<model>.gpus=<N>`), whose
 /// `module_to_stage_map` numbers PipeDream's stage modules, rewritten over the runtime's modules
-/// with the same split and written beside the records; the path to run with.
+/// with the same split and written to this user's cache; the path to run with.
 fn translate_pipedream(
     loaded: &Loaded,
-    options: &Options,
     base: &Path,
     config: StageConfig,
     config_path: &Path,
@@ -539,10 +538,7 @@ fn translate_pipedream(
         ..config
     };
     let text = serde_json::to_string_pretty(&translated).expect("stage configs serialize") + "\n";
-    let path = absolute(&pipedream::translated_path(
-        &log_directory(loaded, options),
-        &text,
-    ));
+    let path = absolute(&pipedream::translated_path(&text));
     let written = path
         .parent()
         .map_or(Ok(()), std::fs::create_dir_all)

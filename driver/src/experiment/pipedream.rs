@@ -269,13 +269,20 @@ pub fn translate(
     Ok(ours_map)
 }
 
-/// Where the translated stage config is written: a content-named file beside the records, so
-/// the same experiment resolves to the same path.
-pub fn translated_path(log_directory: &Path, text: &str) -> PathBuf {
+/// Where the translated stage config is written: a file named by its content in this user's
+/// cache (`$XDG_CACHE_HOME`, else `~/.cache`, else the temporary folder), so the same experiment
+/// resolves to the same path and the records folder holds records only.
+pub fn translated_path(text: &str) -> PathBuf {
     use std::hash::{Hash, Hasher};
     let mut hasher = std::collections::hash_map::DefaultHasher::new();
     text.hash(&mut hasher);
-    log_directory
-        .join(".stage-configs")
+    let cache = std::env::var_os("XDG_CACHE_HOME")
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| Path::new(&h).join(".cache")))
+        .unwrap_or_else(std::env::temp_dir);
+    cache
+        .join("stagehand")
+        .join("stage-configs")
         .join(format!("pipedream-{:016x}.json", hasher.finish()))
 }

@@ -193,3 +193,68 @@ pub fn check_planned_run(h: &Harness, run: &Run) -> (std::path::PathBuf, Value) 
     assert_eq!(resolved["experiment"]["config_file"], "auto");
     (dir, summary)
 }
+
+/// A PipeDream experiment as PipeDream's own would read, for AlexNet on two ranks: its keys
+/// (`module: models.alexnet.gpus=2`, `epochs`, `learning_rate_policy`, `synthetic_data`,
+/// `weight_decay`, `model_type`) and the partitioned model's folder in PipeDream's formats
+/// (`__init__.py`, a stage file per stage module, `hybrid_conf.json`): stage 0 holds the first
+/// two convolutions with their pools, stage 1 the rest.
+pub fn pipedream_alexnet(h: &Harness, backend: &str) -> PathBuf {
+    let folder = h.dir.path().join("models").join("alexnet").join("gpus=2");
+    std::fs::create_dir_all(&folder).unwrap();
+    let pool = "MaxPool2d(kernel_size=3, stride=2, padding=0, dilation=1, ceil_mode=False)";
+    let stage0 = [
+        "Conv2d(3, 64, kernel_size=(11, 11), stride=(4, 4), padding=(2, 2))",
+        "ReLU(inplace=True)",
+        pool,
+        "Conv2d(64, 192, kernel_size=(5, 5), stride=(1, 1), padding=(2, 2))",
+        "ReLU(inplace=True)",
+        pool,
+    ];
+    let stage1 = [
+        "Conv2d(192, 384, kernel_size=(3, 3), stride=(1, 1), padding=(1, 1))",
+        "ReLU(inplace=True)",
+        "Conv2d(384, 256, kernel_size=(3, 3), stride=(1, 1), padding=(1, 1))",
+        "ReLU(inplace=True)",
+        "Conv2d(256, 256, kernel_size=(3, 3), stride=(1, 1), padding=(1, 1))",
+        "ReLU(inplace=True)",
+        pool,
+        "Dropout(p=0.5)",
+        "Linear(in_features=9216, out_features=4096, bias=True)",
+        "ReLU(inplace=True)",
+        "Dropout(p=0.5)",
+        "Linear(in_features=4096, out_features=4096, bias=True)",
+        "ReLU(inplace=True)",
+        "Linear(in_features=4096, out_features=1000, bias=True)",
+    ];
+    for (index, layers) in [(0, &stage0[..]), (1, &stage1[..])] {
+        let mut text = format!(
+            "import torch\n\n\nclass Stage{index}(torch.nn.Module):\n    def __init__(self):\n        super(Stage{index}, self).__init__()\n"
+        );
+        for (n, layer) in layers.iter().enumerate() {
+            text += &format!("        self.layer{} = torch.nn.{layer}\n", n + 2);
+        }
+        text += "\n    def forward(self, input0):\n        out0 = input0.clone()\n        return out0\n";
+        std::fs::write(folder.join(format!("stage{index}.py")), text).unwrap();
+    }
+    std::fs::write(
+        folder.join("__init__.py"),
+        "from .stage0 import Stage0\nfrom .stage1 import Stage1\n\ndef arch():\n    return \"alexnet\"\n\n\
+         def model(criterion):\n    return [\n        (Stage0(), [\"input0\"], [\"out0\"]),\n        \
+         (Stage1(), [\"out0\"], [\"out1\"]),\n        (criterion, [\"out1\"], [\"loss\"])\n    ]\n",
+    )
+    .unwrap();
+    std::fs::write(
+        folder.join("hybrid_conf.json"),
+        r#"{"module_to_stage_map": [0, 1, 1], "stage_to_rank_map": {"0": [0], "1": [1]}}"#,
+    )
+    .unwrap();
+    h.config(&format!(
+        "backend: {backend}\nmodule: models.alexnet.gpus=2\nconfig_file: models/alexnet/gpus=2/hybrid_conf.json\n\
+         container: {{build: '{}'}}\nmachines: [localhost, localhost]\nbatch_size: 4\nlearning_rate: 0.01\n\
+         weight_decay: 0.0005\nepochs: 2\nepoch_samples: 4\nlearning_rate_policy: step\nsynthetic_data: true\n\
+         model_type: image_classification\ndistributed_backend: gloo\nimage_size: 64\nschedule: 1f1b\n\
+         microbatches: 2\nthreads: 1\n",
+        local_context().display()
+    ))
+}
