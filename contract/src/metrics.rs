@@ -80,6 +80,9 @@ pub struct RunConfig {
     /// Buckets are all-reduced during the backward pass (`--overlap-reduce on`).
     #[serde(default = "yes")]
     pub overlap_reduce: bool,
+    /// float32 activations cross stages as float16 (`--compress-activations`).
+    #[serde(default)]
+    pub compress_activations: bool,
     /// How the learning rate changes: `constant`, `step`, `polynomial` or `exponential`.
     #[serde(default = "constant")]
     pub lr_policy: String,

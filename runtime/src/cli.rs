@@ -276,6 +276,11 @@ struct DistArgs {
     /// cores: a slower step, bench/overlap_reduce.py).
     #[arg(long, value_enum, default_value_t = Overlap::Auto)]
     overlap_reduce: Overlap,
+    /// Send float32 activations between stages as float16 (half the bytes; PipeDream's
+    /// compress_activations), cast on the device that holds them; gradients stay float32.
+    /// Every rank must be given it.
+    #[arg(long)]
+    compress_activations: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -633,6 +638,7 @@ impl DistArgs {
             comm_timeout: Duration::from_secs_f64(self.comm_timeout),
             slowdown,
             reduce,
+            compress_activations: self.compress_activations,
         })
     }
 }

@@ -318,6 +318,8 @@ pub struct DistConfig {
     pub slowdown: f64,
     /// How replicas all-reduce their gradients.
     pub reduce: ReduceOptions,
+    /// float32 activations cross stages as float16.
+    pub compress_activations: bool,
 }
 
 /// How the replicas' gradients are all-reduced.
@@ -352,6 +354,7 @@ impl TrainConfig {
             channels_last: self.channels_last,
             bucket_mb: self.dist.reduce.bucket_bytes as f64 / (1u64 << 20) as f64,
             overlap_reduce: self.dist.reduce.overlap,
+            compress_activations: self.dist.compress_activations,
             lr_policy: self.lr_schedule.policy.name().into(),
             lr_warmup_epochs: self.lr_schedule.warmup_epochs,
             epoch_iterations: self

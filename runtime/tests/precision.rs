@@ -137,3 +137,34 @@ fn channels_last_changes_the_layout_not_the_training() {
     // Only the convolutions' summation order changes: float32 rounding, far below 1e-3.
     assert_within("channels_last vs default", &last.losses(), &plain, 1e-3);
 }
+
+/// float16 keeps 11 significant bits: rounding each activation once, at the boundary, moves it
+/// by at most u = 2^-11 relative, and a loss computed from it by a few u; 8u bounds that with
+/// room, as for bfloat16 above.
+const FP16_WIRE_LOSS: f64 = 8.0 / 2048.0;
+
+#[test]
+fn compressed_activations_cross_in_float16_and_train_close_to_float32() {
+    let fp32 = last_stage(&two_stages("fp32", "1f1b", &[])).losses();
+    let runs = two_stages("fp32", "1f1b", &["--trace", "--compress-activations"]);
+    assert!(runs.iter().all(|r| r.start().config.compress_activations));
+    let compressed = last_stage(&runs).losses();
+    assert_ne!(compressed, fp32, "nothing was rounded: is the compression on?");
+    assert_within("fp16 activations vs fp32", &compressed, &fp32, FP16_WIRE_LOSS);
+    // Activations travel as float16, both ways of the channel agreeing; gradients stay float32.
+    let mut activations = 0;
+    for run in &runs {
+        for event in &run.events {
+            if let Event::P2p(p) = event {
+                let expected = match p.tensor {
+                    P2pTensor::Activation => "float16",
+                    P2pTensor::Gradient => "float32",
+                    P2pTensor::Target | P2pTensor::Header => "int64",
+                };
+                assert_eq!(p.dtype, expected, "{p:?}");
+                activations += usize::from(p.tensor == P2pTensor::Activation);
+            }
+        }
+    }
+    assert_eq!(activations, 40, "20 activations, each sent and received");
+}

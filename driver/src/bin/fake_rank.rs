@@ -78,6 +78,7 @@ fn main() {
             channels_last: false,
             bucket_mb: 25.0,
             overlap_reduce: true,
+            compress_activations: false,
             lr_policy: "constant".into(),
             lr_warmup_epochs: 0,
             epoch_iterations: None,

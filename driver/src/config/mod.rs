@@ -135,10 +135,13 @@ pub struct ExperimentFile {
     pub print_frequency: Option<serde_json::Value>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub verbose_frequency: Option<serde_json::Value>,
+    /// Activations cross stages as float16 (`--compress-activations`; PipeDream's key).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub compress_activations: Option<serde_json::Value>,
+    pub compress_activations: Option<bool>,
+    /// PipeDream's choice of where to compress; the runtime casts on the device holding the
+    /// activation, so with `compress_activations: true` only `true` (or leaving it out) is accepted.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub compress_in_gpu: Option<serde_json::Value>,
+    pub compress_in_gpu: Option<bool>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub translation_model: Option<serde_json::Value>,
     /// Start each gradient bucket's all-reduce during the backward pass (`on`, as DDP does), only

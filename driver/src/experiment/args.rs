@@ -114,6 +114,9 @@ pub(super) fn rank_command(
         flag("master-port", ctx.master_port.to_string());
         flag("local-rank", local_rank.to_string());
     }
+    if f.compress_activations == Some(true) {
+        argv.push("--compress-activations".into());
+    }
     if f.channels_last == Some(true) {
         argv.push("--channels-last".into());
     }

@@ -575,8 +575,6 @@ const RUNTIME_BATCH_SIZE: u32 = 32;
 fn check_pipedream_keys(loaded: &Loaded) -> Result<(), ConfigError> {
     let f = &loaded.file;
     let metrics = "every iteration's metrics are recorded in metrics.jsonl; drop the key";
-    let compress = "activations cross stages in the arithmetic's dtype: `precision: fp16` sends them \
-                    in half precision (and computes in it); or drop the key";
     if f.epochs.is_some() && f.iterations.is_some() {
         return Err(loaded.error_at(
             "epochs",
@@ -599,11 +597,19 @@ fn check_pipedream_keys(loaded: &Loaded) -> Result<(), ConfigError> {
         }
         _ => {}
     }
+    if f.compress_activations == Some(true) && f.compress_in_gpu == Some(false) {
+        return Err(loaded.error_at(
+            "compress_in_gpu",
+            "the runtime casts activations to float16 on the device that holds them (the GPU with \
+             CUDA); set `compress_in_gpu: true` or leave it out",
+        ));
+    }
     let runtime_keys = [
         ("epochs", f.epochs.is_some()),
         ("epoch_samples", f.epoch_samples.is_some()),
         ("learning_rate_policy", f.learning_rate_policy.is_some()),
         ("lr_warmup_epochs", f.lr_warmup_epochs.is_some()),
+        ("compress_activations", f.compress_activations == Some(true)),
     ];
     if let (Some(_), Some((key, _))) = (&f.command, runtime_keys.iter().find(|(_, given)| *given)) {
         return Err(loaded.error_at(
@@ -614,8 +620,6 @@ fn check_pipedream_keys(loaded: &Loaded) -> Result<(), ConfigError> {
     let not_yet = [
         ("print_frequency", &f.print_frequency, metrics),
         ("verbose_frequency", &f.verbose_frequency, metrics),
-        ("compress_activations", &f.compress_activations, compress),
-        ("compress_in_gpu", &f.compress_in_gpu, compress),
         (
             "translation_model",
             &f.translation_model,

@@ -519,6 +519,20 @@ fn pipedreams_epochs_learning_rate_policy_and_synthetic_data_reach_the_runtime()
         None,
         "synthetic data is the runtime's default"
     );
+    assert!(!argv.contains(&"--compress-activations".to_string()));
+    // PipeDream's published configs say `compress_activations: False, compress_in_gpu: False`.
+    let plan = resolve_text(
+        "machines: [localhost]\ncompress_activations: false\ncompress_in_gpu: false\n",
+        &o,
+    )
+    .unwrap();
+    assert!(!plan.ranks[0].argv.contains(&"--compress-activations".to_string()));
+    let plan = resolve_text(
+        "machines: [localhost]\ncompress_activations: true\ncompress_in_gpu: true\n",
+        &o,
+    )
+    .unwrap();
+    assert!(plan.ranks[0].argv.contains(&"--compress-activations".to_string()));
     // 60 epochs of PipeDream's 1000000 synthetic samples in batches of 64, for the progress bar.
     assert_eq!(plan.iterations, Some(60 * (1_000_000 / 64)));
     let plan = resolve_text(
@@ -538,6 +552,11 @@ fn pipedreams_epochs_learning_rate_policy_and_synthetic_data_reach_the_runtime()
             "drop `data_dir`",
         ),
         ("synthetic_data: false\n", "synthetic_data", "needs a `data_dir`"),
+        (
+            "compress_activations: true\ncompress_in_gpu: false\n",
+            "compress_in_gpu",
+            "on the device that holds them",
+        ),
         (
             "command: [python3, train.py]\nepochs: 3\n",
             "epochs",
@@ -566,8 +585,6 @@ fn pipedreams_keys_not_honoured_yet_are_refused_with_what_to_use_instead() {
     for (key, value, instead) in [
         ("print_frequency", "100", "metrics.jsonl"),
         ("verbose_frequency", "100", "metrics.jsonl"),
-        ("compress_activations", "true", "precision: fp16"),
-        ("compress_in_gpu", "true", "precision: fp16"),
         ("translation_model", "gnmt", "module: transformer"),
     ] {
         let text = format!("machines: [localhost]\n{key}: {value}\n");

@@ -93,6 +93,8 @@ pub struct Executor {
     pub scaler: Option<GradScaler>,
     /// The learning rate of each iteration.
     pub lr: LrSchedule,
+    /// float32 activations cross stages as float16.
+    pub compress_activations: bool,
     /// Shapes crossing into and out of this stage, learned at start.
     pub input_spec: Option<TensorSpec>,
     pub output_spec: Option<TensorSpec>,
@@ -163,7 +165,11 @@ impl Executor {
             Message::Gradient(_) => self.output_spec.as_ref(),
             Message::Header => bail!("internal error: a shape header is received only at start"),
         };
-        let mut tensor = spec.expect("shapes are learned at start").empty(self.device);
+        let spec = spec.expect("shapes are learned at start");
+        let mut tensor = match self.wire_kind(transfer.message, spec.kind) {
+            Some(kind) => Tensor::empty(spec.shape.as_slice(), (kind, self.device)),
+            None => spec.empty(self.device),
+        };
         let work = self.channels().recv(transfer, &mut tensor)?;
         progress.posted.insert(transfer.message, (tensor, work));
         Ok(())
@@ -179,7 +185,18 @@ impl Executor {
         // NCCL's wait only orders the streams: settle here so the transfer is not timed as the
         // compute that follows.
         crate::cuda::synchronize(self.device);
-        Ok(tensor)
+        // A compressed activation goes back to the kind the stage computes in.
+        Ok(match (message, self.input_spec.as_ref()) {
+            (Message::Activation(_), Some(spec)) if tensor.kind() != spec.kind => tensor.to_kind(spec.kind),
+            _ => tensor,
+        })
+    }
+
+    /// The kind `message` travels in when it is not `kind`: float16 for a float32 activation
+    /// under `--compress-activations`.
+    fn wire_kind(&self, message: Message, kind: Kind) -> Option<Kind> {
+        (self.compress_activations && matches!(message, Message::Activation(_)) && kind == Kind::Float)
+            .then_some(Kind::Half)
     }
 
     /// Starts sending what the last action produced as `transfer`'s message.
@@ -188,6 +205,10 @@ impl Executor {
             .outbox
             .remove(&transfer.message)
             .expect("the action before a send produced its tensor");
+        let tensor = match self.wire_kind(transfer.message, tensor.kind()) {
+            Some(kind) => tensor.detach().to_kind(kind),
+            None => tensor,
+        };
         let work = self.channels().send(transfer, &tensor.contiguous())?;
         progress.sends.push(work);
         Ok(())

@@ -242,6 +242,7 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
         trace: config.trace,
         scaler: (config.precision == Precision::Fp16).then(|| GradScaler::new(device)),
         lr: config.lr_schedule,
+        compress_activations: dist.compress_activations,
         input_spec: None,
         output_spec: None,
         target_spec: None,
