@@ -15,7 +15,7 @@ use crate::options::{Backend, ContainerMode, Options};
 use crate::records::{Record, RecordError};
 use crate::reporters::progress::{self, ProgressReporter};
 use crate::reporters::record::RecordReporter;
-use crate::reporters::terminal::TerminalReporter;
+use crate::reporters::terminal::{Intervals, TerminalReporter};
 use crate::reporters::{Reporter, Reporters};
 use crate::signals::StopSignals;
 
@@ -229,7 +229,12 @@ pub async fn run_loaded(
         .collect();
     let reporters: Vec<Box<dyn Reporter>> = vec![
         Box::new(RecordReporter::new(record.clone(), &plan)?),
-        Box::new(TerminalReporter::new(options.verbosity, bar.clone(), rank_hosts)),
+        Box::new(
+            TerminalReporter::new(options.verbosity, bar.clone(), rank_hosts).with_intervals(Intervals {
+                print_every: plan.print_every,
+                verbose_every: plan.verbose_every,
+            }),
+        ),
         Box::new(ProgressReporter::new(bar)),
     ];
     let mut reporters = Reporters::new(reporters);

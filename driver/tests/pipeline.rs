@@ -58,5 +58,13 @@ fn a_pipedream_experiment_runs_as_written() {
     // classifier and the loss (13 modules in all) on rank 1.
     assert_eq!(starts, BTreeMap::from([(0, (0, 4)), (1, (4, 13))]));
     assert!(rates.iter().all(|&r| r == 0.01), "{rates:?}");
+    // print_frequency: 1 shows each iteration's loss line.
+    for i in [1, 2] {
+        assert!(
+            run.stderr().contains(&format!("r1] iteration {i}: loss ")),
+            "{}",
+            run.stderr()
+        );
+    }
     h.assert_no_processes();
 }

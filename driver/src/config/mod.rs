@@ -131,10 +131,14 @@ pub struct ExperimentFile {
     pub model_type: Option<String>,
     /// PipeDream keys this driver does not honour yet; each is refused at resolve with what to
     /// use instead (experiment/mod.rs), so an experiment never runs with one silently ignored.
+    /// Every N iterations the terminal shows the loss, throughput and learning rate (PipeDream's
+    /// `print_frequency`; 0 for never). metrics.jsonl has every iteration regardless.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub print_frequency: Option<serde_json::Value>,
+    pub print_frequency: Option<u64>,
+    /// Every N iterations the terminal shows every rank's metrics line (PipeDream's
+    /// `verbose_frequency`; 0 for never), as `-v` does for all of them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub verbose_frequency: Option<serde_json::Value>,
+    pub verbose_frequency: Option<u64>,
     /// Activations cross stages as float16 (`--compress-activations`; PipeDream's key).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub compress_activations: Option<bool>,

@@ -163,6 +163,10 @@ pub struct Experiment {
     pub iterations: Option<u64>,
     /// Samples per iteration of one pipeline, when known.
     pub batch_size: Option<u32>,
+    /// Every N iterations the terminal shows the loss line (`print_frequency`).
+    pub print_every: Option<u64>,
+    /// Every N iterations the terminal shows every rank's metrics line (`verbose_frequency`).
+    pub verbose_every: Option<u64>,
     /// Bind mounts for every container (host path = container path for code and data), each
     /// with what to do on a host that lacks the source path.
     pub mounts: Vec<MountSpec>,
@@ -459,6 +463,8 @@ fn resolve_with(
         master_port,
         iterations: file.iterations.or_else(|| epoch_iterations(file)),
         batch_size: file.batch_size,
+        print_every: file.print_frequency,
+        verbose_every: file.verbose_frequency,
         mounts,
         shm_size_bytes: file.shm_size_mb.unwrap_or(DEFAULT_SHM_MB) * 1024 * 1024,
         log_directory: log_directory(loaded, options),
@@ -574,7 +580,6 @@ const RUNTIME_BATCH_SIZE: u32 = 32;
 /// is refused with what to use instead, never ignored.
 fn check_pipedream_keys(loaded: &Loaded) -> Result<(), ConfigError> {
     let f = &loaded.file;
-    let metrics = "every iteration's metrics are recorded in metrics.jsonl; drop the key";
     if f.epochs.is_some() && f.iterations.is_some() {
         return Err(loaded.error_at(
             "epochs",
@@ -617,19 +622,17 @@ fn check_pipedream_keys(loaded: &Loaded) -> Result<(), ConfigError> {
             format!("`{key}` is the runtime's, but the ranks run `command:`; drop one"),
         ));
     }
-    let not_yet = [
-        ("print_frequency", &f.print_frequency, metrics),
-        ("verbose_frequency", &f.verbose_frequency, metrics),
-        (
-            "translation_model",
-            &f.translation_model,
-            "the runtime has no GNMT; `module: transformer` is its BERT-style language model",
-        ),
-    ];
-    if let Some((key, _, instead)) = not_yet.iter().find(|(_, given, _)| given.is_some()) {
+    // PipeDream's image configs say `translation_model: False`; a translation model is not here.
+    let translation = f
+        .translation_model
+        .as_ref()
+        .filter(|v| **v != serde_json::Value::Bool(false));
+    if translation.is_some() {
         return Err(loaded.error_at(
-            key,
-            format!("`{key}` (PipeDream's) is not supported by this driver yet; {instead}"),
+            "translation_model",
+            "`translation_model` (PipeDream's) is not supported by this driver yet; the runtime has \
+             no GNMT; `module: transformer` is its BERT-style language model (`translation_model: \
+             false` is accepted)",
         ));
     }
     match f.model_type.as_deref() {

@@ -521,18 +521,18 @@ fn pipedreams_epochs_learning_rate_policy_and_synthetic_data_reach_the_runtime()
     );
     assert!(!argv.contains(&"--compress-activations".to_string()));
     // PipeDream's published configs say `compress_activations: False, compress_in_gpu: False`.
-    let plan = resolve_text(
+    let off = resolve_text(
         "machines: [localhost]\ncompress_activations: false\ncompress_in_gpu: false\n",
         &o,
     )
     .unwrap();
-    assert!(!plan.ranks[0].argv.contains(&"--compress-activations".to_string()));
-    let plan = resolve_text(
+    assert!(!off.ranks[0].argv.contains(&"--compress-activations".to_string()));
+    let on = resolve_text(
         "machines: [localhost]\ncompress_activations: true\ncompress_in_gpu: true\n",
         &o,
     )
     .unwrap();
-    assert!(plan.ranks[0].argv.contains(&"--compress-activations".to_string()));
+    assert!(on.ranks[0].argv.contains(&"--compress-activations".to_string()));
     // 60 epochs of PipeDream's 1000000 synthetic samples in batches of 64, for the progress bar.
     assert_eq!(plan.iterations, Some(60 * (1_000_000 / 64)));
     let plan = resolve_text(
@@ -582,20 +582,30 @@ fn pipedreams_epochs_learning_rate_policy_and_synthetic_data_reach_the_runtime()
 #[test]
 fn pipedreams_keys_not_honoured_yet_are_refused_with_what_to_use_instead() {
     let o = options(None, ContainerMode::PerRank);
-    for (key, value, instead) in [
-        ("print_frequency", "100", "metrics.jsonl"),
-        ("verbose_frequency", "100", "metrics.jsonl"),
-        ("translation_model", "gnmt", "module: transformer"),
-    ] {
-        let text = format!("machines: [localhost]\n{key}: {value}\n");
+    for value in ["gnmt", "true"] {
+        let text = format!("machines: [localhost]\ntranslation_model: {value}\n");
         let e = resolve_text(&text, &o).unwrap_err().to_string();
         assert!(
-            e.contains(&format!("`{key}` (PipeDream's) is not supported")),
-            "{key}: {e}"
+            e.contains("`translation_model` (PipeDream's) is not supported"),
+            "{e}"
         );
-        assert!(e.contains(instead), "{key}: {e}");
-        assert!(e.contains("exp.yml:2:1"), "{key} located at its line: {e}");
+        assert!(e.contains("module: transformer"), "{e}");
+        assert!(e.contains("exp.yml:2:1"), "located at its line: {e}");
     }
+    // What every one of PipeDream's image-classification configs says.
+    let plan = resolve_text("machines: [localhost]\ntranslation_model: false\n", &o).unwrap();
+    assert_eq!(plan.world_size(), 1);
+}
+
+#[test]
+fn print_and_verbose_frequency_set_the_terminals_intervals() {
+    let o = options(None, ContainerMode::PerRank);
+    let plan = resolve_text(
+        "machines: [localhost]\nprint_frequency: 100\nverbose_frequency: 0\n",
+        &o,
+    )
+    .unwrap();
+    assert_eq!((plan.print_every, plan.verbose_every), (Some(100), Some(0)));
 }
 
 /// PipeDream's `__init__.py` for stage modules `stage0.py`..., criterion last.

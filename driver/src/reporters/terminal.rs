@@ -17,6 +17,24 @@ pub struct TerminalReporter {
     bar: ProgressBar,
     hosts: BTreeMap<usize, String>,
     lost: BTreeSet<String>,
+    intervals: Intervals,
+    /// The rank whose losses the interval lines show (the first seen to report one).
+    loss_rank: Option<usize>,
+}
+
+/// How often iterations are shown at normal verbosity (PipeDream's `print_frequency` and
+/// `verbose_frequency`); `None` or 0 for never. metrics.jsonl always has every iteration.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Intervals {
+    /// Every N iterations, one line with the last stage's loss, throughput and learning rate.
+    pub print_every: Option<u64>,
+    /// Every N iterations, every rank's metrics line, as `-v` shows them all.
+    pub verbose_every: Option<u64>,
+}
+
+/// Whether iteration `i` (from 0) ends an interval of `every`.
+fn due(every: Option<u64>, i: u64) -> bool {
+    every.is_some_and(|n| n > 0 && (i + 1).is_multiple_of(n))
 }
 
 impl TerminalReporter {
@@ -27,7 +45,15 @@ impl TerminalReporter {
             bar,
             hosts,
             lost: BTreeSet::new(),
+            intervals: Intervals::default(),
+            loss_rank: None,
         }
+    }
+
+    /// Also shows iterations at `intervals`.
+    pub fn with_intervals(mut self, intervals: Intervals) -> TerminalReporter {
+        self.intervals = intervals;
+        self
     }
 
     fn prefix(&self, rank: usize) -> String {
@@ -66,8 +92,31 @@ impl TerminalReporter {
             Event::LineLogged { rank, stream, line } => {
                 normal.then(|| (*stream, format!("{} {line}", self.prefix(*rank))))
             }
-            Event::Metrics { rank, line, .. } => {
-                verbose.then(|| (Stream::Stdout, format!("{} {line}", self.prefix(*rank))))
+            Event::Metrics { rank, line, event } => {
+                let iteration = match event {
+                    stagehand_contract::Event::Iteration(it) => Some(it),
+                    _ => None,
+                };
+                let every_line = iteration.is_some_and(|it| due(self.intervals.verbose_every, it.iteration));
+                if verbose || (normal && every_line) {
+                    return Some((Stream::Stdout, format!("{} {line}", self.prefix(*rank))));
+                }
+                let it = iteration.filter(|it| normal && due(self.intervals.print_every, it.iteration))?;
+                // The last stage knows the loss; one line per iteration, from its first rank.
+                let loss = it.loss?;
+                if *self.loss_rank.get_or_insert(*rank) != *rank {
+                    return None;
+                }
+                let lr = it.lr.map_or(String::new(), |lr| format!(", lr {lr:.3e}"));
+                Some((
+                    Stream::Stderr,
+                    format!(
+                        "{} iteration {}: loss {loss:.4}, {:.1} samples/s{lr}",
+                        self.prefix(*rank),
+                        it.iteration + 1,
+                        it.samples_per_sec
+                    ),
+                ))
             }
             Event::RankExited { rank, exit_code } => {
                 let failed = *exit_code != Some(0);
@@ -271,6 +320,55 @@ mod tests {
             .map(|(stream, text)| format!("{}: {text}", if stream == Stream::Stdout { "out" } else { "err" }))
             .collect::<Vec<_>>()
             .join("\n")
+    }
+
+    /// An iteration's metrics line from `rank`, with a loss when it is the last stage's.
+    fn iteration(rank: usize, i: u64, loss: Option<f64>) -> Event {
+        let loss = loss.map_or("null".to_string(), |l| l.to_string());
+        let line = format!(
+            r#"{{"event":"iteration","iteration":{i},"rank":{rank},"stage":{rank},"loss":{loss},"lr":0.01,"samples":8,"time_s":0.1,"samples_per_sec":80.0,"compute_s":0.1,"comm_wait_s":0.0,"idle_s":0.0,"peak_mem_bytes":null}}"#
+        );
+        let event = stagehand_contract::Event::parse_line(&line).unwrap();
+        Event::Metrics { rank, line, event }
+    }
+
+    #[test]
+    fn print_and_verbose_frequency_show_every_nth_iteration() {
+        let hosts = BTreeMap::from([(0, "a".to_string()), (1, "b".to_string()), (2, "c".to_string())]);
+        let intervals = Intervals {
+            print_every: Some(2),
+            verbose_every: Some(4),
+        };
+        let mut r = TerminalReporter::new(Verbosity::Normal, ProgressBar::hidden(), hosts.clone())
+            .with_intervals(intervals);
+        let mut shown = Vec::new();
+        for i in 0..4 {
+            // Rank 0 runs stage 0 (no loss); ranks 1 and 2 are the last stage's replicas.
+            for (rank, loss) in [(0, None), (1, Some(2.5 - i as f64 * 0.5)), (2, Some(2.0))] {
+                shown.extend(r.render(&iteration(rank, i, loss)).map(|(_, text)| text));
+            }
+        }
+        // Iteration 2 ends a print interval: the first last-stage rank's line. Iteration 4 ends
+        // a verbose one as well: every rank's metrics line, which has the loss too.
+        assert_eq!(
+            shown[0],
+            "[b r1] iteration 2: loss 2.0000, 80.0 samples/s, lr 1.000e-2"
+        );
+        assert_eq!(shown.len(), 4, "{shown:#?}");
+        for (line, rank) in shown[1..].iter().zip(["[a r0]", "[b r1]", "[c r2]"]) {
+            assert!(
+                line.starts_with(rank) && line.contains(r#""iteration":3"#),
+                "{shown:#?}"
+            );
+        }
+        // Quiet shows none of them; with no intervals, normal shows none either.
+        let mut quiet = TerminalReporter::new(Verbosity::Quiet, ProgressBar::hidden(), hosts.clone())
+            .with_intervals(intervals);
+        let mut plain = TerminalReporter::new(Verbosity::Normal, ProgressBar::hidden(), hosts);
+        for i in 0..4 {
+            assert_eq!(quiet.render(&iteration(1, i, Some(1.0))), None);
+            assert_eq!(plain.render(&iteration(1, i, Some(1.0))), None);
+        }
     }
 
     #[test]

@@ -196,7 +196,8 @@ pub fn check_planned_run(h: &Harness, run: &Run) -> (std::path::PathBuf, Value) 
 
 /// A PipeDream experiment as PipeDream's own would read, for AlexNet on two ranks: its keys
 /// (`module: models.alexnet.gpus=2`, `epochs`, `learning_rate_policy`, `synthetic_data`,
-/// `weight_decay`, `model_type`) and the partitioned model's folder in PipeDream's formats
+/// `weight_decay`, `model_type`, `print_frequency`, the `false` ones PipeDream's configs all
+/// carry) and the partitioned model's folder in PipeDream's formats
 /// (`__init__.py`, a stage file per stage module, `hybrid_conf.json`): stage 0 holds the first
 /// two convolutions with their pools, stage 1 the rest.
 pub fn pipedream_alexnet(h: &Harness, backend: &str) -> PathBuf {
@@ -254,7 +255,8 @@ pub fn pipedream_alexnet(h: &Harness, backend: &str) -> PathBuf {
          container: {{build: '{}'}}\nmachines: [localhost, localhost]\nbatch_size: 4\nlearning_rate: 0.01\n\
          weight_decay: 0.0005\nepochs: 2\nepoch_samples: 4\nlearning_rate_policy: step\nsynthetic_data: true\n\
          model_type: image_classification\ndistributed_backend: gloo\nimage_size: 64\nschedule: 1f1b\n\
-         microbatches: 2\nthreads: 1\n",
+         microbatches: 2\nthreads: 1\nprint_frequency: 1\nverbose_frequency: 0\n\
+         compress_activations: false\ncompress_in_gpu: false\ntranslation_model: false\n",
         local_context().display()
     ))
 }
