@@ -8,7 +8,7 @@ use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use crate::util::experiments::refused_pipedream_mlp;
+use crate::util::experiments::{pipedream_alexnet, refused_pipedream_mlp};
 use crate::util::*;
 
 /// An engine that cannot be reached.
@@ -117,6 +117,34 @@ fn every_shipped_config_passes_driver_check_and_names_each_rank() {
         listing(h.dir.path()),
         scratch_before,
         "nothing written where it ran"
+    );
+    h.assert_no_processes();
+}
+
+#[test]
+fn a_pipedream_experiment_passes_driver_check_with_its_split_translated() {
+    let h = Harness::new("check-pipedream");
+    let config = pipedream_alexnet(&h, "docker");
+    let run = check(&h, &config);
+    let out = run.stdout();
+    assert_eq!(run.code(), 0, "{}{out}", run.stderr());
+    assert_eq!(ranks_shown(&out), [0, 1], "{out}");
+    // Every rank runs the runtime's alexnet with the translated stage config, and the epochs,
+    // learning-rate policy and weight decay PipeDream's keys ask for.
+    for line in out.lines().filter(|l| l.starts_with("  rank ")) {
+        for needle in [
+            "--model alexnet",
+            "--epochs 2",
+            "--lr-policy step",
+            "--weight-decay 0.0005",
+            "stage-configs/pipedream-",
+        ] {
+            assert!(line.contains(needle), "{needle}: {line}");
+        }
+    }
+    assert!(
+        out.contains("runtime check: every rank's request accepted"),
+        "{out}"
     );
     h.assert_no_processes();
 }
