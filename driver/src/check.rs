@@ -148,23 +148,30 @@ fn image_line(plan: &Experiment) -> String {
         (Backend::Docker, ImageSource::Named(name)) => {
             format!("{name}, used as is (it must exist on every host)")
         }
-        (Backend::Docker, ImageSource::Build(spec)) => {
-            let tag = match planned_tag(spec) {
-                Ok(tag) => tag,
-                Err(e) => format!(
-                    "{}:? (cannot list the context: {})",
-                    spec.repository,
-                    error_chain(&e)
-                ),
-            };
-            format!(
-                "{tag}, built from {} ({}) on the first host of each architecture that lacks it, \
-                 streamed to the others",
-                spec.context.display(),
-                spec.dockerfile
-            )
-        }
+        (Backend::Docker, ImageSource::Base { name, build }) => format!(
+            "{name} as is if it holds the stagehand runtime, else the runtime built on it: {}",
+            image_line_of_build(build)
+        ),
+        (Backend::Docker, ImageSource::Build(spec)) => image_line_of_build(spec),
     }
+}
+
+/// The image line of a build.
+fn image_line_of_build(spec: &crate::experiment::BuildSpec) -> String {
+    let tag = match planned_tag(spec) {
+        Ok(tag) => tag,
+        Err(e) => format!(
+            "{}:? (cannot list the context: {})",
+            spec.repository,
+            error_chain(&e)
+        ),
+    };
+    format!(
+        "{tag}, built from {} ({}) on the first host of each architecture that lacks it, \
+         streamed to the others",
+        spec.context.display(),
+        spec.dockerfile
+    )
 }
 
 /// The plan as people read it.

@@ -1,4 +1,5 @@
-//! The `container` key: an image name to use as is (PipeDream's meaning), `{image: NAME}`, or a
+//! The `container` key: an image name (PipeDream's meaning: what the ranks run on; the runtime
+//! image is built on it unless it holds the runtime, experiment/mod.rs), `{image: NAME}`, or a
 //! build: `{build: DIR, dockerfile: FILE, args: {NAME: VALUE}}`. Without `build`, a mapping with
 //! `dockerfile` or `args` adjusts the default build, the runtime image from the workspace's source.
 

@@ -67,6 +67,10 @@ pub enum ImageSource {
     Named(String),
     /// Build it once per source version (hosts/image.rs).
     Build(BuildSpec),
+    /// PipeDream's `container: IMAGE` for ranks that run the image's runtime: the image as
+    /// named if it already holds the stagehand runtime (its label says so), else the runtime
+    /// image `build` builds on it (`BASE_IMAGE`).
+    Base { name: String, build: BuildSpec },
 }
 
 /// A build the driver runs: context, Dockerfile, arguments and the repository the tag goes in.
@@ -839,7 +843,22 @@ fn image_source(
     device: Device,
 ) -> Result<ImageSource, ConfigError> {
     let build = match container {
-        Some(Container::Image(name)) => return Ok(ImageSource::Named(name.clone())),
+        // The user's program, or this machine's runtime copied in: the image as it is.
+        Some(Container::Image(name)) if loaded.file.command.is_some() || options.runtime.is_some() => {
+            return Ok(ImageSource::Named(name.clone()))
+        }
+        Some(Container::Image(name)) => {
+            return match image_source(loaded, None, base, options, device)? {
+                ImageSource::Build(mut build) => {
+                    build.args.insert("BASE_IMAGE".to_string(), name.clone());
+                    Ok(ImageSource::Base {
+                        name: name.clone(),
+                        build,
+                    })
+                }
+                other => Ok(other),
+            };
+        }
         Some(Container::Build(b)) => b.clone(),
         None => Default::default(),
     };

@@ -809,3 +809,37 @@ fn a_pipedream_split_the_runtimes_modules_cannot_make_names_the_layer() {
     );
     assert!(e.contains("module: vgg16"), "{e}");
 }
+
+#[test]
+fn pipedreams_container_is_the_base_the_runtime_image_is_built_on() {
+    let workspace = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf();
+    let image_mode = Options {
+        runtime: None,
+        source: Some(workspace.clone()),
+        ..options(None, ContainerMode::PerRank)
+    };
+    let text = "machines: [localhost]\nmodule: mlp\ncontainer: nvcr.io/nvidia/pytorch:19.05-py3\n";
+    let plan = resolve_text(text, &image_mode).unwrap();
+    let ImageSource::Base { name, build } = &plan.image else {
+        panic!("{:?}", plan.image)
+    };
+    assert_eq!(name, "nvcr.io/nvidia/pytorch:19.05-py3");
+    assert_eq!(build.args["BASE_IMAGE"], *name);
+    assert_eq!(build.context, workspace);
+    assert!(build.repository.starts_with("stagehand-runtime-"), "{build:?}");
+    // The user's own program, or this machine's runtime copied in: the image as it is.
+    let own =
+        "machines: [localhost]\ncontainer: nvcr.io/nvidia/pytorch:19.05-py3\ncommand: [python3, train.py]\n";
+    assert_eq!(
+        resolve_text(own, &image_mode).unwrap().image,
+        ImageSource::Named("nvcr.io/nvidia/pytorch:19.05-py3".into())
+    );
+    let dev = options(None, ContainerMode::PerRank);
+    assert_eq!(
+        resolve_text(text, &dev).unwrap().image,
+        ImageSource::Named("nvcr.io/nvidia/pytorch:19.05-py3".into())
+    );
+}

@@ -63,28 +63,53 @@ pub async fn ensure_all(
     feedback: Feedback,
 ) -> Result<Vec<Prepared>, HostError> {
     match source {
-        ImageSource::Named(name) => {
-            let found = join_all(engines.iter().map(|e| e.docker.inspect_image(name))).await;
-            engines
-                .iter()
-                .zip(found)
-                .map(|(e, found)| match found {
-                    Ok(i) => Ok(Prepared {
-                        tag: name.clone(),
-                        id: i.id.unwrap_or_default(),
-                        built: false,
-                        received_from: None,
-                        seconds: 0.0,
-                    }),
-                    Err(_) => Err(HostError::ImageMissing {
-                        host: e.host.to_string(),
-                        image: name.clone(),
-                    }),
-                })
-                .collect()
-        }
+        ImageSource::Named(name) => named(engines, name).await,
         ImageSource::Build(spec) => ensure_built(engines, spec, feedback).await,
+        ImageSource::Base { name, build } => {
+            let found = join_all(engines.iter().map(|e| e.docker.inspect_image(name))).await;
+            if found.iter().flatten().any(holds_runtime) {
+                named(engines, name).await
+            } else {
+                ensure_built(engines, build, feedback).await
+            }
+        }
     }
+}
+
+/// The label the runtime image carries (docker/runtime/Dockerfile).
+const RUNTIME_TITLE: &str = "stagehand runtime";
+
+/// Whether an image already holds the stagehand runtime: the runtime image's own, or one built
+/// on it.
+fn holds_runtime(image: &bollard::models::ImageInspect) -> bool {
+    image
+        .config
+        .as_ref()
+        .and_then(|c| c.labels.as_ref())
+        .and_then(|l| l.get("org.opencontainers.image.title"))
+        .is_some_and(|t| t == RUNTIME_TITLE)
+}
+
+/// An image used as named: every engine must have it.
+async fn named(engines: &[Engine<'_>], name: &str) -> Result<Vec<Prepared>, HostError> {
+    let found = join_all(engines.iter().map(|e| e.docker.inspect_image(name))).await;
+    engines
+        .iter()
+        .zip(found)
+        .map(|(e, found)| match found {
+            Ok(i) => Ok(Prepared {
+                tag: name.to_string(),
+                id: i.id.unwrap_or_default(),
+                built: false,
+                received_from: None,
+                seconds: 0.0,
+            }),
+            Err(_) => Err(HostError::ImageMissing {
+                host: e.host.to_string(),
+                image: name.to_string(),
+            }),
+        })
+        .collect()
 }
 
 /// The tag a build gets: its repository and the first 16 hex digits of its context's hash.
@@ -405,6 +430,27 @@ pub fn human_bytes(n: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_image_holds_the_runtime_when_its_label_says_so() {
+        let labelled = |title: Option<&str>| bollard::models::ImageInspect {
+            config: Some(bollard::models::ImageConfig {
+                labels: title
+                    .map(|t| HashMap::from([("org.opencontainers.image.title".to_string(), t.to_string())])),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        assert!(holds_runtime(&labelled(Some("stagehand runtime"))));
+        assert!(!holds_runtime(&labelled(Some("PyTorch"))));
+        assert!(!holds_runtime(&labelled(None)));
+        assert!(!holds_runtime(&bollard::models::ImageInspect::default()));
+        // The runtime's Dockerfile sets the label this looks for.
+        let dockerfile = include_str!("../../../docker/runtime/Dockerfile");
+        assert!(dockerfile.contains(&format!(
+            "LABEL org.opencontainers.image.title=\"{RUNTIME_TITLE}\""
+        )));
+    }
 
     #[test]
     fn sizes_read_as_people_write_them() {
