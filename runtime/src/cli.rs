@@ -8,8 +8,8 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use stagehand_contract::StageConfig;
 
 use crate::config::{
-    Backend, Command, ConfigError, DeviceSpec, DistConfig, ModelChoice, ModulesConfig, OptimizerKind,
-    P2pConfig, Precision, ProfileConfig, ReachConfig, ReduceOptions, TrainConfig,
+    Backend, CheckpointConfig, Command, ConfigError, DeviceSpec, DistConfig, ModelChoice, ModulesConfig,
+    OptimizerKind, P2pConfig, Precision, ProfileConfig, ReachConfig, ReduceOptions, TrainConfig,
 };
 use crate::data::{DataSpec, SYNTHETIC_EPOCH_SAMPLES};
 use crate::lr::{LrPolicy, LrSchedule};
@@ -225,6 +225,18 @@ struct TrainArgs {
     /// Print a `trace` event per microbatch: the weights its forward and backward used.
     #[arg(long)]
     trace: bool,
+    /// Checkpoint this rank's parameters and optimizer state into DIR/rank-N/ after the last
+    /// iteration (and every --checkpoint-every), replacing the previous checkpoint.
+    #[arg(long, value_name = "DIR")]
+    checkpoint_dir: Option<PathBuf>,
+    /// Checkpoint after every N iterations as well.
+    #[arg(long, value_name = "N", requires = "checkpoint_dir")]
+    checkpoint_every: Option<u64>,
+    /// Start from the latest checkpoint in --checkpoint-dir: the same losses and parameters, from
+    /// there on, as a run that was never stopped. Give the arguments the checkpoint was written
+    /// with.
+    #[arg(long, requires = "checkpoint_dir")]
+    resume: bool,
     #[command(flatten)]
     dist: DistArgs,
 }
@@ -430,6 +442,37 @@ impl TrainArgs {
                     .into(),
             });
         }
+        let checkpoint = self.checkpoint_dir.clone().map(|dir| CheckpointConfig {
+            dir,
+            every: self.checkpoint_every,
+            resume: self.resume,
+        });
+        if checkpoint.is_some() {
+            let refuse = |reason: &str| {
+                Err(ConfigError::Invalid {
+                    flag: "--checkpoint-dir",
+                    reason: reason.into(),
+                })
+            };
+            if dist.schedule == Schedule::PipeDream && stages > 1 {
+                return refuse(
+                    "PipeDream's schedule never flushes, so no iteration ends with every \
+                     microbatch's weights settled; checkpoint with --schedule gpipe or 1f1b",
+                );
+            }
+            if matches!(self.precision, PrecisionArg::Fp16) {
+                return refuse(
+                    "a checkpoint does not hold fp16's gradient-scaler state yet; use --precision \
+                     bf16 or fp32",
+                );
+            }
+            if self.checkpoint_every == Some(0) {
+                return Err(ConfigError::Invalid {
+                    flag: "--checkpoint-every",
+                    reason: "must be at least 1".into(),
+                });
+            }
+        }
         Ok(TrainConfig {
             dist,
             model,
@@ -451,6 +494,7 @@ impl TrainArgs {
             warmup: self.warmup,
             save_params: self.save_params,
             trace: self.trace,
+            checkpoint,
         })
     }
 

@@ -269,6 +269,25 @@ pub struct TrainConfig {
     pub save_params: Option<PathBuf>,
     /// Emit `trace` events.
     pub trace: bool,
+    /// Where to checkpoint, how often, and whether to resume from there.
+    pub checkpoint: Option<CheckpointConfig>,
+}
+
+/// `--checkpoint-dir`, `--checkpoint-every` and `--resume`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CheckpointConfig {
+    pub dir: PathBuf,
+    /// Checkpoint after every this many iterations, and after the last; `None`: after the last.
+    pub every: Option<u64>,
+    /// Start from the latest checkpoint in `dir`.
+    pub resume: bool,
+}
+
+impl CheckpointConfig {
+    /// Whether to checkpoint once `done` of `total` iterations are done.
+    pub fn due(&self, done: u64, total: u64) -> bool {
+        done == total || self.every.is_some_and(|n| n > 0 && done.is_multiple_of(n))
+    }
 }
 
 /// `--precision`: the arithmetic of forward passes.

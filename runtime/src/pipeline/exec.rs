@@ -15,9 +15,11 @@ use super::reduce::{last_backwards, ReduceStats, Reducer};
 use super::route::{Op, Route, Transfer};
 use super::wire::{self, header, header_buffer, read_header, Message, TensorSpec};
 use crate::comm::{ProcessGroup, Work};
+use crate::config::CheckpointConfig;
 use crate::data::Batches;
 use crate::lr::LrSchedule;
 use crate::schedule::{Action, Schedule};
+use crate::stage::checkpoint::{self, Identity};
 use crate::stage::{backward_with_grad, GradScaler, Optimizer, Stage};
 
 /// The process groups a rank talks through; `None` in a single-process run.
@@ -95,10 +97,20 @@ pub struct Executor {
     pub lr: LrSchedule,
     /// float32 activations cross stages as float16.
     pub compress_activations: bool,
+    /// Where and when to checkpoint.
+    pub checkpoint: Option<Checkpointing>,
     /// Shapes crossing into and out of this stage, learned at start.
     pub input_spec: Option<TensorSpec>,
     pub output_spec: Option<TensorSpec>,
     pub target_spec: Option<TensorSpec>,
+}
+
+/// Checkpoints of this rank (`--checkpoint-dir`).
+pub struct Checkpointing {
+    pub config: CheckpointConfig,
+    pub identity: Identity,
+    /// The run's iterations.
+    pub total: u64,
 }
 
 /// Mutable state while the action list runs.
@@ -509,6 +521,19 @@ impl Executor {
                             traces,
                             p2p: p2p.filter(|_| self.trace).unwrap_or_default(),
                         })?;
+                        if let Some(c) = &self.checkpoint {
+                            let done = iteration as u64 + 1;
+                            if c.config.due(done, c.total) {
+                                checkpoint::save(
+                                    &c.config.dir,
+                                    &c.identity,
+                                    done,
+                                    &self.stage,
+                                    &self.optimizer,
+                                )
+                                .map_err(anyhow::Error::msg)?;
+                            }
+                        }
                         progress.timing = Timing::default();
                         started = Instant::now();
                     }

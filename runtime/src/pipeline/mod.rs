@@ -9,6 +9,6 @@ mod route;
 mod wire;
 
 pub use channel::Channels;
-pub use exec::{Executor, Links};
+pub use exec::{Checkpointing, Executor, Links};
 pub use reduce::Reducer;
 pub use wire::TensorSpec;

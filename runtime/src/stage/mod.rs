@@ -5,6 +5,7 @@
 
 mod amp;
 mod autograd;
+pub mod checkpoint;
 mod optim;
 
 use std::ops::Range;
@@ -73,6 +74,11 @@ impl Stage {
     /// Writes the stage's parameters and buffers (torchvision/BERT names) as safetensors.
     pub fn save(&self, path: &std::path::Path) -> Result<(), tch::TchError> {
         self.vs.save(path)
+    }
+
+    /// Reads parameters and buffers [`Stage::save`] wrote, into the existing tensors.
+    pub fn load(&mut self, path: &std::path::Path) -> Result<(), tch::TchError> {
+        self.vs.load(path)
     }
 
     /// Runs the stage's layers (not the loss) on `input`.

@@ -5,8 +5,10 @@
 use std::io::Write;
 use std::time::Duration;
 
-use anyhow::{bail, Context};
-use stagehand_contract::{Event, Iteration, ReduceMetrics, StagePlan, Start, Summary, SCHEMA_VERSION};
+use anyhow::{bail, ensure, Context};
+use stagehand_contract::{
+    Channel, Event, Iteration, ReduceMetrics, StagePlan, Start, Summary, SCHEMA_VERSION,
+};
 use tch::Kind;
 
 use crate::comm::{ProcessGroup, Store};
@@ -14,8 +16,9 @@ use crate::config::{Backend, DeviceSpec, DistConfig, Precision, TrainConfig};
 use crate::data::{self, BatchRequest, Shard};
 use crate::metrics::{Emitter, Memory, Throughput};
 use crate::models::{InputKind, ModelDef};
-use crate::pipeline::{Channels, Executor, Links, Reducer, TensorSpec};
+use crate::pipeline::{Channels, Checkpointing, Executor, Links, Reducer, TensorSpec};
 use crate::schedule::{self, Action, Schedule};
+use crate::stage::checkpoint::{self, Identity};
 use crate::stage::{GradScaler, Optimizer, Stage};
 
 /// The plan of stages: the config's, or every rank on one stage (data parallelism).
@@ -35,15 +38,26 @@ fn rank_actions(
     dist: &DistConfig,
     microbatches: usize,
     iterations: u64,
+    first: u64,
 ) -> anyhow::Result<Vec<Action>> {
-    let iterations = iterations as usize;
+    let (iterations, first) = (iterations as usize, first as usize);
     if dist.schedule == Schedule::PipeDream {
-        let timeline = schedule::timeline(plan, dist.schedule, microbatches * iterations)?;
-        return Ok(timeline.actions[dist.rank].clone());
+        // Resuming is refused for a pipelined PipeDream (it never flushes); with one stage its
+        // stream is iterations of their own, shifted like the others.
+        let timeline = schedule::timeline(plan, dist.schedule, microbatches * (iterations - first))?;
+        let shift = first * microbatches;
+        return Ok(timeline.actions[dist.rank]
+            .iter()
+            .map(|a| match *a {
+                Action::Forward(g) => Action::Forward(g + shift),
+                Action::Backward(g) => Action::Backward(g + shift),
+                Action::Step => Action::Step,
+            })
+            .collect());
     }
     let one = schedule::timeline(plan, dist.schedule, microbatches)?;
     let mine = &one.actions[dist.rank];
-    Ok((0..iterations)
+    Ok((first..iterations)
         .flat_map(|it| {
             mine.iter().map(move |a| match *a {
                 Action::Forward(g) => Action::Forward(g + it * microbatches),
@@ -52,6 +66,30 @@ fn rank_actions(
             })
         })
         .collect())
+}
+
+/// Every rank resumes from the same iteration, or none starts: each adds its `first` and its
+/// square over a group spanning them all, and `w * sum(k^2) == sum(k)^2` only when all `w` are
+/// equal (exact in float64 for any iteration count a run reaches).
+fn agree_on_resume(links: &Links, first: u64, device: tch::Device) -> anyhow::Result<()> {
+    let everyone = links
+        .channels
+        .as_ref()
+        .map(|c| c.group(Channel::Forward))
+        .or(links.replicas.as_ref());
+    let Some(group) = everyone else { return Ok(()) };
+    let k = first as f64;
+    let sums = tch::Tensor::from_slice(&[1.0, k, k * k]).to_device(device);
+    group.all_reduce_sum(std::slice::from_ref(&sums))?.wait()?;
+    let sums: Vec<f64> = Vec::<f64>::try_from(sums.to_device(tch::Device::Cpu))?;
+    let (w, sum, squares) = (sums[0], sums[1], sums[2]);
+    ensure!(
+        w * squares == sum * sum,
+        "--resume: the ranks' latest checkpoints are of different iterations (this rank's: {first}); \
+         a rank was stopped while checkpointing. Start afresh, or restore each rank's checkpoint \
+         of one iteration"
+    );
+    Ok(())
 }
 
 /// Rendezvous with the other ranks: the two point-to-point channels (every rank creates them in
@@ -132,6 +170,9 @@ struct Checked {
     plan: StagePlan,
     microbatches: usize,
     actions: Vec<Action>,
+    /// Iterations a resumed checkpoint had done (0 when starting afresh).
+    first: u64,
+    identity: Identity,
 }
 
 /// Everything about a training request that can be checked without data, devices or other ranks:
@@ -150,13 +191,44 @@ fn check_plan(config: &TrainConfig) -> anyhow::Result<Checked> {
             config.batch_size
         );
     }
-    let actions = rank_actions(&plan, dist, microbatches, config.iterations)?;
+    let identity = identity(config, &model, &plan, microbatches);
+    let first = match &config.checkpoint {
+        Some(c) if c.resume => checkpoint::iterations_done(&c.dir, &identity).map_err(anyhow::Error::msg)?,
+        _ => 0,
+    };
+    if first > config.iterations {
+        bail!(
+            "--resume: the checkpoint has done {first} iterations, more than --iterations {}",
+            config.iterations
+        );
+    }
+    let actions = rank_actions(&plan, dist, microbatches, config.iterations, first)?;
     Ok(Checked {
         model,
         plan,
         microbatches,
         actions,
+        first,
+        identity,
     })
+}
+
+/// What this rank's checkpoints must agree with.
+fn identity(config: &TrainConfig, model: &ModelDef, plan: &StagePlan, microbatches: usize) -> Identity {
+    let stage = plan.stage_of_rank(config.dist.rank);
+    Identity {
+        model: model.name.clone(),
+        world_size: config.dist.world_size,
+        rank: config.dist.rank,
+        first_module: stage.modules.start,
+        end_module: stage.modules.end,
+        optimizer: config.optimizer.name().to_string(),
+        batch_size: config.batch_size,
+        microbatches,
+        schedule: config.dist.schedule.to_string(),
+        seed: config.seed,
+        data: config.data.to_string(),
+    }
 }
 
 /// `runtime --check`: validates a training request as [`run`] would before it connects, and
@@ -190,8 +262,11 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
         plan,
         microbatches,
         actions,
+        first,
+        identity,
     } = check_plan(config)?;
     let micro_size = (config.batch_size / microbatches) as i64;
+    let config_iterations = config.iterations;
     let my_stage = plan.stage_of_rank(dist.rank).clone();
     let num_params: u64 = model.param_counts().iter().sum();
 
@@ -199,7 +274,16 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
     stage
         .set_arithmetic(config.precision, config.channels_last)
         .map_err(|e| anyhow::anyhow!("--precision/--channels-last: {e}"))?;
-    let optimizer = Optimizer::new(config.optimizer, config.lr, stage.params());
+    let mut optimizer = Optimizer::new(config.optimizer, config.lr, stage.params());
+    if first > 0 {
+        let dir = &config.checkpoint.as_ref().expect("resuming has a checkpoint").dir;
+        let done =
+            checkpoint::load(dir, &identity, &mut stage, &mut optimizer).map_err(anyhow::Error::msg)?;
+        ensure!(
+            done == first,
+            "--resume: the checkpoint changed while this rank read it"
+        );
+    }
     let data = if my_stage.id == 0 {
         // Every first-stage replica reads the same minibatches and takes its own microbatches.
         let request = BatchRequest {
@@ -209,11 +293,19 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
             shard: Shard::WHOLE,
             device,
         };
-        Some(data::open(&config.data, request)?)
+        let mut stream = data::open(&config.data, request)?;
+        // The minibatches the resumed iterations already took.
+        for _ in 0..first {
+            drop(stream.next_batch()?);
+        }
+        Some(stream)
     } else {
         None
     };
     let links = connect(dist, &plan, config.device)?;
+    if config.checkpoint.as_ref().is_some_and(|c| c.resume) {
+        agree_on_resume(&links, first, device)?;
+    }
     let reducer = links
         .replicas
         .as_ref()
@@ -242,6 +334,11 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
         trace: config.trace,
         scaler: (config.precision == Precision::Fp16).then(|| GradScaler::new(device)),
         lr: config.lr_schedule,
+        checkpoint: config.checkpoint.clone().map(|config| Checkpointing {
+            config,
+            identity: identity.clone(),
+            total: config_iterations,
+        }),
         compress_activations: dist.compress_activations,
         input_spec: None,
         output_spec: None,

@@ -87,6 +87,68 @@ impl Optimizer {
         }
     }
 
+    /// The state to checkpoint: each parameter's buffers by `state.<index>.<name>`, and the
+    /// steps taken.
+    pub fn state_tensors(&self) -> (Vec<(String, Tensor)>, u64) {
+        let mut named = Vec::new();
+        for (i, state) in self.state.iter().enumerate() {
+            match state {
+                None => {}
+                Some(State::Momentum { buffer }) => {
+                    named.push((format!("state.{i}.buffer"), buffer.shallow_clone()))
+                }
+                Some(State::Adam {
+                    exp_avg,
+                    exp_avg_sq,
+                    step,
+                }) => {
+                    named.push((format!("state.{i}.exp_avg"), exp_avg.shallow_clone()));
+                    named.push((format!("state.{i}.exp_avg_sq"), exp_avg_sq.shallow_clone()));
+                    named.push((format!("state.{i}.step"), step.shallow_clone()));
+                }
+            }
+        }
+        (named, self.steps)
+    }
+
+    /// Restores what [`Optimizer::state_tensors`] gave, onto the parameters' devices.
+    pub fn load_state(&mut self, named: Vec<(String, Tensor)>, steps: u64) -> Result<(), String> {
+        let mut by_param: Vec<std::collections::BTreeMap<String, Tensor>> =
+            self.params.iter().map(|_| Default::default()).collect();
+        for (name, tensor) in named {
+            let mut parts = name.splitn(3, '.');
+            let (Some("state"), Some(index), Some(field)) = (parts.next(), parts.next(), parts.next()) else {
+                return Err(format!("unexpected optimizer state `{name}`"));
+            };
+            let index: usize = index
+                .parse()
+                .ok()
+                .filter(|i| *i < self.params.len())
+                .ok_or_else(|| format!("optimizer state `{name}` names no parameter of this stage"))?;
+            let device = self.params[index].device();
+            by_param[index].insert(field.to_string(), tensor.to_device(device));
+        }
+        for (i, mut fields) in by_param.into_iter().enumerate() {
+            self.state[i] = match (
+                fields.remove("buffer"),
+                fields.remove("exp_avg"),
+                fields.remove("exp_avg_sq"),
+                fields.remove("step"),
+            ) {
+                (None, None, None, None) => None,
+                (Some(buffer), None, None, None) => Some(State::Momentum { buffer }),
+                (None, Some(exp_avg), Some(exp_avg_sq), Some(step)) => Some(State::Adam {
+                    exp_avg,
+                    exp_avg_sq,
+                    step,
+                }),
+                _ => return Err(format!("parameter {i}'s optimizer state is incomplete")),
+            };
+        }
+        self.steps = steps;
+        Ok(())
+    }
+
     /// The learning rate of the steps from now on.
     pub fn set_lr(&mut self, lr: f64) {
         self.lr = lr;

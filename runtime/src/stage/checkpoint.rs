@@ -1,0 +1,229 @@
+//! Checkpoints that resume exactly. Each rank writes its own, under `DIR/rank-R/`: after
+//! iteration `K` (counted from 1) the stage's parameters and buffers and its optimizer's state
+//! go into `iter-K/`, then `latest` is replaced (write and rename) to name it, then older
+//! checkpoints are removed. A rank stopped at any point leaves `latest` naming a whole one.
+//!
+//! Resuming loads them, skips the `K` minibatches the data stream already gave, and runs
+//! iterations `K..`: the same numbers, in the same order, as a run that was never stopped. A
+//! checkpoint records what it must agree with ([`Identity`]); resuming into another model,
+//! split, optimizer or batch is refused with what differs.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use tch::{Device, Tensor};
+
+use super::{Optimizer, Stage};
+
+/// The checkpoint format's version.
+pub const FORMAT_VERSION: u32 = 1;
+
+/// What a checkpoint must agree with to be resumed: the run that wrote it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Identity {
+    pub model: String,
+    pub world_size: usize,
+    pub rank: usize,
+    pub first_module: usize,
+    pub end_module: usize,
+    pub optimizer: String,
+    pub batch_size: usize,
+    pub microbatches: usize,
+    pub schedule: String,
+    pub seed: u64,
+    pub data: String,
+}
+
+impl Identity {
+    /// The first field that differs from `other`, as `name: ours vs theirs`.
+    fn difference(&self, other: &Identity) -> Option<String> {
+        let (a, b) = (
+            serde_json::to_value(self).ok()?,
+            serde_json::to_value(other).ok()?,
+        );
+        let (a, b) = (a.as_object()?, b.as_object()?);
+        a.iter().find(|(k, v)| b.get(*k) != Some(*v)).map(|(k, v)| {
+            format!(
+                "{k} is {} there, {} here",
+                v,
+                b.get(k).cloned().unwrap_or_default()
+            )
+        })
+    }
+}
+
+/// `latest`: the checkpoint to resume.
+#[derive(Debug, Serialize, Deserialize)]
+struct Latest {
+    format_version: u32,
+    /// Iterations done when it was written.
+    iterations_done: u64,
+    /// Optimizer steps taken (more than iterations under PipeDream's schedule).
+    steps: u64,
+    identity: Identity,
+}
+
+/// This rank's checkpoint folder.
+pub fn rank_dir(dir: &Path, rank: usize) -> PathBuf {
+    dir.join(format!("rank-{rank}"))
+}
+
+fn iteration_dir(dir: &Path, rank: usize, done: u64) -> PathBuf {
+    rank_dir(dir, rank).join(format!("iter-{done}"))
+}
+
+/// Writes the checkpoint after `done` iterations.
+pub fn save(
+    dir: &Path,
+    identity: &Identity,
+    done: u64,
+    stage: &Stage,
+    optimizer: &Optimizer,
+) -> Result<(), String> {
+    let here = iteration_dir(dir, identity.rank, done);
+    let io = |what: &str, path: &Path, e: &dyn std::fmt::Display| {
+        format!("checkpoint: cannot {what} {}: {e}", path.display())
+    };
+    std::fs::create_dir_all(&here).map_err(|e| io("create", &here, &e))?;
+    let params = here.join("params.safetensors");
+    stage.save(&params).map_err(|e| io("write", &params, &e))?;
+    let (named, steps) = optimizer.state_tensors();
+    let on_cpu: Vec<(String, Tensor)> = named
+        .into_iter()
+        .map(|(n, t)| (n, t.to_device(Device::Cpu)))
+        .collect();
+    let state = here.join("optimizer.safetensors");
+    Tensor::write_safetensors(&on_cpu, &state).map_err(|e| io("write", &state, &e))?;
+    let latest = Latest {
+        format_version: FORMAT_VERSION,
+        iterations_done: done,
+        steps,
+        identity: identity.clone(),
+    };
+    let rank_dir = rank_dir(dir, identity.rank);
+    let path = rank_dir.join("latest");
+    let temporary = rank_dir.join("latest.tmp");
+    let text = serde_json::to_string_pretty(&latest).expect("a checkpoint's description serializes") + "\n";
+    std::fs::write(&temporary, text).map_err(|e| io("write", &temporary, &e))?;
+    std::fs::rename(&temporary, &path).map_err(|e| io("replace", &path, &e))?;
+    // Older checkpoints are no longer named by `latest`.
+    let entries = std::fs::read_dir(&rank_dir).map_err(|e| io("list", &rank_dir, &e))?;
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let older = name
+            .strip_prefix("iter-")
+            .and_then(|k| k.parse::<u64>().ok())
+            .is_some_and(|k| k != done);
+        if older {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
+    Ok(())
+}
+
+/// The iterations done by the checkpoint `dir` holds for this rank, after checking it belongs to
+/// this run.
+pub fn iterations_done(dir: &Path, identity: &Identity) -> Result<u64, String> {
+    Ok(read_latest(dir, identity)?.iterations_done)
+}
+
+fn read_latest(dir: &Path, identity: &Identity) -> Result<Latest, String> {
+    let path = rank_dir(dir, identity.rank).join("latest");
+    let text = std::fs::read_to_string(&path).map_err(|e| {
+        format!(
+            "--resume: no checkpoint of rank {} in {} ({}: {e}); run without --resume to start afresh",
+            identity.rank,
+            dir.display(),
+            path.display()
+        )
+    })?;
+    let latest: Latest = serde_json::from_str(&text)
+        .map_err(|e| format!("--resume: {} is not a checkpoint: {e}", path.display()))?;
+    if latest.format_version != FORMAT_VERSION {
+        return Err(format!(
+            "--resume: {} is checkpoint format {}, this runtime reads {FORMAT_VERSION}",
+            path.display(),
+            latest.format_version
+        ));
+    }
+    if let Some(difference) = latest.identity.difference(identity) {
+        return Err(format!(
+            "--resume: the checkpoint in {} is of another run: {difference}; resume with the \
+             arguments it was written with, or start afresh without --resume",
+            dir.display()
+        ));
+    }
+    Ok(latest)
+}
+
+/// Loads this rank's latest checkpoint into `stage` and `optimizer`; returns the iterations it
+/// had done.
+pub fn load(
+    dir: &Path,
+    identity: &Identity,
+    stage: &mut Stage,
+    optimizer: &mut Optimizer,
+) -> Result<u64, String> {
+    let latest = read_latest(dir, identity)?;
+    let here = iteration_dir(dir, identity.rank, latest.iterations_done);
+    let params = here.join("params.safetensors");
+    stage
+        .load(&params)
+        .map_err(|e| format!("--resume: cannot read {}: {e}", params.display()))?;
+    let state = here.join("optimizer.safetensors");
+    let named = Tensor::read_safetensors(&state)
+        .map_err(|e| format!("--resume: cannot read {}: {e}", state.display()))?;
+    optimizer
+        .load_state(named, latest.steps)
+        .map_err(|e| format!("--resume: {}: {e}", state.display()))?;
+    Ok(latest.iterations_done)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::CheckpointConfig;
+
+    fn identity() -> Identity {
+        Identity {
+            model: "mlp".into(),
+            world_size: 2,
+            rank: 1,
+            first_module: 3,
+            end_module: 6,
+            optimizer: "sgd".into(),
+            batch_size: 16,
+            microbatches: 4,
+            schedule: "1f1b".into(),
+            seed: 0,
+            data: "synthetic".into(),
+        }
+    }
+
+    #[test]
+    fn a_difference_names_the_first_field_that_differs() {
+        let ours = identity();
+        assert_eq!(ours.difference(&ours), None);
+        let theirs = Identity {
+            end_module: 5,
+            ..identity()
+        };
+        assert_eq!(
+            ours.difference(&theirs).as_deref(),
+            Some("end_module is 6 there, 5 here")
+        );
+    }
+
+    #[test]
+    fn checkpoints_fall_due_every_n_iterations_and_at_the_end() {
+        let every = |n| CheckpointConfig {
+            dir: "ckpt".into(),
+            every: n,
+            resume: false,
+        };
+        let due = |c: &CheckpointConfig| (1..=7).filter(|&d| c.due(d, 7)).collect::<Vec<u64>>();
+        assert_eq!(due(&every(None)), [7]);
+        assert_eq!(due(&every(Some(3))), [3, 6, 7]);
+        assert_eq!(due(&every(Some(1))), [1, 2, 3, 4, 5, 6, 7]);
+    }
+}

@@ -1,0 +1,164 @@
+//! Checkpoints that resume exactly: a run stopped after a checkpoint and resumed gives the
+//! losses and final parameters of a run never stopped, bit for bit (the same operations on the
+//! same numbers in the same order: nothing here is a tolerance), in one process and as a
+//! pipeline; a checkpoint of another run is refused with what differs.
+
+use std::path::Path;
+use std::time::Duration;
+
+use crate::util::{read_params, run, run_ok, run_ranks, Run};
+
+const LIMIT: Duration = Duration::from_secs(120);
+
+/// The MLP with momentum (state that must survive) for `iterations`, one thread, fixed seed.
+fn mlp(iterations: &str, extra: &[&str]) -> Vec<String> {
+    let mut args: Vec<String> =
+        "--model mlp --layers 4 --hidden 64 --image-size 8 --batch-size 16 --threads 1 --seed 3 --lr 0.05"
+            .split_whitespace()
+            .map(String::from)
+            .collect();
+    args.extend(["--iterations".to_string(), iterations.to_string()]);
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args
+}
+
+fn strs(args: &[String]) -> Vec<&str> {
+    args.iter().map(String::as_str).collect()
+}
+
+fn assert_same_params(a: &Path, b: &Path) {
+    let (a, b) = (read_params(a), read_params(b));
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+    for (name, t) in &a {
+        assert!(t.equal(&b[name]), "{name} differs");
+    }
+}
+
+#[test]
+fn a_resumed_run_continues_exactly_where_the_checkpoint_left_it() {
+    for optimizer in ["sgd", "adam"] {
+        let tmp = tempfile::tempdir().unwrap();
+        let (whole, resumed) = (tmp.path().join("whole"), tmp.path().join("resumed"));
+        let ckpt = tmp.path().join("ckpt");
+        let (w, r, c) = (
+            whole.to_str().unwrap(),
+            resumed.to_str().unwrap(),
+            ckpt.to_str().unwrap(),
+        );
+        let never_stopped =
+            run_ok(&strs(&mlp("6", &["--optimizer", optimizer, "--save-params", w]))).losses();
+        // Stopped after 3 iterations (its checkpoint written at the end), then resumed to 6.
+        let first = run_ok(&strs(&mlp(
+            "3",
+            &["--optimizer", optimizer, "--checkpoint-dir", c],
+        )));
+        assert_eq!(first.losses(), never_stopped[..3], "{optimizer}");
+        assert!(ckpt.join("rank-0/latest").is_file());
+        let second = run_ok(&strs(&mlp(
+            "6",
+            &[
+                "--optimizer",
+                optimizer,
+                "--checkpoint-dir",
+                c,
+                "--resume",
+                "--save-params",
+                r,
+            ],
+        )));
+        let iterations: Vec<u64> = second.iterations().iter().map(|i| i.iteration).collect();
+        assert_eq!(iterations, [3, 4, 5], "{optimizer}: it runs the iterations left");
+        assert_eq!(second.losses(), never_stopped[3..], "{optimizer}");
+        assert_same_params(&whole, &resumed);
+        // The checkpoint moved on to the end, and the one of iteration 3 is gone.
+        let kept: Vec<String> = std::fs::read_dir(ckpt.join("rank-0"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with("iter-"))
+            .collect();
+        assert_eq!(kept, ["iter-6"], "{optimizer}");
+    }
+}
+
+#[test]
+fn a_pipeline_resumes_exactly_on_every_rank() {
+    let tmp = tempfile::tempdir().unwrap();
+    let config = tmp.path().join("two.json");
+    std::fs::write(
+        &config,
+        r#"{"module_to_stage_map": [0,0,0,1,1,1], "stage_to_rank_map": {"0": [0], "1": [1]}}"#,
+    )
+    .unwrap();
+    let (whole, resumed) = (tmp.path().join("whole"), tmp.path().join("resumed"));
+    let ckpt = tmp.path().join("ckpt");
+    let (w, r, c, s) = (
+        whole.to_str().unwrap(),
+        resumed.to_str().unwrap(),
+        ckpt.to_str().unwrap(),
+        config.to_str().unwrap(),
+    );
+    let pipeline = ["--stage-config", s, "--schedule", "1f1b", "--microbatches", "4"];
+    let last = |runs: &[Run]| -> Vec<f64> {
+        for run in runs {
+            assert!(run.output.status.success(), "{}", run.stderr());
+        }
+        runs[1].losses()
+    };
+    let never_stopped = last(&run_ranks(
+        2,
+        &strs(&mlp("6", &[&pipeline[..], &["--save-params", w]].concat())),
+        LIMIT,
+    ));
+    // Checkpoints every 2 iterations; stopped after 4.
+    let first = run_ranks(
+        2,
+        &strs(&mlp(
+            "4",
+            &[&pipeline[..], &["--checkpoint-dir", c, "--checkpoint-every", "2"]].concat(),
+        )),
+        LIMIT,
+    );
+    assert_eq!(last(&first), never_stopped[..4]);
+    let second = run_ranks(
+        2,
+        &strs(&mlp(
+            "6",
+            &[
+                &pipeline[..],
+                &["--checkpoint-dir", c, "--resume", "--save-params", r],
+            ]
+            .concat(),
+        )),
+        LIMIT,
+    );
+    assert_eq!(last(&second), never_stopped[4..]);
+    assert_same_params(&whole, &resumed);
+}
+
+#[test]
+fn a_checkpoint_of_another_run_or_none_is_refused_with_what_to_do() {
+    let tmp = tempfile::tempdir().unwrap();
+    let c = tmp.path().join("ckpt");
+    let c = c.to_str().unwrap();
+    let refused = |args: &[String], expected: &str| {
+        let out = run(&strs(args));
+        let stderr = out.stderr();
+        assert!(!out.output.status.success(), "{stderr}");
+        assert!(out.events.is_empty(), "nothing trained: {stderr}");
+        assert!(stderr.contains(expected), "{stderr:?} lacks {expected:?}");
+    };
+    refused(
+        &mlp("3", &["--checkpoint-dir", c, "--resume"]),
+        "no checkpoint of rank 0 in",
+    );
+    run_ok(&strs(&mlp("2", &["--checkpoint-dir", c])));
+    refused(
+        &mlp("3", &["--checkpoint-dir", c, "--resume", "--optimizer", "adam"]),
+        "is of another run: optimizer is \"sgd\" there, \"adam\" here",
+    );
+    refused(
+        &mlp("1", &["--checkpoint-dir", c, "--resume"]),
+        "more than --iterations 1",
+    );
+    refused(&mlp("3", &["--resume"]), "--checkpoint-dir");
+}
