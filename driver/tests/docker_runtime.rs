@@ -27,6 +27,36 @@ fn a_two_stage_pipeline_runs_in_both_container_modes() {
     }
 }
 
+/// Checkpoints written inside containers land in a folder the engine made on the host, and a
+/// later run's containers resume from it.
+#[test]
+fn checkpoints_outlive_the_containers_that_wrote_them() {
+    let runtime = runtime();
+    base_image();
+    let h = Harness::new("pipe-ckpt");
+    let config = two_stage_mlp(&h, "docker");
+    let text = std::fs::read_to_string(&config).unwrap();
+    let ckpt = h.dir.path().join("not-yet").join("ckpt");
+    let first = format!("{text}checkpoint_dir: '{}'\n", ckpt.display());
+    std::fs::write(&config, &first).unwrap();
+    let run = h.run(&config, &["--runtime", runtime.to_str().unwrap()]);
+    assert_eq!(run.code(), 0, "{}", run.stderr());
+    for rank in 0..2 {
+        assert!(ckpt.join(format!("rank-{rank}/latest")).is_file(), "rank {rank}");
+    }
+    let resumed = format!(
+        "{}resume: true\n",
+        first.replace("iterations: 3", "iterations: 4")
+    );
+    std::fs::write(&config, resumed).unwrap();
+    let run = h.run(&config, &["--runtime", runtime.to_str().unwrap()]);
+    assert_eq!(run.code(), 0, "{}", run.stderr());
+    for rank in 0..2 {
+        assert!(ckpt.join(format!("rank-{rank}/iter-4")).is_dir(), "rank {rank}");
+    }
+    h.assert_no_containers();
+}
+
 #[test]
 fn a_request_the_runtime_refuses_fails_preflight_before_any_rank_starts() {
     base_image();

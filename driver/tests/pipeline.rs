@@ -68,3 +68,43 @@ fn a_pipedream_experiment_runs_as_written() {
     }
     h.assert_no_processes();
 }
+
+/// A run stopped after its checkpoint resumes where it was: the second record has only the
+/// iterations left, and every rank's checkpoint folder moved on to the end.
+#[test]
+fn a_pipeline_resumes_from_its_checkpoints() {
+    let runtime = runtime();
+    let h = Harness::new("pipe-resume");
+    let first = two_stage_mlp(&h, "process");
+    let text = std::fs::read_to_string(&first).unwrap();
+    std::fs::write(&first, format!("{text}checkpoint_dir: ckpt\n")).unwrap();
+    let run = h.run(&first, &["--runtime", runtime.to_str().unwrap()]);
+    assert_eq!(run.code(), 0, "{}", run.stderr());
+    let ckpt = h.dir.path().join("ckpt");
+    for rank in 0..2 {
+        assert!(ckpt.join(format!("rank-{rank}/iter-3")).is_dir(), "rank {rank}");
+    }
+    let first_record = h.summary().0;
+    let resumed = text.replace("iterations: 3", "iterations: 5");
+    std::fs::write(&first, format!("{resumed}checkpoint_dir: ckpt\nresume: true\n")).unwrap();
+    let run = h.run(&first, &["--runtime", runtime.to_str().unwrap()]);
+    assert_eq!(run.code(), 0, "{}", run.stderr());
+    let second_record = std::fs::read_dir(h.records())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| *p != first_record)
+        .expect("a second record");
+    let mut iterations = std::collections::BTreeSet::new();
+    for line in lines(&second_record.join("metrics.jsonl")) {
+        let event: Value = serde_json::from_str(&line).unwrap();
+        if event["event"] == "iteration" {
+            iterations.insert(event["iteration"].as_u64().unwrap());
+        }
+    }
+    assert_eq!(iterations.into_iter().collect::<Vec<_>>(), [3, 4]);
+    for rank in 0..2 {
+        assert!(ckpt.join(format!("rank-{rank}/iter-5")).is_dir(), "rank {rank}");
+        assert!(!ckpt.join(format!("rank-{rank}/iter-3")).exists(), "rank {rank}");
+    }
+    h.assert_no_processes();
+}

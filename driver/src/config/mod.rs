@@ -76,6 +76,17 @@ pub struct ExperimentFile {
     /// Learning rate.
     #[serde(default, alias = "lr")]
     pub learning_rate: Option<f64>,
+    /// Where each rank checkpoints its parameters and optimizer state (`--checkpoint-dir`), a
+    /// folder on every host (relative paths against this file); mounted into the containers and
+    /// created where missing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Checkpoint every N iterations as well as after the last (`--checkpoint-every`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint_every: Option<u64>,
+    /// Start from the latest checkpoint in `checkpoint_dir` (`--resume`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resume: Option<bool>,
     /// How the learning rate changes per epoch (`--lr-policy`; PipeDream's `learning_rate_policy`):
     /// `constant`, `step`, `polynomial` or `exponential_decay`.
     #[serde(default, skip_serializing_if = "Option::is_none")]

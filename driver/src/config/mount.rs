@@ -15,6 +15,10 @@ pub struct Mount {
     pub target: PathBuf,
     /// Mount read-only.
     pub read_only: bool,
+    /// The engine creates the source folder if it is missing (the driver's own mounts, such as
+    /// the checkpoint folder; a user's mount must exist).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub create: bool,
 }
 
 #[derive(Deserialize)]
@@ -55,6 +59,7 @@ impl Mount {
             source,
             target,
             read_only,
+            create: false,
         })
     }
 }

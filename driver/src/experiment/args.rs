@@ -114,6 +114,15 @@ pub(super) fn rank_command(
         flag("master-port", ctx.master_port.to_string());
         flag("local-rank", local_rank.to_string());
     }
+    if let Some(dir) = super::checkpoint_dir(f, ctx.base) {
+        flag("checkpoint-dir", dir.display().to_string());
+    }
+    if let Some(n) = f.checkpoint_every {
+        flag("checkpoint-every", n.to_string());
+    }
+    if f.resume == Some(true) {
+        argv.push("--resume".into());
+    }
     if f.compress_activations == Some(true) {
         argv.push("--compress-activations".into());
     }

@@ -101,6 +101,8 @@ pub enum WhenMissing {
     Skip,
     /// Fail preflight, naming the host and the path (data and user mounts).
     Fail,
+    /// Mount it all the same: the engine creates the folder (the checkpoint folder).
+    Create,
 }
 
 /// A bind mount and its fallback.
@@ -379,6 +381,7 @@ fn resolve_with(
             source: path.clone(),
             target: path,
             read_only,
+            create: when_missing == WhenMissing::Create,
         };
         mounts.push(MountSpec { mount, when_missing });
     };
@@ -403,11 +406,16 @@ fn resolve_with(
     for dir in &options.mount_directories {
         same_path(absolute(dir), false, WhenMissing::Fail);
     }
+    // Checkpoints outlive the containers: each host keeps its ranks' in this folder.
+    if let Some(dir) = checkpoint_dir(file, &base) {
+        same_path(dir, false, WhenMissing::Create);
+    }
     for m in &file.mounts {
         let mount = Mount {
             source: base.join(&m.source),
             target: m.target.clone(),
             read_only: m.read_only,
+            create: false,
         };
         mounts.push(MountSpec {
             mount,
@@ -489,6 +497,11 @@ fn stage_config_path(base: &Path, given: &Path) -> PathBuf {
         Ok(here) if here.exists() => here,
         _ => beside,
     }
+}
+
+/// The checkpoint folder, absolute (relative to the experiment file).
+pub fn checkpoint_dir(file: &ExperimentFile, base: &Path) -> Option<PathBuf> {
+    file.checkpoint_dir.as_ref().map(|d| absolute(&base.join(d)))
 }
 
 /// The runtime's model the file names: its `module`, or the model of a PipeDream partitioned
@@ -606,6 +619,29 @@ fn check_pipedream_keys(loaded: &Loaded) -> Result<(), ConfigError> {
         }
         _ => {}
     }
+    if let Some(dir) = &f.checkpoint_dir {
+        if dir.to_string_lossy().contains([':', ',']) {
+            return Err(loaded.error_at(
+                "checkpoint_dir",
+                format!(
+                    "`{}`: the folder is mounted with Docker's `-v` form, which cannot hold `:` or \
+                     `,`; choose a path without them",
+                    dir.display()
+                ),
+            ));
+        }
+    }
+    if f.checkpoint_dir.is_none() {
+        for key in ["checkpoint_every", "resume"] {
+            let given = match key {
+                "resume" => f.resume.is_some(),
+                _ => f.checkpoint_every.is_some(),
+            };
+            if given {
+                return Err(loaded.error_at(key, format!("`{key}` needs a `checkpoint_dir`")));
+            }
+        }
+    }
     if f.compress_activations == Some(true) && f.compress_in_gpu == Some(false) {
         return Err(loaded.error_at(
             "compress_in_gpu",
@@ -619,6 +655,7 @@ fn check_pipedream_keys(loaded: &Loaded) -> Result<(), ConfigError> {
         ("learning_rate_policy", f.learning_rate_policy.is_some()),
         ("lr_warmup_epochs", f.lr_warmup_epochs.is_some()),
         ("compress_activations", f.compress_activations == Some(true)),
+        ("checkpoint_dir", f.checkpoint_dir.is_some()),
     ];
     if let (Some(_), Some((key, _))) = (&f.command, runtime_keys.iter().find(|(_, given)| *given)) {
         return Err(loaded.error_at(

@@ -843,3 +843,43 @@ fn pipedreams_container_is_the_base_the_runtime_image_is_built_on() {
         ImageSource::Named("nvcr.io/nvidia/pytorch:19.05-py3".into())
     );
 }
+
+#[test]
+fn a_checkpoint_folder_reaches_every_rank_and_outlives_its_containers() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = options(None, ContainerMode::PerRank);
+    let text = "machines: [localhost, localhost]\nmodule: mlp\ncheckpoint_dir: ckpt\ncheckpoint_every: 5\nresume: true\n";
+    let plan = resolve(&loaded(dir.path(), text), &o, 29500).unwrap();
+    let folder = dir.path().join("ckpt");
+    for rank in &plan.ranks {
+        assert_eq!(
+            flag(&rank.argv, "--checkpoint-dir"),
+            Some(folder.to_str().unwrap())
+        );
+        assert_eq!(flag(&rank.argv, "--checkpoint-every"), Some("5"));
+        assert!(rank.argv.contains(&"--resume".to_string()));
+    }
+    // Bind-mounted at the same path, read-write, and made by the engine where it is missing.
+    let mount = plan
+        .mounts
+        .iter()
+        .find(|m| m.mount.source == folder)
+        .expect("the checkpoint folder is mounted");
+    assert_eq!(mount.mount.target, folder);
+    assert!(!mount.mount.read_only && mount.mount.create);
+    assert_eq!(mount.when_missing, WhenMissing::Create);
+    for (text, key) in [
+        ("resume: true\n", "resume"),
+        ("checkpoint_every: 2\n", "checkpoint_every"),
+        (
+            "checkpoint_dir: ckpt\ncommand: [python3, train.py]\n",
+            "checkpoint_dir",
+        ),
+        ("checkpoint_dir: 'ck:pt'\n", "ck:pt"),
+    ] {
+        let e = resolve_text(&format!("machines: [localhost]\n{text}"), &o)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(&format!("`{key}`")), "{text}: {e}");
+    }
+}

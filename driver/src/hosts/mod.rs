@@ -95,6 +95,7 @@ impl Host {
                 source: path.to_path_buf(),
                 target: path.to_path_buf(),
                 read_only: true,
+                create: false,
             });
         } else {
             self.copies.push(path.to_path_buf());
@@ -180,6 +181,7 @@ async fn prepare(
             (true, _) => mounts.push(p.mount.clone()),
             (false, WhenMissing::Copy) => copies.push(p.mount.source.clone()),
             (false, WhenMissing::Skip) => {}
+            (false, WhenMissing::Create) => mounts.push(p.mount.clone()),
             (false, WhenMissing::Fail) => {
                 return Err(HostError::MountMissing {
                     host: host.name.clone(),

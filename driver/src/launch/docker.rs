@@ -327,12 +327,28 @@ pub(super) fn container_body(
     let mounts = host
         .mounts
         .iter()
+        .filter(|m| !m.create)
         .map(|m| DockerMount {
             source: Some(m.source.display().to_string()),
             target: Some(m.target.display().to_string()),
             typ: Some(MountType::BIND),
             read_only: Some(m.read_only),
             ..Default::default()
+        })
+        .collect();
+    // A folder the engine makes where it is missing: the `-v` form does, on every engine (the
+    // mount form's CreateMountpoint needs API 1.42). Its paths hold no `:` (checked at resolve).
+    let binds: Vec<String> = host
+        .mounts
+        .iter()
+        .filter(|m| m.create)
+        .map(|m| {
+            format!(
+                "{}:{}:{}",
+                m.source.display(),
+                m.target.display(),
+                if m.read_only { "ro" } else { "rw" }
+            )
         })
         .collect();
     let device_requests = (!gpus.is_empty()).then(|| {
@@ -360,6 +376,7 @@ pub(super) fn container_body(
             ipc_mode: Some("host".into()),
             shm_size: Some(plan.shm_size_bytes as i64),
             mounts: Some(mounts),
+            binds: (!binds.is_empty()).then_some(binds),
             device_requests,
             init: Some(true),
             ..Default::default()
