@@ -12,11 +12,13 @@ const LIMIT: Duration = Duration::from_secs(120);
 
 /// The MLP with momentum (state that must survive) for `iterations`, one thread, fixed seed.
 fn mlp(iterations: &str, extra: &[&str]) -> Vec<String> {
-    let mut args: Vec<String> =
+    // Another model's flags (`--model`, its sizes) replace the MLP's.
+    let base = if extra.contains(&"--model") {
+        "--batch-size 16 --threads 1 --seed 3 --lr 0.05"
+    } else {
         "--model mlp --layers 4 --hidden 64 --image-size 8 --batch-size 16 --threads 1 --seed 3 --lr 0.05"
-            .split_whitespace()
-            .map(String::from)
-            .collect();
+    };
+    let mut args: Vec<String> = base.split_whitespace().map(String::from).collect();
     args.extend(["--iterations".to_string(), iterations.to_string()]);
     args.extend(extra.iter().map(|s| s.to_string()));
     args
@@ -36,7 +38,26 @@ fn assert_same_params(a: &Path, b: &Path) {
 
 #[test]
 fn a_resumed_run_continues_exactly_where_the_checkpoint_left_it() {
-    for optimizer in ["sgd", "adam"] {
+    // Adam on a transformer with dropout: its masks are drawn afresh each iteration from the
+    // run's seed, so the resumed run draws the ones the uninterrupted run drew.
+    let transformer = [
+        "adam",
+        "--model",
+        "transformer",
+        "--layers",
+        "2",
+        "--heads",
+        "2",
+        "--hidden",
+        "32",
+        "--seq-len",
+        "8",
+        "--vocab-size",
+        "50",
+        "--dropout",
+        "0.3",
+    ];
+    for optimizer in [&["sgd"][..], &transformer] {
         let tmp = tempfile::tempdir().unwrap();
         let (whole, resumed) = (tmp.path().join("whole"), tmp.path().join("resumed"));
         let ckpt = tmp.path().join("ckpt");
@@ -45,30 +66,28 @@ fn a_resumed_run_continues_exactly_where_the_checkpoint_left_it() {
             resumed.to_str().unwrap(),
             ckpt.to_str().unwrap(),
         );
-        let never_stopped =
-            run_ok(&strs(&mlp("6", &["--optimizer", optimizer, "--save-params", w]))).losses();
+        fn with<'a>(optimizer: &[&'a str], extra: &[&'a str]) -> Vec<&'a str> {
+            [&["--optimizer"][..], optimizer, extra].concat()
+        }
+        let never_stopped = run_ok(&strs(&mlp("6", &with(optimizer, &["--save-params", w])))).losses();
         // Stopped after 3 iterations (its checkpoint written at the end), then resumed to 6.
-        let first = run_ok(&strs(&mlp(
-            "3",
-            &["--optimizer", optimizer, "--checkpoint-dir", c],
-        )));
-        assert_eq!(first.losses(), never_stopped[..3], "{optimizer}");
+        let first = run_ok(&strs(&mlp("3", &with(optimizer, &["--checkpoint-dir", c]))));
+        assert_eq!(first.losses(), never_stopped[..3], "{optimizer:?}");
         assert!(ckpt.join("rank-0/latest").is_file());
         let second = run_ok(&strs(&mlp(
             "6",
-            &[
-                "--optimizer",
+            &with(
                 optimizer,
-                "--checkpoint-dir",
-                c,
-                "--resume",
-                "--save-params",
-                r,
-            ],
+                &["--checkpoint-dir", c, "--resume", "--save-params", r],
+            ),
         )));
         let iterations: Vec<u64> = second.iterations().iter().map(|i| i.iteration).collect();
-        assert_eq!(iterations, [3, 4, 5], "{optimizer}: it runs the iterations left");
-        assert_eq!(second.losses(), never_stopped[3..], "{optimizer}");
+        assert_eq!(
+            iterations,
+            [3, 4, 5],
+            "{optimizer:?}: it runs the iterations left"
+        );
+        assert_eq!(second.losses(), never_stopped[3..], "{optimizer:?}");
         assert_same_params(&whole, &resumed);
         // The checkpoint moved on to the end, and the one of iteration 3 is gone.
         let kept: Vec<String> = std::fs::read_dir(ckpt.join("rank-0"))
@@ -76,63 +95,72 @@ fn a_resumed_run_continues_exactly_where_the_checkpoint_left_it() {
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
             .filter(|n| n.starts_with("iter-"))
             .collect();
-        assert_eq!(kept, ["iter-6"], "{optimizer}");
+        assert_eq!(kept, ["iter-6"], "{optimizer:?}");
     }
 }
 
 #[test]
-fn a_pipeline_resumes_exactly_on_every_rank() {
-    let tmp = tempfile::tempdir().unwrap();
-    let config = tmp.path().join("two.json");
-    std::fs::write(
-        &config,
-        r#"{"module_to_stage_map": [0,0,0,1,1,1], "stage_to_rank_map": {"0": [0], "1": [1]}}"#,
-    )
-    .unwrap();
-    let (whole, resumed) = (tmp.path().join("whole"), tmp.path().join("resumed"));
-    let ckpt = tmp.path().join("ckpt");
-    let (w, r, c, s) = (
-        whole.to_str().unwrap(),
-        resumed.to_str().unwrap(),
-        ckpt.to_str().unwrap(),
-        config.to_str().unwrap(),
-    );
-    let pipeline = ["--stage-config", s, "--schedule", "1f1b", "--microbatches", "4"];
-    let last = |runs: &[Run]| -> Vec<f64> {
-        for run in runs {
-            assert!(run.output.status.success(), "{}", run.stderr());
-        }
-        runs[1].losses()
-    };
-    let never_stopped = last(&run_ranks(
-        2,
-        &strs(&mlp("6", &[&pipeline[..], &["--save-params", w]].concat())),
-        LIMIT,
-    ));
-    // Checkpoints every 2 iterations; stopped after 4.
-    let first = run_ranks(
-        2,
-        &strs(&mlp(
-            "4",
-            &[&pipeline[..], &["--checkpoint-dir", c, "--checkpoint-every", "2"]].concat(),
-        )),
-        LIMIT,
-    );
-    assert_eq!(last(&first), never_stopped[..4]);
-    let second = run_ranks(
-        2,
-        &strs(&mlp(
-            "6",
-            &[
-                &pipeline[..],
-                &["--checkpoint-dir", c, "--resume", "--save-params", r],
-            ]
-            .concat(),
-        )),
-        LIMIT,
-    );
-    assert_eq!(last(&second), never_stopped[4..]);
-    assert_same_params(&whole, &resumed);
+fn a_pipeline_and_a_hybrid_resume_exactly_on_every_rank() {
+    for (name, world, map) in [
+        (
+            "pipeline",
+            2,
+            r#"{"module_to_stage_map": [0,0,0,1,1,1], "stage_to_rank_map": {"0": [0], "1": [1]}}"#,
+        ),
+        (
+            "hybrid",
+            3,
+            r#"{"module_to_stage_map": [0,0,0,1,1,1], "stage_to_rank_map": {"0": [0, 1], "1": [2]}}"#,
+        ),
+    ] {
+        let tmp = tempfile::tempdir().unwrap();
+        let config = tmp.path().join("stages.json");
+        std::fs::write(&config, map).unwrap();
+        let (whole, resumed) = (tmp.path().join("whole"), tmp.path().join("resumed"));
+        let ckpt = tmp.path().join("ckpt");
+        let (w, r, c, s) = (
+            whole.to_str().unwrap(),
+            resumed.to_str().unwrap(),
+            ckpt.to_str().unwrap(),
+            config.to_str().unwrap(),
+        );
+        let pipeline = ["--stage-config", s, "--schedule", "1f1b", "--microbatches", "4"];
+        let last = |runs: &[Run]| -> Vec<f64> {
+            for run in runs {
+                assert!(run.output.status.success(), "{name}: {}", run.stderr());
+            }
+            runs[world - 1].losses()
+        };
+        let never_stopped = last(&run_ranks(
+            world,
+            &strs(&mlp("6", &[&pipeline[..], &["--save-params", w]].concat())),
+            LIMIT,
+        ));
+        // Checkpoints every 2 iterations; stopped after 4.
+        let first = run_ranks(
+            world,
+            &strs(&mlp(
+                "4",
+                &[&pipeline[..], &["--checkpoint-dir", c, "--checkpoint-every", "2"]].concat(),
+            )),
+            LIMIT,
+        );
+        assert_eq!(last(&first), never_stopped[..4], "{name}");
+        let second = run_ranks(
+            world,
+            &strs(&mlp(
+                "6",
+                &[
+                    &pipeline[..],
+                    &["--checkpoint-dir", c, "--resume", "--save-params", r],
+                ]
+                .concat(),
+            )),
+            LIMIT,
+        );
+        assert_eq!(last(&second), never_stopped[4..], "{name}");
+        assert_same_params(&whole, &resumed);
+    }
 }
 
 #[test]

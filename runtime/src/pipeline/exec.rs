@@ -99,10 +99,23 @@ pub struct Executor {
     pub compress_activations: bool,
     /// Where and when to checkpoint.
     pub checkpoint: Option<Checkpointing>,
+    /// The run's seed: with the rank and the iteration it reseeds torch's generator at each
+    /// iteration's first forward, so what dropout draws never depends on earlier iterations and a
+    /// resumed run draws what the uninterrupted one did.
+    pub seed: u64,
     /// Shapes crossing into and out of this stage, learned at start.
     pub input_spec: Option<TensorSpec>,
     pub output_spec: Option<TensorSpec>,
     pub target_spec: Option<TensorSpec>,
+}
+
+/// The generator's seed for `rank`'s iteration `iteration` of a run seeded `seed`.
+fn iteration_seed(seed: u64, rank: usize, iteration: usize) -> i64 {
+    let mixed = seed
+        .wrapping_mul(0x9e37_79b9_7f4a_7c15)
+        .wrapping_add((rank as u64) << 40)
+        .wrapping_add(iteration as u64);
+    (mixed & (i64::MAX as u64)) as i64
 }
 
 /// Checkpoints of this rank (`--checkpoint-dir`).
@@ -227,6 +240,9 @@ impl Executor {
     }
 
     fn forward(&mut self, progress: &mut Progress, g: usize, stash: bool) -> anyhow::Result<()> {
+        if g.is_multiple_of(self.microbatches) {
+            tch::manual_seed(iteration_seed(self.seed, self.rank, g / self.microbatches));
+        }
         let (input, target) = if self.is_first() {
             let (x, y) = self.microbatch(progress, g)?;
             (x, Some(y))

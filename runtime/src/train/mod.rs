@@ -340,6 +340,7 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
             total: config_iterations,
         }),
         compress_activations: dist.compress_activations,
+        seed: config.seed,
         input_spec: None,
         output_spec: None,
         target_spec: None,
