@@ -4,6 +4,7 @@
 //! libtorch, so the driver builds without it.
 
 pub mod architecture;
+pub mod defaults;
 pub mod metrics;
 pub mod profile;
 pub mod stage_config;

@@ -213,38 +213,52 @@ pub fn plan(model: &CostModel, workers: usize, straight: bool) -> Result<Plan, P
             limit_gib: model.memory_limit.unwrap_or(0.0) / (1u64 << 30) as f64,
         });
     };
-    let mut stages = Vec::new();
+    let mut split = Vec::new();
     let (mut start, mut m, mut r, mut k) = (0, workers, first_replicas, first_bucket);
     while start < modules {
         let b = best[at(start, m, r, k)].expect("the chosen path exists");
-        let first_worker = workers - m;
-        let range = start..b.end;
-        let stage_workers = first_worker..first_worker + r;
-        let parts = model.stage_parts(&range, &stage_workers);
-        let next_workers = stage_workers.end..stage_workers.end + b.next_replicas;
-        stages.push(PlannedStage {
-            time_s: parts.total(),
-            parts,
-            transfer_s: (b.end < modules)
-                .then(|| model.boundary_time(b.end - 1, &stage_workers, &next_workers)),
-            memory_bytes: model.stage_memory(&range, r, m),
-            modules: range,
-            replicas: r,
-        });
+        split.push((start..b.end, r));
         start = b.end;
         m -= r;
         r = b.next_replicas;
         k = k.saturating_sub(1);
     }
-    let whole = 0..modules;
-    let data_parallel_time = model
-        .fits(&whole, workers, workers)
-        .then(|| model.stage_time(&whole, &(0..workers)));
-    Ok(Plan {
+    Ok(assemble(model, &split, root.time))
+}
+
+/// The plan of `split` (module ranges with their replica counts, workers in order) whose
+/// steady-state time is `time`: each stage's parts, transfer and memory, and data parallelism's
+/// time for comparison.
+fn assemble(model: &CostModel, split: &[(Range<usize>, usize)], time: f64) -> Plan {
+    let workers: usize = split.iter().map(|(_, replicas)| replicas).sum();
+    let mut first_worker = 0;
+    let stages = split
+        .iter()
+        .enumerate()
+        .map(|(i, (modules, replicas))| {
+            let here = first_worker..first_worker + replicas;
+            first_worker = here.end;
+            let parts = model.stage_parts(modules, &here);
+            PlannedStage {
+                time_s: parts.total(),
+                parts,
+                transfer_s: split.get(i + 1).map(|(_, next)| {
+                    model.boundary_time(modules.end - 1, &here, &(here.end..here.end + next))
+                }),
+                memory_bytes: model.stage_memory(modules, *replicas, workers - here.start),
+                modules: modules.clone(),
+                replicas: *replicas,
+            }
+        })
+        .collect();
+    let whole = 0..model.len();
+    Plan {
         stages,
-        time_per_minibatch: root.time,
-        data_parallel_time,
-    })
+        time_per_minibatch: time,
+        data_parallel_time: model
+            .fits(&whole, workers, workers)
+            .then(|| model.stage_time(&whole, &(0..workers))),
+    }
 }
 
 /// The best split of the modules into stages with exactly `replicas[k]` workers for stage `k`
@@ -295,30 +309,14 @@ pub fn plan_for_shape(model: &CostModel, replicas: &[usize]) -> Option<Plan> {
         }
     }
     let (time, _) = best[0][0]?;
-    let mut planned = Vec::new();
+    let mut split = Vec::new();
     let mut start = 0;
-    for k in 0..stages {
+    for (k, &r) in replicas.iter().enumerate() {
         let (_, end) = best[k][start].expect("the chosen path exists");
-        let modules_k = start..end;
-        let parts = model.stage_parts(&modules_k, &range(k));
-        planned.push(PlannedStage {
-            time_s: parts.total(),
-            parts,
-            transfer_s: (k + 1 < stages).then(|| model.boundary_time(end - 1, &range(k), &range(k + 1))),
-            memory_bytes: model.stage_memory(&modules_k, replicas[k], workers - first_worker[k]),
-            modules: modules_k,
-            replicas: replicas[k],
-        });
+        split.push((start..end, r));
         start = end;
     }
-    let whole = 0..modules;
-    Some(Plan {
-        stages: planned,
-        time_per_minibatch: time,
-        data_parallel_time: model
-            .fits(&whole, workers, workers)
-            .then(|| model.stage_time(&whole, &(0..workers))),
-    })
+    Some(assemble(model, &split, time))
 }
 
 /// The most workers [`alternatives`] enumerates every stage shape for (2^(workers-1) of them).

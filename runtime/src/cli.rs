@@ -11,7 +11,7 @@ use crate::config::{
     Backend, CheckpointConfig, Command, ConfigError, DeviceSpec, DistConfig, ModelChoice, ModulesConfig,
     OptimizerKind, P2pConfig, Precision, ProfileConfig, ReachConfig, ReduceOptions, TrainConfig,
 };
-use crate::data::{DataSpec, SYNTHETIC_EPOCH_SAMPLES};
+use crate::data::DataSpec;
 use crate::lr::{LrPolicy, LrSchedule};
 use crate::schedule::Schedule;
 
@@ -83,7 +83,7 @@ struct ProfileArgs {
     #[command(flatten)]
     model: ModelArgs,
     /// Samples per measured batch (the minibatch the plan is for).
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = stagehand_contract::defaults::BATCH_SIZE)]
     batch_size: usize,
     /// Device: cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
@@ -155,7 +155,7 @@ struct TrainArgs {
     #[command(flatten)]
     model: ModelArgs,
     /// Samples per iteration (minibatch).
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = stagehand_contract::defaults::BATCH_SIZE)]
     batch_size: usize,
     /// Iterations (optimizer steps) to run.
     #[arg(long, default_value_t = 10)]
@@ -527,14 +527,13 @@ impl TrainArgs {
         if self.epochs.is_none() && !schedule.varies() {
             return Ok((self.iterations, schedule));
         }
-        let samples = match (self.epoch_samples, data) {
-            (Some(n), _) => n,
-            (None, DataSpec::Synthetic) => SYNTHETIC_EPOCH_SAMPLES,
-            (None, dataset) => dataset.samples().map_err(|e| {
+        let samples = match self.epoch_samples {
+            Some(n) => n,
+            None => data.samples().map_err(|e| {
                 invalid(
                     "--epoch-samples",
                     format!(
-                        "an epoch is the dataset once over, and {dataset} cannot be counted on this \
+                        "an epoch is the dataset once over, and {data} cannot be counted on this \
                          rank ({e}); pass --epoch-samples N"
                     ),
                 )

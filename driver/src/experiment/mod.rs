@@ -581,17 +581,14 @@ fn translate_pipedream(
 fn epoch_iterations(file: &ExperimentFile) -> Option<u64> {
     let samples = match (file.epoch_samples, &file.data_dir) {
         (Some(n), _) => n,
-        (None, None) => SYNTHETIC_EPOCH_SAMPLES,
+        (None, None) => stagehand_contract::defaults::SYNTHETIC_EPOCH_SAMPLES,
         (None, Some(_)) => return None,
     };
-    let batch = u64::from(file.batch_size.unwrap_or(RUNTIME_BATCH_SIZE));
+    let batch = file
+        .batch_size
+        .map_or(stagehand_contract::defaults::BATCH_SIZE as u64, u64::from);
     Some(file.epochs? * (samples / batch.max(1)))
 }
-
-/// The runtime's epoch of synthetic data, in samples: PipeDream's synthetic dataset's length.
-const SYNTHETIC_EPOCH_SAMPLES: u64 = 1_000_000;
-/// The runtime's `--batch-size` default.
-const RUNTIME_BATCH_SIZE: u32 = 32;
 
 /// Checks the keys PipeDream's driver configs have that this driver does not honour yet: each
 /// is refused with what to use instead, never ignored.
@@ -631,16 +628,12 @@ fn check_pipedream_keys(loaded: &Loaded) -> Result<(), ConfigError> {
             ));
         }
     }
-    if f.checkpoint_dir.is_none() {
-        for key in ["checkpoint_every", "resume"] {
-            let given = match key {
-                "resume" => f.resume.is_some(),
-                _ => f.checkpoint_every.is_some(),
-            };
-            if given {
-                return Err(loaded.error_at(key, format!("`{key}` needs a `checkpoint_dir`")));
-            }
-        }
+    let needs_dir = [
+        ("checkpoint_every", f.checkpoint_every.is_some()),
+        ("resume", f.resume.is_some()),
+    ];
+    if let (None, Some((key, _))) = (&f.checkpoint_dir, needs_dir.iter().find(|(_, given)| *given)) {
+        return Err(loaded.error_at(key, format!("`{key}` needs a `checkpoint_dir`")));
     }
     if f.compress_activations == Some(true) && f.compress_in_gpu == Some(false) {
         return Err(loaded.error_at(

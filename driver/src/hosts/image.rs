@@ -63,12 +63,12 @@ pub async fn ensure_all(
     feedback: Feedback,
 ) -> Result<Vec<Prepared>, HostError> {
     match source {
-        ImageSource::Named(name) => named(engines, name).await,
+        ImageSource::Named(name) => named(engines, name, inspect_all(engines, name).await),
         ImageSource::Build(spec) => ensure_built(engines, spec, feedback).await,
         ImageSource::Base { name, build } => {
-            let found = join_all(engines.iter().map(|e| e.docker.inspect_image(name))).await;
+            let found = inspect_all(engines, name).await;
             if found.iter().flatten().any(holds_runtime) {
-                named(engines, name).await
+                named(engines, name, found)
             } else {
                 ensure_built(engines, build, feedback).await
             }
@@ -90,9 +90,20 @@ fn holds_runtime(image: &bollard::models::ImageInspect) -> bool {
         .is_some_and(|t| t == RUNTIME_TITLE)
 }
 
-/// An image used as named: every engine must have it.
-async fn named(engines: &[Engine<'_>], name: &str) -> Result<Vec<Prepared>, HostError> {
-    let found = join_all(engines.iter().map(|e| e.docker.inspect_image(name))).await;
+/// What every engine says of the image `name`, in the engines' order.
+async fn inspect_all(
+    engines: &[Engine<'_>],
+    name: &str,
+) -> Vec<Result<bollard::models::ImageInspect, bollard::errors::Error>> {
+    join_all(engines.iter().map(|e| e.docker.inspect_image(name))).await
+}
+
+/// An image used as named: every engine must have it (`found`: what each said of it).
+fn named(
+    engines: &[Engine<'_>],
+    name: &str,
+    found: Vec<Result<bollard::models::ImageInspect, bollard::errors::Error>>,
+) -> Result<Vec<Prepared>, HostError> {
     engines
         .iter()
         .zip(found)

@@ -81,10 +81,11 @@ impl DataSpec {
         })
     }
 
-    /// Samples in the dataset (once over is an epoch); synthetic data has no size of its own.
+    /// Samples in the dataset (once over is an epoch); synthetic data, which has no size of its
+    /// own, counts as PipeDream's synthetic dataset.
     pub fn samples(&self) -> Result<u64, DataError> {
         match self {
-            DataSpec::Synthetic => Ok(SYNTHETIC_EPOCH_SAMPLES),
+            DataSpec::Synthetic => Ok(stagehand_contract::defaults::SYNTHETIC_EPOCH_SAMPLES),
             DataSpec::Cifar10(dir) => cifar::count(dir),
             DataSpec::ImageFolder(dir) => image_folder::count(dir),
         }
@@ -109,9 +110,6 @@ impl fmt::Display for DataSpec {
         }
     }
 }
-
-/// An epoch of synthetic data, in samples: PipeDream's synthetic dataset's length.
-pub const SYNTHETIC_EPOCH_SAMPLES: u64 = 1_000_000;
 
 /// Which part of the data a rank reads: replicas of a stage read disjoint shards.
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -87,9 +87,8 @@ pub fn linear_normal(p: nn::Path, d_in: i64, d_out: i64, std: f64, bias: bool) -
     linear
 }
 
-/// A 2-d convolution with torchvision's init (Kaiming normal, fan-out, ReLU gain); a bias, if
-/// asked for, of zeros.
-pub fn conv2d(
+/// A 2-d convolution with parameters of zeros: the constructors below fill them.
+fn zero_conv2d(
     p: nn::Path,
     c_in: i64,
     c_out: i64,
@@ -106,7 +105,21 @@ pub fn conv2d(
         bs_init: Init::Const(0.0),
         ..Default::default()
     };
-    let mut conv = nn::conv2d(p, c_in, c_out, kernel, config);
+    nn::conv2d(p, c_in, c_out, kernel, config)
+}
+
+/// A 2-d convolution with torchvision's init (Kaiming normal, fan-out, ReLU gain); a bias, if
+/// asked for, of zeros.
+pub fn conv2d(
+    p: nn::Path,
+    c_in: i64,
+    c_out: i64,
+    kernel: i64,
+    stride: i64,
+    padding: i64,
+    bias: bool,
+) -> nn::Conv2D {
+    let mut conv = zero_conv2d(p, c_in, c_out, kernel, stride, padding, bias);
     let fan_out = c_out * kernel * kernel;
     Draw::Normal {
         std: (2.0 / fan_out as f64).sqrt(),
@@ -125,7 +138,7 @@ pub fn conv2d_default(
     stride: i64,
     padding: i64,
 ) -> nn::Conv2D {
-    let mut conv = conv2d(p, c_in, c_out, kernel, stride, padding, true);
+    let mut conv = zero_conv2d(p, c_in, c_out, kernel, stride, padding, true);
     let fan_in = c_in * kernel * kernel;
     torch_default_weight(fan_in).fill(&mut conv.ws);
     if let Some(bs) = &mut conv.bs {

@@ -54,10 +54,10 @@ impl Identity {
 
 /// `latest`: the checkpoint to resume.
 #[derive(Debug, Serialize, Deserialize)]
-struct Latest {
+pub struct Latest {
     format_version: u32,
     /// Iterations done when it was written.
-    iterations_done: u64,
+    pub iterations_done: u64,
     /// Optimizer steps taken (more than iterations under PipeDream's schedule).
     steps: u64,
     identity: Identity,
@@ -121,13 +121,8 @@ pub fn save(
     Ok(())
 }
 
-/// The iterations done by the checkpoint `dir` holds for this rank, after checking it belongs to
-/// this run.
-pub fn iterations_done(dir: &Path, identity: &Identity) -> Result<u64, String> {
-    Ok(read_latest(dir, identity)?.iterations_done)
-}
-
-fn read_latest(dir: &Path, identity: &Identity) -> Result<Latest, String> {
+/// The checkpoint `dir` holds for this rank, after checking it belongs to this run.
+pub fn read_latest(dir: &Path, identity: &Identity) -> Result<Latest, String> {
     let path = rank_dir(dir, identity.rank).join("latest");
     let text = std::fs::read_to_string(&path).map_err(|e| {
         format!(
@@ -156,16 +151,9 @@ fn read_latest(dir: &Path, identity: &Identity) -> Result<Latest, String> {
     Ok(latest)
 }
 
-/// Loads this rank's latest checkpoint into `stage` and `optimizer`; returns the iterations it
-/// had done.
-pub fn load(
-    dir: &Path,
-    identity: &Identity,
-    stage: &mut Stage,
-    optimizer: &mut Optimizer,
-) -> Result<u64, String> {
-    let latest = read_latest(dir, identity)?;
-    let here = iteration_dir(dir, identity.rank, latest.iterations_done);
+/// Loads the checkpoint `latest` names ([`read_latest`]) into `stage` and `optimizer`.
+pub fn load(dir: &Path, latest: &Latest, stage: &mut Stage, optimizer: &mut Optimizer) -> Result<(), String> {
+    let here = iteration_dir(dir, latest.identity.rank, latest.iterations_done);
     let params = here.join("params.safetensors");
     stage
         .load(&params)
@@ -175,8 +163,7 @@ pub fn load(
         .map_err(|e| format!("--resume: cannot read {}: {e}", state.display()))?;
     optimizer
         .load_state(named, latest.steps)
-        .map_err(|e| format!("--resume: {}: {e}", state.display()))?;
-    Ok(latest.iterations_done)
+        .map_err(|e| format!("--resume: {}: {e}", state.display()))
 }
 
 #[cfg(test)]

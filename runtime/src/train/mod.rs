@@ -18,7 +18,7 @@ use crate::metrics::{Emitter, Memory, Throughput};
 use crate::models::{InputKind, ModelDef};
 use crate::pipeline::{Channels, Checkpointing, Executor, Links, Reducer, TensorSpec};
 use crate::schedule::{self, Action, Schedule};
-use crate::stage::checkpoint::{self, Identity};
+use crate::stage::checkpoint::{self, Identity, Latest};
 use crate::stage::{GradScaler, Optimizer, Stage};
 
 /// The plan of stages: the config's, or every rank on one stage (data parallelism).
@@ -170,8 +170,8 @@ struct Checked {
     plan: StagePlan,
     microbatches: usize,
     actions: Vec<Action>,
-    /// Iterations a resumed checkpoint had done (0 when starting afresh).
-    first: u64,
+    /// The checkpoint to resume from (`--resume`).
+    resume: Option<Latest>,
     identity: Identity,
 }
 
@@ -192,10 +192,11 @@ fn check_plan(config: &TrainConfig) -> anyhow::Result<Checked> {
         );
     }
     let identity = identity(config, &model, &plan, microbatches);
-    let first = match &config.checkpoint {
-        Some(c) if c.resume => checkpoint::iterations_done(&c.dir, &identity).map_err(anyhow::Error::msg)?,
-        _ => 0,
+    let resume = match &config.checkpoint {
+        Some(c) if c.resume => Some(checkpoint::read_latest(&c.dir, &identity).map_err(anyhow::Error::msg)?),
+        _ => None,
     };
+    let first = resume.as_ref().map_or(0, |latest| latest.iterations_done);
     if first > config.iterations {
         bail!(
             "--resume: the checkpoint has done {first} iterations, more than --iterations {}",
@@ -208,7 +209,7 @@ fn check_plan(config: &TrainConfig) -> anyhow::Result<Checked> {
         plan,
         microbatches,
         actions,
-        first,
+        resume,
         identity,
     })
 }
@@ -262,9 +263,11 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
         plan,
         microbatches,
         actions,
-        first,
+        resume,
         identity,
     } = check_plan(config)?;
+    // Iterations a resumed checkpoint had done (0 when starting afresh).
+    let first = resume.as_ref().map_or(0, |latest| latest.iterations_done);
     let micro_size = (config.batch_size / microbatches) as i64;
     let config_iterations = config.iterations;
     let my_stage = plan.stage_of_rank(dist.rank).clone();
@@ -275,14 +278,9 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
         .set_arithmetic(config.precision, config.channels_last)
         .map_err(|e| anyhow::anyhow!("--precision/--channels-last: {e}"))?;
     let mut optimizer = Optimizer::new(config.optimizer, config.lr, stage.params());
-    if first > 0 {
+    if let Some(latest) = &resume {
         let dir = &config.checkpoint.as_ref().expect("resuming has a checkpoint").dir;
-        let done =
-            checkpoint::load(dir, &identity, &mut stage, &mut optimizer).map_err(anyhow::Error::msg)?;
-        ensure!(
-            done == first,
-            "--resume: the checkpoint changed while this rank read it"
-        );
+        checkpoint::load(dir, latest, &mut stage, &mut optimizer).map_err(anyhow::Error::msg)?;
     }
     let data = if my_stage.id == 0 {
         // Every first-stage replica reads the same minibatches and takes its own microbatches.
