@@ -7,6 +7,7 @@ pub mod architecture;
 pub mod defaults;
 pub mod metrics;
 pub mod profile;
+pub mod slurm;
 pub mod stage_config;
 
 pub use metrics::{

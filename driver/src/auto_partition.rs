@@ -56,8 +56,11 @@ pub enum AutoError {
 
 /// The machine rank 0 runs on, and how to reach it.
 pub struct FirstHost<'a> {
-    /// The host after preflight (`None` with the process backend).
+    /// The host after preflight (`None` with the process and Slurm backends).
     pub host: Option<&'a Host>,
+    /// With the Slurm backend, the job's settings and the profiling job's name: the profile is
+    /// taken by one task on one of the job's kind of nodes.
+    pub slurm: Option<(&'a crate::config::SlurmSettings, String)>,
     /// SSH settings for a remote host.
     pub ssh: &'a SshOptions,
     /// Profiles already taken by this driver (a sweep's earlier points).
@@ -192,9 +195,17 @@ async fn run_profile(
     signals: &mut StopSignals,
 ) -> Result<String, AutoError> {
     let profile_plan = one_rank(plan, argv);
-    let target = match first.host {
-        None => Target::Processes,
-        Some(h) => Target::Containers {
+    let target = match (first.host, &first.slurm) {
+        (None, Some((settings, job_name))) => Target::Slurm {
+            settings: crate::config::SlurmSettings {
+                nodes: 1,
+                tasks_per_node: 1,
+                ..(*settings).clone()
+            },
+            job_name: job_name.clone(),
+        },
+        (None, None) => Target::Processes,
+        (Some(h), _) => Target::Containers {
             hosts: vec![h.clone()],
             id: format!("{}-profile", record.id),
             ssh: first.ssh.clone(),

@@ -97,6 +97,7 @@ pub fn runtime_check(
             .args(&rank.argv[1..])
             .arg("--check")
             .envs(&rank.env)
+            .envs(experiment::slurm_task_env(plan, rank))
             .output()
             .map_err(|source| CheckError::Runtime {
                 runtime: runtime.clone(),
@@ -145,6 +146,7 @@ pub fn find_program(program: &str) -> Option<PathBuf> {
 fn image_line(plan: &Experiment) -> String {
     match (&plan.backend, &plan.image) {
         (Backend::Process, _) => "none (local processes)".to_string(),
+        (Backend::Slurm, _) => "none (Slurm runs the runtime on its nodes)".to_string(),
         (Backend::Docker, ImageSource::Named(name)) => {
             format!("{name}, used as is (it must exist on every host)")
         }
@@ -179,6 +181,7 @@ pub fn render(plan: &Experiment, image: &str, verdict: &RuntimeCheck, port_picke
     let mut out = String::new();
     let how = match (plan.backend, plan.container_mode) {
         (Backend::Process, _) => "local processes",
+        (Backend::Slurm, _) => "tasks of one Slurm job",
         (Backend::Docker, ContainerMode::PerRank) => "docker containers, one per rank",
         (Backend::Docker, ContainerMode::PerHost) => "docker containers, one per host",
     };
@@ -190,7 +193,9 @@ pub fn render(plan: &Experiment, image: &str, verdict: &RuntimeCheck, port_picke
         plan.hosts.len()
     );
     let _ = writeln!(out, "image: {image}");
-    let port = if port_picked {
+    let port = if plan.backend == Backend::Slurm && port_picked {
+        "10000 + the job id modulo 20000".to_string()
+    } else if port_picked {
         format!("a free port picked at launch ({} shown)", plan.master_port)
     } else {
         plan.master_port.to_string()
@@ -214,6 +219,10 @@ pub fn render(plan: &Experiment, image: &str, verdict: &RuntimeCheck, port_picke
             };
             let _ = writeln!(out, "  rank {}{stage} ({gpus}): {}", rank.rank, shown(&rank.argv));
         }
+    }
+    if let Some(slurm) = &plan.slurm {
+        let request = crate::launch::slurm::srun_argv(slurm, "stagehand-<record id>", &[]);
+        let _ = writeln!(out, "slurm: {} <rank command>", shown(&request));
     }
     if plan.auto.is_some() {
         let _ = writeln!(

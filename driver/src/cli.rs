@@ -319,6 +319,7 @@ fn as_filter(text: &str) -> Option<(String, String)> {
 enum BackendArg {
     Docker,
     Process,
+    Slurm,
 }
 
 /// What the command line asks for, validated.
@@ -508,6 +509,7 @@ impl ExperimentArgs {
             backend: self.backend.map(|b| match b {
                 BackendArg::Docker => Backend::Docker,
                 BackendArg::Process => Backend::Process,
+                BackendArg::Slurm => Backend::Slurm,
             }),
             runtime: self.runtime,
             source: self.source,

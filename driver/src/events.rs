@@ -91,6 +91,33 @@ pub enum StopCause {
     ProfileFailed { host: String, exit_code: Option<i64> },
     /// No stage config could be planned for `config_file: auto`.
     PlanFailed { reason: String },
+    /// Slurm ended the job, or it did not start in time: `reason` says which (`did not start:
+    /// ...`, `reached its time limit ...`).
+    SlurmJob { job_id: Option<u64>, reason: String },
+}
+
+/// A Slurm job that started: its id and nodes, for the record and for `scancel`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SlurmJob {
+    /// Slurm's job id.
+    pub job_id: u64,
+    /// The job's nodes in order (rank 0 on the first).
+    pub nodes: Vec<String>,
+}
+
+/// What Slurm said about the experiment's job (the Slurm backend).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SlurmEvent {
+    /// Submitted, waiting in the queue for resources.
+    Queued { job_id: u64 },
+    /// Given its nodes.
+    Started(SlurmJob),
+    /// A line of srun's own, not a rank's: `important` for its errors and warnings, the rest
+    /// is srun's `-v` chatter.
+    Line { line: String, important: bool },
+    /// The job will not run its ranks to their end: refused, still queued at the deadline,
+    /// at its time limit, preempted, or cancelled by someone else.
+    Stopped { job_id: Option<u64>, reason: String },
 }
 
 /// A container the driver could not remove: where it is, and how to remove it by hand.
@@ -185,6 +212,8 @@ pub enum Event {
     Stopping(StopCause),
     /// Containers the driver could not remove, after retrying for its grace period.
     ContainersLeft(Vec<LeftContainer>),
+    /// What Slurm said about the job.
+    Slurm(SlurmEvent),
     /// The run is over: every rank ended and every container removed, or reported left.
     Finished { status: Status },
 }

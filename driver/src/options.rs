@@ -23,6 +23,8 @@ pub enum Backend {
     Docker,
     /// Local child processes, no Docker involved.
     Process,
+    /// Tasks of one Slurm job step, started by `srun`.
+    Slurm,
 }
 
 /// How ranks are packed into containers.

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use crate::auto_partition::{self, AutoError, FirstHost, ProfileCache};
 use crate::check::{self, CheckError};
 use crate::config::{self, ConfigError};
-use crate::events::{Ended, Event, HostFacts, Status};
+use crate::events::{Ended, Event, HostFacts, SlurmEvent, Status};
 use crate::exit_codes;
 use crate::experiment;
 use crate::hosts;
@@ -128,7 +128,7 @@ pub async fn run_loaded(
     // runtime and a `command:` program in containers come with the image.
     let program = &plan.ranks[0].argv[0];
     let must_exist_here =
-        plan.backend == Backend::Process || (loaded.file.command.is_none() && options.runtime.is_some());
+        plan.backend != Backend::Docker || (loaded.file.command.is_none() && options.runtime.is_some());
     if must_exist_here && check::find_program(program).is_none() {
         return Err(RunError::Preflight(LaunchError::ProgramMissing {
             path: program.into(),
@@ -145,9 +145,22 @@ pub async fn run_loaded(
         Ok(_) | Err(CheckError::Runtime { .. }) => {}
     }
 
+    // Slurm judges the request itself, without running it.
+    let slurm_verdict = match &plan.slurm {
+        Some(settings) => {
+            let name = format!("{}-check", plan.name);
+            let check = launch::slurm::preflight(settings, &name, &plan.ranks[0].argv);
+            tokio::select! {
+                r = check => Some(r.map_err(RunError::Preflight)?),
+                _ = signals.recv() => return Err(RunError::Launch(LaunchError::Interrupted)),
+            }
+        }
+        None => None,
+    };
+
     // Preflight every host concurrently before anything starts anywhere.
     let prepared = match plan.backend {
-        Backend::Process => None,
+        Backend::Process | Backend::Slurm => None,
         Backend::Docker => {
             let feedback = hosts::image::Feedback {
                 verbose,
@@ -189,13 +202,19 @@ pub async fn run_loaded(
     // The master port must be free where rank 0 listens; a port the driver picked is replaced
     // when the first machine has it taken, a port the user chose is reported.
     let master = prepared.as_ref().and_then(|p| p.first()).map(|(host, _)| host);
-    let port = master_port(
-        plan.master_port,
-        options.master_port.is_some(),
-        experiment::free_local_port,
-        |port| hosts::master_port_free(master, port),
-    )
-    .await;
+    let port = match plan.backend {
+        // Each job's ranks derive theirs from the job id, or take the one given, on Slurm's node.
+        Backend::Slurm => PortPick::Free(plan.master_port),
+        Backend::Process | Backend::Docker => {
+            master_port(
+                plan.master_port,
+                options.master_port.is_some(),
+                experiment::free_local_port,
+                |port| hosts::master_port_free(master, port),
+            )
+            .await
+        }
+    };
     let plan = match port {
         PortPick::Free(port) if port == plan.master_port => plan,
         PortPick::Free(port) => experiment::resolve(&loaded, &options, port)?,
@@ -241,6 +260,7 @@ pub async fn run_loaded(
     if options.verbosity != crate::options::Verbosity::Quiet {
         let how = match plan.backend {
             Backend::Process => "local processes",
+            Backend::Slurm => "tasks of one Slurm job",
             Backend::Docker => match plan.container_mode {
                 ContainerMode::PerRank => "docker containers, one per rank",
                 ContainerMode::PerHost => "docker containers, one per host",
@@ -257,12 +277,20 @@ pub async fn run_loaded(
         );
     }
 
+    if let Some(verdict) = slurm_verdict {
+        reporters.report(&Event::Slurm(SlurmEvent::Line {
+            line: format!("preflight (srun --test-only): {verdict}"),
+            important: false,
+        }));
+    }
+    let job_name = format!("stagehand-{}", record.id);
     let mut prepared = prepared;
     let plan = match plan.auto.clone() {
         None => plan,
         Some(auto) => {
             let first = FirstHost {
                 host: prepared.as_ref().and_then(|p| p.first()).map(|(host, _)| host),
+                slurm: plan.slurm.as_ref().map(|s| (s, format!("{job_name}-profile"))),
                 ssh: &ssh,
                 cache: profiles,
             };
@@ -297,8 +325,12 @@ pub async fn run_loaded(
         }
     };
 
-    let target = match prepared {
-        None => {
+    let target = match (prepared, &plan.slurm) {
+        (None, Some(settings)) => Target::Slurm {
+            settings: settings.clone(),
+            job_name,
+        },
+        (None, None) => {
             reporters.report(&Event::HostReady(HostFacts {
                 host: plan.hosts[0].name.clone(),
                 docker_version: None,
@@ -312,7 +344,7 @@ pub async fn run_loaded(
             }));
             Target::Processes
         }
-        Some(prepared) => {
+        (Some(prepared), _) => {
             let (hosts, facts): (Vec<_>, Vec<_>) = prepared.into_iter().unzip();
             for f in facts {
                 reporters.report(&Event::HostReady(f));

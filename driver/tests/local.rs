@@ -16,4 +16,5 @@ mod pipeline;
 mod plan;
 mod process;
 mod results;
+mod slurm;
 mod sweep;

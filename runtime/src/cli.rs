@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use stagehand_contract::slurm::SlurmTask;
 use stagehand_contract::StageConfig;
 
 use crate::config::{
@@ -244,18 +245,25 @@ struct TrainArgs {
 /// The launch contract (torchrun's variables as fallbacks), stage config and schedule.
 #[derive(Debug, Args)]
 struct DistArgs {
+    /// Where the rank's place comes from: `env`, these flags with torchrun's variables as
+    /// fallbacks; `slurm`, the environment srun gives each task (SLURM_PROCID, SLURM_NTASKS,
+    /// SLURM_LOCALID, the step's first node as the master address), which then overrides
+    /// --rank, --local-rank and --master-addr.
+    #[arg(long, value_enum, default_value_t = LauncherArg::Env)]
+    launcher: LauncherArg,
     /// This process's rank.
     #[arg(long, env = "RANK", default_value_t = 0)]
     rank: usize,
-    /// Number of ranks.
-    #[arg(long, env = "WORLD_SIZE", default_value_t = 1)]
-    world_size: usize,
+    /// Number of ranks [default: 1; with --launcher slurm, SLURM_NTASKS, which it must match].
+    #[arg(long, env = "WORLD_SIZE")]
+    world_size: Option<usize>,
     /// Address of rank 0, which hosts the rendezvous store.
     #[arg(long, env = "MASTER_ADDR", default_value = "127.0.0.1")]
     master_addr: String,
-    /// Port of the rendezvous store on rank 0.
-    #[arg(long, env = "MASTER_PORT", default_value_t = 29500)]
-    master_port: u16,
+    /// Port of the rendezvous store on rank 0 [default: 29500; with --launcher slurm, 10000 +
+    /// the job id modulo 20000].
+    #[arg(long, env = "MASTER_PORT")]
+    master_port: Option<u16>,
     /// Rank within this host; picks the GPU when --device is plain `cuda`.
     #[arg(long, env = "LOCAL_RANK", default_value_t = 0)]
     local_rank: usize,
@@ -293,6 +301,12 @@ struct DistArgs {
     /// Every rank must be given it.
     #[arg(long)]
     compress_activations: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum LauncherArg {
+    Env,
+    Slurm,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -424,11 +438,12 @@ impl TrainArgs {
                 reason: format!("{} is not a positive number", self.lr),
             });
         }
+        let place = self.dist.place(|name| std::env::var(name).ok())?;
         let device = match self.device.as_str() {
-            "cuda" => DeviceSpec::Cuda(self.dist.local_rank),
+            "cuda" => DeviceSpec::Cuda(place.cuda_index),
             other => DeviceSpec::parse(other)?,
         };
-        let dist = self.dist.into_config(device)?;
+        let dist = self.dist.into_config(place, device)?;
         let stages = dist
             .stage_config
             .as_ref()
@@ -590,18 +605,72 @@ impl TrainArgs {
     }
 }
 
+/// Where a rank is in the world: from its flags, or from Slurm's environment.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Place {
+    rank: usize,
+    world_size: usize,
+    master_addr: String,
+    master_port: u16,
+    /// The CUDA device plain `--device cuda` means.
+    cuda_index: usize,
+}
+
+/// The rendezvous port when neither --master-port nor MASTER_PORT gives one (torchrun's).
+const DEFAULT_MASTER_PORT: u16 = 29500;
+
 impl DistArgs {
-    fn into_config(self, device: DeviceSpec) -> Result<DistConfig, ConfigError> {
+    /// The rank's place; `var` reads the environment (Slurm's, with `--launcher slurm`).
+    fn place(&self, var: impl Fn(&str) -> Option<String>) -> Result<Place, ConfigError> {
         let invalid = |flag, reason: String| ConfigError::Invalid { flag, reason };
-        if self.world_size == 0 {
+        let place = match self.launcher {
+            LauncherArg::Env => Place {
+                rank: self.rank,
+                world_size: self.world_size.unwrap_or(1),
+                master_addr: self.master_addr.clone(),
+                master_port: self.master_port.unwrap_or(DEFAULT_MASTER_PORT),
+                cuda_index: self.local_rank,
+            },
+            LauncherArg::Slurm => {
+                let task = SlurmTask::from_env(&var).map_err(|e| invalid("--launcher", e.to_string()))?;
+                if let Some(n) = self.world_size.filter(|&n| n != task.world_size) {
+                    return Err(invalid(
+                        "--world-size",
+                        format!(
+                            "{n}, but srun started {} tasks; ask srun for {n} tasks (--ntasks, or \
+                             --nodes x --ntasks-per-node) or drop --world-size",
+                            task.world_size
+                        ),
+                    ));
+                }
+                // With --gpus-per-task Slurm shows each task its own GPUs; with a node's --gres
+                // every task sees them all and takes the one its rank on the node picks.
+                let visible = var("CUDA_VISIBLE_DEVICES")
+                    .map(|v| v.split(',').filter(|d| !d.trim().is_empty()).count())
+                    .filter(|&n| n > 0);
+                Place {
+                    rank: task.rank,
+                    world_size: task.world_size,
+                    master_addr: task.master_addr().to_string(),
+                    master_port: self.master_port.unwrap_or_else(|| task.default_master_port()),
+                    cuda_index: visible.map_or(task.local_rank, |n| task.local_rank % n),
+                }
+            }
+        };
+        if place.world_size == 0 {
             return Err(invalid("--world-size", "must be at least 1".into()));
         }
-        if self.rank >= self.world_size {
+        if place.rank >= place.world_size {
             return Err(invalid(
                 "--rank",
-                format!("{} is not below --world-size {}", self.rank, self.world_size),
+                format!("{} is not below --world-size {}", place.rank, place.world_size),
             ));
         }
+        Ok(place)
+    }
+
+    fn into_config(self, place: Place, device: DeviceSpec) -> Result<DistConfig, ConfigError> {
+        let invalid = |flag, reason: String| ConfigError::Invalid { flag, reason };
         if self.microbatches == Some(0) {
             return Err(invalid("--microbatches", "must be at least 1".into()));
         }
@@ -628,7 +697,7 @@ impl DistArgs {
                 .and_then(|(r, f)| Some((r.parse::<usize>().ok()?, f.parse::<f64>().ok()?)));
             match parsed {
                 Some((rank, factor)) if factor >= 1.0 && factor.is_finite() => {
-                    if rank == self.rank {
+                    if rank == place.rank {
                         slowdown = factor;
                     }
                 }
@@ -666,10 +735,10 @@ impl DistArgs {
             (Some(BackendArg::Nccl), _) | (None, DeviceSpec::Cuda(_)) => Backend::Nccl,
         };
         Ok(DistConfig {
-            rank: self.rank,
-            world_size: self.world_size,
-            master_addr: self.master_addr,
-            master_port: self.master_port,
+            rank: place.rank,
+            world_size: place.world_size,
+            master_addr: place.master_addr,
+            master_port: place.master_port,
             backend,
             stage_config,
             schedule: match self.schedule {
@@ -724,4 +793,83 @@ fn positive_seconds(flag: &'static str, value: f64) -> Result<f64, ConfigError> 
         });
     }
     Ok(value)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+
+    fn dist(args: &[&str]) -> DistArgs {
+        let argv = ["runtime", "--model", "mlp"].iter().chain(args);
+        Cli::try_parse_from(argv).expect("flags parse").train.dist
+    }
+
+    fn slurm_env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let mut map: BTreeMap<String, String> = [
+            ("SLURM_JOB_ID", "4242"),
+            ("SLURM_PROCID", "3"),
+            ("SLURM_NTASKS", "4"),
+            ("SLURM_LOCALID", "1"),
+            ("SLURM_STEP_NODELIST", "gpu[07-08]"),
+        ]
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+        map.extend(pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+        move |k| map.get(k).cloned()
+    }
+
+    #[test]
+    fn under_slurm_the_place_comes_from_the_task_environment() {
+        let place = dist(&["--launcher", "slurm"]).place(slurm_env(&[])).unwrap();
+        assert_eq!(
+            place,
+            Place {
+                rank: 3,
+                world_size: 4,
+                master_addr: "gpu07".into(),
+                master_port: 14242,
+                cuda_index: 1,
+            }
+        );
+        let given_port = dist(&["--launcher", "slurm", "--master-port", "5000"]);
+        assert_eq!(given_port.place(slurm_env(&[])).unwrap().master_port, 5000);
+    }
+
+    #[test]
+    fn under_slurm_a_task_takes_the_gpu_its_rank_on_the_node_picks_among_those_it_sees() {
+        let d = dist(&["--launcher", "slurm"]);
+        let one_each = d.place(slurm_env(&[("CUDA_VISIBLE_DEVICES", "5")])).unwrap();
+        assert_eq!(one_each.cuda_index, 0);
+        let shared = d.place(slurm_env(&[
+            ("CUDA_VISIBLE_DEVICES", "0,1"),
+            ("SLURM_LOCALID", "3"),
+        ]));
+        assert_eq!(shared.unwrap().cuda_index, 1);
+    }
+
+    #[test]
+    fn a_world_size_that_srun_did_not_start_is_refused() {
+        let e = dist(&["--launcher", "slurm", "--world-size", "8"])
+            .place(slurm_env(&[]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("8, but srun started 4 tasks"), "{e}");
+        let e = dist(&["--launcher", "slurm"])
+            .place(|_| None)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("not started by srun"), "{e}");
+    }
+
+    #[test]
+    fn without_slurm_the_flags_and_their_defaults_hold() {
+        let place = dist(&["--rank", "1", "--world-size", "2"])
+            .place(slurm_env(&[]))
+            .unwrap();
+        assert_eq!((place.rank, place.world_size, place.master_port), (1, 2, 29500));
+        assert_eq!(place.master_addr, "127.0.0.1");
+    }
 }

@@ -88,6 +88,19 @@ impl Machine {
         })
     }
 
+    /// A machine known only by a name, such as a Slurm node before Slurm picks it.
+    pub fn placeholder(host: String) -> Machine {
+        Machine {
+            host,
+            user: None,
+            port: None,
+            identity_file: None,
+            gpus: Vec::new(),
+            host_key_check: HostKeyCheck::Strict,
+            docker_socket: None,
+        }
+    }
+
     /// Whether this entry means the local Docker engine.
     pub fn is_local(&self) -> bool {
         matches!(self.host.as_str(), "localhost" | "local")

@@ -6,6 +6,7 @@ mod container;
 pub mod machine;
 mod mount;
 mod planner;
+mod slurm;
 mod sweep;
 mod yaml;
 
@@ -18,6 +19,7 @@ pub use container::Container;
 pub use machine::Machine;
 pub use mount::Mount;
 pub use planner::{PlannerSettings, StageConfigRef};
+pub use slurm::SlurmSettings;
 pub use sweep::{check_grid_value, value_text, with_overrides, Axis, Sweep};
 pub use yaml::{load, parse_scalar, ConfigError, Loaded};
 
@@ -30,11 +32,17 @@ pub struct ExperimentFile {
     /// Experiment name used in the record folder; defaults to the file's stem.
     #[serde(default)]
     pub name: Option<String>,
-    /// Where ranks run: `docker` (default) or `process`.
+    /// Where ranks run: `docker` (default), `process` or `slurm`.
     #[serde(default)]
     pub backend: Option<Backend>,
-    /// One entry per rank (`host:gpu`, `host`) or a mapping for a host with several GPUs.
+    /// One entry per rank (`host:gpu`, `host`) or a mapping for a host with several GPUs; with
+    /// `backend: slurm`, Slurm places the ranks (`slurm:`) and there are none.
+    #[serde(default)]
     pub machines: Vec<Machine>,
+    /// What `backend: slurm` asks Slurm for: partition, nodes, tasks per node, GPUs, time limit,
+    /// account, more srun options.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slurm: Option<SlurmSettings>,
     /// An image name, or `{build: DIR}`; by default the build context `docker/`.
     #[serde(default)]
     pub container: Option<Container>,

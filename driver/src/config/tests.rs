@@ -78,7 +78,6 @@ command: [python3, train.py, --epochs, '1']
 fn malformed_files_get_located_messages() {
     let cases: &[(&str, &str)] = &[
         ("unknown_key", "machines: [localhost]\nbatch_sise: 32\n"),
-        ("missing_machines", "module: mlp\n"),
         ("machines_not_a_list", "machines: localhost\n"),
         ("bad_gpu_index", "machines:\n  - node1:0\n  - node1:first\n"),
         ("unknown_machine_key", "machines:\n  - host: node1\n    gpu: 0\n"),

@@ -71,6 +71,19 @@ pub fn load(path: &Path) -> Result<Loaded, ConfigError> {
 
 /// Parses experiment YAML; `path` is only used in messages.
 pub fn parse(path: &Path, text: &str) -> Result<ExperimentFile, ConfigError> {
+    let blank = text.lines().all(|l| {
+        let l = l.trim();
+        l.is_empty() || l.starts_with('#') || l == "---"
+    });
+    if blank {
+        return Err(ConfigError::Invalid {
+            path: path.to_path_buf(),
+            location: Some(Location { line: 1, column: 1 }),
+            message: "the file holds no experiment keys; give `module:` and the ranks' \
+                      `machines:` (one `host:gpu` or `localhost` per rank), or `backend: slurm`"
+                .into(),
+        });
+    }
     from_str(path, text)
 }
 
@@ -125,9 +138,7 @@ fn describe(message: &str, text: &str, location: Option<Location>) -> String {
     let line = location
         .and_then(|l| text.lines().nth(l.line.saturating_sub(1)))
         .unwrap_or("");
-    if message.contains("missing field `machines`") {
-        message.push_str("; list one `host:gpu` (or `localhost`) per rank");
-    } else if line.starts_with(|c: char| c.is_whitespace()) && line.contains('\t') {
+    if line.starts_with(|c: char| c.is_whitespace()) && line.contains('\t') {
         message.push_str("; indent with spaces, YAML does not allow tabs");
     } else if message.contains("did not find expected key")
         || message.contains("mapping values are not allowed")

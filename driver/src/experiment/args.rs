@@ -21,6 +21,9 @@ pub(super) struct ArgsContext<'a> {
     pub world_size: usize,
     pub master_addr: &'a str,
     pub master_port: u16,
+    /// Whether the user chose the master port (the Slurm backend passes only a chosen one: its
+    /// ranks derive theirs from the job id).
+    pub master_port_given: bool,
     /// Microbatches per minibatch: the file's, or the planned ones with `config_file: auto`.
     pub microbatches: Option<u32>,
 }
@@ -34,6 +37,9 @@ pub(super) fn rank_command(
     gpus: &[u32],
 ) -> (Vec<String>, BTreeMap<String, String>) {
     let mut env: BTreeMap<String, String> = ctx.file.env.clone();
+    if ctx.backend == Backend::Slurm {
+        return (slurm_command(ctx, host), env);
+    }
     env.insert("RANK".into(), rank.to_string());
     env.insert("WORLD_SIZE".into(), ctx.world_size.to_string());
     env.insert("LOCAL_RANK".into(), local_rank.to_string());
@@ -45,6 +51,31 @@ pub(super) fn rank_command(
         return (command.clone(), env);
     }
 
+    (runtime_command(ctx, rank, local_rank, host, gpus), env)
+}
+
+/// The one command every task of a Slurm job step runs: each rank reads its place from Slurm's
+/// environment (`--launcher slurm`), so the argument vector is the same for all, with every
+/// rank's slowdown (each rank applies its own).
+fn slurm_command(ctx: &ArgsContext, host: &HostSpec) -> Vec<String> {
+    let mut argv = runtime_command(ctx, 0, 0, host, &[]);
+    for rank in 1..ctx.world_size {
+        if let Some(factor) = slowdown_of(ctx.file, rank, &host.name) {
+            argv.push("--slowdown".into());
+            argv.push(format!("{rank}={factor}"));
+        }
+    }
+    argv
+}
+
+/// The runtime's argument vector for one rank.
+fn runtime_command(
+    ctx: &ArgsContext,
+    rank: usize,
+    local_rank: usize,
+    host: &HostSpec,
+    gpus: &[u32],
+) -> Vec<String> {
     let f = ctx.file;
     let mut argv = vec![ctx.runtime.display().to_string()];
     model_flags(ctx, &mut argv);
@@ -107,7 +138,13 @@ pub(super) fn rank_command(
     if let Some(b) = f.distributed_backend {
         flag("backend", b.as_arg().to_string());
     }
-    if distributed {
+    if ctx.backend == Backend::Slurm {
+        flag("launcher", "slurm".into());
+        flag("world-size", ctx.world_size.to_string());
+        if ctx.master_port_given {
+            flag("master-port", ctx.master_port.to_string());
+        }
+    } else if distributed {
         flag("rank", rank.to_string());
         flag("world-size", ctx.world_size.to_string());
         flag("master-addr", ctx.master_addr.to_string());
@@ -141,7 +178,7 @@ pub(super) fn rank_command(
         argv.push("--slowdown".into());
         argv.push(format!("{rank}={factor}"));
     }
-    (argv, env)
+    argv
 }
 
 /// The factor `slowdown:` gives `rank` on `host`: its own entry's, else its machine's.
@@ -210,6 +247,13 @@ pub(super) fn profile_command(
 
 /// The `--device` value as the rank sees its GPUs: a container given one GPU sees it as `cuda:0`.
 pub(super) fn device_arg(ctx: &ArgsContext, host: &HostSpec, gpus: &[u32]) -> String {
+    // Slurm shows each task its GPUs; the runtime picks among them by its rank on the node.
+    if ctx.backend == Backend::Slurm {
+        return match ctx.device {
+            Device::Cuda => "cuda".to_string(),
+            Device::Cpu => "cpu".to_string(),
+        };
+    }
     let Some(&gpu) = gpus.first() else {
         return "cpu".to_string();
     };
@@ -217,7 +261,7 @@ pub(super) fn device_arg(ctx: &ArgsContext, host: &HostSpec, gpus: &[u32]) -> St
         return "cpu".to_string();
     }
     let visible_index = match (ctx.backend, ctx.container_mode) {
-        (Backend::Process, _) => gpu as usize,
+        (Backend::Process | Backend::Slurm, _) => gpu as usize,
         (Backend::Docker, ContainerMode::PerRank) => 0,
         (Backend::Docker, ContainerMode::PerHost) => host
             .gpus

@@ -11,7 +11,9 @@ use std::path::{Path, PathBuf};
 use serde::Serialize;
 use stagehand_contract::StageConfig;
 
-use crate::config::{ConfigError, Container, Device, ExperimentFile, Loaded, Machine, Mount, StageConfigRef};
+use crate::config::{
+    ConfigError, Container, Device, ExperimentFile, Loaded, Machine, Mount, SlurmSettings, StageConfigRef,
+};
 use crate::options::{Backend, ContainerMode, Options};
 
 /// The process backend's runtime when `--runtime` gives none (relative to the working folder).
@@ -182,6 +184,8 @@ pub struct Experiment {
     pub log_directory: PathBuf,
     /// Profiling and planning still to do (`config_file: auto`), before the ranks can start.
     pub auto: Option<AutoPartition>,
+    /// What the job asks Slurm for, with the Slurm backend.
+    pub slurm: Option<SlurmSettings>,
 }
 
 impl Experiment {
@@ -242,13 +246,19 @@ fn resolve_with(
 ) -> Result<Experiment, ConfigError> {
     let file = &loaded.file;
     let base = absolute(&loaded.base_dir());
-    if file.machines.is_empty() {
+    let backend = options.backend.or(file.backend).unwrap_or(Backend::Docker);
+    let slurm = slurm_settings(loaded, backend)?;
+    let machines = match &slurm {
+        Some(settings) => slurm_nodes(settings),
+        None => file.machines.clone(),
+    };
+    if machines.is_empty() {
         return Err(loaded.error_at(
             "machines",
-            "machines is empty; list one `host:gpu` (or `localhost`) per rank",
+            "machines is empty; list one `host:gpu` (or `localhost`) per rank, or run on Slurm \
+             with `backend: slurm`",
         ));
     }
-    let backend = options.backend.or(file.backend).unwrap_or(Backend::Docker);
     if backend == Backend::Process {
         if let Some(m) = file.machines.iter().find(|m| !m.is_local()) {
             return Err(loaded.error_at(
@@ -262,7 +272,7 @@ fn resolve_with(
         }
     }
 
-    let (hosts, rank_slots) = group_hosts(&file.machines);
+    let (hosts, rank_slots) = group_hosts(&machines);
     let world_size = rank_slots.len();
     check_slowdown(loaded, &hosts, world_size)?;
     check_pipedream_keys(loaded)?;
@@ -297,8 +307,12 @@ fn resolve_with(
                 loaded.error_at(
                     "config_file",
                     format!(
-                        "{}: {e} (the machines list gives {world_size} ranks)",
-                        path.display()
+                        "{}: {e} ({} {world_size} ranks)",
+                        path.display(),
+                        match slurm {
+                            Some(_) => "slurm.nodes x slurm.tasks_per_node give",
+                            None => "the machines list gives",
+                        }
                     ),
                 )
             })?;
@@ -319,11 +333,11 @@ fn resolve_with(
         ));
     }
 
-    let any_gpu = hosts.iter().any(|h| !h.gpus.is_empty());
+    let any_gpu = hosts.iter().any(|h| !h.gpus.is_empty()) || slurm.as_ref().is_some_and(|s| s.has_gpus());
     let device = file
         .device
         .unwrap_or(if any_gpu { Device::Cuda } else { Device::Cpu });
-    if device == Device::Cuda && rank_slots.iter().any(|(_, gpus)| gpus.is_empty()) {
+    if device == Device::Cuda && slurm.is_none() && rank_slots.iter().any(|(_, gpus)| gpus.is_empty()) {
         return Err(loaded.error_at(
             "device",
             "device is cuda but some machines entries name no GPU; write them as `host:gpu`",
@@ -355,6 +369,7 @@ fn resolve_with(
     let all_local = hosts.iter().all(|h| h.machine.is_local());
     // Until preflight finds it on the machines (run.rs), a remote first machine goes by its name.
     let master_addr = match (&file.master_addr, all_local, hosts[0].machine.is_local()) {
+        _ if slurm.is_some() => SLURM_MASTER_ADDR.to_string(),
         (Some(addr), _, _) => addr.clone(),
         (None, true, _) => "127.0.0.1".to_string(),
         (None, false, true) => this_host_name(),
@@ -365,10 +380,10 @@ fn resolve_with(
     // `--runtime` names one (mounted or copied into containers); else the image's own.
     let runtime = match (backend, &local_runtime) {
         (_, Some(path)) => path.clone(),
-        (Backend::Process, None) => absolute(Path::new(DEFAULT_LOCAL_RUNTIME)),
+        (Backend::Process | Backend::Slurm, None) => absolute(Path::new(DEFAULT_LOCAL_RUNTIME)),
         (Backend::Docker, None) => PathBuf::from(RUNTIME_IN_IMAGE),
     };
-    let runtime_is_local = backend == Backend::Process || local_runtime.is_some();
+    let runtime_is_local = backend != Backend::Docker || local_runtime.is_some();
     let stage_config_path = stages.as_ref().map(|(p, _)| p.clone());
     let microbatches = planned.map(|p| p.microbatches).or(file.microbatches);
     let program = match &file.command {
@@ -434,6 +449,7 @@ fn resolve_with(
         world_size,
         master_addr: &master_addr,
         master_port,
+        master_port_given: options.master_port.is_some(),
         microbatches,
     };
     let auto = match (auto, planned) {
@@ -481,7 +497,91 @@ fn resolve_with(
         shm_size_bytes: file.shm_size_mb.unwrap_or(DEFAULT_SHM_MB) * 1024 * 1024,
         log_directory: log_directory(loaded, options),
         auto,
+        slurm,
     })
+}
+
+/// What `master_addr` says with the Slurm backend, where every rank finds it in its job.
+pub const SLURM_MASTER_ADDR: &str = "the Slurm job's first node";
+
+/// The `slurm:` settings with `backend: slurm` (the defaults when the section is left out),
+/// checked; `None` with other backends, which must not have the section or keys only Slurm
+/// runs without.
+fn slurm_settings(loaded: &Loaded, backend: Backend) -> Result<Option<SlurmSettings>, ConfigError> {
+    let file = &loaded.file;
+    if backend != Backend::Slurm {
+        if file.slurm.is_some() {
+            return Err(loaded.error_at(
+                "slurm",
+                "slurm settings apply only with `backend: slurm`; set the backend or remove them",
+            ));
+        }
+        return Ok(None);
+    }
+    if !file.machines.is_empty() {
+        return Err(loaded.error_at(
+            "machines",
+            "with `backend: slurm` Slurm places the ranks; remove `machines` and give the job's \
+             shape as `slurm: {nodes: N, tasks_per_node: T}`",
+        ));
+    }
+    if file.command.is_some() {
+        return Err(loaded.error_at(
+            "command",
+            "`command:` runs a program with torchrun's rank environment, which the Slurm backend \
+             does not set (its ranks read Slurm's); run the runtime, or use the process or docker \
+             backend",
+        ));
+    }
+    if file.master_addr.is_some() {
+        return Err(loaded.error_at(
+            "master_addr",
+            "with `backend: slurm` every rank reaches the job's first node, which Slurm picks; \
+             remove `master_addr`",
+        ));
+    }
+    if file.slowdown.iter().any(|s| s.host.is_some()) {
+        return Err(loaded.error_at(
+            "slowdown",
+            "with `backend: slurm` the nodes are Slurm's to pick, so a slowdown names a `rank`, \
+             not a `host`",
+        ));
+    }
+    let settings = file.slurm.clone().unwrap_or_default();
+    settings
+        .check()
+        .map_err(|(key, message)| loaded.error_at(key, message))?;
+    Ok(Some(settings))
+}
+
+/// The environment srun would give `rank`'s task, for its check (the Slurm backend's ranks read
+/// their place from it); none with other backends.
+pub fn slurm_task_env(plan: &Experiment, rank: &RankSpec) -> Vec<(String, String)> {
+    if plan.backend != Backend::Slurm {
+        return Vec::new();
+    }
+    [
+        ("SLURM_JOB_ID", "1".to_string()),
+        ("SLURM_PROCID", rank.rank.to_string()),
+        ("SLURM_NTASKS", plan.world_size().to_string()),
+        ("SLURM_LOCALID", rank.local_rank.to_string()),
+        ("SLURM_JOB_NODELIST", "localhost".to_string()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect()
+}
+
+/// Placeholder machines for a Slurm job's nodes (Slurm names them once the job starts), each
+/// with its ranks: srun's default block distribution puts ranks `i*T .. (i+1)*T` on node `i`.
+fn slurm_nodes(settings: &SlurmSettings) -> Vec<Machine> {
+    let mut machines = Vec::new();
+    for node in 0..settings.nodes {
+        for _ in 0..settings.tasks_per_node {
+            machines.push(Machine::placeholder(format!("slurm-node-{node}")));
+        }
+    }
+    machines
 }
 
 /// A stage config named in the experiment file: next to the file, or, as PipeDream's driver

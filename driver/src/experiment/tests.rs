@@ -181,6 +181,7 @@ fn command_replaces_the_runtime_and_keeps_the_rank_environment() {
 fn cross_field_mistakes_point_at_their_key() {
     let cases = [
         ("machines: []\n", "exp.yml:1:1: machines is empty"),
+        ("module: mlp\n", "machines is empty; list one `host:gpu`"),
         (
             "machines: [node1]\nbackend: process\n",
             "host `node1` is not local",
@@ -405,6 +406,7 @@ fn runtime_accepts_every_rank(config: &Path, plan: &Experiment) {
             .args(&rank.argv[1..])
             .arg("--check")
             .envs(&rank.env)
+            .envs(slurm_task_env(plan, rank))
             .output()
             .unwrap();
         assert!(
@@ -881,5 +883,94 @@ fn a_checkpoint_folder_reaches_every_rank_and_outlives_its_containers() {
             .unwrap_err()
             .to_string();
         assert!(e.contains(&format!("`{key}`")), "{text}: {e}");
+    }
+}
+
+#[test]
+fn slurm_ranks_share_one_command_that_reads_its_place_from_slurm() {
+    let plan = resolve_text(
+        "backend: slurm\nslurm: {nodes: 2, tasks_per_node: 2, gpus_per_task: 1}\nmodule: mlp\n\
+         config_file: two.json\nslowdown: [{rank: 3, factor: 2}]\nenv: {NCCL_DEBUG: INFO}\n",
+        &options(None, ContainerMode::PerRank),
+    )
+    .unwrap_err()
+    .to_string();
+    // A two-stage config over two ranks, but the job has four.
+    assert!(
+        plan.contains("slurm.nodes x slurm.tasks_per_node give 4 ranks"),
+        "{plan}"
+    );
+
+    let plan = resolve_text(
+        "backend: slurm\nslurm: {nodes: 2, tasks_per_node: 2, gpus_per_task: 1}\nmodule: mlp\n\
+         slowdown: [{rank: 3, factor: 2}]\nenv: {NCCL_DEBUG: INFO}\n",
+        &options(None, ContainerMode::PerRank),
+    )
+    .unwrap();
+    assert_eq!(plan.world_size(), 4);
+    assert_eq!(plan.hosts.len(), 2, "one placeholder per node");
+    assert_eq!(plan.ranks[3].host, 1, "srun's block distribution");
+    let argv = &plan.ranks[0].argv;
+    assert!(
+        plan.ranks.iter().all(|r| &r.argv == argv),
+        "one command for all tasks"
+    );
+    assert_eq!(flag(argv, "--launcher"), Some("slurm"));
+    assert_eq!(flag(argv, "--world-size"), Some("4"));
+    assert_eq!(
+        flag(argv, "--device"),
+        Some("cuda"),
+        "GPUs asked of Slurm mean CUDA"
+    );
+    assert_eq!(flag(argv, "--slowdown"), Some("3=2"));
+    for absent in ["--rank", "--master-addr", "--master-port", "--local-rank"] {
+        assert_eq!(flag(argv, absent), None, "{absent} is Slurm's to give");
+    }
+    assert_eq!(plan.ranks[0].env.get("RANK"), None);
+    assert_eq!(plan.ranks[0].env["NCCL_DEBUG"], "INFO");
+
+    let mut chosen = options(None, ContainerMode::PerRank);
+    chosen.master_port = Some(4100);
+    let plan = resolve_text("backend: slurm\nmodule: mlp\n", &chosen).unwrap();
+    // The caller resolves with the user's port (resolve_text's 29500 here).
+    assert_eq!(flag(&plan.ranks[0].argv, "--master-port"), Some("29500"));
+    assert_eq!(flag(&plan.ranks[0].argv, "--device"), Some("cpu"));
+}
+
+#[test]
+fn slurm_refuses_what_it_would_ignore() {
+    let o = options(None, ContainerMode::PerRank);
+    for (text, says) in [
+        (
+            "backend: slurm\nmachines: [localhost]\nmodule: mlp\n",
+            "Slurm places the ranks",
+        ),
+        ("backend: slurm\ncommand: [echo]\n", "does not set"),
+        (
+            "backend: slurm\nmaster_addr: n1\nmodule: mlp\n",
+            "remove `master_addr`",
+        ),
+        (
+            "backend: slurm\nslurm: {nodes: 0}\nmodule: mlp\n",
+            "nodes must be at least 1",
+        ),
+        (
+            "backend: slurm\nslurm: {options: ['--nodes=3']}\nmodule: mlp\n",
+            "sets itself",
+        ),
+        (
+            "backend: slurm\nslowdown: [{host: slurm-node-0, factor: 2}]\nmodule: mlp\n",
+            "names a `rank`",
+        ),
+        (
+            "machines: [localhost]\nslurm: {nodes: 1}\nmodule: mlp\n",
+            "only with `backend: slurm`",
+        ),
+    ] {
+        let e = match resolve_text(text, &o) {
+            Err(e) => format!("{e}: {}", crate::error::error_chain(&e)),
+            Ok(_) => panic!("{text} resolved"),
+        };
+        assert!(e.contains(says), "{text}: {e}");
     }
 }

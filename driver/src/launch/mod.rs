@@ -9,13 +9,14 @@ pub mod lease;
 mod lines;
 pub mod process;
 pub mod reach;
+pub mod slurm;
 
 use std::path::PathBuf;
 use std::time::Duration;
 
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
 
-use crate::events::{Ended, Event, LeftContainer, StopCause, Stream};
+use crate::events::{Ended, Event, LeftContainer, SlurmEvent, StopCause, Stream};
 use crate::experiment::Experiment;
 use crate::hosts::{Host, HostError, SshOptions};
 use crate::reporters::Reporters;
@@ -78,6 +79,20 @@ pub enum LaunchError {
     ContainersLeft { left: Vec<LeftContainer>, grace_s: u64 },
     #[error("interrupted before the ranks started")]
     Interrupted,
+    #[error("cannot run `{program}`: the slurm backend runs where Slurm's commands are (a cluster's login node), with SLURM_CONF set where the cluster's configuration is not in /etc/slurm; `scripts/slurm-cluster up` starts a one-node cluster here")]
+    SlurmMissing {
+        program: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("Slurm refuses the job ({request}): {reason}; change the experiment file's `slurm:` settings (`sinfo` shows the partitions, their nodes and limits)")]
+    SlurmRefused { request: String, reason: String },
+    #[error("Slurm job {job} is still listed ({state}) after the driver cancelled it; once Slurm answers, run `{cancel}`")]
+    SlurmJobLeft {
+        job: String,
+        state: String,
+        cancel: String,
+    },
 }
 
 fn count(n: usize) -> String {
@@ -130,6 +145,11 @@ pub enum Target {
         id: String,
         ssh: SshOptions,
     },
+    /// Tasks of one Slurm job named `job_name`, asking for `settings`.
+    Slurm {
+        settings: crate::config::SlurmSettings,
+        job_name: String,
+    },
 }
 
 /// A started backend.
@@ -138,6 +158,8 @@ pub enum Launcher {
     Process(process::ProcessLauncher),
     /// Docker containers.
     Docker(docker::DockerLauncher),
+    /// A Slurm job.
+    Slurm(slurm::SlurmLauncher),
 }
 
 impl Launcher {
@@ -152,6 +174,11 @@ impl Launcher {
             Target::Processes => process::ProcessLauncher::start(plan, tx)
                 .map(Launcher::Process)
                 .map_err(|e| (e, Vec::new())),
+            Target::Slurm { settings, job_name } => {
+                slurm::SlurmLauncher::start(plan, &settings, job_name, tx)
+                    .map(Launcher::Slurm)
+                    .map_err(|e| (e, Vec::new()))
+            }
             Target::Containers { hosts, id, ssh } => {
                 let docker = docker::DockerLauncher::new(hosts, id, ssh);
                 match docker.start(plan, tx).await {
@@ -173,6 +200,7 @@ impl Launcher {
             Launcher::Docker(d) => {
                 let _ = d.remove_all(Duration::ZERO).await;
             }
+            Launcher::Slurm(s) => s.stop_all().await,
         }
     }
 
@@ -185,6 +213,7 @@ impl Launcher {
                 Ok(())
             }
             Launcher::Docker(d) => d.remove_all(cleanup::REMOVAL_GRACE).await,
+            Launcher::Slurm(s) => s.finish().await,
         }
     }
 }
@@ -265,6 +294,14 @@ async fn supervise(
     let mut ended = 0;
     let mut cause: Option<StopCause> = None;
     let mut deadline: Option<tokio::time::Instant> = None;
+    // Where each rank was seen to start (Slurm picks the nodes), else where the plan put it.
+    let mut started_on: std::collections::BTreeMap<usize, String> = std::collections::BTreeMap::new();
+    let host_of = |started_on: &std::collections::BTreeMap<usize, String>, rank: usize| {
+        started_on
+            .get(&rank)
+            .cloned()
+            .unwrap_or_else(|| plan.host_of(rank).name.clone())
+    };
     loop {
         let until_deadline = async {
             match deadline {
@@ -290,14 +327,21 @@ async fn supervise(
         let stop = match &event {
             Event::RankExited { rank, exit_code } => {
                 ended += 1;
-                (*exit_code != Some(0))
-                    .then(|| watch.failed(*rank, plan.host_of(*rank).name.clone(), *exit_code))
+                (*exit_code != Some(0)).then(|| watch.failed(*rank, host_of(&started_on, *rank), *exit_code))
             }
             // Removed by the driver while stopping, or by someone else: then the rank failed.
             Event::RankRemoved { rank } => {
                 ended += 1;
-                Some(watch.failed(*rank, plan.host_of(*rank).name.clone(), None))
+                Some(watch.failed(*rank, host_of(&started_on, *rank), None))
             }
+            Event::RankStarted { rank, host, .. } => {
+                started_on.insert(*rank, host.clone());
+                None
+            }
+            Event::Slurm(SlurmEvent::Stopped { job_id, reason }) => Some(StopCause::SlurmJob {
+                job_id: *job_id,
+                reason: reason.clone(),
+            }),
             Event::HostLost { host, reason } | Event::RankLost { host, reason, .. } => {
                 if matches!(&event, Event::RankLost { .. }) {
                     ended += 1;
@@ -308,7 +352,7 @@ async fn supervise(
                 })
             }
             Event::HostReady(_)
-            | Event::RankStarted { .. }
+            | Event::Slurm(_)
             | Event::LineLogged { .. }
             | Event::Metrics { .. }
             | Event::Profiling { .. }
@@ -338,7 +382,8 @@ async fn supervise(
             StopCause::RankFailed { .. }
             | StopCause::HostLost { .. }
             | StopCause::ProfileFailed { .. }
-            | StopCause::PlanFailed { .. },
+            | StopCause::PlanFailed { .. }
+            | StopCause::SlurmJob { .. },
         ) => Ended::Failed,
     }
 }

@@ -4,7 +4,7 @@ use serde::{Deserialize, Serialize};
 
 use super::stats::{StageShares, Throughput};
 use super::{read_versioned, VersionedError};
-use crate::events::{LeftContainer, PlanFacts, Status, StopCause};
+use crate::events::{LeftContainer, PlanFacts, SlurmJob, Status, StopCause};
 
 /// Version of `summary.json`; bumped when a field changes meaning.
 pub const FORMAT_VERSION: u32 = 1;
@@ -119,6 +119,9 @@ pub struct Summary {
     /// The stage config planned at launch and its prediction (`config_file: auto` only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub plan: Option<PlanFacts>,
+    /// The Slurm job the ranks ran in, and its nodes (the Slurm backend only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slurm_job: Option<SlurmJob>,
 }
 
 /// Reads a record's summary, refusing another format version with a message saying so.

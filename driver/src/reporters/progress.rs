@@ -6,7 +6,7 @@ use std::time::Duration;
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use super::Reporter;
-use crate::events::Event;
+use crate::events::{Event, SlurmEvent};
 use crate::options::Progress;
 use crate::records::stats::Stats;
 use crate::records::RecordError;
@@ -74,7 +74,14 @@ impl Reporter for ProgressReporter {
             | Event::RankRemoved { .. }
             | Event::RankLost { .. }
             | Event::ContainersLeft(_)
-            | Event::HostLost { .. } => {}
+            | Event::HostLost { .. }
+            | Event::Slurm(SlurmEvent::Line { .. } | SlurmEvent::Stopped { .. }) => {}
+            Event::Slurm(SlurmEvent::Queued { job_id }) => {
+                self.bar.set_message(format!("Slurm job {job_id} queued"))
+            }
+            Event::Slurm(SlurmEvent::Started(job)) => {
+                self.bar.set_message(format!("Slurm job {} started", job.job_id))
+            }
             Event::RankStarted { .. } => {
                 self.started += 1;
                 self.bar.set_message(format!("{} ranks running", self.started));

@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use indicatif::ProgressBar;
 
 use super::Reporter;
-use crate::events::{Event, StopCause, Stream, LEASE_EXPIRED_EXIT_CODE};
+use crate::events::{Event, SlurmEvent, StopCause, Stream, LEASE_EXPIRED_EXIT_CODE};
 use crate::options::Verbosity;
 use crate::records::RecordError;
 
@@ -83,12 +83,16 @@ impl TerminalReporter {
                     format!("driver: host {} ready, image {image}{built}{copied}", facts.host),
                 )
             }),
-            Event::RankStarted { rank, host, handle } => verbose.then(|| {
+            Event::RankStarted { rank, host, handle } => {
+                // Where the rank really runs (Slurm picks its nodes) prefixes its lines.
+                self.hosts.insert(*rank, host.clone());
+                verbose.then(|| {
                 (
                     Stream::Stderr,
                     format!("driver: rank {rank} started on {host} ({handle})"),
                 )
-            }),
+                })
+            }
             Event::LineLogged { rank, stream, line } => {
                 normal.then(|| (*stream, format!("{} {line}", self.prefix(*rank))))
             }
@@ -172,6 +176,10 @@ impl TerminalReporter {
                     StopCause::PlanFailed { reason } => {
                         return err(format!("driver: cannot plan the stages: {reason}; no rank was started"))
                     }
+                    StopCause::SlurmJob { job_id, reason } => {
+                        let job = job_id.map_or("the Slurm job".to_string(), |id| format!("Slurm job {id}"));
+                        return err(format!("driver: {job} {reason}; stopping every rank"));
+                    }
                 };
                 err(format!("driver: {why}; stopping every rank"))
             }
@@ -196,6 +204,25 @@ impl TerminalReporter {
                 }
                 (Stream::Stderr, text.trim_end().to_string())
             }),
+            Event::Slurm(slurm) => match slurm {
+                SlurmEvent::Queued { job_id } => normal.then(|| {
+                    (
+                        Stream::Stderr,
+                        format!("driver: Slurm job {job_id} is queued, waiting for resources"),
+                    )
+                }),
+                SlurmEvent::Started(job) => normal.then(|| {
+                    (
+                        Stream::Stderr,
+                        format!("driver: Slurm job {} started on {}", job.job_id, job.nodes.join(", ")),
+                    )
+                }),
+                SlurmEvent::Line { line, important } => {
+                    ((*important && normal) || verbose).then(|| (Stream::Stderr, line.clone()))
+                }
+                // The stop it causes says why.
+                SlurmEvent::Stopped { .. } => None,
+            },
             Event::Finished { .. } => None,
         }
     }

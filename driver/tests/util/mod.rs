@@ -176,6 +176,13 @@ impl Harness {
         self.command(config, args).spawn().expect("start driver")
     }
 
+    /// [`Harness::spawn`] with these variables added to the driver's environment.
+    pub fn spawn_with_env(&self, config: &Path, args: &[&str], env: &[(&str, &str)]) -> Child {
+        let mut cmd = self.command(config, args);
+        cmd.envs(env.iter().copied());
+        cmd.spawn().expect("start driver")
+    }
+
     /// Waits for a driver that a fault or a signal at `since` must stop: it exits with `code`
     /// within `limit` of `since`. Returns the record folder and its summary.
     pub fn expect_stop(&self, child: Child, since: Instant, limit: Duration, code: i32) -> (PathBuf, Value) {

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use jiff::Timestamp;
 
 use super::Reporter;
-use crate::events::{Event, HostFacts, Status, StopCause};
+use crate::events::{Event, HostFacts, SlurmEvent, SlurmJob, Status, StopCause};
 use crate::experiment::Experiment;
 use crate::records::stats::Stats;
 use crate::records::summary::{Failure, RankOutcome, RankState, Summary, FORMAT_VERSION};
@@ -32,6 +32,8 @@ pub struct RecordReporter {
     last_lines: BTreeMap<usize, VecDeque<String>>,
     profile_log: Option<File>,
     profile_lines: VecDeque<String>,
+    slurm_log: Option<File>,
+    slurm_lines: VecDeque<String>,
     stats: Stats,
     last_write: Instant,
 }
@@ -60,6 +62,7 @@ impl RecordReporter {
             failure: None,
             containers_not_removed: Vec::new(),
             plan: None,
+            slurm_job: None,
         };
         let mut reporter = RecordReporter {
             record,
@@ -70,6 +73,8 @@ impl RecordReporter {
             last_lines: BTreeMap::new(),
             profile_log: None,
             profile_lines: VecDeque::new(),
+            slurm_log: None,
+            slurm_lines: VecDeque::new(),
             stats: Stats::default(),
             last_write: Instant::now(),
         };
@@ -134,8 +139,9 @@ impl Reporter for RecordReporter {
                 self.hosts.push(facts.clone());
                 files::write_json(&self.record.dir.join("hosts.json"), &self.hosts)?;
             }
-            Event::RankStarted { rank, handle, .. } => {
+            Event::RankStarted { rank, host, handle } => {
                 if let Some(r) = self.summary.ranks.get_mut(*rank) {
+                    r.host = host.clone();
                     r.handle = Some(handle.clone());
                     r.saw(RankState::Running, None);
                 }
@@ -209,6 +215,7 @@ impl Reporter for RecordReporter {
                             .map(|l| l.iter().cloned().collect())
                             .unwrap_or_default(),
                         StopCause::ProfileFailed { .. } => self.profile_lines.iter().cloned().collect(),
+                        StopCause::SlurmJob { .. } => self.slurm_lines.iter().cloned().collect(),
                         StopCause::HostLost { .. }
                         | StopCause::Interrupted
                         | StopCause::PlanFailed { .. } => Vec::new(),
@@ -220,6 +227,33 @@ impl Reporter for RecordReporter {
                 }
                 self.write_summary()?;
             }
+            Event::Slurm(slurm) => match slurm {
+                SlurmEvent::Queued { job_id } => {
+                    self.summary.slurm_job = Some(SlurmJob {
+                        job_id: *job_id,
+                        nodes: Vec::new(),
+                    });
+                    self.write_summary()?;
+                }
+                SlurmEvent::Started(job) => {
+                    self.summary.slurm_job = Some(job.clone());
+                    self.write_summary()?;
+                }
+                SlurmEvent::Line { line, important } => {
+                    if *important {
+                        if self.slurm_lines.len() == LAST_LINES {
+                            self.slurm_lines.pop_front();
+                        }
+                        self.slurm_lines.push_back(line.clone());
+                    }
+                    let path = self.record.dir.join("slurm.log");
+                    if self.slurm_log.is_none() {
+                        self.slurm_log = Some(Self::open_append(&path)?);
+                    }
+                    Self::append(self.slurm_log.as_mut().expect("opened above"), &path, line)?;
+                }
+                SlurmEvent::Stopped { .. } => {}
+            },
             Event::Finished { status } => {
                 self.summary.status = *status;
                 self.summary.ended_at = Some(Timestamp::now().to_string());
