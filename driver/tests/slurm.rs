@@ -296,3 +296,55 @@ fn a_request_slurm_cannot_hold_fails_preflight_with_slurms_words() {
     assert!(stderr.contains("Slurm refuses the job"), "{stderr}");
     assert!(!h.records().exists(), "a refused job writes no record");
 }
+
+#[test]
+fn a_sweep_of_planned_experiments_runs_each_point_as_slurm_jobs() {
+    runtime();
+    let h = Harness::new("slurm-sweep-auto");
+    // Each point profiles on a one-task job, plans two stages or replicas, and runs the plan.
+    let config = h.config(
+        "backend: slurm\nslurm: {tasks_per_node: 2}\nmodule: mlp\nlayers: 4\nhidden: 128\n\
+         config_file: auto\nplanner: {intra_host_gbps: 2}\nschedule: 1f1b\niterations: 3\n\
+         threads: 1\ndevice: cpu\nenv:\n  OMP_NUM_THREADS: '1'\n",
+    );
+    let records = h.records();
+    let args: Vec<&std::ffi::OsStr> = [
+        "sweep",
+        "-c",
+        config.to_str().unwrap(),
+        "--output-dir",
+        records.to_str().unwrap(),
+        "--grid",
+        "batch_size=16,32",
+    ]
+    .into_iter()
+    .map(std::ffi::OsStr::new)
+    .collect();
+    let run = h.driver_with_env(&args, &slurm_env(), Duration::from_secs(300));
+    assert_eq!(run.code(), 0, "{}", run.stderr());
+    let dir = h.sweep_dir();
+    let mut points: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.join("summary.json").is_file())
+        .collect();
+    points.sort();
+    assert_eq!(points.len(), 2, "{points:?}");
+    let mut jobs = Vec::new();
+    for point in &points {
+        let text = std::fs::read_to_string(point.join("summary.json")).unwrap();
+        let summary: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(summary["status"], "succeeded", "{summary}");
+        assert_eq!(summary["backend"], "slurm", "{summary}");
+        assert!(summary["plan"].is_object(), "the point was planned: {summary}");
+        jobs.push(summary["slurm_job"]["job_id"].as_u64().expect("a job id"));
+        assert_eq!(jobs_left(point), "");
+    }
+    assert_ne!(jobs[0], jobs[1], "each point is a job of its own");
+    assert!(
+        run.stderr().matches("profiling mlp").count() == 2,
+        "each point profiled: {}",
+        run.stderr()
+    );
+    h.assert_no_processes();
+}
