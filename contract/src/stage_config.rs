@@ -20,6 +20,12 @@ pub struct StageConfig {
     /// For each stage, how many microbatches it admits before its first backward (warm-up depth).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stage_to_depth_map: Option<BTreeMap<String, usize>>,
+    /// Ours, not PipeDream's: for each module (the loss last), which of its rank's devices
+    /// (`--devices`, counted from 0) holds it, so one rank's stage spans several GPUs of its host.
+    /// Within each stage the entries start at 0 and never decrease (each device holds one
+    /// contiguous run of the stage's modules).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub module_to_device_map: Option<Vec<usize>>,
 }
 
 /// What is wrong with a stage config; each names the entry to change.
@@ -65,6 +71,18 @@ pub enum StageConfigError {
     RankUnassigned { rank: usize, world_size: usize },
     #[error("stage_to_depth_map key {key:?} is not a stage of this config")]
     BadDepthKey { key: String },
+    #[error("module_to_device_map has {got} entries but module_to_stage_map has {expected}; give one device per module")]
+    DeviceMapLength { got: usize, expected: usize },
+    #[error(
+        "module_to_device_map[{index}] is device {device}, but within stage {stage} the devices must start \
+         at 0 and go up by at most one from module to module ({expected} expected there)"
+    )]
+    DeviceMapOrder {
+        index: usize,
+        stage: usize,
+        device: usize,
+        expected: String,
+    },
 }
 
 /// One validated stage.
@@ -78,6 +96,8 @@ pub struct Stage {
     pub ranks: Vec<usize>,
     /// Warm-up depth, if the config gave one.
     pub depth: Option<usize>,
+    /// With `module_to_device_map`: the modules each of the rank's devices holds, in order.
+    pub device_parts: Option<Vec<Range<usize>>>,
 }
 
 /// A validated stage config for a given model and world size.
@@ -163,21 +183,60 @@ impl StageConfig {
             };
         }
 
+        if let Some(devices) = &self.module_to_device_map {
+            if devices.len() != map.len() {
+                return Err(StageConfigError::DeviceMapLength {
+                    got: devices.len(),
+                    expected: map.len(),
+                });
+            }
+        }
         let stages = ranges
             .into_iter()
             .enumerate()
             .map(|(id, modules)| {
                 let ranks = ranks_of.remove(&id).filter(|r| !r.is_empty());
                 let ranks = ranks.ok_or(StageConfigError::StageWithoutRanks { stage: id })?;
+                let device_parts = self.device_parts(id, &modules)?;
                 Ok(Stage {
                     id,
                     modules,
                     ranks,
                     depth: depths.get(&id).copied(),
+                    device_parts,
                 })
             })
             .collect::<Result<Vec<_>, _>>()?;
         Ok(StagePlan { stages, world_size })
+    }
+}
+
+impl StageConfig {
+    /// Stage `stage`'s modules per device, from `module_to_device_map` (checked for length).
+    fn device_parts(&self, stage: usize, modules: &Range<usize>) -> Result<Option<Vec<Range<usize>>>, StageConfigError> {
+        let Some(devices) = &self.module_to_device_map else {
+            return Ok(None);
+        };
+        let mut parts: Vec<Range<usize>> = Vec::new();
+        for index in modules.clone() {
+            let device = devices[index];
+            match parts.len().checked_sub(1) {
+                Some(current) if device == current => parts[current].end = index + 1,
+                _ if device == parts.len() => parts.push(index..index + 1),
+                current => {
+                    return Err(StageConfigError::DeviceMapOrder {
+                        index,
+                        stage,
+                        device,
+                        expected: match current {
+                            Some(c) => format!("{c} or {}", c + 1),
+                            None => "0".to_string(),
+                        },
+                    })
+                }
+            }
+        }
+        Ok(Some(parts))
     }
 }
 
@@ -194,6 +253,7 @@ impl StagePlan {
                 modules: 0..num_modules,
                 ranks: (0..world_size).collect(),
                 depth: None,
+                device_parts: None,
             }],
             world_size,
         }
@@ -229,6 +289,43 @@ mod tests {
         assert_eq!(p.stages[1].modules, 1..3);
         assert_eq!(p.stages[0].ranks, vec![0, 1, 2]);
         assert_eq!(p.stage_of_rank(3).id, 1);
+    }
+
+    #[test]
+    fn device_map_splits_each_stage_over_its_ranks_devices() {
+        let p = plan(
+            r#"{"module_to_stage_map": [0,0,0,1,1], "stage_to_rank_map": {"0": [0], "1": [1]},
+                "module_to_device_map": [0,1,1,0,0]}"#,
+            5,
+            2,
+        )
+        .unwrap();
+        assert_eq!(p.stages[0].device_parts, Some(vec![0..1, 1..3]));
+        assert_eq!(p.stages[1].device_parts, Some(vec![3..5]));
+        let e = plan(
+            r#"{"module_to_stage_map": [0,0,1], "stage_to_rank_map": {"0": [0], "1": [1]},
+                "module_to_device_map": [0,1,1]}"#,
+            3,
+            2,
+        )
+        .unwrap_err();
+        assert_eq!(
+            e,
+            StageConfigError::DeviceMapOrder {
+                index: 2,
+                stage: 1,
+                device: 1,
+                expected: "0".into()
+            }
+        );
+        assert!(e.to_string().contains("module_to_device_map[2] is device 1"), "{e}");
+        let e = plan(
+            r#"{"module_to_stage_map": [0,0], "stage_to_rank_map": {"0": [0]}, "module_to_device_map": [0]}"#,
+            2,
+            1,
+        )
+        .unwrap_err();
+        assert_eq!(e, StageConfigError::DeviceMapLength { got: 1, expected: 2 });
     }
 
     #[test]

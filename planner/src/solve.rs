@@ -75,6 +75,7 @@ impl Plan {
             module_to_stage_map,
             stage_to_rank_map,
             stage_to_depth_map: None,
+            module_to_device_map: None,
         }
     }
 }

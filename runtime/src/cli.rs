@@ -207,6 +207,11 @@ struct TrainArgs {
     /// Device: cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// Several devices of this host for this rank's stage (`cuda:0,cuda:1`): its modules are
+    /// split over them, as the stage config's module_to_device_map says or in runs of even
+    /// measured cost, and activations move between them inside the process.
+    #[arg(long, value_delimiter = ',', conflicts_with = "device", value_name = "LIST")]
+    devices: Vec<String>,
     /// Intra-op threads for libtorch [default: libtorch's own choice].
     #[arg(long)]
     threads: Option<usize>,
@@ -431,6 +436,7 @@ impl TrainArgs {
         let data = DataSpec::parse(&self.data)?;
         let batch_size = positive("--batch-size", self.batch_size)?;
         let (iterations, lr_schedule) = self.lr_schedule(&data, batch_size)?;
+        let devices = self.devices()?;
         let model = self.model.into_choice(Some(&data))?;
         if !(self.lr.is_finite() && self.lr > 0.0) {
             return Err(ConfigError::Invalid {
@@ -440,10 +446,25 @@ impl TrainArgs {
         }
         let place = self.dist.place(|name| std::env::var(name).ok())?;
         let device = match self.device.as_str() {
+            _ if !devices.is_empty() => devices[0],
             "cuda" => DeviceSpec::Cuda(place.cuda_index),
             other => DeviceSpec::parse(other)?,
         };
-        let dist = self.dist.into_config(place, device)?;
+        let spans = devices.len() > 1;
+        if spans && self.dist.overlap_reduce == Overlap::On {
+            return Err(ConfigError::Invalid {
+                flag: "--overlap-reduce",
+                reason: "a stage over several --devices all-reduces after its backward (autograd \
+                         runs each device's part on a thread of its own); use --overlap-reduce off \
+                         or auto"
+                    .into(),
+            });
+        }
+        let mut dist = self.dist.into_config(place, device)?;
+        if spans {
+            dist.reduce.overlap = false;
+        }
+        let devices = if devices.is_empty() { vec![device] } else { devices };
         let stages = dist
             .stage_config
             .as_ref()
@@ -499,6 +520,7 @@ impl TrainArgs {
             seed: self.seed,
             data,
             device,
+            devices,
             threads: self.threads.map(|t| positive("--threads", t)).transpose()?,
             precision: match self.precision {
                 PrecisionArg::Fp32 => Precision::Fp32,
@@ -511,6 +533,32 @@ impl TrainArgs {
             trace: self.trace,
             checkpoint,
         })
+    }
+
+    /// `--devices`, each parsed; all CPU or all CUDA, none twice (the CPU may repeat, for
+    /// trying a split without GPUs).
+    fn devices(&self) -> Result<Vec<DeviceSpec>, ConfigError> {
+        let invalid = |reason: String| ConfigError::Invalid {
+            flag: "--devices",
+            reason,
+        };
+        let devices = self
+            .devices
+            .iter()
+            .map(|d| match d.trim() {
+                "cuda" => Err(invalid("name each GPU (cuda:0,cuda:1), not plain cuda".into())),
+                other => DeviceSpec::parse(other).map_err(|_| invalid(format!("{other:?} is not cpu or cuda:N"))),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        if devices.iter().any(|d| *d == DeviceSpec::Cpu) && devices.iter().any(|d| *d != DeviceSpec::Cpu) {
+            return Err(invalid("mixes the CPU and GPUs; give only cuda:N devices, or only cpu".into()));
+        }
+        for (i, d) in devices.iter().enumerate() {
+            if *d != DeviceSpec::Cpu && devices[..i].contains(d) {
+                return Err(invalid(format!("names {d} twice")));
+            }
+        }
+        Ok(devices)
     }
 
     /// The run's iterations and learning rate per iteration. An epoch's length is read only when

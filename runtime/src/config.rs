@@ -254,7 +254,10 @@ pub struct TrainConfig {
     pub optimizer: OptimizerKind,
     pub seed: u64,
     pub data: DataSpec,
+    /// The first of `devices`: where the data and the process groups are.
     pub device: DeviceSpec,
+    /// The devices this rank's stage spans (`--devices`), `device` first; one for most runs.
+    pub devices: Vec<DeviceSpec>,
     /// Intra-op threads; `None` leaves libtorch's default.
     pub threads: Option<usize>,
     /// fp32, or autocast to a 16-bit type.

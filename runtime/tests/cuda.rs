@@ -307,3 +307,38 @@ fn gpu_nccl_on_two_ranks_of_one_gpu_is_a_clear_error() {
         assert!(run.stderr().contains("nccl"), "{}", run.stderr());
     }
 }
+
+#[test]
+fn gpu_a_stage_over_two_gpus_trains_as_on_one() {
+    let Some(count) = gpus("gpu_a_stage_over_two_gpus_trains_as_on_one") else {
+        return;
+    };
+    if count < 2 {
+        eprintln!("SKIPPED gpu_a_stage_over_two_gpus_trains_as_on_one: needs two GPUs, this machine has {count}");
+        return;
+    }
+    // resnet50 in two runs of even measured cost, with batch norms, bf16 autocast on both GPUs and
+    // the activation crossing between them; against the whole model on cuda:0.
+    let args = [
+        "--model",
+        "resnet50",
+        "--image-size",
+        "64",
+        "--batch-size",
+        "16",
+        "--iterations",
+        "3",
+        "--seed",
+        "1",
+        "--precision",
+        "bf16",
+    ];
+    let one = run_ok(&[&args[..], &["--device", "cuda:0"]].concat());
+    let two = run_ok(&[&args[..], &["--devices", "cuda:0,cuda:1"]].concat());
+    assert!(two.stderr().contains("cuda:1 (modules"), "{}", two.stderr());
+    // The same kernels on the same numbers when both GPUs are of one model; cuDNN may pick
+    // another algorithm per device, whose sums round differently: bf16's 8-bit mantissa bounds the
+    // first loss's difference at about 2^-8 relative.
+    let (a, b) = (one.losses()[0], two.losses()[0]);
+    assert!((a - b).abs() <= a.abs() * 2f64.powi(-7), "{a} vs {b}");
+}

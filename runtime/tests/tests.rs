@@ -2,6 +2,7 @@
 
 mod checkpoint;
 mod cuda;
+mod devices;
 mod distributed;
 mod init;
 mod optim;

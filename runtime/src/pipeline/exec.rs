@@ -234,6 +234,11 @@ impl Executor {
             Some(kind) => tensor.detach().to_kind(kind),
             None => tensor,
         };
+        // A stage over several devices sends from its last one through the group's device.
+        let tensor = match tensor.device() == self.device {
+            true => tensor,
+            false => tensor.detach().to_device(self.device),
+        };
         let work = self.channels().send(transfer, &tensor.contiguous())?;
         progress.sends.push(work);
         Ok(())
@@ -258,8 +263,9 @@ impl Executor {
             Schedule::PipeDream => 1.0,
             Schedule::GPipe | Schedule::OneFOneB => 1.0 / self.microbatches as f64,
         };
+        let devices = self.stage.devices();
         let (output, loss) = timed(
-            self.device,
+            &devices,
             self.slowdown,
             &mut progress.timing,
             || -> anyhow::Result<(Tensor, Option<Tensor>)> {
@@ -345,9 +351,15 @@ impl Executor {
                 backward_checksum: self.checksum(),
             });
         }
-        let (device, slowdown) = (self.device, self.slowdown);
+        let (devices, slowdown) = (self.stage.devices(), self.slowdown);
+        // The gradient arrives on the process group's device; the output may be on another of a
+        // stage's devices.
+        let grad = grad.map(|g| match g.device() == flight.output.device() {
+            true => g,
+            false => g.to_device(flight.output.device()),
+        });
         let mut run = || {
-            timed(device, slowdown, &mut progress.timing, || match &grad {
+            timed(&devices, slowdown, &mut progress.timing, || match &grad {
                 None => flight.output.f_backward().map_err(|e| e.to_string()),
                 Some(grad) => backward_with_grad(&flight.output, grad),
             })
@@ -430,7 +442,8 @@ impl Executor {
         }
         if !skip {
             let slowdown = self.slowdown;
-            timed(self.device, slowdown, &mut progress.timing, || {
+            let devices = self.stage.devices();
+            timed(&devices, slowdown, &mut progress.timing, || {
                 self.optimizer.step()
             })
             .map_err(|e| anyhow::anyhow!("the optimizer step of stage {} failed: {e}", self.stage_id))?;
@@ -586,10 +599,12 @@ impl Executor {
 /// Runs `f` as compute: timed, and stretched by the slow-down factor (straggler emulation). On
 /// CUDA the clock stops only once the GPU has run what `f` queued, so the time is the kernels'
 /// and not their launches'.
-fn timed<T>(device: Device, slowdown: f64, timing: &mut Timing, f: impl FnOnce() -> T) -> T {
+fn timed<T>(devices: &[Device], slowdown: f64, timing: &mut Timing, f: impl FnOnce() -> T) -> T {
     let started = Instant::now();
     let value = f();
-    crate::cuda::synchronize(device);
+    for &device in devices {
+        crate::cuda::synchronize(device);
+    }
     let mut spent = started.elapsed();
     if slowdown > 1.0 {
         let extra = spent.mul_f64(slowdown - 1.0);
@@ -612,7 +627,7 @@ mod tests {
         let mut timing = Timing::default();
         let mut work = Duration::ZERO;
         let started = Instant::now();
-        timed(Device::Cpu, 3.0, &mut timing, || {
+        timed(&[Device::Cpu], 3.0, &mut timing, || {
             let begun = Instant::now();
             std::thread::sleep(Duration::from_millis(5));
             work = begun.elapsed();
@@ -629,7 +644,7 @@ mod tests {
 
         let mut plain = Timing::default();
         let started = Instant::now();
-        timed(Device::Cpu, 1.0, &mut plain, || {
+        timed(&[Device::Cpu], 1.0, &mut plain, || {
             std::thread::sleep(Duration::from_millis(5))
         });
         assert!(plain.compute >= Duration::from_millis(5) && plain.compute <= started.elapsed());

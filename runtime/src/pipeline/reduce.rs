@@ -96,6 +96,8 @@ struct State {
     bucket_of: Vec<usize>,
     /// Multiplies each bucket before the sum (PipeDream averages its replicas' gradients).
     scale: Option<f64>,
+    /// Where the flat buckets are (the first parameter's device: the process group's).
+    device: Device,
     /// The replicas' group while an armed backward runs.
     armed: Option<*const ProcessGroup>,
     /// Gradients written by the armed backward.
@@ -147,7 +149,11 @@ impl State {
                 .map(|&i| {
                     let grad = self.params[i].grad();
                     if grad.defined() {
-                        Ok(grad.reshape([-1]))
+                        // A stage over several devices all-reduces on its first one.
+                        Ok(match grad.device() == self.device {
+                            true => grad.reshape([-1]),
+                            false => grad.reshape([-1]).to_device(self.device),
+                        })
                     } else {
                         Err(format!(
                             "internal error: parameter {i} has no gradient to all-reduce"
@@ -200,6 +206,7 @@ impl Reducer {
             buckets,
             bucket_of,
             scale,
+            device: params.first().map_or(Device::Cpu, Tensor::device),
             armed: None,
             ready: vec![false; params.len()],
             started: Vec::new(),

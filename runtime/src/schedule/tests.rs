@@ -22,6 +22,7 @@ pub(crate) fn plan(replicas: &[usize], depths: Option<&[usize]>) -> StagePlan {
                 modules: id..id + 1,
                 ranks,
                 depth: depths.map(|d| d[id]),
+                device_parts: None,
             }
         })
         .collect();

@@ -114,16 +114,40 @@ impl GradScaler {
     pub fn unscale(&mut self, grads: &[Tensor]) -> Result<&Tensor, String> {
         let _ = self.found_inf.zero_();
         let inv_scale = self.scale.reciprocal();
-        let pointers: Vec<*const c_void> = grads.iter().map(|g| g.as_ptr() as *const c_void).collect();
-        // SAFETY: live tensors for the call; the kernel writes the gradients and the flag in place.
-        check(unsafe {
-            sh_amp_unscale(
-                pointers.as_ptr(),
-                pointers.len(),
-                self.found_inf.as_mut_ptr() as *mut c_void,
-                inv_scale.as_ptr() as *const c_void,
-            )
-        })?;
+        // The kernel takes gradients of one device, with the flag and scale there: a stage over
+        // several devices unscales each device's gradients with its own flag, then adds it in.
+        let home = self.found_inf.device();
+        let mut devices: Vec<Device> = Vec::new();
+        for g in grads {
+            if !devices.contains(&g.device()) {
+                devices.push(g.device());
+            }
+        }
+        for device in devices {
+            let mine: Vec<*const c_void> = grads
+                .iter()
+                .filter(|g| g.device() == device)
+                .map(|g| g.as_ptr() as *const c_void)
+                .collect();
+            let (found, inv) = if device == home {
+                (self.found_inf.shallow_clone(), inv_scale.shallow_clone())
+            } else {
+                (Tensor::zeros([1], (Kind::Float, device)), inv_scale.to_device(device))
+            };
+            // SAFETY: live tensors for the call; the kernel writes the gradients and the flag in
+            // place.
+            check(unsafe {
+                sh_amp_unscale(
+                    mine.as_ptr(),
+                    mine.len(),
+                    found.as_ptr() as *mut c_void,
+                    inv.as_ptr() as *const c_void,
+                )
+            })?;
+            if device != home {
+                let _ = self.found_inf.f_add_(&found.to_device(home)).map_err(|e| e.to_string())?;
+            }
+        }
         Ok(&self.found_inf)
     }
 

@@ -7,6 +7,7 @@ mod amp;
 mod autograd;
 pub mod checkpoint;
 mod optim;
+pub mod placement;
 
 use std::ops::Range;
 
@@ -20,32 +21,53 @@ pub use amp::GradScaler;
 pub use autograd::{backward_with_grad, set_grad_ready_hook, GradReadyFn};
 pub use optim::Optimizer;
 
-pub struct Stage {
+/// The modules one device holds.
+struct Part {
     layers: Vec<Box<dyn nn::ModuleT>>,
-    /// The loss, when the stage ends the model.
-    loss: Option<Loss>,
     vs: nn::VarStore,
+    device: Device,
+}
+
+pub struct Stage {
+    /// The stage's modules in order, split over its devices (one part on one device).
+    parts: Vec<Part>,
+    /// The loss, when the stage ends the model; computed on the last part's device.
+    loss: Option<Loss>,
     /// Autocast around the forward and the loss.
     precision: Precision,
     /// Image inputs go in channels_last layout (the parameters are converted once).
     channels_last: bool,
-    device: Device,
 }
 
 impl Stage {
     /// Builds modules `range` of `model` on `device`, their initial values drawn on the CPU from
     /// `seed` and each module's index: the same on every device and in every split.
     pub fn build(model: &ModelDef, range: Range<usize>, seed: u64, device: Device) -> Stage {
-        let vs = nn::VarStore::new(device);
-        let layers = model.build(&vs.root(), range.clone(), seed);
-        let loss = (range.end == model.num_modules()).then_some(model.loss);
+        Stage::build_placed(model, &[(range, device)], seed)
+    }
+
+    /// Builds the stage's modules split over devices: each `(modules, device)` a contiguous run,
+    /// the runs in order. Initial values are those of [`Stage::build`], whatever the split.
+    pub fn build_placed(model: &ModelDef, parts: &[(Range<usize>, Device)], seed: u64) -> Stage {
+        assert!(!parts.is_empty(), "a stage has at least one part");
+        let end = parts.last().expect("checked above").0.end;
+        let parts = parts
+            .iter()
+            .map(|(range, device)| {
+                let vs = nn::VarStore::new(*device);
+                let layers = model.build(&vs.root(), range.clone(), seed);
+                Part {
+                    layers,
+                    vs,
+                    device: *device,
+                }
+            })
+            .collect();
         Stage {
-            layers,
-            loss,
-            vs,
+            parts,
+            loss: (end == model.num_modules()).then_some(model.loss),
             precision: Precision::Fp32,
             channels_last: false,
-            device,
         }
     }
 
@@ -55,7 +77,7 @@ impl Stage {
         self.precision = precision;
         self.channels_last = channels_last;
         if channels_last {
-            let mut params = self.vs.trainable_variables();
+            let mut params = self.params();
             tch::no_grad(|| amp::params_to_channels_last(&mut params))?;
         }
         Ok(())
@@ -63,45 +85,91 @@ impl Stage {
 
     /// Parameters this stage holds.
     pub fn num_params(&self) -> u64 {
-        count_params(&self.vs)
+        self.parts.iter().map(|p| count_params(&p.vs)).sum()
     }
 
-    /// The trainable parameters, in the var store's creation order (the same on every replica).
+    /// The trainable parameters, in the modules' order (the same on every replica and in every
+    /// split over devices).
     pub fn params(&self) -> Vec<Tensor> {
-        self.vs.trainable_variables()
+        self.parts
+            .iter()
+            .flat_map(|p| p.vs.trainable_variables())
+            .collect()
     }
 
-    /// Writes the stage's parameters and buffers (torchvision/BERT names) as safetensors.
+    /// The devices the stage's parts are on, in order (one entry per part).
+    pub fn devices(&self) -> Vec<Device> {
+        self.parts.iter().map(|p| p.device).collect()
+    }
+
+    /// Writes the stage's parameters and buffers (torchvision/BERT names) as safetensors, or in
+    /// libtorch's format for another extension, as tch's var store does.
     pub fn save(&self, path: &std::path::Path) -> Result<(), tch::TchError> {
-        self.vs.save(path)
+        if let [part] = self.parts.as_slice() {
+            return part.vs.save(path);
+        }
+        let named: Vec<(String, Tensor)> = self.parts.iter().flat_map(|p| p.vs.variables()).collect();
+        match path.extension().and_then(|e| e.to_str()) {
+            Some("safetensors") => Tensor::write_safetensors(&named, path),
+            _ => Tensor::save_multi(&named, path),
+        }
     }
 
     /// Reads parameters and buffers [`Stage::save`] wrote, into the existing tensors.
     pub fn load(&mut self, path: &std::path::Path) -> Result<(), tch::TchError> {
-        self.vs.load(path)
+        if let [part] = self.parts.as_mut_slice() {
+            return part.vs.load(path);
+        }
+        let saved: std::collections::HashMap<String, Tensor> =
+            match path.extension().and_then(|e| e.to_str()) {
+                Some("safetensors") => Tensor::read_safetensors(path)?,
+                _ => Tensor::load_multi(path)?,
+            }
+            .into_iter()
+            .collect();
+        for part in &self.parts {
+            for (name, mut tensor) in part.vs.variables() {
+                let source = saved.get(&name).ok_or_else(|| {
+                    tch::TchError::TensorNameNotFound(name.clone(), path.display().to_string())
+                })?;
+                tch::no_grad(|| tensor.f_copy_(source))?;
+            }
+        }
+        Ok(())
     }
 
-    /// Runs the stage's layers (not the loss) on `input`.
+    /// Runs the stage's layers (not the loss) on `input`, each part on its device: the
+    /// activation moves to the next part's device between them (autograd moves its gradient back).
     pub fn forward(&self, input: &Tensor, train: bool) -> Tensor {
-        let input = if self.channels_last && input.dim() == 4 {
+        let mut xs = if self.channels_last && input.dim() == 4 {
             amp::channels_last(input).expect("a 4-dimensional tensor has a channels_last layout")
         } else {
             input.shallow_clone()
         };
-        let _autocast = self.autocast();
-        self.layers
-            .iter()
-            .fold(input, |xs, layer| layer.forward_t(&xs, train))
+        for part in &self.parts {
+            if xs.device() != part.device {
+                xs = xs.to_device(part.device);
+            }
+            let _autocast = self.autocast(part.device);
+            xs = part.layers.iter().fold(xs, |xs, layer| layer.forward_t(&xs, train));
+        }
+        xs
     }
 
     /// The loss of `output` against `target`; `None` if this stage does not end the model.
     pub fn loss(&self, output: &Tensor, target: &Tensor) -> Option<Result<Tensor, tch::TchError>> {
-        let _autocast = self.autocast();
-        self.loss.map(|loss| loss.compute(output, target))
+        let device = output.device();
+        let _autocast = self.autocast(device);
+        let target = if target.device() == device {
+            target.shallow_clone()
+        } else {
+            target.to_device(device)
+        };
+        self.loss.map(|loss| loss.compute(output, &target))
     }
 
-    fn autocast(&self) -> amp::Autocast {
+    fn autocast(&self, device: Device) -> amp::Autocast {
         // Entering autocast only sets thread-local flags; it fails only on an unknown dtype code.
-        amp::Autocast::enter(self.precision, self.device).expect("autocast to a known dtype")
+        amp::Autocast::enter(self.precision, device).expect("autocast to a known dtype")
     }
 }

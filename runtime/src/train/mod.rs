@@ -3,6 +3,7 @@
 //! whole model is the same path with a one-stage, one-rank plan and no peers.
 
 use std::io::Write;
+use std::ops::Range;
 use std::time::Duration;
 
 use anyhow::{bail, ensure, Context};
@@ -191,6 +192,17 @@ fn check_plan(config: &TrainConfig) -> anyhow::Result<Checked> {
             config.batch_size
         );
     }
+    let mine = plan.stage_of_rank(dist.rank);
+    if let Some(parts) = mine.device_parts.as_ref().filter(|p| p.len() != config.devices.len()) {
+        bail!(
+            "the stage config's module_to_device_map puts stage {} on {} device(s), but this rank has {}; \
+             give --devices with {} devices, or change the map",
+            mine.id,
+            parts.len(),
+            config.devices.len(),
+            parts.len()
+        );
+    }
     let identity = identity(config, &model, &plan, microbatches);
     let resume = match &config.checkpoint {
         Some(c) if c.resume => Some(checkpoint::read_latest(&c.dir, &identity).map_err(anyhow::Error::msg)?),
@@ -211,6 +223,63 @@ fn check_plan(config: &TrainConfig) -> anyhow::Result<Checked> {
         actions,
         resume,
         identity,
+    })
+}
+
+/// The modules each of this rank's devices holds: the stage config's `module_to_device_map`
+/// (checked against the devices by `check_plan`), or runs of even measured cost; `None` for a
+/// stage on one device.
+fn device_parts(
+    config: &TrainConfig,
+    model: &ModelDef,
+    stage: &stagehand_contract::Stage,
+    micro: i64,
+) -> anyhow::Result<Option<Vec<Range<usize>>>> {
+    let devices = config.devices.len();
+    match &stage.device_parts {
+        Some(parts) if devices > 1 => Ok(Some(parts.clone())),
+        _ if devices > 1 => {
+            let costs = crate::stage::placement::measure_costs(
+                model,
+                stage.modules.clone(),
+                micro,
+                config.device.tch(),
+                3,
+            );
+            let parts = crate::stage::placement::split_by_cost(stage.modules.clone(), &costs, devices)
+                .map_err(anyhow::Error::msg)?;
+            Ok(Some(parts))
+        }
+        _ => Ok(None),
+    }
+}
+
+/// This rank's stage, on its device or split over its devices, and how it was placed (for the
+/// start line: `cpu`, or `cuda:0 (modules 0..9), cuda:1 (modules 9..18)`).
+fn build_stage(
+    config: &TrainConfig,
+    model: &ModelDef,
+    stage: &stagehand_contract::Stage,
+    micro: i64,
+) -> anyhow::Result<(Stage, String)> {
+    Ok(match device_parts(config, model, stage, micro)? {
+        None => (
+            Stage::build(model, stage.modules.clone(), config.seed, config.device.tch()),
+            config.device.to_string(),
+        ),
+        Some(parts) => {
+            let placed: Vec<(Range<usize>, tch::Device)> = parts
+                .into_iter()
+                .zip(config.devices.iter().map(|d| d.tch()))
+                .collect();
+            let described = placed
+                .iter()
+                .zip(&config.devices)
+                .map(|((modules, _), device)| format!("{device} (modules {}..{})", modules.start, modules.end))
+                .collect::<Vec<_>>()
+                .join(", ");
+            (Stage::build_placed(model, &placed, config.seed), described)
+        }
     })
 }
 
@@ -254,7 +323,10 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
     if let Some(threads) = config.threads {
         tch::set_num_threads(threads as i32);
     }
-    crate::cuda::bind_device(config.device.tch()).map_err(anyhow::Error::msg)?;
+    // Every device of the stage must exist; the first is made current.
+    for device in config.devices.iter().rev() {
+        crate::cuda::bind_device(device.tch()).map_err(anyhow::Error::msg)?;
+    }
     let dist = &config.dist;
     let device = config.device.tch();
     // Everything that can be wrong with the plan is found before talking to any other rank.
@@ -273,7 +345,7 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
     let my_stage = plan.stage_of_rank(dist.rank).clone();
     let num_params: u64 = model.param_counts().iter().sum();
 
-    let mut stage = Stage::build(&model, my_stage.modules.clone(), config.seed, device);
+    let (mut stage, placement) = build_stage(config, &model, &my_stage, micro_size)?;
     stage
         .set_arithmetic(config.precision, config.channels_last)
         .map_err(|e| anyhow::anyhow!("--precision/--channels-last: {e}"))?;
@@ -367,7 +439,7 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
         my_stage.modules.start,
         my_stage.modules.end,
         model.name,
-        config.device,
+        placement,
         microbatches,
         micro_size
     );

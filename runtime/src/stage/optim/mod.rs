@@ -11,7 +11,7 @@ mod fused;
 #[cfg(test)]
 mod tests;
 
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
 use super::autograd::grad_to_none;
 use crate::config::OptimizerKind;
@@ -166,6 +166,25 @@ impl Optimizer {
         let live: Vec<usize> = (0..self.params.len())
             .filter(|&i| self.params[i].grad().defined())
             .collect();
+        // The multi-tensor kernels take tensors of one device: a stage spread over several
+        // devices steps each device's parameters in a call of their own (as torch.optim groups
+        // them); each parameter's update is the same either way.
+        let mut groups: Vec<(Device, Vec<usize>)> = Vec::new();
+        for i in live {
+            let device = self.params[i].device();
+            match groups.iter_mut().find(|(d, _)| *d == device) {
+                Some((_, group)) => group.push(i),
+                None => groups.push((device, vec![i])),
+            }
+        }
+        for (_, group) in groups {
+            self.step_group(group)?;
+        }
+        Ok(())
+    }
+
+    /// One step of the parameters `live`, all on one device.
+    fn step_group(&mut self, live: Vec<usize>) -> Result<(), String> {
         if live.is_empty() {
             return Ok(());
         }
