@@ -213,7 +213,11 @@ impl StageConfig {
 
 impl StageConfig {
     /// Stage `stage`'s modules per device, from `module_to_device_map` (checked for length).
-    fn device_parts(&self, stage: usize, modules: &Range<usize>) -> Result<Option<Vec<Range<usize>>>, StageConfigError> {
+    fn device_parts(
+        &self,
+        stage: usize,
+        modules: &Range<usize>,
+    ) -> Result<Option<Vec<Range<usize>>>, StageConfigError> {
         let Some(devices) = &self.module_to_device_map else {
             return Ok(None);
         };
@@ -318,7 +322,10 @@ mod tests {
                 expected: "0".into()
             }
         );
-        assert!(e.to_string().contains("module_to_device_map[2] is device 1"), "{e}");
+        assert!(
+            e.to_string().contains("module_to_device_map[2] is device 1"),
+            "{e}"
+        );
         let e = plan(
             r#"{"module_to_stage_map": [0,0], "stage_to_rank_map": {"0": [0]}, "module_to_device_map": [0]}"#,
             2,

@@ -542,16 +542,19 @@ impl TrainArgs {
             flag: "--devices",
             reason,
         };
-        let devices = self
-            .devices
-            .iter()
-            .map(|d| match d.trim() {
-                "cuda" => Err(invalid("name each GPU (cuda:0,cuda:1), not plain cuda".into())),
-                other => DeviceSpec::parse(other).map_err(|_| invalid(format!("{other:?} is not cpu or cuda:N"))),
-            })
-            .collect::<Result<Vec<_>, _>>()?;
+        let devices =
+            self.devices
+                .iter()
+                .map(|d| match d.trim() {
+                    "cuda" => Err(invalid("name each GPU (cuda:0,cuda:1), not plain cuda".into())),
+                    other => DeviceSpec::parse(other)
+                        .map_err(|_| invalid(format!("{other:?} is not cpu or cuda:N"))),
+                })
+                .collect::<Result<Vec<_>, _>>()?;
         if devices.iter().any(|d| *d == DeviceSpec::Cpu) && devices.iter().any(|d| *d != DeviceSpec::Cpu) {
-            return Err(invalid("mixes the CPU and GPUs; give only cuda:N devices, or only cpu".into()));
+            return Err(invalid(
+                "mixes the CPU and GPUs; give only cuda:N devices, or only cpu".into(),
+            ));
         }
         for (i, d) in devices.iter().enumerate() {
             if *d != DeviceSpec::Cpu && devices[..i].contains(d) {

@@ -314,7 +314,9 @@ fn gpu_a_stage_over_two_gpus_trains_as_on_one() {
         return;
     };
     if count < 2 {
-        eprintln!("SKIPPED gpu_a_stage_over_two_gpus_trains_as_on_one: needs two GPUs, this machine has {count}");
+        eprintln!(
+            "SKIPPED gpu_a_stage_over_two_gpus_trains_as_on_one: needs two GPUs, this machine has {count}"
+        );
         return;
     }
     // resnet50 in two runs of even measured cost, with batch norms, bf16 autocast on both GPUs and

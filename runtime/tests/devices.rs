@@ -29,7 +29,11 @@ fn strs(args: &[String]) -> Vec<&str> {
 
 fn assert_same_params(a: &Path, b: &Path, what: &str) {
     let (a, b) = (read_params(a), read_params(b));
-    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>(), "{what}");
+    assert_eq!(
+        a.keys().collect::<Vec<_>>(),
+        b.keys().collect::<Vec<_>>(),
+        "{what}"
+    );
     for (name, t) in &a {
         assert!(t.equal(&b[name]), "{what}: {name} differs");
     }
@@ -101,7 +105,10 @@ fn the_stage_configs_device_map_places_a_pipeline_stage_and_replicas_reduce_acro
     let schedule = ["--schedule", "1f1b", "--microbatches", "4"];
     let reference = ok(run_ranks(
         2,
-        &strs(&mlp("3", &[&schedule[..], &["--stage-config", plain.to_str().unwrap()]].concat())),
+        &strs(&mlp(
+            "3",
+            &[&schedule[..], &["--stage-config", plain.to_str().unwrap()]].concat(),
+        )),
         LIMIT,
     ));
     // Every rank gets the same arguments: rank 1's stage maps to one device, so it gives one.
@@ -122,17 +129,20 @@ fn the_stage_configs_device_map_places_a_pipeline_stage_and_replicas_reduce_acro
         );
         a
     };
-    let children: Vec<_> = [("0", &["--devices", "cpu,cpu"][..]), ("1", &["--device", "cpu"][..])]
-        .into_iter()
-        .map(|(rank, devices)| {
-            crate::util::runtime()
-                .args(args(rank, devices))
-                .stdout(std::process::Stdio::piped())
-                .stderr(std::process::Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
+    let children: Vec<_> = [
+        ("0", &["--devices", "cpu,cpu"][..]),
+        ("1", &["--device", "cpu"][..]),
+    ]
+    .into_iter()
+    .map(|(rank, devices)| {
+        crate::util::runtime()
+            .args(args(rank, devices))
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    })
+    .collect();
     let runs: Vec<Run> = children
         .into_iter()
         .map(|c| {
@@ -157,13 +167,21 @@ fn the_stage_configs_device_map_places_a_pipeline_stage_and_replicas_reduce_acro
     // every part's gradients.
     let dp = ok(run_ranks(2, &strs(&mlp("3", &["--devices", "cpu,cpu"])), LIMIT));
     let dp_reference = ok(run_ranks(2, &strs(&mlp("3", &[])), LIMIT));
-    assert_eq!(dp[0].losses(), dp_reference[0].losses(), "replicas over two devices each");
+    assert_eq!(
+        dp[0].losses(),
+        dp_reference[0].losses(),
+        "replicas over two devices each"
+    );
 }
 
 #[test]
 fn a_checkpoint_of_a_split_stage_resumes_exactly_and_on_another_split() {
     let tmp = tempfile::tempdir().unwrap();
-    let (whole, resumed, ckpt) = (tmp.path().join("whole"), tmp.path().join("resumed"), tmp.path().join("ckpt"));
+    let (whole, resumed, ckpt) = (
+        tmp.path().join("whole"),
+        tmp.path().join("resumed"),
+        tmp.path().join("ckpt"),
+    );
     let (w, r, c) = (
         whole.to_str().unwrap(),
         resumed.to_str().unwrap(),
@@ -176,7 +194,15 @@ fn a_checkpoint_of_a_split_stage_resumes_exactly_and_on_another_split() {
     assert_eq!(first.losses(), never_stopped[..3]);
     let second = run_ok(&strs(&mlp(
         "6",
-        &["--devices", "cpu,cpu,cpu", "--checkpoint-dir", c, "--resume", "--save-params", r],
+        &[
+            "--devices",
+            "cpu,cpu,cpu",
+            "--checkpoint-dir",
+            c,
+            "--resume",
+            "--save-params",
+            r,
+        ],
     )));
     assert_eq!(second.losses(), never_stopped[3..]);
     assert_same_params(&whole, &resumed, "resumed over another split");
@@ -213,6 +239,9 @@ fn placements_that_cannot_work_are_refused_with_what_to_change() {
         let out = run(&strs(&mlp("1", extra)));
         assert!(!out.output.status.success(), "{extra:?}");
         assert!(out.stderr().contains(expected), "{extra:?}: {}", out.stderr());
-        assert!(out.events.iter().all(|e| !matches!(e, Event::Iteration(_))), "{extra:?}");
+        assert!(
+            out.events.iter().all(|e| !matches!(e, Event::Iteration(_))),
+            "{extra:?}"
+        );
     }
 }

@@ -193,6 +193,10 @@ pub struct ExperimentFile {
     /// Launch this program and arguments instead of the runtime, with the same rank environment.
     #[serde(default)]
     pub command: Option<Vec<String>>,
+    /// GPUs each rank holds (default 1): a machine entry's `gpus` taken in groups of this many,
+    /// each group one rank whose stage spans them (the runtime's `--devices`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpus_per_rank: Option<u32>,
     /// Shared memory per container, in MiB (default 2048).
     #[serde(default)]
     pub shm_size_mb: Option<u64>,

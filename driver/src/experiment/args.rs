@@ -116,7 +116,8 @@ fn runtime_command(
     if let Some(d) = data_arg(ctx) {
         flag("data", d);
     }
-    flag("device", device_arg(ctx, host, gpus));
+    let (name, value) = device_flag(ctx, host, gpus);
+    flag(name, value);
     if let Some(t) = f.threads {
         flag("threads", t.to_string());
     }
@@ -260,14 +261,44 @@ pub(super) fn device_arg(ctx: &ArgsContext, host: &HostSpec, gpus: &[u32]) -> St
     if ctx.device == Device::Cpu {
         return "cpu".to_string();
     }
-    let visible_index = match (ctx.backend, ctx.container_mode) {
+    format!("cuda:{}", visible_index(ctx, host, gpus, gpu))
+}
+
+/// How the rank's process sees `gpu` (one of its `gpus`): a container given only the rank's GPUs
+/// sees them from 0, a container of the whole host sees the host's in its order.
+fn visible_index(ctx: &ArgsContext, host: &HostSpec, gpus: &[u32], gpu: u32) -> usize {
+    match (ctx.backend, ctx.container_mode) {
         (Backend::Process | Backend::Slurm, _) => gpu as usize,
-        (Backend::Docker, ContainerMode::PerRank) => 0,
+        (Backend::Docker, ContainerMode::PerRank) => gpus
+            .iter()
+            .position(|g| *g == gpu)
+            .expect("the GPU is the rank's"),
         (Backend::Docker, ContainerMode::PerHost) => host
             .gpus
             .iter()
             .position(|g| *g == gpu)
             .expect("rank's GPU is among its host's"),
-    };
-    format!("cuda:{visible_index}")
+    }
+}
+
+/// `--device D`, or `--devices D0,D1,...` for a rank whose stage spans several GPUs (its machine
+/// entry's GPUs in groups of `gpus_per_rank`, or Slurm's `gpus_per_task`, each task seeing its
+/// own from 0).
+fn device_flag(ctx: &ArgsContext, host: &HostSpec, gpus: &[u32]) -> (&'static str, String) {
+    if ctx.device == Device::Cuda {
+        let list: Vec<String> = match ctx.backend {
+            Backend::Slurm => {
+                let per_task = ctx.file.slurm.as_ref().and_then(|s| s.gpus_per_task).unwrap_or(1);
+                (0..per_task).map(|i| format!("cuda:{i}")).collect()
+            }
+            Backend::Process | Backend::Docker => gpus
+                .iter()
+                .map(|&g| format!("cuda:{}", visible_index(ctx, host, gpus, g)))
+                .collect(),
+        };
+        if list.len() > 1 {
+            return ("devices", list.join(","));
+        }
+    }
+    ("device", device_arg(ctx, host, gpus))
 }

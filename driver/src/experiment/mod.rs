@@ -272,7 +272,19 @@ fn resolve_with(
         }
     }
 
-    let (hosts, rank_slots) = group_hosts(&machines);
+    let gpus_per_rank = match (file.gpus_per_rank, &slurm) {
+        (Some(_), Some(_)) => {
+            return Err(loaded.error_at(
+                "gpus_per_rank",
+                "gpus_per_rank is for machines entries; with `backend: slurm` give each rank its GPUs with slurm.gpus_per_task",
+            ))
+        }
+        (Some(0), None) => return Err(loaded.error_at("gpus_per_rank", "gpus_per_rank must be at least 1")),
+        (Some(n), None) => n as usize,
+        (None, _) => 1,
+    };
+    let (hosts, rank_slots) =
+        group_hosts(&machines, gpus_per_rank).map_err(|e| loaded.error_at("gpus_per_rank", e))?;
     let world_size = rank_slots.len();
     check_slowdown(loaded, &hosts, world_size)?;
     check_pipedream_keys(loaded)?;
@@ -926,8 +938,12 @@ fn network_levels(hosts: &[HostSpec], world_size: usize, intra: f64, inter: f64)
     }
 }
 
-/// Groups machine entries by host; returns the hosts and, per rank, its host index and GPUs.
-fn group_hosts(machines: &[Machine]) -> (Vec<HostSpec>, Vec<(usize, Vec<u32>)>) {
+/// Groups machine entries by host; returns the hosts and, per rank, its host index and GPUs
+/// (each entry's GPUs in groups of `gpus_per_rank`).
+fn group_hosts(
+    machines: &[Machine],
+    gpus_per_rank: usize,
+) -> Result<(Vec<HostSpec>, Vec<(usize, Vec<u32>)>), String> {
     let mut hosts: Vec<HostSpec> = Vec::new();
     let mut slots = Vec::new();
     for m in machines {
@@ -943,10 +959,19 @@ fn group_hosts(machines: &[Machine]) -> (Vec<HostSpec>, Vec<(usize, Vec<u32>)>) 
                 hosts.len() - 1
             }
         };
+        if gpus_per_rank > 1 && (m.gpus.is_empty() || !m.gpus.len().is_multiple_of(gpus_per_rank)) {
+            return Err(format!(
+                "gpus_per_rank is {gpus_per_rank}, but the machines entry for `{}` lists {} GPU(s); \
+                 list a multiple of {gpus_per_rank} as `{{host: {}, gpus: [0, 1, ...]}}`",
+                m.host,
+                m.gpus.len(),
+                m.host
+            ));
+        }
         let per_rank: Vec<Vec<u32>> = if m.gpus.is_empty() {
             vec![Vec::new()]
         } else {
-            m.gpus.iter().map(|g| vec![*g]).collect()
+            m.gpus.chunks(gpus_per_rank).map(<[u32]>::to_vec).collect()
         };
         for gpus in per_rank {
             let host = &mut hosts[index];
@@ -959,7 +984,7 @@ fn group_hosts(machines: &[Machine]) -> (Vec<HostSpec>, Vec<(usize, Vec<u32>)>) 
             slots.push((index, gpus));
         }
     }
-    (hosts, slots)
+    Ok((hosts, slots))
 }
 
 /// The image the containers run. Without `container:`, the runtime image built from the

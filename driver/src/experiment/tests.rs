@@ -167,6 +167,51 @@ fn gpus_are_numbered_as_each_container_sees_them() {
 }
 
 #[test]
+fn gpus_per_rank_gives_each_rank_a_stage_over_several_gpus() {
+    let text = "machines:\n  - host: box\n    gpus: [4, 5, 6, 7]\ngpus_per_rank: 2\n";
+    let per_rank = resolve_text(text, &options(None, ContainerMode::PerRank)).unwrap();
+    assert_eq!(per_rank.world_size(), 2);
+    assert_eq!(per_rank.ranks[1].gpus, vec![6, 7]);
+    // Each container sees its two GPUs from 0; one container per host sees all four.
+    assert_eq!(flag(&per_rank.ranks[1].argv, "--devices"), Some("cuda:0,cuda:1"));
+    assert_eq!(flag(&per_rank.ranks[1].argv, "--device"), None);
+    let per_host = resolve_text(text, &options(None, ContainerMode::PerHost)).unwrap();
+    assert_eq!(flag(&per_host.ranks[1].argv, "--devices"), Some("cuda:2,cuda:3"));
+    let process = resolve_text(
+        "machines:\n  - host: localhost\n    gpus: [4, 5, 6, 7]\ngpus_per_rank: 2\n",
+        &options(Some(Backend::Process), ContainerMode::PerRank),
+    )
+    .unwrap();
+    assert_eq!(flag(&process.ranks[0].argv, "--devices"), Some("cuda:4,cuda:5"));
+    let slurm = resolve_text(
+        "backend: slurm\nslurm: {tasks_per_node: 2, gpus_per_task: 2}\nmodule: mlp\n",
+        &options(None, ContainerMode::PerRank),
+    )
+    .unwrap();
+    assert_eq!(flag(&slurm.ranks[0].argv, "--devices"), Some("cuda:0,cuda:1"));
+
+    let refused = [
+        (
+            "machines: ['box:0', 'box:1']\ngpus_per_rank: 2\n",
+            "the machines entry for `box` lists 1 GPU(s)",
+        ),
+        (
+            "machines:\n  - host: box\n    gpus: [0, 1, 2]\ngpus_per_rank: 2\n",
+            "lists 3 GPU(s); list a multiple of 2",
+        ),
+        (
+            "backend: slurm\nslurm: {gpus_per_task: 2}\ngpus_per_rank: 2\n",
+            "slurm.gpus_per_task",
+        ),
+    ];
+    for (text, expected) in refused {
+        let e = resolve_text(text, &options(None, ContainerMode::PerRank)).unwrap_err();
+        assert!(e.to_string().contains(expected), "{text}: {e}");
+        assert!(e.to_string().contains("gpus_per_rank"), "{e}");
+    }
+}
+
+#[test]
 fn command_replaces_the_runtime_and_keeps_the_rank_environment() {
     let plan = resolve_text(
         "machines: [localhost, localhost]\ncommand: [python3, 'train.py; rm -rf /', --x]\nmodule: mlp\n",

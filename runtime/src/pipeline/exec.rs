@@ -443,10 +443,8 @@ impl Executor {
         if !skip {
             let slowdown = self.slowdown;
             let devices = self.stage.devices();
-            timed(&devices, slowdown, &mut progress.timing, || {
-                self.optimizer.step()
-            })
-            .map_err(|e| anyhow::anyhow!("the optimizer step of stage {} failed: {e}", self.stage_id))?;
+            timed(&devices, slowdown, &mut progress.timing, || self.optimizer.step())
+                .map_err(|e| anyhow::anyhow!("the optimizer step of stage {} failed: {e}", self.stage_id))?;
         }
         self.optimizer.zero_grad();
         Ok(())

@@ -132,7 +132,10 @@ impl GradScaler {
             let (found, inv) = if device == home {
                 (self.found_inf.shallow_clone(), inv_scale.shallow_clone())
             } else {
-                (Tensor::zeros([1], (Kind::Float, device)), inv_scale.to_device(device))
+                (
+                    Tensor::zeros([1], (Kind::Float, device)),
+                    inv_scale.to_device(device),
+                )
             };
             // SAFETY: live tensors for the call; the kernel writes the gradients and the flag in
             // place.
@@ -145,7 +148,10 @@ impl GradScaler {
                 )
             })?;
             if device != home {
-                let _ = self.found_inf.f_add_(&found.to_device(home)).map_err(|e| e.to_string())?;
+                let _ = self
+                    .found_inf
+                    .f_add_(&found.to_device(home))
+                    .map_err(|e| e.to_string())?;
             }
         }
         Ok(&self.found_inf)

@@ -151,7 +151,10 @@ impl Stage {
                 xs = xs.to_device(part.device);
             }
             let _autocast = self.autocast(part.device);
-            xs = part.layers.iter().fold(xs, |xs, layer| layer.forward_t(&xs, train));
+            xs = part
+                .layers
+                .iter()
+                .fold(xs, |xs, layer| layer.forward_t(&xs, train));
         }
         xs
     }

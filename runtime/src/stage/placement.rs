@@ -76,13 +76,19 @@ pub fn measure_costs(
     }
     for index in 0..range.start {
         let vs = nn::VarStore::new(device);
-        let layer = model.build(&vs.root(), index..index + 1, 0).pop().expect("one module");
+        let layer = model
+            .build(&vs.root(), index..index + 1, 0)
+            .pop()
+            .expect("one module");
         xs = tch::no_grad(|| layer.forward_t(&xs, true));
     }
     let mut costs = Vec::with_capacity(range.len());
     for index in range.start..layers_end {
         let vs = nn::VarStore::new(device);
-        let layer = model.build(&vs.root(), index..index + 1, 0).pop().expect("one module");
+        let layer = model
+            .build(&vs.root(), index..index + 1, 0)
+            .pop()
+            .expect("one module");
         let input = if xs.is_floating_point() {
             xs.detach().set_requires_grad(true)
         } else {

@@ -193,7 +193,11 @@ fn check_plan(config: &TrainConfig) -> anyhow::Result<Checked> {
         );
     }
     let mine = plan.stage_of_rank(dist.rank);
-    if let Some(parts) = mine.device_parts.as_ref().filter(|p| p.len() != config.devices.len()) {
+    if let Some(parts) = mine
+        .device_parts
+        .as_ref()
+        .filter(|p| p.len() != config.devices.len())
+    {
         bail!(
             "the stage config's module_to_device_map puts stage {} on {} device(s), but this rank has {}; \
              give --devices with {} devices, or change the map",
@@ -275,7 +279,9 @@ fn build_stage(
             let described = placed
                 .iter()
                 .zip(&config.devices)
-                .map(|((modules, _), device)| format!("{device} (modules {}..{})", modules.start, modules.end))
+                .map(|((modules, _), device)| {
+                    format!("{device} (modules {}..{})", modules.start, modules.end)
+                })
                 .collect::<Vec<_>>()
                 .join(", ");
             (Stage::build_placed(model, &placed, config.seed), described)
