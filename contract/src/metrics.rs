@@ -83,6 +83,9 @@ pub struct RunConfig {
     /// float32 activations cross stages as float16 (`--compress-activations`).
     #[serde(default)]
     pub compress_activations: bool,
+    /// Sparse transfers (`--compress`): `auto` (each message in its smallest form) or `off`.
+    #[serde(default = "off")]
+    pub compress: String,
     /// How the learning rate changes: `constant`, `step`, `polynomial` or `exponential`.
     #[serde(default = "constant")]
     pub lr_policy: String,
@@ -92,6 +95,10 @@ pub struct RunConfig {
     /// Iterations per epoch, when the learning rate depends on it.
     #[serde(default)]
     pub epoch_iterations: Option<u64>,
+}
+
+fn off() -> String {
+    "off".into()
 }
 
 fn constant() -> String {
@@ -186,6 +193,13 @@ pub struct Iteration {
     /// The replicas' gradient all-reduce (zero on a stage without replicas).
     #[serde(default)]
     pub reduce: ReduceMetrics,
+    /// Bytes this rank sent to other stages in the iteration (activations, gradients, targets),
+    /// compressed forms and their headers included (`--compress auto`).
+    #[serde(default)]
+    pub sent_bytes: u64,
+    /// The same messages' bytes as dense tensors: `sent_bytes` without compression.
+    #[serde(default)]
+    pub sent_dense_bytes: u64,
 }
 
 /// What the gradient all-reduce of one iteration's steps did on one rank.
@@ -341,6 +355,8 @@ mod tests {
             gpu_peak_allocated_bytes: None,
             gpu_peak_reserved_bytes: None,
             reduce: ReduceMetrics::default(),
+            sent_bytes: 0,
+            sent_dense_bytes: 0,
         }
     }
 

@@ -305,7 +305,8 @@ mod tests {
         )
         .unwrap();
         assert_eq!(p.stages[0].device_parts, Some(vec![0..1, 1..3]));
-        assert_eq!(p.stages[1].device_parts, Some(vec![3..5]));
+        let one_part: Vec<std::ops::Range<usize>> = std::iter::once(3..5).collect();
+        assert_eq!(p.stages[1].device_parts, Some(one_part));
         let e = plan(
             r#"{"module_to_stage_map": [0,0,1], "stage_to_rank_map": {"0": [0], "1": [1]},
                 "module_to_device_map": [0,1,1]}"#,

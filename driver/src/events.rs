@@ -183,7 +183,8 @@ pub enum Event {
     Metrics {
         rank: usize,
         line: String,
-        event: stagehand_contract::Event,
+        /// Boxed: an iteration's metrics outweigh every other event.
+        event: Box<stagehand_contract::Event>,
     },
     /// A rank was seen to end; `exit_code` is `None` when it was killed without one.
     RankExited { rank: usize, exit_code: Option<i64> },

@@ -306,6 +306,18 @@ struct DistArgs {
     /// Every rank must be given it.
     #[arg(long)]
     compress_activations: bool,
+    /// Sparse transfers (SparsePipedream): `auto` sends each activation and gradient in its
+    /// smallest form by measured density (dense, int32 indices + values, or a bitmask + values),
+    /// rebuilt bit for bit on arrival; `off` sends them dense. Needs Gloo (its tags match the
+    /// variable-size payloads); every rank must be given the same.
+    #[arg(long, value_enum, default_value_t = CompressArg::Off)]
+    compress: CompressArg,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum CompressArg {
+    Auto,
+    Off,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -551,7 +563,7 @@ impl TrainArgs {
                         .map_err(|_| invalid(format!("{other:?} is not cpu or cuda:N"))),
                 })
                 .collect::<Result<Vec<_>, _>>()?;
-        if devices.iter().any(|d| *d == DeviceSpec::Cpu) && devices.iter().any(|d| *d != DeviceSpec::Cpu) {
+        if devices.contains(&DeviceSpec::Cpu) && devices.iter().any(|d| *d != DeviceSpec::Cpu) {
             return Err(invalid(
                 "mixes the CPU and GPUs; give only cuda:N devices, or only cpu".into(),
             ));
@@ -785,6 +797,16 @@ impl DistArgs {
             }
             (Some(BackendArg::Nccl), _) | (None, DeviceSpec::Cuda(_)) => Backend::Nccl,
         };
+        let sparse = self.compress == CompressArg::Auto;
+        if sparse && backend == Backend::Nccl {
+            return Err(invalid(
+                "--compress",
+                "auto sends payloads whose size only their header tells, which NCCL (pairing \
+                 sends and receives by issue order) cannot match; add --backend gloo, or use \
+                 --compress off"
+                    .into(),
+            ));
+        }
         Ok(DistConfig {
             rank: place.rank,
             world_size: place.world_size,
@@ -802,6 +824,7 @@ impl DistArgs {
             slowdown,
             reduce,
             compress_activations: self.compress_activations,
+            sparse,
         })
     }
 }

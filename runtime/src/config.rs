@@ -342,6 +342,9 @@ pub struct DistConfig {
     pub reduce: ReduceOptions,
     /// float32 activations cross stages as float16.
     pub compress_activations: bool,
+    /// Activations and gradients cross stages in their smallest form, dense, indices or bitmask
+    /// (`--compress auto`).
+    pub sparse: bool,
 }
 
 /// How the replicas' gradients are all-reduced.
@@ -377,6 +380,7 @@ impl TrainConfig {
             bucket_mb: self.dist.reduce.bucket_bytes as f64 / (1u64 << 20) as f64,
             overlap_reduce: self.dist.reduce.overlap,
             compress_activations: self.dist.compress_activations,
+            compress: if self.dist.sparse { "auto" } else { "off" }.into(),
             lr_policy: self.lr_schedule.policy.name().into(),
             lr_warmup_epochs: self.lr_schedule.warmup_epochs,
             epoch_iterations: self

@@ -1,6 +1,7 @@
 //! Integration tests of the `runtime` binary: real processes, real libtorch, PyTorch's c10d.
 
 mod checkpoint;
+mod compress;
 mod cuda;
 mod devices;
 mod distributed;

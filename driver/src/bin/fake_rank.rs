@@ -79,6 +79,7 @@ fn main() {
             bucket_mb: 25.0,
             overlap_reduce: true,
             compress_activations: false,
+            compress: "off".into(),
             lr_policy: "constant".into(),
             lr_warmup_epochs: 0,
             epoch_iterations: None,
@@ -109,6 +110,8 @@ fn main() {
             gpu_peak_allocated_bytes: None,
             gpu_peak_reserved_bytes: None,
             reduce: Default::default(),
+            sent_bytes: 0,
+            sent_dense_bytes: 0,
         };
         println!("{}", Event::Iteration(it).to_line());
         eprintln!("fake-rank {rank}: iteration {i} done");

@@ -171,6 +171,10 @@ pub struct ExperimentFile {
     /// after it (`off`), or `auto` (the runtime's default: on with CUDA devices).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub overlap_reduce: Option<OverlapReduce>,
+    /// Sparse transfers (`--compress`): `auto` sends each activation and gradient in its
+    /// smallest form, rebuilt bit for bit; `off` (the runtime's default) sends them dense.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compress: Option<Compress>,
     /// Straggler and heterogeneity emulation: a rank's, or a machine's ranks', compute stretched
     /// by a factor (`--slowdown`), as SD-PIPE's `--hetero`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -290,6 +294,24 @@ impl OverlapReduce {
             OverlapReduce::Auto => "auto",
             OverlapReduce::On => "on",
             OverlapReduce::Off => "off",
+        }
+    }
+}
+
+/// Sparse transfers between stages (`--compress`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Compress {
+    Auto,
+    Off,
+}
+
+impl Compress {
+    /// The runtime's spelling.
+    pub fn as_arg(self) -> &'static str {
+        match self {
+            Compress::Auto => "auto",
+            Compress::Off => "off",
         }
     }
 }

@@ -175,6 +175,10 @@ fn runtime_command(
         argv.push("--overlap-reduce".into());
         argv.push(o.as_arg().to_string());
     }
+    if let Some(c) = f.compress {
+        argv.push("--compress".into());
+        argv.push(c.as_arg().to_string());
+    }
     if let Some(factor) = slowdown_of(f, rank, &host.name) {
         argv.push("--slowdown".into());
         argv.push(format!("{rank}={factor}"));

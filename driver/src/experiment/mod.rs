@@ -938,12 +938,12 @@ fn network_levels(hosts: &[HostSpec], world_size: usize, intra: f64, inter: f64)
     }
 }
 
+/// A rank's host (an index into the hosts) and its GPUs there.
+type RankSlot = (usize, Vec<u32>);
+
 /// Groups machine entries by host; returns the hosts and, per rank, its host index and GPUs
 /// (each entry's GPUs in groups of `gpus_per_rank`).
-fn group_hosts(
-    machines: &[Machine],
-    gpus_per_rank: usize,
-) -> Result<(Vec<HostSpec>, Vec<(usize, Vec<u32>)>), String> {
+fn group_hosts(machines: &[Machine], gpus_per_rank: usize) -> Result<(Vec<HostSpec>, Vec<RankSlot>), String> {
     let mut hosts: Vec<HostSpec> = Vec::new();
     let mut slots = Vec::new();
     for m in machines {

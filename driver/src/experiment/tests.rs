@@ -517,15 +517,21 @@ fn a_slowdown_that_names_nothing_real_is_refused_with_what_to_change() {
 }
 
 #[test]
-fn overlap_reduce_reaches_every_rank() {
+fn overlap_reduce_and_compress_reach_every_rank() {
     let plan = resolve_text(
-        "machines: [localhost, localhost]\nmodule: mlp\noverlap_reduce: on\n",
+        "machines: [localhost, localhost]\nmodule: mlp\noverlap_reduce: on\ncompress: auto\n",
         &options(None, ContainerMode::PerRank),
     )
     .unwrap();
     for rank in &plan.ranks {
         assert_eq!(flag(&rank.argv, "--overlap-reduce"), Some("on"));
+        assert_eq!(flag(&rank.argv, "--compress"), Some("auto"));
     }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("exp.yml");
+    std::fs::write(&path, "machines: [localhost]\ncompress: sometimes\n").unwrap();
+    let e = crate::config::load(&path).unwrap_err();
+    assert!(e.to_string().contains("expected `auto` or `off`"), "{e}");
 }
 
 #[test]

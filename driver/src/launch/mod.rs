@@ -128,7 +128,11 @@ fn by_hand(left: &[LeftContainer]) -> String {
 pub fn classify_line(rank: usize, stream: Stream, line: String) -> Event {
     if stream == Stream::Stdout {
         if let Some(event) = stagehand_contract::Event::parse_line(&line) {
-            return Event::Metrics { rank, line, event };
+            return Event::Metrics {
+                rank,
+                line,
+                event: Box::new(event),
+            };
         }
     }
     Event::LineLogged { rank, stream, line }

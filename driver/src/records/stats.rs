@@ -178,6 +178,8 @@ mod tests {
             gpu_peak_allocated_bytes: None,
             gpu_peak_reserved_bytes: None,
             reduce: Default::default(),
+            sent_bytes: 0,
+            sent_dense_bytes: 0,
         })
     }
 

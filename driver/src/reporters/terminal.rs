@@ -97,7 +97,7 @@ impl TerminalReporter {
                 normal.then(|| (*stream, format!("{} {line}", self.prefix(*rank))))
             }
             Event::Metrics { rank, line, event } => {
-                let iteration = match event {
+                let iteration = match event.as_ref() {
                     stagehand_contract::Event::Iteration(it) => Some(it),
                     _ => None,
                 };
@@ -297,7 +297,7 @@ mod tests {
             Event::Metrics {
                 rank: 1,
                 line: start.into(),
-                event: stagehand_contract::Event::parse_line(start).unwrap(),
+                event: Box::new(stagehand_contract::Event::parse_line(start).unwrap()),
             },
             Event::RankExited {
                 rank: 0,
@@ -356,7 +356,11 @@ mod tests {
             r#"{{"event":"iteration","iteration":{i},"rank":{rank},"stage":{rank},"loss":{loss},"lr":0.01,"samples":8,"time_s":0.1,"samples_per_sec":80.0,"compute_s":0.1,"comm_wait_s":0.0,"idle_s":0.0,"peak_mem_bytes":null}}"#
         );
         let event = stagehand_contract::Event::parse_line(&line).unwrap();
-        Event::Metrics { rank, line, event }
+        Event::Metrics {
+            rank,
+            line,
+            event: Box::new(event),
+        }
     }
 
     #[test]

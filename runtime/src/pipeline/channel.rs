@@ -65,6 +65,21 @@ impl Channels {
         Ok(work)
     }
 
+    /// Starts sending a compressed message's payload (after its header, sent with
+    /// [`Channels::send`], which the ledger records as the message).
+    pub fn send_payload(&self, transfer: Transfer, payload: &Tensor) -> Result<Work, CommError> {
+        let channel = transfer.message.channel();
+        self.group(channel)
+            .send(payload, transfer.peer, transfer.message.payload_tag())
+    }
+
+    /// Starts receiving a compressed message's payload, once its header has said its size.
+    pub fn recv_payload(&self, transfer: Transfer, payload: &mut Tensor) -> Result<Work, CommError> {
+        let channel = transfer.message.channel();
+        self.group(channel)
+            .recv(payload, transfer.peer, transfer.message.payload_tag())
+    }
+
     fn record(&self, op: P2pOp, channel: Channel, transfer: Transfer, kind: Kind) {
         let mut ledger = self.ledger.borrow_mut();
         let issued = ledger.issued.entry((channel, op, transfer.peer)).or_default();

@@ -13,6 +13,7 @@ use tch::{Device, Kind, Tensor};
 use super::channel::Channels;
 use super::reduce::{last_backwards, ReduceStats, Reducer};
 use super::route::{Op, Route, Transfer};
+use super::sparse;
 use super::wire::{self, header, header_buffer, read_header, Message, TensorSpec};
 use crate::comm::{ProcessGroup, Work};
 use crate::config::CheckpointConfig;
@@ -38,6 +39,17 @@ pub struct Timing {
     pub comm: Duration,
     /// The replicas' gradient all-reduce (its wait is part of `comm`).
     pub reduce: ReduceStats,
+    /// Bytes of the messages (activations, gradients, targets) this rank sent to other stages.
+    pub wire: WireBytes,
+}
+
+/// What a rank's sends to other stages weighed.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct WireBytes {
+    /// As sent (compressed forms and their headers included).
+    pub sent: u64,
+    /// As dense tensors in the kinds they travel in.
+    pub dense: u64,
 }
 
 /// What a finished iteration reports.
@@ -97,6 +109,8 @@ pub struct Executor {
     pub lr: LrSchedule,
     /// float32 activations cross stages as float16.
     pub compress_activations: bool,
+    /// Activations and gradients cross stages in their smallest form (`--compress auto`).
+    pub sparse: bool,
     /// Where and when to checkpoint.
     pub checkpoint: Option<Checkpointing>,
     /// The run's seed: with the rank and the iteration it reseeds torch's generator at each
@@ -136,8 +150,9 @@ struct Progress {
     timing: Timing,
     losses: Vec<Tensor>,
     traces: Vec<Trace>,
-    /// Receives posted ahead of the action that takes them.
-    posted: HashMap<Message, (Tensor, Work)>,
+    /// Receives posted ahead of the action that takes them, with their transfer (a compressed
+    /// message's payload is received from the same peer once its header is in).
+    posted: HashMap<Message, (Tensor, Work, Transfer)>,
     /// What the last action produced for other ranks, until the program sends it.
     outbox: HashMap<Message, Tensor>,
 }
@@ -191,22 +206,54 @@ impl Executor {
             Message::Header => bail!("internal error: a shape header is received only at start"),
         };
         let spec = spec.expect("shapes are learned at start");
-        let mut tensor = match self.wire_kind(transfer.message, spec.kind) {
-            Some(kind) => Tensor::empty(spec.shape.as_slice(), (kind, self.device)),
-            None => spec.empty(self.device),
+        let mut tensor = if self.is_sparse(transfer.message) {
+            // The header: the payload's form and size, then the payload itself (in `take`).
+            Tensor::zeros([3], (Kind::Int64, Device::Cpu))
+        } else {
+            match self.wire_kind(transfer.message, spec.kind) {
+                Some(kind) => Tensor::empty(spec.shape.as_slice(), (kind, self.device)),
+                None => spec.empty(self.device),
+            }
         };
         let work = self.channels().recv(transfer, &mut tensor)?;
-        progress.posted.insert(transfer.message, (tensor, work));
+        progress.posted.insert(transfer.message, (tensor, work, transfer));
         Ok(())
+    }
+
+    /// Whether `message` travels compressed: activations and gradients under `--compress auto`.
+    fn is_sparse(&self, message: Message) -> bool {
+        self.sparse && matches!(message, Message::Activation(_) | Message::Gradient(_))
+    }
+
+    /// Receives the payload a compressed message's `header` announces and rebuilds the dense
+    /// tensor of the message's spec (in the kind it travels in).
+    fn receive_payload(&self, transfer: Transfer, header: &Tensor) -> anyhow::Result<Tensor> {
+        let message = transfer.message;
+        let spec = match message {
+            Message::Activation(_) => self.input_spec.as_ref(),
+            _ => self.output_spec.as_ref(),
+        }
+        .expect("shapes are learned at start");
+        let kind = self.wire_kind(message, spec.kind).unwrap_or(spec.kind);
+        let (form, nonzero, bytes) = sparse::read_header(header)
+            .map_err(|e| anyhow::anyhow!("{message:?} from rank {}: {e}", transfer.peer))?;
+        let mut payload = Tensor::empty([bytes], (Kind::Uint8, self.device));
+        self.channels().recv_payload(transfer, &mut payload)?.wait()?;
+        sparse::decode(form, nonzero, &payload, &spec.shape, kind)
+            .map_err(|e| anyhow::anyhow!("{message:?} from rank {}: {e}", transfer.peer))
     }
 
     /// The posted receive of `message`, once it has arrived.
     fn take(&self, progress: &mut Progress, message: Message) -> anyhow::Result<Tensor> {
-        let (tensor, work) = progress
+        let (tensor, work, transfer) = progress
             .posted
             .remove(&message)
             .expect("the program posts every receive before the action that takes it");
         work.wait()?;
+        let tensor = match self.is_sparse(message) {
+            true => self.receive_payload(transfer, &tensor)?,
+            false => tensor,
+        };
         // NCCL's wait only orders the streams: settle here so the transfer is not timed as the
         // compute that follows.
         crate::cuda::synchronize(self.device);
@@ -239,6 +286,21 @@ impl Executor {
             true => tensor,
             false => tensor.detach().to_device(self.device),
         };
+        let dense_bytes = (tensor.numel() * tensor.kind().elt_size_in_bytes()) as u64;
+        progress.timing.wire.dense += dense_bytes;
+        if self.is_sparse(transfer.message) {
+            let encoded = sparse::encode(&tensor)
+                .map_err(|e| anyhow::anyhow!("compressing {:?}: {e}", transfer.message))?;
+            progress.timing.wire.sent += 3 * 8 + encoded.payload.numel() as u64;
+            progress
+                .sends
+                .push(self.channels().send(transfer, &encoded.header)?);
+            progress
+                .sends
+                .push(self.channels().send_payload(transfer, &encoded.payload)?);
+            return Ok(());
+        }
+        progress.timing.wire.sent += dense_bytes;
         let work = self.channels().send(transfer, &tensor.contiguous())?;
         progress.sends.push(work);
         Ok(())

@@ -6,6 +6,7 @@ mod channel;
 mod exec;
 mod reduce;
 mod route;
+mod sparse;
 mod wire;
 
 pub use channel::Channels;

@@ -33,6 +33,12 @@ impl Message {
         ((microbatch as u64 * 4 + kind) % (1 << 31)) as u32
     }
 
+    /// The tag of a compressed message's payload (its header goes with [`Message::tag`]):
+    /// in the upper half of the tag space, which the plain tags reach only after 2^28 microbatches.
+    pub fn payload_tag(self) -> u32 {
+        (self.tag() + (1 << 30)) % (1 << 31)
+    }
+
     /// The channel it travels on: downstream traffic on one group, upstream on another, so that
     /// between two ranks each group carries messages one way only.
     pub fn channel(self) -> Channel {

@@ -416,6 +416,7 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
             total: config_iterations,
         }),
         compress_activations: dist.compress_activations,
+        sparse: dist.sparse,
         seed: config.seed,
         input_spec: None,
         output_spec: None,
@@ -495,6 +496,8 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
                 overlap_s: report.timing.reduce.overlap.as_secs_f64(),
                 wait_s: report.timing.reduce.wait.as_secs_f64(),
             },
+            sent_bytes: report.timing.wire.sent,
+            sent_dense_bytes: report.timing.wire.dense,
         }))?;
         Ok(())
     })?;

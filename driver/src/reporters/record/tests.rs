@@ -44,7 +44,7 @@ fn metrics(line: &str) -> Event {
     Event::Metrics {
         rank,
         line: line.to_string(),
-        event,
+        event: Box::new(event),
     }
 }
 
