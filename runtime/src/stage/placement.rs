@@ -132,8 +132,8 @@ mod tests {
             vec![3..4, 4..7]
         );
         assert_eq!(
-            split_by_cost(0..5, &[1.0, 1.0, 1.0, 6.0, 0.0], 3).unwrap(),
-            vec![0..2, 2..3, 3..5]
+            split_by_cost(0..5, &[3.0, 1.0, 2.0, 3.0, 0.0], 3).unwrap(),
+            vec![0..1, 1..3, 3..5]
         );
         let e = split_by_cost(0..2, &[1.0, 0.0], 3).unwrap_err();
         assert!(e.contains("fewer than the 3 devices"), "{e}");
