@@ -58,6 +58,14 @@ fn checkpoints_outlive_the_containers_that_wrote_them() {
 }
 
 #[test]
+fn an_interrupted_pipeline_in_containers_checkpoints_every_rank_and_resumes() {
+    base_image();
+    let h = Harness::new("pipe-term-docker");
+    an_interrupted_run_checkpoints_every_rank_and_resumes(&h, "docker");
+    h.assert_no_containers();
+}
+
+#[test]
 fn a_request_the_runtime_refuses_fails_preflight_before_any_rank_starts() {
     base_image();
     let h = Harness::new("pipe-refused");

@@ -508,12 +508,6 @@ impl TrainArgs {
                      microbatch's weights settled; checkpoint with --schedule gpipe or 1f1b",
                 );
             }
-            if matches!(self.precision, PrecisionArg::Fp16) {
-                return refuse(
-                    "a checkpoint does not hold fp16's gradient-scaler state yet; use --precision \
-                     bf16 or fp32",
-                );
-            }
             if self.checkpoint_every == Some(0) {
                 return Err(ConfigError::Invalid {
                     flag: "--checkpoint-every",

@@ -1,9 +1,10 @@
 //! The `runtime` binary: parse arguments, run, and map the outcome to an exit code
-//! (0 success, 1 the run failed, 2 a bad argument).
+//! (0 success, 1 the run failed, 2 a bad argument, 143 stopped by SIGTERM after a checkpoint).
 //!
 //! The modules are layered, bottom first; each imports only modules listed before it, so none
 //! imports one that imports it back:
 //! - `ffi`: the C ABI of the bridge to libtorch (`csrc/`); `lr`: learning-rate schedules;
+//!   `signals`: SIGTERM noted for a checkpoint;
 //! - `cuda`: CUDA, loaded at run time; `comm`: c10d's store and process groups;
 //! - `models`; `data`: batch streams for a model's input; `schedule`: per-rank action lists;
 //! - `config`: every validated request;
@@ -29,6 +30,7 @@ mod pipeline;
 mod profile;
 mod reach;
 mod schedule;
+mod signals;
 mod stage;
 mod train;
 
@@ -40,6 +42,8 @@ use crate::config::{Command, DeviceSpec};
 
 const EXIT_FAILED: u8 = 1;
 const EXIT_USAGE: u8 = 2;
+/// Stopped by SIGTERM after a checkpoint: the status the signal itself would have given.
+const EXIT_TERMINATED: u8 = 143;
 
 fn main() -> ExitCode {
     let cli = match cli::Cli::try_parse() {
@@ -93,6 +97,10 @@ fn main() -> ExitCode {
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
+        Err(e) if e.downcast_ref::<signals::Stopped>().is_some() => {
+            eprintln!("runtime: {e}");
+            ExitCode::from(EXIT_TERMINATED)
+        }
         Err(e) => {
             eprintln!("runtime: error: {e:#}");
             ExitCode::from(EXIT_FAILED)

@@ -190,3 +190,187 @@ fn a_checkpoint_of_another_run_or_none_is_refused_with_what_to_do() {
     );
     refused(&mlp("3", &["--resume"]), "--checkpoint-dir");
 }
+
+#[test]
+fn fp16_resumes_exactly_with_its_gradient_scaler_and_only_with_one() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (whole, resumed, ckpt) = (
+        tmp.path().join("whole"),
+        tmp.path().join("resumed"),
+        tmp.path().join("ckpt"),
+    );
+    let (w, r, c) = (
+        whole.to_str().unwrap(),
+        resumed.to_str().unwrap(),
+        ckpt.to_str().unwrap(),
+    );
+    let fp16 = ["--precision", "fp16"];
+    let never_stopped = run_ok(&strs(&mlp("6", &[&fp16[..], &["--save-params", w]].concat()))).losses();
+    let first = run_ok(&strs(&mlp("3", &[&fp16[..], &["--checkpoint-dir", c]].concat())));
+    assert_eq!(first.losses(), never_stopped[..3]);
+    assert!(ckpt.join("rank-0/iter-3/scaler.safetensors").is_file());
+    // Resuming it in fp32 would drop the scale: refused, naming what to give.
+    let fp32 = run(&strs(&mlp("6", &["--checkpoint-dir", c, "--resume"])));
+    assert!(!fp32.output.status.success());
+    assert!(
+        fp32.stderr().contains("resume with --precision fp16"),
+        "{}",
+        fp32.stderr()
+    );
+    let second = run_ok(&strs(&mlp(
+        "6",
+        &[
+            &fp16[..],
+            &["--checkpoint-dir", c, "--resume", "--save-params", r],
+        ]
+        .concat(),
+    )));
+    assert_eq!(second.losses(), never_stopped[3..]);
+    assert_same_params(&whole, &resumed);
+}
+
+/// Waits for `child` until `limit`, killing it then; returns its exit code and stderr.
+fn finish(child: std::process::Child, limit: Duration) -> (Option<i32>, String) {
+    let deadline = std::time::Instant::now() + limit;
+    let mut child = child;
+    while child.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = child.wait_with_output().unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn latest_iteration(ckpt: &Path, rank: usize) -> u64 {
+    let text = std::fs::read_to_string(ckpt.join(format!("rank-{rank}/latest"))).unwrap();
+    let latest: serde_json::Value = serde_json::from_str(&text).unwrap();
+    latest["iterations_done"].as_u64().unwrap()
+}
+
+#[test]
+fn sigterm_to_one_rank_checkpoints_every_rank_at_one_iteration_and_resumes_exactly() {
+    use std::io::BufRead;
+    let tmp = tempfile::tempdir().unwrap();
+    let config = tmp.path().join("stages.json");
+    std::fs::write(
+        &config,
+        r#"{"module_to_stage_map": [0,0,0,1,1,1], "stage_to_rank_map": {"0": [0], "1": [1]}}"#,
+    )
+    .unwrap();
+    let (whole, resumed, ckpt) = (
+        tmp.path().join("whole"),
+        tmp.path().join("resumed"),
+        tmp.path().join("ckpt"),
+    );
+    let (w, r, c, s) = (
+        whole.to_str().unwrap(),
+        resumed.to_str().unwrap(),
+        ckpt.to_str().unwrap(),
+        config.to_str().unwrap(),
+    );
+    let pipeline = ["--stage-config", s, "--schedule", "1f1b", "--microbatches", "4"];
+    // A run far longer than the test: it ends only by the signal.
+    let port = crate::util::free_port().to_string();
+    let mut children: Vec<std::process::Child> = (0..2)
+        .map(|rank| {
+            let mut args = mlp("1000000", &[&pipeline[..], &["--checkpoint-dir", c]].concat());
+            args.extend(
+                [
+                    "--world-size",
+                    "2",
+                    "--rank",
+                    &rank.to_string(),
+                    "--master-port",
+                    &port,
+                    "--comm-timeout",
+                    "60",
+                ]
+                .map(String::from),
+            );
+            crate::util::runtime()
+                .args(&args)
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    // Once the last stage has finished three iterations, rank 0 alone gets SIGTERM.
+    // The reader keeps draining the rank's output to its end (a closed pipe would end the rank).
+    let stdout = children[1].stdout.take().unwrap();
+    let (three, trained) = std::sync::mpsc::channel();
+    let reader = std::thread::spawn(move || {
+        let mut seen = 0;
+        for line in std::io::BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if line.contains("\"event\":\"iteration\"") {
+                seen += 1;
+                if seen == 3 {
+                    let _ = three.send(());
+                }
+            }
+        }
+    });
+    assert!(
+        trained.recv_timeout(LIMIT).is_ok(),
+        "the pipeline trained three iterations"
+    );
+    let term = std::process::Command::new("kill")
+        .args(["-TERM", &children[0].id().to_string()])
+        .status()
+        .unwrap();
+    assert!(term.success());
+    let mut ends = Vec::new();
+    for child in children {
+        ends.push(finish(child, LIMIT));
+    }
+    reader.join().unwrap();
+    for (rank, (code, stderr)) in ends.iter().enumerate() {
+        assert_eq!(*code, Some(143), "rank {rank}: {stderr}");
+        assert!(
+            stderr.contains("stopped by SIGTERM after iteration"),
+            "rank {rank}: {stderr}"
+        );
+    }
+    let done = latest_iteration(&ckpt, 0);
+    assert_eq!(
+        latest_iteration(&ckpt, 1),
+        done,
+        "both ranks checkpointed one iteration"
+    );
+    assert!(done >= 3, "{done}");
+
+    // Resumed to three iterations more, it equals a run never stopped.
+    let total = (done + 3).to_string();
+    let last = |runs: Vec<Run>| -> Vec<f64> {
+        for run in &runs {
+            assert!(run.output.status.success(), "{}", run.stderr());
+        }
+        runs[1].losses()
+    };
+    let never_stopped = last(run_ranks(
+        2,
+        &strs(&mlp(&total, &[&pipeline[..], &["--save-params", w]].concat())),
+        LIMIT,
+    ));
+    let second = last(run_ranks(
+        2,
+        &strs(&mlp(
+            &total,
+            &[
+                &pipeline[..],
+                &["--checkpoint-dir", c, "--resume", "--save-params", r],
+            ]
+            .concat(),
+        )),
+        LIMIT,
+    ));
+    assert_eq!(second, never_stopped[done as usize..]);
+    assert_same_params(&whole, &resumed);
+}

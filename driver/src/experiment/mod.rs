@@ -194,6 +194,14 @@ impl Experiment {
         self.ranks.len()
     }
 
+    /// Whether the ranks write checkpoints (`checkpoint_dir`): an interrupt then gives them the
+    /// time to write one.
+    pub fn checkpoints(&self) -> bool {
+        self.ranks
+            .iter()
+            .any(|r| r.argv.iter().any(|a| a == "--checkpoint-dir"))
+    }
+
     /// The host a rank runs on.
     pub fn host_of(&self, rank: usize) -> &HostSpec {
         &self.hosts[self.ranks[rank].host]

@@ -179,6 +179,25 @@ impl DockerLauncher {
         labels(&self.id, plan, rank)
     }
 
+    /// Sends every rank's own container SIGTERM (the lease guard passes it on to the rank), so
+    /// ranks that checkpoint can write one before [`DockerLauncher::remove_all`]; each call is
+    /// bounded, and a container that does not take it is removed like any other afterwards.
+    pub async fn terminate_all(&self) {
+        let tracked = self.tracked.lock().expect("tracked lock").clone();
+        let term = bollard::query_parameters::KillContainerOptionsBuilder::new()
+            .signal("SIGTERM")
+            .build();
+        join_all(tracked.iter().map(|t| {
+            let docker = self.hosts[t.host].docker.clone();
+            let term = term.clone();
+            async move {
+                let call = docker.kill_container(&t.id, Some(term));
+                let _ = tokio::time::timeout(Duration::from_secs(4), call).await;
+            }
+        }))
+        .await;
+    }
+
     /// Stops renewing every lease, then removes (force, so killed) every container labelled with
     /// this experiment on every host, concurrently, each host tried again on a new connection until
     /// `grace` has passed ([`cleanup::remove_on`]). Fails naming exactly the containers left, where,

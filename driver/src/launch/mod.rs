@@ -19,11 +19,15 @@ use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
 use crate::events::{Ended, Event, LeftContainer, SlurmEvent, StopCause, Stream};
 use crate::experiment::Experiment;
 use crate::hosts::{Host, HostError, SshOptions};
+use crate::options::ContainerMode;
 use crate::reporters::Reporters;
 use crate::signals::StopSignals;
 
 /// How long ranks get to report their exit after being stopped before the driver gives up on them.
 const EXIT_DEADLINE: Duration = Duration::from_secs(15);
+/// How long ranks that checkpoint have, once interrupted, to write the checkpoint of the
+/// iteration they are in and exit (SIGTERM; SIGKILL after it).
+pub const CHECKPOINT_GRACE: Duration = Duration::from_secs(60);
 
 /// Failures while preparing hosts or starting ranks.
 #[derive(Debug, thiserror::Error)]
@@ -196,6 +200,19 @@ impl Launcher {
         }
     }
 
+    /// Asks every rank to stop after the checkpoint of the iteration it is in (SIGTERM, which
+    /// a checkpointing runtime turns into a checkpoint and exit 143), killing what is left after
+    /// [`CHECKPOINT_GRACE`]. Containers shared by a host's ranks cannot pass the signal to ranks
+    /// exec'd into them: they are removed as by [`Launcher::stop_all`].
+    pub async fn stop_for_checkpoint(&self, mode: ContainerMode) {
+        match self {
+            Launcher::Process(p) => p.stop_all_within(CHECKPOINT_GRACE).await,
+            Launcher::Docker(d) if mode == ContainerMode::PerRank => d.terminate_all().await,
+            // scancel sends SIGTERM and, after Slurm's KillWait, SIGKILL.
+            Launcher::Docker(_) | Launcher::Slurm(_) => self.stop_all().await,
+        }
+    }
+
     /// Stops every rank (and removes every container) this launcher started.
     pub async fn stop_all(&self) {
         match self {
@@ -321,9 +338,15 @@ async fn supervise(
             _ = signals.recv(), if cause.is_none() => {
                 let c = StopCause::Interrupted;
                 cause = Some(c.clone());
-                deadline = Some(tokio::time::Instant::now() + EXIT_DEADLINE);
                 reporters.report(&Event::Stopping(c));
-                launcher.stop_all().await;
+                // Ranks that checkpoint get the time to write one of the iteration they are in.
+                if plan.checkpoints() {
+                    deadline = Some(tokio::time::Instant::now() + CHECKPOINT_GRACE + EXIT_DEADLINE);
+                    launcher.stop_for_checkpoint(plan.container_mode).await;
+                } else {
+                    deadline = Some(tokio::time::Instant::now() + EXIT_DEADLINE);
+                    launcher.stop_all().await;
+                }
                 continue;
             }
             _ = until_deadline => break,

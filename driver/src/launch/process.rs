@@ -83,10 +83,15 @@ impl ProcessLauncher {
 
     /// Asks every rank's process group to stop, then kills what is left after a grace period.
     pub async fn stop_all(&self) {
+        self.stop_all_within(GRACE).await;
+    }
+
+    /// [`ProcessLauncher::stop_all`] with a grace of `grace` (long enough for a checkpoint).
+    pub async fn stop_all_within(&self, grace: Duration) {
         self.signal_all(Signal::SIGTERM);
         let groups = self.groups.clone();
         tokio::spawn(async move {
-            tokio::time::sleep(GRACE).await;
+            tokio::time::sleep(grace).await;
             for g in groups {
                 let _ = killpg(g, Signal::SIGKILL);
             }

@@ -3,10 +3,11 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use super::{lines, local_context, Harness, Run};
+use super::{interrupt, lines, local_context, runtime, wait_for_record, Harness, Run};
 
 /// A 2-stage MLP pipeline (gloo over loopback), 3 iterations of GPipe on `backend`.
 pub fn two_stage_mlp(h: &Harness, backend: &str) -> PathBuf {
@@ -259,4 +260,62 @@ pub fn pipedream_alexnet(h: &Harness, backend: &str) -> PathBuf {
          compress_activations: false\ncompress_in_gpu: false\ntranslation_model: false\n",
         local_context().display()
     ))
+}
+
+/// Interrupts (Ctrl-C) a long two-stage pipeline that checkpoints, on `backend`, once it has
+/// trained a few iterations: every rank writes the checkpoint of one iteration and exits 143,
+/// the run is recorded as interrupted, and `resume: true` continues from that iteration.
+pub fn an_interrupted_run_checkpoints_every_rank_and_resumes(h: &Harness, backend: &str) {
+    let runtime = runtime();
+    let config = two_stage_mlp(h, backend);
+    let text = std::fs::read_to_string(&config).unwrap();
+    let long = text.replace("iterations: 3", "iterations: 1000000");
+    std::fs::write(&config, format!("{long}checkpoint_dir: ckpt\n")).unwrap();
+    let child = h.spawn(&config, &["--runtime", runtime.to_str().unwrap()]);
+    let record = wait_for_record(&h.records(), Duration::from_secs(120));
+    let start = Instant::now();
+    while lines(&record.join("metrics.jsonl"))
+        .iter()
+        .filter(|l| l.contains("\"iteration\"") && l.contains("\"rank\":1"))
+        .count()
+        < 3
+    {
+        assert!(start.elapsed() < Duration::from_secs(180), "no three iterations");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    interrupt(&child);
+    let (_, summary) = h.expect_stop(child, Instant::now(), Duration::from_secs(90), 130);
+    assert_eq!(summary["status"], "interrupted", "{summary}");
+    for r in summary["ranks"].as_array().unwrap() {
+        assert_eq!(r["exit_code"], 143, "the rank checkpointed and exited: {r}");
+    }
+    let ckpt = h.dir.path().join("ckpt");
+    let done = |rank: usize| -> u64 {
+        let text = std::fs::read_to_string(ckpt.join(format!("rank-{rank}/latest"))).unwrap();
+        serde_json::from_str::<Value>(&text).unwrap()["iterations_done"]
+            .as_u64()
+            .unwrap()
+    };
+    let k = done(0);
+    assert_eq!(done(1), k, "both ranks checkpointed one iteration");
+    assert!(k >= 3, "{k}");
+
+    let first_record = record;
+    let resumed = text.replace("iterations: 3", &format!("iterations: {}", k + 2));
+    std::fs::write(&config, format!("{resumed}checkpoint_dir: ckpt\nresume: true\n")).unwrap();
+    let run = h.run(&config, &["--runtime", runtime.to_str().unwrap()]);
+    assert_eq!(run.code(), 0, "{}", run.stderr());
+    let second = std::fs::read_dir(h.records())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| *p != first_record)
+        .expect("a second record");
+    let mut iterations = BTreeSet::new();
+    for line in lines(&second.join("metrics.jsonl")) {
+        let event: Value = serde_json::from_str(&line).unwrap();
+        if event["event"] == "iteration" {
+            iterations.insert(event["iteration"].as_u64().unwrap());
+        }
+    }
+    assert_eq!(iterations.into_iter().collect::<Vec<_>>(), [k, k + 1]);
 }

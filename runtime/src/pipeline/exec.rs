@@ -20,6 +20,7 @@ use crate::config::CheckpointConfig;
 use crate::data::Batches;
 use crate::lr::LrSchedule;
 use crate::schedule::{Action, Schedule};
+use crate::signals::{self, Stopped};
 use crate::stage::checkpoint::{self, Identity};
 use crate::stage::{backward_with_grad, GradScaler, Optimizer, Stage};
 
@@ -597,6 +598,9 @@ impl Executor {
                 Op::Run(Action::Step) => {
                     self.step(&mut progress)?;
                     if let Some(iteration) = pending_end.take() {
+                        // A checkpointing run stops where any rank was asked to: every rank
+                        // learns it at the same iteration's end.
+                        let stop = self.checkpoint.is_some() && self.agree_on_stop()?;
                         let loss = self.take_loss(&mut progress)?;
                         let time = started.elapsed();
                         let traces = std::mem::take(&mut progress.traces);
@@ -612,15 +616,23 @@ impl Executor {
                         })?;
                         if let Some(c) = &self.checkpoint {
                             let done = iteration as u64 + 1;
-                            if c.config.due(done, c.total) {
+                            if stop || c.config.due(done, c.total) {
                                 checkpoint::save(
                                     &c.config.dir,
                                     &c.identity,
                                     done,
                                     &self.stage,
                                     &self.optimizer,
+                                    self.scaler.as_ref(),
                                 )
                                 .map_err(anyhow::Error::msg)?;
+                            }
+                            if stop && done < c.total {
+                                return Err(Stopped {
+                                    iterations_done: done,
+                                    dir: checkpoint::rank_dir(&c.config.dir, self.rank),
+                                }
+                                .into());
                             }
                         }
                         progress.timing = Timing::default();
@@ -633,6 +645,24 @@ impl Executor {
             bail!("internal error: the receive of {message:?} was posted but never taken");
         }
         Ok(())
+    }
+
+    /// Whether any rank has been sent SIGTERM: a sum of every rank's flag over a group that spans
+    /// them all (the forward channel's, or the replicas' of a single stage), so all agree.
+    fn agree_on_stop(&self) -> anyhow::Result<bool> {
+        let mine = f32::from(u8::from(signals::term_requested()));
+        let everyone = self
+            .links
+            .channels
+            .as_ref()
+            .map(|c| c.group(Channel::Forward))
+            .or(self.links.replicas.as_ref());
+        let Some(group) = everyone else {
+            return Ok(mine > 0.0);
+        };
+        let flag = Tensor::from_slice(&[mine]).to_device(self.device);
+        group.all_reduce_sum(std::slice::from_ref(&flag))?.wait()?;
+        Ok(flag.double_value(&[0]) > 0.0)
     }
 
     /// The mean loss of the iteration's microbatches on this rank (summed over the replicas of

@@ -174,6 +174,29 @@ impl GradScaler {
         Ok(found)
     }
 
+    /// What a checkpoint keeps: the scale and the growth tracker.
+    pub fn state_tensors(&self) -> [(&'static str, &Tensor); 2] {
+        [("scale", &self.scale), ("growth_tracker", &self.growth_tracker)]
+    }
+
+    /// Restores what [`GradScaler::state_tensors`] gave, onto the scaler's device.
+    pub fn load_state(&mut self, named: Vec<(String, Tensor)>) -> Result<(), String> {
+        for (name, tensor) in named {
+            let target = match name.as_str() {
+                "scale" => &mut self.scale,
+                "growth_tracker" => &mut self.growth_tracker,
+                other => return Err(format!("unknown gradient-scaler state {other:?}")),
+            };
+            if tensor.size() != target.size() || tensor.kind() != target.kind() {
+                return Err(format!(
+                    "gradient-scaler state {name:?} has the wrong shape or kind"
+                ));
+            }
+            tch::no_grad(|| target.f_copy_(&tensor)).map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    }
+
     /// The flag, for summing across ranks in place.
     pub fn found_inf(&self) -> &Tensor {
         &self.found_inf

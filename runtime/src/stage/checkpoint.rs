@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use tch::{Device, Tensor};
 
-use super::{Optimizer, Stage};
+use super::{GradScaler, Optimizer, Stage};
 
 /// The checkpoint format's version.
 pub const FORMAT_VERSION: u32 = 1;
@@ -79,6 +79,7 @@ pub fn save(
     done: u64,
     stage: &Stage,
     optimizer: &Optimizer,
+    scaler: Option<&GradScaler>,
 ) -> Result<(), String> {
     let here = iteration_dir(dir, identity.rank, done);
     let io = |what: &str, path: &Path, e: &dyn std::fmt::Display| {
@@ -94,6 +95,15 @@ pub fn save(
         .collect();
     let state = here.join("optimizer.safetensors");
     Tensor::write_safetensors(&on_cpu, &state).map_err(|e| io("write", &state, &e))?;
+    if let Some(scaler) = scaler {
+        let path = here.join(SCALER_FILE);
+        let named: Vec<(String, Tensor)> = scaler
+            .state_tensors()
+            .into_iter()
+            .map(|(n, t)| (n.to_string(), t.to_device(Device::Cpu)))
+            .collect();
+        Tensor::write_safetensors(&named, &path).map_err(|e| io("write", &path, &e))?;
+    }
     let latest = Latest {
         format_version: FORMAT_VERSION,
         iterations_done: done,
@@ -151,8 +161,18 @@ pub fn read_latest(dir: &Path, identity: &Identity) -> Result<Latest, String> {
     Ok(latest)
 }
 
-/// Loads the checkpoint `latest` names ([`read_latest`]) into `stage` and `optimizer`.
-pub fn load(dir: &Path, latest: &Latest, stage: &mut Stage, optimizer: &mut Optimizer) -> Result<(), String> {
+/// fp16's gradient scaler (its scale and growth tracker), in a checkpoint written with one.
+const SCALER_FILE: &str = "scaler.safetensors";
+
+/// Loads the checkpoint `latest` names ([`read_latest`]) into `stage`, `optimizer` and, with
+/// fp16, the gradient `scaler` (a checkpoint with a scaler resumes only with one, and back).
+pub fn load(
+    dir: &Path,
+    latest: &Latest,
+    stage: &mut Stage,
+    optimizer: &mut Optimizer,
+    scaler: Option<&mut GradScaler>,
+) -> Result<(), String> {
     let here = iteration_dir(dir, latest.identity.rank, latest.iterations_done);
     let params = here.join("params.safetensors");
     stage
@@ -163,7 +183,27 @@ pub fn load(dir: &Path, latest: &Latest, stage: &mut Stage, optimizer: &mut Opti
         .map_err(|e| format!("--resume: cannot read {}: {e}", state.display()))?;
     optimizer
         .load_state(named, latest.steps)
-        .map_err(|e| format!("--resume: {}: {e}", state.display()))
+        .map_err(|e| format!("--resume: {}: {e}", state.display()))?;
+    let saved = here.join(SCALER_FILE);
+    match (scaler, saved.is_file()) {
+        (Some(scaler), true) => {
+            let named = Tensor::read_safetensors(&saved)
+                .map_err(|e| format!("--resume: cannot read {}: {e}", saved.display()))?;
+            scaler
+                .load_state(named)
+                .map_err(|e| format!("--resume: {}: {e}", saved.display()))
+        }
+        (None, false) => Ok(()),
+        (Some(_), false) => Err(format!(
+            "--resume: the checkpoint in {} was written without fp16's gradient scaler; resume \
+             with the --precision it was written with",
+            here.display()
+        )),
+        (None, true) => Err(format!(
+            "--resume: the checkpoint in {} holds fp16's gradient scaler; resume with --precision fp16",
+            here.display()
+        )),
+    }
 }
 
 #[cfg(test)]

@@ -356,9 +356,14 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
         .set_arithmetic(config.precision, config.channels_last)
         .map_err(|e| anyhow::anyhow!("--precision/--channels-last: {e}"))?;
     let mut optimizer = Optimizer::new(config.optimizer, config.lr, stage.params());
+    let mut scaler = (config.precision == Precision::Fp16).then(|| GradScaler::new(device));
     if let Some(latest) = &resume {
         let dir = &config.checkpoint.as_ref().expect("resuming has a checkpoint").dir;
-        checkpoint::load(dir, latest, &mut stage, &mut optimizer).map_err(anyhow::Error::msg)?;
+        checkpoint::load(dir, latest, &mut stage, &mut optimizer, scaler.as_mut())
+            .map_err(anyhow::Error::msg)?;
+    }
+    if config.checkpoint.is_some() {
+        crate::signals::catch_term().map_err(anyhow::Error::msg)?;
     }
     let data = if my_stage.id == 0 {
         // Every first-stage replica reads the same minibatches and takes its own microbatches.
@@ -408,7 +413,7 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
         device,
         slowdown: dist.slowdown,
         trace: config.trace,
-        scaler: (config.precision == Precision::Fp16).then(|| GradScaler::new(device)),
+        scaler,
         lr: config.lr_schedule,
         checkpoint: config.checkpoint.clone().map(|config| Checkpointing {
             config,

@@ -1,0 +1,40 @@
+//! SIGTERM, as Slurm sends before a time limit and the driver when it stops ranks: a rank that
+//! checkpoints notes it (the handler only sets a flag) and stops at the end of the iteration it
+//! is in, after every rank has agreed to and written its checkpoint of that iteration.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+static TERM: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn note_term(_: libc::c_int) {
+    // Only an atomic store: async-signal-safe.
+    TERM.store(true, Ordering::SeqCst);
+}
+
+/// From now on SIGTERM sets the flag instead of ending the process.
+pub fn catch_term() -> Result<(), String> {
+    let handler = note_term as extern "C" fn(libc::c_int) as libc::sighandler_t;
+    // SAFETY: installs a handler that only stores to an atomic.
+    let previous = unsafe { libc::signal(libc::SIGTERM, handler) };
+    if previous == libc::SIG_ERR {
+        return Err(format!(
+            "cannot catch SIGTERM: {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+    Ok(())
+}
+
+/// Whether SIGTERM arrived since [`catch_term`].
+pub fn term_requested() -> bool {
+    TERM.load(Ordering::SeqCst)
+}
+
+/// A run ended early by SIGTERM, after its checkpoint of `iterations_done` was written
+/// (the process exits 143, as if the signal had ended it).
+#[derive(Debug, thiserror::Error)]
+#[error("stopped by SIGTERM after iteration {iterations_done}; its checkpoint is in {}", dir.display())]
+pub struct Stopped {
+    pub iterations_done: u64,
+    pub dir: std::path::PathBuf,
+}
