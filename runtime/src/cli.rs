@@ -9,8 +9,9 @@ use stagehand_contract::slurm::SlurmTask;
 use stagehand_contract::StageConfig;
 
 use crate::config::{
-    Backend, CheckpointConfig, Command, ConfigError, DeviceSpec, DistConfig, ModelChoice, ModulesConfig,
-    OptimizerKind, P2pConfig, Precision, ProfileConfig, ReachConfig, ReduceOptions, TrainConfig,
+    Backend, CheckpointConfig, Command, ConfigError, DeviceSpec, DistConfig, ForwardConfig, ModelChoice,
+    ModulesConfig, OptimizerKind, P2pConfig, Precision, ProfileConfig, ReachConfig, ReduceOptions,
+    TrainConfig,
 };
 use crate::data::DataSpec;
 use crate::lr::{LrPolicy, LrSchedule};
@@ -46,6 +47,9 @@ enum Sub {
     /// Measure each module's forward and backward time, activation and parameter bytes, and write
     /// the profile JSON `driver plan` reads.
     Profile(ProfileArgs),
+    /// Run the whole model once on given inputs with given weights, without training: the output
+    /// and the loss, to compare with PyTorch's on the same weights and inputs (`--init-from`).
+    Forward(ForwardArgs),
     /// Print one JSON line saying what this runtime can use here: its torch version, whether CUDA
     /// and NCCL are loaded and usable, and the CUDA devices it sees (the driver's preflight and
     /// CI ask it).
@@ -102,6 +106,31 @@ struct ProfileArgs {
     /// image size; only its description is read.
     #[arg(long)]
     data: Option<String>,
+}
+
+#[derive(Debug, Args)]
+struct ForwardArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// The weights: a `torch.save` state dict or a safetensors file, as `--init-from`.
+    #[arg(long, value_name = "FILE")]
+    init_from: PathBuf,
+    /// The inputs: a file of the same formats holding `input` (images NCHW, or token ids) and
+    /// `target` (class indices, or token ids).
+    #[arg(long, value_name = "FILE")]
+    input: PathBuf,
+    /// Where to write `output` and `loss` (safetensors).
+    #[arg(long, short, value_name = "FILE")]
+    output: PathBuf,
+    /// Run as in training (batch statistics, dropout) instead of evaluation.
+    #[arg(long)]
+    train: bool,
+    /// Device: cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Intra-op threads for libtorch [default: libtorch's own choice].
+    #[arg(long)]
+    threads: Option<usize>,
 }
 
 #[derive(Debug, Args)]
@@ -207,6 +236,11 @@ struct TrainArgs {
     /// Device: cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// Start from these weights instead of the seeded initialisation: a `torch.save` state dict
+    /// (of `model.state_dict()`) or a safetensors file with torchvision's or BERT's names; each
+    /// rank takes its own modules. Not read with --resume (the checkpoint holds the weights).
+    #[arg(long, value_name = "FILE")]
+    init_from: Option<PathBuf>,
     /// Several devices of this host for this rank's stage (`cuda:0,cuda:1`): its modules are
     /// split over them, as the stage config's module_to_device_map says or in runs of even
     /// measured cost, and activations move between them inside the process.
@@ -404,6 +438,15 @@ impl Cli {
                 repeats: positive("--repeats", p.repeats)?,
                 output: p.output,
             })),
+            Some(Sub::Forward(f)) => Ok(Command::Forward(ForwardConfig {
+                model: f.model.into_choice(None)?,
+                init_from: f.init_from,
+                input: f.input,
+                output: f.output,
+                train: f.train,
+                device: DeviceSpec::parse(&f.device)?,
+                threads: f.threads.map(|t| positive("--threads", t)).transpose()?,
+            })),
             Some(Sub::Info) => Ok(Command::Info),
             Some(Sub::Reach(r)) => Ok(Command::Reach(match r {
                 ReachSub::Listen { port, seconds } => ReachConfig::Listen {
@@ -527,6 +570,7 @@ impl TrainArgs {
             data,
             device,
             devices,
+            init_from: self.init_from,
             threads: self.threads.map(|t| positive("--threads", t)).transpose()?,
             precision: match self.precision {
                 PrecisionArg::Fp32 => Precision::Fp32,

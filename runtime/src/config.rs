@@ -29,6 +29,8 @@ pub enum Command {
     Info,
     /// Listen on or connect to the master port (the driver's preflight).
     Reach(ReachConfig),
+    /// Run the model once on given weights and inputs.
+    Forward(ForwardConfig),
 }
 
 impl Command {
@@ -37,6 +39,7 @@ impl Command {
         match self {
             Command::Train(config) => Some(config.device),
             Command::Profile(config) => Some(config.device),
+            Command::Forward(config) => Some(config.device),
             Command::Modules(_)
             | Command::P2pBench(_)
             | Command::Info
@@ -258,6 +261,8 @@ pub struct TrainConfig {
     pub device: DeviceSpec,
     /// The devices this rank's stage spans (`--devices`), `device` first; one for most runs.
     pub devices: Vec<DeviceSpec>,
+    /// Weights to start from (`--init-from`): a PyTorch state dict or a safetensors file.
+    pub init_from: Option<PathBuf>,
     /// Intra-op threads; `None` leaves libtorch's default.
     pub threads: Option<usize>,
     /// fp32, or autocast to a 16-bit type.
@@ -397,6 +402,19 @@ pub struct ModulesConfig {
     pub model: ModelChoice,
     pub batch_size: usize,
     pub json: bool,
+}
+
+/// A validated `runtime forward` request.
+#[derive(Debug)]
+pub struct ForwardConfig {
+    pub model: ModelChoice,
+    pub init_from: PathBuf,
+    pub input: PathBuf,
+    pub output: PathBuf,
+    /// Training mode (batch statistics, dropout) rather than evaluation.
+    pub train: bool,
+    pub device: DeviceSpec,
+    pub threads: Option<usize>,
 }
 
 /// A validated `runtime profile` request.

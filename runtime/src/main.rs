@@ -11,7 +11,8 @@
 //! - `metrics`: the metrics lines and the measurements they carry;
 //! - `stage`: one rank's slice of the model with its optimizer, autograd helpers and amp;
 //! - `pipeline`: running a stage's action list across ranks;
-//! - the commands, none importing another: `train`, `profile`, `inspect`, `p2p`, `reach`, `info`;
+//! - the commands, none importing another: `train`, `profile`, `inspect`, `forward`, `p2p`,
+//!   `reach`, `info`;
 //! - `cli`, where clap stops, and this file.
 
 mod cli;
@@ -20,6 +21,7 @@ mod config;
 mod cuda;
 mod data;
 mod ffi;
+mod forward;
 mod info;
 mod inspect;
 mod lr;
@@ -93,6 +95,7 @@ fn main() -> ExitCode {
         Command::Train(config) => train::run(&config, &mut metrics::Emitter::new(std::io::stdout())),
         Command::Modules(config) => inspect::run(&config, &mut std::io::stdout().lock()),
         Command::Profile(config) => profile::run(&config, &mut std::io::stdout().lock()),
+        Command::Forward(config) => forward::run(&config, &mut std::io::stdout().lock()),
         Command::P2pBench(config) => p2p::run(&config, &mut std::io::stdout().lock()),
     };
     match result {

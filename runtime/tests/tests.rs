@@ -6,6 +6,7 @@ mod cuda;
 mod devices;
 mod distributed;
 mod init;
+mod init_from;
 mod optim;
 mod p2p_order;
 mod precision;

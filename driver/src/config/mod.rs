@@ -89,6 +89,11 @@ pub struct ExperimentFile {
     /// created where missing.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub checkpoint_dir: Option<PathBuf>,
+    /// Weights to start from (`--init-from`): a `torch.save` state dict or a safetensors file on
+    /// this machine (relative to the file), mounted read-only where the host has the path and
+    /// copied into the containers where it does not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub init_from: Option<PathBuf>,
     /// Checkpoint every N iterations as well as after the last (`--checkpoint-every`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub checkpoint_every: Option<u64>,

@@ -155,6 +155,9 @@ fn runtime_command(
     if let Some(dir) = super::checkpoint_dir(f, ctx.base) {
         flag("checkpoint-dir", dir.display().to_string());
     }
+    if let Some(weights) = super::init_from(f, ctx.base) {
+        flag("init-from", weights.display().to_string());
+    }
     if let Some(n) = f.checkpoint_every {
         flag("checkpoint-every", n.to_string());
     }

@@ -438,6 +438,19 @@ fn resolve_with(
             same_path(p, true, WhenMissing::Fail);
         }
     }
+    if let Some(weights) = init_from(file, &base) {
+        if !weights.is_file() {
+            return Err(loaded.error_at(
+                "init_from",
+                format!(
+                    "init_from: {} is not a file here; give the path (relative to the experiment \
+                     file) of a torch.save state dict or a safetensors file",
+                    weights.display()
+                ),
+            ));
+        }
+        same_path(weights, true, WhenMissing::Copy);
+    }
     for dir in &options.mount_directories {
         same_path(absolute(dir), false, WhenMissing::Fail);
     }
@@ -622,6 +635,11 @@ fn stage_config_path(base: &Path, given: &Path) -> PathBuf {
 /// The checkpoint folder, absolute (relative to the experiment file).
 pub fn checkpoint_dir(file: &ExperimentFile, base: &Path) -> Option<PathBuf> {
     file.checkpoint_dir.as_ref().map(|d| absolute(&base.join(d)))
+}
+
+/// The weights file (`init_from`), absolute.
+pub fn init_from(file: &ExperimentFile, base: &Path) -> Option<PathBuf> {
+    file.init_from.as_ref().map(|p| absolute(&base.join(p)))
 }
 
 /// The runtime's model the file names: its `module`, or the model of a PipeDream partitioned

@@ -212,6 +212,38 @@ fn gpus_per_rank_gives_each_rank_a_stage_over_several_gpus() {
 }
 
 #[test]
+fn init_from_reaches_every_rank_as_a_read_only_file_or_is_refused_where_missing() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("weights.pt"), b"weights").unwrap();
+    let text = "machines: [localhost, localhost]\nmodule: mlp\ninit_from: weights.pt\n";
+    let plan = resolve(
+        &loaded(dir.path(), text),
+        &options(None, ContainerMode::PerRank),
+        29500,
+    )
+    .unwrap();
+    let weights = dir.path().join("weights.pt");
+    for rank in &plan.ranks {
+        assert_eq!(flag(&rank.argv, "--init-from"), weights.to_str());
+    }
+    let mount = plan
+        .mounts
+        .iter()
+        .find(|m| m.mount.source == weights)
+        .expect("the weights are mounted");
+    assert!(mount.mount.read_only);
+    assert_eq!(mount.when_missing, WhenMissing::Copy);
+    let missing = "machines: [localhost]\nmodule: mlp\ninit_from: nowhere.pt\n";
+    let e = resolve(
+        &loaded(dir.path(), missing),
+        &options(None, ContainerMode::PerRank),
+        29500,
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("nowhere.pt is not a file here"), "{e}");
+}
+
+#[test]
 fn command_replaces_the_runtime_and_keeps_the_rank_environment() {
     let plan = resolve_text(
         "machines: [localhost, localhost]\ncommand: [python3, 'train.py; rm -rf /', --x]\nmodule: mlp\n",

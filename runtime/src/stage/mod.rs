@@ -8,6 +8,8 @@ mod autograd;
 pub mod checkpoint;
 mod optim;
 pub mod placement;
+mod torch_save;
+pub mod weights;
 
 use std::ops::Range;
 
@@ -95,6 +97,13 @@ impl Stage {
             .iter()
             .flat_map(|p| p.vs.trainable_variables())
             .collect()
+    }
+
+    /// Every parameter and buffer by name, sorted by name.
+    pub fn variables(&self) -> Vec<(String, Tensor)> {
+        let mut all: Vec<(String, Tensor)> = self.parts.iter().flat_map(|p| p.vs.variables()).collect();
+        all.sort_by(|a, b| a.0.cmp(&b.0));
+        all
     }
 
     /// The devices the stage's parts are on, in order (one entry per part).

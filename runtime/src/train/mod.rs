@@ -357,6 +357,15 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
         .map_err(|e| anyhow::anyhow!("--precision/--channels-last: {e}"))?;
     let mut optimizer = Optimizer::new(config.optimizer, config.lr, stage.params());
     let mut scaler = (config.precision == Precision::Fp16).then(|| GradScaler::new(device));
+    if let (Some(path), None) = (&config.init_from, &resume) {
+        let named = crate::stage::weights::read(path).map_err(anyhow::Error::msg)?;
+        let loaded = stage.load_named(&named, path).map_err(anyhow::Error::msg)?;
+        eprintln!(
+            "runtime: rank {}: {loaded} parameters and buffers from {}",
+            dist.rank,
+            path.display()
+        );
+    }
     if let Some(latest) = &resume {
         let dir = &config.checkpoint.as_ref().expect("resuming has a checkpoint").dir;
         checkpoint::load(dir, latest, &mut stage, &mut optimizer, scaler.as_mut())
