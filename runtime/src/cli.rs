@@ -538,25 +538,11 @@ impl TrainArgs {
             every: self.checkpoint_every,
             resume: self.resume,
         });
-        if checkpoint.is_some() {
-            let refuse = |reason: &str| {
-                Err(ConfigError::Invalid {
-                    flag: "--checkpoint-dir",
-                    reason: reason.into(),
-                })
-            };
-            if dist.schedule == Schedule::PipeDream && stages > 1 {
-                return refuse(
-                    "PipeDream's schedule never flushes, so no iteration ends with every \
-                     microbatch's weights settled; checkpoint with --schedule gpipe or 1f1b",
-                );
-            }
-            if self.checkpoint_every == Some(0) {
-                return Err(ConfigError::Invalid {
-                    flag: "--checkpoint-every",
-                    reason: "must be at least 1".into(),
-                });
-            }
+        if checkpoint.is_some() && self.checkpoint_every == Some(0) {
+            return Err(ConfigError::Invalid {
+                flag: "--checkpoint-every",
+                reason: "must be at least 1".into(),
+            });
         }
         Ok(TrainConfig {
             dist,

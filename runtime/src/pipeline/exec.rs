@@ -133,6 +133,22 @@ fn iteration_seed(seed: u64, rank: usize, iteration: usize) -> i64 {
     (mixed & (i64::MAX as u64)) as i64
 }
 
+/// A vote on stopping (SIGTERM on some rank), possibly still in flight.
+struct StopVote {
+    flag: Tensor,
+    work: Option<Work>,
+}
+
+impl StopVote {
+    /// Waits for the vote; whether any rank asked to stop.
+    fn outcome(self) -> anyhow::Result<bool> {
+        if let Some(work) = self.work {
+            work.wait()?;
+        }
+        Ok(self.flag.double_value(&[0]) > 0.0)
+    }
+}
+
 /// Checkpoints of this rank (`--checkpoint-dir`).
 pub struct Checkpointing {
     pub config: CheckpointConfig,
@@ -581,6 +597,12 @@ impl Executor {
         let mut progress = Progress::default();
         let mut started = Instant::now();
         let mut pending_end: Option<usize> = None;
+        // Asked to stop (SIGTERM on some rank): at the next iteration end where a checkpoint
+        // can be written, every iteration's end but PipeDream's between its drained segments.
+        let mut stopping = false;
+        // The vote of the last iteration's end, still in flight (see `start_stop_vote`).
+        let mut vote: Option<StopVote> = None;
+        let drains_every_iteration = self.schedule != Schedule::PipeDream || self.num_stages() == 1;
         for op in program {
             match op {
                 Op::Recv(transfer) => self.post_recv(&mut progress, transfer)?,
@@ -600,7 +622,14 @@ impl Executor {
                     if let Some(iteration) = pending_end.take() {
                         // A checkpointing run stops where any rank was asked to: every rank
                         // learns it at the same iteration's end.
-                        let stop = self.checkpoint.is_some() && self.agree_on_stop()?;
+                        if self.checkpoint.is_some() {
+                            if let Some(previous) = vote.take() {
+                                stopping |= previous.outcome()?;
+                            }
+                            if !stopping {
+                                vote = Some(self.start_stop_vote()?);
+                            }
+                        }
                         let loss = self.take_loss(&mut progress)?;
                         let time = started.elapsed();
                         let traces = std::mem::take(&mut progress.traces);
@@ -616,6 +645,7 @@ impl Executor {
                         })?;
                         if let Some(c) = &self.checkpoint {
                             let done = iteration as u64 + 1;
+                            let stop = stopping && (drains_every_iteration || c.config.due(done, c.total));
                             if stop || c.config.due(done, c.total) {
                                 checkpoint::save(
                                     &c.config.dir,
@@ -644,12 +674,19 @@ impl Executor {
         if let Some(message) = progress.posted.keys().next() {
             bail!("internal error: the receive of {message:?} was posted but never taken");
         }
+        // Every rank started the last vote: finish it, so no collective is left behind.
+        if let Some(last) = vote {
+            last.outcome()?;
+        }
         Ok(())
     }
 
-    /// Whether any rank has been sent SIGTERM: a sum of every rank's flag over a group that spans
-    /// them all (the forward channel's, or the replicas' of a single stage), so all agree.
-    fn agree_on_stop(&self) -> anyhow::Result<bool> {
+    /// Starts the vote on stopping at this iteration's end: a sum of every rank's SIGTERM flag
+    /// over a group that spans them all (the forward channel's, or the replicas' of a single
+    /// stage). It completes in the background and is read at the next iteration's end, so no rank
+    /// waits on it while a peer waits on this rank's sends (PipeDream's stages run iterations
+    /// apart); every rank reads the same sum at the same iteration, so all stop together.
+    fn start_stop_vote(&self) -> anyhow::Result<StopVote> {
         let mine = f32::from(u8::from(signals::term_requested()));
         let everyone = self
             .links
@@ -657,12 +694,11 @@ impl Executor {
             .as_ref()
             .map(|c| c.group(Channel::Forward))
             .or(self.links.replicas.as_ref());
-        let Some(group) = everyone else {
-            return Ok(mine > 0.0);
-        };
         let flag = Tensor::from_slice(&[mine]).to_device(self.device);
-        group.all_reduce_sum(std::slice::from_ref(&flag))?.wait()?;
-        Ok(flag.double_value(&[0]) > 0.0)
+        let work = everyone
+            .map(|group| group.all_reduce_sum(std::slice::from_ref(&flag)))
+            .transpose()?;
+        Ok(StopVote { flag, work })
     }
 
     /// The mean loss of the iteration's microbatches on this rank (summed over the replicas of

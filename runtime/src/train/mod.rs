@@ -33,28 +33,35 @@ fn stage_plan(dist: &DistConfig, num_modules: usize) -> anyhow::Result<StagePlan
 }
 
 /// This rank's actions over the whole run. GPipe and 1F1B flush every iteration, so one
-/// iteration's list repeats with microbatch numbers shifted; PipeDream runs one long stream.
+/// iteration's list repeats with microbatch numbers shifted; PipeDream runs one long stream, or,
+/// when it checkpoints, one stream per `segment` iterations (`--checkpoint-every`; the whole run
+/// without it), each drained at its end, so that a checkpoint, written only at those ends, holds
+/// no microbatch in flight and no stashed weights, and a resumed run replays the same streams.
 fn rank_actions(
     plan: &StagePlan,
     dist: &DistConfig,
     microbatches: usize,
     iterations: u64,
     first: u64,
+    segment: Option<u64>,
 ) -> anyhow::Result<Vec<Action>> {
     let (iterations, first) = (iterations as usize, first as usize);
     if dist.schedule == Schedule::PipeDream {
-        // Resuming is refused for a pipelined PipeDream (it never flushes); with one stage its
-        // stream is iterations of their own, shifted like the others.
-        let timeline = schedule::timeline(plan, dist.schedule, microbatches * (iterations - first))?;
-        let shift = first * microbatches;
-        return Ok(timeline.actions[dist.rank]
-            .iter()
-            .map(|a| match *a {
+        let segment = segment.map_or(iterations.max(1), |s| s as usize);
+        let mut actions = Vec::new();
+        let mut start = first;
+        while start < iterations {
+            let end = ((start / segment + 1) * segment).min(iterations);
+            let timeline = schedule::timeline(plan, dist.schedule, microbatches * (end - start))?;
+            let shift = start * microbatches;
+            actions.extend(timeline.actions[dist.rank].iter().map(|a| match *a {
                 Action::Forward(g) => Action::Forward(g + shift),
                 Action::Backward(g) => Action::Backward(g + shift),
                 Action::Step => Action::Step,
-            })
-            .collect());
+            }));
+            start = end;
+        }
+        return Ok(actions);
     }
     let one = schedule::timeline(plan, dist.schedule, microbatches)?;
     let mine = &one.actions[dist.rank];
@@ -219,7 +226,8 @@ fn check_plan(config: &TrainConfig) -> anyhow::Result<Checked> {
             config.iterations
         );
     }
-    let actions = rank_actions(&plan, dist, microbatches, config.iterations, first)?;
+    let segment = config.checkpoint.as_ref().and_then(|c| c.every);
+    let actions = rank_actions(&plan, dist, microbatches, config.iterations, first, segment)?;
     Ok(Checked {
         model,
         plan,
