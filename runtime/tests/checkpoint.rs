@@ -6,7 +6,7 @@
 use std::path::Path;
 use std::time::Duration;
 
-use crate::util::{read_params, run, run_ok, run_ranks, Run};
+use crate::util::{assert_same_params, run, run_ok, run_ranks, Run};
 
 const LIMIT: Duration = Duration::from_secs(120);
 
@@ -26,14 +26,6 @@ fn mlp(iterations: &str, extra: &[&str]) -> Vec<String> {
 
 fn strs(args: &[String]) -> Vec<&str> {
     args.iter().map(String::as_str).collect()
-}
-
-fn assert_same_params(a: &Path, b: &Path) {
-    let (a, b) = (read_params(a), read_params(b));
-    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
-    for (name, t) in &a {
-        assert!(t.equal(&b[name]), "{name} differs");
-    }
 }
 
 #[test]
@@ -88,7 +80,7 @@ fn a_resumed_run_continues_exactly_where_the_checkpoint_left_it() {
             "{optimizer:?}: it runs the iterations left"
         );
         assert_eq!(second.losses(), never_stopped[3..], "{optimizer:?}");
-        assert_same_params(&whole, &resumed);
+        assert_same_params(&whole, &resumed, "resumed");
         // The checkpoint moved on to the end, and the one of iteration 3 is gone.
         let kept: Vec<String> = std::fs::read_dir(ckpt.join("rank-0"))
             .unwrap()
@@ -159,7 +151,7 @@ fn a_pipeline_and_a_hybrid_resume_exactly_on_every_rank() {
             LIMIT,
         );
         assert_eq!(last(&second), never_stopped[4..], "{name}");
-        assert_same_params(&whole, &resumed);
+        assert_same_params(&whole, &resumed, "resumed");
     }
 }
 
@@ -226,7 +218,7 @@ fn fp16_resumes_exactly_with_its_gradient_scaler_and_only_with_one() {
         .concat(),
     )));
     assert_eq!(second.losses(), never_stopped[3..]);
-    assert_same_params(&whole, &resumed);
+    assert_same_params(&whole, &resumed, "resumed");
 }
 
 /// Waits for `child` until `limit`, killing it then; returns its exit code and stderr.
@@ -372,7 +364,7 @@ fn sigterm_to_one_rank_checkpoints_every_rank_at_one_iteration_and_resumes_exact
         LIMIT,
     ));
     assert_eq!(second, never_stopped[done as usize..]);
-    assert_same_params(&whole, &resumed);
+    assert_same_params(&whole, &resumed, "resumed");
 }
 
 #[test]
@@ -447,6 +439,6 @@ fn pipedreams_pipeline_checkpoints_between_drained_segments_and_resumes_exactly(
             LIMIT,
         );
         assert_eq!(last(&second), never_stopped[3..], "{name}");
-        assert_same_params(&whole, &resumed);
+        assert_same_params(&whole, &resumed, "resumed");
     }
 }

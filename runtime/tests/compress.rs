@@ -3,10 +3,9 @@
 //! `--compress off` (equal losses and parameters, no tolerance), while the metrics show fewer bytes
 //! sent where the activations are sparse (after a ReLU).
 
-use std::path::Path;
 use std::time::Duration;
 
-use crate::util::{read_params, run, run_ranks, Run};
+use crate::util::{assert_same_params, run, run_ranks, Run};
 
 const LIMIT: Duration = Duration::from_secs(120);
 
@@ -15,18 +14,6 @@ fn ok(runs: Vec<Run>) -> Vec<Run> {
         assert!(r.output.status.success(), "{}", r.stderr());
     }
     runs
-}
-
-fn assert_same_params(a: &Path, b: &Path, what: &str) {
-    let (a, b) = (read_params(a), read_params(b));
-    assert_eq!(
-        a.keys().collect::<Vec<_>>(),
-        b.keys().collect::<Vec<_>>(),
-        "{what}"
-    );
-    for (name, t) in &a {
-        assert!(t.equal(&b[name]), "{what}: {name} differs");
-    }
 }
 
 #[test]

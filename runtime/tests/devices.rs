@@ -4,12 +4,11 @@
 //! give the single-device run's losses and parameters bit for bit: the same operations on the
 //! same numbers in the same order, so nothing here is a tolerance. The GPU split is in `cuda.rs`.
 
-use std::path::Path;
 use std::time::Duration;
 
 use stagehand_contract::Event;
 
-use crate::util::{read_params, run, run_ok, run_ranks, Run};
+use crate::util::{assert_same_params, run, run_ok, run_ranks, Run};
 
 const LIMIT: Duration = Duration::from_secs(120);
 
@@ -25,18 +24,6 @@ fn mlp(iterations: &str, extra: &[&str]) -> Vec<String> {
 
 fn strs(args: &[String]) -> Vec<&str> {
     args.iter().map(String::as_str).collect()
-}
-
-fn assert_same_params(a: &Path, b: &Path, what: &str) {
-    let (a, b) = (read_params(a), read_params(b));
-    assert_eq!(
-        a.keys().collect::<Vec<_>>(),
-        b.keys().collect::<Vec<_>>(),
-        "{what}"
-    );
-    for (name, t) in &a {
-        assert!(t.equal(&b[name]), "{what}: {name} differs");
-    }
 }
 
 fn start_line(run: &Run) -> String {

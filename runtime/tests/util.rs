@@ -177,3 +177,16 @@ pub fn read_params(dir: &Path) -> std::collections::BTreeMap<String, tch::Tensor
     }
     params
 }
+
+/// Asserts that two `--save-params` folders hold the same parameters, bit for bit.
+pub fn assert_same_params(a: &Path, b: &Path, what: &str) {
+    let (a, b) = (read_params(a), read_params(b));
+    assert_eq!(
+        a.keys().collect::<Vec<_>>(),
+        b.keys().collect::<Vec<_>>(),
+        "{what}"
+    );
+    for (name, t) in &a {
+        assert!(t.equal(&b[name]), "{what}: {name} differs");
+    }
+}

@@ -133,6 +133,16 @@ fn iteration_seed(seed: u64, rank: usize, iteration: usize) -> i64 {
     (mixed & (i64::MAX as u64)) as i64
 }
 
+/// A group spanning every rank: the forward channel's, or the replicas' of a single stage (none
+/// in a single process).
+fn everyone(links: &Links) -> Option<&ProcessGroup> {
+    links
+        .channels
+        .as_ref()
+        .map(|c| c.group(Channel::Forward))
+        .or(links.replicas.as_ref())
+}
+
 /// A vote on stopping (SIGTERM on some rank), possibly still in flight.
 struct StopVote {
     flag: Tensor,
@@ -497,12 +507,7 @@ impl Executor {
                 scaler.unscale(&grads).map_err(anyhow::Error::msg)?;
                 // Every rank skips the same steps with the same scale: sum the inf/nan flags over
                 // all ranks (the forward channel spans them; a single stage's replicas are all).
-                let everyone = self
-                    .links
-                    .channels
-                    .as_ref()
-                    .map(|c| c.group(Channel::Forward))
-                    .or(self.links.replicas.as_ref());
+                let everyone = everyone(&self.links);
                 if let Some(group) = everyone {
                     group
                         .all_reduce_sum(std::slice::from_ref(scaler.found_inf()))?
@@ -683,17 +688,12 @@ impl Executor {
 
     /// Starts the vote on stopping at this iteration's end: a sum of every rank's SIGTERM flag
     /// over a group that spans them all (the forward channel's, or the replicas' of a single
-    /// stage). It completes in the background and is read at the next iteration's end, so no rank
+    /// stage, [`everyone`]). It completes in the background and is read at the next iteration's end, so no rank
     /// waits on it while a peer waits on this rank's sends (PipeDream's stages run iterations
     /// apart); every rank reads the same sum at the same iteration, so all stop together.
     fn start_stop_vote(&self) -> anyhow::Result<StopVote> {
         let mine = f32::from(u8::from(signals::term_requested()));
-        let everyone = self
-            .links
-            .channels
-            .as_ref()
-            .map(|c| c.group(Channel::Forward))
-            .or(self.links.replicas.as_ref());
+        let everyone = everyone(&self.links);
         let flag = Tensor::from_slice(&[mine]).to_device(self.device);
         let work = everyone
             .map(|group| group.all_reduce_sum(std::slice::from_ref(&flag)))

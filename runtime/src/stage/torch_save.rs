@@ -356,11 +356,7 @@ pub fn read(path: &Path) -> Result<Vec<(String, Tensor)>, String> {
         .find(|n| n.ends_with("/data.pkl") || n == "data.pkl")
         .ok_or("the archive has no data.pkl")?;
     let prefix = pickle_name.trim_end_matches("data.pkl").to_string();
-    let mut pickle = Vec::new();
-    archive
-        .by_name(&pickle_name)
-        .and_then(|mut f| f.read_to_end(&mut pickle).map_err(Into::into))
-        .map_err(|e| e.to_string())?;
+    let pickle = entry(&mut archive, &pickle_name)?;
     let mut machine = Machine {
         data: &pickle,
         at: 0,
@@ -395,10 +391,7 @@ pub fn read(path: &Path) -> Result<Vec<(String, Tensor)>, String> {
             continue;
         };
         if !storages.contains_key(&t.key) {
-            let mut bytes = Vec::new();
-            archive
-                .by_name(&format!("{prefix}data/{}", t.key))
-                .and_then(|mut f| f.read_to_end(&mut bytes).map_err(Into::into))
+            let bytes = entry(&mut archive, &format!("{prefix}data/{}", t.key))
                 .map_err(|e| format!("storage {} of `{name}`: {e}", t.key))?;
             storages.insert(t.key.clone(), bytes);
         }
@@ -414,6 +407,17 @@ pub fn read(path: &Path) -> Result<Vec<(String, Tensor)>, String> {
         out.push((name, tensor));
     }
     Ok(out)
+}
+
+/// The bytes of the archive's entry `name`.
+fn entry(archive: &mut zip::ZipArchive<std::fs::File>, name: &str) -> Result<Vec<u8>, String> {
+    let mut bytes = Vec::new();
+    archive
+        .by_name(name)
+        .map_err(|e| e.to_string())?
+        .read_to_end(&mut bytes)
+        .map_err(|e| e.to_string())?;
+    Ok(bytes)
 }
 
 fn kind_name(v: &Value) -> &'static str {
