@@ -128,6 +128,17 @@ impl Machine<'_> {
         Ok(())
     }
 
+    /// Pushes memo entry `index` again.
+    fn recall(&mut self, index: u32) -> Result<(), String> {
+        let v = self
+            .memo
+            .get(&index)
+            .cloned()
+            .ok_or("a pickle memo entry is missing")?;
+        self.stack.push(v);
+        Ok(())
+    }
+
     fn reduce(callable: Value, args: Value) -> Result<Value, String> {
         let Value::Global(module, name) = callable else {
             return Ok(Value::Opaque);
@@ -254,21 +265,11 @@ impl Machine<'_> {
                 }
                 b'h' => {
                     let i = self.u8()? as u32;
-                    let v = self
-                        .memo
-                        .get(&i)
-                        .cloned()
-                        .ok_or("a pickle memo entry is missing")?;
-                    self.stack.push(v)
+                    self.recall(i)?
                 }
                 b'j' => {
                     let i = self.u32()?;
-                    let v = self
-                        .memo
-                        .get(&i)
-                        .cloned()
-                        .ok_or("a pickle memo entry is missing")?;
-                    self.stack.push(v)
+                    self.recall(i)?
                 }
                 b't' => {
                     let items = self.pop_mark()?;
