@@ -17,7 +17,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from side_by_side import free_port, rotate, write_json
+from side_by_side import free_port, rank_iterations, rotate, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNTIME = Path(os.environ.get("STAGEHAND_RUNTIME", ROOT / "target" / "release" / "runtime"))
@@ -49,18 +49,7 @@ def run(args, config, compress):
         "--stage-config", str(config), "--schedule", "1f1b", "--microbatches", str(args.microbatches),
         "--backend", "gloo", "--compress", compress, "--world-size", "2", "--master-port", port,
     ]
-    procs = [
-        subprocess.Popen(cmd + ["--rank", str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for r in range(2)
-    ]
-    outs = [p.communicate(timeout=1800) for p in procs]
-    for p, (_, err) in zip(procs, outs):
-        if p.returncode:
-            raise SystemExit(f"runtime failed (compress {compress}):\n{err}")
-    its = [
-        [json.loads(line) for line in out.splitlines() if '"event":"iteration"' in line][args.warmup:]
-        for out, _ in outs
-    ]
+    its = rank_iterations(cmd, 2, f"compress {compress}", args.warmup)
     med = lambda rank, key: statistics.median(i[key] for i in its[rank])
     return (
         med(1, "time_s"),

@@ -11,13 +11,11 @@ bucket started to the backward's end (`reduce.overlap_s`), and the ratio of step
                           [--bucket-mb 25] [--iterations 6] [--rounds 3] [--threads 1]
 """
 import argparse
-import json
 import os
 import statistics
-import subprocess
 from pathlib import Path
 
-from side_by_side import free_port, rotate, write_json
+from side_by_side import free_port, rank_iterations, rotate, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNTIME = Path(os.environ.get("STAGEHAND_RUNTIME", ROOT / "target" / "release" / "runtime"))
@@ -33,16 +31,7 @@ def run(args, model, overlap):
         "--schedule", "gpipe", "--microbatches", "2", "--bucket-mb", str(args.bucket_mb),
         "--overlap-reduce", overlap, "--world-size", "2", "--master-port", port,
     ]
-    procs = [
-        subprocess.Popen(cmd + ["--rank", str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for r in range(2)
-    ]
-    outs = [p.communicate(timeout=1800) for p in procs]
-    for p, (_, err) in zip(procs, outs):
-        if p.returncode:
-            raise SystemExit(f"runtime failed ({model}, overlap {overlap}):\n{err}")
-    its = [json.loads(line) for line in outs[0][0].splitlines() if '"event":"iteration"' in line]
-    its = its[args.warmup:]
+    its = rank_iterations(cmd, 2, f"{model}, overlap {overlap}", args.warmup)[0]
     return (
         statistics.median(i["time_s"] for i in its),
         statistics.median(i["reduce"]["wait_s"] for i in its),

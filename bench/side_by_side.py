@@ -3,6 +3,7 @@ every round, so drift hits both alike), takes medians, and writes the results as
 import json
 import socket
 import statistics
+import subprocess
 
 
 def alternate(rounds, reference, ours):
@@ -33,6 +34,24 @@ def throughput(times, batch, warmup):
     """Samples per second over the iterations after `warmup`."""
     kept = times[warmup:]
     return batch * len(kept) / sum(kept)
+
+
+def rank_iterations(cmd, world, what, warmup=0, timeout=1800):
+    """Runs `world` ranks of the runtime command `cmd` (each given `--rank R`; `cmd` holds the
+    world size and a free master port) and returns each rank's iteration events after `warmup`;
+    a failed rank stops the benchmark with its stderr, `what` saying which run it was."""
+    procs = [
+        subprocess.Popen(cmd + ["--rank", str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for r in range(world)
+    ]
+    outs = [p.communicate(timeout=timeout) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        if p.returncode:
+            raise SystemExit(f"runtime failed ({what}):\n{err}")
+    return [
+        [json.loads(line) for line in out.splitlines() if '"event":"iteration"' in line][warmup:]
+        for out, _ in outs
+    ]
 
 
 def free_port():

@@ -96,6 +96,11 @@ pub enum StopCause {
     SlurmJob { job_id: Option<u64>, reason: String },
 }
 
+/// How a stop cause names the Slurm job: by id once Slurm gave one.
+pub fn slurm_job(job_id: Option<u64>) -> String {
+    job_id.map_or("the Slurm job".to_string(), |id| format!("Slurm job {id}"))
+}
+
 /// A Slurm job that started: its id and nodes, for the record and for `scancel`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SlurmJob {

@@ -19,13 +19,9 @@ pub fn run(config: &ForwardConfig, out: &mut impl Write) -> anyhow::Result<()> {
     let device = config.device.tch();
     let model = ModelDef::named(&config.model.name, &config.model.options)?;
     let mut stage = Stage::build(&model, 0..model.num_modules(), 0, device);
-    let named = weights::read(&config.init_from).map_err(anyhow::Error::msg)?;
-    let loaded = stage
-        .load_named(&named, &config.init_from)
-        .map_err(anyhow::Error::msg)?;
+    let loaded = stage.init_from(&config.init_from).map_err(anyhow::Error::msg)?;
     let inputs = weights::read(&config.input)
-        .map_err(anyhow::Error::msg)
-        .with_context(|| format!("--input {}", config.input.display()))?;
+        .map_err(|e| anyhow::anyhow!("--input {}: {e}", config.input.display()))?;
     let take = |name: &str| {
         inputs
             .get(name)

@@ -32,12 +32,25 @@ const TRANSFORMER: [&str; 10] = [
     "100",
 ];
 
+/// The torch venv's python: `STAGEHAND_TORCH_VENV` (scripts/env.sh sets it), else the venv whose
+/// libtorch the runtime loads (`runtime info`'s `torch_lib`, inside it).
 fn python() -> PathBuf {
-    let venv = std::env::var("STAGEHAND_TORCH_VENV").unwrap_or_else(|_| {
-        let home = std::env::var("HOME").unwrap();
-        format!("{home}/.cache/stagehand/torch-2.11.0")
-    });
-    Path::new(&venv).join("bin/python")
+    if let Ok(venv) = std::env::var("STAGEHAND_TORCH_VENV") {
+        return Path::new(&venv).join("bin/python");
+    }
+    let info = runtime().arg("info").output().unwrap();
+    let info: serde_json::Value = serde_json::from_slice(&info.stdout).unwrap();
+    let torch_lib = PathBuf::from(info["torch_lib"].as_str().unwrap());
+    torch_lib
+        .ancestors()
+        .map(|dir| dir.join("bin/python"))
+        .find(|python| python.is_file())
+        .unwrap_or_else(|| {
+            panic!(
+                "no torch venv around {}; run scripts/setup.sh",
+                torch_lib.display()
+            )
+        })
 }
 
 /// The fixtures, generated once per test process into a temporary folder.

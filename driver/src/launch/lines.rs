@@ -1,5 +1,24 @@
-//! Splits byte chunks from a stream into lines, for outputs that do not arrive line by line
-//! (Docker's log and attach streams).
+//! Lines of output: read from a child's pipe ([`for_each_line`]), or split from byte chunks that
+//! do not arrive line by line (Docker's log and attach streams, [`LineSplitter`]).
+
+use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader};
+
+/// Calls `each` with every line of `stream` (without its line ending) until the stream ends.
+/// Bytes, not `lines()`: a program printing invalid UTF-8 must not silence the rest of its output.
+pub async fn for_each_line(stream: impl AsyncRead + Unpin, mut each: impl FnMut(String)) {
+    let mut reader = BufReader::new(stream);
+    let mut buf = Vec::new();
+    while let Ok(n) = reader.read_until(b'\n', &mut buf).await {
+        if n == 0 {
+            break;
+        }
+        let line = String::from_utf8_lossy(&buf)
+            .trim_end_matches(['\n', '\r'])
+            .to_string();
+        buf.clear();
+        each(line);
+    }
+}
 
 /// Buffers a partial line between chunks.
 #[derive(Debug, Default)]

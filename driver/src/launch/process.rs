@@ -6,10 +6,11 @@ use std::time::Duration;
 
 use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
-use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader};
+use tokio::io::AsyncRead;
 use tokio::process::Command;
 use tokio::sync::mpsc::UnboundedSender;
 
+use super::lines::for_each_line;
 use super::{classify_line, LaunchError};
 use crate::events::{Event, Stream};
 use crate::experiment::Experiment;
@@ -120,16 +121,8 @@ fn exit_code(status: std::process::ExitStatus) -> Option<i64> {
 }
 
 async fn forward(stream: impl AsyncRead + Unpin, rank: usize, kind: Stream, tx: UnboundedSender<Event>) {
-    let mut reader = BufReader::new(stream);
-    let mut buf = Vec::new();
-    // Bytes, not `lines()`: a rank printing invalid UTF-8 must not silence the rest of its output.
-    while let Ok(n) = reader.read_until(b'\n', &mut buf).await {
-        if n == 0 {
-            break;
-        }
-        let line = String::from_utf8_lossy(&buf);
-        let line = line.trim_end_matches(['\n', '\r']).to_string();
-        buf.clear();
+    for_each_line(stream, |line| {
         let _ = tx.send(classify_line(rank, kind, line));
-    }
+    })
+    .await;
 }

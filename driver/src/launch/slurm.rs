@@ -13,11 +13,12 @@ use std::time::Duration;
 use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
 use stagehand_contract::slurm::expand_hostlist;
-use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader};
+use tokio::io::AsyncRead;
 use tokio::process::Command;
 use tokio::sync::mpsc::UnboundedSender;
 use tokio::sync::watch;
 
+use super::lines::for_each_line;
 use super::{classify_line, LaunchError};
 use crate::config::SlurmSettings;
 use crate::events::{Event, SlurmEvent, SlurmJob, Stream};
@@ -149,8 +150,7 @@ impl SlurmLauncher {
             let _ = out.await;
             let _ = err.await;
             let status = child.wait().await.ok();
-            let ok = status.is_some_and(|s| s.success());
-            report_ends(&ended, world, ok, status, &events);
+            report_ends(&ended, world, status, &events);
             let _ = done_tx.send(true);
         });
         if let Some(seconds) = settings.start_timeout_s {
@@ -247,15 +247,11 @@ async fn scancel(job_id: Option<u64>, job_name: &str) -> Result<(), String> {
     }
 }
 
-/// The jobs named `job_name` that Slurm still lists, with their states.
-async fn queued(job_name: &str) -> Result<Vec<(u64, String)>, String> {
-    let argv = [
-        "squeue".to_string(),
-        "--noheader".into(),
-        "--me".into(),
-        format!("--name={job_name}"),
-        "--format=%i|%T".into(),
-    ];
+/// `squeue --noheader` with `select` (which jobs) and a two-field `--format`, as pairs.
+async fn squeue(select: &[String], format: &str) -> Result<Vec<(String, String)>, String> {
+    let mut argv = vec!["squeue".to_string(), "--noheader".into()];
+    argv.extend(select.iter().cloned());
+    argv.push(format!("--format={format}"));
     let output = slurm_command(&argv).output().await.map_err(|e| e.to_string())?;
     if !output.status.success() {
         return Err(String::from_utf8_lossy(&output.stderr).trim().to_string());
@@ -264,24 +260,29 @@ async fn queued(job_name: &str) -> Result<Vec<(u64, String)>, String> {
     Ok(text
         .lines()
         .filter_map(|l| {
-            let (id, state) = l.trim().split_once('|')?;
-            Some((id.parse().ok()?, state.to_string()))
+            let (a, b) = l.trim().split_once('|')?;
+            Some((a.to_string(), b.to_string()))
         })
+        .collect())
+}
+
+/// The jobs named `job_name` that Slurm still lists, with their states.
+async fn queued(job_name: &str) -> Result<Vec<(u64, String)>, String> {
+    let select = ["--me".to_string(), format!("--name={job_name}")];
+    let jobs = squeue(&select, "%i|%T").await?;
+    Ok(jobs
+        .into_iter()
+        .filter_map(|(id, state)| Some((id.parse().ok()?, state)))
         .collect())
 }
 
 /// The job's state and Slurm's reason for it (`PENDING`, `Resources`), if it is listed.
 async fn pending_reason(job_id: u64) -> Option<(String, String)> {
-    let argv = [
-        "squeue".to_string(),
-        "--noheader".into(),
-        format!("--jobs={job_id}"),
-        "--format=%T|%r".into(),
-    ];
-    let output = slurm_command(&argv).output().await.ok()?;
-    let text = String::from_utf8_lossy(&output.stdout);
-    let (state, reason) = text.lines().next()?.trim().split_once('|')?;
-    Some((state.to_string(), reason.to_string()))
+    squeue(&[format!("--jobs={job_id}")], "%T|%r")
+        .await
+        .ok()?
+        .into_iter()
+        .next()
 }
 
 /// After `wait`, a job that has not got its nodes is reported as not started (the supervisor
@@ -314,16 +315,16 @@ async fn start_deadline(state: Arc<Mutex<JobState>>, wait: Duration, tx: Unbound
     let _ = tx.send(Event::Slurm(SlurmEvent::Stopped { job_id, reason }));
 }
 
-/// Once srun has exited: every rank whose end srun did not report ends now, with exit code 0
-/// when srun succeeded; a job that never started says why first, and its ranks are reported
-/// removed (they never ran).
+/// Once srun has exited (with `status`, when it could be had): every rank whose end srun did
+/// not report ends now, with exit code 0 when srun succeeded; a job that never started says why
+/// first, and its ranks are reported removed (they never ran).
 fn report_ends(
     state: &Mutex<JobState>,
     world: usize,
-    ok: bool,
     status: Option<std::process::ExitStatus>,
     tx: &UnboundedSender<Event>,
 ) {
+    let ok = status.is_some_and(|s| s.success());
     let mut s = state.lock().expect("job state lock");
     if !s.started && !s.stopping && !s.stop_sent {
         let code = status
@@ -439,21 +440,6 @@ fn stderr_events(s: &mut JobState, line: String) -> Vec<Event> {
         }
     }
     events
-}
-
-async fn for_each_line(stream: impl AsyncRead + Unpin, mut each: impl FnMut(String)) {
-    let mut reader = BufReader::new(stream);
-    let mut buf = Vec::new();
-    while let Ok(n) = reader.read_until(b'\n', &mut buf).await {
-        if n == 0 {
-            break;
-        }
-        let line = String::from_utf8_lossy(&buf)
-            .trim_end_matches(['\n', '\r'])
-            .to_string();
-        buf.clear();
-        each(line);
-    }
 }
 
 /// A line srun printed on stderr.
@@ -707,7 +693,7 @@ mod tests {
             ..JobState::default()
         });
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-        report_ends(&state, 2, false, None, &tx);
+        report_ends(&state, 2, None, &tx);
         match rx.try_recv().unwrap() {
             Event::Slurm(SlurmEvent::Stopped { job_id, reason }) => {
                 assert_eq!(job_id, Some(9));
@@ -729,7 +715,9 @@ mod tests {
             ..JobState::default()
         });
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-        report_ends(&state, 2, true, None, &tx);
+        // srun exited 0.
+        let success = std::os::unix::process::ExitStatusExt::from_raw(0);
+        report_ends(&state, 2, Some(success), &tx);
         assert!(matches!(
             rx.try_recv().unwrap(),
             Event::RankExited {

@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use indicatif::ProgressBar;
 
 use super::Reporter;
-use crate::events::{Event, SlurmEvent, StopCause, Stream, LEASE_EXPIRED_EXIT_CODE};
+use crate::events::{slurm_job, Event, SlurmEvent, StopCause, Stream, LEASE_EXPIRED_EXIT_CODE};
 use crate::options::Verbosity;
 use crate::records::RecordError;
 
@@ -87,10 +87,10 @@ impl TerminalReporter {
                 // Where the rank really runs (Slurm picks its nodes) prefixes its lines.
                 self.hosts.insert(*rank, host.clone());
                 verbose.then(|| {
-                (
-                    Stream::Stderr,
-                    format!("driver: rank {rank} started on {host} ({handle})"),
-                )
+                    (
+                        Stream::Stderr,
+                        format!("driver: rank {rank} started on {host} ({handle})"),
+                    )
                 })
             }
             Event::LineLogged { rank, stream, line } => {
@@ -177,8 +177,7 @@ impl TerminalReporter {
                         return err(format!("driver: cannot plan the stages: {reason}; no rank was started"))
                     }
                     StopCause::SlurmJob { job_id, reason } => {
-                        let job = job_id.map_or("the Slurm job".to_string(), |id| format!("Slurm job {id}"));
-                        return err(format!("driver: {job} {reason}; stopping every rank"));
+                        return err(format!("driver: {} {reason}; stopping every rank", slurm_job(*job_id)))
                     }
                 };
                 err(format!("driver: {why}; stopping every rank"))

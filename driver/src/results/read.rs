@@ -287,10 +287,7 @@ fn cause_text(cause: &StopCause) -> String {
             None => format!("profiling on {host} was killed"),
         },
         StopCause::PlanFailed { reason } => format!("planning failed: {reason}"),
-        StopCause::SlurmJob { job_id, reason } => match job_id {
-            Some(id) => format!("Slurm job {id} {reason}"),
-            None => format!("the Slurm job {reason}"),
-        },
+        StopCause::SlurmJob { job_id, reason } => format!("{} {reason}", crate::events::slurm_job(*job_id)),
     }
 }
 

@@ -114,10 +114,7 @@ impl Stage {
     /// Writes the stage's parameters and buffers (torchvision/BERT names) as safetensors, or in
     /// libtorch's format for another extension, as tch's var store does.
     pub fn save(&self, path: &std::path::Path) -> Result<(), tch::TchError> {
-        if let [part] = self.parts.as_slice() {
-            return part.vs.save(path);
-        }
-        let named: Vec<(String, Tensor)> = self.parts.iter().flat_map(|p| p.vs.variables()).collect();
+        let named = self.variables();
         match path.extension().and_then(|e| e.to_str()) {
             Some("safetensors") => Tensor::write_safetensors(&named, path),
             _ => Tensor::save_multi(&named, path),
@@ -125,26 +122,11 @@ impl Stage {
     }
 
     /// Reads parameters and buffers [`Stage::save`] wrote, into the existing tensors.
-    pub fn load(&mut self, path: &std::path::Path) -> Result<(), tch::TchError> {
-        if let [part] = self.parts.as_mut_slice() {
-            return part.vs.load(path);
-        }
-        let saved: std::collections::HashMap<String, Tensor> =
-            match path.extension().and_then(|e| e.to_str()) {
-                Some("safetensors") => Tensor::read_safetensors(path)?,
-                _ => Tensor::load_multi(path)?,
-            }
-            .into_iter()
-            .collect();
-        for part in &self.parts {
-            for (name, mut tensor) in part.vs.variables() {
-                let source = saved.get(&name).ok_or_else(|| {
-                    tch::TchError::TensorNameNotFound(name.clone(), path.display().to_string())
-                })?;
-                tch::no_grad(|| tensor.f_copy_(source))?;
-            }
-        }
-        Ok(())
+    pub fn load(&mut self, path: &std::path::Path) -> Result<(), String> {
+        let named = weights::read(path)?;
+        self.copy_named(&named)
+            .map(drop)
+            .map_err(|misfit| misfit.to_string())
     }
 
     /// Runs the stage's layers (not the loss) on `input`, each part on its device: the

@@ -12,7 +12,8 @@ use tch::Tensor;
 use super::Stage;
 
 /// The named tensors of `path`: safetensors by its extension, otherwise `torch.save`'s zip
-/// archive, or libtorch's own `save_multi` format.
+/// archive, or libtorch's own `save_multi` format. A `module.` prefix on every name (a state dict
+/// saved from DDP) is dropped.
 pub fn read(path: &Path) -> Result<HashMap<String, Tensor>, String> {
     let named = match path.extension().and_then(|e| e.to_str()) {
         Some("safetensors") => Tensor::read_safetensors(path).map_err(|e| e.to_string()),
@@ -24,8 +25,7 @@ pub fn read(path: &Path) -> Result<HashMap<String, Tensor>, String> {
                      it is one): {e}"
                 )
             }),
-    }
-    .map_err(|e| format!("--init-from {}: {e}", path.display()))?;
+    }?;
     let prefixed = !named.is_empty() && named.iter().all(|(n, _)| n.starts_with("module."));
     Ok(named
         .into_iter()
@@ -36,53 +36,94 @@ pub fn read(path: &Path) -> Result<HashMap<String, Tensor>, String> {
         .collect())
 }
 
+/// Why named tensors do not fit a stage.
+#[derive(Debug)]
+pub(super) enum Misfit {
+    /// A parameter or buffer of the stage has no tensor of its name.
+    Missing(String),
+    /// The tensor of a name has another shape than the stage's.
+    Shape {
+        name: String,
+        theirs: Vec<i64>,
+        ours: Vec<i64>,
+    },
+    /// libtorch could not copy it.
+    Copy { name: String, error: String },
+}
+
+impl std::fmt::Display for Misfit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Misfit::Missing(name) => write!(f, "no tensor `{name}`"),
+            Misfit::Shape { name, theirs, ours } => {
+                write!(f, "`{name}` has shape {theirs:?}, the model's has {ours:?}")
+            }
+            Misfit::Copy { name, error } => write!(f, "`{name}`: {error}"),
+        }
+    }
+}
+
 impl Stage {
-    /// Copies the stage's parameters and buffers from `named` (read from `source`): every one of
-    /// them must be there with its shape; values are converted to the parameter's kind.
-    /// Returns how many tensors were taken.
-    pub fn load_named(&mut self, named: &HashMap<String, Tensor>, source: &Path) -> Result<usize, String> {
+    /// Copies every parameter and buffer of the stage from the tensor of its name in `named`,
+    /// converted to the parameter's kind. Returns how many were copied.
+    pub(super) fn copy_named(&mut self, named: &HashMap<String, Tensor>) -> Result<usize, Misfit> {
+        let ours = self.variables();
+        for (name, tensor) in &ours {
+            let value = named.get(name).ok_or_else(|| Misfit::Missing(name.clone()))?;
+            if value.size() != tensor.size() {
+                return Err(Misfit::Shape {
+                    name: name.clone(),
+                    theirs: value.size(),
+                    ours: tensor.size(),
+                });
+            }
+            let mut target = tensor.shallow_clone();
+            tch::no_grad(|| target.f_copy_(&value.to_kind(tensor.kind()))).map_err(|e| Misfit::Copy {
+                name: name.clone(),
+                error: e.to_string(),
+            })?;
+        }
+        Ok(ours.len())
+    }
+
+    /// `--init-from path`: the stage's parameters and buffers from a PyTorch state dict. A file
+    /// none of whose names is the model's is refused as a whole. Returns how many were taken.
+    pub fn init_from(&mut self, path: &Path) -> Result<usize, String> {
+        let source = path.display();
+        let named = read(path).map_err(|e| format!("--init-from {source}: {e}"))?;
         let ours = self.variables();
         if !ours.is_empty() && !ours.iter().any(|(name, _)| named.contains_key(name)) {
             let mut theirs: Vec<&String> = named.keys().collect();
             theirs.sort();
-            return Err(format!(
-                "--init-from {}: none of its {} tensors is named as this model's (it has {}; this \
-                 stage needs {}, ...); give a state dict of the model with torchvision's or BERT's names",
-                source.display(),
-                named.len(),
-                theirs
+            let first = |names: Vec<&String>| {
+                names
                     .iter()
                     .take(3)
                     .map(|n| format!("`{n}`"))
                     .collect::<Vec<_>>()
-                    .join(", "),
-                ours.iter()
-                    .take(3)
-                    .map(|(n, _)| format!("`{n}`"))
-                    .collect::<Vec<_>>()
                     .join(", ")
+            };
+            return Err(format!(
+                "--init-from {source}: none of its {} tensors is named as this model's (it has {}; \
+                 this stage needs {}, ...); give a state dict of the model with torchvision's or \
+                 BERT's names",
+                named.len(),
+                first(theirs),
+                first(ours.iter().map(|(n, _)| n).collect())
             ));
         }
-        for (name, mut tensor) in ours.iter().map(|(n, t)| (n, t.shallow_clone())) {
-            let Some(value) = named.get(name) else {
-                return Err(format!(
-                    "--init-from {}: no tensor `{name}`, which this rank's modules need; give a state \
-                     dict of the whole model (each rank takes its own modules)",
-                    source.display()
-                ));
+        self.copy_named(&named).map_err(|misfit| {
+            let advice = match misfit {
+                Misfit::Missing(_) => {
+                    ", which this rank's modules need; give a state dict of the whole model (each \
+                     rank takes its own modules)"
+                }
+                Misfit::Shape { .. } => {
+                    "; check the model's size flags (--num-classes, --hidden, ...) against the weights"
+                }
+                Misfit::Copy { .. } => "",
             };
-            if value.size() != tensor.size() {
-                return Err(format!(
-                    "--init-from {}: `{name}` has shape {:?}, the model's has {:?}; check the model's \
-                     size flags (--num-classes, --hidden, ...) against the weights",
-                    source.display(),
-                    value.size(),
-                    tensor.size()
-                ));
-            }
-            tch::no_grad(|| tensor.f_copy_(&value.to_kind(tensor.kind())))
-                .map_err(|e| format!("--init-from {}: `{name}`: {e}", source.display()))?;
-        }
-        Ok(ours.len())
+            format!("--init-from {source}: {misfit}{advice}")
+        })
     }
 }
