@@ -86,6 +86,12 @@ pub struct RunConfig {
     /// Sparse transfers (`--compress`): `auto` (each message in its smallest form) or `off`.
     #[serde(default = "off")]
     pub compress: String,
+    /// How replicas combine (`--reduce`): `all`, or `partial:K` (the first K ready).
+    #[serde(default = "all")]
+    pub reduce: String,
+    /// With a partial reduce, every this many groups is every live replica (`--sync-every`).
+    #[serde(default)]
+    pub sync_every: Option<usize>,
     /// How the learning rate changes: `constant`, `step`, `polynomial` or `exponential`.
     #[serde(default = "constant")]
     pub lr_policy: String,
@@ -95,6 +101,10 @@ pub struct RunConfig {
     /// Iterations per epoch, when the learning rate depends on it.
     #[serde(default)]
     pub epoch_iterations: Option<u64>,
+}
+
+fn all() -> String {
+    "all".into()
 }
 
 fn off() -> String {
@@ -200,6 +210,27 @@ pub struct Iteration {
     /// The same messages' bytes as dense tensors: `sent_bytes` without compression.
     #[serde(default)]
     pub sent_dense_bytes: u64,
+    /// With `--reduce partial:K`, the group this rank's step combined in.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub partial_reduce: Option<PartialGroup>,
+}
+
+/// One step's group of a partial reduce (`--reduce partial:K`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PartialGroup {
+    /// The group's index in its stage's sequence of groups (the same on every member).
+    pub index: u64,
+    /// Its members' ranks, ascending.
+    pub members: Vec<usize>,
+    /// A full group: every live replica (every `sync_every`-th).
+    pub full: bool,
+    /// Largest |parameter - the members' mean| of this rank before averaging (0 while the
+    /// replicas are one model).
+    pub drift: f64,
+    /// Largest |parameter change| of this rank's optimizer step after averaging.
+    pub update: f64,
+    /// Seconds waiting for the group to fill (part of `comm_wait_s`).
+    pub wait_s: f64,
 }
 
 /// What the gradient all-reduce of one iteration's steps did on one rank.
@@ -357,6 +388,7 @@ mod tests {
             reduce: ReduceMetrics::default(),
             sent_bytes: 0,
             sent_dense_bytes: 0,
+            partial_reduce: None,
         }
     }
 

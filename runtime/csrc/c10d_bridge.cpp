@@ -137,6 +137,49 @@ char* sh_store_get(sh_store* store, const char* key, uint8_t** data, size_t* len
   });
 }
 
+// Adds `delta` to the integer stored at `key` (0 when absent) and returns the sum; `delta` 0
+// reads a counter without waiting.
+char* sh_store_add(sh_store* store, const char* key, int64_t delta, int64_t* out) {
+  *out = 0;
+  return guarded([&] { *out = store->store->add(std::string(key), delta); });
+}
+
+// Whether every one of `n` keys is set, without waiting.
+char* sh_store_check(sh_store* store, const char* const* keys, size_t n, int* out) {
+  *out = 0;
+  return guarded([&] {
+    std::vector<std::string> names(keys, keys + n);
+    *out = store->store->check(names) ? 1 : 0;
+  });
+}
+
+// Sets `key` to `desired` if it is absent (`expected` empty) or holds `expected`; either way
+// returns the value the key holds afterwards (malloc'd, free with sh_bytes_free).
+char* sh_store_compare_set(
+    sh_store* store,
+    const char* key,
+    const uint8_t* expected,
+    size_t expected_len,
+    const uint8_t* desired,
+    size_t desired_len,
+    uint8_t** data,
+    size_t* len) {
+  *data = nullptr;
+  *len = 0;
+  return guarded([&] {
+    std::vector<uint8_t> want(expected, expected + expected_len);
+    std::vector<uint8_t> next(desired, desired + desired_len);
+    std::vector<uint8_t> value = store->store->compareSet(std::string(key), want, next);
+    auto* buffer = static_cast<uint8_t*>(std::malloc(value.empty() ? 1 : value.size()));
+    TORCH_CHECK(buffer != nullptr, "out of memory");
+    if (!value.empty()) {
+      std::memcpy(buffer, value.data(), value.size());
+    }
+    *data = buffer;
+    *len = value.size();
+  });
+}
+
 void sh_bytes_free(uint8_t* data) {
   std::free(data);
 }

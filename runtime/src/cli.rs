@@ -10,8 +10,8 @@ use stagehand_contract::StageConfig;
 
 use crate::config::{
     Backend, CheckpointConfig, Command, ConfigError, DeviceSpec, DistConfig, ForwardConfig, ModelChoice,
-    ModulesConfig, OptimizerKind, P2pConfig, Precision, ProfileConfig, ReachConfig, ReduceOptions,
-    TrainConfig,
+    ModulesConfig, OptimizerKind, P2pConfig, PartialOptions, Precision, ProfileConfig, ReachConfig,
+    ReduceOptions, TrainConfig,
 };
 use crate::data::DataSpec;
 use crate::lr::{LrPolicy, LrSchedule};
@@ -335,6 +335,15 @@ struct DistArgs {
     /// cores: a slower step, bench/overlap_reduce.py).
     #[arg(long, value_enum, default_value_t = Overlap::Auto)]
     overlap_reduce: Overlap,
+    /// How a stage's replicas combine each step: `all` all-reduces every replica's gradients;
+    /// `partial:K` (SD-PIPE's partial reduce) averages parameters and gradients with only the
+    /// first K replicas ready, so a straggler holds no one back (GPipe and 1F1B only).
+    #[arg(long, value_name = "all|partial:K", default_value = "all")]
+    reduce: String,
+    /// With --reduce partial:K, every this many groups is every live replica (bounds how far
+    /// replicas drift apart; 1 makes every group full).
+    #[arg(long, value_name = "GROUPS", default_value_t = 10)]
+    sync_every: usize,
     /// Send float32 activations between stages as float16 (half the bytes; PipeDream's
     /// compress_activations), cast on the device that holds them; gradients stay float32.
     /// Every rank must be given it.
@@ -543,6 +552,35 @@ impl TrainArgs {
                 flag: "--checkpoint-every",
                 reason: "must be at least 1".into(),
             });
+        }
+        if dist.reduce.partial.is_some() {
+            // Each of these needs every replica at the same step, which a partial reduce gives up.
+            let refusal = if dist.schedule == Schedule::PipeDream {
+                Some((
+                    "--schedule",
+                    "pipedream steps after every backward with weights stashed; use gpipe or 1f1b",
+                ))
+            } else if matches!(self.precision, PrecisionArg::Fp16) {
+                Some((
+                    "--precision",
+                    "fp16's gradient scaler makes every rank skip the same steps; use bf16 or fp32",
+                ))
+            } else if checkpoint.is_some() {
+                Some((
+                    "--checkpoint-dir",
+                    "checkpoints are of one iteration on every rank; drop --checkpoint-dir",
+                ))
+            } else {
+                None
+            };
+            if let Some((flag, why)) = refusal {
+                return Err(ConfigError::Invalid {
+                    flag,
+                    reason: format!(
+                        "not with --reduce partial:K (replicas step apart): {why}, or use --reduce all"
+                    ),
+                });
+            }
         }
         Ok(TrainConfig {
             dist,
@@ -803,13 +841,44 @@ impl DistArgs {
                 format!("{} is not a positive size (at least one byte)", self.bucket_mb),
             ));
         }
+        let partial = match self.reduce.as_str() {
+            "all" => None,
+            spec => {
+                let k = spec
+                    .strip_prefix("partial:")
+                    .and_then(|k| k.parse::<usize>().ok())
+                    .filter(|&k| k >= 1)
+                    .ok_or_else(|| {
+                        invalid(
+                            "--reduce",
+                            format!("{spec:?} is neither `all` nor `partial:K` with K at least 1"),
+                        )
+                    })?;
+                if self.sync_every == 0 {
+                    return Err(invalid("--sync-every", "must be at least 1".into()));
+                }
+                if self.overlap_reduce == Overlap::On {
+                    return Err(invalid(
+                        "--overlap-reduce",
+                        "a partial reduce forms its group after the backward; use \
+                         --overlap-reduce off or auto"
+                            .into(),
+                    ));
+                }
+                Some(PartialOptions {
+                    k,
+                    sync_every: self.sync_every,
+                })
+            }
+        };
         let reduce = ReduceOptions {
             bucket_bytes: bucket_bytes as usize,
             overlap: match self.overlap_reduce {
                 Overlap::On => true,
                 Overlap::Off => false,
-                Overlap::Auto => matches!(device, DeviceSpec::Cuda(_)),
+                Overlap::Auto => partial.is_none() && matches!(device, DeviceSpec::Cuda(_)),
             },
+            partial,
         };
         let backend = match (self.backend, device) {
             (Some(BackendArg::Gloo), _) | (None, DeviceSpec::Cpu) => Backend::Gloo,

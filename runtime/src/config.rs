@@ -359,6 +359,16 @@ pub struct ReduceOptions {
     pub bucket_bytes: usize,
     /// Start buckets during the backward pass (DDP) instead of after it.
     pub overlap: bool,
+    /// Combine with only the first K replicas ready (`--reduce partial:K`) instead of all.
+    pub partial: Option<PartialOptions>,
+}
+
+/// Partial reduce: each step a replica combines with the first `k` replicas ready; every
+/// `sync_every`-th group is every live replica (pipeline/partial.rs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PartialOptions {
+    pub k: usize,
+    pub sync_every: usize,
 }
 
 impl TrainConfig {
@@ -386,6 +396,11 @@ impl TrainConfig {
             overlap_reduce: self.dist.reduce.overlap,
             compress_activations: self.dist.compress_activations,
             compress: if self.dist.sparse { "auto" } else { "off" }.into(),
+            reduce: match self.dist.reduce.partial {
+                None => "all".into(),
+                Some(p) => format!("partial:{}", p.k),
+            },
+            sync_every: self.dist.reduce.partial.map(|p| p.sync_every),
             lr_policy: self.lr_schedule.policy.name().into(),
             lr_warmup_epochs: self.lr_schedule.warmup_epochs,
             epoch_iterations: self

@@ -47,6 +47,24 @@ extern "C" {
         len: *mut usize,
     ) -> *mut c_char;
     pub fn sh_bytes_free(data: *mut u8);
+    pub fn sh_store_add(store: *mut RawStore, key: *const c_char, delta: i64, out: *mut i64) -> *mut c_char;
+    pub fn sh_store_check(
+        store: *mut RawStore,
+        keys: *const *const c_char,
+        n: usize,
+        out: *mut c_int,
+    ) -> *mut c_char;
+    #[allow(clippy::too_many_arguments)]
+    pub fn sh_store_compare_set(
+        store: *mut RawStore,
+        key: *const c_char,
+        expected: *const u8,
+        expected_len: usize,
+        desired: *const u8,
+        desired_len: usize,
+        data: *mut *mut u8,
+        len: *mut usize,
+    ) -> *mut c_char;
 
     #[allow(clippy::too_many_arguments)]
     pub fn sh_pg_gloo(

@@ -9,6 +9,7 @@ mod init;
 mod init_from;
 mod optim;
 mod p2p_order;
+mod partial;
 mod precision;
 mod reduce;
 mod single;

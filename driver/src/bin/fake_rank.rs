@@ -80,6 +80,8 @@ fn main() {
             overlap_reduce: true,
             compress_activations: false,
             compress: "off".into(),
+            reduce: "all".into(),
+            sync_every: None,
             lr_policy: "constant".into(),
             lr_warmup_epochs: 0,
             epoch_iterations: None,
@@ -112,6 +114,7 @@ fn main() {
             reduce: Default::default(),
             sent_bytes: 0,
             sent_dense_bytes: 0,
+            partial_reduce: None,
         };
         println!("{}", Event::Iteration(it).to_line());
         eprintln!("fake-rank {rank}: iteration {i} done");

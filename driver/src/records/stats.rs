@@ -180,6 +180,7 @@ mod tests {
             reduce: Default::default(),
             sent_bytes: 0,
             sent_dense_bytes: 0,
+            partial_reduce: None,
         })
     }
 

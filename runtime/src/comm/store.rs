@@ -181,6 +181,55 @@ impl Store {
         Ok(value)
     }
 
+    /// Adds `delta` to the counter at `key` (0 when unset) and returns the new value; `delta` 0
+    /// reads it without waiting.
+    pub fn add(&self, key: &str, delta: i64) -> Result<i64, CommError> {
+        let key_c = self.key(key)?;
+        let mut value = 0i64;
+        // SAFETY: live handle, valid key and out-pointer.
+        ffi::check(unsafe { ffi::sh_store_add(self.raw.as_ptr(), key_c.as_ptr(), delta, &mut value) })
+            .map_err(|reason| self.op_error("store add", key, reason))?;
+        Ok(value)
+    }
+
+    /// Whether `key` is set, without waiting.
+    pub fn check(&self, key: &str) -> Result<bool, CommError> {
+        let key_c = self.key(key)?;
+        let keys = [key_c.as_ptr()];
+        let mut set = 0;
+        // SAFETY: live handle, one valid key, valid out-pointer.
+        ffi::check(unsafe { ffi::sh_store_check(self.raw.as_ptr(), keys.as_ptr(), 1, &mut set) })
+            .map_err(|reason| self.op_error("store check", key, reason))?;
+        Ok(set != 0)
+    }
+
+    /// Sets `key` to `value` unless some rank set it first; returns what the key holds after,
+    /// which every rank racing to set it reads the same.
+    pub fn set_once(&self, key: &str, value: &[u8]) -> Result<Vec<u8>, CommError> {
+        let key_c = self.key(key)?;
+        let mut data = std::ptr::null_mut();
+        let mut len = 0usize;
+        // SAFETY: live handle, valid key, `value` readable for its length (an empty expected
+        // value means "absent"), valid out-pointers.
+        ffi::check(unsafe {
+            ffi::sh_store_compare_set(
+                self.raw.as_ptr(),
+                key_c.as_ptr(),
+                std::ptr::null(),
+                0,
+                value.as_ptr(),
+                value.len(),
+                &mut data,
+                &mut len,
+            )
+        })
+        .map_err(|reason| self.op_error("store compare-set", key, reason))?;
+        // SAFETY: on success `data` holds `len` bytes malloc'd by the bridge, freed once here.
+        let current = unsafe { std::slice::from_raw_parts(data, len) }.to_vec();
+        unsafe { ffi::sh_bytes_free(data) };
+        Ok(current)
+    }
+
     fn key(&self, key: &str) -> Result<CString, CommError> {
         CString::new(format!("user/{key}"))
             .map_err(|_| CommError::Invalid(format!("store key {key:?} contains a NUL byte")))

@@ -11,6 +11,7 @@ use stagehand_contract::{Channel, P2p, StagePlan, Trace};
 use tch::{Device, Kind, Tensor};
 
 use super::channel::Channels;
+use super::partial::{GroupReport, PartialReduce};
 use super::reduce::{last_backwards, ReduceStats, Reducer};
 use super::route::{Op, Route, Transfer};
 use super::sparse;
@@ -68,6 +69,8 @@ pub struct IterationReport {
     /// With tracing on, the point-to-point operations issued since the last report (the first
     /// report also has the shape headers), in issue order.
     pub p2p: Vec<P2p>,
+    /// With a partial reduce, the group of the iteration's step.
+    pub group: Option<GroupReport>,
 }
 
 /// A microbatch between its forward and its backward.
@@ -98,6 +101,8 @@ pub struct Executor {
     pub links: Links,
     /// With replicas: the all-reduce of this rank's gradients over `links.replicas`.
     pub reducer: Option<Reducer>,
+    /// With replicas and `--reduce partial:K`: the groups the reducer's all-reduce gives way to.
+    pub partial: Option<PartialReduce>,
     pub data: Option<Box<dyn Batches>>,
     pub device: Device,
     /// Compute slow-down factor (straggler emulation).
@@ -182,6 +187,8 @@ struct Progress {
     posted: HashMap<Message, (Tensor, Work, Transfer)>,
     /// What the last action produced for other ranks, until the program sends it.
     outbox: HashMap<Message, Tensor>,
+    /// The partial reduce's group of the last step.
+    group: Option<GroupReport>,
 }
 
 impl Executor {
@@ -495,9 +502,16 @@ impl Executor {
             // Parameters that took no part in any backward get zero gradients, so every replica
             // all-reduces buckets of the same shapes.
             let _ = self.optimizer.grads();
-            let stats = reducer
-                .finish(group, self.device)
-                .map_err(|e| anyhow::anyhow!("the gradient all-reduce of stage {}: {e}", self.stage_id))?;
+            let stats = match &mut self.partial {
+                None => reducer.finish(group, self.device),
+                Some(partial) => partial
+                    .reduce(reducer, group, self.optimizer.params(), self.device)
+                    .map(|(stats, report)| {
+                        progress.group = Some(report);
+                        stats
+                    }),
+            }
+            .map_err(|e| anyhow::anyhow!("the gradient all-reduce of stage {}: {e}", self.stage_id))?;
             progress.timing.reduce += stats;
         }
         let skip = match &mut self.scaler {
@@ -529,6 +543,11 @@ impl Executor {
             let devices = self.stage.devices();
             timed(&devices, slowdown, &mut progress.timing, || self.optimizer.step())
                 .map_err(|e| anyhow::anyhow!("the optimizer step of stage {} failed: {e}", self.stage_id))?;
+        }
+        if let (Some(partial), Some(report)) = (&mut self.partial, &mut progress.group) {
+            report.update = partial
+                .measure_update(self.optimizer.params())
+                .map_err(|e| anyhow::anyhow!("measuring the step's update: {e}"))?;
         }
         self.optimizer.zero_grad();
         Ok(())
@@ -647,11 +666,13 @@ impl Executor {
                             loss,
                             traces,
                             p2p: p2p.filter(|_| self.trace).unwrap_or_default(),
+                            group: progress.group.take(),
                         })?;
                         if let Some(c) = &self.checkpoint {
                             let done = iteration as u64 + 1;
-                            let stop = stopping && (drains_every_iteration || c.config.due(done, c.total));
-                            if stop || c.config.due(done, c.total) {
+                            let due = c.config.due(done, c.total);
+                            let stop = stopping && (drains_every_iteration || due);
+                            if stop || due {
                                 checkpoint::save(
                                     &c.config.dir,
                                     &c.identity,
@@ -687,10 +708,10 @@ impl Executor {
     }
 
     /// Starts the vote on stopping at this iteration's end: a sum of every rank's SIGTERM flag
-    /// over a group that spans them all (the forward channel's, or the replicas' of a single
-    /// stage, [`everyone`]). It completes in the background and is read at the next iteration's end, so no rank
-    /// waits on it while a peer waits on this rank's sends (PipeDream's stages run iterations
-    /// apart); every rank reads the same sum at the same iteration, so all stop together.
+    /// over a group that spans them all ([`everyone`]). It completes in the background and is
+    /// read at the next iteration's end, so no rank waits on it while a peer waits on this rank's
+    /// sends (PipeDream's stages run iterations apart); every rank reads the same sum at the same
+    /// iteration, so all stop together.
     fn start_stop_vote(&self) -> anyhow::Result<StopVote> {
         let mine = f32::from(u8::from(signals::term_requested()));
         let everyone = everyone(&self.links);
@@ -710,7 +731,9 @@ impl Executor {
         let losses = std::mem::take(&mut progress.losses);
         let total = Tensor::stack(&losses, 0).sum(Kind::Double).reshape([1]);
         let mut count = losses.len() as f64;
-        if let (Some(group), false) = (&self.links.replicas, self.schedule == Schedule::PipeDream) {
+        // PipeDream's replicas, and a partial reduce's, each report their own microbatches'.
+        let own = self.schedule == Schedule::PipeDream || self.partial.is_some();
+        if let (Some(group), false) = (&self.links.replicas, own) {
             group.all_reduce_sum(std::slice::from_ref(&total))?.wait()?;
             count = self.microbatches as f64;
         }

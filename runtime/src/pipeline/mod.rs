@@ -4,6 +4,7 @@
 
 mod channel;
 mod exec;
+mod partial;
 mod reduce;
 mod route;
 mod sparse;
@@ -11,5 +12,6 @@ mod wire;
 
 pub use channel::Channels;
 pub use exec::{Checkpointing, Executor, Links};
+pub use partial::{outlast, PartialReduce};
 pub use reduce::Reducer;
 pub use wire::TensorSpec;

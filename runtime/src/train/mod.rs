@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use anyhow::{bail, ensure, Context};
 use stagehand_contract::{
-    Channel, Event, Iteration, ReduceMetrics, StagePlan, Start, Summary, SCHEMA_VERSION,
+    Channel, Event, Iteration, PartialGroup, ReduceMetrics, StagePlan, Start, Summary, SCHEMA_VERSION,
 };
 use tch::Kind;
 
@@ -17,7 +17,7 @@ use crate::config::{Backend, DeviceSpec, DistConfig, Precision, TrainConfig};
 use crate::data::{self, BatchRequest, Shard};
 use crate::metrics::{Emitter, Memory, Throughput};
 use crate::models::{InputKind, ModelDef};
-use crate::pipeline::{Channels, Checkpointing, Executor, Links, Reducer, TensorSpec};
+use crate::pipeline::{Channels, Checkpointing, Executor, Links, PartialReduce, Reducer, TensorSpec};
 use crate::schedule::{self, Action, Schedule};
 use crate::stage::checkpoint::{self, Identity, Latest};
 use crate::stage::{GradScaler, Optimizer, Stage};
@@ -101,13 +101,19 @@ fn agree_on_resume(links: &Links, first: u64, device: tch::Device) -> anyhow::Re
 }
 
 /// Rendezvous with the other ranks: the two point-to-point channels (every rank creates them in
-/// the same order), and this stage's replica group.
-fn connect(dist: &DistConfig, plan: &StagePlan, device: DeviceSpec) -> anyhow::Result<Links> {
+/// the same order), and this stage's replica group; the store too, when a partial reduce needs
+/// it after the rendezvous.
+fn connect(
+    dist: &DistConfig,
+    plan: &StagePlan,
+    device: DeviceSpec,
+) -> anyhow::Result<(Links, Option<Store>)> {
     if dist.world_size == 1 {
-        return Ok(Links {
+        let links = Links {
             channels: None,
             replicas: None,
-        });
+        };
+        return Ok((links, None));
     }
     let timeout = dist.comm_timeout;
     let store = Store::connect(
@@ -140,10 +146,20 @@ fn connect(dist: &DistConfig, plan: &StagePlan, device: DeviceSpec) -> anyhow::R
             replicas = Some(group);
         }
     }
-    Ok(Links {
+    let links = Links {
         channels: Some(Channels::new(forward, backward)),
         replicas,
-    })
+    };
+    Ok((links, dist.reduce.partial.map(|_| store)))
+}
+
+/// The (stage, rank) of every replica of a replicated stage: the ranks a partial reduce matches.
+fn partial_participants(plan: &StagePlan) -> Vec<(usize, usize)> {
+    plan.stages
+        .iter()
+        .filter(|s| s.ranks.len() > 1)
+        .flat_map(|s| s.ranks.iter().map(move |&r| (s.id, r)))
+        .collect()
 }
 
 /// Shapes of one microbatch's input and target at the first stage.
@@ -193,6 +209,20 @@ fn check_plan(config: &TrainConfig) -> anyhow::Result<Checked> {
     let max_replicas = plan.stages.iter().map(|s| s.ranks.len()).max().unwrap_or(1);
     let microbatches = dist.microbatches.unwrap_or(plan.stages.len().max(max_replicas));
     schedule::validate(&plan, dist.schedule, microbatches)?;
+    if let Some(partial) = dist.reduce.partial {
+        ensure!(
+            max_replicas > 1,
+            "--reduce partial:{} needs a stage with replicas; this plan has none (give --world-size \
+             above 1 without a stage config, or replicate a stage in it)",
+            partial.k
+        );
+        ensure!(
+            partial.k <= max_replicas,
+            "--reduce partial:{} asks for more replicas than a stage has (at most {max_replicas}); \
+             use a K up to {max_replicas}",
+            partial.k
+        );
+    }
     if !config.batch_size.is_multiple_of(microbatches) {
         bail!(
             "--batch-size {} is not divisible by --microbatches {microbatches}",
@@ -366,8 +396,7 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
     let mut optimizer = Optimizer::new(config.optimizer, config.lr, stage.params());
     let mut scaler = (config.precision == Precision::Fp16).then(|| GradScaler::new(device));
     if let (Some(path), None) = (&config.init_from, &resume) {
-        let named = crate::stage::weights::read(path).map_err(anyhow::Error::msg)?;
-        let loaded = stage.load_named(&named, path).map_err(anyhow::Error::msg)?;
+        let loaded = stage.init_from(path).map_err(anyhow::Error::msg)?;
         eprintln!(
             "runtime: rank {}: {loaded} parameters and buffers from {}",
             dist.rank,
@@ -400,7 +429,7 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
     } else {
         None
     };
-    let links = connect(dist, &plan, config.device)?;
+    let (links, store) = connect(dist, &plan, config.device)?;
     if config.checkpoint.as_ref().is_some_and(|c| c.resume) {
         agree_on_resume(&links, first, device)?;
     }
@@ -415,6 +444,32 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
         })
         .transpose()
         .map_err(|e| anyhow::anyhow!("setting up the gradient all-reduce: {e}"))?;
+    // Rank 0 hosts the store the partial reduce matches replicas through: it keeps a connection
+    // to outlast them; a replica hands its own to its partial reduce.
+    let (partial, keeper) = match (dist.reduce.partial, store, &links.replicas) {
+        (Some(options), Some(store), Some(_)) if dist.rank != 0 => {
+            let mut replicas = my_stage.ranks.clone();
+            replicas.sort_unstable();
+            let partial = PartialReduce::new(store, my_stage.id, &replicas, dist.rank, options)
+                .map_err(|e| anyhow::anyhow!("setting up the partial reduce: {e}"))?;
+            (Some(partial), None)
+        }
+        (Some(options), Some(store), Some(_)) => {
+            let mut replicas = my_stage.ranks.clone();
+            replicas.sort_unstable();
+            let keeper = Store::connect(
+                store.addr(),
+                store.port(),
+                dist.world_size,
+                false,
+                store.timeout(),
+            )?;
+            let partial = PartialReduce::new(store, my_stage.id, &replicas, dist.rank, options)
+                .map_err(|e| anyhow::anyhow!("setting up the partial reduce: {e}"))?;
+            (Some(partial), Some(keeper))
+        }
+        (_, store, _) => (None, store.filter(|_| dist.rank == 0)),
+    };
     let mut executor = Executor {
         plan: plan.clone(),
         rank: dist.rank,
@@ -426,6 +481,7 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
         optimizer,
         links,
         reducer,
+        partial,
         data,
         device,
         slowdown: dist.slowdown,
@@ -520,10 +576,30 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
             },
             sent_bytes: report.timing.wire.sent,
             sent_dense_bytes: report.timing.wire.dense,
+            partial_reduce: report.group.map(|g| PartialGroup {
+                index: g.index,
+                members: g.members,
+                full: g.full,
+                drift: g.drift,
+                update: g.update,
+                wait_s: g.wait.as_secs_f64(),
+            }),
         }))?;
         Ok(())
     })?;
 
+    // Done: no group waits for this replica any more; rank 0 stays until no replica needs its
+    // store.
+    if let Some(partial) = executor.partial.as_mut() {
+        partial
+            .retire()
+            .map_err(|e| anyhow::anyhow!("the partial reduce: {e}"))?;
+    }
+    drop(executor.partial.take());
+    if let Some(keeper) = &keeper {
+        crate::pipeline::outlast(keeper, &partial_participants(&plan))
+            .map_err(|e| anyhow::anyhow!("waiting for the partial reduce's replicas: {e}"))?;
+    }
     if let Some(dir) = &config.save_params {
         std::fs::create_dir_all(dir)
             .with_context(|| format!("--save-params: cannot create {}", dir.display()))?;
