@@ -180,6 +180,14 @@ pub struct ExperimentFile {
     /// smallest form, rebuilt bit for bit; `off` (the runtime's default) sends them dense.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub compress: Option<Compress>,
+    /// How a stage's replicas combine each step (`--reduce`): `all` (the all-reduce, the
+    /// runtime's default) or `partial:K`, SD-PIPE's partial reduce with the first K ready.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reduce: Option<Reduce>,
+    /// With `reduce: partial:K`, every this many groups is every live replica (`--sync-every`;
+    /// the runtime's default is 10).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sync_every: Option<std::num::NonZeroU32>,
     /// Straggler and heterogeneity emulation: a rank's, or a machine's ranks', compute stretched
     /// by a factor (`--slowdown`), as SD-PIPE's `--hetero`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -317,6 +325,45 @@ impl Compress {
         match self {
             Compress::Auto => "auto",
             Compress::Off => "off",
+        }
+    }
+}
+
+/// How replicas combine (`--reduce`): every replica, or the first K ready.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(try_from = "String", into = "String")]
+pub enum Reduce {
+    All,
+    Partial(u32),
+}
+
+/// A `reduce:` that is neither `all` nor `partial:K`.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("reduce must be `all` or `partial:K` with K at least 1 (the replicas each step combines with), not {0:?}")]
+pub struct ReduceError(pub String);
+
+impl TryFrom<String> for Reduce {
+    type Error = ReduceError;
+
+    fn try_from(text: String) -> Result<Reduce, ReduceError> {
+        match text.as_str() {
+            "all" => Ok(Reduce::All),
+            other => other
+                .strip_prefix("partial:")
+                .and_then(|k| k.parse::<u32>().ok())
+                .filter(|&k| k >= 1)
+                .map(Reduce::Partial)
+                .ok_or(ReduceError(text)),
+        }
+    }
+}
+
+impl From<Reduce> for String {
+    /// The runtime's spelling.
+    fn from(reduce: Reduce) -> String {
+        match reduce {
+            Reduce::All => "all".into(),
+            Reduce::Partial(k) => format!("partial:{k}"),
         }
     }
 }

@@ -182,6 +182,14 @@ fn runtime_command(
         argv.push("--compress".into());
         argv.push(c.as_arg().to_string());
     }
+    if let Some(reduce) = f.reduce {
+        argv.push("--reduce".into());
+        argv.push(reduce.into());
+    }
+    if let Some(every) = f.sync_every {
+        argv.push("--sync-every".into());
+        argv.push(every.to_string());
+    }
     if let Some(factor) = slowdown_of(f, rank, &host.name) {
         argv.push("--slowdown".into());
         argv.push(format!("{rank}={factor}"));

@@ -773,6 +773,13 @@ fn check_pipedream_keys(loaded: &Loaded) -> Result<(), ConfigError> {
     if let (None, Some((key, _))) = (&f.checkpoint_dir, needs_dir.iter().find(|(_, given)| *given)) {
         return Err(loaded.error_at(key, format!("`{key}` needs a `checkpoint_dir`")));
     }
+    if f.sync_every.is_some() && !matches!(f.reduce, Some(crate::config::Reduce::Partial(_))) {
+        return Err(loaded.error_at(
+            "sync_every",
+            "`sync_every` spaces the full groups of a partial reduce; add `reduce: partial:K` or \
+             drop it",
+        ));
+    }
     if f.compress_activations == Some(true) && f.compress_in_gpu == Some(false) {
         return Err(loaded.error_at(
             "compress_in_gpu",

@@ -567,6 +567,31 @@ fn overlap_reduce_and_compress_reach_every_rank() {
 }
 
 #[test]
+fn reduce_and_sync_every_reach_every_rank() {
+    let plan = resolve_text(
+        "machines: [localhost, localhost, localhost]\nmodule: mlp\nreduce: partial:2\nsync_every: 4\n",
+        &options(None, ContainerMode::PerRank),
+    )
+    .unwrap();
+    for rank in &plan.ranks {
+        assert_eq!(flag(&rank.argv, "--reduce"), Some("partial:2"));
+        assert_eq!(flag(&rank.argv, "--sync-every"), Some("4"));
+    }
+    let o = options(None, ContainerMode::PerRank);
+    let e = resolve_text("machines: [localhost]\nmodule: mlp\nsync_every: 4\n", &o)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("add `reduce: partial:K`") && e.contains("exp.yml:"), "{e}");
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("exp.yml");
+    for bad in ["partial:0", "partial", "some", "partial:-1"] {
+        std::fs::write(&path, format!("machines: [localhost]\nreduce: {bad}\n")).unwrap();
+        let e = crate::config::load(&path).unwrap_err().to_string();
+        assert!(e.contains("reduce must be `all` or `partial:K`"), "{bad}: {e}");
+    }
+}
+
+#[test]
 fn pipedreams_weight_decay_and_model_type_are_honoured() {
     let o = options(None, ContainerMode::PerRank);
     let plan = resolve_text(
