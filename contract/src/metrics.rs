@@ -224,10 +224,11 @@ pub struct PartialGroup {
     pub members: Vec<usize>,
     /// A full group: every live replica (every `sync_every`-th).
     pub full: bool,
-    /// Largest |parameter - the members' mean| of this rank before averaging (0 while the
-    /// replicas are one model).
+    /// Largest |parameter - the members' mean| of this rank after its step, before the average
+    /// (0 while the replicas are one model).
     pub drift: f64,
-    /// Largest |parameter change| of this rank's optimizer step after averaging.
+    /// Largest |parameter change| of this rank's local optimizer step (0 while the replicas are
+    /// one model).
     pub update: f64,
     /// Seconds waiting for the group to fill (part of `comm_wait_s`).
     pub wait_s: f64,

@@ -339,7 +339,9 @@ pub enum Reduce {
 
 /// A `reduce:` that is neither `all` nor `partial:K`.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
-#[error("reduce must be `all` or `partial:K` with K at least 1 (the replicas each step combines with), not {0:?}")]
+#[error(
+    "reduce must be `all` or `partial:K` with K at least 1 (the replicas each step combines with), not {0:?}"
+)]
 pub struct ReduceError(pub String);
 
 impl TryFrom<String> for Reduce {

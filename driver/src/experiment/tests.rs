@@ -581,7 +581,10 @@ fn reduce_and_sync_every_reach_every_rank() {
     let e = resolve_text("machines: [localhost]\nmodule: mlp\nsync_every: 4\n", &o)
         .unwrap_err()
         .to_string();
-    assert!(e.contains("add `reduce: partial:K`") && e.contains("exp.yml:"), "{e}");
+    assert!(
+        e.contains("add `reduce: partial:K`") && e.contains("exp.yml:"),
+        "{e}"
+    );
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("exp.yml");
     for bad in ["partial:0", "partial", "some", "partial:-1"] {

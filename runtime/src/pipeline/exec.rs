@@ -504,12 +504,7 @@ impl Executor {
             let _ = self.optimizer.grads();
             let stats = match &mut self.partial {
                 None => reducer.finish(group, self.device),
-                Some(partial) => partial
-                    .reduce(reducer, group, self.optimizer.params(), self.device)
-                    .map(|(stats, report)| {
-                        progress.group = Some(report);
-                        stats
-                    }),
+                Some(partial) => partial.before_step(reducer, group, self.optimizer.params(), self.device),
             }
             .map_err(|e| anyhow::anyhow!("the gradient all-reduce of stage {}: {e}", self.stage_id))?;
             progress.timing.reduce += stats;
@@ -544,10 +539,14 @@ impl Executor {
             timed(&devices, slowdown, &mut progress.timing, || self.optimizer.step())
                 .map_err(|e| anyhow::anyhow!("the optimizer step of stage {} failed: {e}", self.stage_id))?;
         }
-        if let (Some(partial), Some(report)) = (&mut self.partial, &mut progress.group) {
-            report.update = partial
-                .measure_update(self.optimizer.params())
-                .map_err(|e| anyhow::anyhow!("measuring the step's update: {e}"))?;
+        if let (Some(partial), Some(group)) = (&mut self.partial, &self.links.replicas) {
+            let started = Instant::now();
+            let (stats, report) = partial
+                .after_step(group, self.optimizer.params(), self.device)
+                .map_err(|e| anyhow::anyhow!("the partial reduce of stage {}: {e}", self.stage_id))?;
+            progress.timing.reduce += stats;
+            progress.timing.comm += started.elapsed();
+            progress.group = Some(report);
         }
         self.optimizer.zero_grad();
         Ok(())

@@ -14,22 +14,25 @@
 //! group, and nothing otherwise. Each group's members reduce over a c10d group of exactly them,
 //! created the first time those members meet and kept.
 //!
-//! **Weighting.** Members average their parameters with equal weights and their gradients as a
-//! mean over the group's samples (each replica's gradient is already scaled by 1/(replicas x
-//! microbatches), so the group's sum is multiplied by replicas/members), then step with their
-//! own optimizer state: a group of K is data parallelism over K replicas' samples, started from
-//! the K models' mean. Averaging the parameters, not just the gradients, is what pulls the
-//! replicas together: gradients alone would leave replicas that meet in different groups on
-//! separate paths for good. While every group so far held every replica (K = replicas), the
-//! replicas are one model and only the gradients are all-reduced, with the all-reduce's own
-//! buckets on the replicas' group: exactly `--reduce all`.
+//! **Weighting.** As P-Reduce does, each member steps on its own gradient with its own
+//! optimizer state, then the members average their parameters with equal weights (one flat
+//! all-reduce of the parameters: the bytes of the all-reduce's gradients). A replica's gradient is
+//! scaled for the whole minibatch (its loss by 1/microbatches, as the all-reduce's sum needs), so
+//! before its local step it is multiplied by the replicas, making it the mean over the replica's
+//! own samples; for SGD a group of m then moves the members' mean model by the mean of their m
+//! gradients, as data parallelism over their samples would. Averaging the parameters, not the
+//! gradients, is what pulls the replicas together: gradients alone would leave replicas that meet
+//! in different groups on separate paths for good. While every group so far held every replica
+//! (K = replicas), the replicas are one model and the gradients are all-reduced before the step,
+//! with the all-reduce's own buckets on the replicas' group: exactly `--reduce all`.
 //!
 //! **The bound.** Per parameter, averaging never leaves the members' range and a step moves one
-//! replica by at most its update's largest magnitude u. After the last full group f (or the
-//! start, where every replica holds the same seeded model), every model taking part in group
-//! g > f is within the sum U of u over the steps of groups f..g-1 of the full group's mean, so
-//! a member's distance from its group's mean (`drift`, reported with `update` per step) is at
-//! most 2U. Replicas that missed the full group (presumed dead) are outside the bound.
+//! replica by at most its update's largest magnitude u (`update`, reported per step). Right after
+//! the last full group f every live replica holds one model w (at the start too: the same seeded
+//! model); every model the averages of groups f+1..g make is within the sum U of u over the steps
+//! of those groups of w, so a member's distance from its group's mean (`drift`, its model after
+//! its step against the mean) is at most 2U. Replicas that missed the full group (presumed dead)
+//! are outside the bound.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -47,8 +50,10 @@ use crate::config::PartialOptions;
 pub const DEAD_AFTER: Duration = Duration::from_secs(10);
 /// How often a replica's heartbeat moves.
 const BEAT_EVERY: Duration = Duration::from_millis(100);
-/// How often a replica waiting for its group to fill looks again.
-const POLL_EVERY: Duration = Duration::from_micros(500);
+/// A replica waiting for its group to fill looks again after this, doubling each time up to
+/// [`POLL_AT_MOST`] (each look is a few store requests, which cost CPU on both ends).
+const POLL_FIRST: Duration = Duration::from_micros(50);
+const POLL_AT_MOST: Duration = Duration::from_millis(4);
 
 /// How a sealed group combines.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -102,12 +107,19 @@ pub struct GroupReport {
     pub members: Vec<usize>,
     /// A full group (every live replica).
     pub full: bool,
-    /// Largest |own parameter - the group's mean| before averaging (0 for one model).
+    /// Largest |own parameter after the step - the members' mean| (0 for one model).
     pub drift: f64,
-    /// Largest |parameter change| of this replica's step after averaging (0 for one model).
+    /// Largest |parameter change| of this replica's local step (0 for one model).
     pub update: f64,
     /// Waiting for the group to fill.
     pub wait: Duration,
+}
+
+/// A step's group between its join and the average after the step.
+struct Pending {
+    report: GroupReport,
+    /// Mix: the parameters before the local step, flat.
+    before: Option<Tensor>,
 }
 
 /// One replica's side of its stage's partial reduce.
@@ -129,8 +141,8 @@ pub struct PartialReduce {
     /// Per other replica, its last heartbeat and when it was seen to change.
     beats: HashMap<usize, (i64, Instant)>,
     presumed_dead: Vec<usize>,
-    /// The group mean of the parameters of the step in progress (Mix), to measure its update.
-    mean: Option<Tensor>,
+    /// The group of the step in progress, from before the step to after it.
+    pending: Option<Pending>,
     /// Held for its drop, which stops the thread.
     _heartbeat: Heartbeat,
 }
@@ -163,7 +175,7 @@ impl PartialReduce {
                 .map(|&r| (r, (-1, now)))
                 .collect(),
             presumed_dead: Vec::new(),
-            mean: None,
+            pending: None,
             _heartbeat: heartbeat,
             prefix,
         })
@@ -241,6 +253,7 @@ impl PartialReduce {
             )
             .map_err(|e| e.to_string())?;
         let (mut index, mut start, mut previous) = (self.next_group, self.next_start, self.previous_mode);
+        let mut pause = POLL_FIRST;
         loop {
             let key = self.key(format_args!("group/{index}"));
             let record = if self.store.check(&key).map_err(|e| e.to_string())? {
@@ -263,7 +276,10 @@ impl PartialReduce {
                     return Ok((index, record));
                 }
                 Some(record) => (index, start, previous) = (index + 1, record.end, record.mode),
-                None => std::thread::sleep(POLL_EVERY),
+                None => {
+                    std::thread::sleep(pause);
+                    pause = (pause * 2).min(POLL_AT_MOST);
+                }
             }
         }
     }
@@ -302,15 +318,18 @@ impl PartialReduce {
         Ok(None)
     }
 
-    /// This replica's step's reduce: joins a group, then combines with its members (see the
-    /// module's notes). `replicas` is the group of every replica of the stage.
-    pub fn reduce(
+    /// Before this replica's optimizer step: joins a group (see the module's notes). While the
+    /// replicas are one model the gradients are all-reduced as `--reduce all` does; otherwise
+    /// this replica's gradient is made the mean over its own samples (times the replicas: each
+    /// replica's loss is scaled for the whole minibatch) for its local step. `replicas` is the
+    /// group of every replica of the stage.
+    pub fn before_step(
         &mut self,
         reducer: &mut Reducer,
         replicas: &ProcessGroup,
         params: &[Tensor],
         device: Device,
-    ) -> Result<(ReduceStats, GroupReport), String> {
+    ) -> Result<ReduceStats, String> {
         let waited = Instant::now();
         let (index, record) = self.join()?;
         let members = {
@@ -320,64 +339,88 @@ impl PartialReduce {
             members.sort_unstable();
             members
         };
-        let wait = waited.elapsed();
         if !members.contains(&self.me) {
             return Err(format!(
                 "internal error: group {index} (tickets {}..{}) is {members:?}, without rank {}",
                 record.start, record.end, self.me
             ));
         }
-        let mut report = GroupReport {
+        let report = GroupReport {
             index,
             full: self.is_full(index) || record.mode == Mode::Sum,
             members,
             drift: 0.0,
             update: 0.0,
-            wait,
+            wait: waited.elapsed(),
         };
-        self.mean = None;
-        let stats = match record.mode {
-            Mode::Sum => reducer.finish(replicas, device)?,
-            Mode::Mix if report.members.len() == 1 => {
-                // Alone: its model is the group's mean; its step still counts towards the bound.
-                self.mean = Some(flat_params(params, device)?);
-                ReduceStats::default()
-            }
+        let (stats, before) = match record.mode {
+            Mode::Sum => (reducer.finish(replicas, device)?, None),
             Mode::Mix => {
-                let started = Instant::now();
-                let m = report.members.len() as f64;
-                let grad_scale = self.replicas.len() as f64 / m;
-                let group = self.group(replicas, &report.members)?;
-                let (drift, mean) = mix(params, group, device, 1.0 / m, grad_scale)?;
-                report.drift = drift;
-                self.mean = Some(mean);
-                ReduceStats {
-                    buckets: 1,
-                    wait: started.elapsed(),
-                    ..ReduceStats::default()
-                }
+                let scale = self.replicas.len() as f64;
+                tch::no_grad(|| {
+                    for p in params {
+                        let mut grad = p.grad();
+                        if grad.defined() {
+                            let _ = grad.f_mul_scalar_(scale).map_err(|e| e.to_string())?;
+                        }
+                    }
+                    Ok::<_, String>(())
+                })?;
+                (ReduceStats::default(), Some(flat_params(params, device)?))
             }
         };
-        Ok((stats, report))
+        self.pending = Some(Pending { report, before });
+        Ok(stats)
     }
 
-    /// After the optimizer stepped: the largest change of a parameter from the group's mean.
-    pub fn measure_update(&mut self, params: &[Tensor]) -> Result<f64, String> {
-        let Some(mean) = self.mean.take() else {
-            return Ok(0.0);
+    /// After the optimizer step: the members average their parameters (one flat all-reduce over
+    /// a group of exactly them). Returns what it did and the step's group report.
+    pub fn after_step(
+        &mut self,
+        replicas: &ProcessGroup,
+        params: &[Tensor],
+        device: Device,
+    ) -> Result<(ReduceStats, GroupReport), String> {
+        let Pending { mut report, before } = self
+            .pending
+            .take()
+            .ok_or("internal error: a step with no partial-reduce group")?;
+        let Some(before) = before else {
+            return Ok((ReduceStats::default(), report));
         };
-        tch::no_grad(|| {
+        let started = Instant::now();
+        let after = flat_params(params, device)?;
+        report.update = largest_difference(&after, &before);
+        if report.members.len() == 1 {
+            return Ok((ReduceStats::default(), report));
+        }
+        let share = 1.0 / report.members.len() as f64;
+        let members = report.members.clone();
+        let group = self.group(replicas, &members)?;
+        let mean = tch::no_grad(|| {
+            let mean = &after * share;
+            group
+                .all_reduce_sum(std::slice::from_ref(&mean))
+                .map_err(|e| e.to_string())?
+                .wait()
+                .map_err(|e| e.to_string())?;
             let mut offset = 0;
-            let mut largest = 0f64;
             for p in params {
                 let n = p.numel() as i64;
-                let before = mean.narrow(0, offset, n).view_as(p).to_device(p.device());
-                let change = (p.data() - before).abs().max().double_value(&[]);
-                largest = largest.max(change);
+                p.data()
+                    .f_copy_(&mean.narrow(0, offset, n).view_as(p))
+                    .map_err(|e| e.to_string())?;
                 offset += n;
             }
-            Ok(largest)
-        })
+            Ok::<_, String>(mean)
+        })?;
+        report.drift = largest_difference(&after, &mean);
+        let stats = ReduceStats {
+            buckets: 1,
+            wait: started.elapsed(),
+            ..ReduceStats::default()
+        };
+        Ok((stats, report))
     }
 
     /// The c10d group of `members`, made the first time they meet.
@@ -416,56 +459,9 @@ fn flat_params(params: &[Tensor], device: Device) -> Result<Tensor, String> {
     })
 }
 
-/// Sums the members' parameters times `param_scale` (1/members: their mean) and gradients times
-/// `grad_scale` in one flat all-reduce and takes the results; returns this replica's largest
-/// distance from the mean and the mean parameters, flat.
-fn mix(
-    params: &[Tensor],
-    group: &ProcessGroup,
-    device: Device,
-    param_scale: f64,
-    grad_scale: f64,
-) -> Result<(f64, Tensor), String> {
-    tch::no_grad(|| {
-        let own = flat_params(params, device)?;
-        let grads = params
-            .iter()
-            .enumerate()
-            .map(|(i, p)| {
-                let g = p.grad();
-                match g.defined() {
-                    true => Ok(g),
-                    false => Err(format!("internal error: parameter {i} has no gradient to reduce")),
-                }
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        let n = own.numel() as i64;
-        let grads_flat = {
-            let parts: Vec<Tensor> = grads.iter().map(|g| g.reshape([-1]).to_device(device)).collect();
-            Tensor::f_cat(&parts, 0).map_err(|e| e.to_string())?
-        };
-        let both =
-            Tensor::f_cat(&[&own * param_scale, grads_flat * grad_scale], 0).map_err(|e| e.to_string())?;
-        group
-            .all_reduce_sum(std::slice::from_ref(&both))
-            .map_err(|e| e.to_string())?
-            .wait()
-            .map_err(|e| e.to_string())?;
-        let mean = both.narrow(0, 0, n);
-        let drift = (&own - &mean).abs().max().to_kind(Kind::Double).double_value(&[]);
-        let mut offset = 0;
-        for (p, g) in params.iter().zip(&grads) {
-            let k = p.numel() as i64;
-            p.data()
-                .f_copy_(&mean.narrow(0, offset, k).view_as(p))
-                .map_err(|e| e.to_string())?;
-            g.data()
-                .f_copy_(&both.narrow(0, n + offset, k).view_as(g))
-                .map_err(|e| e.to_string())?;
-            offset += k;
-        }
-        Ok((drift, mean.copy()))
-    })
+/// The largest |a - b| of two flat tensors.
+fn largest_difference(a: &Tensor, b: &Tensor) -> f64 {
+    tch::no_grad(|| (a - b).abs().max().to_kind(Kind::Double).double_value(&[]))
 }
 
 /// The thread that bumps this replica's heartbeat counter over its own store connection (so no
