@@ -326,6 +326,20 @@ fn partial_reduce_refuses_what_needs_every_replica_at_one_step() {
             "--checkpoint-dir",
         ),
     ];
+    let tmp = tempfile::tempdir().unwrap();
+    let config = tmp.path().join("hybrid.json");
+    std::fs::write(
+        &config,
+        r#"{"module_to_stage_map": [0,0,0,1,1,1], "stage_to_rank_map": {"0": [0, 1], "1": [2]}}"#,
+    )
+    .unwrap();
+    let pipeline = [
+        "--reduce",
+        "partial:1",
+        "--stage-config",
+        config.to_str().unwrap(),
+    ];
+    let cases = cases.into_iter().chain([(&pipeline[..], "not on a pipeline")]);
     for (extra, expected) in cases {
         let output = runtime()
             .args(words(MLP))

@@ -1,7 +1,8 @@
 //! Partial reduce (SD-PIPE's `--preduce`, after Miao et al., "Heterogeneity-aware distributed
-//! machine learning training via partial reduce", SIGMOD 2021): each step, a stage's replica
-//! combines its model with only the first K replicas to be ready, so a straggler no longer holds
-//! every replica back.
+//! machine learning training via partial reduce", SIGMOD 2021): each step, a replica combines its
+//! model with only the first K replicas to be ready, so a straggler no longer holds every replica
+//! back. Data parallelism only (train/ refuses a pipeline): a replica's next step must depend on
+//! nothing but itself, or a group waiting for it could close a cycle through another stage.
 //!
 //! **Forming groups.** The rendezvous store is the matchmaker. A replica ready to step takes the
 //! next ticket of its stage (an atomic counter) and records its rank under it. Groups are runs of
@@ -489,8 +490,12 @@ impl Heartbeat {
             .spawn(move || {
                 while !flag.load(Ordering::Relaxed) {
                     std::thread::sleep(BEAT_EVERY);
-                    // The store is gone once rank 0 exits: nothing left to tell.
-                    if own.add(&key, 1).is_err() {
+                    if let Err(e) = own.add(&key, 1) {
+                        // Once rank 0 has exited its store is gone and nobody is listening; any
+                        // earlier failure makes this replica look dead to its peers, so say why.
+                        if !flag.load(Ordering::Relaxed) {
+                            eprintln!("runtime: the partial reduce's heartbeat stopped: {e}");
+                        }
                         break;
                     }
                 }

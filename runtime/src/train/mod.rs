@@ -210,6 +210,15 @@ fn check_plan(config: &TrainConfig) -> anyhow::Result<Checked> {
     let microbatches = dist.microbatches.unwrap_or(plan.stages.len().max(max_replicas));
     schedule::validate(&plan, dist.schedule, microbatches)?;
     if let Some(partial) = dist.reduce.partial {
+        // A replica's next step can wait on another stage, which can wait on a peer replica held
+        // in a group that waits for that next step: a cycle, so pipelines are refused.
+        ensure!(
+            plan.stages.len() == 1,
+            "--reduce partial:{} works on data-parallel replicas of the whole model, not on a \
+             pipeline: a group may need a replica's next step, which waits on the next stage, which \
+             waits on the group's other members. Drop --stage-config, or use --reduce all",
+            partial.k
+        );
         ensure!(
             max_replicas > 1,
             "--reduce partial:{} needs a stage with replicas; this plan has none (give --world-size \
@@ -445,30 +454,28 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
         .transpose()
         .map_err(|e| anyhow::anyhow!("setting up the gradient all-reduce: {e}"))?;
     // Rank 0 hosts the store the partial reduce matches replicas through: it keeps a connection
-    // to outlast them; a replica hands its own to its partial reduce.
+    // of its own to outlast the other replicas; each replica hands the rendezvous one to its
+    // partial reduce.
     let (partial, keeper) = match (dist.reduce.partial, store, &links.replicas) {
-        (Some(options), Some(store), Some(_)) if dist.rank != 0 => {
-            let mut replicas = my_stage.ranks.clone();
-            replicas.sort_unstable();
-            let partial = PartialReduce::new(store, my_stage.id, &replicas, dist.rank, options)
-                .map_err(|e| anyhow::anyhow!("setting up the partial reduce: {e}"))?;
-            (Some(partial), None)
-        }
         (Some(options), Some(store), Some(_)) => {
+            let keeper = (dist.rank == 0)
+                .then(|| {
+                    Store::connect(
+                        store.addr(),
+                        store.port(),
+                        dist.world_size,
+                        false,
+                        store.timeout(),
+                    )
+                })
+                .transpose()?;
             let mut replicas = my_stage.ranks.clone();
             replicas.sort_unstable();
-            let keeper = Store::connect(
-                store.addr(),
-                store.port(),
-                dist.world_size,
-                false,
-                store.timeout(),
-            )?;
             let partial = PartialReduce::new(store, my_stage.id, &replicas, dist.rank, options)
                 .map_err(|e| anyhow::anyhow!("setting up the partial reduce: {e}"))?;
-            (Some(partial), Some(keeper))
+            (Some(partial), keeper)
         }
-        (_, store, _) => (None, store.filter(|_| dist.rank == 0)),
+        _ => (None, None),
     };
     let mut executor = Executor {
         plan: plan.clone(),
