@@ -247,6 +247,10 @@ pub struct ReduceMetrics {
     /// Seconds the step spent on the all-reduce after the backward (starting the remaining
     /// buckets, waiting, copying the sums back): the exposed part (part of `comm_wait_s`).
     pub wait_s: f64,
+    /// Bytes this rank sent for it: exact for the point-to-point messages of bundles, and for
+    /// each all-reduce what a ring all-reduce sends, 2(n-1)/n of the buffer.
+    #[serde(default)]
+    pub sent_bytes: u64,
 }
 
 /// The `summary` event.

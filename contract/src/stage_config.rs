@@ -26,6 +26,15 @@ pub struct StageConfig {
     /// contiguous run of the stage's modules).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub module_to_device_map: Option<Vec<usize>>,
+    /// Ours, not PipeDream's: Bundle-style hybrids. Every rank in one bundle; a bundle holds
+    /// ranks of every stage, and the microbatches its ranks of one stage send go to its ranks of
+    /// the next (so with stages 0: [0, 1, 2, 3] and 1: [4, 5], bundles [[0, 2, 4], [1, 3, 5]]:
+    /// shape 4,2 as two bundles of two fronts feeding one rear). A replicated stage reduces its
+    /// gradients within each bundle to the bundle's lowest rank of that stage (its master), the
+    /// masters all-reduce among themselves and send the sum back: data-parallel groups that are
+    /// not all the replicas.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bundles: Option<Vec<Vec<usize>>>,
 }
 
 /// What is wrong with a stage config; each names the entry to change.
@@ -83,6 +92,32 @@ pub enum StageConfigError {
         device: usize,
         expected: String,
     },
+    #[error("bundles: rank {rank} is in bundle {first} and bundle {second}; put each rank in one bundle")]
+    BundleRankTwice {
+        rank: usize,
+        first: usize,
+        second: usize,
+    },
+    #[error("bundles: rank {rank} is outside 0..{world_size} (the world size)")]
+    BundleRankOutOfRange { rank: usize, world_size: usize },
+    #[error("bundles: rank {rank} is in no bundle; every rank must be in one")]
+    BundleRankMissing { rank: usize },
+    #[error("bundles: bundle {bundle} has no rank of stage {stage}; a bundle holds every stage (a front and a rear part)")]
+    BundleWithoutStage { bundle: usize, stage: usize },
+    #[error(
+        "bundles: microbatch {microbatch} goes from rank {from} (stage {stage}, bundle {from_bundle}) to rank {to} \
+         (stage {next}, bundle {to_bundle}); replicas take microbatches round-robin in stage_to_rank_map's order, \
+         so order the ranks (or regroup the bundles) so that each bundle's traffic stays inside it",
+        next = stage + 1
+    )]
+    BundleCrossed {
+        microbatch: usize,
+        stage: usize,
+        from: usize,
+        from_bundle: usize,
+        to: usize,
+        to_bundle: usize,
+    },
 }
 
 /// One validated stage.
@@ -98,6 +133,9 @@ pub struct Stage {
     pub depth: Option<usize>,
     /// With `module_to_device_map`: the modules each of the rank's devices holds, in order.
     pub device_parts: Option<Vec<Range<usize>>>,
+    /// With `bundles`: this stage's ranks in each bundle (ascending), in the bundles' order; the
+    /// first of each is the bundle's master for this stage.
+    pub bundles: Option<Vec<Vec<usize>>>,
 }
 
 /// A validated stage config for a given model and world size.
@@ -204,11 +242,97 @@ impl StageConfig {
                     ranks,
                     depth: depths.get(&id).copied(),
                     device_parts,
+                    bundles: None,
                 })
             })
             .collect::<Result<Vec<_>, _>>()?;
-        Ok(StagePlan { stages, world_size })
+        let mut plan = StagePlan { stages, world_size };
+        if let Some(bundles) = &self.bundles {
+            let per_stage = bundle_stages(&plan, bundles)?;
+            for (stage, groups) in plan.stages.iter_mut().zip(per_stage) {
+                stage.bundles = Some(groups);
+            }
+        }
+        Ok(plan)
     }
+}
+
+/// Each stage's ranks per bundle, checked: every rank in one bundle, every bundle holding every
+/// stage, and the round-robin traffic between consecutive stages staying inside bundles.
+fn bundle_stages(plan: &StagePlan, bundles: &[Vec<usize>]) -> Result<Vec<Vec<Vec<usize>>>, StageConfigError> {
+    let world_size = plan.world_size;
+    let mut bundle_of: Vec<Option<usize>> = vec![None; world_size];
+    for (b, bundle) in bundles.iter().enumerate() {
+        for &rank in bundle {
+            let slot = bundle_of
+                .get_mut(rank)
+                .ok_or(StageConfigError::BundleRankOutOfRange { rank, world_size })?;
+            if let Some(first) = *slot {
+                return Err(StageConfigError::BundleRankTwice {
+                    rank,
+                    first,
+                    second: b,
+                });
+            }
+            *slot = Some(b);
+        }
+    }
+    let bundle_of: Vec<usize> = bundle_of
+        .iter()
+        .enumerate()
+        .map(|(rank, b)| b.ok_or(StageConfigError::BundleRankMissing { rank }))
+        .collect::<Result<_, _>>()?;
+    let mut per_stage = Vec::with_capacity(plan.stages.len());
+    for stage in &plan.stages {
+        let groups: Vec<Vec<usize>> = bundles
+            .iter()
+            .map(|bundle| {
+                let mut ranks: Vec<usize> = bundle
+                    .iter()
+                    .copied()
+                    .filter(|r| stage.ranks.contains(r))
+                    .collect();
+                ranks.sort_unstable();
+                ranks
+            })
+            .collect();
+        if let Some(bundle) = groups.iter().position(Vec::is_empty) {
+            return Err(StageConfigError::BundleWithoutStage {
+                bundle,
+                stage: stage.id,
+            });
+        }
+        per_stage.push(groups);
+    }
+    // Microbatch g runs on ranks[g % replicas] of each stage: every residue of the replica
+    // counts' least common multiple is one pairing.
+    for pair in plan.stages.windows(2) {
+        let (a, b) = (&pair[0].ranks, &pair[1].ranks);
+        for g in 0..lcm(a.len(), b.len()) {
+            let (from, to) = (a[g % a.len()], b[g % b.len()]);
+            if bundle_of[from] != bundle_of[to] {
+                return Err(StageConfigError::BundleCrossed {
+                    microbatch: g,
+                    stage: pair[0].id,
+                    from,
+                    from_bundle: bundle_of[from],
+                    to,
+                    to_bundle: bundle_of[to],
+                });
+            }
+        }
+    }
+    Ok(per_stage)
+}
+
+fn lcm(a: usize, b: usize) -> usize {
+    let gcd = |mut x: usize, mut y: usize| {
+        while y != 0 {
+            (x, y) = (y, x % y);
+        }
+        x
+    };
+    a / gcd(a, b) * b
 }
 
 impl StageConfig {
@@ -258,6 +382,7 @@ impl StagePlan {
                 ranks: (0..world_size).collect(),
                 depth: None,
                 device_parts: None,
+                bundles: None,
             }],
             world_size,
         }
@@ -334,6 +459,62 @@ mod tests {
         )
         .unwrap_err();
         assert_eq!(e, StageConfigError::DeviceMapLength { got: 1, expected: 2 });
+    }
+
+    #[test]
+    fn bundles_group_each_stages_ranks_and_keep_traffic_inside() {
+        // Shape 4,2: two bundles of two fronts and one rear.
+        let p = plan(
+            r#"{"module_to_stage_map": [0,0,1], "stage_to_rank_map": {"0": [0,1,2,3], "1": [4,5]},
+                "bundles": [[0,2,4],[1,3,5]]}"#,
+            3,
+            6,
+        )
+        .unwrap();
+        assert_eq!(p.stages[0].bundles, Some(vec![vec![0, 2], vec![1, 3]]));
+        assert_eq!(p.stages[1].bundles, Some(vec![vec![4], vec![5]]));
+        let no = |json: &str, world: usize| plan(json, 3, world).unwrap_err();
+        let two = r#"{"module_to_stage_map": [0,0,1], "stage_to_rank_map": {"0": [0,1,2,3], "1": [4,5]}, "bundles": "#;
+        // Microbatch 1 goes from rank 1 to rank 5: [[0,1,4],[2,3,5]] crosses.
+        assert_eq!(
+            no(&format!("{two}[[0,1,4],[2,3,5]]}}"), 6),
+            StageConfigError::BundleCrossed {
+                microbatch: 1,
+                stage: 0,
+                from: 1,
+                from_bundle: 0,
+                to: 5,
+                to_bundle: 1
+            }
+        );
+        assert_eq!(
+            no(&format!("{two}[[0,2,4],[1,3]]}}"), 6),
+            StageConfigError::BundleRankMissing { rank: 5 }
+        );
+        assert_eq!(
+            no(&format!("{two}[[0,2,4,5],[1,3,5]]}}"), 6),
+            StageConfigError::BundleRankTwice {
+                rank: 5,
+                first: 0,
+                second: 1
+            }
+        );
+        assert_eq!(
+            no(&format!("{two}[[0,2,4,5],[1,3,9]]}}"), 6),
+            StageConfigError::BundleRankOutOfRange {
+                rank: 9,
+                world_size: 6
+            }
+        );
+        assert_eq!(
+            no(&format!("{two}[[0,1,2,3,4,5],[]]}}"), 6),
+            StageConfigError::BundleWithoutStage { bundle: 1, stage: 0 }
+        );
+        let message = no(&format!("{two}[[0,1,4],[2,3,5]]}}"), 6).to_string();
+        assert!(
+            message.contains("rank 1 (stage 0, bundle 0) to rank 5 (stage 1, bundle 1)"),
+            "{message}"
+        );
     }
 
     #[test]

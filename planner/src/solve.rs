@@ -76,6 +76,7 @@ impl Plan {
             stage_to_rank_map,
             stage_to_depth_map: None,
             module_to_device_map: None,
+            bundles: None,
         }
     }
 }

@@ -1,5 +1,6 @@
 //! Integration tests of the `runtime` binary: real processes, real libtorch, PyTorch's c10d.
 
+mod bundle;
 mod checkpoint;
 mod compress;
 mod cuda;

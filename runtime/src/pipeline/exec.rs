@@ -10,6 +10,7 @@ use anyhow::{bail, Context};
 use stagehand_contract::{Channel, P2p, StagePlan, Trace};
 use tch::{Device, Kind, Tensor};
 
+use super::bundle::Bundle;
 use super::channel::Channels;
 use super::partial::{GroupReport, PartialReduce};
 use super::reduce::{last_backwards, ReduceStats, Reducer};
@@ -31,6 +32,9 @@ pub struct Links {
     pub channels: Option<Channels>,
     /// This stage's replicas, when there are several: the gradient all-reduce.
     pub replicas: Option<ProcessGroup>,
+    /// With the stage config's `bundles` and replicas: the bundle's and the masters' groups,
+    /// which reduce the gradients instead of the all-reduce over `replicas`.
+    pub bundle: Option<Bundle>,
 }
 
 /// Where time went during one iteration.
@@ -502,9 +506,16 @@ impl Executor {
             // Parameters that took no part in any backward get zero gradients, so every replica
             // all-reduces buckets of the same shapes.
             let _ = self.optimizer.grads();
-            let stats = match &mut self.partial {
-                None => reducer.finish(group, self.device),
-                Some(partial) => partial.before_step(reducer, group, self.optimizer.params(), self.device),
+            let stats = match (&mut self.partial, &self.links.bundle) {
+                (Some(partial), _) => {
+                    partial.before_step(reducer, group, self.optimizer.params(), self.device)
+                }
+                (None, Some(bundle)) => {
+                    // As the all-reduce: PipeDream's replicas average.
+                    let scale = (self.schedule == Schedule::PipeDream).then(|| 1.0 / group.size() as f64);
+                    bundle.reduce(self.optimizer.params(), scale, self.device)
+                }
+                (None, None) => reducer.finish(group, self.device),
             }
             .map_err(|e| anyhow::anyhow!("the gradient all-reduce of stage {}: {e}", self.stage_id))?;
             progress.timing.reduce += stats;

@@ -2,6 +2,7 @@
 //! whom and in what order, the channels it travels on, the replicas' gradient all-reduce, and the
 //! executor that runs a rank's action list (from the schedules) over c10d.
 
+mod bundle;
 mod channel;
 mod exec;
 mod partial;
@@ -10,6 +11,7 @@ mod route;
 mod sparse;
 mod wire;
 
+pub use bundle::Bundle;
 pub use channel::Channels;
 pub use exec::{Checkpointing, Executor, Links};
 pub use partial::{outlast, PartialReduce};

@@ -43,7 +43,7 @@ use std::time::{Duration, Instant};
 
 use tch::{Device, Kind, Tensor};
 
-use super::reduce::{ReduceStats, Reducer};
+use super::reduce::{ring_bytes, ReduceStats, Reducer};
 use crate::comm::{ProcessGroup, Store};
 use crate::config::PartialOptions;
 
@@ -419,6 +419,10 @@ impl PartialReduce {
         let stats = ReduceStats {
             buckets: 1,
             wait: started.elapsed(),
+            sent: ring_bytes(
+                after.numel() as u64 * after.kind().elt_size_in_bytes() as u64,
+                report.members.len(),
+            ),
             ..ReduceStats::default()
         };
         Ok((stats, report))

@@ -33,6 +33,18 @@ pub struct ReduceStats {
     /// After the backward: starting the buckets not yet started, waiting for all of them and
     /// copying the sums back (the all-reduce the step waits on).
     pub wait: Duration,
+    /// Bytes this rank sent: exact for point-to-point messages, and for each all-reduce what a
+    /// ring all-reduce sends ([`ring_bytes`]).
+    pub sent: u64,
+}
+
+/// What each of `ranks` sends in a ring all-reduce of `bytes`: its share of the buffer, once
+/// while reducing and once while gathering, to each of the other ranks' turns.
+pub fn ring_bytes(bytes: u64, ranks: usize) -> u64 {
+    match ranks {
+        0 | 1 => 0,
+        n => 2 * (n as u64 - 1) * bytes / n as u64,
+    }
 }
 
 impl std::ops::AddAssign for ReduceStats {
@@ -41,6 +53,7 @@ impl std::ops::AddAssign for ReduceStats {
         self.early += other.early;
         self.overlap += other.overlap;
         self.wait += other.wait;
+        self.sent += other.sent;
     }
 }
 
@@ -283,6 +296,16 @@ impl Reducer {
                     _ => Duration::ZERO,
                 },
                 wait: Duration::ZERO,
+                sent: state
+                    .started
+                    .iter()
+                    .map(|s| {
+                        ring_bytes(
+                            s.flat.numel() as u64 * s.flat.kind().elt_size_in_bytes() as u64,
+                            group.size(),
+                        )
+                    })
+                    .sum(),
             };
             for (started, bucket) in state.started.drain(..).zip(&state.buckets) {
                 started.work.wait().map_err(|e| e.to_string())?;

@@ -23,6 +23,7 @@ pub(crate) fn plan(replicas: &[usize], depths: Option<&[usize]>) -> StagePlan {
                 ranks,
                 depth: depths.map(|d| d[id]),
                 device_parts: None,
+                bundles: None,
             }
         })
         .collect();

@@ -13,11 +13,11 @@ use stagehand_contract::{
 use tch::Kind;
 
 use crate::comm::{ProcessGroup, Store};
-use crate::config::{Backend, DeviceSpec, DistConfig, Precision, TrainConfig};
+use crate::config::{Backend, DeviceSpec, DistConfig, Precision, ReduceOptions, TrainConfig};
 use crate::data::{self, BatchRequest, Shard};
 use crate::metrics::{Emitter, Memory, Throughput};
 use crate::models::{InputKind, ModelDef};
-use crate::pipeline::{Channels, Checkpointing, Executor, Links, PartialReduce, Reducer, TensorSpec};
+use crate::pipeline::{Bundle, Channels, Checkpointing, Executor, Links, PartialReduce, Reducer, TensorSpec};
 use crate::schedule::{self, Action, Schedule};
 use crate::stage::checkpoint::{self, Identity, Latest};
 use crate::stage::{GradScaler, Optimizer, Stage};
@@ -112,6 +112,7 @@ fn connect(
         let links = Links {
             channels: None,
             replicas: None,
+            bundle: None,
         };
         return Ok((links, None));
     }
@@ -146,11 +147,42 @@ fn connect(
             replicas = Some(group);
         }
     }
+    let bundle = bundle_groups(&forward, &store, plan, dist.rank)?;
     let links = Links {
         channels: Some(Channels::new(forward, backward)),
         replicas,
+        bundle,
     };
     Ok((links, dist.reduce.partial.map(|_| store)))
+}
+
+/// With the stage config's `bundles`: this rank's groups for its stage's bundle reduce (every rank
+/// calls this, in the same order, so the groups' names agree; only members rendezvous).
+fn bundle_groups(
+    world: &ProcessGroup,
+    store: &Store,
+    plan: &StagePlan,
+    rank: usize,
+) -> anyhow::Result<Option<Bundle>> {
+    let mut mine = None;
+    for stage in plan.stages.iter().filter(|s| s.ranks.len() > 1) {
+        let Some(bundles) = &stage.bundles else { continue };
+        let mut local = None;
+        for (b, ranks) in bundles.iter().enumerate().filter(|(_, r)| r.len() > 1) {
+            if let Some(group) = world.subgroup(store, &format!("stage{}/bundle{b}", stage.id), ranks)? {
+                local = Some(group);
+            }
+        }
+        let masters: Vec<usize> = bundles.iter().map(|r| r[0]).collect();
+        let masters = match masters.len() > 1 {
+            true => world.subgroup(store, &format!("stage{}/masters", stage.id), &masters)?,
+            false => None,
+        };
+        if stage.ranks.contains(&rank) {
+            mine = Some(Bundle { local, masters });
+        }
+    }
+    Ok(mine)
 }
 
 /// The (stage, rank) of every replica of a replicated stage: the ranks a partial reduce matches.
@@ -210,6 +242,12 @@ fn check_plan(config: &TrainConfig) -> anyhow::Result<Checked> {
     let microbatches = dist.microbatches.unwrap_or(plan.stages.len().max(max_replicas));
     schedule::validate(&plan, dist.schedule, microbatches)?;
     if let Some(partial) = dist.reduce.partial {
+        ensure!(
+            plan.stages.iter().all(|s| s.bundles.is_none()),
+            "--reduce partial:{} and the stage config's bundles are two ways of grouping replicas; \
+             use one (drop `bundles`, or use --reduce all)",
+            partial.k
+        );
         // A replica's next step can wait on another stage, which can wait on a peer replica held
         // in a group that waits for that next step: a cycle, so pipelines are refused.
         ensure!(
@@ -449,7 +487,13 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
             // PipeDream's replicas each step on their own microbatch: average, as data
             // parallelism does (GPipe and 1F1B already scale each microbatch's loss).
             let scale = (dist.schedule == Schedule::PipeDream).then(|| 1.0 / group.size() as f64);
-            Reducer::new(optimizer.params(), dist.reduce, scale)
+            // Bundles reduce after the backward, through their masters: no hooks starting
+            // all-reduces over every replica.
+            let options = ReduceOptions {
+                overlap: dist.reduce.overlap && links.bundle.is_none(),
+                ..dist.reduce
+            };
+            Reducer::new(optimizer.params(), options, scale)
         })
         .transpose()
         .map_err(|e| anyhow::anyhow!("setting up the gradient all-reduce: {e}"))?;
@@ -580,6 +624,7 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
                 buckets_early: report.timing.reduce.early as u64,
                 overlap_s: report.timing.reduce.overlap.as_secs_f64(),
                 wait_s: report.timing.reduce.wait.as_secs_f64(),
+                sent_bytes: report.timing.reduce.sent,
             },
             sent_bytes: report.timing.wire.sent,
             sent_dense_bytes: report.timing.wire.dense,
