@@ -255,6 +255,35 @@ fn command_replaces_the_runtime_and_keeps_the_rank_environment() {
 }
 
 #[test]
+fn a_stage_config_with_bundles_runs_and_a_crossing_one_is_refused_at_config_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let stages = r#"{"module_to_stage_map": [0,0,0,1,1,1], "stage_to_rank_map": {"0": [0,1,2,3], "1": [4,5]}, "bundles": "#;
+    let o = options(None, ContainerMode::PerRank);
+    let text = "machines: [a, b, c, d, e, f]\nmodule: mlp\nconfig_file: bundles.json\n";
+    std::fs::write(
+        dir.path().join("bundles.json"),
+        format!("{stages}[[0,2,4],[1,3,5]]}}"),
+    )
+    .unwrap();
+    let plan = resolve(&loaded(dir.path(), text), &o, 29500).unwrap();
+    for rank in &plan.ranks {
+        assert!(flag(&rank.argv, "--stage-config").is_some(), "{:?}", rank.argv);
+    }
+    std::fs::write(
+        dir.path().join("bundles.json"),
+        format!("{stages}[[0,1,4],[2,3,5]]}}"),
+    )
+    .unwrap();
+    let e = resolve(&loaded(dir.path(), text), &o, 29500)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("exp.yml:3:1:") && e.contains("from rank 1 (stage 0, bundle 0) to rank 5"),
+        "{e}"
+    );
+}
+
+#[test]
 fn cross_field_mistakes_point_at_their_key() {
     let cases = [
         ("machines: []\n", "exp.yml:1:1: machines is empty"),
