@@ -12,20 +12,15 @@
 //! - The bytes each rank reports sending for the reduce are the bundle's: a member sends its
 //!   gradients once; a master sends the sum to each member plus its share of the masters' ring.
 
-use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Duration;
 
-use crate::util::{run_ranks, runtime, Run};
+use crate::util::{rank_params, refused, run_ranks_ok, words, Run};
 
 const LIMIT: Duration = Duration::from_secs(180);
 
 const MLP: &str = "--model mlp --layers 4 --hidden 64 --image-size 8 --batch-size 24 --threads 1 \
                    --seed 5 --lr 0.05 --optimizer sgd --iterations 2";
-
-fn words(text: &str) -> Vec<&str> {
-    text.split_whitespace().collect()
-}
 
 /// Runs `world` ranks with the stage config `json`, saving parameters under `dir`.
 fn train(world: usize, json: &str, extra: &[&str], dir: &Path) -> Vec<Run> {
@@ -37,29 +32,17 @@ fn train(world: usize, json: &str, extra: &[&str], dir: &Path) -> Vec<Run> {
     args.extend_from_slice(&["--stage-config", config.to_str().unwrap()]);
     args.extend_from_slice(extra);
     args.extend_from_slice(&["--save-params", params.to_str().unwrap()]);
-    let runs = run_ranks(world, &args, LIMIT);
-    for (rank, run) in runs.iter().enumerate() {
-        assert!(
-            run.output.status.success(),
-            "{json}: rank {rank} failed:\n{}",
-            run.stderr()
-        );
-    }
-    runs
-}
-
-fn rank_params(dir: &Path, rank: usize) -> BTreeMap<String, tch::Tensor> {
-    tch::Tensor::read_safetensors(dir.join("params").join(format!("rank-{rank}.safetensors")))
-        .unwrap()
-        .into_iter()
-        .collect()
+    run_ranks_ok(world, &args, LIMIT, json)
 }
 
 /// The largest difference between two runs' parameters, over every rank.
 fn largest_difference(a: &Path, b: &Path, world: usize) -> f64 {
     let mut largest = 0f64;
     for rank in 0..world {
-        let (x, y) = (rank_params(a, rank), rank_params(b, rank));
+        let (x, y) = (
+            rank_params(&a.join("params"), rank),
+            rank_params(&b.join("params"), rank),
+        );
         assert_eq!(
             x.keys().collect::<Vec<_>>(),
             y.keys().collect::<Vec<_>>(),
@@ -90,7 +73,10 @@ fn bundles_of_one_rank_per_stage_are_the_all_reduce() {
         &bundled,
     );
     for rank in 0..4 {
-        let (a, b) = (rank_params(&flat, rank), rank_params(&bundled, rank));
+        let (a, b) = (
+            rank_params(&flat.join("params"), rank),
+            rank_params(&bundled.join("params"), rank),
+        );
         for (name, t) in &a {
             assert!(
                 t.equal(&b[name]),
@@ -160,25 +146,11 @@ fn bundles_that_cross_or_meet_a_partial_reduce_are_refused() {
     for (i, (json, world, expected)) in cases.iter().enumerate() {
         let config = tmp.path().join(format!("{i}.json"));
         std::fs::write(&config, json).unwrap();
-        let output = runtime()
-            .args(words(MLP))
-            .args([
-                "--stage-config",
-                config.to_str().unwrap(),
-                "--world-size",
-                world,
-                "--rank",
-                "0",
-            ])
-            .args(["--reduce", "partial:2", "--check"])
-            .output()
-            .unwrap();
-        let all = format!(
-            "{}{}",
-            String::from_utf8_lossy(&output.stdout),
-            String::from_utf8_lossy(&output.stderr)
-        );
-        assert!(!output.status.success(), "{json} was accepted");
+        let mut args = words(MLP);
+        let config = config.to_str().unwrap();
+        args.extend_from_slice(&["--stage-config", config, "--world-size", world, "--rank", "0"]);
+        args.extend_from_slice(&["--reduce", "partial:2", "--check"]);
+        let all = refused(&args);
         assert!(all.contains(expected), "{json}: {all}");
     }
 }

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use stagehand_contract::{Event, Iteration, PartialGroup};
 
-use crate::util::{free_port, run_ranks, runtime, Run};
+use crate::util::{free_port, rank_params, refused, run_ranks_ok, runtime, words, Run};
 
 const LIMIT: Duration = Duration::from_secs(180);
 
@@ -30,30 +30,11 @@ const LIMIT: Duration = Duration::from_secs(180);
 const MLP: &str = "--model mlp --layers 4 --hidden 256 --image-size 8 --batch-size 48 --threads 1 \
                    --seed 3 --lr 0.05 --optimizer sgd";
 
-fn words(text: &str) -> Vec<&str> {
-    text.split_whitespace().collect()
-}
-
 fn train(world: usize, extra: &[&str], dir: &Path) -> Vec<Run> {
     let mut args = words(MLP);
     args.extend_from_slice(extra);
     args.extend_from_slice(&["--save-params", dir.to_str().unwrap()]);
-    let runs = run_ranks(world, &args, LIMIT);
-    for (rank, run) in runs.iter().enumerate() {
-        assert!(
-            run.output.status.success(),
-            "{extra:?}: rank {rank} failed:\n{}",
-            run.stderr()
-        );
-    }
-    runs
-}
-
-fn rank_params(dir: &Path, rank: usize) -> BTreeMap<String, tch::Tensor> {
-    tch::Tensor::read_safetensors(dir.join(format!("rank-{rank}.safetensors")))
-        .unwrap()
-        .into_iter()
-        .collect()
+    run_ranks_ok(world, &args, LIMIT, &format!("{extra:?}"))
 }
 
 /// Every (rank, group) a rank's iterations report.
@@ -341,18 +322,10 @@ fn partial_reduce_refuses_what_needs_every_replica_at_one_step() {
     ];
     let cases = cases.into_iter().chain([(&pipeline[..], "not on a pipeline")]);
     for (extra, expected) in cases {
-        let output = runtime()
-            .args(words(MLP))
-            .args(["--iterations", "2", "--world-size", "3", "--rank", "0", "--check"])
-            .args(extra)
-            .output()
-            .unwrap();
-        let all = format!(
-            "{}{}",
-            String::from_utf8_lossy(&output.stdout),
-            String::from_utf8_lossy(&output.stderr)
-        );
-        assert!(!output.status.success(), "{extra:?} was accepted");
+        let mut args = words(MLP);
+        args.extend_from_slice(&["--iterations", "2", "--world-size", "3", "--rank", "0", "--check"]);
+        args.extend_from_slice(extra);
+        let all = refused(&args);
         assert!(all.contains(expected), "{extra:?}: {all}");
     }
 }

@@ -14,7 +14,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Duration;
 
-use crate::util::{read_params, run_ranks, Run};
+use crate::util::{read_params, run_ranks_ok, words, Run};
 
 const LIMIT: Duration = Duration::from_secs(180);
 
@@ -26,24 +26,12 @@ const MLP: &str = "--model mlp --layers 4 --hidden 64 --image-size 8 --batch-siz
 const RESNET: &str = "--model resnet50 --image-size 32 --num-classes 10 --batch-size 8 --threads 1 \
                       --seed 1 --iterations 2 --lr 0.01";
 
-fn words(text: &str) -> Vec<&str> {
-    text.split_whitespace().collect()
-}
-
 /// Runs `world` ranks of `base` plus `extra`, saving parameters under `dir`; all must succeed.
 fn train(world: usize, base: &str, extra: &[&str], dir: &Path) -> Vec<Run> {
     let mut args = words(base);
     args.extend_from_slice(extra);
     args.extend_from_slice(&["--save-params", dir.to_str().unwrap()]);
-    let runs = run_ranks(world, &args, LIMIT);
-    for (rank, run) in runs.iter().enumerate() {
-        assert!(
-            run.output.status.success(),
-            "{extra:?}: rank {rank} failed:\n{}",
-            run.stderr()
-        );
-    }
-    runs
+    run_ranks_ok(world, &args, LIMIT, &format!("{extra:?}"))
 }
 
 /// Losses of every rank that knows them, per iteration, as their bits.

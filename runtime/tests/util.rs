@@ -167,6 +167,44 @@ pub fn run_ranks(world: usize, args: &[&str], limit: std::time::Duration) -> Vec
         .collect()
 }
 
+/// [`run_ranks`], asserting every rank succeeded (`what` says which run failed).
+pub fn run_ranks_ok(world: usize, args: &[&str], limit: std::time::Duration, what: &str) -> Vec<Run> {
+    let runs = run_ranks(world, args, limit);
+    for (rank, run) in runs.iter().enumerate() {
+        assert!(
+            run.output.status.success(),
+            "{what}: rank {rank} failed:\n{}",
+            run.stderr()
+        );
+    }
+    runs
+}
+
+/// Runs the runtime with `args`, which must fail; returns its stdout and stderr together.
+pub fn refused(args: &[&str]) -> String {
+    let output = runtime().args(args).output().unwrap();
+    let all = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(!output.status.success(), "{args:?} was accepted:\n{all}");
+    all
+}
+
+/// A command line's words.
+pub fn words(text: &str) -> Vec<&str> {
+    text.split_whitespace().collect()
+}
+
+/// One rank's parameters from a `--save-params` folder.
+pub fn rank_params(dir: &Path, rank: usize) -> std::collections::BTreeMap<String, tch::Tensor> {
+    tch::Tensor::read_safetensors(dir.join(format!("rank-{rank}.safetensors")))
+        .unwrap()
+        .into_iter()
+        .collect()
+}
+
 /// Reads a `--save-params` folder into one map of parameter name to tensor, over every rank.
 pub fn read_params(dir: &Path) -> std::collections::BTreeMap<String, tch::Tensor> {
     let mut params = std::collections::BTreeMap::new();
