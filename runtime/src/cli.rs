@@ -151,7 +151,7 @@ struct P2pArgs {
 
 #[derive(Debug, Args)]
 struct ModelArgs {
-    /// Model to train: mlp, alexnet, vgg16, vgg16_bn, resnet50, resnet101, resnet152 or transformer.
+    /// Model to train: mlp, sparse_mlp, alexnet, vgg16, vgg16_bn, resnet50, resnet101, resnet152 or transformer.
     #[arg(long, required = true)]
     model: Option<String>,
     /// Output classes of image models [default: from the dataset, else 1000; 10 for mlp].
@@ -160,10 +160,10 @@ struct ModelArgs {
     /// Side of the square input images [default: 224; 32 for mlp and CIFAR-10].
     #[arg(long)]
     image_size: Option<i64>,
-    /// Hidden layers (mlp, default 4) or encoder layers (transformer, default 12).
+    /// Hidden layers (mlp and sparse_mlp, default 4) or encoder layers (transformer, default 12).
     #[arg(long)]
     layers: Option<usize>,
-    /// Hidden width (mlp, default 1024) or hidden size (transformer, default 768).
+    /// Hidden width (mlp and sparse_mlp, default 1024) or hidden size (transformer, default 768).
     #[arg(long)]
     hidden: Option<i64>,
     /// Attention heads of the transformer [default: 12].
@@ -178,6 +178,10 @@ struct ModelArgs {
     /// Dropout probability [default: 0.5 for AlexNet's and VGG's classifiers, 0.1 for the transformer, 0 otherwise].
     #[arg(long)]
     dropout: Option<f64>,
+    /// Hidden units each layer of sparse_mlp keeps per sample, handed on as a sparse COO tensor
+    /// [default: a sixteenth of --hidden].
+    #[arg(long, value_name = "N")]
+    active_units: Option<i64>,
 }
 
 #[derive(Debug, Args)]
@@ -937,6 +941,7 @@ impl ModelArgs {
                 seq_len: self.seq_len,
                 vocab_size: self.vocab_size,
                 dropout: self.dropout,
+                active_units: self.active_units,
             },
         )
     }
@@ -1038,5 +1043,64 @@ mod tests {
             .unwrap();
         assert_eq!((place.rank, place.world_size, place.master_port), (1, 2, 29500));
         assert_eq!(place.master_addr, "127.0.0.1");
+    }
+
+    /// What `runtime --check` says of `args` (the check itself needs no CUDA, so a CUDA request
+    /// is checked here on any machine).
+    fn check(args: &[&str]) -> Result<(), String> {
+        let argv = ["runtime", "--check"].iter().chain(args);
+        let command = Cli::try_parse_from(argv).expect("flags parse").into_command();
+        let config = match command {
+            Ok(Command::Check(config)) => config,
+            Ok(other) => panic!("not a check: {other:?}"),
+            Err(e) => return Err(e.to_string()),
+        };
+        crate::train::check(&config, &mut Vec::new()).map_err(|e| format!("{e:#}"))
+    }
+
+    #[test]
+    fn sparse_coo_activations_between_stages_need_gloo() {
+        let dir = tempfile::tempdir().unwrap();
+        let two = dir.path().join("two.json");
+        std::fs::write(
+            &two,
+            r#"{"module_to_stage_map": [0,0,0,1,1,1], "stage_to_rank_map": {"0": [0], "1": [1]}}"#,
+        )
+        .unwrap();
+        let over = |model: &'static str, backend: &'static str, split: bool| {
+            let mut args = vec![
+                "--model",
+                model,
+                "--device",
+                "cuda:0",
+                "--backend",
+                backend,
+                "--world-size",
+                "2",
+            ];
+            if split {
+                args.extend(["--stage-config", two.to_str().unwrap()]);
+            }
+            check(&args)
+        };
+        let err = over("sparse_mlp", "nccl", true).unwrap_err();
+        assert!(
+            err.contains("sparse COO") && err.contains("add --backend gloo"),
+            "{err}"
+        );
+        over("sparse_mlp", "gloo", true).unwrap();
+        // Replicas of the whole model send nothing between stages; a dense model's messages have
+        // sizes known in advance.
+        over("sparse_mlp", "nccl", false).unwrap();
+        over("mlp", "nccl", true).unwrap();
+    }
+
+    #[test]
+    fn active_units_belong_to_sparse_mlp_and_fit_its_width() {
+        let err = check(&["--model", "mlp", "--active-units", "4"]).unwrap_err();
+        assert!(err.contains("only sparse_mlp"), "{err}");
+        let err = check(&["--model", "sparse_mlp", "--hidden", "64", "--active-units", "65"]).unwrap_err();
+        assert!(err.contains("between 1 and the hidden width 64"), "{err}");
+        check(&["--model", "sparse_mlp", "--hidden", "64", "--active-units", "64"]).unwrap();
     }
 }

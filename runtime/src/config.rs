@@ -78,6 +78,7 @@ pub struct ModelOverrides {
     pub seq_len: Option<i64>,
     pub vocab_size: Option<i64>,
     pub dropout: Option<f64>,
+    pub active_units: Option<i64>,
 }
 
 impl ModelChoice {
@@ -91,7 +92,7 @@ impl ModelChoice {
         if !MODEL_NAMES.contains(&name.as_str()) {
             return Err(ConfigError::UnknownModel { name });
         }
-        let is_mlp = name == "mlp";
+        let is_mlp = name == "mlp" || name == "sparse_mlp";
         let is_transformer = name == "transformer";
         if let (true, Some(spec)) = (is_transformer, data) {
             if !matches!(spec, DataSpec::Synthetic) {
@@ -121,11 +122,19 @@ impl ModelChoice {
             _ if is_mlp => 32,
             _ => 224,
         };
+        let hidden = o.hidden.unwrap_or(if is_transformer { 768 } else { 1024 });
+        if o.active_units.is_some() && name != "sparse_mlp" {
+            return Err(ConfigError::Invalid {
+                flag: "--active-units",
+                reason: format!("only sparse_mlp keeps a number of active units; {name} is dense"),
+            });
+        }
         let options = ModelOptions {
             num_classes,
             image_size: o.image_size.unwrap_or(default_image),
             layers: o.layers.unwrap_or(if is_transformer { 12 } else { 4 }),
-            hidden: o.hidden.unwrap_or(if is_transformer { 768 } else { 1024 }),
+            hidden,
+            active_units: o.active_units.unwrap_or((hidden / 16).max(1)),
             heads: o.heads.unwrap_or(12),
             seq_len: o.seq_len.unwrap_or(128),
             vocab_size: o.vocab_size.unwrap_or(30522),
@@ -174,6 +183,15 @@ fn check_options(name: &str, o: &ModelOptions) -> Result<(), ConfigError> {
     }
     if !(0.0..1.0).contains(&o.dropout) {
         return invalid("--dropout", format!("{} is not in [0, 1)", o.dropout));
+    }
+    if !(1..=o.hidden).contains(&o.active_units) {
+        return invalid(
+            "--active-units",
+            format!(
+                "{} is not between 1 and the hidden width {}",
+                o.active_units, o.hidden
+            ),
+        );
     }
     Ok(())
 }

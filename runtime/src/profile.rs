@@ -34,8 +34,13 @@ fn timed(device: Device, f: impl FnOnce()) -> f64 {
     started.elapsed().as_secs_f64()
 }
 
+/// Bytes `t` weighs crossing a stage boundary: a sparse COO tensor's entries and header as
+/// they travel (pipeline/sparse.rs), a dense tensor's elements.
 fn bytes(t: &Tensor) -> u64 {
-    (t.numel() * t.kind().elt_size_in_bytes()) as u64
+    match t.is_sparse() {
+        true => crate::pipeline::coo_wire_bytes(t),
+        false => (t.numel() * t.kind().elt_size_in_bytes()) as u64,
+    }
 }
 
 /// Median seconds of an SGD-with-momentum step over the parameters in `vs` (gradients set to
@@ -109,7 +114,12 @@ pub fn measure(config: &ProfileConfig) -> anyhow::Result<Profile> {
         });
         let output = layer.forward_t(&input, true);
         let backward_s = if output.requires_grad() {
-            let grad = output.randn_like();
+            // A sparse output's gradient is sparse on the same entries (what a sparse product
+            // sends back).
+            let grad = match output.is_sparse() {
+                true => output.detach() * 1.0,
+                false => output.randn_like(),
+            };
             median_seconds(config.repeats, || {
                 let out = layer.forward_t(&input, true);
                 timed(device, || {

@@ -121,3 +121,90 @@ fn compressed_transfers_need_gloo() {
     assert_eq!(out.output.status.code(), Some(2), "{}", out.stderr());
     assert!(out.stderr().contains("--backend gloo"), "{}", out.stderr());
 }
+
+/// sparse_mlp's hidden layers hand on sparse COO tensors (k-winners-take-all), and its backward
+/// makes COO gradients for them: cut into stages, both cross as COO, whatever `--compress` says,
+/// and are rebuilt as the same COO tensors. So a pipeline trains bit for bit as one process
+/// running the same microbatches (each microbatch's forward and backward are the same kernels on
+/// the same tensors, and gradients accumulate in the same order), and the bytes sent are the COO
+/// entries' (two int64 indices and a float32 value each) plus each message's header, well under
+/// the dense tensors'.
+#[test]
+fn sparse_coo_activations_and_gradients_cross_stages_as_such() {
+    let tmp = tempfile::tempdir().unwrap();
+    let base = [
+        "--model",
+        "sparse_mlp",
+        "--layers",
+        "4",
+        "--hidden",
+        "128",
+        "--active-units",
+        "8",
+        "--image-size",
+        "8",
+        "--batch-size",
+        "16",
+        "--threads",
+        "1",
+        "--seed",
+        "9",
+        "--iterations",
+        "3",
+        "--momentum",
+        "0.9",
+        "--microbatches",
+        "4",
+    ];
+    let single = tmp.path().join("single");
+    fn with_params<'a>(base: &[&'a str], dir: &'a std::path::Path) -> Vec<&'a str> {
+        [base, &["--save-params", dir.to_str().unwrap()]].concat()
+    }
+    let one = ok(vec![run(&with_params(&base, &single))]);
+    // Three stages: the middle one receives COO activations and sends COO ones on.
+    let config = tmp.path().join("three.json");
+    std::fs::write(
+        &config,
+        r#"{"module_to_stage_map": [0,0,1,1,2,2], "stage_to_rank_map": {"0": [0], "1": [1], "2": [2]}}"#,
+    )
+    .unwrap();
+    for (schedule, compress) in [("1f1b", "off"), ("gpipe", "auto")] {
+        let what = format!("{schedule}, --compress {compress}");
+        let params = tmp.path().join(format!("{schedule}-{compress}"));
+        let args = [
+            &with_params(&base, &params)[..],
+            &[
+                "--stage-config",
+                config.to_str().unwrap(),
+                "--schedule",
+                schedule,
+                "--compress",
+                compress,
+            ],
+        ]
+        .concat();
+        let runs = ok(run_ranks(3, &args, LIMIT));
+        assert_eq!(runs[2].losses(), one[0].losses(), "{what}");
+        assert_same_params(&single, &params, &what);
+        // Per microbatch of 4 samples at most 4 x 8 entries of 20 bytes and a 32-byte header
+        // cross each boundary each way (a ReLU's zeros drop out); dense they would be 4 x 128
+        // float32 elements, 2048 bytes. Stage 0 sends activations (and the targets, 4 int64 a
+        // microbatch), stage 1 activations, targets and gradients, stage 2 gradients.
+        let (coo_most, dense, targets) = (4 * (32 + 4 * 8 * 20), 4 * 2048, 4 * 4 * 8);
+        let expected = [
+            (coo_most + targets, dense + targets),
+            (2 * coo_most + targets, 2 * dense + targets),
+            (coo_most, dense),
+        ];
+        for (rank, (run, (most, dense))) in runs.iter().zip(expected).enumerate() {
+            for it in run.iterations() {
+                assert!(
+                    it.sent_bytes > 0 && it.sent_bytes <= most,
+                    "{what}: rank {rank} sent {} bytes, at most {most} expected",
+                    it.sent_bytes
+                );
+                assert_eq!(it.sent_dense_bytes, dense, "{what}: rank {rank}");
+            }
+        }
+    }
+}

@@ -68,6 +68,10 @@ pub struct ExperimentFile {
     /// Hidden width of the MLP, hidden size of the transformer (`--hidden`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hidden: Option<u32>,
+    /// Hidden units each layer of `sparse_mlp` keeps per sample, handed on as sparse COO tensors
+    /// (`--active-units`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub active_units: Option<u32>,
     /// Samples per iteration of one pipeline (the minibatch).
     #[serde(default)]
     pub batch_size: Option<u32>,

@@ -218,6 +218,7 @@ fn model_flags(ctx: &ArgsContext, argv: &mut Vec<String>) {
     flag("image-size", f.image_size.map(|v| v.to_string()));
     flag("layers", f.layers.map(|v| v.to_string()));
     flag("hidden", f.hidden.map(|v| v.to_string()));
+    flag("active-units", f.active_units.map(|v| v.to_string()));
 }
 
 /// The `--data` value: the path made absolute when it exists here, else as written (`synthetic`,

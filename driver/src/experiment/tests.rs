@@ -109,6 +109,20 @@ fn bucket_mb_reaches_every_rank() {
 }
 
 #[test]
+fn sparse_mlps_active_units_reach_every_rank() {
+    let plan = resolve_text(
+        "machines: [localhost, localhost]\nmodule: sparse_mlp\nhidden: 256\nactive_units: 12\ncompress: auto\n",
+        &options(None, ContainerMode::PerRank),
+    )
+    .unwrap();
+    for rank in &plan.ranks {
+        assert_eq!(flag(&rank.argv, "--model"), Some("sparse_mlp"));
+        assert_eq!(flag(&rank.argv, "--hidden"), Some("256"));
+        assert_eq!(flag(&rank.argv, "--active-units"), Some("12"));
+    }
+}
+
+#[test]
 fn precision_and_channels_last_reach_every_rank() {
     let plan = resolve_text(
         "machines: [localhost, localhost]\nmodule: resnet50\nprecision: bf16\nchannels_last: true\n",

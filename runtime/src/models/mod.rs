@@ -39,6 +39,8 @@ pub struct ModelOptions {
     pub vocab_size: i64,
     /// Dropout probability.
     pub dropout: f64,
+    /// Hidden units each layer of `sparse_mlp` keeps per sample.
+    pub active_units: i64,
 }
 
 /// What a model consumes at its first module.
@@ -116,6 +118,7 @@ pub struct UnknownModel(pub String);
 /// Every model `--model` accepts.
 pub const MODEL_NAMES: &[&str] = &[
     "mlp",
+    "sparse_mlp",
     "alexnet",
     "vgg16",
     "vgg16_bn",
@@ -130,6 +133,7 @@ impl ModelDef {
     pub fn named(name: &str, options: &ModelOptions) -> Result<ModelDef, UnknownModel> {
         let (modules, loss, input) = match name {
             "mlp" => mlp::modules(options),
+            "sparse_mlp" => mlp::sparse_modules(options),
             "alexnet" => alexnet::alexnet(options),
             "vgg16" => vgg::vgg16(options, false),
             "vgg16_bn" => vgg::vgg16(options, true),
@@ -145,6 +149,11 @@ impl ModelDef {
             loss,
             input,
         })
+    }
+
+    /// Whether its modules hand on sparse COO tensors (so a pipeline's messages vary in size).
+    pub fn makes_sparse_activations(&self) -> bool {
+        self.name == "sparse_mlp"
     }
 
     /// Modules in the list, the loss included.

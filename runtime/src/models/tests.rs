@@ -14,8 +14,9 @@ fn options(name: &str) -> ModelOptions {
         seq_len: 16,
         vocab_size: 100,
         dropout: 0.0,
+        active_units: 4,
     };
-    if name == "mlp" {
+    if name.ends_with("mlp") {
         o.num_classes = 10;
     }
     if name == "alexnet" {
@@ -183,6 +184,64 @@ fn unknown_model_lists_known_ones() {
     let err = ModelDef::named("inception_v3", &options("mlp")).err().unwrap();
     assert_eq!(
         err.to_string(),
-        "unknown model \"inception_v3\"; known models: mlp, alexnet, vgg16, vgg16_bn, resnet50, resnet101, resnet152, transformer"
+        "unknown model \"inception_v3\"; known models: mlp, sparse_mlp, alexnet, vgg16, vgg16_bn, resnet50, resnet101, resnet152, transformer"
     );
+}
+
+/// `sparse_mlp` is `mlp` with k-winners-take-all activations handed on as sparse COO tensors:
+/// the same parameters, at most `active_units` entries per sample, and the same outputs and
+/// gradients as the dense network with its activations masked alike (within the rounding of
+/// sums taken in another order: a COO product adds only the stored entries).
+#[test]
+fn sparse_mlp_hands_on_coo_activations_and_computes_what_the_masked_dense_network_does() {
+    let o = options("sparse_mlp");
+    let sparse = ModelDef::named("sparse_mlp", &o).unwrap();
+    let dense = ModelDef::named("mlp", &o).unwrap();
+    let (svs, dvs) = (
+        nn::VarStore::new(tch::Device::Cpu),
+        nn::VarStore::new(tch::Device::Cpu),
+    );
+    let sparse_modules = sparse.build(&svs.root(), 0..sparse.num_modules(), 3);
+    let dense_modules = dense.build(&dvs.root(), 0..dense.num_modules(), 3);
+    let dense_vars = dvs.variables();
+    for (name, tensor) in svs.variables() {
+        assert!(tensor.equal(&dense_vars[&name]), "{name}");
+    }
+    let x = tch::Tensor::randn([5, 3, 32, 32], (tch::Kind::Float, tch::Device::Cpu));
+    // Sparse: every hidden activation is COO with at most 4 entries per row.
+    let mut h = x.shallow_clone();
+    for (i, m) in sparse_modules.iter().enumerate() {
+        h = m.forward_t(&h, true);
+        if i + 1 < sparse_modules.len() {
+            assert!(h.is_sparse(), "layers.{i}");
+            assert_eq!(h.size(), [5, 64]);
+            let rows = h.coalesce().internal_indices().get(0);
+            let per_row = rows.bincount(None::<tch::Tensor>, 5);
+            assert!(per_row.max().int64_value(&[]) <= 4, "{per_row}");
+        }
+    }
+    let sparse_out = h;
+    // Dense: the same layers, each hidden output masked to its row's 4 largest.
+    let mut h = x.shallow_clone();
+    for (i, m) in dense_modules.iter().enumerate() {
+        h = m.forward_t(&h, true);
+        if i + 1 < dense_modules.len() {
+            let kth = h.topk(4, 1, true, true).0.narrow(1, 3, 1);
+            h = &h * h.ge_tensor(&kth);
+        }
+    }
+    let close = |a: &tch::Tensor, b: &tch::Tensor| {
+        let scale = b.abs().max().double_value(&[]).max(1e-6);
+        (a - b).abs().max().double_value(&[]) <= 1e-5 * scale
+    };
+    assert!(close(&sparse_out, &h), "outputs differ");
+    let target = tch::Tensor::from_slice(&[0i64, 3, 9, 1, 2]);
+    sparse.loss.compute(&sparse_out, &target).unwrap().backward();
+    dense.loss.compute(&h, &target).unwrap().backward();
+    for (name, tensor) in svs.variables() {
+        assert!(
+            close(&tensor.grad(), &dense_vars[&name].grad()),
+            "{name}'s gradient differs"
+        );
+    }
 }

@@ -235,18 +235,41 @@ impl Executor {
         ))
     }
 
-    /// Starts receiving `transfer` into a fresh buffer.
-    fn post_recv(&self, progress: &mut Progress, transfer: Transfer) -> anyhow::Result<()> {
-        let spec = match transfer.message {
+    /// The spec of what `message` carries as this rank receives it.
+    fn recv_spec(&self, message: Message) -> anyhow::Result<&TensorSpec> {
+        let spec = match message {
             Message::Activation(_) => self.input_spec.as_ref(),
             Message::Target(_) => self.target_spec.as_ref(),
             Message::Gradient(_) => self.output_spec.as_ref(),
             Message::Header => bail!("internal error: a shape header is received only at start"),
         };
-        let spec = spec.expect("shapes are learned at start");
-        let mut tensor = if self.is_sparse(transfer.message) {
+        Ok(spec.expect("shapes are learned at start"))
+    }
+
+    /// The spec of what `message` carries as this rank sends it (the same spec its receiver has).
+    fn send_spec(&self, message: Message) -> anyhow::Result<&TensorSpec> {
+        let spec = match message {
+            Message::Activation(_) => self.output_spec.as_ref(),
+            Message::Target(_) => self.target_spec.as_ref(),
+            Message::Gradient(_) => self.input_spec.as_ref(),
+            Message::Header => bail!("internal error: a shape header is sent only at start"),
+        };
+        Ok(spec.expect("shapes are learned at start"))
+    }
+
+    /// Whether `message` travels framed, a header then the payload it announces: activations and
+    /// gradients under `--compress auto`, and both across a boundary where the model makes sparse
+    /// COO tensors (their sizes vary with their entries).
+    fn framed(&self, message: Message, spec: &TensorSpec) -> bool {
+        matches!(message, Message::Activation(_) | Message::Gradient(_)) && (self.sparse || spec.is_sparse())
+    }
+
+    /// Starts receiving `transfer` into a fresh buffer.
+    fn post_recv(&self, progress: &mut Progress, transfer: Transfer) -> anyhow::Result<()> {
+        let spec = self.recv_spec(transfer.message)?;
+        let mut tensor = if self.framed(transfer.message, spec) {
             // The header: the payload's form and size, then the payload itself (in `take`).
-            Tensor::zeros([3], (Kind::Int64, Device::Cpu))
+            sparse::header_buffer()
         } else {
             match self.wire_kind(transfer.message, spec.kind) {
                 Some(kind) => Tensor::empty(spec.shape.as_slice(), (kind, self.device)),
@@ -258,26 +281,21 @@ impl Executor {
         Ok(())
     }
 
-    /// Whether `message` travels compressed: activations and gradients under `--compress auto`.
-    fn is_sparse(&self, message: Message) -> bool {
-        self.sparse && matches!(message, Message::Activation(_) | Message::Gradient(_))
-    }
-
-    /// Receives the payload a compressed message's `header` announces and rebuilds the dense
-    /// tensor of the message's spec (in the kind it travels in).
-    fn receive_payload(&self, transfer: Transfer, header: &Tensor) -> anyhow::Result<Tensor> {
+    /// Receives the payload a framed message's `header` announces and rebuilds the tensor of the
+    /// message's spec (in the kind it travels in): dense, or sparse COO as it was sent.
+    fn receive_payload(
+        &self,
+        transfer: Transfer,
+        spec: &TensorSpec,
+        header: &Tensor,
+    ) -> anyhow::Result<Tensor> {
         let message = transfer.message;
-        let spec = match message {
-            Message::Activation(_) => self.input_spec.as_ref(),
-            _ => self.output_spec.as_ref(),
-        }
-        .expect("shapes are learned at start");
         let kind = self.wire_kind(message, spec.kind).unwrap_or(spec.kind);
-        let (form, nonzero, bytes) = sparse::read_header(header)
+        let header = sparse::read_header(header)
             .map_err(|e| anyhow::anyhow!("{message:?} from rank {}: {e}", transfer.peer))?;
-        let mut payload = Tensor::empty([bytes], (Kind::Uint8, self.device));
+        let mut payload = Tensor::empty([header.bytes], (Kind::Uint8, self.device));
         self.channels().recv_payload(transfer, &mut payload)?.wait()?;
-        sparse::decode(form, nonzero, &payload, &spec.shape, kind)
+        sparse::decode(header, &payload, &spec.shape, kind)
             .map_err(|e| anyhow::anyhow!("{message:?} from rank {}: {e}", transfer.peer))
     }
 
@@ -288,16 +306,17 @@ impl Executor {
             .remove(&message)
             .expect("the program posts every receive before the action that takes it");
         work.wait()?;
-        let tensor = match self.is_sparse(message) {
-            true => self.receive_payload(transfer, &tensor)?,
+        let spec = self.recv_spec(message)?;
+        let tensor = match self.framed(message, spec) {
+            true => self.receive_payload(transfer, spec, &tensor)?,
             false => tensor,
         };
         // NCCL's wait only orders the streams: settle here so the transfer is not timed as the
         // compute that follows.
         crate::cuda::synchronize(self.device);
         // A compressed activation goes back to the kind the stage computes in.
-        Ok(match (message, self.input_spec.as_ref()) {
-            (Message::Activation(_), Some(spec)) if tensor.kind() != spec.kind => tensor.to_kind(spec.kind),
+        Ok(match message {
+            Message::Activation(_) if tensor.kind() != spec.kind => tensor.to_kind(spec.kind),
             _ => tensor,
         })
     }
@@ -326,10 +345,10 @@ impl Executor {
         };
         let dense_bytes = (tensor.numel() * tensor.kind().elt_size_in_bytes()) as u64;
         progress.timing.wire.dense += dense_bytes;
-        if self.is_sparse(transfer.message) {
-            let encoded = sparse::encode(&tensor)
+        if self.framed(transfer.message, self.send_spec(transfer.message)?) {
+            let encoded = sparse::encode(&tensor, self.sparse)
                 .map_err(|e| anyhow::anyhow!("compressing {:?}: {e}", transfer.message))?;
-            progress.timing.wire.sent += 3 * 8 + encoded.payload.numel() as u64;
+            progress.timing.wire.sent += sparse::HEADER_LEN as u64 * 8 + encoded.payload.numel() as u64;
             progress
                 .sends
                 .push(self.channels().send(transfer, &encoded.header)?);
@@ -339,7 +358,13 @@ impl Executor {
             return Ok(());
         }
         progress.timing.wire.sent += dense_bytes;
-        let work = self.channels().send(transfer, &tensor.contiguous())?;
+        // A sparse gradient for a dense input (a module whose backward makes one) goes as the
+        // dense tensor its receiver expects.
+        let tensor = match tensor.is_sparse() {
+            true => tensor.to_dense(None::<Kind>, false),
+            false => tensor.contiguous(),
+        };
+        let work = self.channels().send(transfer, &tensor)?;
         progress.sends.push(work);
         Ok(())
     }

@@ -16,4 +16,5 @@ pub use channel::Channels;
 pub use exec::{Checkpointing, Executor, Links};
 pub use partial::{outlast, PartialReduce};
 pub use reduce::Reducer;
+pub use sparse::coo_wire_bytes;
 pub use wire::TensorSpec;

@@ -60,20 +60,47 @@ impl Message {
 }
 
 const MAX_DIMS: usize = 8;
-const HEADER_LEN: i64 = 2 * (MAX_DIMS as i64 + 2);
+const HEADER_LEN: i64 = 2 * (MAX_DIMS as i64 + 3);
 
-/// Shape and element type of a tensor that crosses a boundary.
+/// How a tensor that crosses a boundary is stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Layout {
+    Strided,
+    /// PyTorch's sparse COO layout over the first `sparse_dims` dimensions (a model that makes
+    /// its activations sparse).
+    Coo {
+        sparse_dims: i64,
+    },
+}
+
+/// Shape, element type and layout of a tensor that crosses a boundary.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TensorSpec {
     pub shape: Vec<i64>,
     pub kind: Kind,
+    pub layout: Layout,
 }
 
 impl TensorSpec {
+    /// A strided (dense) tensor's spec.
+    pub fn dense(shape: Vec<i64>, kind: Kind) -> TensorSpec {
+        TensorSpec {
+            shape,
+            kind,
+            layout: Layout::Strided,
+        }
+    }
+
     pub fn of(tensor: &Tensor) -> TensorSpec {
         TensorSpec {
             shape: tensor.size(),
             kind: tensor.kind(),
+            layout: match tensor.is_sparse() {
+                true => Layout::Coo {
+                    sparse_dims: tensor.sparse_dim(),
+                },
+                false => Layout::Strided,
+            },
         }
     }
 
@@ -81,8 +108,19 @@ impl TensorSpec {
         Tensor::empty(self.shape.as_slice(), (self.kind, device))
     }
 
+    /// A tensor of zeros of the spec (with no entries when sparse).
     pub fn zeros(&self, device: Device) -> Tensor {
-        Tensor::zeros(self.shape.as_slice(), (self.kind, device))
+        let zeros = Tensor::zeros(self.shape.as_slice(), (self.kind, device));
+        match self.layout {
+            Layout::Strided => zeros,
+            Layout::Coo { sparse_dims } => zeros.to_sparse_sparse_dim(sparse_dims),
+        }
+    }
+
+    /// Whether its size varies from message to message (a sparse tensor's entries), so it
+    /// travels framed: a header, then the payload the header announces.
+    pub fn is_sparse(&self) -> bool {
+        matches!(self.layout, Layout::Coo { .. })
     }
 
     fn encode(&self, out: &mut Vec<i64>) -> Result<(), String> {
@@ -97,6 +135,11 @@ impl TensorSpec {
             kind_code(self.kind)
                 .ok_or_else(|| format!("tensors of kind {:?} cannot cross a stage boundary", self.kind))?,
         );
+        // 0 for strided, else the COO tensor's sparse dimensions (at least one).
+        out.push(match self.layout {
+            Layout::Strided => 0,
+            Layout::Coo { sparse_dims } => sparse_dims.max(1),
+        });
         out.extend(self.shape.iter().copied());
         out.extend(std::iter::repeat_n(0, MAX_DIMS - self.shape.len()));
         Ok(())
@@ -104,9 +147,15 @@ impl TensorSpec {
 
     fn decode(values: &[i64]) -> Option<TensorSpec> {
         let ndim = usize::try_from(values[0]).ok().filter(|&n| n <= MAX_DIMS)?;
+        let layout = match values[2] {
+            0 => Layout::Strided,
+            d if (1..=ndim as i64).contains(&d) => Layout::Coo { sparse_dims: d },
+            _ => return None,
+        };
         Some(TensorSpec {
             kind: code_kind(values[1])?,
-            shape: values[2..2 + ndim].to_vec(),
+            layout,
+            shape: values[3..3 + ndim].to_vec(),
         })
     }
 }
@@ -180,21 +229,21 @@ mod tests {
 
     #[test]
     fn headers_round_trip() {
-        let out = TensorSpec {
-            shape: vec![4, 512, 7, 7],
-            kind: Kind::Float,
-        };
-        let target = TensorSpec {
-            shape: vec![4, 128],
-            kind: Kind::Int64,
-        };
+        let out = TensorSpec::dense(vec![4, 512, 7, 7], Kind::Float);
+        let target = TensorSpec::dense(vec![4, 128], Kind::Int64);
         let h = header(&out, &target).unwrap();
         assert_eq!(h.size(), [HEADER_LEN]);
-        assert_eq!(read_header(&h), Some((out, target)));
-        let too_deep = TensorSpec {
-            shape: vec![1; 9],
-            kind: Kind::Float,
-        };
+        assert_eq!(read_header(&h), Some((out.clone(), target.clone())));
+        // A sparse COO activation keeps its layout, and zeros of it have no entries.
+        let sparse = TensorSpec::of(&Tensor::eye(4, (Kind::Float, Device::Cpu)).to_sparse_sparse_dim(2));
+        assert_eq!(sparse.layout, Layout::Coo { sparse_dims: 2 });
+        assert_eq!(
+            read_header(&header(&sparse, &target).unwrap()),
+            Some((sparse.clone(), target))
+        );
+        let zeros = sparse.zeros(Device::Cpu);
+        assert!(zeros.is_sparse() && zeros.internal_nnz() == 0 && zeros.size() == [4, 4]);
+        let too_deep = TensorSpec::dense(vec![1; 9], Kind::Float);
         assert!(header(&too_deep, &too_deep).unwrap_err().contains("9 dimensions"));
     }
 

@@ -99,7 +99,10 @@ pub fn measure_costs(
             let started = Instant::now();
             let out = layer.forward_t(&input, true);
             if out.requires_grad() {
-                let grad = Tensor::ones_like(&out);
+                let grad = match out.is_sparse() {
+                    true => out.detach() * 1.0,
+                    false => Tensor::ones_like(&out),
+                };
                 // A module's own output always takes a gradient of its shape.
                 let _ = backward_with_grad(&out, &grad);
             }

@@ -198,24 +198,12 @@ fn partial_participants(plan: &StagePlan) -> Vec<(usize, usize)> {
 fn first_specs(input: InputKind, micro_size: i64) -> (TensorSpec, TensorSpec) {
     match input {
         InputKind::Image { size, .. } => (
-            TensorSpec {
-                shape: vec![micro_size, 3, size, size],
-                kind: Kind::Float,
-            },
-            TensorSpec {
-                shape: vec![micro_size],
-                kind: Kind::Int64,
-            },
+            TensorSpec::dense(vec![micro_size, 3, size, size], Kind::Float),
+            TensorSpec::dense(vec![micro_size], Kind::Int64),
         ),
         InputKind::Tokens { seq_len, .. } => (
-            TensorSpec {
-                shape: vec![micro_size, seq_len],
-                kind: Kind::Int64,
-            },
-            TensorSpec {
-                shape: vec![micro_size, seq_len],
-                kind: Kind::Int64,
-            },
+            TensorSpec::dense(vec![micro_size, seq_len], Kind::Int64),
+            TensorSpec::dense(vec![micro_size, seq_len], Kind::Int64),
         ),
     }
 }
@@ -270,6 +258,12 @@ fn check_plan(config: &TrainConfig) -> anyhow::Result<Checked> {
             partial.k
         );
     }
+    ensure!(
+        !(model.makes_sparse_activations() && plan.stages.len() > 1 && dist.backend == Backend::Nccl),
+        "{} hands sparse COO activations between stages, whose size only their header tells, \
+         which NCCL (pairing sends and receives by issue order) cannot match; add --backend gloo",
+        model.name
+    );
     if !config.batch_size.is_multiple_of(microbatches) {
         bail!(
             "--batch-size {} is not divisible by --microbatches {microbatches}",
