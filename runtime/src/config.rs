@@ -516,6 +516,6 @@ mod tests {
         let err = ModelChoice::resolve("lenet".into(), None, Default::default()).unwrap_err();
         assert!(err
             .to_string()
-            .starts_with("--model: unknown model \"lenet\"; known models: mlp, alexnet, vgg16"));
+            .starts_with("--model: unknown model \"lenet\"; known models: mlp, sparse_mlp, alexnet, vgg16"));
     }
 }
