@@ -74,6 +74,9 @@ pub struct RunConfig {
     /// Parameters and image inputs in channels_last layout.
     #[serde(default)]
     pub channels_last: bool,
+    /// Each training step replayed from a CUDA graph captured once (`--cuda-graph`).
+    #[serde(default)]
+    pub cuda_graph: bool,
     /// Replicas all-reduce gradients in buckets of at most this many MiB (`--bucket-mb`).
     #[serde(default = "default_bucket_mb")]
     pub bucket_mb: f64,

@@ -1,6 +1,7 @@
 // The CUDA half of the bridge: a shared object (libstagehand_cuda.so) that build.rs links against
 // libtorch_cuda, c10_cuda and NCCL, and that the runtime embeds and loads at run time once
-// libtorch_cuda itself has loaded (src/cuda/). The runtime binary keeps no link to any CUDA
+// libtorch_cuda itself has loaded (src/cuda/). It also holds CUDA graphs (a stage's whole training
+// step captured once and replayed, `--cuda-graph`). The runtime binary keeps no link to any CUDA
 // library, so it starts where only libtorch_cpu's libraries exist and says why CUDA is missing.
 //
 // Every entry point keeps bridge.hpp's rule: nullptr on success or a malloc'd message.
@@ -10,11 +11,14 @@
 #include <cstdint>
 #include <string>
 
+#include <ATen/autocast_mode.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAGraph.h>
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <nccl.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 
@@ -31,6 +35,25 @@ c10::DeviceIndex checked_device(int64_t device) {
 }
 
 }  // namespace
+
+// A CUDA graph and the side stream it is captured and replayed on. From its creation until it is
+// freed that stream is the creating thread's current stream on the device (captures cannot use
+// the default stream, and the eager iterations before the capture warm up cuBLAS and cuDNN on it,
+// as PyTorch's recipe for whole-network capture asks). Autograd runs each backward kernel on the
+// stream its forward ran on, so backward passes follow.
+struct shc_graph {
+  at::cuda::CUDAGraph graph;
+  c10::cuda::CUDAStream stream;
+  c10::cuda::CUDAStream previous;
+  // Between capture_begin and capture_end.
+  bool capturing = false;
+  // The autocast cache's setting before the capture (a capture runs without it: a cached cast
+  // weight made during the capture would be freed with the cache while the graph still reads it).
+  bool autocast_cache = true;
+
+  shc_graph(c10::cuda::CUDAStream stream, c10::cuda::CUDAStream previous)
+      : stream(stream), previous(previous) {}
+};
 
 extern "C" {
 
@@ -121,6 +144,82 @@ char* shc_pg_nccl(
     backend->eagerConnectSingleDevice(bound);
     *out = new sh_pg{backend, sh::millis(timeout_ms)};
   });
+}
+
+// A new graph for `device`, whose side stream becomes the calling thread's current stream there
+// (after everything queued so far has run).
+char* shc_graph_new(int64_t device, shc_graph** out) {
+  *out = nullptr;
+  return sh::guarded([&] {
+    auto index = checked_device(device);
+    c10::cuda::CUDAGuard guard(index);
+    c10::cuda::device_synchronize();
+    auto previous = c10::cuda::getCurrentCUDAStream(index);
+    auto stream = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, index);
+    c10::cuda::setCurrentCUDAStream(stream);
+    *out = new shc_graph(stream, previous);
+  });
+}
+
+// Starts capturing what the calling thread (and autograd's threads, for backward passes begun
+// during the capture) queue on the graph's stream, with the autocast cache off. Nothing captured
+// runs until the first replay.
+char* shc_graph_begin(shc_graph* g) {
+  return sh::guarded([&] {
+    TORCH_CHECK(!g->capturing, "a CUDA graph capture is already under way");
+    c10::cuda::CUDAGuard guard(g->stream.device_index());
+    c10::cuda::device_synchronize();
+    g->autocast_cache = at::autocast::is_autocast_cache_enabled();
+    at::autocast::set_autocast_cache_enabled(false);
+    g->graph.capture_begin();
+    g->capturing = true;
+  });
+}
+
+// Ends the capture and instantiates the graph.
+char* shc_graph_end(shc_graph* g) {
+  return sh::guarded([&] {
+    TORCH_CHECK(g->capturing, "no CUDA graph capture is under way");
+    g->capturing = false;
+    at::autocast::set_autocast_cache_enabled(g->autocast_cache);
+    c10::cuda::CUDAGuard guard(g->stream.device_index());
+    g->graph.capture_end();
+  });
+}
+
+// Runs the captured work once more on the graph's stream, with the random generators' state as
+// it is now (a reseeded generator gives the replay its seed).
+char* shc_graph_replay(shc_graph* g) {
+  return sh::guarded([&] {
+    TORCH_CHECK(!g->capturing, "a CUDA graph cannot replay during its capture");
+    c10::cuda::CUDAGuard guard(g->stream.device_index());
+    g->graph.replay();
+  });
+}
+
+// Frees the graph: ends a capture an error left open (its partial graph is dropped), waits for
+// the stream and gives the thread its previous current stream back.
+void shc_graph_free(shc_graph* g) {
+  if (g == nullptr) {
+    return;
+  }
+  try {
+    c10::cuda::CUDAGuard guard(g->stream.device_index());
+    if (g->capturing) {
+      g->capturing = false;
+      at::autocast::set_autocast_cache_enabled(g->autocast_cache);
+      try {
+        g->graph.capture_end();
+      } catch (...) {
+        // An invalidated capture fails to end; the graph is dropped either way.
+      }
+    }
+    g->stream.synchronize();
+    c10::cuda::setCurrentCUDAStream(g->previous);
+  } catch (...) {
+    // Freeing never throws into Rust; a device lost here is reported by the next CUDA call.
+  }
+  delete g;
 }
 
 }  // extern "C"

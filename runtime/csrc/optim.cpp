@@ -2,7 +2,8 @@
 // kernels (`_fused_sgd_`, `_fused_adam_`, `_fused_adamw_`) over all of a stage's parameters at
 // once, as `torch.optim.SGD/Adam/AdamW(fused=True)` call them. Hyper-parameters, the learning rate
 // included, travel as doubles, so a step copies nothing from host to device and never waits for
-// the stream; Adam's step counts are float tensors on the parameters' device that
+// the stream (a step captured in a CUDA graph takes the learning rate as a 0-dim float32 tensor on
+// the device instead, which the kernels read when they run, as torch.optim does with a tensor lr); Adam's step counts are float tensors on the parameters' device that
 // `_foreach_add_` increments there.
 //
 // Parameters are updated through `variable_data()` aliases (what Python's `.data` gives): the same
@@ -110,6 +111,13 @@ void add_to_group(std::vector<Group>& groups, const at::Tensor* param,
   }
 }
 
+// A learning-rate tensor as the fused kernels read it: one float32 value on the parameters' device.
+void check_lr(const at::Tensor& lr, c10::Device device) {
+  TORCH_CHECK(lr.defined() && lr.dim() == 0 && lr.scalar_type() == at::kFloat &&
+                  lr.device() == device,
+              "a learning-rate tensor must be a 0-dim float32 tensor on ", device);
+}
+
 const at::Tensor& state_at(const at::Tensor* const* list, size_t i, const char* what) {
   TORCH_CHECK(list != nullptr && list[i] != nullptr && list[i]->defined(), "missing ", what,
               " for parameter ", i);
@@ -123,10 +131,11 @@ extern "C" {
 // torch.optim.SGD(fused=True) with dampening 0 over `count` parameters. With momentum,
 // `momentum_buffers` has one tensor per parameter (shaped like it); `first_step` says the
 // buffers are new, and the kernel then sets them to the gradient (plus weight decay) instead of
-// blending. Without momentum, `momentum_buffers` is ignored (may be null).
+// blending. Without momentum, `momentum_buffers` is ignored (may be null). A non-null `lr_tensor`
+// (0-dim float32 on the parameters' device) is read for the learning rate instead of `lr`.
 char* sh_fused_sgd_step(const at::Tensor* const* params, const at::Tensor* const* momentum_buffers,
-                        size_t count, double lr, double momentum, double weight_decay,
-                        bool nesterov, bool first_step) {
+                        size_t count, double lr, const at::Tensor* lr_tensor, double momentum,
+                        double weight_decay, bool nesterov, bool first_step) {
   return guarded([&] {
     TORCH_CHECK(!nesterov || momentum > 0.0, "nesterov momentum needs a momentum above 0");
     const bool with_buffers = momentum != 0.0;
@@ -140,9 +149,15 @@ char* sh_fused_sgd_step(const at::Tensor* const* params, const at::Tensor* const
       add_to_group(groups, params[i], std::move(state));
     }
     for (auto& g : groups) {
-      at::_fused_sgd_(g.columns[0], g.columns[1],
-                      with_buffers ? at::TensorList(g.columns[2]) : at::TensorList(), weight_decay,
-                      momentum, lr, /*dampening=*/0.0, nesterov, /*maximize=*/false, first_step);
+      auto buffers = with_buffers ? at::TensorList(g.columns[2]) : at::TensorList();
+      if (lr_tensor != nullptr) {
+        check_lr(*lr_tensor, g.device);
+        at::_fused_sgd_(g.columns[0], g.columns[1], buffers, weight_decay, momentum, *lr_tensor,
+                        /*dampening=*/0.0, nesterov, /*maximize=*/false, first_step);
+      } else {
+        at::_fused_sgd_(g.columns[0], g.columns[1], buffers, weight_decay, momentum, lr,
+                        /*dampening=*/0.0, nesterov, /*maximize=*/false, first_step);
+      }
     }
   });
 }
@@ -150,11 +165,12 @@ char* sh_fused_sgd_step(const at::Tensor* const* params, const at::Tensor* const
 // torch.optim.Adam(fused=True), or AdamW when `decoupled_weight_decay`, without amsgrad, over
 // `count` parameters with their first and second moments (shaped like the parameter) and their
 // step counts (0-dim float32 tensors on the parameter's device, incremented here before the
-// update, as torch does).
+// update, as torch does). A non-null `lr_tensor` is read for the learning rate, as in SGD.
 char* sh_fused_adam_step(const at::Tensor* const* params, const at::Tensor* const* exp_avgs,
                          const at::Tensor* const* exp_avg_sqs, const at::Tensor* const* steps,
-                         size_t count, double lr, double beta1, double beta2, double eps,
-                         double weight_decay, bool decoupled_weight_decay) {
+                         size_t count, double lr, const at::Tensor* lr_tensor, double beta1,
+                         double beta2, double eps, double weight_decay,
+                         bool decoupled_weight_decay) {
   return guarded([&] {
     c10::NoGradGuard no_grad;
     std::vector<Group> groups;
@@ -165,14 +181,22 @@ char* sh_fused_adam_step(const at::Tensor* const* params, const at::Tensor* cons
     }
     for (auto& g : groups) {
       at::_foreach_add_(g.columns[4], 1);
-      if (decoupled_weight_decay) {
-        at::_fused_adamw_(g.columns[0], g.columns[1], g.columns[2], g.columns[3],
-                          /*max_exp_avg_sqs=*/{}, g.columns[4], lr, beta1, beta2, weight_decay,
-                          eps, /*amsgrad=*/false, /*maximize=*/false);
+      auto& p = g.columns;
+      if (lr_tensor != nullptr) {
+        check_lr(*lr_tensor, g.device);
+        if (decoupled_weight_decay) {
+          at::_fused_adamw_(p[0], p[1], p[2], p[3], /*max_exp_avg_sqs=*/{}, p[4], *lr_tensor, beta1,
+                            beta2, weight_decay, eps, /*amsgrad=*/false, /*maximize=*/false);
+        } else {
+          at::_fused_adam_(p[0], p[1], p[2], p[3], /*max_exp_avg_sqs=*/{}, p[4], *lr_tensor, beta1,
+                           beta2, weight_decay, eps, /*amsgrad=*/false, /*maximize=*/false);
+        }
+      } else if (decoupled_weight_decay) {
+        at::_fused_adamw_(p[0], p[1], p[2], p[3], /*max_exp_avg_sqs=*/{}, p[4], lr, beta1, beta2,
+                          weight_decay, eps, /*amsgrad=*/false, /*maximize=*/false);
       } else {
-        at::_fused_adam_(g.columns[0], g.columns[1], g.columns[2], g.columns[3],
-                         /*max_exp_avg_sqs=*/{}, g.columns[4], lr, beta1, beta2, weight_decay, eps,
-                         /*amsgrad=*/false, /*maximize=*/false);
+        at::_fused_adam_(p[0], p[1], p[2], p[3], /*max_exp_avg_sqs=*/{}, p[4], lr, beta1, beta2,
+                         weight_decay, eps, /*amsgrad=*/false, /*maximize=*/false);
       }
     }
   });

@@ -260,6 +260,12 @@ struct TrainArgs {
     /// Parameters and image inputs in channels_last layout (convolutional models).
     #[arg(long)]
     channels_last: bool,
+    /// Capture the whole training step (forwards, backwards, optimizer step) in a CUDA graph once
+    /// the first iterations have run eagerly, and replay it from then on: one launch a step
+    /// instead of one per kernel. A single process on one GPU; not with fp16, --trace or
+    /// --slowdown.
+    #[arg(long)]
+    cuda_graph: bool,
     /// Leading iterations left out of the summary's throughput.
     #[arg(long, default_value_t = 1)]
     warmup: u64,
@@ -498,6 +504,50 @@ impl Cli {
     }
 }
 
+/// What `--cuda-graph` needs: one process (no peers, whose transfers and collectives the
+/// graph would have to hold), on one GPU, and a step with nothing that waits for the device or
+/// reseeds within it (fp16's scaler decides on the host whether to step; --trace reads the
+/// weights; --slowdown sleeps by the compute's time).
+fn check_cuda_graph(
+    precision: &PrecisionArg,
+    trace: bool,
+    dist: &DistConfig,
+    devices: &[DeviceSpec],
+) -> Result<(), ConfigError> {
+    let refusal = if !matches!(devices, [DeviceSpec::Cuda(_)]) {
+        Some((
+            "--device",
+            "captures the step on one GPU; use --device cuda (one device), or drop --cuda-graph",
+        ))
+    } else if dist.world_size > 1 {
+        Some((
+            "--world-size",
+            "captures a single process's step; ranks that talk to each other run without it                  (drop --cuda-graph, or use --world-size 1)",
+        ))
+    } else if matches!(precision, PrecisionArg::Fp16) {
+        Some((
+            "--precision",
+            "fp16's gradient scaler decides on the host whether to step; use bf16 or fp32",
+        ))
+    } else if trace {
+        Some(("--trace", "reads the weights within the step; drop --trace"))
+    } else if dist.slowdown > 1.0 {
+        Some((
+            "--slowdown",
+            "stretches each kernel run by its measured time; drop --slowdown",
+        ))
+    } else {
+        None
+    };
+    match refusal {
+        Some((flag, why)) => Err(ConfigError::Invalid {
+            flag,
+            reason: format!("not with --cuda-graph: {why}"),
+        }),
+        None => Ok(()),
+    }
+}
+
 impl TrainArgs {
     fn into_config(self) -> Result<TrainConfig, ConfigError> {
         let optimizer = self.optimizer_kind()?;
@@ -557,6 +607,9 @@ impl TrainArgs {
                 reason: "must be at least 1".into(),
             });
         }
+        if self.cuda_graph {
+            check_cuda_graph(&self.precision, self.trace, &dist, &devices)?;
+        }
         if dist.reduce.partial.is_some() {
             // Each of these needs every replica at the same step, which a partial reduce gives up.
             let refusal = if dist.schedule == Schedule::PipeDream {
@@ -606,6 +659,7 @@ impl TrainArgs {
                 PrecisionArg::Fp16 => Precision::Fp16,
             },
             channels_last: self.channels_last,
+            cuda_graph: self.cuda_graph,
             warmup: self.warmup,
             save_params: self.save_params,
             trace: self.trace,
@@ -1056,6 +1110,37 @@ mod tests {
             Err(e) => return Err(e.to_string()),
         };
         crate::train::check(&config, &mut Vec::new()).map_err(|e| format!("{e:#}"))
+    }
+
+    #[test]
+    fn a_cuda_graph_takes_one_process_on_one_gpu_and_a_step_that_never_waits() {
+        let on = |device: &'static str, extra: &[&'static str]| {
+            let mut args = vec!["--model", "resnet50", "--device", device, "--cuda-graph"];
+            args.extend(extra);
+            check(&args)
+        };
+        let graphed = |extra: &[&'static str]| on("cuda:0", extra);
+        graphed(&[]).unwrap();
+        // The learning rate may change every iteration: the graph reads it from the device.
+        graphed(&["--precision", "bf16", "--channels-last", "--optimizer", "adamw"]).unwrap();
+        graphed(&["--lr-policy", "polynomial", "--lr-warmup-epochs", "1"]).unwrap();
+        let refusals: [(&[&str], &str); 4] = [
+            (&["--world-size", "2", "--backend", "nccl"], "--world-size"),
+            (&["--precision", "fp16"], "--precision"),
+            (&["--trace"], "--trace"),
+            (&["--slowdown", "0=2"], "--slowdown"),
+        ];
+        for (extra, flag) in refusals {
+            let err = graphed(extra).unwrap_err();
+            assert!(
+                err.starts_with(&format!("{flag}: not with --cuda-graph:")),
+                "{extra:?}: {err}"
+            );
+        }
+        let err = on("cpu", &[]).unwrap_err();
+        assert!(err.starts_with("--device: not with --cuda-graph:"), "{err}");
+        let err = check(&["--model", "mlp", "--devices", "cuda:0,cuda:1", "--cuda-graph"]).unwrap_err();
+        assert!(err.contains("use --device cuda (one device)"), "{err}");
     }
 
     #[test]

@@ -287,6 +287,8 @@ pub struct TrainConfig {
     pub precision: Precision,
     /// Parameters and image inputs in channels_last layout.
     pub channels_last: bool,
+    /// Capture the training step in a CUDA graph after the first iterations and replay it.
+    pub cuda_graph: bool,
     /// Leading iterations left out of the summary's throughput.
     pub warmup: u64,
     /// Where this rank sits in the job and how it talks to the others.
@@ -410,6 +412,7 @@ impl TrainConfig {
             microbatches,
             precision: self.precision.to_string(),
             channels_last: self.channels_last,
+            cuda_graph: self.cuda_graph,
             bucket_mb: self.dist.reduce.bucket_bytes as f64 / (1u64 << 20) as f64,
             overlap_reduce: self.dist.reduce.overlap,
             compress_activations: self.dist.compress_activations,

@@ -76,6 +76,7 @@ fn main() {
             microbatches: 1,
             precision: "fp32".into(),
             channels_last: false,
+            cuda_graph: false,
             bucket_mb: 25.0,
             overlap_reduce: true,
             compress_activations: false,

@@ -30,8 +30,6 @@ pub(super) fn load() -> Result<Cuda, String> {
         open(&torch_cuda.to_string_lossy(), libc::RTLD_LAZY | libc::RTLD_GLOBAL)
             .map_err(|e| format!("libtorch_cuda.so could not be loaded: {e}"))?;
         let bridge = open_embedded(BRIDGE)?;
-        // SAFETY: every symbol is one of cuda_bridge.cpp's `extern "C"` functions with exactly
-        // the signature the field declares.
         // SAFETY: every name is one of cuda_bridge.cpp's `extern "C"` functions, declared in
         // `Api` with exactly its signature.
         let api = unsafe {
@@ -44,6 +42,11 @@ pub(super) fn load() -> Result<Cuda, String> {
                 memory_peaks: resolve(bridge, "shc_memory_peaks")?,
                 nccl_version: resolve(bridge, "shc_nccl_version")?,
                 pg_nccl: resolve(bridge, "shc_pg_nccl")?,
+                graph_new: resolve(bridge, "shc_graph_new")?,
+                graph_begin: resolve(bridge, "shc_graph_begin")?,
+                graph_end: resolve(bridge, "shc_graph_end")?,
+                graph_replay: resolve(bridge, "shc_graph_replay")?,
+                graph_free: resolve(bridge, "shc_graph_free")?,
             }
         };
         let cuda = Cuda::from_api(api);

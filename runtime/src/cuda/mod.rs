@@ -2,7 +2,7 @@
 //! asks for CUDA, [`cuda`] loads libtorch_cuda from the folder libtorch_cpu was loaded from
 //! (its start-up code registers CUDA with libtorch, as `import torch` does) and then the
 //! embedded CUDA half of the bridge (`csrc/cuda_bridge.cpp`: NCCL groups, the current device,
-//! the caching allocator's figures).
+//! the caching allocator's figures, CUDA graphs).
 //!
 //! So one binary serves every machine: with the full torch wheel and a GPU it trains on CUDA
 //! over NCCL; where libtorch_cuda or one of its libraries (cuBLAS, cuDNN, NCCL ...) is missing,
@@ -12,8 +12,10 @@
 //! to "is there CUDA" on first use. `main` loads it first for every command that names a CUDA
 //! device or NCCL, and `runtime info`.
 
+mod graph;
 mod load;
 
+pub use graph::Graph;
 pub use load::torch_lib_dir;
 
 use std::ffi::{c_char, CStr};
@@ -40,6 +42,11 @@ pub(crate) struct Api {
         i64,
         *mut *mut RawGroup,
     ) -> *mut c_char,
+    pub graph_new: graph::GraphNew,
+    pub graph_begin: graph::GraphOp,
+    pub graph_end: graph::GraphOp,
+    pub graph_replay: graph::GraphOp,
+    pub graph_free: graph::GraphFree,
 }
 
 /// CUDA support, loaded and usable in this process.

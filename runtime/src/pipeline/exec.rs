@@ -19,6 +19,7 @@ use super::sparse;
 use super::wire::{self, header, header_buffer, read_header, Message, TensorSpec};
 use crate::comm::{ProcessGroup, Work};
 use crate::config::CheckpointConfig;
+use crate::cuda::Graph;
 use crate::data::Batches;
 use crate::lr::LrSchedule;
 use crate::schedule::{Action, Schedule};
@@ -127,6 +128,9 @@ pub struct Executor {
     /// iteration's first forward, so what dropout draws never depends on earlier iterations and a
     /// resumed run draws what the uninterrupted one did.
     pub seed: u64,
+    /// `--cuda-graph`: after [`GRAPH_EAGER_ITERATIONS`] eager iterations, one iteration's work is
+    /// captured in a CUDA graph and every later iteration replays it (one process, one GPU).
+    pub cuda_graph: bool,
     /// Shapes crossing into and out of this stage, learned at start.
     pub input_spec: Option<TensorSpec>,
     pub output_spec: Option<TensorSpec>,
@@ -193,6 +197,53 @@ struct Progress {
     outbox: HashMap<Message, Tensor>,
     /// The partial reduce's group of the last step.
     group: Option<GroupReport>,
+    /// With `--cuda-graph`: the graph and what it reads and writes.
+    graph: Option<StepGraph>,
+}
+
+impl Progress {
+    /// Whether a CUDA graph capture is under way (nothing may wait for the device).
+    fn capturing(&self) -> bool {
+        self.graph
+            .as_ref()
+            .is_some_and(|g| g.phase == GraphPhase::Capturing)
+    }
+
+    /// Whether this iteration's work was replayed from the graph (its actions only keep count).
+    fn replayed(&self) -> bool {
+        self.graph
+            .as_ref()
+            .is_some_and(|g| g.phase == GraphPhase::Replayed)
+    }
+}
+
+/// Iterations run eagerly before the step is captured: the first makes the optimizer's state and
+/// the library handles (cuBLAS, cuDNN) on the graph's stream, the next ones run as every later
+/// step will (PyTorch's whole-network capture recipe warms up a few iterations the same way).
+pub const GRAPH_EAGER_ITERATIONS: usize = 3;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum GraphPhase {
+    /// Iterations still run kernel by kernel.
+    Eager,
+    /// This iteration's actions are being captured.
+    Capturing,
+    /// This iteration was replayed.
+    Replayed,
+    /// Between iterations, with a graph to replay.
+    Ready,
+}
+
+/// A training iteration captured in a CUDA graph: its inputs and targets are copied into `inputs`
+/// and `targets` before each replay, which leaves the microbatches' losses in `losses`.
+struct StepGraph {
+    graph: Graph,
+    phase: GraphPhase,
+    inputs: Option<Tensor>,
+    targets: Option<Tensor>,
+    losses: Vec<Tensor>,
+    /// The first iteration of this run (a resumed run starts later).
+    first: usize,
 }
 
 impl Executor {
@@ -370,7 +421,8 @@ impl Executor {
     }
 
     fn forward(&mut self, progress: &mut Progress, g: usize, stash: bool) -> anyhow::Result<()> {
-        if g.is_multiple_of(self.microbatches) {
+        // A captured iteration is reseeded before each replay instead.
+        if g.is_multiple_of(self.microbatches) && !progress.capturing() {
             tch::manual_seed(iteration_seed(self.seed, self.rank, g / self.microbatches));
         }
         let (input, target) = if self.is_first() {
@@ -388,7 +440,7 @@ impl Executor {
             Schedule::PipeDream => 1.0,
             Schedule::GPipe | Schedule::OneFOneB => 1.0 / self.microbatches as f64,
         };
-        let devices = self.stage.devices();
+        let devices = self.timed_devices(progress);
         let (output, loss) = timed(
             &devices,
             self.slowdown,
@@ -476,7 +528,7 @@ impl Executor {
                 backward_checksum: self.checksum(),
             });
         }
-        let (devices, slowdown) = (self.stage.devices(), self.slowdown);
+        let (devices, slowdown) = (self.timed_devices(progress), self.slowdown);
         // The gradient arrives on the process group's device; the output may be on another of a
         // stage's devices.
         let grad = grad.map(|g| match g.device() == flight.output.device() {
@@ -509,6 +561,102 @@ impl Executor {
             progress.outbox.insert(Message::Gradient(g), grad);
         }
         Ok(())
+    }
+
+    /// The devices whose queued work ends a timed span: the stage's, except during a CUDA graph
+    /// capture, when nothing runs (and waiting would break the capture).
+    fn timed_devices(&self, progress: &Progress) -> Vec<Device> {
+        match progress.capturing() {
+            true => Vec::new(),
+            false => self.stage.devices(),
+        }
+    }
+
+    /// With `--cuda-graph`, at the start of `iteration` (before its first forward): runs it eagerly
+    /// during the warm-up, captures it after, and replays the graph from then on.
+    fn start_graphed_iteration(&mut self, progress: &mut Progress, iteration: usize) -> anyhow::Result<()> {
+        let Some(graph) = progress.graph.as_mut() else {
+            return Ok(());
+        };
+        if graph.phase == GraphPhase::Eager && iteration < graph.first + GRAPH_EAGER_ITERATIONS {
+            return Ok(());
+        }
+        let data = self.data.as_mut().expect("a single stage has data");
+        let (x, y) = data.next_batch()?;
+        self.optimizer.set_lr(self.lr.at(iteration as u64));
+        if graph.phase == GraphPhase::Eager {
+            // The graph reads its inputs, and the optimizer its learning rate, from tensors that
+            // stay where they are; the gradients start out as none, so the captured backward
+            // makes them (in the graph's memory) instead of adding to earlier ones.
+            let (inputs, targets) = (x.copy(), y.copy());
+            progress.batch = Some((iteration, inputs.shallow_clone(), targets.shallow_clone()));
+            graph.inputs = Some(inputs);
+            graph.targets = Some(targets);
+            self.optimizer.zero_grad();
+            self.optimizer
+                .keep_lr_on_device(self.device)
+                .map_err(|e| anyhow::anyhow!("--cuda-graph: {e}"))?;
+            self.optimizer.write_lr();
+            graph
+                .graph
+                .begin_capture()
+                .map_err(|e| anyhow::anyhow!("--cuda-graph: starting the capture: {e}"))?;
+            graph.phase = GraphPhase::Capturing;
+            eprintln!(
+                "runtime: rank {}: iteration {iteration}'s work captured in a CUDA graph, replayed from \
+                 then on",
+                self.rank
+            );
+            return Ok(());
+        }
+        let (inputs, targets) = (
+            graph.inputs.as_mut().expect("captured with inputs"),
+            graph.targets.as_mut().expect("captured with targets"),
+        );
+        inputs.copy_(&x);
+        targets.copy_(&y);
+        self.optimizer.write_lr();
+        self.replay(progress, iteration)
+    }
+
+    /// Replays the graph as `iteration`: reseeded as an eager iteration is, timed as compute; its
+    /// losses are the iteration's.
+    fn replay(&mut self, progress: &mut Progress, iteration: usize) -> anyhow::Result<()> {
+        let graph = progress.graph.as_mut().expect("replaying a graph");
+        tch::manual_seed(iteration_seed(self.seed, self.rank, iteration));
+        timed(&self.stage.devices(), 1.0, &mut progress.timing, || {
+            graph.graph.replay()
+        })
+        .map_err(|e| anyhow::anyhow!("--cuda-graph: replaying iteration {iteration}: {e}"))?;
+        progress.losses = graph.losses.iter().map(Tensor::shallow_clone).collect();
+        graph.phase = GraphPhase::Replayed;
+        Ok(())
+    }
+
+    /// With `--cuda-graph`, after the step that ends `iteration`: ends a capture and runs what
+    /// it captured (a capture runs nothing), and readies the graph for the next iteration.
+    fn end_graphed_iteration(&mut self, progress: &mut Progress, iteration: usize) -> anyhow::Result<()> {
+        let Some(graph) = progress.graph.as_mut() else {
+            return Ok(());
+        };
+        match graph.phase {
+            GraphPhase::Eager => Ok(()),
+            GraphPhase::Capturing => {
+                graph
+                    .graph
+                    .end_capture()
+                    .map_err(|e| anyhow::anyhow!("--cuda-graph: {e}"))?;
+                // The losses the capture left are where each replay writes them.
+                graph.losses = std::mem::take(&mut progress.losses);
+                self.replay(progress, iteration)?;
+                progress.graph.as_mut().expect("just replayed").phase = GraphPhase::Ready;
+                Ok(())
+            }
+            GraphPhase::Replayed | GraphPhase::Ready => {
+                graph.phase = GraphPhase::Ready;
+                Ok(())
+            }
+        }
     }
 
     /// Sum of the first parameter's current values (weights as the next kernel will see them).
@@ -561,7 +709,9 @@ impl Executor {
                 scaler.update().map_err(anyhow::Error::msg)?
             }
         };
-        crate::cuda::synchronize(self.device);
+        if !progress.capturing() {
+            crate::cuda::synchronize(self.device);
+        }
         if self.links.channels.is_some() || self.links.replicas.is_some() {
             progress.timing.comm += started.elapsed();
         } else {
@@ -571,7 +721,7 @@ impl Executor {
         }
         if !skip {
             let slowdown = self.slowdown;
-            let devices = self.stage.devices();
+            let devices = self.timed_devices(progress);
             timed(&devices, slowdown, &mut progress.timing, || self.optimizer.step())
                 .map_err(|e| anyhow::anyhow!("the optimizer step of stage {} failed: {e}", self.stage_id))?;
         }
@@ -654,6 +804,23 @@ impl Executor {
         }
         let program = self.route().program(actions);
         let mut progress = Progress::default();
+        if self.cuda_graph {
+            let Device::Cuda(index) = self.device else {
+                bail!("--cuda-graph needs a CUDA device");
+            };
+            let first = actions.iter().find_map(|a| match a {
+                Action::Forward(g) => Some(g / self.microbatches),
+                _ => None,
+            });
+            progress.graph = Some(StepGraph {
+                graph: Graph::new(index).map_err(|e| anyhow::anyhow!("--cuda-graph: {e}"))?,
+                phase: GraphPhase::Eager,
+                inputs: None,
+                targets: None,
+                losses: Vec::new(),
+                first: first.unwrap_or(0),
+            });
+        }
         let mut started = Instant::now();
         let mut pending_end: Option<usize> = None;
         // Asked to stop (SIGTERM on some rank): at the next iteration end where a checkpoint
@@ -666,9 +833,18 @@ impl Executor {
             match op {
                 Op::Recv(transfer) => self.post_recv(&mut progress, transfer)?,
                 Op::Send(transfer) => self.send(&mut progress, transfer)?,
-                Op::Run(Action::Forward(g)) => self.forward(&mut progress, g, stash_needed.contains(&g))?,
+                Op::Run(Action::Forward(g)) => {
+                    if g.is_multiple_of(self.microbatches) {
+                        self.start_graphed_iteration(&mut progress, g / self.microbatches)?;
+                    }
+                    if !progress.replayed() {
+                        self.forward(&mut progress, g, stash_needed.contains(&g))?;
+                    }
+                }
                 Op::Run(Action::Backward(g)) => {
-                    self.backward(&mut progress, g, last_backwards.contains(&g))?;
+                    if !progress.replayed() {
+                        self.backward(&mut progress, g, last_backwards.contains(&g))?;
+                    }
                     let iteration = g / self.microbatches;
                     // The step that follows belongs to this backward's iteration.
                     self.optimizer.set_lr(self.lr.at(iteration as u64));
@@ -677,8 +853,12 @@ impl Executor {
                     }
                 }
                 Op::Run(Action::Step) => {
-                    self.step(&mut progress)?;
+                    match progress.replayed() {
+                        true => self.optimizer.count_replayed_step(),
+                        false => self.step(&mut progress)?,
+                    }
                     if let Some(iteration) = pending_end.take() {
+                        self.end_graphed_iteration(&mut progress, iteration)?;
                         // A checkpointing run stops where any rank was asked to: every rank
                         // learns it at the same iteration's end.
                         if self.checkpoint.is_some() {

@@ -541,6 +541,7 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
         compress_activations: dist.compress_activations,
         sparse: dist.sparse,
         seed: config.seed,
+        cuda_graph: config.cuda_graph,
         input_spec: None,
         output_spec: None,
         target_spec: None,

@@ -13,6 +13,7 @@ extern "C" {
         momentum_buffers: *const *const C_tensor,
         count: usize,
         lr: f64,
+        lr_tensor: *const C_tensor,
         momentum: f64,
         weight_decay: f64,
         nesterov: bool,
@@ -25,6 +26,7 @@ extern "C" {
         steps: *const *const C_tensor,
         count: usize,
         lr: f64,
+        lr_tensor: *const C_tensor,
         beta1: f64,
         beta2: f64,
         eps: f64,
@@ -33,10 +35,28 @@ extern "C" {
     ) -> *mut c_char;
 }
 
+/// The learning rate: a number, or a 0-dim float32 tensor on the parameters' device that the
+/// kernels read when they run (a step captured in a CUDA graph).
+#[derive(Debug, Clone, Copy)]
+pub enum Lr<'a> {
+    Value(f64),
+    Tensor(&'a Tensor),
+}
+
+impl Lr<'_> {
+    /// The bridge's pair: the number (unused with a tensor) and the tensor or null.
+    fn raw(self) -> (f64, *const C_tensor) {
+        match self {
+            Lr::Value(lr) => (lr, std::ptr::null()),
+            Lr::Tensor(t) => (f64::NAN, t.as_ptr()),
+        }
+    }
+}
+
 /// SGD's hyper-parameters (dampening is always 0).
 #[derive(Debug, Clone, Copy)]
-pub struct SgdHyper {
-    pub lr: f64,
+pub struct SgdHyper<'a> {
+    pub lr: Lr<'a>,
     pub momentum: f64,
     pub weight_decay: f64,
     pub nesterov: bool,
@@ -44,8 +64,8 @@ pub struct SgdHyper {
 
 /// Adam's hyper-parameters; `decoupled` makes it AdamW.
 #[derive(Debug, Clone, Copy)]
-pub struct AdamHyper {
-    pub lr: f64,
+pub struct AdamHyper<'a> {
+    pub lr: Lr<'a>,
     pub betas: (f64, f64),
     pub eps: f64,
     pub weight_decay: f64,
@@ -75,6 +95,7 @@ pub fn sgd_step(
         ));
     }
     let (params, buffers) = (handles(params), handles(buffers));
+    let (lr, lr_tensor) = hyper.lr.raw();
     // SAFETY: every handle is a live tch tensor (an `at::Tensor*`) borrowed for the call; the
     // bridge reads `count` entries of each array (none of `buffers` without momentum), mutates
     // the tensors' data only, and catches every C++ exception.
@@ -87,7 +108,8 @@ pub fn sgd_step(
                 std::ptr::null()
             },
             params.len(),
-            hyper.lr,
+            lr,
+            lr_tensor,
             hyper.momentum,
             hyper.weight_decay,
             hyper.nesterov,
@@ -121,6 +143,7 @@ pub fn adam_step(
         handles(exp_avg_sqs),
         handles(steps),
     );
+    let (lr, lr_tensor) = hyper.lr.raw();
     // SAFETY: every handle is a live tch tensor borrowed for the call; the bridge reads `n`
     // entries of each array, mutates the tensors' data only, and catches every C++ exception.
     check(unsafe {
@@ -130,7 +153,8 @@ pub fn adam_step(
             exp_avg_sqs.as_ptr(),
             steps.as_ptr(),
             n,
-            hyper.lr,
+            lr,
+            lr_tensor,
             hyper.betas.0,
             hyper.betas.1,
             hyper.eps,

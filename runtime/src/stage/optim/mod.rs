@@ -15,7 +15,7 @@ use tch::{Device, Kind, Tensor};
 
 use super::autograd::grad_to_none;
 use crate::config::OptimizerKind;
-use fused::{AdamHyper, SgdHyper};
+use fused::{AdamHyper, Lr, SgdHyper};
 
 const ADAM_BETAS: (f64, f64) = (0.9, 0.999);
 const ADAM_EPS: f64 = 1e-8;
@@ -37,6 +37,8 @@ enum State {
 pub struct Optimizer {
     kind: OptimizerKind,
     lr: f64,
+    /// With [`Optimizer::keep_lr_on_device`]: the learning rate the steps read, on the device.
+    lr_tensor: Option<Tensor>,
     params: Vec<Tensor>,
     /// Per parameter, in `params` order; `None` before its first step (and always for SGD
     /// without momentum).
@@ -50,6 +52,7 @@ impl Optimizer {
         Optimizer {
             kind,
             lr,
+            lr_tensor: None,
             params,
             state,
             steps: 0,
@@ -149,9 +152,33 @@ impl Optimizer {
         Ok(())
     }
 
-    /// The learning rate of the steps from now on.
+    /// The learning rate of the steps from now on (with the rate kept on the device, of the
+    /// steps after the next [`Optimizer::write_lr`]).
     pub fn set_lr(&mut self, lr: f64) {
         self.lr = lr;
+    }
+
+    /// From now on the steps read the learning rate from a float32 tensor on `device` (where all
+    /// the parameters must be), which [`Optimizer::write_lr`] sets: what a step captured once in a
+    /// CUDA graph and replayed needs, as the number a kernel is launched with is fixed at capture.
+    /// (float32, as the CUDA kernels compute float32 parameters' updates in it anyway.)
+    pub fn keep_lr_on_device(&mut self, device: Device) -> Result<(), String> {
+        if let Some(p) = self.params.iter().find(|p| p.device() != device) {
+            return Err(format!(
+                "a parameter is on {:?}, not on {device:?} where the learning rate is kept",
+                p.device()
+            ));
+        }
+        self.lr_tensor = Some(Tensor::full([], self.lr, (Kind::Float, device)));
+        Ok(())
+    }
+
+    /// Writes the current learning rate into the tensor the steps read (a kernel on the current
+    /// stream; nothing waits for it). Does nothing unless the rate is kept on the device.
+    pub fn write_lr(&mut self) {
+        if let Some(lr) = &mut self.lr_tensor {
+            let _ = lr.fill_(self.lr);
+        }
     }
 
     /// Applies one update from the accumulated gradients; parameters without a gradient keep
@@ -160,6 +187,12 @@ impl Optimizer {
     pub fn step(&mut self) -> Result<(), String> {
         self.steps += 1;
         self.try_step()
+    }
+
+    /// Counts a step that ran without this optimizer: replayed from a CUDA graph that captured
+    /// one of its steps.
+    pub fn count_replayed_step(&mut self) {
+        self.steps += 1;
     }
 
     fn try_step(&mut self) -> Result<(), String> {
@@ -188,6 +221,12 @@ impl Optimizer {
         if live.is_empty() {
             return Ok(());
         }
+        // The learning rate as the kernels take it (the tensor's handle, apart from `self`).
+        let lr_tensor = self.lr_tensor.as_ref().map(Tensor::shallow_clone);
+        let lr = match &lr_tensor {
+            Some(t) => Lr::Tensor(t),
+            None => Lr::Value(self.lr),
+        };
         match self.kind {
             OptimizerKind::Sgd {
                 momentum,
@@ -195,7 +234,7 @@ impl Optimizer {
                 nesterov,
             } => {
                 let hyper = SgdHyper {
-                    lr: self.lr,
+                    lr,
                     momentum,
                     weight_decay,
                     nesterov,
@@ -246,7 +285,7 @@ impl Optimizer {
                     }
                 }
                 let hyper = AdamHyper {
-                    lr: self.lr,
+                    lr,
                     betas: ADAM_BETAS,
                     eps: ADAM_EPS,
                     weight_decay,

@@ -299,7 +299,7 @@ fn a_bad_call_is_an_error_not_a_crash() {
     let p = Tensor::ones([3], cpu_float()).set_requires_grad(true);
     p.sum(Kind::Float).backward();
     let hyper = SgdHyper {
-        lr: 0.1,
+        lr: fused::Lr::Value(0.1),
         momentum: 0.9,
         weight_decay: 0.0,
         nesterov: false,
@@ -321,4 +321,50 @@ fn a_bad_call_is_an_error_not_a_crash() {
     )
     .unwrap_err();
     assert!(err.contains("without a gradient"), "{err}");
+    let double_lr = Tensor::from(0.1f64);
+    let err = fused::sgd_step(
+        &[&p],
+        &[&Tensor::zeros([3], cpu_float())],
+        SgdHyper {
+            lr: fused::Lr::Tensor(&double_lr),
+            ..hyper
+        },
+        false,
+    )
+    .unwrap_err();
+    assert!(err.contains("0-dim float32 tensor"), "{err}");
+}
+
+/// A learning rate kept on the device (what a step captured in a CUDA graph reads) steps exactly
+/// as the same rate given as a number, rounded to float32 as the tensor holds it; and a rate
+/// written between steps is the one the next step takes.
+#[test]
+fn a_learning_rate_kept_on_the_device_steps_as_its_value() {
+    for kind in KINDS {
+        tch::manual_seed(4);
+        let start = Tensor::randn([5, 3], cpu_float());
+        let (a, b) = (
+            start.copy().set_requires_grad(true),
+            start.copy().set_requires_grad(true),
+        );
+        let rates = [0.1, 0.03, 0.07];
+        let f32_rounded = |lr: f64| lr as f32 as f64;
+        let mut kept = Optimizer::new(kind, rates[0], vec![a.shallow_clone()]);
+        kept.keep_lr_on_device(Device::Cpu).unwrap();
+        let mut plain = Optimizer::new(kind, f32_rounded(rates[0]), vec![b.shallow_clone()]);
+        for &lr in &rates {
+            let g = Tensor::randn([5, 3], cpu_float());
+            kept.zero_grad();
+            plain.zero_grad();
+            (&a * &g).sum(Kind::Float).backward();
+            (&b * &g).sum(Kind::Float).backward();
+            kept.set_lr(lr);
+            kept.write_lr();
+            plain.set_lr(f32_rounded(lr));
+            kept.step().unwrap();
+            plain.step().unwrap();
+        }
+        assert!(a.equal(&b), "{kind:?}: {a} vs {b}");
+        assert!(!a.equal(&start), "{kind:?}: the steps moved nothing");
+    }
 }
