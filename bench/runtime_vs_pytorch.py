@@ -17,6 +17,10 @@ Modes (the arithmetic both sides use) and their references:
                        `torch.compile(model)` with the same settings. (channels_last changes
                        nothing for the transformer, which has no 4-d tensors.)
 On the GPU both modes run by default; on the CPU fp32 alone, in today's output format.
+On the GPU the runtime runs twice in every mode, as two sides of the rotation: kernel by kernel
+(`eager` in the runtime column) and with `--cuda-graph` (`graph`: after 3 eager iterations, each
+step replayed from a CUDA graph captured once); `--cuda-graph off|on` keeps one of them. Each is
+compared with every reference.
 `--precision bf16` and/or `--channels-last` pick one mode instead (on the CPU too: CPU autocast
 bf16, a smoke test of the GPU modes' code paths). `--references eager,compile` overrides which
 references run (default: eager in fp32, eager and compile in bf16 modes).
@@ -144,9 +148,9 @@ def memory_of(record):
     return {k: record.get(k) for k in keys}
 
 
-def run_runtime(model, s, mode, args):
+def run_runtime(model, s, mode, args, graph=False):
     cmd = [str(args.runtime), "--model", model, *common_flags(s, mode, args, args.iterations),
-           "--warmup", str(args.warmup)]
+           "--warmup", str(args.warmup)] + (["--cuda-graph"] if graph else [])
     events = run_json_lines(cmd)
     start = next(e for e in events if e["event"] == "start")
     summary = next(e for e in events if e["event"] == "summary")
@@ -238,6 +242,9 @@ def parse_args():
     p.add_argument("--compile-warmup", type=int,
                    help="torch.compile's untimed leading iterations, compilation included [default: 10]")
     p.add_argument("--compile-mode", default="default", help="torch.compile's mode [default: default]")
+    p.add_argument("--cuda-graph", choices=["off", "on", "both"],
+                   help="the runtime without `--cuda-graph` (off), with it (on), or both, each "
+                        "against the same references [default: both on the GPU, off on the CPU]")
     p.add_argument("--threads", type=int, default=os.cpu_count())
     for key, flag in FLAGS.items():
         real = key in ("lr", "dropout")
@@ -265,12 +272,21 @@ def parse_args():
     args.iterations = args.iterations or (40 if cuda else 12)
     args.warmup = args.warmup if args.warmup is not None else (10 if cuda else 2)
     args.compile_warmup = args.compile_warmup if args.compile_warmup is not None else 10
+    args.cuda_graph = args.cuda_graph or ("both" if cuda else "off")
+    if args.cuda_graph != "off" and not cuda:
+        p.error("--cuda-graph: CUDA graphs need --device cuda")
     if args.iterations <= args.warmup:
         p.error(f"--iterations {args.iterations} leaves nothing to time after --warmup {args.warmup}")
     if not args.runtime.is_file():
         p.error(f"no runtime binary at {args.runtime}: build it (scripts/setup.sh), or set "
                 "STAGEHAND_RUNTIME or --runtime")
     return args
+
+
+def runtime_sides(args):
+    """The runtime's sides: (name, with --cuda-graph)."""
+    return {"off": [("runtime", False)], "on": [("graph", True)],
+            "both": [("runtime", False), ("graph", True)]}[args.cuda_graph]
 
 
 def references(mode, args):
@@ -302,8 +318,8 @@ def main():
     else:
         mem = "peak GiB alloc/reserved" if cuda else "peak RSS GiB"
         print(f"device: {device_name}; peak memory: {mem}; ratio = runtime / reference")
-        print(f"{'model':<11} {'mode':<18} {'batch':>5} {'input':>7} {'reference':<9} {'ref s/s':>9} "
-              f"{'runtime s/s':>11} {'ratio':>6} {'ref peak':>11} {'runtime peak':>12}")
+        print(f"{'model':<11} {'mode':<18} {'batch':>5} {'input':>7} {'runtime':<7} {'reference':<9} "
+              f"{'ref s/s':>9} {'runtime s/s':>11} {'ratio':>6} {'ref peak':>11} {'runtime peak':>12}")
     sys.stdout.flush()
 
     results, failed = [], 0
@@ -320,9 +336,12 @@ def main():
         for mode in args.modes:
             refs = references(mode, args)
             runs = {ref: (lambda c=(ref == "compile"): run_pytorch(model, s, mode, args, c)) for ref in refs}
-            runs["runtime"] = lambda: run_runtime(model, s, mode, args)
+            sides = runtime_sides(args)
+            for side, graph in sides:
+                runs[side] = lambda g=graph: run_runtime(model, s, mode, args, g)
             row = dict(model=model, **s, threads=args.threads, device=args.device, device_name=device_name,
                        mode=mode.name, precision=mode.precision, channels_last=mode.channels_last,
+                       cuda_graph=args.cuda_graph,
                        momentum=MOMENTUM, rounds=args.rounds, iterations=args.iterations,
                        warmup=args.warmup, params=params)
             try:
@@ -337,32 +356,49 @@ def main():
                 write_json(args.json, results)
                 failed += 1
                 continue
-            ours = [r["sps"] for r in figures["runtime"]]
-            row.update(runtime=ours, runtime_median=statistics.median(ours),
-                       runtime_memory=peak(figures["runtime"]), references={})
+            row["references"] = {}
             for ref in refs:
                 theirs = [r["sps"] for r in figures[ref]]
-                ratio = statistics.median(ours) / statistics.median(theirs)
                 row["references"][ref] = dict(samples_per_sec=theirs, median=statistics.median(theirs),
-                                              ratio=ratio, memory=peak(figures[ref]))
+                                              memory=peak(figures[ref]))
                 if ref == "compile":
                     row["references"][ref].update(compile_mode=args.compile_mode,
                                                   compile_warmup=args.compile_warmup)
-            if "eager" in refs:  # the keys of today's JSON
+            # Each runtime side against every reference: the plain runtime's figures under
+            # today's keys (runtime, runtime_median, ratio in references), the graphed one's under
+            # `graph`.
+            for side, _ in sides:
+                ours = [r["sps"] for r in figures[side]]
+                median = statistics.median(ours)
+                ratios = {ref: median / row["references"][ref]["median"] for ref in refs}
+                if side == "runtime":
+                    row.update(runtime=ours, runtime_median=median, runtime_memory=peak(figures[side]))
+                    for ref in refs:
+                        row["references"][ref]["ratio"] = ratios[ref]
+                else:
+                    row["graph"] = dict(samples_per_sec=ours, median=median, memory=peak(figures[side]),
+                                        ratios=ratios)
+            if "eager" in refs and "runtime" in row:  # the keys of today's JSON
                 row.update(pytorch=row["references"]["eager"]["samples_per_sec"],
                            ratio=row["references"]["eager"]["ratio"])
             results.append(row)
             write_json(args.json, results)
-            for ref in refs:
-                r = row["references"][ref]
-                if legacy:
-                    image = s.get("image", s.get("seq_len"))
-                    print(f"{model:<10} {s['batch']:>5} {image:>5} {r['median']:>12.1f} "
-                          f"{row['runtime_median']:>12.1f} {r['ratio']:>6.2f}")
-                else:
-                    print(f"{model:<11} {mode.name:<18} {s['batch']:>5} {input_text(s):>7} {ref:<9} "
-                          f"{r['median']:>9.1f} {row['runtime_median']:>11.1f} {r['ratio']:>6.2f} "
-                          f"{mem_text(r['memory'], cuda):>11} {mem_text(row['runtime_memory'], cuda):>12}")
+            for side, _ in sides:
+                ours = row if side == "runtime" else row["graph"]
+                median = ours["runtime_median"] if side == "runtime" else ours["median"]
+                memory = ours["runtime_memory"] if side == "runtime" else ours["memory"]
+                for ref in refs:
+                    r = row["references"][ref]
+                    ratio = median / r["median"]
+                    if legacy:
+                        image = s.get("image", s.get("seq_len"))
+                        print(f"{model:<10} {s['batch']:>5} {image:>5} {r['median']:>12.1f} "
+                              f"{median:>12.1f} {ratio:>6.2f}")
+                    else:
+                        print(f"{model:<11} {mode.name:<18} {s['batch']:>5} {input_text(s):>7} "
+                              f"{'eager' if side == 'runtime' else 'graph':<7} {ref:<9} "
+                              f"{r['median']:>9.1f} {median:>11.1f} {ratio:>6.2f} "
+                              f"{mem_text(r['memory'], cuda):>11} {mem_text(memory, cuda):>12}")
             sys.stdout.flush()
     sys.exit(1 if failed else 0)
 

@@ -146,6 +146,10 @@ pub struct ExperimentFile {
     /// Parameters and image inputs in channels_last layout (`--channels-last`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub channels_last: Option<bool>,
+    /// Each rank's step replayed from a CUDA graph captured once (`--cuda-graph`; one process on
+    /// one GPU).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cuda_graph: Option<bool>,
     /// Replicas all-reduce gradients in buckets of at most this many MiB (`--bucket-mb`, DDP's
     /// `bucket_cap_mb`; the runtime's default is 25).
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -170,6 +170,9 @@ fn runtime_command(
     if f.channels_last == Some(true) {
         argv.push("--channels-last".into());
     }
+    if f.cuda_graph == Some(true) {
+        argv.push("--cuda-graph".into());
+    }
     if let Some(mb) = f.bucket_mb {
         argv.push("--bucket-mb".into());
         argv.push(f64::from(mb).to_string());

@@ -136,7 +136,18 @@ fn precision_and_channels_last_reach_every_rank() {
             "{:?}",
             rank.argv
         );
+        assert!(!rank.argv.iter().any(|a| a == "--cuda-graph"), "{:?}", rank.argv);
     }
+    let plan = resolve_text(
+        "machines: ['node1:0']\nmodule: resnet50\ncuda_graph: true\n",
+        &options(None, ContainerMode::PerRank),
+    )
+    .unwrap();
+    assert!(
+        plan.ranks[0].argv.iter().any(|a| a == "--cuda-graph"),
+        "{:?}",
+        plan.ranks[0].argv
+    );
     let plan = resolve_text(
         "machines: [localhost]\nmodule: mlp\n",
         &options(None, ContainerMode::PerRank),
