@@ -1137,6 +1137,11 @@ mod tests {
                 "{extra:?}: {err}"
             );
         }
+        let err = check(&["--model", "sparse_mlp", "--device", "cuda:0", "--cuda-graph"]).unwrap_err();
+        assert!(
+            err.contains("sparse COO") && err.contains("drop --cuda-graph"),
+            "{err}"
+        );
         let err = on("cpu", &[]).unwrap_err();
         assert!(err.starts_with("--device: not with --cuda-graph:"), "{err}");
         let err = check(&["--model", "mlp", "--devices", "cuda:0,cuda:1", "--cuda-graph"]).unwrap_err();

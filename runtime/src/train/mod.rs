@@ -264,6 +264,12 @@ fn check_plan(config: &TrainConfig) -> anyhow::Result<Checked> {
          which NCCL (pairing sends and receives by issue order) cannot match; add --backend gloo",
         model.name
     );
+    ensure!(
+        !(config.cuda_graph && model.makes_sparse_activations()),
+        "--cuda-graph: {} makes sparse COO tensors, whose operations wait for the device to learn \
+         their sizes, which a CUDA graph capture cannot; drop --cuda-graph",
+        model.name
+    );
     if !config.batch_size.is_multiple_of(microbatches) {
         bail!(
             "--batch-size {} is not divisible by --microbatches {microbatches}",
