@@ -367,38 +367,35 @@ def main():
             # Each runtime side against every reference: the plain runtime's figures under
             # today's keys (runtime, runtime_median, ratio in references), the graphed one's under
             # `graph`.
+            printed = []
             for side, _ in sides:
                 ours = [r["sps"] for r in figures[side]]
-                median = statistics.median(ours)
+                median, memory = statistics.median(ours), peak(figures[side])
                 ratios = {ref: median / row["references"][ref]["median"] for ref in refs}
                 if side == "runtime":
-                    row.update(runtime=ours, runtime_median=median, runtime_memory=peak(figures[side]))
+                    row.update(runtime=ours, runtime_median=median, runtime_memory=memory)
                     for ref in refs:
                         row["references"][ref]["ratio"] = ratios[ref]
                 else:
-                    row["graph"] = dict(samples_per_sec=ours, median=median, memory=peak(figures[side]),
-                                        ratios=ratios)
+                    row["graph"] = dict(samples_per_sec=ours, median=median, memory=memory, ratios=ratios)
+                printed.append(("eager" if side == "runtime" else "graph", median, memory, ratios))
             if "eager" in refs and "runtime" in row:  # the keys of today's JSON
                 row.update(pytorch=row["references"]["eager"]["samples_per_sec"],
                            ratio=row["references"]["eager"]["ratio"])
             results.append(row)
             write_json(args.json, results)
-            for side, _ in sides:
-                ours = row if side == "runtime" else row["graph"]
-                median = ours["runtime_median"] if side == "runtime" else ours["median"]
-                memory = ours["runtime_memory"] if side == "runtime" else ours["memory"]
+            for label, median, memory, ratios in printed:
                 for ref in refs:
                     r = row["references"][ref]
-                    ratio = median / r["median"]
                     if legacy:
                         image = s.get("image", s.get("seq_len"))
                         print(f"{model:<10} {s['batch']:>5} {image:>5} {r['median']:>12.1f} "
-                              f"{median:>12.1f} {ratio:>6.2f}")
+                              f"{median:>12.1f} {ratios[ref]:>6.2f}")
                     else:
                         print(f"{model:<11} {mode.name:<18} {s['batch']:>5} {input_text(s):>7} "
-                              f"{'eager' if side == 'runtime' else 'graph':<7} {ref:<9} "
-                              f"{r['median']:>9.1f} {median:>11.1f} {ratio:>6.2f} "
-                              f"{mem_text(r['memory'], cuda):>11} {mem_text(memory, cuda):>12}")
+                              f"{label:<7} {ref:<9} {r['median']:>9.1f} {median:>11.1f} "
+                              f"{ratios[ref]:>6.2f} {mem_text(r['memory'], cuda):>11} "
+                              f"{mem_text(memory, cuda):>12}")
             sys.stdout.flush()
     sys.exit(1 if failed else 0)
 

@@ -228,10 +228,9 @@ enum GraphPhase {
     Eager,
     /// This iteration's actions are being captured.
     Capturing,
-    /// This iteration was replayed.
+    /// The last iteration started was replayed (its actions only keep count); the next one
+    /// replays again.
     Replayed,
-    /// Between iterations, with a graph to replay.
-    Ready,
 }
 
 /// A training iteration captured in a CUDA graph: its inputs and targets are copied into `inputs`
@@ -633,30 +632,23 @@ impl Executor {
         Ok(())
     }
 
-    /// With `--cuda-graph`, after the step that ends `iteration`: ends a capture and runs what
-    /// it captured (a capture runs nothing), and readies the graph for the next iteration.
+    /// With `--cuda-graph`, after the step that ends `iteration`: ends a capture under way and
+    /// runs what it captured (a capture runs nothing).
     fn end_graphed_iteration(&mut self, progress: &mut Progress, iteration: usize) -> anyhow::Result<()> {
-        let Some(graph) = progress.graph.as_mut() else {
+        let Some(graph) = progress
+            .graph
+            .as_mut()
+            .filter(|g| g.phase == GraphPhase::Capturing)
+        else {
             return Ok(());
         };
-        match graph.phase {
-            GraphPhase::Eager => Ok(()),
-            GraphPhase::Capturing => {
-                graph
-                    .graph
-                    .end_capture()
-                    .map_err(|e| anyhow::anyhow!("--cuda-graph: {e}"))?;
-                // The losses the capture left are where each replay writes them.
-                graph.losses = std::mem::take(&mut progress.losses);
-                self.replay(progress, iteration)?;
-                progress.graph.as_mut().expect("just replayed").phase = GraphPhase::Ready;
-                Ok(())
-            }
-            GraphPhase::Replayed | GraphPhase::Ready => {
-                graph.phase = GraphPhase::Ready;
-                Ok(())
-            }
-        }
+        graph
+            .graph
+            .end_capture()
+            .map_err(|e| anyhow::anyhow!("--cuda-graph: {e}"))?;
+        // The losses the capture left are where each replay writes them.
+        graph.losses = std::mem::take(&mut progress.losses);
+        self.replay(progress, iteration)
     }
 
     /// Sum of the first parameter's current values (weights as the next kernel will see them).
