@@ -21,6 +21,13 @@ On the GPU the runtime runs twice in every mode, as two sides of the rotation: k
 (`eager` in the runtime column) and with `--cuda-graph` (`graph`: after 3 eager iterations, each
 step replayed from a CUDA graph captured once); `--cuda-graph off|on` keeps one of them. Each is
 compared with every reference.
+Host memory: the runtime keeps what a step frees for the next iteration (`--host-memory keep`, its
+default: glibc's malloc neither unmaps big blocks nor trims its heap), where PyTorch in Python
+runs on glibc's defaults, which map, fault in and zero much of that memory again every iteration.
+`--host-memory release|both` runs the runtime on glibc's defaults instead, or both ways (the
+second side labelled `release`), to show what keeping buys; `--reference-malloc keep` runs the
+PyTorch references under the same malloc settings (through GLIBC_TUNABLES), to show the runtime's
+lead without it.
 `--precision bf16` and/or `--channels-last` pick one mode instead (on the CPU too: CPU autocast
 bf16, a smoke test of the GPU modes' code paths). `--references eager,compile` overrides which
 references run (default: eager in fp32, eager and compile in bf16 modes).
@@ -123,9 +130,16 @@ class RunFailed(Exception):
     pass
 
 
-def run_json_lines(cmd):
-    """Runs `cmd`; its stdout as a list of JSON objects, or RunFailed with the reason."""
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+# glibc's malloc settings that the runtime's `--host-memory keep` makes (mallopt M_MMAP_MAX 0,
+# M_TRIM_THRESHOLD -1), as tunables a reference process reads at start-up.
+KEEP_TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=" + str(2**63 - 1)
+
+
+def run_json_lines(cmd, env=None):
+    """Runs `cmd` (with `env` added to the environment); its stdout as a list of JSON objects, or
+    RunFailed with the reason."""
+    proc = subprocess.run(cmd, capture_output=True, text=True,
+                          env=None if env is None else {**os.environ, **env})
     if proc.returncode != 0:
         last = proc.stderr.strip().splitlines()[-3:] or ["(no stderr)"]
         raise RunFailed(f"exit {proc.returncode}: {' '.join(cmd)}\n    " + "\n    ".join(last))
@@ -148,9 +162,9 @@ def memory_of(record):
     return {k: record.get(k) for k in keys}
 
 
-def run_runtime(model, s, mode, args, graph=False):
+def run_runtime(model, s, mode, args, flags):
     cmd = [str(args.runtime), "--model", model, *common_flags(s, mode, args, args.iterations),
-           "--warmup", str(args.warmup)] + (["--cuda-graph"] if graph else [])
+           "--warmup", str(args.warmup)] + flags
     events = run_json_lines(cmd)
     start = next(e for e in events if e["event"] == "start")
     summary = next(e for e in events if e["event"] == "summary")
@@ -165,7 +179,8 @@ def run_pytorch(model, s, mode, args, compiled):
     cmd = [sys.executable, str(EAGER), "--model", model, *common_flags(s, mode, args, iterations)]
     if compiled:
         cmd += ["--compile", "--compile-mode", args.compile_mode]
-    out = run_json_lines(cmd)[-1]
+    env = {"GLIBC_TUNABLES": KEEP_TUNABLES} if args.reference_malloc == "keep" else None
+    out = run_json_lines(cmd, env)[-1]
     return dict(sps=throughput(out["times"], s["batch"], warmup), params=out["num_params"],
                 memory=memory_of(out), device_name=out["device_name"])
 
@@ -245,6 +260,12 @@ def parse_args():
     p.add_argument("--cuda-graph", choices=["off", "on", "both"],
                    help="the runtime without `--cuda-graph` (off), with it (on), or both, each "
                         "against the same references [default: both on the GPU, off on the CPU]")
+    p.add_argument("--host-memory", choices=["keep", "release", "both"], default="keep",
+                   help="the runtime's --host-memory: keep (its default), release (glibc's "
+                        "defaults), or both, each against the same references [default: keep]")
+    p.add_argument("--reference-malloc", choices=["default", "keep"], default="default",
+                   help="the PyTorch references on glibc's default malloc settings, or on those "
+                        "the runtime's --host-memory keep makes [default: default]")
     p.add_argument("--threads", type=int, default=os.cpu_count())
     for key, flag in FLAGS.items():
         real = key in ("lr", "dropout")
@@ -284,9 +305,20 @@ def parse_args():
 
 
 def runtime_sides(args):
-    """The runtime's sides: (name, with --cuda-graph)."""
-    return {"off": [("runtime", False)], "on": [("graph", True)],
-            "both": [("runtime", False), ("graph", True)]}[args.cuda_graph]
+    """The runtime's sides: (name, label, its flags). The first, `runtime`, is the plain runtime
+    (or the graphed one alone with --cuda-graph on); the others' figures go under their names."""
+    graphs = {"off": [False], "on": [True], "both": [False, True]}[args.cuda_graph]
+    memories = {"keep": ["keep"], "release": ["release"], "both": ["keep", "release"]}[args.host_memory]
+    sides = []
+    for graph in graphs:
+        for memory in memories:
+            released = memory == "release" and len(memories) > 1
+            name = ("graph" if graph and len(graphs) > 1 else "runtime") + ("_release" if released else "")
+            label = ("graph" if graph else "eager") + ("+rel" if released else "")
+            flags = (["--cuda-graph"] if graph else []) + (
+                ["--host-memory", "release"] if memory == "release" else [])
+            sides.append((name, label, flags))
+    return sides
 
 
 def references(mode, args):
@@ -312,13 +344,14 @@ def main():
     cuda = args.device.startswith("cuda")
     device_name = require_cuda(args) if cuda else "cpu"
     # Today's CPU table, kept as it was for comparisons with earlier figures.
-    legacy = not cuda and args.modes == [Mode("fp32", False)] and references(args.modes[0], args) == ["eager"]
+    legacy = (not cuda and args.modes == [Mode("fp32", False)] and references(args.modes[0], args) == ["eager"]
+              and len(runtime_sides(args)) == 1 and args.reference_malloc == "default")
     if legacy:
         print(f"{'model':<10} {'batch':>5} {'image':>5} {'pytorch s/s':>12} {'runtime s/s':>12} {'ratio':>6}")
     else:
         mem = "peak GiB alloc/reserved" if cuda else "peak RSS GiB"
         print(f"device: {device_name}; peak memory: {mem}; ratio = runtime / reference")
-        print(f"{'model':<11} {'mode':<18} {'batch':>5} {'input':>7} {'runtime':<7} {'reference':<9} "
+        print(f"{'model':<11} {'mode':<18} {'batch':>5} {'input':>7} {'runtime':<9} {'reference':<9} "
               f"{'ref s/s':>9} {'runtime s/s':>11} {'ratio':>6} {'ref peak':>11} {'runtime peak':>12}")
     sys.stdout.flush()
 
@@ -337,11 +370,12 @@ def main():
             refs = references(mode, args)
             runs = {ref: (lambda c=(ref == "compile"): run_pytorch(model, s, mode, args, c)) for ref in refs}
             sides = runtime_sides(args)
-            for side, graph in sides:
-                runs[side] = lambda g=graph: run_runtime(model, s, mode, args, g)
+            for side, _, flags in sides:
+                runs[side] = lambda f=flags: run_runtime(model, s, mode, args, f)
             row = dict(model=model, **s, threads=args.threads, device=args.device, device_name=device_name,
                        mode=mode.name, precision=mode.precision, channels_last=mode.channels_last,
-                       cuda_graph=args.cuda_graph,
+                       cuda_graph=args.cuda_graph, host_memory=args.host_memory,
+                       reference_malloc=args.reference_malloc,
                        momentum=MOMENTUM, rounds=args.rounds, iterations=args.iterations,
                        warmup=args.warmup, params=params)
             try:
@@ -365,10 +399,10 @@ def main():
                     row["references"][ref].update(compile_mode=args.compile_mode,
                                                   compile_warmup=args.compile_warmup)
             # Each runtime side against every reference: the plain runtime's figures under
-            # today's keys (runtime, runtime_median, ratio in references), the graphed one's under
-            # `graph`.
+            # today's keys (runtime, runtime_median, ratio in references), the others' under their
+            # names (`graph`, `runtime_release`, `graph_release`).
             printed = []
-            for side, _ in sides:
+            for side, label, _ in sides:
                 ours = [r["sps"] for r in figures[side]]
                 median, memory = statistics.median(ours), peak(figures[side])
                 ratios = {ref: median / row["references"][ref]["median"] for ref in refs}
@@ -377,8 +411,8 @@ def main():
                     for ref in refs:
                         row["references"][ref]["ratio"] = ratios[ref]
                 else:
-                    row["graph"] = dict(samples_per_sec=ours, median=median, memory=memory, ratios=ratios)
-                printed.append(("eager" if side == "runtime" else "graph", median, memory, ratios))
+                    row[side] = dict(samples_per_sec=ours, median=median, memory=memory, ratios=ratios)
+                printed.append((label, median, memory, ratios))
             if "eager" in refs and "runtime" in row:  # the keys of today's JSON
                 row.update(pytorch=row["references"]["eager"]["samples_per_sec"],
                            ratio=row["references"]["eager"]["ratio"])
@@ -393,7 +427,7 @@ def main():
                               f"{median:>12.1f} {ratios[ref]:>6.2f}")
                     else:
                         print(f"{model:<11} {mode.name:<18} {s['batch']:>5} {input_text(s):>7} "
-                              f"{label:<7} {ref:<9} {r['median']:>9.1f} {median:>11.1f} "
+                              f"{label:<9} {ref:<9} {r['median']:>9.1f} {median:>11.1f} "
                               f"{ratios[ref]:>6.2f} {mem_text(r['memory'], cuda):>11} "
                               f"{mem_text(memory, cuda):>12}")
             sys.stdout.flush()

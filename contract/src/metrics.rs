@@ -77,6 +77,11 @@ pub struct RunConfig {
     /// Each training step replayed from a CUDA graph captured once (`--cuda-graph`).
     #[serde(default)]
     pub cuda_graph: bool,
+    /// What became of host memory a step freed (`--host-memory`): `keep` (reused by the next
+    /// iteration), `release` (glibc's defaults; what runtimes before the option did), or
+    /// `environment` (the environment's malloc settings).
+    #[serde(default = "release")]
+    pub host_memory: String,
     /// Replicas all-reduce gradients in buckets of at most this many MiB (`--bucket-mb`).
     #[serde(default = "default_bucket_mb")]
     pub bucket_mb: f64,
@@ -108,6 +113,10 @@ pub struct RunConfig {
 
 fn all() -> String {
     "all".into()
+}
+
+fn release() -> String {
+    "release".into()
 }
 
 fn off() -> String {

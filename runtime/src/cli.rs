@@ -14,6 +14,7 @@ use crate::config::{
     ReduceOptions, TrainConfig,
 };
 use crate::data::DataSpec;
+use crate::host_memory;
 use crate::lr::{LrPolicy, LrSchedule};
 use crate::schedule::Schedule;
 
@@ -96,6 +97,12 @@ struct ProfileArgs {
     /// Intra-op threads for libtorch [default: libtorch's own choice].
     #[arg(long)]
     threads: Option<usize>,
+    /// Host memory a step frees: `keep` it for the next iteration (no block unmapped, the heap
+    /// never trimmed, so the next iteration faults in and zeroes nothing again), or `release` it
+    /// to the system as glibc does by default. malloc settings in the environment
+    /// (GLIBC_TUNABLES, MALLOC_*_) win over either.
+    #[arg(long, value_enum, default_value_t = HostMemoryArg::Keep)]
+    host_memory: HostMemoryArg,
     /// Timed repeats per module; the profile keeps the median.
     #[arg(long, default_value_t = 5)]
     repeats: usize,
@@ -266,6 +273,12 @@ struct TrainArgs {
     /// --slowdown.
     #[arg(long)]
     cuda_graph: bool,
+    /// Host memory a step frees: `keep` it for the next iteration (no block unmapped, the heap
+    /// never trimmed, so the next iteration faults in and zeroes nothing again), or `release` it
+    /// to the system as glibc does by default. malloc settings in the environment
+    /// (GLIBC_TUNABLES, MALLOC_*_) win over either.
+    #[arg(long, value_enum, default_value_t = HostMemoryArg::Keep)]
+    host_memory: HostMemoryArg,
     /// Leading iterations left out of the summary's throughput.
     #[arg(long, default_value_t = 1)]
     warmup: u64,
@@ -432,6 +445,21 @@ enum OptimizerArg {
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
+enum HostMemoryArg {
+    Keep,
+    Release,
+}
+
+impl From<HostMemoryArg> for host_memory::Policy {
+    fn from(arg: HostMemoryArg) -> host_memory::Policy {
+        match arg {
+            HostMemoryArg::Keep => host_memory::Policy::Keep,
+            HostMemoryArg::Release => host_memory::Policy::Release,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
 enum PrecisionArg {
     Fp32,
     Bf16,
@@ -454,6 +482,7 @@ impl Cli {
                 batch_size: positive("--batch-size", p.batch_size)?,
                 device: DeviceSpec::parse(&p.device)?,
                 threads: p.threads.map(|t| positive("--threads", t)).transpose()?,
+                host_memory: p.host_memory.into(),
                 repeats: positive("--repeats", p.repeats)?,
                 output: p.output,
             })),
@@ -660,6 +689,7 @@ impl TrainArgs {
             },
             channels_last: self.channels_last,
             cuda_graph: self.cuda_graph,
+            host_memory: self.host_memory.into(),
             warmup: self.warmup,
             save_params: self.save_params,
             trace: self.trace,

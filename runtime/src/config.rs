@@ -8,6 +8,7 @@ use std::time::Duration;
 use stagehand_contract::{RunConfig, StageConfig};
 
 use crate::data::{DataError, DataSpec};
+use crate::host_memory;
 use crate::lr::LrSchedule;
 use crate::models::{ModelOptions, MODEL_NAMES};
 use crate::schedule::Schedule;
@@ -289,6 +290,8 @@ pub struct TrainConfig {
     pub channels_last: bool,
     /// Capture the training step in a CUDA graph after the first iterations and replay it.
     pub cuda_graph: bool,
+    /// What becomes of host memory a step frees.
+    pub host_memory: host_memory::Policy,
     /// Leading iterations left out of the summary's throughput.
     pub warmup: u64,
     /// Where this rank sits in the job and how it talks to the others.
@@ -393,7 +396,13 @@ pub struct PartialOptions {
 
 impl TrainConfig {
     /// The configuration as the `start` event reports it.
-    pub fn to_run_config(&self, threads: usize, microbatches: usize, stages: usize) -> RunConfig {
+    pub fn to_run_config(
+        &self,
+        threads: usize,
+        microbatches: usize,
+        stages: usize,
+        host_memory: host_memory::Applied,
+    ) -> RunConfig {
         RunConfig {
             model: self.model.name.clone(),
             batch_size: self.batch_size,
@@ -413,6 +422,7 @@ impl TrainConfig {
             precision: self.precision.to_string(),
             channels_last: self.channels_last,
             cuda_graph: self.cuda_graph,
+            host_memory: host_memory.to_string(),
             bucket_mb: self.dist.reduce.bucket_bytes as f64 / (1u64 << 20) as f64,
             overlap_reduce: self.dist.reduce.overlap,
             compress_activations: self.dist.compress_activations,
@@ -460,6 +470,8 @@ pub struct ProfileConfig {
     pub batch_size: usize,
     pub device: DeviceSpec,
     pub threads: Option<usize>,
+    /// What becomes of host memory the measurements free.
+    pub host_memory: host_memory::Policy,
     /// Timed repeats per module, after one untimed warm-up.
     pub repeats: usize,
     /// Where to write the profile; stdout when `None`.

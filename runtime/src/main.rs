@@ -4,7 +4,7 @@
 //! The modules are layered, bottom first; each imports only modules listed before it, so none
 //! imports one that imports it back:
 //! - `ffi`: the C ABI of the bridge to libtorch (`csrc/`); `lr`: learning-rate schedules;
-//!   `signals`: SIGTERM noted for a checkpoint;
+//!   `signals`: SIGTERM noted for a checkpoint; `host_memory`: what becomes of freed memory;
 //! - `cuda`: CUDA, loaded at run time; `comm`: c10d's store and process groups;
 //! - `models`; `data`: batch streams for a model's input; `schedule`: per-rank action lists;
 //! - `config`: every validated request;
@@ -22,6 +22,7 @@ mod cuda;
 mod data;
 mod ffi;
 mod forward;
+mod host_memory;
 mod info;
 mod inspect;
 mod lr;

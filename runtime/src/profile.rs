@@ -10,6 +10,7 @@ use stagehand_contract::{ModuleProfile, Profile, PROFILE_VERSION};
 use tch::{nn, Device, Kind, Tensor};
 
 use crate::config::{OptimizerKind, ProfileConfig};
+use crate::host_memory;
 use crate::models::{InputKind, ModelDef};
 use crate::stage::{backward_with_grad, Optimizer};
 
@@ -73,6 +74,7 @@ fn optimizer_seconds(vs: &nn::VarStore, repeats: usize, device: Device) -> f64 {
 
 /// Measures every module of the model.
 pub fn measure(config: &ProfileConfig) -> anyhow::Result<Profile> {
+    host_memory::apply(config.host_memory);
     if let Some(threads) = config.threads {
         tch::set_num_threads(threads as i32);
     }

@@ -1,6 +1,6 @@
 //! One process holding the whole model: every model learns, the metrics contract, bad input.
 
-use crate::util::{run, run_ok, runtime, write_cifar, write_image_folder};
+use crate::util::{run, run_command, run_ok, runtime, write_cifar, write_image_folder};
 
 /// Synthetic data cycles a pool of 4 batches: the first and the last 4 iterations see the same
 /// batches, and a model that learns has a lower mean loss on the last pass than on the first.
@@ -189,6 +189,54 @@ fn metrics_follow_the_contract() {
             .contains("rank 0 of 1: stage 0 of 1 (modules 0..6) of mlp"),
         "human text goes to stderr"
     );
+}
+
+/// `--host-memory` says what becomes of freed host memory, the `start` event says what was done
+/// (the environment's malloc settings win over the flag), and neither changes a number.
+#[test]
+fn host_memory_is_kept_released_or_left_to_the_environment() {
+    let args = [
+        "--model",
+        "mlp",
+        "--iterations",
+        "3",
+        "--batch-size",
+        "8",
+        "--threads",
+        "1",
+    ];
+    let with = |extra: &[&str], tunables: Option<&str>| {
+        let mut cmd = runtime();
+        cmd.args(args).args(extra);
+        for name in [
+            "GLIBC_TUNABLES",
+            "MALLOC_MMAP_MAX_",
+            "MALLOC_MMAP_THRESHOLD_",
+            "MALLOC_TRIM_THRESHOLD_",
+            "MALLOC_TOP_PAD_",
+            "MALLOC_ARENA_MAX",
+        ] {
+            cmd.env_remove(name);
+        }
+        if let Some(t) = tunables {
+            cmd.env("GLIBC_TUNABLES", t);
+        }
+        let run = run_command(cmd);
+        assert!(run.output.status.success(), "{extra:?}: {}", run.stderr());
+        (run.start().config.host_memory.clone(), run.losses())
+    };
+    let (kept, kept_losses) = with(&[], None);
+    let (released, released_losses) = with(&["--host-memory", "release"], None);
+    let (left, left_losses) = with(&["--host-memory", "keep"], Some("glibc.malloc.trim_threshold=0"));
+    assert_eq!(
+        (kept.as_str(), released.as_str(), left.as_str()),
+        ("keep", "release", "environment")
+    );
+    assert_eq!(kept_losses, released_losses);
+    assert_eq!(kept_losses, left_losses);
+    let refused = run(&[&args[..], &["--host-memory", "free"]].concat());
+    assert_eq!(refused.output.status.code(), Some(2));
+    assert!(refused.stderr().contains("keep") && refused.stderr().contains("release"));
 }
 
 #[test]

@@ -61,7 +61,14 @@ impl Run {
 
 /// Runs `runtime` with `args`; every stdout line must be a metrics event.
 pub fn run(args: &[&str]) -> Run {
-    let output = runtime().args(args).output().expect("runtime starts");
+    let mut cmd = runtime();
+    cmd.args(args);
+    run_command(cmd)
+}
+
+/// Runs a `runtime` command made by [`runtime`] (its arguments and environment set).
+pub fn run_command(mut cmd: Command) -> Run {
+    let output = cmd.output().expect("runtime starts");
     let stdout = String::from_utf8(output.stdout.clone()).expect("stdout is UTF-8");
     let events = stdout
         .lines()

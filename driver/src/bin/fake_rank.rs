@@ -77,6 +77,7 @@ fn main() {
             precision: "fp32".into(),
             channels_last: false,
             cuda_graph: false,
+            host_memory: "keep".into(),
             bucket_mb: 25.0,
             overlap_reduce: true,
             compress_activations: false,

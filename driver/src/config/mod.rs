@@ -150,6 +150,10 @@ pub struct ExperimentFile {
     /// one GPU).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cuda_graph: Option<bool>,
+    /// Host memory a step frees: `keep` it for the next iteration (the runtime's default) or
+    /// `release` it to the system (`--host-memory`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_memory: Option<HostMemory>,
     /// Replicas all-reduce gradients in buckets of at most this many MiB (`--bucket-mb`, DDP's
     /// `bucket_cap_mb`; the runtime's default is 25).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -267,6 +271,24 @@ impl Precision {
             Precision::Fp32 => "fp32",
             Precision::Bf16 => "bf16",
             Precision::Fp16 => "fp16",
+        }
+    }
+}
+
+/// What becomes of host memory a runtime step frees (`--host-memory`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HostMemory {
+    Keep,
+    Release,
+}
+
+impl HostMemory {
+    /// The runtime's spelling.
+    pub fn as_arg(self) -> &'static str {
+        match self {
+            HostMemory::Keep => "keep",
+            HostMemory::Release => "release",
         }
     }
 }

@@ -173,6 +173,10 @@ fn runtime_command(
     if f.cuda_graph == Some(true) {
         argv.push("--cuda-graph".into());
     }
+    if let Some(h) = f.host_memory {
+        argv.push("--host-memory".into());
+        argv.push(h.as_arg().to_string());
+    }
     if let Some(mb) = f.bucket_mb {
         argv.push("--bucket-mb".into());
         argv.push(f64::from(mb).to_string());

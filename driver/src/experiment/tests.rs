@@ -137,7 +137,24 @@ fn precision_and_channels_last_reach_every_rank() {
             rank.argv
         );
         assert!(!rank.argv.iter().any(|a| a == "--cuda-graph"), "{:?}", rank.argv);
+        assert_eq!(flag(&rank.argv, "--host-memory"), None);
     }
+    let plan = resolve_text(
+        "machines: [localhost, localhost]\nmodule: mlp\nhost_memory: release\n",
+        &options(None, ContainerMode::PerRank),
+    )
+    .unwrap();
+    for rank in &plan.ranks {
+        assert_eq!(flag(&rank.argv, "--host-memory"), Some("release"));
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("exp.yml");
+    std::fs::write(&path, "machines: [localhost]\nmodule: mlp\nhost_memory: free\n").unwrap();
+    let bad = crate::config::load(&path).unwrap_err().to_string();
+    assert!(
+        bad.contains("exp.yml:3") && bad.contains("`keep`") && bad.contains("`release`"),
+        "{bad}"
+    );
     let plan = resolve_text(
         "machines: ['node1:0']\nmodule: resnet50\ncuda_graph: true\n",
         &options(None, ContainerMode::PerRank),

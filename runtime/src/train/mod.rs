@@ -15,6 +15,7 @@ use tch::Kind;
 use crate::comm::{ProcessGroup, Store};
 use crate::config::{Backend, DeviceSpec, DistConfig, Precision, ReduceOptions, TrainConfig};
 use crate::data::{self, BatchRequest, Shard};
+use crate::host_memory;
 use crate::metrics::{Emitter, Memory, Throughput};
 use crate::models::{InputKind, ModelDef};
 use crate::pipeline::{Bundle, Channels, Checkpointing, Executor, Links, PartialReduce, Reducer, TensorSpec};
@@ -411,6 +412,7 @@ pub fn check<W: Write>(config: &TrainConfig, out: &mut W) -> anyhow::Result<()> 
 
 /// Trains this rank's part of the model.
 pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Result<()> {
+    let host_memory = host_memory::apply(config.host_memory);
     if let Some(threads) = config.threads {
         tch::set_num_threads(threads as i32);
     }
@@ -565,7 +567,12 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
         first_module: my_stage.modules.start,
         end_module: my_stage.modules.end,
         stage_params: executor.stage.num_params(),
-        config: config.to_run_config(tch::get_num_threads() as usize, microbatches, plan.stages.len()),
+        config: config.to_run_config(
+            tch::get_num_threads() as usize,
+            microbatches,
+            plan.stages.len(),
+            host_memory,
+        ),
     }))?;
     eprintln!(
         "runtime: rank {} of {}: stage {} of {} (modules {}..{}) of {} on {}, {} microbatches of {}",
