@@ -191,20 +191,23 @@ fn metrics_follow_the_contract() {
     );
 }
 
+/// A run of a few seconds at most.
+const SHORT_MLP: [&str; 8] = [
+    "--model",
+    "mlp",
+    "--iterations",
+    "3",
+    "--batch-size",
+    "8",
+    "--threads",
+    "1",
+];
+
 /// `--host-memory` says what becomes of freed host memory, the `start` event says what was done
 /// (the environment's malloc settings win over the flag), and neither changes a number.
 #[test]
 fn host_memory_is_kept_released_or_left_to_the_environment() {
-    let args = [
-        "--model",
-        "mlp",
-        "--iterations",
-        "3",
-        "--batch-size",
-        "8",
-        "--threads",
-        "1",
-    ];
+    let args = SHORT_MLP;
     let with = |extra: &[&str], tunables: Option<&str>| {
         let mut cmd = runtime();
         cmd.args(args).args(extra);
@@ -241,16 +244,7 @@ fn host_memory_is_kept_released_or_left_to_the_environment() {
 
 #[test]
 fn same_seed_same_losses_other_seed_other_losses() {
-    let args = [
-        "--model",
-        "mlp",
-        "--iterations",
-        "3",
-        "--batch-size",
-        "8",
-        "--threads",
-        "1",
-    ];
+    let args = SHORT_MLP;
     let a = run_ok(&[&args[..], &["--seed", "5"]].concat()).losses();
     let b = run_ok(&[&args[..], &["--seed", "5"]].concat()).losses();
     let c = run_ok(&[&args[..], &["--seed", "6"]].concat()).losses();
