@@ -25,7 +25,7 @@ Host memory: the runtime keeps what a step frees for the next iteration (`--host
 default: glibc's malloc neither unmaps big blocks nor trims its heap), where PyTorch in Python
 runs on glibc's defaults, which map, fault in and zero much of that memory again every iteration.
 `--host-memory release|both` runs the runtime on glibc's defaults instead, or both ways (the
-second side labelled `release`), to show what keeping buys; `--reference-malloc keep` runs the
+second side labelled `+rel`), to show what keeping buys; `--reference-malloc keep` runs the
 PyTorch references under the same malloc settings (through GLIBC_TUNABLES), to show the runtime's
 lead without it.
 `--precision bf16` and/or `--channels-last` pick one mode instead (on the CPU too: CPU autocast

@@ -97,12 +97,8 @@ struct ProfileArgs {
     /// Intra-op threads for libtorch [default: libtorch's own choice].
     #[arg(long)]
     threads: Option<usize>,
-    /// Host memory a step frees: `keep` it for the next iteration (no block unmapped, the heap
-    /// never trimmed, so the next iteration faults in and zeroes nothing again), or `release` it
-    /// to the system as glibc does by default. malloc settings in the environment
-    /// (GLIBC_TUNABLES, MALLOC_*_) win over either.
-    #[arg(long, value_enum, default_value_t = HostMemoryArg::Keep)]
-    host_memory: HostMemoryArg,
+    #[command(flatten)]
+    host_memory: HostMemoryArgs,
     /// Timed repeats per module; the profile keeps the median.
     #[arg(long, default_value_t = 5)]
     repeats: usize,
@@ -273,12 +269,8 @@ struct TrainArgs {
     /// --slowdown.
     #[arg(long)]
     cuda_graph: bool,
-    /// Host memory a step frees: `keep` it for the next iteration (no block unmapped, the heap
-    /// never trimmed, so the next iteration faults in and zeroes nothing again), or `release` it
-    /// to the system as glibc does by default. malloc settings in the environment
-    /// (GLIBC_TUNABLES, MALLOC_*_) win over either.
-    #[arg(long, value_enum, default_value_t = HostMemoryArg::Keep)]
-    host_memory: HostMemoryArg,
+    #[command(flatten)]
+    host_memory: HostMemoryArgs,
     /// Leading iterations left out of the summary's throughput.
     #[arg(long, default_value_t = 1)]
     warmup: u64,
@@ -444,15 +436,26 @@ enum OptimizerArg {
     AdamW,
 }
 
+/// `--host-memory`, shared by the commands that train or measure.
+#[derive(Debug, Args)]
+struct HostMemoryArgs {
+    /// Host memory a step frees: `keep` it for the next iteration (no block unmapped, the heap
+    /// never trimmed, so the next iteration faults in and zeroes nothing again), or `release` it
+    /// to the system as glibc does by default. malloc settings in the environment
+    /// (GLIBC_TUNABLES, MALLOC_*_) win over either.
+    #[arg(long, value_enum, default_value_t = HostMemoryArg::Keep)]
+    host_memory: HostMemoryArg,
+}
+
 #[derive(Debug, Clone, Copy, ValueEnum)]
 enum HostMemoryArg {
     Keep,
     Release,
 }
 
-impl From<HostMemoryArg> for host_memory::Policy {
-    fn from(arg: HostMemoryArg) -> host_memory::Policy {
-        match arg {
+impl From<HostMemoryArgs> for host_memory::Policy {
+    fn from(args: HostMemoryArgs) -> host_memory::Policy {
+        match args.host_memory {
             HostMemoryArg::Keep => host_memory::Policy::Keep,
             HostMemoryArg::Release => host_memory::Policy::Release,
         }
