@@ -6,7 +6,7 @@ the same lr (PyTorch: torch.optim.SGD with its defaults), the same batch, shapes
 iterations. Runs alternate (the order rotates every round) in one go so drift on the
 machine hits every side alike; prints the median of each side and the ratio runtime / reference.
 
-    scripts/bench-runtime                   # CPU, fp32: runtime vs eager on mlp, vgg16, resnet50
+    scripts/bench-runtime                   # CPU, fp32: runtime vs eager on mlp, vgg16, resnet50, transformer
     scripts/bench-runtime --device cuda     # GPU: resnet50, vgg16, transformer in both modes below
 
 Modes (the arithmetic both sides use) and their references:
@@ -243,7 +243,7 @@ def peak(runs):
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
-    p.add_argument("--models", help="comma-separated [default: mlp,vgg16,resnet50 on the CPU, "
+    p.add_argument("--models", help="comma-separated [default: mlp,vgg16,resnet50,transformer on the CPU, "
                                     "resnet50,vgg16,transformer on the GPU]")
     p.add_argument("--precision", choices=["fp32", "bf16"],
                    help="run this mode only (with --channels-last if given)")
@@ -278,7 +278,7 @@ def parse_args():
     cuda = args.device.startswith("cuda")
     if not (cuda or args.device == "cpu"):
         p.error(f"--device {args.device}: expected cpu, cuda or cuda:N")
-    args.models = (args.models or ("resnet50,vgg16,transformer" if cuda else "mlp,vgg16,resnet50")).split(",")
+    args.models = (args.models or ("resnet50,vgg16,transformer" if cuda else "mlp,vgg16,resnet50,transformer")).split(",")
     for model in args.models:
         if model not in APPLIES:
             p.error(f"--models: unknown model {model!r}; known: {', '.join(APPLIES)}")
