@@ -12,6 +12,8 @@
 //! iteration. The process keeps its peak until it ends, as a training process reaches that peak
 //! every iteration anyway. [`Policy::Release`] leaves glibc's defaults. Settings the
 //! environment makes (`GLIBC_TUNABLES`' malloc tunables, `MALLOC_*_`) are the user's and win.
+//! Where malloc is not glibc's (or glibc refuses a setting) nothing changes, and the run says
+//! `release`.
 
 use std::fmt;
 
@@ -65,27 +67,26 @@ pub fn apply(policy: Policy) -> Applied {
     }
     match policy {
         Policy::Release => Applied::Released,
-        Policy::Keep => {
-            keep_freed_memory();
-            Applied::Kept
-        }
+        Policy::Keep if keep_freed_memory() => Applied::Kept,
+        // An allocator that is not glibc's keeps its own ways.
+        Policy::Keep => Applied::Released,
     }
 }
 
+/// Tells glibc's malloc to keep freed memory; whether it took both settings.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
-fn keep_freed_memory() {
+fn keep_freed_memory() -> bool {
     // SAFETY: mallopt only sets the allocator's parameters (under its own lock); blocks already
     // handed out keep how they were allocated. Both settings are valid on every glibc: 0 mappings
     // of their own, and a trim threshold of -1 (as size_t, the largest), which mallopt(3)
-    // documents as turning trimming off.
-    unsafe {
-        libc::mallopt(libc::M_MMAP_MAX, 0);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, -1);
-    }
+    // documents as turning trimming off. mallopt returns 1 where it took a setting.
+    unsafe { libc::mallopt(libc::M_MMAP_MAX, 0) == 1 && libc::mallopt(libc::M_TRIM_THRESHOLD, -1) == 1 }
 }
 
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-fn keep_freed_memory() {}
+fn keep_freed_memory() -> bool {
+    false
+}
 
 #[cfg(test)]
 mod tests {
@@ -134,7 +135,7 @@ mod tests {
             eprintln!("skipped: the environment tunes glibc's malloc");
             return;
         }
-        keep_freed_memory();
+        assert!(keep_freed_memory(), "glibc refused a setting");
         // Large for a heap to grow by, within what a thread's own arena can hold (libtest runs
         // each test on a thread of its own, whose blocks come from such an arena).
         const BIG: usize = 16 << 20;
