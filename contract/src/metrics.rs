@@ -225,6 +225,14 @@ pub struct Iteration {
     /// With `--reduce partial:K`, the group this rank's step combined in.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub partial_reduce: Option<PartialGroup>,
+    /// With `--precision fp16`: the gradient scaler's loss scale after this iteration's step
+    /// (what `torch.amp.GradScaler.get_scale()` returns then; the same on every rank).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss_scale: Option<f64>,
+    /// With `--precision fp16`: whether this iteration's step was skipped because some rank's
+    /// gradients held an inf or a nan (every rank skips it; the scale is halved).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step_skipped: Option<bool>,
 }
 
 /// One step's group of a partial reduce (`--reduce partial:K`).
@@ -301,6 +309,9 @@ pub struct Summary {
     /// The CUDA caching allocator's peak reserved bytes (allocated plus its cache).
     #[serde(default)]
     pub gpu_peak_reserved_bytes: Option<u64>,
+    /// With `--precision fp16`: steps the gradient scaler skipped over the run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub skipped_steps: Option<u64>,
 }
 
 /// The `trace` event (only with `runtime --trace`): which weights a microbatch's forward and
@@ -406,6 +417,8 @@ mod tests {
             sent_bytes: 0,
             sent_dense_bytes: 0,
             partial_reduce: None,
+            loss_scale: None,
+            step_skipped: None,
         }
     }
 

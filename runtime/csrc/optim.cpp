@@ -14,13 +14,21 @@
 // Every entry point returns nullptr on success or a malloc'd message (free it with sh_error_free
 // from c10d_bridge.cpp); no C++ exception crosses into Rust. Tensors arrive as `at::Tensor*`
 // (what tch's `Tensor::as_ptr()` points at); the caller passes only parameters with a gradient.
+//
+// fp16's gradient scaler skips a step on the device: a non-null `found_inf` (a one-element float32
+// tensor, exactly 1.0 when some gradient held an inf or a nan) makes the kernels leave parameters
+// and state untouched, and Adam's step counts are decremented by it again, as torch.optim's fused
+// path does. Nothing reads the flag on the host, so a step neither waits for the stream nor breaks
+// a CUDA graph capture.
 
 #include <cstddef>
+#include <optional>
 #include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_foreach_add.h>
+#include <ATen/ops/_foreach_sub.h>
 #include <ATen/ops/_fused_adam.h>
 #include <ATen/ops/_fused_adamw.h>
 #include <ATen/ops/_fused_sgd.h>
@@ -118,6 +126,18 @@ void check_lr(const at::Tensor& lr, c10::Device device) {
               "a learning-rate tensor must be a 0-dim float32 tensor on ", device);
 }
 
+// The skip flag as the kernels read it: one float32 value on the group's device (copied there
+// from the flag's own device for a stage over several devices, as torch.optim does).
+std::optional<at::Tensor> flag_on(const at::Tensor* found_inf, c10::Device device) {
+  if (found_inf == nullptr) {
+    return std::nullopt;
+  }
+  TORCH_CHECK(found_inf->defined() && found_inf->numel() == 1 &&
+                  found_inf->scalar_type() == at::kFloat,
+              "a skip flag must be a one-element float32 tensor");
+  return found_inf->device() == device ? found_inf->reshape({}) : found_inf->reshape({}).to(device);
+}
+
 const at::Tensor& state_at(const at::Tensor* const* list, size_t i, const char* what) {
   TORCH_CHECK(list != nullptr && list[i] != nullptr && list[i]->defined(), "missing ", what,
               " for parameter ", i);
@@ -129,13 +149,14 @@ const at::Tensor& state_at(const at::Tensor* const* list, size_t i, const char* 
 extern "C" {
 
 // torch.optim.SGD(fused=True) with dampening 0 over `count` parameters. With momentum,
-// `momentum_buffers` has one tensor per parameter (shaped like it); `first_step` says the
-// buffers are new, and the kernel then sets them to the gradient (plus weight decay) instead of
-// blending. Without momentum, `momentum_buffers` is ignored (may be null). A non-null `lr_tensor`
-// (0-dim float32 on the parameters' device) is read for the learning rate instead of `lr`.
+// `momentum_buffers` has one tensor per parameter (shaped like it), which the kernel blends the
+// gradient (plus weight decay) into; a new buffer is zeros, which makes the blend exactly torch's
+// first step (0 * momentum + g is g). Without momentum, `momentum_buffers` is ignored (may be
+// null). A non-null `lr_tensor` (0-dim float32 on the parameters' device) is read for the
+// learning rate instead of `lr`; a non-null `found_inf` may skip the step (see above).
 char* sh_fused_sgd_step(const at::Tensor* const* params, const at::Tensor* const* momentum_buffers,
                         size_t count, double lr, const at::Tensor* lr_tensor, double momentum,
-                        double weight_decay, bool nesterov, bool first_step) {
+                        double weight_decay, bool nesterov, const at::Tensor* found_inf) {
   return guarded([&] {
     TORCH_CHECK(!nesterov || momentum > 0.0, "nesterov momentum needs a momentum above 0");
     const bool with_buffers = momentum != 0.0;
@@ -150,13 +171,16 @@ char* sh_fused_sgd_step(const at::Tensor* const* params, const at::Tensor* const
     }
     for (auto& g : groups) {
       auto buffers = with_buffers ? at::TensorList(g.columns[2]) : at::TensorList();
+      auto flag = flag_on(found_inf, g.device);
       if (lr_tensor != nullptr) {
         check_lr(*lr_tensor, g.device);
         at::_fused_sgd_(g.columns[0], g.columns[1], buffers, weight_decay, momentum, *lr_tensor,
-                        /*dampening=*/0.0, nesterov, /*maximize=*/false, first_step);
+                        /*dampening=*/0.0, nesterov, /*maximize=*/false, /*is_first_step=*/false,
+                        /*grad_scale=*/std::nullopt, flag);
       } else {
         at::_fused_sgd_(g.columns[0], g.columns[1], buffers, weight_decay, momentum, lr,
-                        /*dampening=*/0.0, nesterov, /*maximize=*/false, first_step);
+                        /*dampening=*/0.0, nesterov, /*maximize=*/false, /*is_first_step=*/false,
+                        /*grad_scale=*/std::nullopt, flag);
       }
     }
   });
@@ -165,12 +189,13 @@ char* sh_fused_sgd_step(const at::Tensor* const* params, const at::Tensor* const
 // torch.optim.Adam(fused=True), or AdamW when `decoupled_weight_decay`, without amsgrad, over
 // `count` parameters with their first and second moments (shaped like the parameter) and their
 // step counts (0-dim float32 tensors on the parameter's device, incremented here before the
-// update, as torch does). A non-null `lr_tensor` is read for the learning rate, as in SGD.
+// update, as torch does, and decremented by `found_inf` after it). A non-null `lr_tensor` is read
+// for the learning rate, and a non-null `found_inf` may skip the step, as in SGD.
 char* sh_fused_adam_step(const at::Tensor* const* params, const at::Tensor* const* exp_avgs,
                          const at::Tensor* const* exp_avg_sqs, const at::Tensor* const* steps,
                          size_t count, double lr, const at::Tensor* lr_tensor, double beta1,
                          double beta2, double eps, double weight_decay,
-                         bool decoupled_weight_decay) {
+                         bool decoupled_weight_decay, const at::Tensor* found_inf) {
   return guarded([&] {
     c10::NoGradGuard no_grad;
     std::vector<Group> groups;
@@ -182,21 +207,31 @@ char* sh_fused_adam_step(const at::Tensor* const* params, const at::Tensor* cons
     for (auto& g : groups) {
       at::_foreach_add_(g.columns[4], 1);
       auto& p = g.columns;
+      auto flag = flag_on(found_inf, g.device);
+      const std::optional<at::Tensor> no_scale;
       if (lr_tensor != nullptr) {
         check_lr(*lr_tensor, g.device);
         if (decoupled_weight_decay) {
           at::_fused_adamw_(p[0], p[1], p[2], p[3], /*max_exp_avg_sqs=*/{}, p[4], *lr_tensor, beta1,
-                            beta2, weight_decay, eps, /*amsgrad=*/false, /*maximize=*/false);
+                            beta2, weight_decay, eps, /*amsgrad=*/false, /*maximize=*/false,
+                            no_scale, flag);
         } else {
           at::_fused_adam_(p[0], p[1], p[2], p[3], /*max_exp_avg_sqs=*/{}, p[4], *lr_tensor, beta1,
-                           beta2, weight_decay, eps, /*amsgrad=*/false, /*maximize=*/false);
+                           beta2, weight_decay, eps, /*amsgrad=*/false, /*maximize=*/false,
+                           no_scale, flag);
         }
       } else if (decoupled_weight_decay) {
         at::_fused_adamw_(p[0], p[1], p[2], p[3], /*max_exp_avg_sqs=*/{}, p[4], lr, beta1, beta2,
-                          weight_decay, eps, /*amsgrad=*/false, /*maximize=*/false);
+                          weight_decay, eps, /*amsgrad=*/false, /*maximize=*/false, no_scale,
+                          flag);
       } else {
         at::_fused_adam_(p[0], p[1], p[2], p[3], /*max_exp_avg_sqs=*/{}, p[4], lr, beta1, beta2,
-                         weight_decay, eps, /*amsgrad=*/false, /*maximize=*/false);
+                         weight_decay, eps, /*amsgrad=*/false, /*maximize=*/false, no_scale, flag);
+      }
+      if (flag.has_value()) {
+        // A skipped step does not count (torch.optim.Adam's fused path undoes its increment so).
+        std::vector<at::Tensor> flags(p[4].size(), *flag);
+        at::_foreach_sub_(p[4], flags);
       }
     }
   });

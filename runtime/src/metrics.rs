@@ -136,6 +136,7 @@ mod tests {
             host_peak_rss_bytes: None,
             gpu_peak_allocated_bytes: None,
             gpu_peak_reserved_bytes: None,
+            skipped_steps: None,
         };
         Emitter::new(&mut buf)
             .emit(&Event::Summary(summary.clone()))

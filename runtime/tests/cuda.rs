@@ -348,20 +348,22 @@ fn gpu_a_stage_over_two_gpus_trains_as_on_one() {
 /// `--cuda-graph`: the step captured once and replayed trains as the eager step does, every
 /// model, with a learning rate that changes every iteration (read from the device by the replays),
 /// fresh data each iteration (copied into the graph's inputs), dropout reseeded per iteration
-/// (the transformer), batch norms' running statistics (resnet50), several microbatches, and
-/// bf16 with channels_last.
+/// (the transformer), batch norms' running statistics (resnet50), several microbatches, bf16 with
+/// channels_last, and fp16, whose gradient scaler skips steps and rescales on the device.
 #[test]
 fn gpu_a_step_replayed_from_a_cuda_graph_trains_as_the_eager_step() {
     let Some(_) = gpus("gpu_a_step_replayed_from_a_cuda_graph_trains_as_the_eager_step") else {
         return;
     };
-    let cases: [(&str, f64); 5] = [
+    let cases: [(&str, f64); 6] = [
         ("--model mlp --layers 3 --hidden 64 --image-size 16", 1e-3),
         ("--model resnet50 --image-size 32 --num-classes 10", 1e-3),
         ("--model transformer --layers 2 --hidden 64 --heads 4 --seq-len 16 --vocab-size 100 --dropout 0.1", 1e-3),
         ("--model mlp --layers 3 --hidden 64 --image-size 16 --microbatches 4 --optimizer adamw", 1e-3),
         // bf16's 8-bit mantissa: an algorithm picked otherwise rounds at about 2^-8 relative.
         ("--model resnet50 --image-size 32 --num-classes 10 --precision bf16 --channels-last", 2f64.powi(-7)),
+        // fp16's 11-bit mantissa: likewise at about 2^-11 relative, with room.
+        ("--model resnet50 --image-size 32 --num-classes 10 --precision fp16 --channels-last", 2f64.powi(-8)),
     ];
     for (model, tolerance) in cases {
         let mut args = words(model);
@@ -388,6 +390,13 @@ fn gpu_a_step_replayed_from_a_cuda_graph_trains_as_the_eager_step() {
         );
         for (x, y) in a.iter().zip(&b) {
             assert_eq!(x.lr, y.lr, "{model}: iteration {}", x.iteration);
+            // fp16: the replays skip and rescale as the eager steps did.
+            assert_eq!(x.loss_scale, y.loss_scale, "{model}: iteration {}", x.iteration);
+            assert_eq!(
+                x.step_skipped, y.step_skipped,
+                "{model}: iteration {}",
+                x.iteration
+            );
             let (lx, ly) = (x.loss.unwrap(), y.loss.unwrap());
             assert!(
                 (lx - ly).abs() <= tolerance * lx.abs(),

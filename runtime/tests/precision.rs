@@ -90,12 +90,51 @@ fn bf16_autocast_trains_close_to_fp32_and_crosses_stages_in_bf16() {
     assert_eq!(seen, 20, "5 iterations of 4 microbatches send a gradient each");
 }
 
+/// What a run's events say the gradient scaler did, per iteration: (scale after the step,
+/// skipped); and checks they tell one story: the scale starts at torch's 2^16, halves after each
+/// skipped step and holds otherwise (no growth before 2000 clean steps), and the summary counts
+/// the skipped ones.
+fn scaler_story(run: &Run) -> Vec<(f64, bool)> {
+    let story: Vec<(f64, bool)> = run
+        .iterations()
+        .iter()
+        .map(|it| {
+            (
+                it.loss_scale.expect("fp16 reports its scale"),
+                it.step_skipped.expect("and skips"),
+            )
+        })
+        .collect();
+    let mut scale = 65536.0;
+    for &(reported, skipped) in &story {
+        if skipped {
+            scale *= 0.5;
+        }
+        assert_eq!(reported, scale, "{story:?}");
+    }
+    let skipped = story.iter().filter(|(_, s)| *s).count() as u64;
+    assert_eq!(run.summary().skipped_steps, Some(skipped), "{story:?}");
+    story
+}
+
 #[test]
 fn fp16_trains_with_its_gradient_scaler_in_one_process_and_a_pipeline() {
-    let single = run_ok(&args(MLP, &["--precision", "fp16"])).losses();
+    let fp16 = run_ok(&args(MLP, &["--precision", "fp16"]));
+    let single = fp16.losses();
     assert!(single.iter().all(|l| l.is_finite()), "{single:?}");
     assert!(single[4] < single[0], "fp16 learns: {single:?}");
+    assert_eq!(scaler_story(&fp16).len(), 5);
+    let fp32 = run_ok(&args(MLP, &[]));
+    assert!(fp32
+        .iterations()
+        .iter()
+        .all(|it| it.loss_scale.is_none() && it.step_skipped.is_none()));
+    assert_eq!(fp32.summary().skipped_steps, None);
+
     let runs = two_stages("fp16", "gpipe", &[]);
+    // Both stages skip the same steps with the same scale.
+    let stories: Vec<_> = runs.iter().map(scaler_story).collect();
+    assert_eq!(stories[0], stories[1]);
     // float16 keeps 11 significant bits, finer than bfloat16: the same bound holds.
     assert_within(
         "fp16 pipeline vs one process",

@@ -117,6 +117,8 @@ fn main() {
             sent_bytes: 0,
             sent_dense_bytes: 0,
             partial_reduce: None,
+            loss_scale: None,
+            step_skipped: None,
         };
         println!("{}", Event::Iteration(it).to_line());
         eprintln!("fake-rank {rank}: iteration {i} done");
@@ -143,6 +145,7 @@ fn main() {
         host_peak_rss_bytes: None,
         gpu_peak_allocated_bytes: None,
         gpu_peak_reserved_bytes: None,
+        skipped_steps: None,
     };
     println!("{}", Event::Summary(summary).to_line());
 }

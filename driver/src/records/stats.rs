@@ -181,6 +181,8 @@ mod tests {
             sent_bytes: 0,
             sent_dense_bytes: 0,
             partial_reduce: None,
+            loss_scale: None,
+            step_skipped: None,
         })
     }
 

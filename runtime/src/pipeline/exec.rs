@@ -25,7 +25,7 @@ use crate::lr::LrSchedule;
 use crate::schedule::{Action, Schedule};
 use crate::signals::{self, Stopped};
 use crate::stage::checkpoint::{self, Identity};
-use crate::stage::{backward_with_grad, GradScaler, Optimizer, Stage};
+use crate::stage::{backward_with_grad, GradScaler, Optimizer, ScalerReport, Stage};
 
 /// The process groups a rank talks through; `None` in a single-process run.
 pub struct Links {
@@ -76,6 +76,8 @@ pub struct IterationReport {
     pub p2p: Vec<P2p>,
     /// With a partial reduce, the group of the iteration's step.
     pub group: Option<GroupReport>,
+    /// With fp16, what the gradient scaler did at the iteration's step.
+    pub scaler: Option<ScalerReport>,
 }
 
 /// A microbatch between its forward and its backward.
@@ -685,8 +687,9 @@ impl Executor {
             .map_err(|e| anyhow::anyhow!("the gradient all-reduce of stage {}: {e}", self.stage_id))?;
             progress.timing.reduce += stats;
         }
-        let skip = match &mut self.scaler {
-            None => false,
+        // fp16: the inf/nan flag the step reads, on the device (nothing here waits for it).
+        let found_inf = match &mut self.scaler {
+            None => None,
             Some(scaler) => {
                 let grads = self.optimizer.grads();
                 scaler.unscale(&grads).map_err(anyhow::Error::msg)?;
@@ -698,7 +701,7 @@ impl Executor {
                         .all_reduce_sum(std::slice::from_ref(scaler.found_inf()))?
                         .wait()?;
                 }
-                scaler.update().map_err(anyhow::Error::msg)?
+                Some(scaler.step_flag().map_err(anyhow::Error::msg)?.shallow_clone())
             }
         };
         if !progress.capturing() {
@@ -711,11 +714,16 @@ impl Executor {
             // was the gradient scaler's kernels, if any.
             progress.timing.compute += started.elapsed();
         }
-        if !skip {
-            let slowdown = self.slowdown;
-            let devices = self.timed_devices(progress);
-            timed(&devices, slowdown, &mut progress.timing, || self.optimizer.step())
-                .map_err(|e| anyhow::anyhow!("the optimizer step of stage {} failed: {e}", self.stage_id))?;
+        let slowdown = self.slowdown;
+        let devices = self.timed_devices(progress);
+        let optimizer = &mut self.optimizer;
+        timed(&devices, slowdown, &mut progress.timing, || match &found_inf {
+            None => optimizer.step(),
+            Some(flag) => optimizer.step_unless(flag),
+        })
+        .map_err(|e| anyhow::anyhow!("the optimizer step of stage {} failed: {e}", self.stage_id))?;
+        if let Some(scaler) = &mut self.scaler {
+            scaler.update().map_err(anyhow::Error::msg)?;
         }
         if let (Some(partial), Some(group)) = (&mut self.partial, &self.links.replicas) {
             let started = Instant::now();
@@ -874,6 +882,7 @@ impl Executor {
                             traces,
                             p2p: p2p.filter(|_| self.trace).unwrap_or_default(),
                             group: progress.group.take(),
+                            scaler: self.scaler.as_ref().map(GradScaler::report),
                         })?;
                         if let Some(c) = &self.checkpoint {
                             let done = iteration as u64 + 1;

@@ -75,6 +75,11 @@ impl Drop for Autocast {
 /// not underflow, gradients are unscaled before the step, and a step whose gradients hold an inf
 /// or a nan is skipped (and the scale halved).
 ///
+/// All of it stays on the device, as with torch's fused optimizers: the inf/nan flag goes to the
+/// optimizer's kernels ([`crate::stage::Optimizer::step_unless`]), which skip the step there, and
+/// the scale is updated by torch's own kernel; nothing waits for the device to learn whether a
+/// step was taken (so a step with the scaler can be captured in a CUDA graph).
+///
 /// In a pipeline every rank keeps the same scale: the last stage scales the loss, every stage
 /// unscales its own gradients with the same factor, and the inf/nan flag is summed over all ranks
 /// so they all skip the same steps.
@@ -82,6 +87,15 @@ pub struct GradScaler {
     scale: Tensor,
     growth_tracker: Tensor,
     found_inf: Tensor,
+}
+
+/// What fp16's gradient scaler did at a step (see [`GradScaler::report`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ScalerReport {
+    /// The loss scale after the step's update (what `GradScaler.get_scale()` returns then).
+    pub scale: f64,
+    /// Whether the step was skipped: some rank's gradients held an inf or a nan.
+    pub skipped: bool,
 }
 
 const INIT_SCALE: f64 = 65536.0;
@@ -96,12 +110,6 @@ impl GradScaler {
             growth_tracker: Tensor::zeros([1], (Kind::Int, device)),
             found_inf: Tensor::zeros([1], (Kind::Float, device)),
         }
-    }
-
-    /// The current scale.
-    #[cfg(test)]
-    pub fn scale(&self) -> f64 {
-        self.scale.double_value(&[0])
     }
 
     /// `loss` times the scale (a one-element tensor, so no host round trip).
@@ -157,9 +165,16 @@ impl GradScaler {
         Ok(&self.found_inf)
     }
 
-    /// Updates the scale from the (summed) flag; returns whether the step must be skipped.
-    pub fn update(&mut self) -> Result<bool, String> {
-        let found = self.found_inf.double_value(&[0]) > 0.0;
+    /// The flag the optimizer's step reads, once summed over the ranks: clamped to 1.0, as the
+    /// kernels skip a step where it is exactly 1.0 (two ranks' infs sum to 2).
+    pub fn step_flag(&mut self) -> Result<&Tensor, String> {
+        let _ = self.found_inf.f_clamp_max_(1.0).map_err(|e| e.to_string())?;
+        Ok(&self.found_inf)
+    }
+
+    /// Updates the scale from the (summed) flag, on the device: halved after a skipped step,
+    /// doubled after [`INTERVAL`] clean ones in a row.
+    pub fn update(&mut self) -> Result<(), String> {
         // SAFETY: live one-element tensors of the kinds the kernel wants.
         check(unsafe {
             sh_amp_update_scale(
@@ -171,7 +186,18 @@ impl GradScaler {
                 INTERVAL,
             )
         })?;
-        Ok(found)
+        Ok(())
+    }
+
+    /// What the last step did, read back from the device (one copy, which waits for the step):
+    /// the scale the next step uses, and whether the last one was skipped.
+    pub fn report(&self) -> ScalerReport {
+        let both = Tensor::cat(&[&self.scale, &self.found_inf], 0).to_device(Device::Cpu);
+        let values = Vec::<f32>::try_from(&both).expect("two float32 values");
+        ScalerReport {
+            scale: f64::from(values[0]),
+            skipped: values[1] > 0.0,
+        }
     }
 
     /// What a checkpoint keeps: the scale and the growth tracker.
@@ -238,18 +264,37 @@ mod tests {
     }
 
     #[test]
-    fn the_scaler_skips_a_step_with_an_inf_and_halves_its_scale() {
+    fn the_scaler_flags_a_step_with_an_inf_and_halves_its_scale() {
         let mut scaler = GradScaler::new(Device::Cpu);
         let grads = [Tensor::from_slice(&[65536.0f32, 131072.0])];
         scaler.unscale(&grads).unwrap();
         assert_eq!(Vec::<f32>::try_from(&grads[0]).unwrap(), vec![1.0, 2.0]);
-        assert!(!scaler.update().unwrap());
-        assert_eq!(scaler.scale(), INIT_SCALE);
+        assert_eq!(scaler.step_flag().unwrap().double_value(&[0]), 0.0);
+        scaler.update().unwrap();
+        assert_eq!(
+            scaler.report(),
+            ScalerReport {
+                scale: INIT_SCALE,
+                skipped: false
+            }
+        );
 
-        let bad = [Tensor::from_slice(&[1.0f32, f32::INFINITY])];
+        let bad = [
+            Tensor::from_slice(&[1.0f32, f32::INFINITY]),
+            Tensor::from_slice(&[f32::NAN]),
+        ];
         scaler.unscale(&bad).unwrap();
-        assert!(scaler.update().unwrap(), "an inf skips the step");
-        assert_eq!(scaler.scale(), INIT_SCALE * BACKOFF);
+        // As if three ranks had found one each: the kernels skip only on exactly 1.
+        let _ = scaler.found_inf.fill_(3.0);
+        assert_eq!(scaler.step_flag().unwrap().double_value(&[0]), 1.0);
+        scaler.update().unwrap();
+        assert_eq!(
+            scaler.report(),
+            ScalerReport {
+                scale: INIT_SCALE * BACKOFF,
+                skipped: true
+            }
+        );
     }
 
     #[test]

@@ -19,7 +19,7 @@ use tch::{Device, Tensor};
 use crate::config::Precision;
 use crate::models::{count_params, Loss, ModelDef};
 
-pub use amp::GradScaler;
+pub use amp::{GradScaler, ScalerReport};
 pub use autograd::{backward_with_grad, set_grad_ready_hook, GradReadyFn};
 pub use optim::Optimizer;
 

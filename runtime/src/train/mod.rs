@@ -591,6 +591,7 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
     let mut throughput = Throughput::default();
     let mut totals = (Duration::ZERO, Duration::ZERO, Duration::ZERO);
     let mut last_loss = None;
+    let mut skipped_steps = 0u64;
     let (rank, stage_id, batch) = (dist.rank, my_stage.id, config.batch_size);
     executor.run(&actions, |report| {
         let time_s = report.time.as_secs_f64();
@@ -604,6 +605,7 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
         totals.1 += report.timing.compute;
         totals.2 += report.timing.comm;
         last_loss = report.loss.or(last_loss);
+        skipped_steps += report.scaler.map_or(0, |s| u64::from(s.skipped));
         for op in report.p2p {
             out.emit(&Event::P2p(op))?;
         }
@@ -644,6 +646,8 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
                 update: g.update,
                 wait_s: g.wait.as_secs_f64(),
             }),
+            loss_scale: report.scaler.map(|s| s.scale),
+            step_skipped: report.scaler.map(|s| s.skipped),
         }))?;
         Ok(())
     })?;
@@ -691,6 +695,7 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
         host_peak_rss_bytes: memory.host_peak_rss,
         gpu_peak_allocated_bytes: memory.gpu_peak_allocated,
         gpu_peak_reserved_bytes: memory.gpu_peak_reserved,
+        skipped_steps: (config.precision == Precision::Fp16).then_some(skipped_steps),
     };
     eprintln!(
         "runtime: rank {rank} done: {:.1} samples/s (std {:.1}), final loss {}",

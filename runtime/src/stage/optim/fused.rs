@@ -17,7 +17,7 @@ extern "C" {
         momentum: f64,
         weight_decay: f64,
         nesterov: bool,
-        first_step: bool,
+        found_inf: *const C_tensor,
     ) -> *mut c_char;
     fn sh_fused_adam_step(
         params: *const *const C_tensor,
@@ -32,6 +32,7 @@ extern "C" {
         eps: f64,
         weight_decay: f64,
         decoupled_weight_decay: bool,
+        found_inf: *const C_tensor,
     ) -> *mut c_char;
 }
 
@@ -76,14 +77,20 @@ fn handles(tensors: &[&Tensor]) -> Vec<*const C_tensor> {
     tensors.iter().map(|t| t.as_ptr()).collect()
 }
 
+fn handle_or_null(tensor: Option<&Tensor>) -> *const C_tensor {
+    tensor.map_or(std::ptr::null(), |t| t.as_ptr())
+}
+
 /// One `torch.optim.SGD(fused=True)` step over `params`, which all have gradients. With momentum,
-/// `buffers` holds one buffer per parameter, shaped like it; `first_step` says they are new (the
-/// kernel sets them instead of blending). Without momentum `buffers` must be empty.
+/// `buffers` holds one buffer per parameter, shaped like it, which the gradient is blended into
+/// (a new buffer is zeros: the blend is then torch's first step exactly). Without momentum
+/// `buffers` must be empty. With `found_inf` (a one-element float32 tensor) the kernel skips the
+/// step on the device where the flag is 1.0 (fp16's gradient scaler).
 pub fn sgd_step(
     params: &[&Tensor],
     buffers: &[&Tensor],
     hyper: SgdHyper,
-    first_step: bool,
+    found_inf: Option<&Tensor>,
 ) -> Result<(), String> {
     let with_buffers = hyper.momentum != 0.0;
     if buffers.len() != if with_buffers { params.len() } else { 0 } {
@@ -96,9 +103,9 @@ pub fn sgd_step(
     }
     let (params, buffers) = (handles(params), handles(buffers));
     let (lr, lr_tensor) = hyper.lr.raw();
-    // SAFETY: every handle is a live tch tensor (an `at::Tensor*`) borrowed for the call; the
-    // bridge reads `count` entries of each array (none of `buffers` without momentum), mutates
-    // the tensors' data only, and catches every C++ exception.
+    // SAFETY: every handle is a live tch tensor (an `at::Tensor*`) borrowed for the call, or null
+    // where optional; the bridge reads `count` entries of each array (none of `buffers` without
+    // momentum), mutates the tensors' data only, and catches every C++ exception.
     check(unsafe {
         sh_fused_sgd_step(
             params.as_ptr(),
@@ -113,20 +120,22 @@ pub fn sgd_step(
             hyper.momentum,
             hyper.weight_decay,
             hyper.nesterov,
-            first_step,
+            handle_or_null(found_inf),
         )
     })
 }
 
 /// One `torch.optim.Adam(fused=True)` (or `AdamW`) step over `params`, which all have gradients,
 /// with their moments (shaped like the parameter) and step counts (0-dim float32 on the
-/// parameter's device), which the step increments.
+/// parameter's device), which the step increments. `found_inf` skips the step as in
+/// [`sgd_step`], the step counts included.
 pub fn adam_step(
     params: &[&Tensor],
     exp_avgs: &[&Tensor],
     exp_avg_sqs: &[&Tensor],
     steps: &[&Tensor],
     hyper: AdamHyper,
+    found_inf: Option<&Tensor>,
 ) -> Result<(), String> {
     let n = params.len();
     if exp_avgs.len() != n || exp_avg_sqs.len() != n || steps.len() != n {
@@ -160,6 +169,7 @@ pub fn adam_step(
             hyper.eps,
             hyper.weight_decay,
             hyper.decoupled,
+            handle_or_null(found_inf),
         )
     })
 }

@@ -6,6 +6,13 @@
 //! The kernels update the parameters through `.data`-style aliases, which do not bump autograd's
 //! version counters: PipeDream's weight stashing steps the parameters while other microbatches'
 //! graphs, which saved them, are still waiting for their backward.
+//!
+//! fp16's gradient scaler skips a step on the device ([`Optimizer::step_unless`]): the kernels
+//! read its inf/nan flag and leave parameters and state as they were, as `torch.optim`'s fused
+//! path does, so the host never waits to learn whether a step was taken. A momentum buffer
+//! starts at zeros rather than at its first gradient (blending into zeros is the same arithmetic),
+//! so a skipped first step leaves nothing half-made; torch's own fused SGD starts the buffers
+//! uninitialised and blends that into the next step after a skipped first one.
 
 mod fused;
 #[cfg(test)]
@@ -78,7 +85,7 @@ impl Optimizer {
             .collect()
     }
 
-    /// Steps taken so far: the version of the weights.
+    /// Steps taken so far, fp16's skipped ones included: the version of the weights.
     pub fn steps(&self) -> u64 {
         self.steps
     }
@@ -186,7 +193,15 @@ impl Optimizer {
     /// memory for the optimizer's state, a device lost).
     pub fn step(&mut self) -> Result<(), String> {
         self.steps += 1;
-        self.try_step()
+        self.try_step(None)
+    }
+
+    /// [`Optimizer::step`], skipped on the device where `found_inf` (a one-element float32 tensor,
+    /// on any of the parameters' devices) holds exactly 1.0: parameters, momentum buffers, Adam's
+    /// moments and step counts stay as they were. Nothing waits for the flag on the host.
+    pub fn step_unless(&mut self, found_inf: &Tensor) -> Result<(), String> {
+        self.steps += 1;
+        self.try_step(Some(found_inf))
     }
 
     /// Counts a step that ran without this optimizer: replayed from a CUDA graph that captured
@@ -195,7 +210,7 @@ impl Optimizer {
         self.steps += 1;
     }
 
-    fn try_step(&mut self) -> Result<(), String> {
+    fn try_step(&mut self, found_inf: Option<&Tensor>) -> Result<(), String> {
         let live: Vec<usize> = (0..self.params.len())
             .filter(|&i| self.params[i].grad().defined())
             .collect();
@@ -211,13 +226,13 @@ impl Optimizer {
             }
         }
         for (_, group) in groups {
-            self.step_group(group)?;
+            self.step_group(group, found_inf)?;
         }
         Ok(())
     }
 
     /// One step of the parameters `live`, all on one device.
-    fn step_group(&mut self, live: Vec<usize>) -> Result<(), String> {
+    fn step_group(&mut self, live: Vec<usize>, found_inf: Option<&Tensor>) -> Result<(), String> {
         if live.is_empty() {
             return Ok(());
         }
@@ -240,25 +255,19 @@ impl Optimizer {
                     nesterov,
                 };
                 if momentum == 0.0 {
-                    return fused::sgd_step(&self.pick(&live), &[], hyper, false);
+                    return fused::sgd_step(&self.pick(&live), &[], hyper, found_inf);
                 }
-                // A new buffer is set to the gradient, an old one blends it in: torch's kernel
-                // does either for a whole call, so parameters stepping for the first time (all of
-                // them at the first step) go in a call of their own.
-                let (fresh, old): (Vec<usize>, Vec<usize>) =
-                    live.into_iter().partition(|&i| self.state[i].is_none());
-                for &i in &fresh {
-                    self.state[i] = Some(State::Momentum {
-                        buffer: self.params[i].empty_like(),
-                    });
-                }
-                for (indices, first_step) in [(old, false), (fresh, true)] {
-                    if !indices.is_empty() {
-                        let buffers = self.momentum_buffers(&indices);
-                        fused::sgd_step(&self.pick(&indices), &buffers, hyper, first_step)?;
+                // A new buffer is zeros: momentum * 0 + g is exactly g, torch's first step, and a
+                // step skipped on the device leaves it as if it never began.
+                for &i in &live {
+                    if self.state[i].is_none() {
+                        self.state[i] = Some(State::Momentum {
+                            buffer: self.params[i].zeros_like(),
+                        });
                     }
                 }
-                Ok(())
+                let buffers = self.momentum_buffers(&live);
+                fused::sgd_step(&self.pick(&live), &buffers, hyper, found_inf)
             }
             OptimizerKind::Adam { weight_decay } | OptimizerKind::AdamW { weight_decay } => {
                 for &i in &live {
@@ -291,7 +300,14 @@ impl Optimizer {
                     weight_decay,
                     decoupled: matches!(self.kind, OptimizerKind::AdamW { .. }),
                 };
-                fused::adam_step(&self.pick(&live), &moments.0, &moments.1, &moments.2, hyper)
+                fused::adam_step(
+                    &self.pick(&live),
+                    &moments.0,
+                    &moments.1,
+                    &moments.2,
+                    hyper,
+                    found_inf,
+                )
             }
         }
     }

@@ -21,6 +21,22 @@ struct Meta {
     /// Float32 roundings per step the tolerance allows (the generator explains the figure).
     ulps_per_step: f64,
     cases: Vec<Case>,
+    amp: Amp,
+}
+
+/// cases.json's `amp`: the gradients given a bad value, and the scale torch's scaler ends at.
+#[derive(Deserialize)]
+struct Amp {
+    bad: Vec<Bad>,
+    final_scale: f64,
+}
+
+#[derive(Deserialize)]
+struct Bad {
+    step: usize,
+    param: usize,
+    /// "inf" or "nan".
+    value: String,
 }
 
 #[derive(Deserialize)]
@@ -89,12 +105,59 @@ impl Fixtures {
             opt.zero_grad();
             for (i, p) in params.iter().enumerate() {
                 // d/dp sum(p * g) is exactly g.
-                let grad = self.get(&format!("grad{i}_{t}"));
-                (p * grad).sum(Kind::Float).backward();
+                (p * self.grad(i, t, false)).sum(Kind::Float).backward();
             }
             opt.step().unwrap();
         }
         params.iter().map(Tensor::detach).collect()
+    }
+
+    /// The gradient of parameter `i` at step `t`, with the fixture's bad value put in at the
+    /// steps of `amp.bad` when `bad`.
+    fn grad(&self, i: usize, t: usize, bad: bool) -> Tensor {
+        let grad = self.get(&format!("grad{i}_{t}")).copy();
+        for b in self
+            .meta
+            .amp
+            .bad
+            .iter()
+            .filter(|b| bad && b.step == t && b.param == i)
+        {
+            let value: f64 = b.value.parse().expect("amp.bad holds inf or nan");
+            let _ = grad.view([-1]).get(0).fill_(value);
+        }
+        grad
+    }
+
+    /// Our parameters after the fixture's steps behind fp16's gradient scaler (the loss scaled,
+    /// the bad steps' flags on the device), and the scaler's final scale. `honour_flag: false`
+    /// steps regardless of it (the check that the parity test can fail).
+    fn run_amp(&self, kind: OptimizerKind, lr: f64, honour_flag: bool) -> (Vec<Tensor>, f64) {
+        let n = self.meta.shapes.len();
+        let params: Vec<Tensor> = (0..n)
+            .map(|i| self.get(&format!("param{i}")).copy().set_requires_grad(true))
+            .collect();
+        let mut opt = Optimizer::new(kind, lr, params.iter().map(Tensor::shallow_clone).collect());
+        let mut scaler = crate::stage::GradScaler::new(Device::Cpu);
+        for t in 0..self.meta.steps {
+            opt.zero_grad();
+            let loss = params
+                .iter()
+                .enumerate()
+                .map(|(i, p)| (p * self.grad(i, t, true)).sum(Kind::Float))
+                .reduce(|a, b| a + b)
+                .expect("parameters");
+            scaler.scale_loss(&loss).backward();
+            scaler.unscale(&opt.grads()).unwrap();
+            let flag = scaler.step_flag().unwrap().shallow_clone();
+            match honour_flag {
+                true => opt.step_unless(&flag).unwrap(),
+                false => opt.step().unwrap(),
+            }
+            scaler.update().unwrap();
+        }
+        let scale = scaler.report().scale;
+        (params.iter().map(Tensor::detach).collect(), scale)
     }
 
     /// How far `ours` is from torch's result `{case}_{path}{i}`: the largest absolute difference,
@@ -107,6 +170,8 @@ impl Fixtures {
             let scale = self.get(&format!("{case}_scale{i}")).double_value(&[]);
             let tolerance = self.meta.steps as f64 * self.meta.ulps_per_step * f32::EPSILON as f64 * scale;
             let abs = (ours - theirs).abs().max().double_value(&[]);
+            // f64::max passes over a NaN: a parameter gone NaN is infinitely far.
+            let abs = if abs.is_nan() { f64::INFINITY } else { abs };
             d.abs = d.abs.max(abs);
             d.rel = d.rel.max(abs / scale);
             d.of_tolerance = d.of_tolerance.max(abs / tolerance);
@@ -140,6 +205,35 @@ fn every_case_matches_torch_foreach_and_fused() {
                 case.name
             );
         }
+    }
+}
+
+/// fp16: behind the gradient scaler, with an inf at the first step and a nan at a later one,
+/// every case ends where torch.amp.GradScaler with torch.optim's foreach path does (the whole step
+/// skipped, torch's reference), the scale halved twice; stepping regardless of the flag is far off.
+#[test]
+fn every_case_behind_the_gradient_scaler_matches_torch() {
+    let fixtures = Fixtures::load();
+    assert!(
+        fixtures.meta.amp.bad.iter().any(|b| b.step == 0),
+        "a skipped first step is covered"
+    );
+    for case in &fixtures.meta.cases {
+        let (ours, scale) = fixtures.run_amp(case.kind(), case.lr, true);
+        assert_eq!(scale, fixtures.meta.amp.final_scale, "{}", case.name);
+        let d = fixtures.compare(&case.name, "amp", &ours);
+        println!(
+            "{:<26} vs torch amp     : max |diff| {:.3e}, relative to scale {:.3e} ({:.4} of the tolerance)",
+            case.name, d.abs, d.rel, d.of_tolerance
+        );
+        assert!(d.of_tolerance <= 1.0, "{} behind the scaler: {d:?}", case.name);
+        let (unflagged, _) = fixtures.run_amp(case.kind(), case.lr, false);
+        let d = fixtures.compare(&case.name, "amp", &unflagged);
+        assert!(
+            d.of_tolerance > 1.0,
+            "{} passed with the flag ignored: {d:?}",
+            case.name
+        );
     }
 }
 
@@ -305,9 +399,9 @@ fn a_bad_call_is_an_error_not_a_crash() {
         nesterov: false,
     };
     let wrong_shape = Tensor::zeros([4], cpu_float());
-    let err = fused::sgd_step(&[&p], &[&wrong_shape], hyper, false).unwrap_err();
+    let err = fused::sgd_step(&[&p], &[&wrong_shape], hyper, None).unwrap_err();
     assert!(err.contains("differs from its parameter"), "{err}");
-    let err = fused::sgd_step(&[&p], &[], hyper, false).unwrap_err();
+    let err = fused::sgd_step(&[&p], &[], hyper, None).unwrap_err();
     assert!(err.contains("0 momentum buffers for 1 parameters"), "{err}");
     let no_grad = Tensor::ones([3], cpu_float()).set_requires_grad(true);
     let err = fused::sgd_step(
@@ -317,7 +411,7 @@ fn a_bad_call_is_an_error_not_a_crash() {
             momentum: 0.0,
             ..hyper
         },
-        false,
+        None,
     )
     .unwrap_err();
     assert!(err.contains("without a gradient"), "{err}");
@@ -329,10 +423,48 @@ fn a_bad_call_is_an_error_not_a_crash() {
             lr: fused::Lr::Tensor(&double_lr),
             ..hyper
         },
-        false,
+        None,
     )
     .unwrap_err();
     assert!(err.contains("0-dim float32 tensor"), "{err}");
+}
+
+/// A step flagged by fp16's scaler changes nothing, not even the optimizer's state made for it:
+/// the next step is, bit for bit, a fresh optimizer's first (momentum blended into zeros, Adam's
+/// step count back at 0); a flag of 0 steps as no flag does.
+#[test]
+fn a_flagged_step_changes_nothing_and_the_next_is_a_first_step() {
+    let (skip, go) = (Tensor::ones([1], cpu_float()), Tensor::zeros([1], cpu_float()));
+    for kind in KINDS {
+        tch::manual_seed(5);
+        let start = Tensor::randn([6, 2], cpu_float());
+        let (a, b, c) = (
+            start.copy().set_requires_grad(true),
+            start.copy().set_requires_grad(true),
+            start.copy().set_requires_grad(true),
+        );
+        let mut flagged = Optimizer::new(kind, 0.1, vec![a.shallow_clone()]);
+        let mut fresh = Optimizer::new(kind, 0.1, vec![b.shallow_clone()]);
+        let mut plain = Optimizer::new(kind, 0.1, vec![c.shallow_clone()]);
+        (&a * Tensor::randn([6, 2], cpu_float()))
+            .sum(Kind::Float)
+            .backward();
+        flagged.step_unless(&skip).unwrap();
+        assert!(a.equal(&start), "{kind:?}: a skipped step moved the parameter");
+        for _ in 0..2 {
+            let g = Tensor::randn([6, 2], cpu_float());
+            for (p, opt) in [(&a, &mut flagged), (&b, &mut fresh), (&c, &mut plain)] {
+                opt.zero_grad();
+                (p * &g).sum(Kind::Float).backward();
+            }
+            flagged.step_unless(&go).unwrap();
+            fresh.step_unless(&go).unwrap();
+            plain.step().unwrap();
+        }
+        assert!(!a.equal(&start), "{kind:?}: nothing stepped");
+        assert!(a.equal(&b), "{kind:?}: {a} vs {b}");
+        assert!(b.equal(&c), "{kind:?}: a flag of 0 stepped otherwise: {b} vs {c}");
+    }
 }
 
 /// A learning rate kept on the device (what a step captured in a CUDA graph reads) steps exactly
