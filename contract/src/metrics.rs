@@ -71,6 +71,9 @@ pub struct RunConfig {
     /// `fp32`, `bf16` or `fp16` (autocast).
     #[serde(default = "fp32")]
     pub precision: String,
+    /// fp16: the gradient scaler's first loss scale (`--fp16-init-scale`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fp16_init_scale: Option<f64>,
     /// Parameters and image inputs in channels_last layout.
     #[serde(default)]
     pub channels_last: bool,

@@ -11,7 +11,7 @@ use stagehand_contract::StageConfig;
 use crate::config::{
     Backend, CheckpointConfig, Command, ConfigError, DeviceSpec, DistConfig, ForwardConfig, ModelChoice,
     ModulesConfig, OptimizerKind, P2pConfig, PartialOptions, Precision, ProfileConfig, ReachConfig,
-    ReduceOptions, TrainConfig,
+    ReduceOptions, TrainConfig, DEFAULT_FP16_INIT_SCALE,
 };
 use crate::data::DataSpec;
 use crate::host_memory;
@@ -260,13 +260,16 @@ struct TrainArgs {
     /// activations and gradients cross stages in the autocast dtype.
     #[arg(long, value_enum, default_value_t = PrecisionArg::Fp32)]
     precision: PrecisionArg,
+    /// fp16: the gradient scaler's first loss scale (torch.amp.GradScaler's init_scale), halved
+    /// at each step whose gradients overflow, doubled after 2000 clean steps in a row.
+    #[arg(long, value_name = "SCALE")]
+    fp16_init_scale: Option<f64>,
     /// Parameters and image inputs in channels_last layout (convolutional models).
     #[arg(long)]
     channels_last: bool,
     /// Capture the whole training step (forwards, backwards, optimizer step) in a CUDA graph once
     /// the first iterations have run eagerly, and replay it from then on: one launch a step
-    /// instead of one per kernel. A single process on one GPU; not with fp16, --trace or
-    /// --slowdown.
+    /// instead of one per kernel. A single process on one GPU; not with --trace or --slowdown.
     #[arg(long)]
     cuda_graph: bool,
     #[command(flatten)]
@@ -632,6 +635,23 @@ impl TrainArgs {
         if self.cuda_graph {
             check_cuda_graph(self.trace, &dist, &devices)?;
         }
+        let fp16_init_scale = match (self.fp16_init_scale, &self.precision) {
+            (None, _) => DEFAULT_FP16_INIT_SCALE,
+            (Some(_), PrecisionArg::Fp32 | PrecisionArg::Bf16) => {
+                return Err(ConfigError::Invalid {
+                    flag: "--fp16-init-scale",
+                    reason: "scales the loss for fp16's gradient scaler; use it with --precision fp16".into(),
+                })
+            }
+            // Kept as float32, as torch's scaler keeps it.
+            (Some(scale), PrecisionArg::Fp16) if scale > 0.0 && scale <= f64::from(f32::MAX) => scale,
+            (Some(scale), PrecisionArg::Fp16) => {
+                return Err(ConfigError::Invalid {
+                    flag: "--fp16-init-scale",
+                    reason: format!("must be a positive float32 number (at most 3.4e38), not {scale}"),
+                })
+            }
+        };
         if dist.reduce.partial.is_some() {
             // Each of these needs every replica at the same step, which a partial reduce gives up.
             let refusal = if dist.schedule == Schedule::PipeDream {
@@ -680,6 +700,7 @@ impl TrainArgs {
                 PrecisionArg::Bf16 => Precision::Bf16,
                 PrecisionArg::Fp16 => Precision::Fp16,
             },
+            fp16_init_scale,
             channels_last: self.channels_last,
             cuda_graph: self.cuda_graph,
             host_memory: self.host_memory.into(),

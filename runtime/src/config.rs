@@ -286,6 +286,8 @@ pub struct TrainConfig {
     pub threads: Option<usize>,
     /// fp32, or autocast to a 16-bit type.
     pub precision: Precision,
+    /// fp16: the gradient scaler's first loss scale.
+    pub fp16_init_scale: f64,
     /// Parameters and image inputs in channels_last layout.
     pub channels_last: bool,
     /// Capture the training step in a CUDA graph after the first iterations and replay it.
@@ -320,6 +322,9 @@ impl CheckpointConfig {
         done == total || self.every.is_some_and(|n| n > 0 && done.is_multiple_of(n))
     }
 }
+
+/// fp16's first loss scale unless `--fp16-init-scale` says otherwise: torch.amp.GradScaler's 2^16.
+pub const DEFAULT_FP16_INIT_SCALE: f64 = 65536.0;
 
 /// `--precision`: the arithmetic of forward passes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -420,6 +425,7 @@ impl TrainConfig {
             },
             microbatches,
             precision: self.precision.to_string(),
+            fp16_init_scale: (self.precision == Precision::Fp16).then_some(self.fp16_init_scale),
             channels_last: self.channels_last,
             cuda_graph: self.cuda_graph,
             host_memory: host_memory.to_string(),

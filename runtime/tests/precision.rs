@@ -30,12 +30,17 @@ fn write_two_stages(dir: &Path) -> String {
 
 /// The MLP on two stages of one rank each, 4 microbatches, in `precision`.
 fn two_stages(precision: &str, schedule: &str, extra: &[&str]) -> Vec<Run> {
+    two_stages_of(MLP, precision, schedule, extra)
+}
+
+/// `base` (the MLP's arguments) on two stages, as [`two_stages`].
+fn two_stages_of(base: &str, precision: &str, schedule: &str, extra: &[&str]) -> Vec<Run> {
     let tmp = tempfile::tempdir().unwrap();
     let config = write_two_stages(tmp.path());
     let mut flags = vec!["--precision", precision, "--stage-config", config.as_str()];
     flags.extend(["--schedule", schedule, "--microbatches", "4"]);
     flags.extend(extra);
-    run_ranks(2, &args(MLP, &flags), LIMIT)
+    run_ranks(2, &args(base, &flags), LIMIT)
 }
 
 fn last_stage(runs: &[Run]) -> &Run {
@@ -91,9 +96,9 @@ fn bf16_autocast_trains_close_to_fp32_and_crosses_stages_in_bf16() {
 }
 
 /// What a run's events say the gradient scaler did, per iteration: (scale after the step,
-/// skipped); and checks they tell one story: the scale starts at torch's 2^16, halves after each
-/// skipped step and holds otherwise (no growth before 2000 clean steps), and the summary counts
-/// the skipped ones.
+/// skipped); and checks they tell one story: the scale starts where the start event says (torch's
+/// 2^16 by default), halves after each skipped step and holds otherwise (no growth before 2000
+/// clean steps), and the summary counts the skipped ones.
 fn scaler_story(run: &Run) -> Vec<(f64, bool)> {
     let story: Vec<(f64, bool)> = run
         .iterations()
@@ -105,7 +110,11 @@ fn scaler_story(run: &Run) -> Vec<(f64, bool)> {
             )
         })
         .collect();
-    let mut scale = 65536.0;
+    let mut scale = run
+        .start()
+        .config
+        .fp16_init_scale
+        .expect("fp16 says its first scale");
     for &(reported, skipped) in &story {
         if skipped {
             scale *= 0.5;
@@ -123,6 +132,7 @@ fn fp16_trains_with_its_gradient_scaler_in_one_process_and_a_pipeline() {
     let single = fp16.losses();
     assert!(single.iter().all(|l| l.is_finite()), "{single:?}");
     assert!(single[4] < single[0], "fp16 learns: {single:?}");
+    assert_eq!(fp16.start().config.fp16_init_scale, Some(65536.0));
     assert_eq!(scaler_story(&fp16).len(), 5);
     let fp32 = run_ok(&args(MLP, &[]));
     assert!(fp32
@@ -130,6 +140,7 @@ fn fp16_trains_with_its_gradient_scaler_in_one_process_and_a_pipeline() {
         .iter()
         .all(|it| it.loss_scale.is_none() && it.step_skipped.is_none()));
     assert_eq!(fp32.summary().skipped_steps, None);
+    assert_eq!(fp32.start().config.fp16_init_scale, None);
 
     let runs = two_stages("fp16", "gpipe", &[]);
     // Both stages skip the same steps with the same scale.
@@ -162,6 +173,59 @@ fn fp16_trains_with_its_gradient_scaler_in_one_process_and_a_pipeline() {
     assert_eq!(refused.output.status.code(), Some(2), "{}", refused.stderr());
     assert!(
         refused.stderr().contains("use --precision bf16 with pipedream"),
+        "{}",
+        refused.stderr()
+    );
+}
+
+/// A first loss scale far too large (2^24: the scaled gradients overflow float16) makes the
+/// scaler skip the first steps, halving its scale each time, until the gradients fit; the skipped
+/// steps leave the weights untouched: with a pool of 4 batches, iteration i >= 4 sees iteration
+/// i - 4's batch, and while every step before it was skipped, its loss is that one's bit for bit.
+/// Both stages of a pipeline skip the same steps.
+#[test]
+fn fp16_skips_the_steps_whose_scaled_gradients_overflow_and_leaves_the_weights() {
+    let ten = MLP.replace("--iterations 5", "--iterations 10");
+    let big = ["--precision", "fp16", "--fp16-init-scale", "16777216"];
+    let single = run_ok(&args(&ten, &big));
+    assert_eq!(single.start().config.fp16_init_scale, Some(16777216.0));
+    let story = scaler_story(&single);
+    let leading = story.iter().take_while(|(_, skipped)| *skipped).count();
+    assert!(
+        (4..10).contains(&leading),
+        "2^24 overflows for at least 4 halvings (a first gradient of magnitude below 1/256 would \
+         fit at 2^16), and the scale comes down: {story:?}"
+    );
+    let losses = single.losses();
+    for i in 4..=leading {
+        assert_eq!(
+            losses[i],
+            losses[i - 4],
+            "iteration {i}: a skipped step moved the weights"
+        );
+    }
+    assert_ne!(
+        losses[leading + 1],
+        losses[leading - 3],
+        "the first step taken changed nothing: {losses:?}"
+    );
+
+    let runs = two_stages_of(&ten, "fp16", "gpipe", &big[2..]);
+    let stories: Vec<_> = runs.iter().map(scaler_story).collect();
+    assert_eq!(stories[0], stories[1], "the stages skip the same steps");
+    assert!(stories[0][0].1, "{:?}", stories[0]);
+
+    let refused = run(&args(MLP, &["--fp16-init-scale", "1024"]));
+    assert_eq!(refused.output.status.code(), Some(2), "{}", refused.stderr());
+    assert!(
+        refused.stderr().contains("use it with --precision fp16"),
+        "{}",
+        refused.stderr()
+    );
+    let refused = run(&args(MLP, &["--precision", "fp16", "--fp16-init-scale", "0"]));
+    assert_eq!(refused.output.status.code(), Some(2), "{}", refused.stderr());
+    assert!(
+        refused.stderr().contains("must be a positive float32 number"),
         "{}",
         refused.stderr()
     );

@@ -75,6 +75,7 @@ fn main() {
             schedule: "none".into(),
             microbatches: 1,
             precision: "fp32".into(),
+            fp16_init_scale: None,
             channels_last: false,
             cuda_graph: false,
             host_memory: "keep".into(),

@@ -143,6 +143,10 @@ pub struct ExperimentFile {
     /// `fp32` (the default), or PyTorch's autocast to `bf16` or `fp16` (`--precision`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub precision: Option<Precision>,
+    /// fp16: the gradient scaler's first loss scale (`--fp16-init-scale`; the runtime's default is
+    /// torch's 65536).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fp16_init_scale: Option<f64>,
     /// Parameters and image inputs in channels_last layout (`--channels-last`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub channels_last: Option<bool>,

@@ -124,6 +124,9 @@ fn runtime_command(
     if let Some(p) = f.precision {
         flag("precision", p.as_arg().to_string());
     }
+    if let Some(scale) = f.fp16_init_scale {
+        flag("fp16-init-scale", scale.to_string());
+    }
     // The distributed flags exist only in runtimes that know pipelines; a single rank without a
     // stage config gets none, so it runs on any runtime version.
     let distributed = ctx.world_size > 1 || ctx.stage_config.is_some();

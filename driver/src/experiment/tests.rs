@@ -172,6 +172,17 @@ fn precision_and_channels_last_reach_every_rank() {
     .unwrap();
     assert_eq!(flag(&plan.ranks[0].argv, "--precision"), None);
     assert!(!plan.ranks[0].argv.iter().any(|a| a == "--channels-last"));
+    assert_eq!(flag(&plan.ranks[0].argv, "--fp16-init-scale"), None);
+    let plan = resolve_text(
+        "machines: [localhost]
+module: mlp
+precision: fp16
+fp16_init_scale: 1024
+",
+        &options(None, ContainerMode::PerRank),
+    )
+    .unwrap();
+    assert_eq!(flag(&plan.ranks[0].argv, "--fp16-init-scale"), Some("1024"));
 }
 
 #[test]

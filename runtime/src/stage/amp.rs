@@ -98,15 +98,16 @@ pub struct ScalerReport {
     pub skipped: bool,
 }
 
-const INIT_SCALE: f64 = 65536.0;
 const GROWTH: f64 = 2.0;
 const BACKOFF: f64 = 0.5;
 const INTERVAL: i64 = 2000;
 
 impl GradScaler {
-    pub fn new(device: Device) -> GradScaler {
+    /// A scaler whose first scale is `init_scale` (torch's default is
+    /// [`crate::config::DEFAULT_FP16_INIT_SCALE`]).
+    pub fn new(device: Device, init_scale: f64) -> GradScaler {
         GradScaler {
-            scale: Tensor::full([1], INIT_SCALE, (Kind::Float, device)),
+            scale: Tensor::full([1], init_scale, (Kind::Float, device)),
             growth_tracker: Tensor::zeros([1], (Kind::Int, device)),
             found_inf: Tensor::zeros([1], (Kind::Float, device)),
         }
@@ -250,6 +251,7 @@ pub fn channels_last(input: &Tensor) -> Result<Tensor, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::DEFAULT_FP16_INIT_SCALE as INIT_SCALE;
 
     #[test]
     fn autocast_runs_matmuls_in_bfloat16_and_ends_with_its_guard() {
@@ -265,7 +267,7 @@ mod tests {
 
     #[test]
     fn the_scaler_flags_a_step_with_an_inf_and_halves_its_scale() {
-        let mut scaler = GradScaler::new(Device::Cpu);
+        let mut scaler = GradScaler::new(Device::Cpu, INIT_SCALE);
         let grads = [Tensor::from_slice(&[65536.0f32, 131072.0])];
         scaler.unscale(&grads).unwrap();
         assert_eq!(Vec::<f32>::try_from(&grads[0]).unwrap(), vec![1.0, 2.0]);

@@ -443,7 +443,8 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
         .set_arithmetic(config.precision, config.channels_last)
         .map_err(|e| anyhow::anyhow!("--precision/--channels-last: {e}"))?;
     let mut optimizer = Optimizer::new(config.optimizer, config.lr, stage.params());
-    let mut scaler = (config.precision == Precision::Fp16).then(|| GradScaler::new(device));
+    let mut scaler =
+        (config.precision == Precision::Fp16).then(|| GradScaler::new(device, config.fp16_init_scale));
     if let (Some(path), None) = (&config.init_from, &resume) {
         let loaded = stage.init_from(path).map_err(anyhow::Error::msg)?;
         eprintln!(

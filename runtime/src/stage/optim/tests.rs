@@ -138,7 +138,7 @@ impl Fixtures {
             .map(|i| self.get(&format!("param{i}")).copy().set_requires_grad(true))
             .collect();
         let mut opt = Optimizer::new(kind, lr, params.iter().map(Tensor::shallow_clone).collect());
-        let mut scaler = crate::stage::GradScaler::new(Device::Cpu);
+        let mut scaler = crate::stage::GradScaler::new(Device::Cpu, crate::config::DEFAULT_FP16_INIT_SCALE);
         for t in 0..self.meta.steps {
             opt.zero_grad();
             let loss = params
