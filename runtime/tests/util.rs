@@ -6,8 +6,13 @@ use std::process::{Command, Output};
 
 use stagehand_contract::{Event, Iteration, Start, Summary};
 
+/// The runtime under test: this build's, or the binary `STAGEHAND_TEST_RUNTIME` names (a test binary
+/// carried to a GPU machine without a toolchain, by scripts/gpu-kit, runs the runtime it carries).
 pub fn runtime() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_runtime"))
+    match std::env::var_os("STAGEHAND_TEST_RUNTIME") {
+        Some(path) => Command::new(path),
+        None => Command::new(env!("CARGO_BIN_EXE_runtime")),
+    }
 }
 
 /// A finished run with its events.
