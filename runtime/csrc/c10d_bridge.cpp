@@ -285,9 +285,19 @@ char* sh_pg_barrier(sh_pg* pg, sh_work** out) {
   });
 }
 
-// Waits at most `timeout_ms`; a timeout or a failed peer is an error.
+// Waits at most `timeout_ms`; a timeout or a failed peer is an error. NCCL's work is only ordered
+// before what the current CUDA stream runs next (Work::wait without a timeout): given a timeout,
+// ProcessGroupNCCL's wait blocks the host until the GPU has finished the operation instead
+// (ProcessGroupNCCL.hpp, WorkNCCL::wait), which would keep the host from queueing compute behind
+// it. A stuck NCCL operation is caught by the group's watchdog after the group's timeout.
 char* sh_work_wait(sh_work* work, int64_t timeout_ms) {
   return guarded([&] {
+    if (work->backend->getBackendName() == "nccl") {
+      for (auto& one : work->works) {
+        one->wait(::kNoTimeout);
+      }
+      return;
+    }
     auto deadline = std::chrono::steady_clock::now() + millis(timeout_ms);
     for (auto& one : work->works) {
       auto left = std::chrono::duration_cast<std::chrono::milliseconds>(

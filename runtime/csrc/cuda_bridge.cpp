@@ -90,12 +90,13 @@ char* shc_set_device(int64_t device) {
   return sh::guarded([&] { c10::cuda::set_device(checked_device(device)); });
 }
 
-// Waits for all work queued on `device` (every stream, NCCL's included).
+// Waits for the work queued on the calling thread's current stream of `device`: its compute, and
+// the transfers a Work::wait has ordered that stream after. Not the whole device
+// (cudaDeviceSynchronize): NCCL's own streams hold receives posted ahead of time, which wait for
+// peers that may themselves be waiting for this rank's next send (two pipeline stages would
+// deadlock), and the buckets an all-reduce still runs behind compute.
 char* shc_synchronize(int64_t device) {
-  return sh::guarded([&] {
-    c10::cuda::CUDAGuard guard(checked_device(device));
-    c10::cuda::device_synchronize();
-  });
+  return sh::guarded([&] { c10::cuda::getCurrentCUDAStream(checked_device(device)).synchronize(); });
 }
 
 // The caching allocator's peak allocated and reserved bytes on `device` since the last reset.

@@ -49,7 +49,19 @@ fn a_resumed_run_continues_exactly_where_the_checkpoint_left_it() {
         "--dropout",
         "0.3",
     ];
-    for optimizer in [&["sgd"][..], &transformer] {
+    // A convolutional model in channels_last: its momentum buffers are restored in its
+    // parameters' layout, which the fused kernels need.
+    let channels_last = [
+        "sgd",
+        "--model",
+        "vgg16",
+        "--image-size",
+        "32",
+        "--num-classes",
+        "10",
+        "--channels-last",
+    ];
+    for optimizer in [&["sgd"][..], &transformer, &channels_last] {
         let tmp = tempfile::tempdir().unwrap();
         let (whole, resumed) = (tmp.path().join("whole"), tmp.path().join("resumed"));
         let ckpt = tmp.path().join("ckpt");

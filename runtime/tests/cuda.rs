@@ -224,15 +224,23 @@ fn gpu_cpu_and_cuda_agree_on_the_first_loss() {
                 "1",
                 "--seed",
                 "5",
+                // Dropout draws its masks from each device's own generator.
+                "--dropout",
+                "0",
             ]);
             run_ok(&args).losses()[0]
         };
         let (cpu, cuda) = (first("cpu"), first("cuda"));
-        // Same parameters and data (made on the CPU from the seed); the kernels differ (cuDNN,
-        // TF32 is off by default for matmuls in libtorch), so the loss agrees to float32 rounding
-        // accumulated over the model's depth, well inside 1e-3 relative.
+        // Same parameters and data (made on the CPU from the seed); the kernels differ. Matmuls
+        // stay float32 (libtorch leaves TF32 off for them), so the mlp's and the transformer's
+        // losses agree to float32 rounding over their depth, well inside 1e-3 relative. cuDNN's
+        // convolutions run in TF32 by default (as in PyTorch): each rounds its inputs to 11
+        // significant bits (2^-11 relative), and over vgg16's and resnet50's convolutions such
+        // errors, in random directions, stay within about 1e-2 of the loss.
+        let convolutional = model.contains("vgg16") || model.contains("resnet50");
+        let tolerance = if convolutional { 1e-2 } else { 1e-3 };
         assert!(
-            (cpu - cuda).abs() <= 1e-3 * cpu.abs(),
+            (cpu - cuda).abs() <= tolerance * cpu.abs(),
             "{model}: cpu {cpu} vs cuda {cuda}"
         );
     }
@@ -297,8 +305,6 @@ fn gpu_nccl_on_two_ranks_of_one_gpu_is_a_clear_error() {
             "nccl",
             "--iterations",
             "2",
-            "--comm-timeout",
-            "30",
         ],
         std::time::Duration::from_secs(120),
     );

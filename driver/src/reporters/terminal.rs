@@ -105,17 +105,25 @@ impl TerminalReporter {
                 if verbose || (normal && every_line) {
                     return Some((Stream::Stdout, format!("{} {line}", self.prefix(*rank))));
                 }
-                let it = iteration.filter(|it| normal && due(self.intervals.print_every, it.iteration))?;
+                // A step fp16's scaler skipped is shown between print intervals too.
+                let skipped = iteration.is_some_and(|it| it.step_skipped == Some(true));
+                let it = iteration
+                    .filter(|it| normal && (skipped || due(self.intervals.print_every, it.iteration)))?;
                 // The last stage knows the loss; one line per iteration, from its first rank.
                 let loss = it.loss?;
                 if *self.loss_rank.get_or_insert(*rank) != *rank {
                     return None;
                 }
                 let lr = it.lr.map_or(String::new(), |lr| format!(", lr {lr:.3e}"));
+                let scale = it.loss_scale.map_or(String::new(), |s| format!(", loss scale {s}"));
+                let skip = match skipped {
+                    true => " (step skipped: fp16 gradients held an inf or a nan)",
+                    false => "",
+                };
                 Some((
                     Stream::Stderr,
                     format!(
-                        "{} iteration {}: loss {loss:.4}, {:.1} samples/s{lr}",
+                        "{} iteration {}: loss {loss:.4}, {:.1} samples/s{lr}{scale}{skip}",
                         self.prefix(*rank),
                         it.iteration + 1,
                         it.samples_per_sec
@@ -399,6 +407,53 @@ mod tests {
             assert_eq!(quiet.render(&iteration(1, i, Some(1.0))), None);
             assert_eq!(plain.render(&iteration(1, i, Some(1.0))), None);
         }
+    }
+
+    /// An fp16 iteration's line, its scaler's figures put into [`iteration`]'s.
+    fn fp16_iteration(rank: usize, i: u64, scale: f64, skipped: bool) -> Event {
+        let Event::Metrics { line, .. } = iteration(rank, i, Some(2.0)) else {
+            unreachable!()
+        };
+        let line = line.replace(
+            r#""peak_mem_bytes":null"#,
+            &format!(r#""peak_mem_bytes":null,"loss_scale":{scale},"step_skipped":{skipped}"#),
+        );
+        let event = stagehand_contract::Event::parse_line(&line).unwrap();
+        Event::Metrics {
+            rank,
+            line,
+            event: Box::new(event),
+        }
+    }
+
+    #[test]
+    fn an_fp16_step_skipped_shows_between_print_intervals_with_the_loss_scale() {
+        let hosts = BTreeMap::from([(0, "a".to_string())]);
+        let intervals = Intervals {
+            print_every: Some(4),
+            verbose_every: None,
+        };
+        let mut r = TerminalReporter::new(Verbosity::Normal, ProgressBar::hidden(), hosts.clone())
+            .with_intervals(intervals);
+        let shown: Vec<String> = [
+            (0, 65536.0, false),
+            (1, 32768.0, true),
+            (2, 32768.0, false),
+            (3, 32768.0, false),
+        ]
+        .into_iter()
+        .filter_map(|(i, scale, skipped)| r.render(&fp16_iteration(0, i, scale, skipped)))
+        .map(|(_, text)| text)
+        .collect();
+        assert_eq!(
+            shown,
+            [
+                "[a r0] iteration 2: loss 2.0000, 80.0 samples/s, lr 1.000e-2, loss scale 32768 (step skipped: fp16 gradients held an inf or a nan)",
+                "[a r0] iteration 4: loss 2.0000, 80.0 samples/s, lr 1.000e-2, loss scale 32768",
+            ]
+        );
+        let mut quiet = TerminalReporter::new(Verbosity::Quiet, ProgressBar::hidden(), hosts);
+        assert_eq!(quiet.render(&fp16_iteration(0, 1, 32768.0, true)), None);
     }
 
     #[test]

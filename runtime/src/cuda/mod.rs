@@ -202,8 +202,10 @@ pub fn bind_device(device: tch::Device) -> Result<(), String> {
     Ok(())
 }
 
-/// Waits for `device`'s queued work when it is a CUDA device (a timing boundary); a no-op on the
-/// CPU, and when CUDA is not loaded (then nothing can be queued there).
+/// Waits for the work queued on this thread's current stream of `device` when it is a CUDA device
+/// (a timing boundary): compute, and the transfers a `Work::wait` ordered the stream after; not
+/// NCCL's streams, whose receives posted ahead of time may wait for this rank's next send. A no-op
+/// on the CPU, and when CUDA is not loaded (then nothing can be queued there).
 pub fn synchronize(device: tch::Device) {
     if let tch::Device::Cuda(index) = device {
         if let Some(cuda) = CUDA.get().and_then(|c| c.as_ref().ok()) {

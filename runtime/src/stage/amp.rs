@@ -113,9 +113,15 @@ impl GradScaler {
         }
     }
 
-    /// `loss` times the scale (a one-element tensor, so no host round trip).
+    /// `loss` times the scale (a one-element tensor, so no host round trip), in float32 as torch's
+    /// scaler multiplies: a float16 loss times 2^16 would overflow (autocast computes losses in
+    /// float32, which stay as they are).
     pub fn scale_loss(&self, loss: &Tensor) -> Tensor {
-        loss * self.scale.to_kind(loss.kind()).reshape(Vec::<i64>::new())
+        let loss = match loss.kind() {
+            Kind::Float => loss.shallow_clone(),
+            _ => loss.to_kind(Kind::Float),
+        };
+        loss * self.scale.reshape(Vec::<i64>::new())
     }
 
     /// Unscales `grads` in place and returns this rank's inf/nan flag (1.0 when any gradient

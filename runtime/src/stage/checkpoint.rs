@@ -89,9 +89,11 @@ pub fn save(
     let params = here.join("params.safetensors");
     stage.save(&params).map_err(|e| io("write", &params, &e))?;
     let (named, steps) = optimizer.state_tensors();
+    // Contiguous, as safetensors holds them (a channels_last parameter's buffers are not); loading
+    // puts them back in their parameter's layout.
     let on_cpu: Vec<(String, Tensor)> = named
         .into_iter()
-        .map(|(n, t)| (n, t.to_device(Device::Cpu)))
+        .map(|(n, t)| (n, t.to_device(Device::Cpu).contiguous()))
         .collect();
     let state = here.join("optimizer.safetensors");
     Tensor::write_safetensors(&on_cpu, &state).map_err(|e| io("write", &state, &e))?;

@@ -112,9 +112,14 @@ impl Stage {
     }
 
     /// Writes the stage's parameters and buffers (torchvision/BERT names) as safetensors, or in
-    /// libtorch's format for another extension, as tch's var store does.
+    /// libtorch's format for another extension, as tch's var store does; in the plain contiguous
+    /// layout whatever the tensors' own (channels_last, say), as the files hold it.
     pub fn save(&self, path: &std::path::Path) -> Result<(), tch::TchError> {
-        let named = self.variables();
+        let named: Vec<(String, Tensor)> = self
+            .variables()
+            .into_iter()
+            .map(|(name, t)| (name, t.to_device(Device::Cpu).contiguous()))
+            .collect();
         match path.extension().and_then(|e| e.to_str()) {
             Some("safetensors") => Tensor::write_safetensors(&named, path),
             _ => Tensor::save_multi(&named, path),

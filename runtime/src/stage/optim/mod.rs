@@ -121,7 +121,8 @@ impl Optimizer {
         (named, self.steps)
     }
 
-    /// Restores what [`Optimizer::state_tensors`] gave, onto the parameters' devices.
+    /// Restores what [`Optimizer::state_tensors`] gave, onto the parameters' devices, each buffer
+    /// in its parameter's memory layout (channels_last, say), as the fused kernels want it.
     pub fn load_state(&mut self, named: Vec<(String, Tensor)>, steps: u64) -> Result<(), String> {
         let mut by_param: Vec<std::collections::BTreeMap<String, Tensor>> =
             self.params.iter().map(|_| Default::default()).collect();
@@ -139,10 +140,26 @@ impl Optimizer {
             by_param[index].insert(field.to_string(), tensor.to_device(device));
         }
         for (i, mut fields) in by_param.into_iter().enumerate() {
+            let param = &self.params[i];
+            let like_param = |name: &str, saved: Option<Tensor>| -> Result<Option<Tensor>, String> {
+                let Some(saved) = saved else { return Ok(None) };
+                if saved.size() != param.size() || saved.kind() != param.kind() {
+                    return Err(format!(
+                        "optimizer state `state.{i}.{name}` is {:?} {:?}, its parameter {:?} {:?}",
+                        saved.kind(),
+                        saved.size(),
+                        param.kind(),
+                        param.size()
+                    ));
+                }
+                let mut restored = param.zeros_like();
+                tch::no_grad(|| restored.f_copy_(&saved)).map_err(|e| e.to_string())?;
+                Ok(Some(restored))
+            };
             self.state[i] = match (
-                fields.remove("buffer"),
-                fields.remove("exp_avg"),
-                fields.remove("exp_avg_sq"),
+                like_param("buffer", fields.remove("buffer"))?,
+                like_param("exp_avg", fields.remove("exp_avg"))?,
+                like_param("exp_avg_sq", fields.remove("exp_avg_sq"))?,
                 fields.remove("step"),
             ) {
                 (None, None, None, None) => None,
