@@ -97,6 +97,11 @@ pub struct RunConfig {
     /// Sparse transfers (`--compress`): `auto` (each message in its smallest form) or `off`.
     #[serde(default = "off")]
     pub compress: String,
+    /// The groups messages between stages travel on (`--p2p-groups`): `world` (one per direction
+    /// over every rank) or `pairs` (one per pair of neighbouring ranks and direction); absent in
+    /// records of runtimes before the option, which used `world`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub p2p_groups: Option<String>,
     /// How replicas combine (`--reduce`): `all`, or `partial:K` (the first K ready).
     #[serde(default = "all")]
     pub reduce: String,

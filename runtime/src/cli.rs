@@ -10,8 +10,8 @@ use stagehand_contract::StageConfig;
 
 use crate::config::{
     Backend, CheckpointConfig, Command, ConfigError, DeviceSpec, DistConfig, ForwardConfig, ModelChoice,
-    ModulesConfig, OptimizerKind, P2pConfig, PartialOptions, Precision, ProfileConfig, ReachConfig,
-    ReduceOptions, TrainConfig, DEFAULT_FP16_INIT_SCALE,
+    ModulesConfig, OptimizerKind, P2pConfig, P2pGroups, PartialOptions, Precision, ProfileConfig,
+    ReachConfig, ReduceOptions, TrainConfig, DEFAULT_FP16_INIT_SCALE,
 };
 use crate::data::DataSpec;
 use crate::host_memory;
@@ -327,6 +327,11 @@ struct DistArgs {
     /// Communication backend [default: gloo on CPU, nccl on CUDA].
     #[arg(long, value_enum)]
     backend: Option<BackendArg>,
+    /// The groups activations and gradients travel on between stages: `world` (one per
+    /// direction over every rank) or `pairs` (one per pair of neighbouring ranks and direction,
+    /// each with its own NCCL communicator and stream) [default: pairs with nccl, world with gloo].
+    #[arg(long, value_enum, value_name = "GROUPS")]
+    p2p_groups: Option<P2pGroupsArg>,
     /// PipeDream stage config (JSON: module_to_stage_map, stage_to_rank_map, stage_to_depth_map).
     /// Without one, every rank holds the whole model (data parallelism).
     #[arg(long)]
@@ -398,6 +403,12 @@ enum Overlap {
 enum BackendArg {
     Gloo,
     Nccl,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum P2pGroupsArg {
+    World,
+    Pairs,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -1008,6 +1019,10 @@ impl DistArgs {
             master_addr: place.master_addr,
             master_port: place.master_port,
             backend,
+            p2p_groups: match (self.p2p_groups, backend) {
+                (Some(P2pGroupsArg::World), _) | (None, Backend::Gloo) => P2pGroups::World,
+                (Some(P2pGroupsArg::Pairs), _) | (None, Backend::Nccl) => P2pGroups::Pairs,
+            },
             stage_config,
             schedule: match self.schedule {
                 ScheduleArg::Gpipe => Schedule::GPipe,

@@ -354,6 +354,19 @@ pub enum Backend {
     Nccl,
 }
 
+/// The process groups activations and gradients travel on between stages (`--p2p-groups`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum P2pGroups {
+    /// One group per direction over every rank (Gloo's default: its operations with different
+    /// peers never wait on each other).
+    World,
+    /// A group of two ranks per pair of neighbouring ranks and direction (NCCL's default). An
+    /// NCCL group whose communicator is made up front, as the runtime's are, runs all of its
+    /// point-to-point operations on one stream in issue order (PyTorch's eager-init mode), so on
+    /// one group over every rank a send would wait behind a receive posted from another peer.
+    Pairs,
+}
+
 /// The distributed side of a run: launch contract, stage config and schedule.
 #[derive(Debug, Clone)]
 pub struct DistConfig {
@@ -362,6 +375,8 @@ pub struct DistConfig {
     pub master_addr: String,
     pub master_port: u16,
     pub backend: Backend,
+    /// The groups point-to-point messages between stages travel on.
+    pub p2p_groups: P2pGroups,
     /// PipeDream stage config; `None` is pure data parallelism over `world_size` ranks.
     pub stage_config: Option<StageConfig>,
     pub schedule: Schedule,
@@ -433,6 +448,13 @@ impl TrainConfig {
             overlap_reduce: self.dist.reduce.overlap,
             compress_activations: self.dist.compress_activations,
             compress: if self.dist.sparse { "auto" } else { "off" }.into(),
+            p2p_groups: Some(
+                match self.dist.p2p_groups {
+                    P2pGroups::World => "world",
+                    P2pGroups::Pairs => "pairs",
+                }
+                .into(),
+            ),
             reduce: match self.dist.reduce.partial {
                 None => "all".into(),
                 Some(p) => format!("partial:{}", p.k),

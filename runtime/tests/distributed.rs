@@ -197,15 +197,20 @@ fn gpipe_and_1f1b_match_single_process_training_for_every_split() {
         ),
         ("data parallel on 2 ranks", 2, vec![]),
     ];
+    // The messages between stages on one group per direction over every rank (Gloo's default),
+    // and, for 1F1B, on a group per pair of neighbouring ranks and direction (NCCL's).
+    let modes = [("gpipe", "world"), ("1f1b", "world"), ("1f1b", "pairs")];
     for (name, world, split) in &splits {
-        for schedule in ["gpipe", "1f1b"] {
-            let what = format!("{name}, {schedule}");
+        for (schedule, groups) in modes {
+            let what = format!("{name}, {schedule}, {groups} groups");
             let params = tmp.path().join(what.replace([' ', ','], "_"));
             let extra = [
                 &split[..],
                 &[
                     "--schedule",
                     schedule,
+                    "--p2p-groups",
+                    groups,
                     "--microbatches",
                     "4",
                     "--save-params",
@@ -214,6 +219,9 @@ fn gpipe_and_1f1b_match_single_process_training_for_every_split() {
             ]
             .concat();
             let runs = run_ranks(*world, &args(&words(MLP), &extra), LIMIT);
+            for run in &runs {
+                assert_eq!(run.start().config.p2p_groups.as_deref(), Some(groups), "{what}");
+            }
             assert_close(&what, &last_stage_losses(&runs), expected);
             assert_same_params(&what, &params, &single);
             assert_time_accounted(&what, &runs, 5);
@@ -366,6 +374,17 @@ fn pipedream_backward_uses_the_weights_its_forward_used() {
     // Two passes over the pool of 4 batches: the second's mean loss is lower.
     let pass = |i: usize| losses[4 * i..4 * i + 4].iter().sum::<f64>();
     assert!(pass(1) < pass(0), "pipedream learns: {losses:?}");
+    // The same run on a group per pair of ranks and direction: the same arithmetic in the same
+    // order, so the same losses bit for bit.
+    let pairs = run_ranks(
+        2,
+        &args(
+            &words(MLP_BASE),
+            &[&extra[..], &["--p2p-groups", "pairs"]].concat(),
+        ),
+        LIMIT,
+    );
+    assert_eq!(last_stage_losses(&pairs), losses, "pipedream on pair groups");
     let traces: Vec<_> = runs[0]
         .events
         .iter()

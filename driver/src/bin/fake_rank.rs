@@ -83,6 +83,7 @@ fn main() {
             overlap_reduce: true,
             compress_activations: false,
             compress: "off".into(),
+            p2p_groups: None,
             reduce: "all".into(),
             sync_every: None,
             lr_policy: "constant".into(),

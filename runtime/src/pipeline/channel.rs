@@ -1,4 +1,4 @@
-//! The process groups point-to-point messages travel on, one per direction of the pipeline, and
+//! The process groups point-to-point messages travel on, by direction of the pipeline, and
 //! the ledger of the operations issued on them (the `p2p` metrics events of `--trace`).
 
 use std::cell::RefCell;
@@ -10,13 +10,24 @@ use tch::{Kind, Tensor};
 use super::route::Transfer;
 use crate::comm::{CommError, ProcessGroup, Work};
 
-/// Two groups over every rank: `forward` for headers, activations and targets, `backward` for
-/// gradients. Between two ranks each carries messages one way, so NCCL, which pairs a send with
-/// a receive by issue order, pairs them as the tags say (route.rs has the argument).
+/// The groups point-to-point messages travel on ([`P2pGroups`]): one per direction over every
+/// rank, or one per pair of neighbouring ranks and direction. Either way, between two ranks each
+/// group carries messages one way, so NCCL, which pairs a send with a receive by issue order,
+/// pairs them as the tags say (route.rs has the argument), and with pairs no operation waits
+/// behind another peer's.
 pub struct Channels {
-    forward: ProcessGroup,
-    backward: ProcessGroup,
+    /// The forward group over every rank: the world's collectives run on it, and with
+    /// [`P2pGroups::World`] headers, activations and targets.
+    world: ProcessGroup,
+    lanes: Lanes,
     ledger: RefCell<Ledger>,
+}
+
+enum Lanes {
+    /// The backward group over every rank, for gradients.
+    World { backward: ProcessGroup },
+    /// Groups of this rank and one neighbour, by direction and the neighbour's world rank.
+    Pairs(HashMap<(Channel, usize), ProcessGroup>),
 }
 
 #[derive(Default)]
@@ -28,29 +39,63 @@ struct Ledger {
 }
 
 impl Channels {
-    /// Both groups must span the world with group rank equal to world rank.
-    pub fn new(forward: ProcessGroup, backward: ProcessGroup) -> Channels {
+    /// Two groups over every rank, with group rank equal to world rank: `world` (the forward
+    /// channel) and `backward`.
+    pub fn world(world: ProcessGroup, backward: ProcessGroup) -> Channels {
         Channels {
-            forward,
-            backward,
+            world,
+            lanes: Lanes::World { backward },
             ledger: RefCell::default(),
         }
     }
 
-    /// The group a channel runs on.
-    pub fn group(&self, channel: Channel) -> &ProcessGroup {
-        match channel {
-            Channel::Forward => &self.forward,
-            Channel::Backward => &self.backward,
+    /// `world` for collectives, and a group of two ranks (this one and the neighbour, in world
+    /// rank order) for each (channel, neighbour's world rank).
+    pub fn pairs(world: ProcessGroup, pairs: HashMap<(Channel, usize), ProcessGroup>) -> Channels {
+        Channels {
+            world,
+            lanes: Lanes::Pairs(pairs),
+            ledger: RefCell::default(),
+        }
+    }
+
+    /// The group over every rank (its collectives).
+    pub fn everyone(&self) -> &ProcessGroup {
+        &self.world
+    }
+
+    fn my_rank(&self) -> usize {
+        self.world.ranks()[self.world.rank()]
+    }
+
+    /// The group `transfer` travels on, and its peer's rank in that group.
+    fn lane(&self, transfer: Transfer) -> Result<(&ProcessGroup, usize), CommError> {
+        let channel = transfer.message.channel();
+        match &self.lanes {
+            Lanes::World { backward } => Ok((
+                match channel {
+                    Channel::Forward => &self.world,
+                    Channel::Backward => backward,
+                },
+                transfer.peer,
+            )),
+            Lanes::Pairs(pairs) => {
+                let group = pairs.get(&(channel, transfer.peer)).ok_or_else(|| {
+                    CommError::Invalid(format!(
+                        "internal error: no {channel:?} group with rank {}",
+                        transfer.peer
+                    ))
+                })?;
+                Ok((group, usize::from(transfer.peer > self.my_rank())))
+            }
         }
     }
 
     /// Starts sending `tensor` as `transfer`'s message to its peer.
     pub fn send(&self, transfer: Transfer, tensor: &Tensor) -> Result<Work, CommError> {
         let channel = transfer.message.channel();
-        let work = self
-            .group(channel)
-            .send(tensor, transfer.peer, transfer.message.tag())?;
+        let (group, peer) = self.lane(transfer)?;
+        let work = group.send(tensor, peer, transfer.message.tag())?;
         self.record(P2pOp::Send, channel, transfer, tensor.kind());
         Ok(work)
     }
@@ -58,9 +103,8 @@ impl Channels {
     /// Starts receiving `transfer`'s message from its peer into `tensor`.
     pub fn recv(&self, transfer: Transfer, tensor: &mut Tensor) -> Result<Work, CommError> {
         let channel = transfer.message.channel();
-        let work = self
-            .group(channel)
-            .recv(tensor, transfer.peer, transfer.message.tag())?;
+        let (group, peer) = self.lane(transfer)?;
+        let work = group.recv(tensor, peer, transfer.message.tag())?;
         self.record(P2pOp::Recv, channel, transfer, tensor.kind());
         Ok(work)
     }
@@ -68,16 +112,14 @@ impl Channels {
     /// Starts sending a compressed message's payload (after its header, sent with
     /// [`Channels::send`], which the ledger records as the message).
     pub fn send_payload(&self, transfer: Transfer, payload: &Tensor) -> Result<Work, CommError> {
-        let channel = transfer.message.channel();
-        self.group(channel)
-            .send(payload, transfer.peer, transfer.message.payload_tag())
+        let (group, peer) = self.lane(transfer)?;
+        group.send(payload, peer, transfer.message.payload_tag())
     }
 
     /// Starts receiving a compressed message's payload, once its header has said its size.
     pub fn recv_payload(&self, transfer: Transfer, payload: &mut Tensor) -> Result<Work, CommError> {
-        let channel = transfer.message.channel();
-        self.group(channel)
-            .recv(payload, transfer.peer, transfer.message.payload_tag())
+        let (group, peer) = self.lane(transfer)?;
+        group.recv(payload, peer, transfer.message.payload_tag())
     }
 
     fn record(&self, op: P2pOp, channel: Channel, transfer: Transfer, kind: Kind) {
@@ -86,7 +128,7 @@ impl Channels {
         let seq = *issued;
         *issued += 1;
         let (tensor, microbatch) = transfer.message.describe();
-        let rank = self.forward.ranks()[self.forward.rank()];
+        let rank = self.my_rank();
         ledger.log.push(P2p {
             rank,
             op,

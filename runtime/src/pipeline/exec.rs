@@ -7,7 +7,7 @@ use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use stagehand_contract::{Channel, P2p, StagePlan, Trace};
+use stagehand_contract::{P2p, StagePlan, Trace};
 use tch::{Device, Kind, Tensor};
 
 use super::bundle::Bundle;
@@ -154,7 +154,7 @@ fn everyone(links: &Links) -> Option<&ProcessGroup> {
     links
         .channels
         .as_ref()
-        .map(|c| c.group(Channel::Forward))
+        .map(Channels::everyone)
         .or(links.replicas.as_ref())
 }
 

@@ -1,8 +1,11 @@
 //! Who a rank exchanges messages with, and the order it issues its point-to-point operations.
 //!
 //! NCCL ignores tags: between two ranks it pairs sends with receives by the order both issue them
-//! on a communicator (c10d gives each pair of ranks of a group its own, shared by both
-//! directions), and runs each side's operations with the other strictly in that order.
+//! on a communicator, and runs each side's operations with the other strictly in that order. With
+//! `--p2p-groups pairs` (NCCL's default) every pair of neighbouring ranks has a group, so a
+//! communicator and a stream, per direction; with `world` the groups span every rank, and c10d
+//! gives each pair its own communicator only while a group's is not made up front (Gloo has no
+//! such ordering at all).
 //! [`Route::program`] is the one place that order is decided; the executor runs its operations
 //! as they come. Two properties make it safe (route/tests.rs checks both over many plans,
 //! replicated stages and uneven round-robins included, against a model of that matching):

@@ -2,6 +2,7 @@
 //! runs its schedule, and reports each iteration as a metrics event. One process holding the
 //! whole model is the same path with a one-stage, one-rank plan and no peers.
 
+use std::collections::HashMap;
 use std::io::Write;
 use std::ops::Range;
 use std::time::Duration;
@@ -13,7 +14,7 @@ use stagehand_contract::{
 use tch::Kind;
 
 use crate::comm::{ProcessGroup, Store};
-use crate::config::{Backend, DeviceSpec, DistConfig, Precision, ReduceOptions, TrainConfig};
+use crate::config::{Backend, DeviceSpec, DistConfig, P2pGroups, Precision, ReduceOptions, TrainConfig};
 use crate::data::{self, BatchRequest, Shard};
 use crate::host_memory;
 use crate::metrics::{Emitter, Memory, Throughput};
@@ -84,7 +85,7 @@ fn agree_on_resume(links: &Links, first: u64, device: tch::Device) -> anyhow::Re
     let everyone = links
         .channels
         .as_ref()
-        .map(|c| c.group(Channel::Forward))
+        .map(Channels::everyone)
         .or(links.replicas.as_ref());
     let Some(group) = everyone else { return Ok(()) };
     let k = first as f64;
@@ -136,10 +137,16 @@ fn connect(
             ProcessGroup::nccl(&store, dist.rank, dist.world_size, index, timeout)?
         }
     };
-    let everyone: Vec<usize> = (0..dist.world_size).collect();
-    let backward = forward
-        .subgroup(&store, "channel/backward", &everyone)?
-        .expect("every rank is in a group of every rank");
+    let lanes = match dist.p2p_groups {
+        P2pGroups::World => {
+            let everyone: Vec<usize> = (0..dist.world_size).collect();
+            let backward = forward
+                .subgroup(&store, "channel/backward", &everyone)?
+                .expect("every rank is in a group of every rank");
+            Ok(backward)
+        }
+        P2pGroups::Pairs => Err(pair_groups(&forward, &store, plan, dist.rank)?),
+    };
     let mut replicas = None;
     for stage in plan.stages.iter().filter(|s| s.ranks.len() > 1) {
         let mut ranks = stage.ranks.clone();
@@ -149,12 +156,50 @@ fn connect(
         }
     }
     let bundle = bundle_groups(&forward, &store, plan, dist.rank)?;
+    let channels = match lanes {
+        Ok(backward) => Channels::world(forward, backward),
+        Err(pairs) => Channels::pairs(forward, pairs),
+    };
     let links = Links {
-        channels: Some(Channels::new(forward, backward)),
+        channels: Some(channels),
         replicas,
         bundle,
     };
     Ok((links, dist.reduce.partial.map(|_| store)))
+}
+
+/// With `--p2p-groups pairs`: this rank's groups with each rank of the stages next to its own, one
+/// per direction. Every rank goes through the pairs of the whole plan in one order and joins
+/// those it is in: making a group waits for both of its ranks, and in one global order the first
+/// pair still missing always has both of them waiting for it, so no two ranks wait on each other.
+fn pair_groups(
+    world: &ProcessGroup,
+    store: &Store,
+    plan: &StagePlan,
+    rank: usize,
+) -> anyhow::Result<HashMap<(Channel, usize), ProcessGroup>> {
+    let mut pairs: Vec<(usize, usize)> = plan
+        .stages
+        .windows(2)
+        .flat_map(|w| {
+            w[0].ranks
+                .iter()
+                .flat_map(|&a| w[1].ranks.iter().map(move |&b| (a.min(b), a.max(b))))
+        })
+        .collect();
+    pairs.sort_unstable();
+    pairs.dedup();
+    let mut groups = HashMap::new();
+    for (low, high) in pairs {
+        for channel in [Channel::Forward, Channel::Backward] {
+            let name = format!("p2p/{channel:?}/{low}-{high}").to_lowercase();
+            if let Some(group) = world.subgroup(store, &name, &[low, high])? {
+                let peer = if rank == low { high } else { low };
+                groups.insert((channel, peer), group);
+            }
+        }
+    }
+    Ok(groups)
 }
 
 /// With the stage config's `bundles`: this rank's groups for its stage's bundle reduce (every rank
