@@ -362,6 +362,11 @@ mod tests {
         let line = format!(
             r#"{{"event":"iteration","iteration":{i},"rank":{rank},"stage":{rank},"loss":{loss},"lr":0.01,"samples":8,"time_s":0.1,"samples_per_sec":80.0,"compute_s":0.1,"comm_wait_s":0.0,"idle_s":0.0,"peak_mem_bytes":null}}"#
         );
+        metrics(rank, line)
+    }
+
+    /// `line` from `rank`, as the driver hands it to reporters.
+    fn metrics(rank: usize, line: String) -> Event {
         let event = stagehand_contract::Event::parse_line(&line).unwrap();
         Event::Metrics {
             rank,
@@ -418,12 +423,7 @@ mod tests {
             r#""peak_mem_bytes":null"#,
             &format!(r#""peak_mem_bytes":null,"loss_scale":{scale},"step_skipped":{skipped}"#),
         );
-        let event = stagehand_contract::Event::parse_line(&line).unwrap();
-        Event::Metrics {
-            rank,
-            line,
-            event: Box::new(event),
-        }
+        metrics(rank, line)
     }
 
     #[test]
