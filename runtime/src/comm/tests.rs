@@ -500,7 +500,7 @@ fn nccl_group_of_one_rank() {
             Tensor::ones([2, 2], (Kind::Float, tch::Device::Cuda(0))),
         ];
         pg.all_reduce_sum(&t).unwrap().wait().unwrap();
-        crate::cuda::synchronize(tch::Device::Cuda(0));
+        crate::cuda::synchronize(tch::Device::Cuda(0)).unwrap();
         assert_eq!(t[1].sum(Kind::Float).double_value(&[]), 4.0);
         pg.barrier().unwrap();
     });

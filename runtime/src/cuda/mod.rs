@@ -137,7 +137,7 @@ impl Cuda {
         check(unsafe { (self.api.set_device)(device as i64) })
     }
 
-    /// Waits until everything queued on `device` has run (every stream, NCCL's too).
+    /// Waits until everything queued on the calling thread's current stream of `device` has run.
     pub fn synchronize(&self, device: usize) -> Result<(), String> {
         // SAFETY: a plain call through a loaded bridge.
         check(unsafe { (self.api.synchronize)(device as i64) })
@@ -206,11 +206,33 @@ pub fn bind_device(device: tch::Device) -> Result<(), String> {
 /// (a timing boundary): compute, and the transfers a `Work::wait` ordered the stream after; not
 /// NCCL's streams, whose receives posted ahead of time may wait for this rank's next send. A no-op
 /// on the CPU, and when CUDA is not loaded (then nothing can be queued there).
-pub fn synchronize(device: tch::Device) {
+///
+/// Kernels fail asynchronously: a fault of anything queued before (an illegal memory access, say)
+/// is reported here, as the error.
+pub fn synchronize(device: tch::Device) -> Result<(), DeviceError> {
     if let tch::Device::Cuda(index) = device {
         if let Some(cuda) = CUDA.get().and_then(|c| c.as_ref().ok()) {
-            // A failure here means the device is gone; the next operation reports it properly.
-            let _ = cuda.synchronize(index);
+            cuda.synchronize(index)
+                .map_err(|e| DeviceError(format!("cuda:{index}: {e}")))?;
         }
+    }
+    Ok(())
+}
+
+/// A CUDA device's failure, seen when waiting for it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceError(pub String);
+
+impl std::fmt::Display for DeviceError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for DeviceError {}
+
+impl From<DeviceError> for String {
+    fn from(e: DeviceError) -> String {
+        e.0
     }
 }

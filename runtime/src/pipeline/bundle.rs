@@ -104,7 +104,7 @@ impl Bundle {
             }
             Ok::<_, String>(())
         })?;
-        crate::cuda::synchronize(device);
+        crate::cuda::synchronize(device)?;
         let bytes = flat.numel() as u64 * flat.kind().elt_size_in_bytes() as u64;
         let sent = match (&self.local, self.is_master()) {
             (Some(_), false) => bytes,

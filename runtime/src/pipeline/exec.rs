@@ -19,7 +19,7 @@ use super::sparse;
 use super::wire::{self, header, header_buffer, read_header, Message, TensorSpec};
 use crate::comm::{ProcessGroup, Work};
 use crate::config::CheckpointConfig;
-use crate::cuda::Graph;
+use crate::cuda::{DeviceError, Graph};
 use crate::data::Batches;
 use crate::lr::LrSchedule;
 use crate::schedule::{Action, Schedule};
@@ -365,7 +365,7 @@ impl Executor {
         };
         // NCCL's wait only orders the streams: settle here so the transfer is not timed as the
         // compute that follows.
-        crate::cuda::synchronize(self.device);
+        crate::cuda::synchronize(self.device)?;
         // A compressed activation goes back to the kind the stage computes in.
         Ok(match message {
             Message::Activation(_) if tensor.kind() != spec.kind => tensor.to_kind(spec.kind),
@@ -705,7 +705,7 @@ impl Executor {
             }
         };
         if !progress.capturing() {
-            crate::cuda::synchronize(self.device);
+            crate::cuda::synchronize(self.device)?;
         }
         if self.links.channels.is_some() || self.links.replicas.is_some() {
             progress.timing.comm += started.elapsed();
@@ -963,12 +963,17 @@ impl Executor {
 
 /// Runs `f` as compute: timed, and stretched by the slow-down factor (straggler emulation). On
 /// CUDA the clock stops only once the GPU has run what `f` queued, so the time is the kernels'
-/// and not their launches'.
-fn timed<T>(devices: &[Device], slowdown: f64, timing: &mut Timing, f: impl FnOnce() -> T) -> T {
+/// and not their launches'; a device's fault seen then is the result (`f`'s own error first).
+fn timed<T, E: From<DeviceError>>(
+    devices: &[Device],
+    slowdown: f64,
+    timing: &mut Timing,
+    f: impl FnOnce() -> Result<T, E>,
+) -> Result<T, E> {
     let started = Instant::now();
-    let value = f();
+    let value = f()?;
     for &device in devices {
-        crate::cuda::synchronize(device);
+        crate::cuda::synchronize(device)?;
     }
     let mut spent = started.elapsed();
     if slowdown > 1.0 {
@@ -977,7 +982,7 @@ fn timed<T>(devices: &[Device], slowdown: f64, timing: &mut Timing, f: impl FnOn
         spent += extra;
     }
     timing.compute += spent;
-    value
+    Ok(value)
 }
 
 #[cfg(test)]
@@ -996,7 +1001,9 @@ mod tests {
             let begun = Instant::now();
             std::thread::sleep(Duration::from_millis(5));
             work = begun.elapsed();
-        });
+            Ok::<_, String>(())
+        })
+        .unwrap();
         let passed = started.elapsed();
         // A nanosecond's slack for the float arithmetic of `mul_f64`.
         let slack = Duration::from_nanos(10);
@@ -1010,8 +1017,10 @@ mod tests {
         let mut plain = Timing::default();
         let started = Instant::now();
         timed(&[Device::Cpu], 1.0, &mut plain, || {
-            std::thread::sleep(Duration::from_millis(5))
-        });
+            std::thread::sleep(Duration::from_millis(5));
+            Ok::<_, String>(())
+        })
+        .unwrap();
         assert!(plain.compute >= Duration::from_millis(5) && plain.compute <= started.elapsed());
     }
 }

@@ -322,7 +322,7 @@ impl Reducer {
                     Ok::<_, String>(())
                 })?;
             }
-            crate::cuda::synchronize(device);
+            crate::cuda::synchronize(device)?;
             stats.wait = started_at.elapsed();
             Ok(stats)
         })();

@@ -94,8 +94,9 @@ pub fn measure_costs(
         } else {
             xs.detach()
         };
+        // Timing boundaries; a device's fault is left to the next operation to report.
         let once = || {
-            crate::cuda::synchronize(device);
+            let _ = crate::cuda::synchronize(device);
             let started = Instant::now();
             let out = layer.forward_t(&input, true);
             if out.requires_grad() {
@@ -106,7 +107,7 @@ pub fn measure_costs(
                 // A module's own output always takes a gradient of its shape.
                 let _ = backward_with_grad(&out, &grad);
             }
-            crate::cuda::synchronize(device);
+            let _ = crate::cuda::synchronize(device);
             started.elapsed().as_secs_f64()
         };
         once();
