@@ -77,6 +77,17 @@ const DRIVER_OPTIONS: [&str; 10] = [
     "-K",
 ];
 
+/// srun's GPU requests, which have keys of their own: given in `options:`, the ranks would hold
+/// GPUs the driver does not know of and train on the CPU.
+const GPU_OPTIONS: [&str; 6] = [
+    "--gpus",
+    "-G",
+    "--gpus-per-node",
+    "--gpus-per-socket",
+    "--gpus-per-task",
+    "--gres",
+];
+
 impl SlurmSettings {
     /// Ranks in the job.
     pub fn world_size(&self) -> usize {
@@ -128,6 +139,15 @@ impl SlurmSettings {
                 ));
             }
             let name = option.split('=').next().unwrap_or(option);
+            if GPU_OPTIONS.contains(&name) || (option.starts_with("-G") && !option.starts_with("--")) {
+                return Err((
+                    "slurm",
+                    format!(
+                        "slurm.options asks for GPUs with `{option}`; use slurm.gpus_per_task (or \
+                         slurm.gres) instead, so the ranks are started on their GPUs"
+                    ),
+                ));
+            }
             if DRIVER_OPTIONS.contains(&name) {
                 return Err((
                     "slurm",
@@ -226,5 +246,21 @@ mod tests {
             ..SlurmSettings::default()
         };
         assert!(gres.has_gpus() && !SlurmSettings::default().has_gpus());
+        for option in ["--gpus-per-node=4", "--gpus=8", "-G", "-G2", "--gres=gpu:4"] {
+            let s = SlurmSettings {
+                options: vec![option.into()],
+                ..SlurmSettings::default()
+            };
+            let said = s.check().unwrap_err().1;
+            assert!(
+                said.contains(&format!("`{option}`")) && said.contains("slurm.gpus_per_task"),
+                "{option}: {said}"
+            );
+        }
+        let fine = SlurmSettings {
+            options: vec!["--constraint=a100".into(), "--gpu-bind=closest".into()],
+            ..SlurmSettings::default()
+        };
+        assert!(fine.check().is_ok());
     }
 }

@@ -532,6 +532,15 @@ pub(super) fn labels(id: &str, plan: &Experiment, rank: &str) -> HashMap<String,
     ])
 }
 
+/// Whether a host's ranks train on CUDA: it was given GPUs, or the rank's `--device` or
+/// `--devices` (a stage over several GPUs) names one.
+fn wants_cuda(argv: &[String], gpus: &[u32]) -> bool {
+    let named = argv.windows(2).any(|w| {
+        matches!(w[0].as_str(), "--device" | "--devices") && w[1].split(',').any(|d| d.starts_with("cuda"))
+    });
+    named || !gpus.is_empty()
+}
+
 /// What the runtime says of itself in a host's image (`runtime info`), as preflight sees it.
 #[derive(Debug, Clone, serde::Deserialize)]
 pub struct RuntimeInfo {
@@ -592,13 +601,7 @@ pub async fn self_check(hosts: &[Host], plan: &Experiment, id: &str) -> Result<(
         }
         let info: RuntimeInfo = serde_json::from_str(stdout.trim())
             .map_err(|e| failed(format!("`runtime info` printed {:?}: {e}", stdout.trim())))?;
-        let device = rank
-            .argv
-            .iter()
-            .position(|a| a == "--device")
-            .and_then(|i| rank.argv.get(i + 1));
-        let wants_cuda = device.is_some_and(|d| d.starts_with("cuda"));
-        if wants_cuda && info.cuda_devices < hp.gpus.len().max(1) {
+        if wants_cuda(&rank.argv, &hp.gpus) && info.cuda_devices < hp.gpus.len().max(1) {
             let why = info
                 .cuda_error
                 .or(info.cuda_devices_error)
@@ -728,5 +731,22 @@ mod tests {
         assert_eq!(data.len(), (1 << 20) + 4);
         assert!(data.starts_with(b"head") && data.ends_with(b"tail"));
         assert!(entries.next().is_none());
+    }
+
+    #[test]
+    fn a_rank_on_several_gpus_is_checked_for_cuda_too() {
+        let argv = |args: &str| -> Vec<String> { args.split_whitespace().map(String::from).collect() };
+        assert!(wants_cuda(&argv("runtime --device cuda:0"), &[]));
+        assert!(wants_cuda(&argv("runtime --devices cuda:0,cuda:1"), &[]));
+        assert!(wants_cuda(&argv("runtime --devices cpu,cuda:1"), &[]));
+        assert!(
+            wants_cuda(&argv("train.py"), &[3]),
+            "given GPUs, a user command wants them"
+        );
+        assert!(!wants_cuda(
+            &argv("runtime --device cpu --devices-note cuda"),
+            &[]
+        ));
+        assert!(!wants_cuda(&argv("runtime --devices cpu,cpu"), &[]));
     }
 }
