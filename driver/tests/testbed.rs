@@ -696,8 +696,8 @@ fn wait_for_containers(bed: &Bed, host: &str, h: &Harness, n: usize) {
 }
 
 #[test]
-fn testbed_each_container_asks_its_engine_for_its_ranks_gpus() {
-    let test = "testbed_each_container_asks_its_engine_for_its_ranks_gpus";
+fn testbed_each_container_asks_its_engine_for_its_hosts_gpus() {
+    let test = "testbed_each_container_asks_its_engine_for_its_hosts_gpus";
     let Some(bed) = testbed::up(test, 2) else {
         return;
     };
@@ -711,7 +711,8 @@ fn testbed_each_container_asks_its_engine_for_its_ranks_gpus() {
         }])
     };
 
-    // One container per rank: each asks for its own GPU, by the host's numbering.
+    // One container per rank: each asks for every GPU the experiment has on its host (NCCL
+    // reaches the GPUs of the host's other ranks directly), by the host's numbering.
     let h = Harness::new("testbed-gpus-per-rank");
     let driver = h.spawn(&h.config(&body), &[]);
     wait_for_containers(&bed, "th1", &h, 2);
@@ -719,13 +720,21 @@ fn testbed_each_container_asks_its_engine_for_its_ranks_gpus() {
     let th1 = device_requests(&bed, "th1", &h);
     let th2 = device_requests(&bed, "th2", &h);
     assert_eq!(th1.len(), 2, "{th1:?}");
-    assert_eq!((th1[0].0.as_str(), &th1[0].1), ("0", &request(&["0"])), "{th1:?}");
-    assert_eq!((th1[1].0.as_str(), &th1[1].1), ("1", &request(&["1"])), "{th1:?}");
+    assert_eq!(
+        (th1[0].0.as_str(), &th1[0].1),
+        ("0", &request(&["0", "1"])),
+        "{th1:?}"
+    );
+    assert_eq!(
+        (th1[1].0.as_str(), &th1[1].1),
+        ("1", &request(&["0", "1"])),
+        "{th1:?}"
+    );
     assert_eq!((th2[0].0.as_str(), &th2[0].1), ("2", &request(&["1"])), "{th2:?}");
     // What the engine made of it: the variable the toolkit's hook reads names the same devices.
     assert_eq!(
         [th1[0].2.as_str(), th1[1].2.as_str(), th2[0].2.as_str()],
-        ["0", "1", "1"]
+        ["0,1", "0,1", "1"]
     );
     let since = std::time::Instant::now();
     interrupt(&driver);

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use crate::config::{Device, ExperimentFile};
-use crate::options::{Backend, ContainerMode};
+use crate::options::Backend;
 
 use super::HostSpec;
 
@@ -17,7 +17,6 @@ pub(super) struct ArgsContext<'a> {
     pub stage_config: Option<&'a Path>,
     pub device: Device,
     pub backend: Backend,
-    pub container_mode: ContainerMode,
     pub world_size: usize,
     pub master_addr: &'a str,
     pub master_port: u16,
@@ -287,19 +286,15 @@ pub(super) fn device_arg(ctx: &ArgsContext, host: &HostSpec, gpus: &[u32]) -> St
     if ctx.device == Device::Cpu {
         return "cpu".to_string();
     }
-    format!("cuda:{}", visible_index(ctx, host, gpus, gpu))
+    format!("cuda:{}", visible_index(ctx, host, gpu))
 }
 
-/// How the rank's process sees `gpu` (one of its `gpus`): a container given only the rank's GPUs
-/// sees them from 0, a container of the whole host sees the host's in its order.
-fn visible_index(ctx: &ArgsContext, host: &HostSpec, gpus: &[u32], gpu: u32) -> usize {
-    match (ctx.backend, ctx.container_mode) {
-        (Backend::Process | Backend::Slurm, _) => gpu as usize,
-        (Backend::Docker, ContainerMode::PerRank) => gpus
-            .iter()
-            .position(|g| *g == gpu)
-            .expect("the GPU is the rank's"),
-        (Backend::Docker, ContainerMode::PerHost) => host
+/// How the rank's process sees `gpu` (one of its GPUs): a container, one per rank or one per
+/// host, is given every GPU the experiment has on its host and sees them in the host's order.
+fn visible_index(ctx: &ArgsContext, host: &HostSpec, gpu: u32) -> usize {
+    match ctx.backend {
+        Backend::Process | Backend::Slurm => gpu as usize,
+        Backend::Docker => host
             .gpus
             .iter()
             .position(|g| *g == gpu)
@@ -319,7 +314,7 @@ fn device_flag(ctx: &ArgsContext, host: &HostSpec, gpus: &[u32]) -> (&'static st
             }
             Backend::Process | Backend::Docker => gpus
                 .iter()
-                .map(|&g| format!("cuda:{}", visible_index(ctx, host, gpus, g)))
+                .map(|&g| format!("cuda:{}", visible_index(ctx, host, g)))
                 .collect(),
         };
         if list.len() > 1 {

@@ -478,7 +478,6 @@ fn resolve_with(
         stage_config: stage_config_path.as_deref(),
         device,
         backend,
-        container_mode: options.container_mode,
         world_size,
         master_addr: &master_addr,
         master_port,

@@ -210,13 +210,15 @@ fn stage_configs_place_ranks_and_are_passed_by_absolute_path() {
 #[test]
 fn gpus_are_numbered_as_each_container_sees_them() {
     let text = "machines:\n  - host: box\n    gpus: [2, 3]\n";
-    let per_rank = resolve_text(text, &options(None, ContainerMode::PerRank)).unwrap();
-    assert_eq!(per_rank.world_size(), 2);
-    assert_eq!(flag(&per_rank.ranks[1].argv, "--device"), Some("cuda:0"));
-    assert_eq!(per_rank.ranks[1].gpus, vec![3]);
-    let per_host = resolve_text(text, &options(None, ContainerMode::PerHost)).unwrap();
-    assert_eq!(flag(&per_host.ranks[1].argv, "--device"), Some("cuda:1"));
-    assert_eq!(per_host.hosts[0].gpus, vec![2, 3]);
+    // Either way a container sees the host's GPUs of the experiment, in the host's order.
+    for mode in [ContainerMode::PerRank, ContainerMode::PerHost] {
+        let plan = resolve_text(text, &options(None, mode)).unwrap();
+        assert_eq!(plan.world_size(), 2);
+        assert_eq!(flag(&plan.ranks[1].argv, "--device"), Some("cuda:1"), "{mode:?}");
+        assert_eq!(plan.ranks[1].gpus, vec![3]);
+        assert_eq!(plan.ranks[1].env.get("LOCAL_RANK").map(String::as_str), Some("1"));
+        assert_eq!(plan.hosts[0].gpus, vec![2, 3]);
+    }
 }
 
 #[test]
@@ -225,8 +227,8 @@ fn gpus_per_rank_gives_each_rank_a_stage_over_several_gpus() {
     let per_rank = resolve_text(text, &options(None, ContainerMode::PerRank)).unwrap();
     assert_eq!(per_rank.world_size(), 2);
     assert_eq!(per_rank.ranks[1].gpus, vec![6, 7]);
-    // Each container sees its two GPUs from 0; one container per host sees all four.
-    assert_eq!(flag(&per_rank.ranks[1].argv, "--devices"), Some("cuda:0,cuda:1"));
+    // Each container sees the host's four GPUs, as one container per host does.
+    assert_eq!(flag(&per_rank.ranks[1].argv, "--devices"), Some("cuda:2,cuda:3"));
     assert_eq!(flag(&per_rank.ranks[1].argv, "--device"), None);
     let per_host = resolve_text(text, &options(None, ContainerMode::PerHost)).unwrap();
     assert_eq!(flag(&per_host.ranks[1].argv, "--devices"), Some("cuda:2,cuda:3"));

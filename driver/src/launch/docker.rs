@@ -105,7 +105,11 @@ impl DockerLauncher {
     ) -> Result<(), LaunchError> {
         let host = &self.hosts[r.host];
         let labels = self.labels(plan, &r.rank.to_string());
-        let body = container_body(plan, host, labels, &r.gpus, Some(r));
+        // Every GPU the experiment has on the host, not only the rank's (its `--device` names its
+        // own): NCCL takes ranks on one host (one hostname under host networking) for one node and
+        // reaches their GPUs directly (NVLink, CUDA IPC), which fails from a container that cannot
+        // see them; and `LOCAL_RANK` then numbers the GPUs as the container sees them.
+        let body = container_body(plan, host, labels, &plan.hosts[r.host].gpus, Some(r));
         let name = format!("{}-r{}", self.id, r.rank);
         let id = create(host, name.clone(), body).await?;
         self.track(r.host, &id, name, vec![r.rank]);
