@@ -98,6 +98,11 @@ impl ProcessGroup {
     ) -> Result<ProcessGroup, CommError> {
         crate::cuda::nccl()
             .map_err(|reason| CommError::Unsupported(format!("the nccl backend: {reason}")))?;
+        // Only where the group can be made (the device exists): the choice sets the process's
+        // environment, best left alone otherwise.
+        if crate::cuda::cuda().is_ok_and(|cuda| device < cuda.device_count()) {
+            choose_nccl_interface(store);
+        }
         let ranks: Vec<usize> = (0..world_size).collect();
         Self::create(
             store,
@@ -604,19 +609,89 @@ fn lowercase_first(text: &str) -> String {
 }
 
 /// The gloo device for this rank: `GLOO_SOCKET_IFNAME` if set, else the local address of the
-/// route to the store (loopback when the store is on this host), found by "connecting" a UDP
-/// socket, which sends nothing.
+/// route to the store (loopback when the store is on this host).
 fn gloo_device(store: &Store) -> Result<GlooDevice, String> {
     if let Some(iface) = std::env::var("GLOO_SOCKET_IFNAME").ok().filter(|s| !s.is_empty()) {
         return Ok(GlooDevice::Interface(iface));
     }
+    route_to_store(store)
+        .map(|ip| GlooDevice::Address(ip.to_string()))
+        .map_err(|e| format!("{e}; set GLOO_SOCKET_IFNAME to the network interface to use"))
+}
+
+/// NCCL's sockets (its bootstrap, and its network transport between hosts) on the interface of
+/// the route to the store, as Gloo's, unless `NCCL_SOCKET_IFNAME` says otherwise: left to itself
+/// NCCL takes the first interface not named docker*, lo or virbr*, which may be a Docker bridge,
+/// a management port or a VPN that does not reach the other hosts. Set before the first NCCL
+/// communicator, which reads it.
+fn choose_nccl_interface(store: &Store) {
+    if std::env::var_os("NCCL_SOCKET_IFNAME").is_some_and(|v| !v.is_empty()) {
+        return;
+    }
+    let Some(name) = route_to_store(store).ok().and_then(interface_of) else {
+        return;
+    };
+    // `=`: this interface exactly, not every one whose name starts so (NCCL's rule).
+    std::env::set_var("NCCL_SOCKET_IFNAME", format!("={name}"));
+    eprintln!(
+        "runtime: NCCL uses network interface {name}, the route to the master; set \
+         NCCL_SOCKET_IFNAME to choose another"
+    );
+}
+
+/// The name of the interface holding `ip` (getifaddrs), if one does.
+pub(super) fn interface_of(ip: IpAddr) -> Option<String> {
+    let mut list: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs fills `list` with a linked list we free below.
+    if unsafe { libc::getifaddrs(&mut list) } != 0 {
+        return None;
+    }
+    let mut found = None;
+    let mut entry = list;
+    while !entry.is_null() && found.is_none() {
+        // SAFETY: a node of the list getifaddrs made, alive until freeifaddrs.
+        let node = unsafe { &*entry };
+        if !node.ifa_addr.is_null() {
+            // SAFETY: ifa_addr points at a sockaddr whose family says its full type.
+            let address = unsafe {
+                match i32::from((*node.ifa_addr).sa_family) {
+                    libc::AF_INET => {
+                        let v4 = &*(node.ifa_addr as *const libc::sockaddr_in);
+                        Some(IpAddr::from(u32::from_be(v4.sin_addr.s_addr).to_be_bytes()))
+                    }
+                    libc::AF_INET6 => {
+                        let v6 = &*(node.ifa_addr as *const libc::sockaddr_in6);
+                        Some(IpAddr::from(v6.sin6_addr.s6_addr))
+                    }
+                    _ => None,
+                }
+            };
+            if address == Some(ip) {
+                // SAFETY: ifa_name is a NUL-terminated string owned by the list.
+                found = Some(
+                    unsafe { std::ffi::CStr::from_ptr(node.ifa_name) }
+                        .to_string_lossy()
+                        .into_owned(),
+                );
+            }
+        }
+        entry = node.ifa_next;
+    }
+    // SAFETY: the list getifaddrs gave, freed once.
+    unsafe { libc::freeifaddrs(list) };
+    found
+}
+
+/// The local address of the route to the store (loopback when the store is on this host), found
+/// by "connecting" a UDP socket, which sends nothing.
+fn route_to_store(store: &Store) -> Result<IpAddr, String> {
     let target: SocketAddr = (store.addr(), store.port())
         .to_socket_addrs()
         .map_err(|e| format!("cannot resolve the store address {}: {e}", store.addr()))?
         .next()
         .ok_or_else(|| format!("the store address {} resolves to nothing", store.addr()))?;
     if target.ip().is_unspecified() {
-        return Ok(GlooDevice::Address(IpAddr::from([127, 0, 0, 1]).to_string()));
+        return Ok(IpAddr::from([127, 0, 0, 1]));
     }
     let bind: SocketAddr = match target {
         SocketAddr::V4(_) => (IpAddr::from([0, 0, 0, 0]), 0).into(),
@@ -625,11 +700,6 @@ fn gloo_device(store: &Store) -> Result<GlooDevice, String> {
     let probe = UdpSocket::bind(bind)
         .and_then(|s| s.connect(target).map(|()| s))
         .and_then(|s| s.local_addr())
-        .map_err(|e| {
-            format!(
-                "cannot find a local address that reaches the store at {target}: {e}; \
-                 set GLOO_SOCKET_IFNAME to the network interface to use"
-            )
-        })?;
-    Ok(GlooDevice::Address(probe.ip().to_string()))
+        .map_err(|e| format!("cannot find a local address that reaches the store at {target}: {e}"))?;
+    Ok(probe.ip())
 }

@@ -505,3 +505,14 @@ fn nccl_group_of_one_rank() {
         pg.barrier().unwrap();
     });
 }
+
+/// NCCL's interface is found from the address of the route to the master: the loopback address
+/// is on `lo`, an address this host does not hold is on none.
+#[test]
+fn the_interface_holding_an_address_is_found_by_name() {
+    use std::net::IpAddr;
+    let loopback = super::group::interface_of(IpAddr::from([127, 0, 0, 1]));
+    assert_eq!(loopback.as_deref(), Some("lo"));
+    // TEST-NET-1 (RFC 5737): documentation only, never a host's.
+    assert_eq!(super::group::interface_of(IpAddr::from([192, 0, 2, 1])), None);
+}
