@@ -23,10 +23,12 @@ pub struct Channels {
     ledger: RefCell<Ledger>,
 }
 
-enum Lanes {
-    /// The backward group over every rank, for gradients.
+/// The groups beside the world's that messages travel on.
+pub enum Lanes {
+    /// The backward group over every rank (group rank equal to world rank), for gradients.
     World { backward: ProcessGroup },
-    /// Groups of this rank and one neighbour, by direction and the neighbour's world rank.
+    /// Groups of this rank and one neighbour (in world rank order), by direction and the
+    /// neighbour's world rank.
     Pairs(HashMap<(Channel, usize), ProcessGroup>),
 }
 
@@ -39,22 +41,12 @@ struct Ledger {
 }
 
 impl Channels {
-    /// Two groups over every rank, with group rank equal to world rank: `world` (the forward
-    /// channel) and `backward`.
-    pub fn world(world: ProcessGroup, backward: ProcessGroup) -> Channels {
+    /// `world`, a group over every rank with group rank equal to world rank, for collectives (and
+    /// with [`Lanes::World`] the forward channel), and the `lanes` messages travel on.
+    pub fn new(world: ProcessGroup, lanes: Lanes) -> Channels {
         Channels {
             world,
-            lanes: Lanes::World { backward },
-            ledger: RefCell::default(),
-        }
-    }
-
-    /// `world` for collectives, and a group of two ranks (this one and the neighbour, in world
-    /// rank order) for each (channel, neighbour's world rank).
-    pub fn pairs(world: ProcessGroup, pairs: HashMap<(Channel, usize), ProcessGroup>) -> Channels {
-        Channels {
-            world,
-            lanes: Lanes::Pairs(pairs),
+            lanes,
             ledger: RefCell::default(),
         }
     }

@@ -12,7 +12,7 @@ mod sparse;
 mod wire;
 
 pub use bundle::Bundle;
-pub use channel::Channels;
+pub use channel::{Channels, Lanes};
 pub use exec::{Checkpointing, Executor, Links};
 pub use partial::{outlast, PartialReduce};
 pub use reduce::Reducer;

@@ -19,7 +19,9 @@ use crate::data::{self, BatchRequest, Shard};
 use crate::host_memory;
 use crate::metrics::{Emitter, Memory, Throughput};
 use crate::models::{InputKind, ModelDef};
-use crate::pipeline::{Bundle, Channels, Checkpointing, Executor, Links, PartialReduce, Reducer, TensorSpec};
+use crate::pipeline::{
+    Bundle, Channels, Checkpointing, Executor, Lanes, Links, PartialReduce, Reducer, TensorSpec,
+};
 use crate::schedule::{self, Action, Schedule};
 use crate::stage::checkpoint::{self, Identity, Latest};
 use crate::stage::{GradScaler, Optimizer, Stage};
@@ -143,9 +145,9 @@ fn connect(
             let backward = forward
                 .subgroup(&store, "channel/backward", &everyone)?
                 .expect("every rank is in a group of every rank");
-            Ok(backward)
+            Lanes::World { backward }
         }
-        P2pGroups::Pairs => Err(pair_groups(&forward, &store, plan, dist.rank)?),
+        P2pGroups::Pairs => Lanes::Pairs(pair_groups(&forward, &store, plan, dist.rank)?),
     };
     let mut replicas = None;
     for stage in plan.stages.iter().filter(|s| s.ranks.len() > 1) {
@@ -156,12 +158,8 @@ fn connect(
         }
     }
     let bundle = bundle_groups(&forward, &store, plan, dist.rank)?;
-    let channels = match lanes {
-        Ok(backward) => Channels::world(forward, backward),
-        Err(pairs) => Channels::pairs(forward, pairs),
-    };
     let links = Links {
-        channels: Some(channels),
+        channels: Some(Channels::new(forward, lanes)),
         replicas,
         bundle,
     };
