@@ -36,6 +36,10 @@ pub(super) fn rank_command(
     gpus: &[u32],
 ) -> (Vec<String>, BTreeMap<String, String>) {
     let mut env: BTreeMap<String, String> = ctx.file.env.clone();
+    // CUDA numbers GPUs fastest first by default: on a server of mixed GPUs, not as nvidia-smi,
+    // the engine and `machines` number them. PCI bus order is theirs.
+    env.entry("CUDA_DEVICE_ORDER".into())
+        .or_insert_with(|| "PCI_BUS_ID".into());
     if ctx.backend == Backend::Slurm {
         return (slurm_command(ctx, host), env);
     }

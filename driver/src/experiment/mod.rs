@@ -1016,6 +1016,11 @@ fn group_hosts(machines: &[Machine], gpus_per_rank: usize) -> Result<(Vec<HostSp
             slots.push((index, gpus));
         }
     }
+    // In index order, as CUDA numbers a container's GPUs under CUDA_DEVICE_ORDER=PCI_BUS_ID
+    // (the order nvidia-smi's and the engine's indices follow), whatever order the machines list.
+    for host in &mut hosts {
+        host.gpus.sort_unstable();
+    }
     Ok((hosts, slots))
 }
 

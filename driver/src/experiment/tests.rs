@@ -210,7 +210,17 @@ fn stage_configs_place_ranks_and_are_passed_by_absolute_path() {
 #[test]
 fn gpus_are_numbered_as_each_container_sees_them() {
     let text = "machines:\n  - host: box\n    gpus: [2, 3]\n";
-    // Either way a container sees the host's GPUs of the experiment, in the host's order.
+    // Either way a container sees the host's GPUs of the experiment, in index order (PCI bus
+    // order, which the ranks' CUDA_DEVICE_ORDER makes CUDA's too), whatever order they are listed in.
+    let listed_backwards = "machines:\n  - host: box\n    gpus: [3, 1]\n";
+    let plan = resolve_text(listed_backwards, &options(None, ContainerMode::PerRank)).unwrap();
+    assert_eq!(plan.hosts[0].gpus, vec![1, 3]);
+    assert_eq!(plan.ranks[0].gpus, vec![3]);
+    assert_eq!(flag(&plan.ranks[0].argv, "--device"), Some("cuda:1"));
+    assert_eq!(
+        plan.ranks[0].env.get("CUDA_DEVICE_ORDER").map(String::as_str),
+        Some("PCI_BUS_ID")
+    );
     for mode in [ContainerMode::PerRank, ContainerMode::PerHost] {
         let plan = resolve_text(text, &options(None, mode)).unwrap();
         assert_eq!(plan.world_size(), 2);
