@@ -28,6 +28,11 @@ fn loaded(dir: &Path, text: &str) -> Loaded {
     crate::config::load(&path).unwrap()
 }
 
+/// `text` resolved with one container per rank on the default backend, which must succeed.
+fn plan_per_rank(text: &str) -> Experiment {
+    resolve_text(text, &options(None, ContainerMode::PerRank)).unwrap()
+}
+
 fn resolve_text(text: &str, opts: &Options) -> Result<Experiment, ConfigError> {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(
@@ -67,11 +72,7 @@ fn data_parallel_ranks_get_torchrun_environments() {
 
 #[test]
 fn a_local_first_machine_is_named_so_remote_ranks_can_reach_it() {
-    let plan = resolve_text(
-        "machines: [localhost, node2]\n",
-        &options(None, ContainerMode::PerRank),
-    )
-    .unwrap();
+    let plan = plan_per_rank("machines: [localhost, node2]\n");
     assert_ne!(plan.master_addr, "localhost");
     assert_ne!(plan.master_addr, "127.0.0.1");
     assert_eq!(plan.master_addr, this_host_name());
@@ -80,11 +81,7 @@ fn a_local_first_machine_is_named_so_remote_ranks_can_reach_it() {
 
 #[test]
 fn a_single_rank_gets_no_distributed_flags() {
-    let plan = resolve_text(
-        "machines: [localhost]\nmodule: mlp\n",
-        &options(None, ContainerMode::PerRank),
-    )
-    .unwrap();
+    let plan = plan_per_rank("machines: [localhost]\nmodule: mlp\n");
     assert_eq!(plan.backend, Backend::Docker);
     assert_eq!(flag(&plan.ranks[0].argv, "--rank"), None);
     assert_eq!(flag(&plan.ranks[0].argv, "--master-port"), None);
@@ -92,29 +89,17 @@ fn a_single_rank_gets_no_distributed_flags() {
 
 #[test]
 fn bucket_mb_reaches_every_rank() {
-    let plan = resolve_text(
-        "machines: [localhost, localhost]\nmodule: mlp\nbucket_mb: 0.5\n",
-        &options(None, ContainerMode::PerRank),
-    )
-    .unwrap();
+    let plan = plan_per_rank("machines: [localhost, localhost]\nmodule: mlp\nbucket_mb: 0.5\n");
     for rank in &plan.ranks {
         assert_eq!(flag(&rank.argv, "--bucket-mb"), Some("0.5"));
     }
-    let plan = resolve_text(
-        "machines: [localhost]\nmodule: mlp\n",
-        &options(None, ContainerMode::PerRank),
-    )
-    .unwrap();
+    let plan = plan_per_rank("machines: [localhost]\nmodule: mlp\n");
     assert_eq!(flag(&plan.ranks[0].argv, "--bucket-mb"), None);
 }
 
 #[test]
 fn sparse_mlps_active_units_reach_every_rank() {
-    let plan = resolve_text(
-        "machines: [localhost, localhost]\nmodule: sparse_mlp\nhidden: 256\nactive_units: 12\ncompress: auto\n",
-        &options(None, ContainerMode::PerRank),
-    )
-    .unwrap();
+    let plan = plan_per_rank("machines: [localhost, localhost]\nmodule: sparse_mlp\nhidden: 256\nactive_units: 12\ncompress: auto\n");
     for rank in &plan.ranks {
         assert_eq!(flag(&rank.argv, "--model"), Some("sparse_mlp"));
         assert_eq!(flag(&rank.argv, "--hidden"), Some("256"));
@@ -124,11 +109,9 @@ fn sparse_mlps_active_units_reach_every_rank() {
 
 #[test]
 fn precision_and_channels_last_reach_every_rank() {
-    let plan = resolve_text(
+    let plan = plan_per_rank(
         "machines: [localhost, localhost]\nmodule: resnet50\nprecision: bf16\nchannels_last: true\n",
-        &options(None, ContainerMode::PerRank),
-    )
-    .unwrap();
+    );
     for rank in &plan.ranks {
         assert_eq!(flag(&rank.argv, "--precision"), Some("bf16"));
         assert!(
@@ -139,11 +122,7 @@ fn precision_and_channels_last_reach_every_rank() {
         assert!(!rank.argv.iter().any(|a| a == "--cuda-graph"), "{:?}", rank.argv);
         assert_eq!(flag(&rank.argv, "--host-memory"), None);
     }
-    let plan = resolve_text(
-        "machines: [localhost, localhost]\nmodule: mlp\nhost_memory: release\n",
-        &options(None, ContainerMode::PerRank),
-    )
-    .unwrap();
+    let plan = plan_per_rank("machines: [localhost, localhost]\nmodule: mlp\nhost_memory: release\n");
     for rank in &plan.ranks {
         assert_eq!(flag(&rank.argv, "--host-memory"), Some("release"));
     }
@@ -155,43 +134,29 @@ fn precision_and_channels_last_reach_every_rank() {
         bad.contains("exp.yml:3") && bad.contains("`keep`") && bad.contains("`release`"),
         "{bad}"
     );
-    let plan = resolve_text(
-        "machines: ['node1:0']\nmodule: resnet50\ncuda_graph: true\n",
-        &options(None, ContainerMode::PerRank),
-    )
-    .unwrap();
+    let plan = plan_per_rank("machines: ['node1:0']\nmodule: resnet50\ncuda_graph: true\n");
     assert!(
         plan.ranks[0].argv.iter().any(|a| a == "--cuda-graph"),
         "{:?}",
         plan.ranks[0].argv
     );
-    let plan = resolve_text(
-        "machines: [localhost]\nmodule: mlp\n",
-        &options(None, ContainerMode::PerRank),
-    )
-    .unwrap();
+    let plan = plan_per_rank("machines: [localhost]\nmodule: mlp\n");
     assert_eq!(flag(&plan.ranks[0].argv, "--precision"), None);
     assert!(!plan.ranks[0].argv.iter().any(|a| a == "--channels-last"));
     assert_eq!(flag(&plan.ranks[0].argv, "--fp16-init-scale"), None);
-    let plan = resolve_text(
+    let plan = plan_per_rank(
         "machines: [localhost]
 module: mlp
 precision: fp16
 fp16_init_scale: 1024
 ",
-        &options(None, ContainerMode::PerRank),
-    )
-    .unwrap();
+    );
     assert_eq!(flag(&plan.ranks[0].argv, "--fp16-init-scale"), Some("1024"));
 }
 
 #[test]
 fn stage_configs_place_ranks_and_are_passed_by_absolute_path() {
-    let plan = resolve_text(
-        "machines: ['node1:0', 'node2:0']\nmodule: vgg16\nconfig_file: two.json\nschedule: 1f1b\nmicrobatches: 4\n",
-        &options(None, ContainerMode::PerRank),
-    )
-    .unwrap();
+    let plan = plan_per_rank("machines: ['node1:0', 'node2:0']\nmodule: vgg16\nconfig_file: two.json\nschedule: 1f1b\nmicrobatches: 4\n");
     assert_eq!(plan.ranks[1].stage, Some(1));
     assert_eq!(plan.master_addr, "node1");
     let argv = &plan.ranks[0].argv;
@@ -213,7 +178,7 @@ fn gpus_are_numbered_as_each_container_sees_them() {
     // Either way a container sees the host's GPUs of the experiment, in index order (PCI bus
     // order, which the ranks' CUDA_DEVICE_ORDER makes CUDA's too), whatever order they are listed in.
     let listed_backwards = "machines:\n  - host: box\n    gpus: [3, 1]\n";
-    let plan = resolve_text(listed_backwards, &options(None, ContainerMode::PerRank)).unwrap();
+    let plan = plan_per_rank(listed_backwards);
     assert_eq!(plan.hosts[0].gpus, vec![1, 3]);
     assert_eq!(plan.ranks[0].gpus, vec![3]);
     assert_eq!(flag(&plan.ranks[0].argv, "--device"), Some("cuda:1"));
@@ -234,7 +199,7 @@ fn gpus_are_numbered_as_each_container_sees_them() {
 #[test]
 fn gpus_per_rank_gives_each_rank_a_stage_over_several_gpus() {
     let text = "machines:\n  - host: box\n    gpus: [4, 5, 6, 7]\ngpus_per_rank: 2\n";
-    let per_rank = resolve_text(text, &options(None, ContainerMode::PerRank)).unwrap();
+    let per_rank = plan_per_rank(text);
     assert_eq!(per_rank.world_size(), 2);
     assert_eq!(per_rank.ranks[1].gpus, vec![6, 7]);
     // Each container sees the host's four GPUs, as one container per host does.
@@ -248,11 +213,7 @@ fn gpus_per_rank_gives_each_rank_a_stage_over_several_gpus() {
     )
     .unwrap();
     assert_eq!(flag(&process.ranks[0].argv, "--devices"), Some("cuda:4,cuda:5"));
-    let slurm = resolve_text(
-        "backend: slurm\nslurm: {tasks_per_node: 2, gpus_per_task: 2}\nmodule: mlp\n",
-        &options(None, ContainerMode::PerRank),
-    )
-    .unwrap();
+    let slurm = plan_per_rank("backend: slurm\nslurm: {tasks_per_node: 2, gpus_per_task: 2}\nmodule: mlp\n");
     assert_eq!(flag(&slurm.ranks[0].argv, "--devices"), Some("cuda:0,cuda:1"));
 
     let refused = [
@@ -394,11 +355,7 @@ fn cross_field_mistakes_point_at_their_key() {
 
 #[test]
 fn auto_profiles_rank_zeros_device_at_the_microbatch_size() {
-    let plan = resolve_text(
-        "machines: ['gpu1:2', 'gpu1:3', 'gpu2:0', 'gpu2:1']\nmodule: resnet50\nimage_size: 64\nbatch_size: 64\nconfig_file: auto\nschedule: 1f1b\nthreads: 4\nplanner: {intra_host_gbps: 100, memory_gib: 16}\n",
-        &options(None, ContainerMode::PerRank),
-    )
-    .unwrap();
+    let plan = plan_per_rank("machines: ['gpu1:2', 'gpu1:3', 'gpu2:0', 'gpu2:1']\nmodule: resnet50\nimage_size: 64\nbatch_size: 64\nconfig_file: auto\nschedule: 1f1b\nthreads: 4\nplanner: {intra_host_gbps: 100, memory_gib: 16}\n");
     let auto = plan.auto.as_ref().expect("auto is pending");
     // Four ranks: four microbatches of 16 (the fewest that give every rank work).
     assert_eq!((auto.microbatches, auto.micro_batch_size), (4, 16));
@@ -644,11 +601,8 @@ fn a_slowdown_that_names_nothing_real_is_refused_with_what_to_change() {
 
 #[test]
 fn overlap_reduce_and_compress_reach_every_rank() {
-    let plan = resolve_text(
-        "machines: [localhost, localhost]\nmodule: mlp\noverlap_reduce: on\ncompress: auto\n",
-        &options(None, ContainerMode::PerRank),
-    )
-    .unwrap();
+    let plan =
+        plan_per_rank("machines: [localhost, localhost]\nmodule: mlp\noverlap_reduce: on\ncompress: auto\n");
     for rank in &plan.ranks {
         assert_eq!(flag(&rank.argv, "--overlap-reduce"), Some("on"));
         assert_eq!(flag(&rank.argv, "--compress"), Some("auto"));
@@ -662,11 +616,9 @@ fn overlap_reduce_and_compress_reach_every_rank() {
 
 #[test]
 fn reduce_and_sync_every_reach_every_rank() {
-    let plan = resolve_text(
+    let plan = plan_per_rank(
         "machines: [localhost, localhost, localhost]\nmodule: mlp\nreduce: partial:2\nsync_every: 4\n",
-        &options(None, ContainerMode::PerRank),
-    )
-    .unwrap();
+    );
     for rank in &plan.ranks {
         assert_eq!(flag(&rank.argv, "--reduce"), Some("partial:2"));
         assert_eq!(flag(&rank.argv, "--sync-every"), Some("4"));
