@@ -24,8 +24,30 @@ pub struct Profile {
     pub threads: usize,
     /// Measured repeats per module (the times are medians).
     pub repeats: usize,
+    /// The arithmetic measured (`runtime profile --precision`): `fp32`, `bf16` or `fp16`, as a
+    /// training run's `--precision`. Profiles written before it was recorded are fp32.
+    #[serde(default = "fp32")]
+    pub precision: String,
+    /// Whether parameters and image inputs were in channels_last layout (`--channels-last`).
+    #[serde(default)]
+    pub channels_last: bool,
     /// The modules in order, the loss last.
     pub modules: Vec<ModuleProfile>,
+}
+
+fn fp32() -> String {
+    "fp32".into()
+}
+
+impl Profile {
+    /// How the profile computed, as a training run's flags would say it: `fp32`, `bf16
+    /// channels_last`, ...
+    pub fn arithmetic(&self) -> String {
+        match self.channels_last {
+            true => format!("{} channels_last", self.precision),
+            false => self.precision.clone(),
+        }
+    }
 }
 
 /// One module's measurements.
@@ -78,6 +100,8 @@ mod tests {
             device: "cpu".into(),
             threads: 1,
             repeats: 3,
+            precision: "bf16".into(),
+            channels_last: true,
             modules: vec![ModuleProfile {
                 index: 0,
                 name: "layers.0".into(),
@@ -95,6 +119,18 @@ mod tests {
     fn profiles_round_trip() {
         let text = serde_json::to_string(&profile()).unwrap();
         assert_eq!(Profile::from_json(&text).unwrap(), profile());
+    }
+
+    #[test]
+    fn profiles_that_do_not_say_their_arithmetic_are_fp32() {
+        let mut value = serde_json::to_value(profile()).unwrap();
+        let fields = value.as_object_mut().unwrap();
+        fields.remove("precision");
+        fields.remove("channels_last");
+        let read = Profile::from_json(&value.to_string()).unwrap();
+        assert_eq!((read.precision.as_str(), read.channels_last), ("fp32", false));
+        assert_eq!(read.arithmetic(), "fp32");
+        assert_eq!(profile().arithmetic(), "bf16 channels_last");
     }
 
     #[test]

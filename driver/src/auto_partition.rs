@@ -119,6 +119,27 @@ pub async fn profile_and_plan(
             ),
         ));
     }
+    if profile.model != auto.model {
+        return Err(plan_failed(
+            reporters,
+            format!(
+                "the profile {profiled_on} is of {} but the run trains {}; profile {} with `runtime profile`",
+                profile.model, auto.model, auto.model
+            ),
+        ));
+    }
+    if profile.arithmetic() != auto.arithmetic {
+        return Err(plan_failed(
+            reporters,
+            format!(
+                "the profile {profiled_on} was measured in {} but the run computes in {} (its \
+                 kernels' times and activations' bytes differ); profile with the run's \
+                 --precision and --channels-last",
+                profile.arithmetic(),
+                auto.arithmetic
+            ),
+        ));
+    }
     write(record, "profile.json", &profile)?;
 
     let request = PlanRequest {

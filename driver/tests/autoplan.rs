@@ -18,39 +18,55 @@ fn auto_profiles_plans_and_runs_as_processes() {
     h.assert_no_processes();
 }
 
+/// A profile that does not fit the run (another microbatch size, another arithmetic, another
+/// model) is refused before anything starts, saying what differs and what to do.
 #[test]
-fn a_given_profile_of_the_wrong_batch_size_is_refused_with_what_to_do() {
-    let h = Harness::new("auto-given");
-    let profile = h.dir.path().join("mlp.profile.json");
-    let status = std::process::Command::new(runtime())
-        .args([
-            "profile",
-            "--model",
-            "mlp",
-            "--layers",
-            "3",
-            "--hidden",
-            "256",
-            "--batch-size",
-            "8",
-        ])
-        .args(["--repeats", "1", "--output"])
-        .arg(&profile)
-        .status()
-        .unwrap();
-    assert!(status.success());
-    let config = auto_mlp(&h, "process", "planner: {profile: mlp.profile.json}\n");
-    let run = h.run(&config, &["--runtime", runtime().to_str().unwrap()]);
-    assert_eq!(run.code(), 1, "{}", run.stderr());
-    assert!(
-        run.stderr()
-            .contains("was taken at batch 8 but the run's microbatches have 4 samples"),
-        "{}",
-        run.stderr()
-    );
-    let (_, summary) = h.summary();
-    assert_eq!(summary["failure"]["cause"]["kind"], "plan_failed");
-    h.assert_no_processes();
+fn a_given_profile_that_does_not_fit_the_run_is_refused_with_what_to_do() {
+    let cases: [(&str, &[&str], &str); 3] = [
+        (
+            "batch",
+            &["--model", "mlp", "--batch-size", "8"],
+            "was taken at batch 8 but the run's microbatches have 4 samples",
+        ),
+        (
+            "arithmetic",
+            &["--model", "mlp", "--batch-size", "4", "--precision", "bf16"],
+            "was measured in bf16 but the run computes in fp32",
+        ),
+        (
+            "model",
+            &[
+                "--model",
+                "sparse_mlp",
+                "--batch-size",
+                "4",
+                "--layers",
+                "3",
+                "--hidden",
+                "256",
+            ],
+            "is of sparse_mlp but the run trains mlp",
+        ),
+    ];
+    for (name, profile_args, refusal) in cases {
+        let h = Harness::new(&format!("auto-given-{name}"));
+        let profile = h.dir.path().join("given.profile.json");
+        let status = std::process::Command::new(runtime())
+            .arg("profile")
+            .args(profile_args)
+            .args(["--repeats", "1", "--output"])
+            .arg(&profile)
+            .status()
+            .unwrap();
+        assert!(status.success(), "{name}: runtime profile failed");
+        let config = auto_mlp(&h, "process", "planner: {profile: given.profile.json}\n");
+        let run = h.run(&config, &["--runtime", runtime().to_str().unwrap()]);
+        assert_eq!(run.code(), 1, "{name}: {}", run.stderr());
+        assert!(run.stderr().contains(refusal), "{name}: {}", run.stderr());
+        let (_, summary) = h.summary();
+        assert_eq!(summary["failure"]["cause"]["kind"], "plan_failed", "{name}");
+        h.assert_no_processes();
+    }
 }
 
 #[test]

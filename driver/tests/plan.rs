@@ -48,7 +48,8 @@ fn a_plan_from_a_real_profile_trains() {
     let run = h.driver(&args, Duration::from_secs(60));
     assert_eq!(run.code(), 0, "{}", run.stderr());
     assert!(
-        run.stderr().contains("mlp at 2 microbatches of 16 on 2 workers"),
+        run.stderr()
+            .contains("mlp at 2 microbatches of 16 in fp32 on 2 workers"),
         "{}",
         run.stderr()
     );

@@ -109,6 +109,14 @@ struct ProfileArgs {
     /// image size; only its description is read.
     #[arg(long)]
     data: Option<String>,
+    /// Measure in this arithmetic, as a training run with the same `--precision` computes: the
+    /// forward passes and the loss under PyTorch's autocast, the activations in the dtype they
+    /// cross stages in.
+    #[arg(long, value_enum, default_value_t = PrecisionArg::Fp32)]
+    precision: PrecisionArg,
+    /// Measure with parameters and image inputs in channels_last layout (`--channels-last`).
+    #[arg(long)]
+    channels_last: bool,
 }
 
 #[derive(Debug, Args)]
@@ -483,6 +491,16 @@ enum PrecisionArg {
     Fp16,
 }
 
+impl From<PrecisionArg> for Precision {
+    fn from(arg: PrecisionArg) -> Precision {
+        match arg {
+            PrecisionArg::Fp32 => Precision::Fp32,
+            PrecisionArg::Bf16 => Precision::Bf16,
+            PrecisionArg::Fp16 => Precision::Fp16,
+        }
+    }
+}
+
 impl Cli {
     /// Validates the arguments into the command to run.
     pub fn into_command(self) -> Result<Command, ConfigError> {
@@ -502,6 +520,8 @@ impl Cli {
                 host_memory: p.host_memory.into(),
                 repeats: positive("--repeats", p.repeats)?,
                 output: p.output,
+                precision: p.precision.into(),
+                channels_last: p.channels_last,
             })),
             Some(Sub::Forward(f)) => Ok(Command::Forward(ForwardConfig {
                 model: f.model.into_choice(None)?,
@@ -706,11 +726,7 @@ impl TrainArgs {
             devices,
             init_from: self.init_from,
             threads: self.threads.map(|t| positive("--threads", t)).transpose()?,
-            precision: match self.precision {
-                PrecisionArg::Fp32 => Precision::Fp32,
-                PrecisionArg::Bf16 => Precision::Bf16,
-                PrecisionArg::Fp16 => Precision::Fp16,
-            },
+            precision: self.precision.into(),
             fp16_init_scale,
             channels_last: self.channels_last,
             cuda_graph: self.cuda_graph,

@@ -504,6 +504,10 @@ pub struct ProfileConfig {
     pub repeats: usize,
     /// Where to write the profile; stdout when `None`.
     pub output: Option<PathBuf>,
+    /// The arithmetic measured: fp32, or autocast to a 16-bit type.
+    pub precision: Precision,
+    /// Parameters and image inputs in channels_last layout.
+    pub channels_last: bool,
 }
 
 /// A validated `runtime p2p-bench` request.

@@ -7,12 +7,12 @@ use std::time::Instant;
 
 use anyhow::Context;
 use stagehand_contract::{ModuleProfile, Profile, PROFILE_VERSION};
-use tch::{nn, Device, Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
 use crate::config::{OptimizerKind, ProfileConfig};
 use crate::host_memory;
 use crate::models::{InputKind, ModelDef};
-use crate::stage::{backward_with_grad, Optimizer};
+use crate::stage::{backward_with_grad, Optimizer, Stage};
 
 /// A timing boundary; a device's fault is left to the next operation to report (profiling has no
 /// error path of its own).
@@ -46,10 +46,9 @@ fn bytes(t: &Tensor) -> u64 {
     }
 }
 
-/// Median seconds of an SGD-with-momentum step over the parameters in `vs` (gradients set to
-/// ones; the momentum buffers exist after the warm-up step, as in training).
-fn optimizer_seconds(vs: &nn::VarStore, repeats: usize, device: Device) -> f64 {
-    let params = vs.trainable_variables();
+/// Median seconds of an SGD-with-momentum step over `params` (gradients set to ones; the
+/// momentum buffers exist after the warm-up step, as in training).
+fn optimizer_seconds(params: Vec<Tensor>, repeats: usize, device: Device) -> f64 {
     if params.is_empty() {
         return 0.0;
     }
@@ -84,15 +83,19 @@ pub fn measure(config: &ProfileConfig) -> anyhow::Result<Profile> {
     let device = config.device.tch();
     let model = ModelDef::named(&config.model.name, &config.model.options)?;
     let param_bytes: Vec<u64> = model.param_counts().iter().map(|n| n * 4).collect();
-    // Each module in its own var store, so its parameters (and their optimizer step) are its own.
-    let stores: Vec<nn::VarStore> = (0..model.num_modules() - 1)
-        .map(|_| nn::VarStore::new(device))
-        .collect();
-    let layers: Vec<Box<dyn nn::ModuleT>> = stores
-        .iter()
-        .enumerate()
-        .flat_map(|(i, vs)| model.build(&vs.root(), i..i + 1, 0))
-        .collect();
+    // Each module a stage of its own, so its parameters (and their optimizer step) are its own
+    // and it computes as a training run's stage does (autocast, channels_last); the last one holds
+    // no layers, only the loss.
+    let stages = (0..model.num_modules())
+        .map(|i| {
+            let mut stage = Stage::build(&model, i..i + 1, 0, device);
+            stage
+                .set_arithmetic(config.precision, config.channels_last)
+                .map(|()| stage)
+                .map_err(|e| anyhow::anyhow!("--precision/--channels-last: {e}"))
+        })
+        .collect::<anyhow::Result<Vec<Stage>>>()?;
+    let (loss_stage, layers) = stages.split_last().expect("a model has a loss");
     let batch = config.batch_size as i64;
     tch::manual_seed(0);
     let (mut xs, target) = match model.input {
@@ -114,9 +117,9 @@ pub fn measure(config: &ProfileConfig) -> anyhow::Result<Profile> {
             xs.detach()
         };
         let forward_s = median_seconds(config.repeats, || {
-            timed(device, || drop(layer.forward_t(&input, true)))
+            timed(device, || drop(layer.forward(&input, true)))
         });
-        let output = layer.forward_t(&input, true);
+        let output = layer.forward(&input, true);
         let backward_s = if output.requires_grad() {
             // A sparse output's gradient is sparse on the same entries (what a sparse product
             // sends back).
@@ -125,7 +128,7 @@ pub fn measure(config: &ProfileConfig) -> anyhow::Result<Profile> {
                 false => output.randn_like(),
             };
             median_seconds(config.repeats, || {
-                let out = layer.forward_t(&input, true);
+                let out = layer.forward(&input, true);
                 timed(device, || {
                     backward_with_grad(&out, &grad).expect("a module's own output takes its gradient")
                 })
@@ -133,13 +136,14 @@ pub fn measure(config: &ProfileConfig) -> anyhow::Result<Profile> {
         } else {
             0.0
         };
-        let optimizer_s = optimizer_seconds(&stores[index], config.repeats, device);
+        let optimizer_s = optimizer_seconds(layer.params(), config.repeats, device);
         modules.push(ModuleProfile {
             index,
             name: model.module_name(index).to_string(),
             forward_s,
             backward_s,
             optimizer_s,
+            // The output in the kind autocast computed it in: what crosses a stage boundary.
             activation_bytes: bytes(&output),
             param_bytes: param_bytes[index],
             output_shape: output.size(),
@@ -147,7 +151,12 @@ pub fn measure(config: &ProfileConfig) -> anyhow::Result<Profile> {
         xs = output.detach();
     }
     let input = xs.detach().set_requires_grad(true);
-    let loss_of = || model.loss.compute(&input, &target).context("computing the loss");
+    let loss_of = || {
+        loss_stage
+            .loss(&input, &target)
+            .expect("the last stage ends the model")
+            .context("computing the loss")
+    };
     let forward_s = median_seconds(config.repeats, || timed(device, || drop(loss_of())));
     let backward_s = median_seconds(config.repeats, || match loss_of() {
         Ok(loss) => timed(device, || loss.backward()),
@@ -171,6 +180,8 @@ pub fn measure(config: &ProfileConfig) -> anyhow::Result<Profile> {
         device: config.device.to_string(),
         threads: tch::get_num_threads() as usize,
         repeats: config.repeats,
+        precision: config.precision.to_string(),
+        channels_last: config.channels_last,
         modules,
     })
 }

@@ -568,3 +568,50 @@ fn profile_measures_every_module() {
     assert!(profile.modules.iter().all(|m| m.backward_s > 0.0));
     assert_eq!(profile.modules[0].output_shape, [2, 64, 16, 16]);
 }
+
+/// A profile for a bf16 channels_last run measures what such a run computes: the activations
+/// that would cross a stage boundary are bfloat16 (half a float32's bytes), and the profile says
+/// how it computed so the driver can refuse it for a run that computes otherwise.
+#[test]
+fn profile_measures_in_the_arithmetic_it_is_given() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("profile.json");
+    let out = runtime()
+        .args([
+            "profile",
+            "--model",
+            "resnet50",
+            "--image-size",
+            "32",
+            "--batch-size",
+            "2",
+        ])
+        .args([
+            "--repeats",
+            "1",
+            "--threads",
+            "2",
+            "--precision",
+            "bf16",
+            "--channels-last",
+        ])
+        .args(["--output", path.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let profile = stagehand_contract::Profile::from_json(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    assert_eq!(
+        (profile.precision.as_str(), profile.channels_last),
+        ("bf16", true)
+    );
+    let (loss, modules) = profile.modules.split_last().unwrap();
+    assert_eq!(loss.name, "loss");
+    for m in modules {
+        let elements: i64 = m.output_shape.iter().product();
+        assert_eq!(m.activation_bytes, elements as u64 * 2, "{} in bfloat16", m.name);
+        assert!(m.forward_s > 0.0 && m.backward_s > 0.0, "{}", m.name);
+    }
+    // The parameters stay float32 (autocast casts copies), so replicas all-reduce as many bytes.
+    assert_eq!(modules.iter().map(|m| m.param_bytes).sum::<u64>(), 25_557_032 * 4);
+    assert_eq!(modules[0].output_shape, [2, 64, 16, 16]);
+}

@@ -272,6 +272,17 @@ pub(super) fn profile_command(
     if let Some(r) = repeats {
         flag("repeats", r.to_string());
     }
+    // The arithmetic the ranks will compute in: a bf16 activation is half a float32 one's bytes,
+    // and its kernels take their own time.
+    if let Some(p) = ctx.file.precision {
+        flag("precision", p.as_arg().to_string());
+    }
+    if let Some(h) = ctx.file.host_memory {
+        flag("host-memory", h.as_arg().to_string());
+    }
+    if ctx.file.channels_last == Some(true) {
+        argv.push("--channels-last".into());
+    }
     argv
 }
 

@@ -12,7 +12,8 @@ use serde::Serialize;
 use stagehand_contract::StageConfig;
 
 use crate::config::{
-    ConfigError, Container, Device, ExperimentFile, Loaded, Machine, Mount, SlurmSettings, StageConfigRef,
+    ConfigError, Container, Device, ExperimentFile, Loaded, Machine, Mount, Precision, SlurmSettings,
+    StageConfigRef,
 };
 use crate::options::{Backend, ContainerMode, Options};
 
@@ -38,6 +39,11 @@ pub struct AutoPartition {
     pub profile_device: String,
     /// The model profiled and planned.
     pub model: String,
+    /// The arithmetic the ranks compute in, as a profile says it ([`Profile::arithmetic`]):
+    /// `fp32`, `bf16 channels_last`, ...
+    ///
+    /// [`Profile::arithmetic`]: stagehand_contract::Profile::arithmetic
+    pub arithmetic: String,
     /// Microbatches per minibatch the plan and the run use.
     pub microbatches: u32,
     /// Samples per microbatch: the profile's batch size.
@@ -940,6 +946,13 @@ fn auto_plan(
         profile_file,
         profile_device: args::device_arg(ctx, &hosts[*host], gpus),
         model,
+        arithmetic: {
+            let precision = file.precision.unwrap_or(Precision::Fp32).as_arg();
+            match file.channels_last == Some(true) {
+                true => format!("{precision} channels_last"),
+                false => precision.to_string(),
+            }
+        },
         microbatches,
         micro_batch_size: batch_size / microbatches,
         workers: world_size,

@@ -379,6 +379,24 @@ fn auto_profiles_rank_zeros_device_at_the_microbatch_size() {
 }
 
 #[test]
+fn auto_profiles_in_the_arithmetic_the_ranks_compute_in() {
+    let text = "machines: ['gpu1:0', 'gpu1:1']\nmodule: resnet50\nbatch_size: 32\nconfig_file: auto\n";
+    let plain = plan_per_rank(text);
+    let argv = plain.auto.as_ref().unwrap().profile_argv.clone().unwrap();
+    assert_eq!(flag(&argv, "--precision"), None, "fp32 is the runtime's default");
+    assert!(!argv.iter().any(|a| a == "--channels-last"), "{argv:?}");
+    let mixed = plan_per_rank(&format!(
+        "{text}precision: bf16\nchannels_last: true\nhost_memory: keep\n"
+    ));
+    let argv = mixed.auto.as_ref().unwrap().profile_argv.clone().unwrap();
+    assert_eq!(flag(&argv, "--precision"), Some("bf16"));
+    assert_eq!(flag(&argv, "--host-memory"), Some("keep"));
+    assert!(argv.iter().any(|a| a == "--channels-last"), "{argv:?}");
+    // The ranks get the same arithmetic.
+    assert_eq!(flag(&mixed.ranks[0].argv, "--precision"), Some("bf16"));
+}
+
+#[test]
 fn a_planned_stage_config_and_its_microbatches_reach_every_rank() {
     let dir = tempfile::tempdir().unwrap();
     let stages = dir.path().join("record/stage_config.json");

@@ -346,7 +346,10 @@ pub fn render(profile: &Profile, plan: &Plan, prediction: &Prediction) -> String
 pub fn render_source(source: &Source, plan: &Plan, prediction: &Prediction) -> String {
     let mut out = String::new();
     let (units, batch) = match source {
-        Source::Runtime(profile) => ("modules", format!("{}", profile.batch_size)),
+        Source::Runtime(profile) => (
+            "modules",
+            format!("{} in {}", profile.batch_size, profile.arithmetic()),
+        ),
         Source::PipeDream { .. } => ("segments", "PipeDream's profiled batch".to_string()),
     };
     let _ = writeln!(

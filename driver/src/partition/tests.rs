@@ -22,6 +22,8 @@ fn profile() -> Profile {
         device: "cpu".into(),
         threads: 1,
         repeats: 3,
+        precision: "fp32".into(),
+        channels_last: false,
         modules: vec![
             module(0, "a", 0.010, 1 << 10),
             module(1, "b", 0.010, 1 << 10),
