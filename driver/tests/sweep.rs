@@ -222,3 +222,48 @@ fn a_bad_grid_is_refused_before_anything_runs() {
     }
     h.assert_no_processes();
 }
+
+/// A sweep of real runtimes with one `checkpoint_dir`: each point checkpoints into its own
+/// subfolder, named as the point, so no point overwrites or resumes from another's.
+#[test]
+fn each_point_of_a_sweep_checkpoints_into_its_own_folder() {
+    let runtime = runtime();
+    let h = Harness::new("sw-ckpt");
+    let config = h.config(
+        "backend: process\nmachines: [localhost]\nmodule: mlp\nlayers: 2\nhidden: 32\nbatch_size: 4\n\
+         iterations: 2\nthreads: 1\ncheckpoint_dir: ckpt\nsweep:\n  lr: [0.1, 0.2]\n",
+    );
+    let records = h.records();
+    let run = h.driver(
+        &args(&[
+            "sweep",
+            "-c",
+            config.to_str().unwrap(),
+            "--output-dir",
+            records.to_str().unwrap(),
+            "--runtime",
+            runtime.to_str().unwrap(),
+            "-q",
+        ]),
+        Duration::from_secs(120),
+    );
+    assert_eq!(run.code(), 0, "{}", run.stderr());
+    let ckpt = config.parent().unwrap().join("ckpt");
+    let mut folders: Vec<String> = std::fs::read_dir(&ckpt)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    folders.sort();
+    assert_eq!(folders.len(), 2, "{folders:?}");
+    assert!(
+        folders[0].ends_with("-p0") && folders[1].ends_with("-p1"),
+        "{folders:?}"
+    );
+    for folder in &folders {
+        assert!(
+            ckpt.join(folder).join("rank-0").is_dir(),
+            "{folder} holds its rank's checkpoint"
+        );
+    }
+    h.assert_no_processes();
+}

@@ -88,7 +88,9 @@ pub fn check_grid_value(key: &str, value: &serde_json::Value) -> Result<(), Stri
 }
 
 /// The experiment file with a sweep point's values set: `overrides` replace the keys they name
-/// (under any spelling), `name` is the point's, and the `sweep:` section is gone.
+/// (under any spelling), `name` is the point's, and the `sweep:` section is gone. A
+/// `checkpoint_dir` becomes the point's own folder inside it (`DIR/<name>`): points sharing one
+/// would overwrite each other's checkpoints and, with `resume`, start from another point's.
 pub fn with_overrides(
     loaded: &Loaded,
     name: &str,
@@ -105,6 +107,12 @@ pub fn with_overrides(
         map.insert(canonical.to_string(), value.clone());
     }
     map.insert("name".into(), serde_json::Value::String(name.to_string()));
+    if let Some(serde_json::Value::String(dir)) = map.get_mut("checkpoint_dir") {
+        *dir = std::path::Path::new(dir.as_str())
+            .join(name)
+            .to_string_lossy()
+            .into_owned();
+    }
     let settings: Vec<String> = overrides
         .iter()
         .map(|(k, v)| format!("{k}={}", value_text(v)))

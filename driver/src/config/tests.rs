@@ -179,6 +179,51 @@ fn a_points_file_has_its_values_under_one_spelling_its_name_and_no_sweep() {
 }
 
 #[test]
+fn each_point_checkpoints_into_a_folder_of_its_own() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("exp.yml");
+    std::fs::write(
+        &path,
+        "machines: [localhost]\nmodel: mlp\ncheckpoint_dir: ckpt\nresume: true\nsweep:\n  lr: [0.1, 0.2]\n",
+    )
+    .unwrap();
+    let loaded = load(&path).unwrap();
+    let dirs: Vec<_> = ["exp-p0", "exp-p1"]
+        .iter()
+        .map(|name| {
+            with_overrides(&loaded, name, &[("lr".into(), serde_json::json!(0.1))])
+                .unwrap()
+                .file
+                .checkpoint_dir
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(
+        dirs,
+        [
+            std::path::Path::new("ckpt/exp-p0"),
+            std::path::Path::new("ckpt/exp-p1")
+        ]
+    );
+    // A swept checkpoint_dir is the point's too: two points may still share a value.
+    let point = with_overrides(
+        &loaded,
+        "exp-p3",
+        &[("checkpoint_dir".into(), serde_json::json!("/abs/ck"))],
+    )
+    .unwrap();
+    assert_eq!(
+        point.file.checkpoint_dir.as_deref(),
+        Some(std::path::Path::new("/abs/ck/exp-p3"))
+    );
+    assert!(
+        point.text.contains("checkpoint_dir: /abs/ck/exp-p3"),
+        "{}",
+        point.text
+    );
+}
+
+#[test]
 fn grid_values_are_checked_against_the_keys_types() {
     assert!(check_grid_value("batch_size", &serde_json::json!(32)).is_ok());
     assert!(check_grid_value("model", &serde_json::json!("mlp")).is_ok());
