@@ -61,7 +61,17 @@ fn checkpoints_outlive_the_containers_that_wrote_them() {
 fn an_interrupted_pipeline_in_containers_checkpoints_every_rank_and_resumes() {
     base_image();
     let h = Harness::new("pipe-term-docker");
-    an_interrupted_run_checkpoints_every_rank_and_resumes(&h, "docker");
+    an_interrupted_run_checkpoints_every_rank_and_resumes(&h, "docker", &[]);
+    h.assert_no_containers();
+}
+
+/// The same with the ranks exec'd into one container per host: the container's guard passes the
+/// interrupt's TERM on to them.
+#[test]
+fn an_interrupted_pipeline_in_one_container_checkpoints_every_rank_and_resumes() {
+    base_image();
+    let h = Harness::new("pipe-term-host");
+    an_interrupted_run_checkpoints_every_rank_and_resumes(&h, "docker", &["--launch-single-container"]);
     h.assert_no_containers();
 }
 

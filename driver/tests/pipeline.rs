@@ -112,6 +112,6 @@ fn a_pipeline_resumes_from_its_checkpoints() {
 #[test]
 fn an_interrupted_pipeline_of_processes_checkpoints_every_rank_and_resumes() {
     let h = Harness::new("pipe-term");
-    an_interrupted_run_checkpoints_every_rank_and_resumes(&h, "process");
+    an_interrupted_run_checkpoints_every_rank_and_resumes(&h, "process", &[]);
     h.assert_no_processes();
 }

@@ -146,7 +146,8 @@ impl DockerLauncher {
                 move |source| LaunchError::from(HostError::Docker { host, action, source })
             };
             let options = CreateExecOptions {
-                cmd: Some(r.argv.clone()),
+                // Through the rank starter, which records the rank's process ID for the guard.
+                cmd: Some(lease::exec_rank(&r.argv)),
                 env: Some(env_list(r)),
                 attach_stdout: Some(true),
                 attach_stderr: Some(true),
@@ -183,8 +184,8 @@ impl DockerLauncher {
         labels(&self.id, plan, rank)
     }
 
-    /// Sends every rank's own container SIGTERM (the lease guard passes it on to the rank), so
-    /// ranks that checkpoint can write one before [`DockerLauncher::remove_all`]; each call is
+    /// Sends every container SIGTERM (its lease guard passes it on to its rank, or to the ranks
+    /// exec'd into a per-host container), so ranks that checkpoint can write one before [`DockerLauncher::remove_all`]; each call is
     /// bounded, and a container that does not take it is removed like any other afterwards.
     pub async fn terminate_all(&self) {
         let tracked = self.tracked.lock().expect("tracked lock").clone();

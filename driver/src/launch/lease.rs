@@ -28,13 +28,20 @@ pub const LEASE_FILE: &str = "/.stagehand-lease";
 
 /// The guard. Constant text: the lease file, the TTL in seconds and the program's argument vector
 /// arrive as positional parameters (`$1`, `$2`, then `"$@"`), never spliced into the script.
-/// With no program it is a per-host container's idle process: it exits when the lease expires,
-/// which stops the container and every rank exec'd into it. With one, it runs the program in the
-/// background, passes TERM on (and INT as TERM: a shell starts background programs with INT
-/// ignored), exits with the program's status, and when the lease expires sends TERM, then KILL
-/// 10 s later, and exits with 86. Time is counted in one-second sleeps, so a loaded host only
-/// stretches the TTL, never shortens it.
-pub const GUARD_SCRIPT: &str = r#"lease=$1 ttl=$2
+///
+/// With no program it is a per-host container's idle process. It exits when the lease expires,
+/// which stops the container and every rank exec'd into it. On TERM (or INT) it passes TERM to
+/// the ranks exec'd into the container, which are not its children: each wrote its process ID
+/// into [`RANKS_FILE`] as it started ([`exec_rank`]). It exits 143 (130) once none of them is
+/// left, so ranks that checkpoint on TERM finish writing first; 86 if the lease expires before.
+///
+/// With one, it runs the program in the background, passes TERM on (and INT as TERM: a shell
+/// starts background programs with INT ignored), exits with the program's status, and when the
+/// lease expires sends TERM, then KILL 10 s later, and exits with 86.
+///
+/// Time is counted in one-second sleeps, so a loaded host only stretches the TTL, never shortens
+/// it.
+pub const GUARD_SCRIPT: &str = r#"lease=$1 ttl=$2 ranks=$1.ranks
 shift 2
 watch() {
   last= age=0
@@ -43,12 +50,25 @@ watch() {
     now=
     { IFS= read -r now <"$lease"; } 2>/dev/null
     if [ "$now" = "$last" ]; then age=$((age + 1)); else last=$now age=0; fi
+    if [ -n "$stopping" ] && ! ranks_alive; then exit "$stopping"; fi
   done
   echo "stagehand-guard: the driver has not renewed this container's lease for $ttl s (it is gone or cannot reach this host); stopping the rank (exit 86)" >&2
 }
+signal_ranks() {
+  [ -f "$ranks" ] || return 0
+  while IFS= read -r pid; do kill -TERM "$pid" 2>/dev/null; done <"$ranks"
+}
+ranks_alive() {
+  [ -f "$ranks" ] || return 1
+  while IFS= read -r pid; do
+    kill -0 "$pid" 2>/dev/null && return 0
+  done <"$ranks"
+  return 1
+}
+stopping=
 if [ "$#" -eq 0 ]; then
-  trap 'exit 143' TERM
-  trap 'exit 130' INT
+  trap 'stopping=143; signal_ranks' TERM
+  trap 'stopping=130; signal_ranks' INT
   watch
   exit 86
 fi
@@ -76,6 +96,33 @@ wait "$watcher" 2>/dev/null
 [ "$?" -eq 86 ] && exit 86
 exit "$status"
 "#;
+
+/// Where the ranks exec'd into a per-host container write their process IDs: the lease file's
+/// path with `.ranks` added, as the guard derives it.
+pub const RANKS_FILE: &str = "/.stagehand-lease.ranks";
+
+/// Starts a rank exec'd into a per-host container: appends its process ID to the ranks file
+/// (`$1`), then becomes the rank (`exec`: the same process, so a TERM sent to that ID reaches the
+/// rank itself). Constant text; the file and the rank's argument vector are positional
+/// parameters.
+pub const RANK_SCRIPT: &str = r#"echo "$$" >>"$1"
+shift
+exec "$@"
+"#;
+
+/// The command that execs `argv` as a rank into a per-host container, so its idle guard can pass
+/// a TERM on to it.
+pub fn exec_rank(argv: &[String]) -> Vec<String> {
+    let mut cmd = vec![
+        "/bin/sh".to_string(),
+        "-c".to_string(),
+        RANK_SCRIPT.to_string(),
+        "stagehand-rank".to_string(),
+        RANKS_FILE.to_string(),
+    ];
+    cmd.extend(argv.iter().cloned());
+    cmd
+}
 
 /// The entrypoint that runs `argv` (none: idle) under the guard.
 pub fn guarded(argv: &[String]) -> Vec<String> {
@@ -284,15 +331,7 @@ mod tests {
             .unwrap();
         // Signal only once the guard has set its TERM trap (a busy machine may take a while to
         // get there): before that a TERM would end the shell itself, not test the guard.
-        let status = format!("/proc/{}/status", child.id());
-        let ready = Instant::now();
-        while !catches_term(&std::fs::read_to_string(&status).unwrap_or_default()) {
-            assert!(
-                ready.elapsed() < Duration::from_secs(30),
-                "the guard never set its trap"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        wait_for_term_trap(child.id());
         let start = Instant::now();
         nix::sys::signal::kill(
             nix::unistd::Pid::from_raw(child.id() as i32),
@@ -307,6 +346,119 @@ mod tests {
             String::from_utf8_lossy(&out.stderr)
         );
         assert!(start.elapsed() < Duration::from_secs(10), "{:?}", start.elapsed());
+    }
+
+    /// Waits until process `pid` catches SIGTERM (a shell that has set its trap).
+    fn wait_for_term_trap(pid: u32) {
+        let status = format!("/proc/{pid}/status");
+        let ready = Instant::now();
+        while !catches_term(&std::fs::read_to_string(&status).unwrap_or_default()) {
+            assert!(
+                ready.elapsed() < Duration::from_secs(30),
+                "{pid} never set its trap"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// A per-host container's idle guard, told to stop, passes TERM to the ranks the rank starter
+    /// recorded (not its children), waits for them to finish what TERM makes them do (a
+    /// checkpoint), and only then exits 143.
+    #[test]
+    fn an_idle_guard_passes_term_to_the_ranks_started_beside_it_and_waits_for_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let lease = dir.path().join("lease");
+        assert_eq!(
+            RANKS_FILE,
+            format!("{LEASE_FILE}.ranks"),
+            "the guard derives the ranks file"
+        );
+        let ranks_file = dir.path().join("lease.ranks");
+        // A rank that takes a second and a half after TERM to write what it was asked to, then
+        // exits 143, as a checkpointing runtime does.
+        let rank = |n: usize| {
+            let mut cmd = Command::new("/bin/sh");
+            let done = dir.path().join(format!("done-{n}"));
+            cmd.arg("-c")
+                .arg(RANK_SCRIPT)
+                .arg("stagehand-rank")
+                .arg(&ranks_file)
+                .args([
+                    "sh",
+                    "-c",
+                    "trap 'sleep 1.5; : >\"$1\"; exit 143' TERM; while :; do sleep 0.1; done",
+                ])
+                .arg("rank")
+                .arg(&done)
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null());
+            (Reaped(cmd.spawn().unwrap()), done)
+        };
+        let mut ranks = vec![rank(0), rank(1)];
+        let mut idle = Reaped(guard(&lease, 30, &[]).spawn().unwrap());
+        for (child, _) in &ranks {
+            wait_for_term_trap(child.0.id());
+        }
+        wait_for_term_trap(idle.0.id());
+        let mut recorded: Vec<u32> = std::fs::read_to_string(&ranks_file)
+            .unwrap()
+            .lines()
+            .map(|l| l.parse().unwrap())
+            .collect();
+        recorded.sort_unstable();
+        let mut ids: Vec<u32> = ranks.iter().map(|(c, _)| c.0.id()).collect();
+        ids.sort_unstable();
+        assert_eq!(
+            recorded, ids,
+            "each rank recorded its own process ID (exec keeps it)"
+        );
+        // Each rank reaped as it ends, as the engine reaps a process exec'd into a container (a
+        // zombie would still count as alive).
+        let reapers: Vec<_> = ranks
+            .drain(..)
+            .map(|(mut child, done)| {
+                std::thread::spawn(move || {
+                    // Bounded, so a guard that never passes TERM on fails the test, not hangs it.
+                    let deadline = Instant::now() + Duration::from_secs(60);
+                    loop {
+                        if let Some(status) = child.0.try_wait().unwrap() {
+                            return (status.code(), Instant::now(), done);
+                        }
+                        if Instant::now() > deadline {
+                            return (None, Instant::now(), done);
+                        }
+                        std::thread::sleep(Duration::from_millis(10));
+                    }
+                })
+            })
+            .collect();
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(idle.0.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        )
+        .unwrap();
+        assert_eq!(idle.0.wait().unwrap().code(), Some(143));
+        let guard_ended = Instant::now();
+        for reaper in reapers {
+            let (code, ended, done) = reaper.join().unwrap();
+            assert_eq!(code, Some(143), "the rank got TERM");
+            assert!(done.exists(), "{} was written", done.display());
+            assert!(
+                ended <= guard_ended,
+                "the guard exited before the rank had finished"
+            );
+        }
+    }
+
+    /// A child killed and reaped when dropped, so a failing test leaves nothing running.
+    struct Reaped(std::process::Child);
+
+    impl Drop for Reaped {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
     }
 
     /// Whether a process's `/proc/PID/status` says it catches SIGTERM (bit 15 of `SigCgt`).

@@ -19,7 +19,6 @@ use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
 use crate::events::{Ended, Event, LeftContainer, SlurmEvent, StopCause, Stream};
 use crate::experiment::Experiment;
 use crate::hosts::{Host, HostError, SshOptions};
-use crate::options::ContainerMode;
 use crate::reporters::Reporters;
 use crate::signals::StopSignals;
 
@@ -202,14 +201,14 @@ impl Launcher {
 
     /// Asks every rank to stop after the checkpoint of the iteration it is in (SIGTERM, which
     /// a checkpointing runtime turns into a checkpoint and exit 143), killing what is left after
-    /// [`CHECKPOINT_GRACE`]. Containers shared by a host's ranks cannot pass the signal to ranks
-    /// exec'd into them: they are removed as by [`Launcher::stop_all`].
-    pub async fn stop_for_checkpoint(&self, mode: ContainerMode) {
+    /// [`CHECKPOINT_GRACE`]. A container shared by a host's ranks passes the signal to the ranks
+    /// exec'd into it (see [`lease::GUARD_SCRIPT`]).
+    pub async fn stop_for_checkpoint(&self) {
         match self {
             Launcher::Process(p) => p.stop_all_within(CHECKPOINT_GRACE).await,
-            Launcher::Docker(d) if mode == ContainerMode::PerRank => d.terminate_all().await,
+            Launcher::Docker(d) => d.terminate_all().await,
             // scancel sends SIGTERM and, after Slurm's KillWait, SIGKILL.
-            Launcher::Docker(_) | Launcher::Slurm(_) => self.stop_all().await,
+            Launcher::Slurm(_) => self.stop_all().await,
         }
     }
 
@@ -342,7 +341,7 @@ async fn supervise(
                 // Ranks that checkpoint get the time to write one of the iteration they are in.
                 if plan.checkpoints() {
                     deadline = Some(tokio::time::Instant::now() + CHECKPOINT_GRACE + EXIT_DEADLINE);
-                    launcher.stop_for_checkpoint(plan.container_mode).await;
+                    launcher.stop_for_checkpoint().await;
                 } else {
                     deadline = Some(tokio::time::Instant::now() + EXIT_DEADLINE);
                     launcher.stop_all().await;

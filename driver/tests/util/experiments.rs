@@ -265,13 +265,15 @@ pub fn pipedream_alexnet(h: &Harness, backend: &str) -> PathBuf {
 /// Interrupts (Ctrl-C) a long two-stage pipeline that checkpoints, on `backend`, once it has
 /// trained a few iterations: every rank writes the checkpoint of one iteration and exits 143,
 /// the run is recorded as interrupted, and `resume: true` continues from that iteration.
-pub fn an_interrupted_run_checkpoints_every_rank_and_resumes(h: &Harness, backend: &str) {
+pub fn an_interrupted_run_checkpoints_every_rank_and_resumes(h: &Harness, backend: &str, mode: &[&str]) {
     let runtime = runtime();
+    let mut args = vec!["--runtime", runtime.to_str().unwrap()];
+    args.extend_from_slice(mode);
     let config = two_stage_mlp(h, backend);
     let text = std::fs::read_to_string(&config).unwrap();
     let long = text.replace("iterations: 3", "iterations: 1000000");
     std::fs::write(&config, format!("{long}checkpoint_dir: ckpt\n")).unwrap();
-    let child = h.spawn(&config, &["--runtime", runtime.to_str().unwrap()]);
+    let child = h.spawn(&config, &args);
     let record = wait_for_record(&h.records(), Duration::from_secs(120));
     let start = Instant::now();
     while lines(&record.join("metrics.jsonl"))
@@ -303,7 +305,7 @@ pub fn an_interrupted_run_checkpoints_every_rank_and_resumes(h: &Harness, backen
     let first_record = record;
     let resumed = text.replace("iterations: 3", &format!("iterations: {}", k + 2));
     std::fs::write(&config, format!("{resumed}checkpoint_dir: ckpt\nresume: true\n")).unwrap();
-    let run = h.run(&config, &["--runtime", runtime.to_str().unwrap()]);
+    let run = h.run(&config, &args);
     assert_eq!(run.code(), 0, "{}", run.stderr());
     let second = std::fs::read_dir(h.records())
         .unwrap()
