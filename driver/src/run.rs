@@ -192,10 +192,12 @@ pub async fn run_loaded(
         }
     }
 
-    // The runtime must start where it will run: `runtime info` in each host's image.
-    if let (Some(hosts), None) = (&engines, &loaded.file.command) {
+    // The ranks must start where they will run: `runtime info` in each host's image, and the
+    // GPUs given to a container there.
+    if let Some(hosts) = &engines {
         let id = format!("{}-check-{}", plan.name, std::process::id());
-        let check = crate::launch::docker::self_check(hosts, &plan, &id);
+        let runs_runtime = loaded.file.command.is_none();
+        let check = crate::launch::docker::self_check(hosts, &plan, &id, runs_runtime);
         in_check_containers(check, hosts, &id, &mut signals).await?;
     }
 

@@ -38,8 +38,6 @@ pub enum HostError {
         #[source]
         source: bollard::errors::Error,
     },
-    #[error("host {host} has GPUs {gpus:?} requested but its engine has no nvidia runtime or CDI devices; install nvidia-container-toolkit there or use CPU machines")]
-    NoGpuRuntime { host: String, gpus: Vec<u32> },
     #[error("{} does not exist on {host}; create it there, or drop it from data_dir, mounts or --mount-directories", path.display())]
     MountMissing { host: String, path: PathBuf },
     #[error("image {image} does not exist on {host}; build it there, or name a build context with `container: {{build: DIR}}`")]
@@ -198,17 +196,6 @@ async fn prepare(
         .version()
         .await
         .map_err(docker_err("ask for its version"))?;
-    if !host.gpus.is_empty() {
-        let info = docker.info().await.map_err(docker_err("ask for its runtimes"))?;
-        let has_nvidia = info.runtimes.as_ref().is_some_and(|r| r.contains_key("nvidia"))
-            || info.cdi_spec_dirs.as_ref().is_some_and(|d| !d.is_empty());
-        if !has_nvidia {
-            return Err(HostError::NoGpuRuntime {
-                host: host.name.clone(),
-                gpus: host.gpus.clone(),
-            });
-        }
-    }
     let facts = HostFacts {
         host: host.name.clone(),
         docker_version: version.version,

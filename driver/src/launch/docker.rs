@@ -556,19 +556,33 @@ pub struct RuntimeInfo {
     pub cuda_devices_error: Option<String>,
 }
 
-/// Preflight's proof that the runtime starts where it will run: `runtime info` in a container of
-/// each host's image, with the mounts, copied files and GPUs its ranks get, all hosts at once.
-/// A runtime that cannot start (a missing library) or a host that shows fewer CUDA devices than
-/// its ranks asked for is refused here, naming the host, before any rank starts. The containers
-/// carry `id` as their experiment label and are removed afterwards.
-pub async fn self_check(hosts: &[Host], plan: &Experiment, id: &str) -> Result<(), LaunchError> {
+/// Preflight's proof that the ranks start where they will run, all hosts at once. With the
+/// runtime (`runs_runtime`): `runtime info` in a container of each host's image, with the mounts,
+/// copied files and GPUs its ranks get; a runtime that cannot start (a missing library) or a host
+/// that shows fewer CUDA devices than its ranks asked for is refused here. With a `command:` of
+/// the user's, a host whose ranks get GPUs starts a container of the image with them. Either way
+/// an engine that cannot give the GPUs is refused naming the host, before any rank starts. The
+/// containers carry `id` as their experiment label and are removed afterwards.
+pub async fn self_check(
+    hosts: &[Host],
+    plan: &Experiment,
+    id: &str,
+    runs_runtime: bool,
+) -> Result<(), LaunchError> {
     let checks = plan.hosts.iter().zip(hosts).map(|(hp, host)| async move {
         let Some(&first) = hp.ranks.first() else {
             return Ok(());
         };
+        if !runs_runtime && hp.gpus.is_empty() {
+            return Ok(());
+        }
         let rank = &plan.ranks[first];
         let mut check = rank.clone();
-        check.argv = vec![rank.argv[0].clone(), "info".into()];
+        check.argv = match runs_runtime {
+            true => vec![rank.argv[0].clone(), "info".into()],
+            // The guard already needs a shell in the image.
+            false => ["/bin/sh", "-c", "exit 0"].map(String::from).to_vec(),
+        };
         check.gpus = hp.gpus.clone();
         let body = container_body(plan, host, labels(id, plan, "check"), &check.gpus, Some(&check));
         let outcome = run_to_end(
@@ -588,7 +602,7 @@ pub async fn self_check(hosts: &[Host], plan: &Experiment, id: &str) -> Result<(
                 return Err(LaunchError::GpusUnavailable {
                     host: host.name.clone(),
                     gpus: hp.gpus.clone(),
-                    message: source.to_string(),
+                    message: format!("{source}{}", gpu_support_hint(&host.docker).await),
                 })
             }
             other => other?,
@@ -597,6 +611,16 @@ pub async fn self_check(hosts: &[Host], plan: &Experiment, id: &str) -> Result<(
             host: host.name.clone(),
             reason,
         };
+        if !runs_runtime {
+            return match code {
+                0 => Ok(()),
+                _ => Err(failed(format!(
+                    "a container of the image given GPUs {:?} exited with {code}: {}",
+                    hp.gpus,
+                    last_line(&stderr)
+                ))),
+            };
+        }
         if code != 0 {
             let last = last_line(&stderr);
             return Err(failed(format!(
@@ -637,6 +661,22 @@ pub async fn self_check(hosts: &[Host], plan: &Experiment, id: &str) -> Result<(
         Ok(())
     });
     join_all(checks).await.into_iter().collect()
+}
+
+/// What the engine's own description says of its GPU support, when it says none: no `nvidia`
+/// runtime and no CDI spec folders. Not a refusal by itself: an engine (before Docker 25) with the
+/// NVIDIA hook on its PATH gives containers GPUs without either, so only the container that could
+/// not start decides.
+async fn gpu_support_hint(docker: &bollard::Docker) -> &'static str {
+    let Ok(Ok(info)) = tokio::time::timeout(Duration::from_secs(10), docker.info()).await else {
+        return "";
+    };
+    let runtime = info.runtimes.as_ref().is_some_and(|r| r.contains_key("nvidia"));
+    let cdi = info.cdi_spec_dirs.as_ref().is_some_and(|d| !d.is_empty());
+    match runtime || cdi {
+        true => "",
+        false => " (the engine lists no nvidia runtime and no CDI spec folders: the NVIDIA container toolkit looks missing there)",
+    }
 }
 
 /// Removes every container labelled with experiment `id` on every host (after an interrupted
