@@ -22,8 +22,8 @@ impl Synthetic {
         let generator_seed = (seed & (i64::MAX as u64)) as i64;
         let batch = r.batch_size as i64;
         let cpu = (Kind::Float, Device::Cpu);
-        let pool = tch::no_grad(|| {
-            tch::manual_seed(generator_seed);
+        let pool = crate::models::seeded(generator_seed, || {
+            let _no_grad = tch::no_grad_guard();
             match r.input {
                 InputKind::Image { size, classes } => {
                     let prototypes = Tensor::randn([classes, 3, 4, 4], cpu);

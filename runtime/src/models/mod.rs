@@ -172,12 +172,8 @@ impl ModelDef {
     pub fn build(&self, root: &nn::Path, range: Range<usize>, seed: u64) -> Vec<Box<dyn nn::ModuleT>> {
         let end = range.end.min(self.modules.len());
         (range.start..end)
-            .map(|index| {
-                // Seeding and drawing are one step: libtorch has one CPU generator per process.
-                let _generator = CPU_GENERATOR.lock().unwrap_or_else(|e| e.into_inner());
-                tch::manual_seed(module_seed(seed, index));
-                (self.modules[index].build)(root)
-            })
+            // Seeding and drawing are one step: libtorch has one CPU generator per process.
+            .map(|index| seeded(module_seed(seed, index), || (self.modules[index].build)(root)))
             .collect()
     }
 
@@ -213,9 +209,17 @@ pub fn count_params(vs: &nn::VarStore) -> u64 {
     vs.trainable_variables().iter().map(|t| t.numel() as u64).sum()
 }
 
-/// Held while a module is seeded and initialised, so that two threads building models (the unit
-/// tests do) do not draw from each other's seeds.
+/// Held while a module is seeded and initialised, or data drawn from a seed ([`seeded`]), so that
+/// two threads doing either (the unit tests do) do not draw from each other's seeds.
 static CPU_GENERATOR: Mutex<()> = Mutex::new(());
+
+/// Runs `draw` with libtorch's one CPU generator seeded with `seed` and no other thread seeding or
+/// drawing through here meanwhile: what it draws depends on `seed` alone.
+pub fn seeded<T>(seed: i64, draw: impl FnOnce() -> T) -> T {
+    let _generator = CPU_GENERATOR.lock().unwrap_or_else(|e| e.into_inner());
+    tch::manual_seed(seed);
+    draw()
+}
 
 fn module_seed(seed: u64, index: usize) -> i64 {
     (seed.wrapping_mul(1_000_003).wrapping_add(index as u64) & (i64::MAX as u64)) as i64
