@@ -950,7 +950,10 @@ impl Executor {
         // PipeDream's replicas, and a partial reduce's, each report their own microbatches'.
         let own = self.schedule == Schedule::PipeDream || self.partial.is_some();
         if let (Some(group), false) = (&self.links.replicas, own) {
+            // Waiting for the other replicas' losses is communication, as the gradients' is.
+            let started = Instant::now();
             group.all_reduce_sum(std::slice::from_ref(&total))?.wait()?;
+            progress.timing.comm += started.elapsed();
             count = self.microbatches as f64;
         }
         let loss = total.double_value(&[0]) / count;
