@@ -138,6 +138,19 @@ impl DockerLauncher {
         let name = format!("{}-h{index}", self.id);
         let container = create(host, name.clone(), body).await?;
         self.track(index, &container, name, host_plan.ranks.clone());
+        // The file the ranks record their process IDs in, writable by the image's user.
+        let options = UploadToContainerOptionsBuilder::default().path("/").build();
+        let ranks = bollard::body_full(lease::ranks_tar().into());
+        host.docker
+            .upload_to_container(&container, Some(options), ranks)
+            .await
+            .map_err(|source| {
+                LaunchError::from(HostError::Docker {
+                    host: host.name.clone(),
+                    action: "prepare a container",
+                    source,
+                })
+            })?;
         start(host, &container).await?;
         for &rank in &host_plan.ranks {
             let r = &plan.ranks[rank];

@@ -140,14 +140,24 @@ pub fn guarded(argv: &[String]) -> Vec<String> {
 
 /// A tar holding the lease file with `content`, for an upload to `/`.
 pub fn lease_tar(content: &str) -> Vec<u8> {
+    file_tar(LEASE_FILE, content, 0o644)
+}
+
+/// A tar holding an empty [`RANKS_FILE`] that every user may append to, for an upload to `/`
+/// before a per-host container starts: ranks running as an image's own user (not root) cannot
+/// create a file at the root.
+pub fn ranks_tar() -> Vec<u8> {
+    file_tar(RANKS_FILE, "", 0o666)
+}
+
+fn file_tar(path: &str, content: &str, mode: u32) -> Vec<u8> {
     let mut header = tar::Header::new_gnu();
     header.set_size(content.len() as u64);
-    header.set_mode(0o644);
+    header.set_mode(mode);
     header.set_cksum();
     let mut builder = tar::Builder::new(Vec::new());
-    let name = LEASE_FILE.trim_start_matches('/');
     builder
-        .append_data(&mut header, name, content.as_bytes())
+        .append_data(&mut header, path.trim_start_matches('/'), content.as_bytes())
         .expect("a tar in memory cannot fail to grow");
     builder
         .into_inner()
@@ -486,5 +496,11 @@ mod tests {
             &guarded(&["p".into()])[3..],
             ["stagehand-guard", LEASE_FILE, "30", "p"]
         );
+        let tar = ranks_tar();
+        let mut archive = tar::Archive::new(tar.as_slice());
+        let entry = archive.entries().unwrap().next().unwrap().unwrap();
+        assert_eq!(entry.path().unwrap().to_str(), Some(".stagehand-lease.ranks"));
+        assert_eq!(entry.header().mode().unwrap(), 0o666, "any user appends to it");
+        assert_eq!(entry.header().size().unwrap(), 0);
     }
 }
