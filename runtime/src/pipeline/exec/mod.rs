@@ -15,7 +15,6 @@ use super::channel::Channels;
 use super::partial::{GroupReport, PartialReduce};
 use super::reduce::{last_backwards, ReduceStats, Reducer};
 use super::route::{Op, Route, Transfer};
-use super::sparse;
 use super::wire::{self, header, header_buffer, read_header, Message, TensorSpec};
 use crate::comm::{ProcessGroup, Work};
 use crate::config::CheckpointConfig;
@@ -26,6 +25,11 @@ use crate::schedule::{Action, Schedule};
 use crate::signals::{self, Stopped};
 use crate::stage::checkpoint::{self, Identity};
 use crate::stage::{backward_with_grad, GradScaler, Optimizer, ScalerReport, Stage};
+
+mod graph;
+mod transfer;
+
+use graph::{GraphPhase, StepGraph};
 
 /// The process groups a rank talks through; `None` in a single-process run.
 pub struct Links {
@@ -219,34 +223,6 @@ impl Progress {
     }
 }
 
-/// Iterations run eagerly before the step is captured: the first makes the optimizer's state and
-/// the library handles (cuBLAS, cuDNN) on the graph's stream, the next ones run as every later
-/// step will (PyTorch's whole-network capture recipe warms up a few iterations the same way).
-pub const GRAPH_EAGER_ITERATIONS: usize = 3;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum GraphPhase {
-    /// Iterations still run kernel by kernel.
-    Eager,
-    /// This iteration's actions are being captured.
-    Capturing,
-    /// The last iteration started was replayed (its actions only keep count); the next one
-    /// replays again.
-    Replayed,
-}
-
-/// A training iteration captured in a CUDA graph: its inputs and targets are copied into `inputs`
-/// and `targets` before each replay, which leaves the microbatches' losses in `losses`.
-struct StepGraph {
-    graph: Graph,
-    phase: GraphPhase,
-    inputs: Option<Tensor>,
-    targets: Option<Tensor>,
-    losses: Vec<Tensor>,
-    /// The first iteration of this run (a resumed run starts later).
-    first: usize,
-}
-
 impl Executor {
     fn num_stages(&self) -> usize {
         self.plan.stages.len()
@@ -285,140 +261,6 @@ impl Executor {
             x.narrow(0, start, self.micro_size),
             y.narrow(0, start, self.micro_size),
         ))
-    }
-
-    /// The spec of what `message` carries as this rank receives it.
-    fn recv_spec(&self, message: Message) -> anyhow::Result<&TensorSpec> {
-        let spec = match message {
-            Message::Activation(_) => self.input_spec.as_ref(),
-            Message::Target(_) => self.target_spec.as_ref(),
-            Message::Gradient(_) => self.output_spec.as_ref(),
-            Message::Header => bail!("internal error: a shape header is received only at start"),
-        };
-        Ok(spec.expect("shapes are learned at start"))
-    }
-
-    /// The spec of what `message` carries as this rank sends it (the same spec its receiver has).
-    fn send_spec(&self, message: Message) -> anyhow::Result<&TensorSpec> {
-        let spec = match message {
-            Message::Activation(_) => self.output_spec.as_ref(),
-            Message::Target(_) => self.target_spec.as_ref(),
-            Message::Gradient(_) => self.input_spec.as_ref(),
-            Message::Header => bail!("internal error: a shape header is sent only at start"),
-        };
-        Ok(spec.expect("shapes are learned at start"))
-    }
-
-    /// Whether `message` travels framed, a header then the payload it announces: activations and
-    /// gradients under `--compress auto`, and both across a boundary where the model makes sparse
-    /// COO tensors (their sizes vary with their entries).
-    fn framed(&self, message: Message, spec: &TensorSpec) -> bool {
-        matches!(message, Message::Activation(_) | Message::Gradient(_)) && (self.sparse || spec.is_sparse())
-    }
-
-    /// Starts receiving `transfer` into a fresh buffer.
-    fn post_recv(&self, progress: &mut Progress, transfer: Transfer) -> anyhow::Result<()> {
-        let spec = self.recv_spec(transfer.message)?;
-        let mut tensor = if self.framed(transfer.message, spec) {
-            // The header: the payload's form and size, then the payload itself (in `take`).
-            sparse::header_buffer()
-        } else {
-            match self.wire_kind(transfer.message, spec.kind) {
-                Some(kind) => Tensor::empty(spec.shape.as_slice(), (kind, self.device)),
-                None => spec.empty(self.device),
-            }
-        };
-        let work = self.channels().recv(transfer, &mut tensor)?;
-        progress.posted.insert(transfer.message, (tensor, work, transfer));
-        Ok(())
-    }
-
-    /// Receives the payload a framed message's `header` announces and rebuilds the tensor of the
-    /// message's spec (in the kind it travels in): dense, or sparse COO as it was sent.
-    fn receive_payload(
-        &self,
-        transfer: Transfer,
-        spec: &TensorSpec,
-        header: &Tensor,
-    ) -> anyhow::Result<Tensor> {
-        let message = transfer.message;
-        let kind = self.wire_kind(message, spec.kind).unwrap_or(spec.kind);
-        let header = sparse::read_header(header)
-            .map_err(|e| anyhow::anyhow!("{message:?} from rank {}: {e}", transfer.peer))?;
-        let mut payload = Tensor::empty([header.bytes], (Kind::Uint8, self.device));
-        self.channels().recv_payload(transfer, &mut payload)?.wait()?;
-        sparse::decode(header, &payload, &spec.shape, kind)
-            .map_err(|e| anyhow::anyhow!("{message:?} from rank {}: {e}", transfer.peer))
-    }
-
-    /// The posted receive of `message`, once it has arrived.
-    fn take(&self, progress: &mut Progress, message: Message) -> anyhow::Result<Tensor> {
-        let (tensor, work, transfer) = progress
-            .posted
-            .remove(&message)
-            .expect("the program posts every receive before the action that takes it");
-        work.wait()?;
-        let spec = self.recv_spec(message)?;
-        let tensor = match self.framed(message, spec) {
-            true => self.receive_payload(transfer, spec, &tensor)?,
-            false => tensor,
-        };
-        // NCCL's wait only orders the streams: settle here so the transfer is not timed as the
-        // compute that follows.
-        crate::cuda::synchronize(self.device)?;
-        // A compressed activation goes back to the kind the stage computes in.
-        Ok(match message {
-            Message::Activation(_) if tensor.kind() != spec.kind => tensor.to_kind(spec.kind),
-            _ => tensor,
-        })
-    }
-
-    /// The kind `message` travels in when it is not `kind`: float16 for a float32 activation
-    /// under `--compress-activations`.
-    fn wire_kind(&self, message: Message, kind: Kind) -> Option<Kind> {
-        (self.compress_activations && matches!(message, Message::Activation(_)) && kind == Kind::Float)
-            .then_some(Kind::Half)
-    }
-
-    /// Starts sending what the last action produced as `transfer`'s message.
-    fn send(&self, progress: &mut Progress, transfer: Transfer) -> anyhow::Result<()> {
-        let tensor = progress
-            .outbox
-            .remove(&transfer.message)
-            .expect("the action before a send produced its tensor");
-        let tensor = match self.wire_kind(transfer.message, tensor.kind()) {
-            Some(kind) => tensor.detach().to_kind(kind),
-            None => tensor,
-        };
-        // A stage over several devices sends from its last one through the group's device.
-        let tensor = match tensor.device() == self.device {
-            true => tensor,
-            false => tensor.detach().to_device(self.device),
-        };
-        let dense_bytes = (tensor.numel() * tensor.kind().elt_size_in_bytes()) as u64;
-        progress.timing.wire.dense += dense_bytes;
-        if self.framed(transfer.message, self.send_spec(transfer.message)?) {
-            let encoded = sparse::encode(&tensor, self.sparse)
-                .map_err(|e| anyhow::anyhow!("compressing {:?}: {e}", transfer.message))?;
-            progress.timing.wire.sent += sparse::HEADER_LEN as u64 * 8 + encoded.payload.numel() as u64;
-            progress
-                .sends
-                .push(self.channels().send(transfer, &encoded.header)?);
-            progress
-                .sends
-                .push(self.channels().send_payload(transfer, &encoded.payload)?);
-            return Ok(());
-        }
-        progress.timing.wire.sent += dense_bytes;
-        // A sparse gradient for a dense input (a module whose backward makes one) goes as the
-        // dense tensor its receiver expects.
-        let tensor = match tensor.is_sparse() {
-            true => tensor.to_dense(None::<Kind>, false),
-            false => tensor.contiguous(),
-        };
-        let work = self.channels().send(transfer, &tensor)?;
-        progress.sends.push(work);
-        Ok(())
     }
 
     fn forward(&mut self, progress: &mut Progress, g: usize, stash: bool) -> anyhow::Result<()> {
@@ -571,86 +413,6 @@ impl Executor {
             true => Vec::new(),
             false => self.stage.devices(),
         }
-    }
-
-    /// With `--cuda-graph`, at the start of `iteration` (before its first forward): runs it eagerly
-    /// during the warm-up, captures it after, and replays the graph from then on.
-    fn start_graphed_iteration(&mut self, progress: &mut Progress, iteration: usize) -> anyhow::Result<()> {
-        let Some(graph) = progress.graph.as_mut() else {
-            return Ok(());
-        };
-        if graph.phase == GraphPhase::Eager && iteration < graph.first + GRAPH_EAGER_ITERATIONS {
-            return Ok(());
-        }
-        let data = self.data.as_mut().expect("a single stage has data");
-        let (x, y) = data.next_batch()?;
-        self.optimizer.set_lr(self.lr.at(iteration as u64));
-        if graph.phase == GraphPhase::Eager {
-            // The graph reads its inputs, and the optimizer its learning rate, from tensors that
-            // stay where they are; the gradients start out as none, so the captured backward
-            // makes them (in the graph's memory) instead of adding to earlier ones.
-            let (inputs, targets) = (x.copy(), y.copy());
-            progress.batch = Some((iteration, inputs.shallow_clone(), targets.shallow_clone()));
-            graph.inputs = Some(inputs);
-            graph.targets = Some(targets);
-            self.optimizer.zero_grad();
-            self.optimizer
-                .keep_lr_on_device(self.device)
-                .map_err(|e| anyhow::anyhow!("--cuda-graph: {e}"))?;
-            self.optimizer.write_lr();
-            graph
-                .graph
-                .begin_capture()
-                .map_err(|e| anyhow::anyhow!("--cuda-graph: starting the capture: {e}"))?;
-            graph.phase = GraphPhase::Capturing;
-            eprintln!(
-                "runtime: rank {}: iteration {iteration}'s work captured in a CUDA graph, replayed from \
-                 then on",
-                self.rank
-            );
-            return Ok(());
-        }
-        let (inputs, targets) = (
-            graph.inputs.as_mut().expect("captured with inputs"),
-            graph.targets.as_mut().expect("captured with targets"),
-        );
-        inputs.copy_(&x);
-        targets.copy_(&y);
-        self.optimizer.write_lr();
-        self.replay(progress, iteration)
-    }
-
-    /// Replays the graph as `iteration`: reseeded as an eager iteration is, timed as compute; its
-    /// losses are the iteration's.
-    fn replay(&mut self, progress: &mut Progress, iteration: usize) -> anyhow::Result<()> {
-        let graph = progress.graph.as_mut().expect("replaying a graph");
-        tch::manual_seed(iteration_seed(self.seed, self.rank, iteration));
-        timed(&self.stage.devices(), 1.0, &mut progress.timing, || {
-            graph.graph.replay()
-        })
-        .map_err(|e| anyhow::anyhow!("--cuda-graph: replaying iteration {iteration}: {e}"))?;
-        progress.losses = graph.losses.iter().map(Tensor::shallow_clone).collect();
-        graph.phase = GraphPhase::Replayed;
-        Ok(())
-    }
-
-    /// With `--cuda-graph`, after the step that ends `iteration`: ends a capture under way and
-    /// runs what it captured (a capture runs nothing).
-    fn end_graphed_iteration(&mut self, progress: &mut Progress, iteration: usize) -> anyhow::Result<()> {
-        let Some(graph) = progress
-            .graph
-            .as_mut()
-            .filter(|g| g.phase == GraphPhase::Capturing)
-        else {
-            return Ok(());
-        };
-        graph
-            .graph
-            .end_capture()
-            .map_err(|e| anyhow::anyhow!("--cuda-graph: {e}"))?;
-        // The losses the capture left are where each replay writes them.
-        graph.losses = std::mem::take(&mut progress.losses);
-        self.replay(progress, iteration)
     }
 
     /// Sum of the first parameter's current values (weights as the next kernel will see them).
