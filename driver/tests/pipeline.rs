@@ -70,14 +70,15 @@ fn a_pipedream_experiment_runs_as_written() {
 }
 
 /// A run stopped after its checkpoint resumes where it was: the second record has only the
-/// iterations left, and every rank's checkpoint folder moved on to the end.
+/// iterations left, and every rank's checkpoint folder moved on to the end. Both runs say
+/// `resume: auto`: the first, with no checkpoint yet, starts afresh.
 #[test]
 fn a_pipeline_resumes_from_its_checkpoints() {
     let runtime = runtime();
     let h = Harness::new("pipe-resume");
     let first = two_stage_mlp(&h, "process");
     let text = std::fs::read_to_string(&first).unwrap();
-    std::fs::write(&first, format!("{text}checkpoint_dir: ckpt\n")).unwrap();
+    std::fs::write(&first, format!("{text}checkpoint_dir: ckpt\nresume: auto\n")).unwrap();
     let run = h.run(&first, &["--runtime", runtime.to_str().unwrap()]);
     assert_eq!(run.code(), 0, "{}", run.stderr());
     let ckpt = h.dir.path().join("ckpt");
@@ -85,8 +86,14 @@ fn a_pipeline_resumes_from_its_checkpoints() {
         assert!(ckpt.join(format!("rank-{rank}/iter-3")).is_dir(), "rank {rank}");
     }
     let first_record = h.summary().0;
+    assert!(
+        lines(&first_record.join("metrics.jsonl"))
+            .iter()
+            .any(|l| l.contains("\"event\":\"iteration\"") && l.contains("\"iteration\":0,")),
+        "the first run started afresh"
+    );
     let resumed = text.replace("iterations: 3", "iterations: 5");
-    std::fs::write(&first, format!("{resumed}checkpoint_dir: ckpt\nresume: true\n")).unwrap();
+    std::fs::write(&first, format!("{resumed}checkpoint_dir: ckpt\nresume: auto\n")).unwrap();
     let run = h.run(&first, &["--runtime", runtime.to_str().unwrap()]);
     assert_eq!(run.code(), 0, "{}", run.stderr());
     let second_record = std::fs::read_dir(h.records())

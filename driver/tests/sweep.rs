@@ -267,3 +267,106 @@ fn each_point_of_a_sweep_checkpoints_into_its_own_folder() {
     }
     h.assert_no_processes();
 }
+
+/// A sweep of real runtimes with `checkpoint_dir` and `resume: auto`, interrupted in its first
+/// point: that point's ranks checkpoint, and `driver sweep --resume` goes on from that checkpoint
+/// for it while the point that never ran starts afresh.
+#[test]
+fn a_resumed_sweep_continues_its_interrupted_point_from_its_checkpoint() {
+    let runtime = runtime();
+    let h = Harness::new("sw-ckpt-resume");
+    let body = "backend: process\nmachines: [localhost]\nmodule: mlp\nlayers: 2\nhidden: 32\n\
+                batch_size: 4\nthreads: 1\ncheckpoint_dir: ckpt\nresume: auto\nsweep:\n  lr: [0.01, 0.02]\n";
+    let config = h.config(&format!("{body}iterations: 1000000\n"));
+    let records = h.records();
+    let child = h.spawn_driver(&args(&[
+        "sweep",
+        "-c",
+        config.to_str().unwrap(),
+        "--output-dir",
+        records.to_str().unwrap(),
+        "--runtime",
+        runtime.to_str().unwrap(),
+        "-q",
+    ]));
+    // Interrupt once the first point has trained a few iterations.
+    let start = Instant::now();
+    let metrics = loop {
+        let found = std::fs::read_dir(&records)
+            .ok()
+            .and_then(|mut d| d.next())
+            .and_then(|sweep| std::fs::read_dir(sweep.ok()?.path()).ok())
+            .and_then(|entries| {
+                entries
+                    .flatten()
+                    .map(|e| e.path().join("metrics.jsonl"))
+                    .find(|m| lines(m).iter().filter(|l| l.contains("\"iteration\"")).count() >= 3)
+            });
+        if let Some(m) = found {
+            break m;
+        }
+        assert!(start.elapsed() < Duration::from_secs(120), "no three iterations");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(metrics.exists());
+    interrupt(&child);
+    let out = wait_with_deadline(child, Duration::from_secs(90));
+    assert_eq!(
+        out.status.code(),
+        Some(130),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let dir = h.sweep_dir();
+    let index = sweep_index(&dir);
+    let point = |i: usize| index["points"][i]["name"].as_str().unwrap().to_string();
+    let ckpt = config.parent().unwrap().join("ckpt");
+    let latest = ckpt.join(point(0)).join("rank-0/latest");
+    let done = serde_json::from_str::<serde_json::Value>(&std::fs::read_to_string(&latest).unwrap()).unwrap()
+        ["iterations_done"]
+        .as_u64()
+        .unwrap();
+    assert!(done >= 3, "{done}");
+    assert!(!ckpt.join(point(1)).exists(), "the second point never ran");
+
+    // Two iterations past the checkpoint, for both points.
+    std::fs::write(&config, format!("{body}iterations: {}\n", done + 2)).unwrap();
+    let resumed = h.driver(
+        &args(&[
+            "sweep",
+            "--resume",
+            dir.to_str().unwrap(),
+            "--no-progress",
+            "--runtime",
+            runtime.to_str().unwrap(),
+        ]),
+        Duration::from_secs(120),
+    );
+    let logs: Vec<String> = point_records(&dir)
+        .iter()
+        .map(|r| std::fs::read_to_string(r.join("rank-0.log")).unwrap_or_default())
+        .collect();
+    assert_eq!(resumed.code(), 0, "{}\n{logs:#?}", resumed.stderr());
+    assert_eq!(point_statuses(&dir), ["succeeded"; 2]);
+    let after = sweep_index(&dir);
+    let iterations = |i: usize| -> Vec<u64> {
+        let record = dir.join(after["points"][i]["record"].as_str().unwrap());
+        lines(&record.join("metrics.jsonl"))
+            .iter()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|e| e["event"] == "iteration")
+            .map(|e| e["iteration"].as_u64().unwrap())
+            .collect()
+    };
+    assert_eq!(
+        iterations(0),
+        [done, done + 1],
+        "the first point went on from its checkpoint"
+    );
+    assert_eq!(
+        iterations(1),
+        (0..done + 2).collect::<Vec<_>>(),
+        "the second started afresh"
+    );
+    h.assert_no_processes();
+}

@@ -11,7 +11,7 @@ use stagehand_contract::StageConfig;
 use crate::config::{
     Backend, CheckpointConfig, Command, ConfigError, DeviceSpec, DistConfig, ForwardConfig, ModelChoice,
     ModulesConfig, OptimizerKind, P2pConfig, P2pGroups, PartialOptions, Precision, ProfileConfig,
-    ReachConfig, ReduceOptions, TrainConfig, DEFAULT_FP16_INIT_SCALE,
+    ReachConfig, ReduceOptions, Resume, TrainConfig, DEFAULT_FP16_INIT_SCALE,
 };
 use crate::data::DataSpec;
 use crate::host_memory;
@@ -300,9 +300,17 @@ struct TrainArgs {
     checkpoint_every: Option<u64>,
     /// Start from the latest checkpoint in --checkpoint-dir: the same losses and parameters, from
     /// there on, as a run that was never stopped. Give the arguments the checkpoint was written
-    /// with.
-    #[arg(long, requires = "checkpoint_dir")]
-    resume: bool,
+    /// with. `--resume=auto` starts afresh when the folder holds no checkpoint yet.
+    #[arg(
+        long,
+        value_enum,
+        num_args = 0..=1,
+        require_equals = true,
+        default_missing_value = "required",
+        value_name = "auto",
+        requires = "checkpoint_dir"
+    )]
+    resume: Option<ResumeArg>,
     #[command(flatten)]
     dist: DistArgs,
 }
@@ -485,6 +493,14 @@ impl From<HostMemoryArgs> for host_memory::Policy {
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
+enum ResumeArg {
+    /// What `--resume` alone means: the checkpoint must be there.
+    #[value(hide = true)]
+    Required,
+    Auto,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
 enum PrecisionArg {
     Fp32,
     Bf16,
@@ -655,7 +671,11 @@ impl TrainArgs {
         let checkpoint = self.checkpoint_dir.clone().map(|dir| CheckpointConfig {
             dir,
             every: self.checkpoint_every,
-            resume: self.resume,
+            resume: match self.resume {
+                None => Resume::No,
+                Some(ResumeArg::Required) => Resume::Required,
+                Some(ResumeArg::Auto) => Resume::IfPresent,
+            },
         });
         if checkpoint.is_some() && self.checkpoint_every == Some(0) {
             return Err(ConfigError::Invalid {

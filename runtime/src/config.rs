@@ -312,8 +312,20 @@ pub struct CheckpointConfig {
     pub dir: PathBuf,
     /// Checkpoint after every this many iterations, and after the last; `None`: after the last.
     pub every: Option<u64>,
-    /// Start from the latest checkpoint in `dir`.
-    pub resume: bool,
+    /// Whether to start from the latest checkpoint in `dir`.
+    pub resume: Resume,
+}
+
+/// `--resume`: whether a run starts from the latest checkpoint in `--checkpoint-dir`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Resume {
+    /// Start afresh (no `--resume`), overwriting what the folder holds as checkpoints come.
+    No,
+    /// `--resume`: from the latest checkpoint, which must be there.
+    Required,
+    /// `--resume=auto`: from the latest checkpoint if the folder holds one, else afresh (a job
+    /// requeued, a sweep's point run again).
+    IfPresent,
 }
 
 impl CheckpointConfig {

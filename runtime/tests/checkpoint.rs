@@ -167,6 +167,32 @@ fn a_pipeline_and_a_hybrid_resume_exactly_on_every_rank() {
     }
 }
 
+/// `--resume=auto`: an empty folder starts afresh (the losses of a run without it), a folder with
+/// a checkpoint goes on from there exactly, and one of another run is still refused.
+#[test]
+fn resume_auto_starts_afresh_or_goes_on_from_the_checkpoint_there() {
+    let tmp = tempfile::tempdir().unwrap();
+    let c = tmp.path().join("ckpt");
+    let c = c.to_str().unwrap();
+    let whole = run_ok(&strs(&mlp("5", &[])));
+    let first = run_ok(&strs(&mlp("3", &["--checkpoint-dir", c, "--resume=auto"])));
+    assert_eq!(first.losses(), whole.losses()[..3], "started afresh");
+    let rest = run_ok(&strs(&mlp("5", &["--checkpoint-dir", c, "--resume=auto"])));
+    let iterations: Vec<u64> = rest.iterations().iter().map(|i| i.iteration).collect();
+    assert_eq!(iterations, [3, 4], "went on from the checkpoint of 3 iterations");
+    assert_eq!(
+        rest.losses(),
+        whole.losses()[3..],
+        "exactly as the run never stopped"
+    );
+    let other = run(&strs(&mlp(
+        "6",
+        &["--checkpoint-dir", c, "--resume=auto", "--optimizer", "adam"],
+    )));
+    assert!(!other.output.status.success());
+    assert!(other.stderr().contains("is of another run"), "{}", other.stderr());
+}
+
 #[test]
 fn a_checkpoint_of_another_run_or_none_is_refused_with_what_to_do() {
     let tmp = tempfile::tempdir().unwrap();

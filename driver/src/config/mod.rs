@@ -6,6 +6,7 @@ mod container;
 pub mod machine;
 mod mount;
 mod planner;
+mod resume;
 mod slurm;
 mod sweep;
 mod yaml;
@@ -19,6 +20,7 @@ pub use container::Container;
 pub use machine::Machine;
 pub use mount::Mount;
 pub use planner::{PlannerSettings, StageConfigRef};
+pub use resume::Resume;
 pub use slurm::SlurmSettings;
 pub use sweep::{check_grid_value, value_text, with_overrides, Axis, Sweep};
 pub use yaml::{load, parse_scalar, ConfigError, Loaded};
@@ -101,9 +103,10 @@ pub struct ExperimentFile {
     /// Checkpoint every N iterations as well as after the last (`--checkpoint-every`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub checkpoint_every: Option<u64>,
-    /// Start from the latest checkpoint in `checkpoint_dir` (`--resume`).
+    /// Start from the latest checkpoint in `checkpoint_dir`: `true` (`--resume`: it must be
+    /// there), `false`, or `auto` (`--resume=auto`: from it if there is one, else afresh).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub resume: Option<bool>,
+    pub resume: Option<Resume>,
     /// How the learning rate changes per epoch (`--lr-policy`; PipeDream's `learning_rate_policy`):
     /// `constant`, `step`, `polynomial` or `exponential_decay`.
     #[serde(default, skip_serializing_if = "Option::is_none")]

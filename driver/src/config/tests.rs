@@ -224,6 +224,25 @@ fn each_point_checkpoints_into_a_folder_of_its_own() {
 }
 
 #[test]
+fn resume_is_true_false_or_auto() {
+    for (text, resume) in [
+        ("true", Resume::Required),
+        ("false", Resume::No),
+        ("auto", Resume::Auto),
+        ("'auto'", Resume::Auto),
+    ] {
+        let f = ok(&format!("machines: [a]\ncheckpoint_dir: c\nresume: {text}\n"));
+        assert_eq!(f.resume, Some(resume), "{text}");
+    }
+    let e = err("machines: [a]\ncheckpoint_dir: c\nresume: later\n");
+    assert!(
+        e.contains("exp.yml:3:9: resume: \"later\" is not true, false or auto; write true"),
+        "{e}"
+    );
+    assert!(check_grid_value("resume", &serde_json::json!("auto")).is_ok());
+}
+
+#[test]
 fn grid_values_are_checked_against_the_keys_types() {
     assert!(check_grid_value("batch_size", &serde_json::json!(32)).is_ok());
     assert!(check_grid_value("model", &serde_json::json!("mlp")).is_ok());

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use crate::config::{Device, ExperimentFile};
+use crate::config::{Device, ExperimentFile, Resume};
 use crate::options::Backend;
 
 use super::HostSpec;
@@ -167,8 +167,8 @@ fn runtime_command(
     if let Some(n) = f.checkpoint_every {
         flag("checkpoint-every", n.to_string());
     }
-    if f.resume == Some(true) {
-        argv.push("--resume".into());
+    if let Some(flag) = f.resume.and_then(Resume::as_flag) {
+        argv.push(flag.into());
     }
     if f.compress_activations == Some(true) {
         argv.push("--compress-activations".into());

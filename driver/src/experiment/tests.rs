@@ -1036,6 +1036,18 @@ fn a_checkpoint_folder_reaches_every_rank_and_outlives_its_containers() {
         assert_eq!(flag(&rank.argv, "--checkpoint-every"), Some("5"));
         assert!(rank.argv.contains(&"--resume".to_string()));
     }
+    // `auto`: from the checkpoint if there is one; `false`: no flag.
+    for (resume, flag) in [("auto", Some("--resume=auto")), ("false", None)] {
+        let text = text.replace("resume: true", &format!("resume: {resume}"));
+        let plan = resolve(&loaded(dir.path(), &text), &o, 29500).unwrap();
+        let given: Vec<&str> = plan.ranks[0]
+            .argv
+            .iter()
+            .map(String::as_str)
+            .filter(|a| a.starts_with("--resume"))
+            .collect();
+        assert_eq!(given, flag.into_iter().collect::<Vec<_>>(), "resume: {resume}");
+    }
     // Bind-mounted at the same path, read-write, and made by the engine where it is missing.
     let mount = plan
         .mounts

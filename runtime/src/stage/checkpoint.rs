@@ -163,6 +163,15 @@ pub fn read_latest(dir: &Path, identity: &Identity) -> Result<Latest, String> {
     Ok(latest)
 }
 
+/// [`read_latest`] when `dir` holds a checkpoint of this rank, `None` when it holds none yet
+/// (`--resume=auto`); one of another run is still refused.
+pub fn read_latest_if_any(dir: &Path, identity: &Identity) -> Result<Option<Latest>, String> {
+    match rank_dir(dir, identity.rank).join("latest").try_exists() {
+        Ok(false) => Ok(None),
+        Ok(true) | Err(_) => read_latest(dir, identity).map(Some),
+    }
+}
+
 /// fp16's gradient scaler (its scale and growth tracker), in a checkpoint written with one.
 const SCALER_FILE: &str = "scaler.safetensors";
 
@@ -248,7 +257,7 @@ mod tests {
         let every = |n| CheckpointConfig {
             dir: "ckpt".into(),
             every: n,
-            resume: false,
+            resume: crate::config::Resume::No,
         };
         let due = |c: &CheckpointConfig| (1..=7).filter(|&d| c.due(d, 7)).collect::<Vec<u64>>();
         assert_eq!(due(&every(None)), [7]);

@@ -14,7 +14,9 @@ use stagehand_contract::{
 use tch::Kind;
 
 use crate::comm::{ProcessGroup, Store};
-use crate::config::{Backend, DeviceSpec, DistConfig, P2pGroups, Precision, ReduceOptions, TrainConfig};
+use crate::config::{
+    Backend, DeviceSpec, DistConfig, P2pGroups, Precision, ReduceOptions, Resume, TrainConfig,
+};
 use crate::data::{self, BatchRequest, Shard};
 use crate::host_memory;
 use crate::metrics::{Emitter, Memory, Throughput};
@@ -337,7 +339,12 @@ fn check_plan(config: &TrainConfig) -> anyhow::Result<Checked> {
     }
     let identity = identity(config, &model, &plan, microbatches);
     let resume = match &config.checkpoint {
-        Some(c) if c.resume => Some(checkpoint::read_latest(&c.dir, &identity).map_err(anyhow::Error::msg)?),
+        Some(c) if c.resume == Resume::Required => {
+            Some(checkpoint::read_latest(&c.dir, &identity).map_err(anyhow::Error::msg)?)
+        }
+        Some(c) if c.resume == Resume::IfPresent => {
+            checkpoint::read_latest_if_any(&c.dir, &identity).map_err(anyhow::Error::msg)?
+        }
         _ => None,
     };
     let first = resume.as_ref().map_or(0, |latest| latest.iterations_done);
@@ -523,7 +530,7 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
         None
     };
     let (links, store) = connect(dist, &plan, config.device)?;
-    if config.checkpoint.as_ref().is_some_and(|c| c.resume) {
+    if config.checkpoint.as_ref().is_some_and(|c| c.resume != Resume::No) {
         agree_on_resume(&links, first, device)?;
     }
     let reducer = links
