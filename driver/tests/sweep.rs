@@ -2,7 +2,7 @@
 //! does not stop the sweep, an interrupted sweep resumed, and a bad grid refused before anything
 //! runs. (A 4-point sweep of the real runtime on the local engine is in `docker_runtime`.)
 
-use std::ffi::OsStr;
+use std::ffi::{OsStr, OsString};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -10,6 +10,23 @@ use crate::util::*;
 
 fn args<'a>(items: &'a [&'a str]) -> Vec<&'a OsStr> {
     items.iter().map(OsStr::new).collect()
+}
+
+/// `driver sweep -c CONFIG --output-dir RECORDS` with `extra` after.
+fn sweep_args(h: &Harness, config: &Path, extra: &[&str]) -> Vec<OsString> {
+    let mut all: Vec<OsString> = vec![
+        "sweep".into(),
+        "-c".into(),
+        config.into(),
+        "--output-dir".into(),
+        h.records().into(),
+    ];
+    all.extend(extra.iter().map(OsString::from));
+    all
+}
+
+fn os(args: &[OsString]) -> Vec<&OsStr> {
+    args.iter().map(OsString::as_os_str).collect()
 }
 
 /// A process-backend sweep of the fake rank.
@@ -27,18 +44,7 @@ fn a_failed_point_is_recorded_the_sweep_goes_on_and_the_table_shows_it() {
     // rank: its throughput is unknown (null), whatever the timing of rank 0's lines.
     let bad = format!("['{FAKE_RANK}', --iterations, '3', --fail-rank, '1', --fail-at, '0']");
     let config = fake_sweep(&h, &ok, &format!("sweep:\n  command: [{ok}, {bad}, {ok}]\n"));
-    let records = h.records();
-    let run = h.driver(
-        &args(&[
-            "sweep",
-            "-c",
-            config.to_str().unwrap(),
-            "--output-dir",
-            records.to_str().unwrap(),
-            "-q",
-        ]),
-        Duration::from_secs(120),
-    );
+    let run = h.driver(&os(&sweep_args(&h, &config, &["-q"])), Duration::from_secs(120));
     assert_eq!(run.code(), 1, "some point failed: {}", run.stderr());
     assert!(
         run.stderr().contains("1 of 3 point(s) failed"),
@@ -121,16 +127,7 @@ fn an_interrupted_sweep_resumed_runs_only_the_missing_points() {
     let command = format!("['{FAKE_RANK}', --iterations, '4', --sleep-ms, '250']");
     let config = fake_sweep(&h, &command, "");
     let records = h.records();
-    let child = h.spawn_driver(&args(&[
-        "sweep",
-        "-c",
-        config.to_str().unwrap(),
-        "--grid",
-        "seed=1,2,3,4",
-        "--output-dir",
-        records.to_str().unwrap(),
-        "-q",
-    ]));
+    let child = h.spawn_driver(&os(&sweep_args(&h, &config, &["--grid", "seed=1,2,3,4", "-q"])));
     let dir = wait_for_succeeded(&records, 2, Duration::from_secs(60));
     interrupt(&child);
     let out = wait_with_deadline(child, Duration::from_secs(30));
@@ -202,15 +199,7 @@ fn a_bad_grid_is_refused_before_anything_runs() {
         (&[], "no grid"),
     ];
     for (grid, expected) in cases {
-        let mut all = vec![
-            "sweep",
-            "-c",
-            config.to_str().unwrap(),
-            "--output-dir",
-            records.to_str().unwrap(),
-        ];
-        all.extend_from_slice(grid);
-        let run = h.driver(&args(&all), Duration::from_secs(30));
+        let run = h.driver(&os(&sweep_args(&h, &config, grid)), Duration::from_secs(30));
         assert_eq!(run.code(), 2, "{grid:?}: {}", run.stderr());
         assert!(run.stderr().contains(expected), "{grid:?}: {}", run.stderr());
         assert!(
@@ -233,18 +222,12 @@ fn each_point_of_a_sweep_checkpoints_into_its_own_folder() {
         "backend: process\nmachines: [localhost]\nmodule: mlp\nlayers: 2\nhidden: 32\nbatch_size: 4\n\
          iterations: 2\nthreads: 1\ncheckpoint_dir: ckpt\nsweep:\n  lr: [0.1, 0.2]\n",
     );
-    let records = h.records();
     let run = h.driver(
-        &args(&[
-            "sweep",
-            "-c",
-            config.to_str().unwrap(),
-            "--output-dir",
-            records.to_str().unwrap(),
-            "--runtime",
-            runtime.to_str().unwrap(),
-            "-q",
-        ]),
+        &os(&sweep_args(
+            &h,
+            &config,
+            &["--runtime", runtime.to_str().unwrap(), "-q"],
+        )),
         Duration::from_secs(120),
     );
     assert_eq!(run.code(), 0, "{}", run.stderr());
@@ -279,16 +262,11 @@ fn a_resumed_sweep_continues_its_interrupted_point_from_its_checkpoint() {
                 batch_size: 4\nthreads: 1\ncheckpoint_dir: ckpt\nresume: auto\nsweep:\n  lr: [0.01, 0.02]\n";
     let config = h.config(&format!("{body}iterations: 1000000\n"));
     let records = h.records();
-    let child = h.spawn_driver(&args(&[
-        "sweep",
-        "-c",
-        config.to_str().unwrap(),
-        "--output-dir",
-        records.to_str().unwrap(),
-        "--runtime",
-        runtime.to_str().unwrap(),
-        "-q",
-    ]));
+    let child = h.spawn_driver(&os(&sweep_args(
+        &h,
+        &config,
+        &["--runtime", runtime.to_str().unwrap(), "-q"],
+    )));
     // Interrupt once the first point has trained a few iterations.
     let start = Instant::now();
     let metrics = loop {

@@ -524,8 +524,9 @@ fn modules_lists_every_module_with_shapes() {
     assert_eq!(total, 25_557_032);
 }
 
-#[test]
-fn profile_measures_every_module() {
+/// `runtime profile` of resnet50 at batch 2 on 32x32 images, one repeat, two threads, with
+/// `extra` flags: the profile it wrote.
+fn profile_resnet50(extra: &[&str]) -> stagehand_contract::Profile {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("profile.json");
     let out = runtime()
@@ -537,14 +538,29 @@ fn profile_measures_every_module() {
             "32",
             "--batch-size",
             "2",
+        ])
+        .args([
             "--repeats",
             "1",
+            "--threads",
+            "2",
+            "--output",
+            path.to_str().unwrap(),
         ])
-        .args(["--threads", "2", "--output", path.to_str().unwrap()])
+        .args(extra)
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let profile = stagehand_contract::Profile::from_json(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    stagehand_contract::Profile::from_json(&std::fs::read_to_string(&path).unwrap()).unwrap()
+}
+
+#[test]
+fn profile_measures_every_module() {
+    let profile = profile_resnet50(&[]);
+    assert_eq!(
+        (profile.precision.as_str(), profile.channels_last),
+        ("fp32", false)
+    );
     assert_eq!(
         (profile.model.as_str(), profile.batch_size, profile.threads),
         ("resnet50", 2, 2)
@@ -574,32 +590,7 @@ fn profile_measures_every_module() {
 /// how it computed so the driver can refuse it for a run that computes otherwise.
 #[test]
 fn profile_measures_in_the_arithmetic_it_is_given() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("profile.json");
-    let out = runtime()
-        .args([
-            "profile",
-            "--model",
-            "resnet50",
-            "--image-size",
-            "32",
-            "--batch-size",
-            "2",
-        ])
-        .args([
-            "--repeats",
-            "1",
-            "--threads",
-            "2",
-            "--precision",
-            "bf16",
-            "--channels-last",
-        ])
-        .args(["--output", path.to_str().unwrap()])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let profile = stagehand_contract::Profile::from_json(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let profile = profile_resnet50(&["--precision", "bf16", "--channels-last"]);
     assert_eq!(
         (profile.precision.as_str(), profile.channels_last),
         ("bf16", true)
