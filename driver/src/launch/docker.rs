@@ -139,18 +139,7 @@ impl DockerLauncher {
         let container = create(host, name.clone(), body).await?;
         self.track(index, &container, name, host_plan.ranks.clone());
         // The file the ranks record their process IDs in, writable by the image's user.
-        let options = UploadToContainerOptionsBuilder::default().path("/").build();
-        let ranks = bollard::body_full(lease::ranks_tar().into());
-        host.docker
-            .upload_to_container(&container, Some(options), ranks)
-            .await
-            .map_err(|source| {
-                LaunchError::from(HostError::Docker {
-                    host: host.name.clone(),
-                    action: "prepare a container",
-                    source,
-                })
-            })?;
+        upload(host, &container, lease::ranks_tar(), "prepare a container").await?;
         start(host, &container).await?;
         for &rank in &host_plan.ranks {
             let r = &plan.ranks[rank];
@@ -308,20 +297,24 @@ pub(super) async fn create(
             })
         })?;
     if !host.copies.is_empty() {
-        let tar = pack_files(host)?;
-        let options = UploadToContainerOptionsBuilder::default().path("/").build();
-        host.docker
-            .upload_to_container(&id, Some(options), bollard::body_full(tar.into()))
-            .await
-            .map_err(|source| {
-                LaunchError::from(HostError::Docker {
-                    host: host.name.clone(),
-                    action: "copy code into a container",
-                    source,
-                })
-            })?;
+        upload(host, &id, pack_files(host)?, "copy code into a container").await?;
     }
     Ok(id)
+}
+
+/// Unpacks `tar` at the root of container `id`; a failure is `action`'s, on this host.
+async fn upload(host: &Host, id: &str, tar: Vec<u8>, action: &'static str) -> Result<(), LaunchError> {
+    let options = UploadToContainerOptionsBuilder::default().path("/").build();
+    host.docker
+        .upload_to_container(id, Some(options), bollard::body_full(tar.into()))
+        .await
+        .map_err(|source| {
+            LaunchError::from(HostError::Docker {
+                host: host.name.clone(),
+                action,
+                source,
+            })
+        })
 }
 
 /// A tar of the files a host lacks, each at its absolute path, modes kept (binaries stay executable).
