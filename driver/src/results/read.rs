@@ -94,6 +94,24 @@ pub struct Row {
 }
 
 impl Row {
+    /// The model as the table shows it: with its arithmetic when that is not plain fp32
+    /// (`resnet50 (bf16, channels_last)`), so runs of one model in two arithmetics tell apart.
+    pub fn model_cell(&self) -> Option<String> {
+        let model = self.model.clone()?;
+        let mut arithmetic = Vec::new();
+        match self.experiment.get("precision").and_then(|p| p.as_str()) {
+            Some("fp32") | None => {}
+            Some(precision) => arithmetic.push(precision),
+        }
+        if self.experiment.get("channels_last") == Some(&serde_json::Value::Bool(true)) {
+            arithmetic.push("channels_last");
+        }
+        Some(match arithmetic.is_empty() {
+            true => model,
+            false => format!("{model} ({})", arithmetic.join(", ")),
+        })
+    }
+
     /// The label the table's first column shows: the point's settings, or the name.
     pub fn label(&self) -> String {
         match &self.point {
@@ -114,7 +132,7 @@ impl Row {
         })
     }
 
-    fn empty(dir: &Path, name: String, status: RowStatus, note: Option<String>) -> Row {
+    pub(super) fn empty(dir: &Path, name: String, status: RowStatus, note: Option<String>) -> Row {
         Row {
             dir: dir.to_path_buf(),
             id: None,

@@ -140,3 +140,21 @@ fn a_record_of_another_format_version_says_so() {
     assert!(!record_succeeded(&fixtures().join("20261122T092000Z_future")));
     assert!(record_succeeded(&fixtures().join("20261122T090000Z_vgg16-2pipe")));
 }
+
+#[test]
+fn the_model_cell_says_the_arithmetic_when_it_is_not_plain_fp32() {
+    let mut row = read::Row::empty(Path::new("r"), "r".into(), read::RowStatus::Succeeded, None);
+    assert_eq!(row.model_cell(), None);
+    row.model = Some("resnet50".into());
+    assert_eq!(row.model_cell().as_deref(), Some("resnet50"));
+    row.experiment.insert("precision".into(), "fp32".into());
+    assert_eq!(row.model_cell().as_deref(), Some("resnet50"));
+    row.experiment.insert("precision".into(), "bf16".into());
+    row.experiment.insert("channels_last".into(), true.into());
+    assert_eq!(
+        row.model_cell().as_deref(),
+        Some("resnet50 (bf16, channels_last)")
+    );
+    row.experiment.insert("precision".into(), serde_json::Value::Null);
+    assert_eq!(row.model_cell().as_deref(), Some("resnet50 (channels_last)"));
+}

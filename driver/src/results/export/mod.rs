@@ -54,7 +54,7 @@ fn cells(row: &Row) -> Vec<String> {
     let pct = |x: Option<f64>| x.map_or_else(dash, |v| format!("{:.1}%", v * 100.0));
     vec![
         row.label(),
-        row.model.clone().unwrap_or_else(dash),
+        row.model_cell().unwrap_or_else(dash),
         row.layout().unwrap_or_else(dash),
         row.schedule.clone().unwrap_or_else(dash),
         row.microbatches.map_or_else(dash, |v| v.to_string()),
