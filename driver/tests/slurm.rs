@@ -197,8 +197,11 @@ fn a_failing_rank_cancels_the_job_and_is_recorded() {
         since.elapsed()
     );
     let stderr = String::from_utf8_lossy(&out.stderr);
+    // Slurm's own words reach the user: srun names the task that ended first, the one killed or
+    // rank 0 failing on its lost peer a moment before srun saw the kill (a busy machine).
     assert!(
-        stderr.contains("srun: error:") && stderr.contains("task 1: Killed"),
+        stderr.contains("srun: error:")
+            && (stderr.contains("task 1: Killed") || stderr.contains("task 0: Exited with exit code")),
         "{stderr}"
     );
     let (_, summary) = h.summary();
