@@ -39,14 +39,18 @@ fn fp32() -> String {
     "fp32".into()
 }
 
+/// How a run computes, as profiles and plans name it: `fp32`, `bf16 channels_last`, ...
+pub fn arithmetic(precision: &str, channels_last: bool) -> String {
+    match channels_last {
+        true => format!("{precision} channels_last"),
+        false => precision.to_string(),
+    }
+}
+
 impl Profile {
-    /// How the profile computed, as a training run's flags would say it: `fp32`, `bf16
-    /// channels_last`, ...
+    /// How the profile computed ([`arithmetic`]).
     pub fn arithmetic(&self) -> String {
-        match self.channels_last {
-            true => format!("{} channels_last", self.precision),
-            false => self.precision.clone(),
-        }
+        arithmetic(&self.precision, self.channels_last)
     }
 }
 

@@ -946,13 +946,10 @@ fn auto_plan(
         profile_file,
         profile_device: args::device_arg(ctx, &hosts[*host], gpus),
         model,
-        arithmetic: {
-            let precision = file.precision.unwrap_or(Precision::Fp32).as_arg();
-            match file.channels_last == Some(true) {
-                true => format!("{precision} channels_last"),
-                false => precision.to_string(),
-            }
-        },
+        arithmetic: stagehand_contract::profile::arithmetic(
+            file.precision.unwrap_or(Precision::Fp32).as_arg(),
+            file.channels_last == Some(true),
+        ),
         microbatches,
         micro_batch_size: batch_size / microbatches,
         workers: world_size,

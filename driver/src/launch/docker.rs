@@ -187,8 +187,9 @@ impl DockerLauncher {
     }
 
     /// Sends every container SIGTERM (its lease guard passes it on to its rank, or to the ranks
-    /// exec'd into a per-host container), so ranks that checkpoint can write one before [`DockerLauncher::remove_all`]; each call is
-    /// bounded, and a container that does not take it is removed like any other afterwards.
+    /// exec'd into a per-host container), so ranks that checkpoint can write one before
+    /// [`DockerLauncher::remove_all`]; each call is bounded, and a container that does not take
+    /// it is removed like any other afterwards.
     pub async fn terminate_all(&self) {
         let tracked = self.tracked.lock().expect("tracked lock").clone();
         let term = bollard::query_parameters::KillContainerOptionsBuilder::new()
