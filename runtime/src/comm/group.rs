@@ -641,45 +641,14 @@ fn choose_nccl_interface(store: &Store) {
 
 /// The name of the interface holding `ip` (getifaddrs), if one does.
 pub(super) fn interface_of(ip: IpAddr) -> Option<String> {
-    let mut list: *mut libc::ifaddrs = std::ptr::null_mut();
-    // SAFETY: getifaddrs fills `list` with a linked list we free below.
-    if unsafe { libc::getifaddrs(&mut list) } != 0 {
-        return None;
-    }
-    let mut found = None;
-    let mut entry = list;
-    while !entry.is_null() && found.is_none() {
-        // SAFETY: a node of the list getifaddrs made, alive until freeifaddrs.
-        let node = unsafe { &*entry };
-        if !node.ifa_addr.is_null() {
-            // SAFETY: ifa_addr points at a sockaddr whose family says its full type.
-            let address = unsafe {
-                match i32::from((*node.ifa_addr).sa_family) {
-                    libc::AF_INET => {
-                        let v4 = &*(node.ifa_addr as *const libc::sockaddr_in);
-                        Some(IpAddr::from(u32::from_be(v4.sin_addr.s_addr).to_be_bytes()))
-                    }
-                    libc::AF_INET6 => {
-                        let v6 = &*(node.ifa_addr as *const libc::sockaddr_in6);
-                        Some(IpAddr::from(v6.sin6_addr.s6_addr))
-                    }
-                    _ => None,
-                }
-            };
-            if address == Some(ip) {
-                // SAFETY: ifa_name is a NUL-terminated string owned by the list.
-                found = Some(
-                    unsafe { std::ffi::CStr::from_ptr(node.ifa_name) }
-                        .to_string_lossy()
-                        .into_owned(),
-                );
-            }
-        }
-        entry = node.ifa_next;
-    }
-    // SAFETY: the list getifaddrs gave, freed once.
-    unsafe { libc::freeifaddrs(list) };
-    found
+    let held = |address: &nix::sys::socket::SockaddrStorage| {
+        let v4 = address.as_sockaddr_in().map(|a| IpAddr::from(a.ip()));
+        v4.or_else(|| address.as_sockaddr_in6().map(|a| IpAddr::from(a.ip())))
+    };
+    nix::ifaddrs::getifaddrs()
+        .ok()?
+        .find(|interface| interface.address.as_ref().and_then(held) == Some(ip))
+        .map(|interface| interface.interface_name)
 }
 
 /// The local address of the route to the store (loopback when the store is on this host), found
