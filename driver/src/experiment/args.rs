@@ -49,6 +49,12 @@ pub(super) fn rank_command(
     env.insert("LOCAL_WORLD_SIZE".into(), host.ranks.len().to_string());
     env.insert("MASTER_ADDR".into(), ctx.master_addr.to_string());
     env.insert("MASTER_PORT".into(), ctx.master_port.to_string());
+    // A process rank sees what a container would: its host's GPUs of the experiment, from 0 in
+    // index order, whatever the driver's own shell exported (which would renumber them).
+    if ctx.backend == Backend::Process && !host.gpus.is_empty() {
+        let list: Vec<String> = host.gpus.iter().map(u32::to_string).collect();
+        env.insert(super::VISIBLE_DEVICES.into(), list.join(","));
+    }
 
     if let Some(command) = &ctx.file.command {
         return (command.clone(), env);
@@ -305,11 +311,12 @@ pub(super) fn device_arg(ctx: &ArgsContext, host: &HostSpec, gpus: &[u32]) -> St
 }
 
 /// How the rank's process sees `gpu` (one of its GPUs): a container, one per rank or one per
-/// host, is given every GPU the experiment has on its host and sees them in the host's order.
+/// host, is given every GPU the experiment has on its host and sees them in the host's order; a
+/// process is shown the same through `CUDA_VISIBLE_DEVICES`.
 fn visible_index(ctx: &ArgsContext, host: &HostSpec, gpu: u32) -> usize {
     match ctx.backend {
-        Backend::Process | Backend::Slurm => gpu as usize,
-        Backend::Docker => host
+        Backend::Slurm => gpu as usize,
+        Backend::Process | Backend::Docker => host
             .gpus
             .iter()
             .position(|g| *g == gpu)

@@ -300,6 +300,7 @@ fn resolve_with(
     let (hosts, rank_slots) =
         group_hosts(&machines, gpus_per_rank).map_err(|e| loaded.error_at("gpus_per_rank", e))?;
     let world_size = rank_slots.len();
+    check_visible_devices(loaded, &hosts, slurm.as_ref())?;
     check_slowdown(loaded, &hosts, world_size)?;
     check_pipedream_keys(loaded)?;
 
@@ -612,6 +613,31 @@ pub fn slurm_task_env(plan: &Experiment, rank: &RankSpec) -> Vec<(String, String
 
 /// Placeholder machines for a Slurm job's nodes (Slurm names them once the job starts), each
 /// with its ranks: srun's default block distribution puts ranks `i*T .. (i+1)*T` on node `i`.
+/// The driver shows each rank its GPUs (a container's, the process backend's
+/// `CUDA_VISIBLE_DEVICES`, or Slurm's): an `env:` entry naming others would renumber them under the
+/// rank's `--device`, so it is refused where the driver assigns GPUs.
+fn check_visible_devices(
+    loaded: &Loaded,
+    hosts: &[HostSpec],
+    slurm: Option<&SlurmSettings>,
+) -> Result<(), ConfigError> {
+    let assigned = hosts.iter().any(|h| !h.gpus.is_empty()) || slurm.is_some_and(SlurmSettings::has_gpus);
+    match loaded.file.env.get(VISIBLE_DEVICES) {
+        Some(value) if assigned => Err(loaded.error_at(
+            "env",
+            format!(
+                "env sets {VISIBLE_DEVICES}={value}, but the driver shows each rank the GPUs its \
+                 machines entry (or slurm.gpus_per_task) gives it; name the GPUs there \
+                 (`host:gpu`) and drop {VISIBLE_DEVICES} from env"
+            ),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// CUDA's variable for the GPUs a process sees, numbered from 0 in the order it lists.
+pub(crate) const VISIBLE_DEVICES: &str = "CUDA_VISIBLE_DEVICES";
+
 fn slurm_nodes(settings: &SlurmSettings) -> Vec<Machine> {
     let mut machines = Vec::new();
     for node in 0..settings.nodes {

@@ -197,6 +197,48 @@ fn gpus_are_numbered_as_each_container_sees_them() {
 }
 
 #[test]
+fn a_process_rank_sees_its_hosts_gpus_whatever_the_drivers_shell_exported() {
+    let o = options(Some(Backend::Process), ContainerMode::PerRank);
+    let plan = resolve_text("machines: ['localhost:3', 'localhost:1']\n", &o).unwrap();
+    for (rank, device) in [(0, "cuda:1"), (1, "cuda:0")] {
+        let spec = &plan.ranks[rank];
+        assert_eq!(flag(&spec.argv, "--device"), Some(device), "rank {rank}");
+        // Set on the rank, so an inherited value (a shared server's shell) cannot renumber them.
+        assert_eq!(
+            spec.env.get("CUDA_VISIBLE_DEVICES").map(String::as_str),
+            Some("1,3")
+        );
+    }
+    // Without GPUs the driver shows nothing and the rank inherits what the shell has.
+    let cpu = resolve_text("machines: ['localhost']\n", &o).unwrap();
+    assert_eq!(cpu.ranks[0].env.get("CUDA_VISIBLE_DEVICES"), None);
+    assert_eq!(flag(&cpu.ranks[0].argv, "--device"), Some("cpu"));
+    // A user's own choice is theirs where the driver assigns no GPUs ...
+    let own = resolve_text("machines: ['localhost']\nenv: {CUDA_VISIBLE_DEVICES: '2'}\n", &o).unwrap();
+    assert_eq!(
+        own.ranks[0].env.get("CUDA_VISIBLE_DEVICES").map(String::as_str),
+        Some("2")
+    );
+    // ... and refused where it does, at its line, on every backend.
+    for (text, line) in [
+        ("machines: ['localhost:0']\nenv:\n  CUDA_VISIBLE_DEVICES: '2'\n", 2),
+        (
+            "backend: slurm\nslurm: {tasks_per_node: 2, gpus_per_task: 1}\nmodule: mlp\nenv:\n  CUDA_VISIBLE_DEVICES: '2'\n",
+            4,
+        ),
+    ] {
+        let options = match text.starts_with("backend") {
+            true => options(None, ContainerMode::PerRank),
+            false => o.clone(),
+        };
+        let message = resolve_text(text, &options).unwrap_err().to_string();
+        assert!(message.contains("CUDA_VISIBLE_DEVICES=2"), "{message}");
+        assert!(message.contains("name the GPUs there"), "{message}");
+        assert!(message.contains(&format!("exp.yml:{line}:1:")), "not at env's line: {message}");
+    }
+}
+
+#[test]
 fn gpus_per_rank_gives_each_rank_a_stage_over_several_gpus() {
     let text = "machines:\n  - host: box\n    gpus: [4, 5, 6, 7]\ngpus_per_rank: 2\n";
     let per_rank = plan_per_rank(text);
@@ -212,7 +254,15 @@ fn gpus_per_rank_gives_each_rank_a_stage_over_several_gpus() {
         &options(Some(Backend::Process), ContainerMode::PerRank),
     )
     .unwrap();
-    assert_eq!(flag(&process.ranks[0].argv, "--devices"), Some("cuda:4,cuda:5"));
+    // A process is shown the same GPUs through CUDA_VISIBLE_DEVICES, so it numbers them alike.
+    assert_eq!(flag(&process.ranks[1].argv, "--devices"), Some("cuda:2,cuda:3"));
+    assert_eq!(
+        process.ranks[1]
+            .env
+            .get("CUDA_VISIBLE_DEVICES")
+            .map(String::as_str),
+        Some("4,5,6,7")
+    );
     let slurm = plan_per_rank("backend: slurm\nslurm: {tasks_per_node: 2, gpus_per_task: 2}\nmodule: mlp\n");
     assert_eq!(flag(&slurm.ranks[0].argv, "--devices"), Some("cuda:0,cuda:1"));
 
