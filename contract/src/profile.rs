@@ -69,6 +69,10 @@ pub struct ModuleProfile {
     pub optimizer_s: f64,
     /// Bytes of the module's output (what crosses a stage boundary after it).
     pub activation_bytes: u64,
+    /// Bytes of the output as it crosses under `--compress-activations` (float32 sent as
+    /// float16). Profiles written before it was recorded lack it: planned as uncompressed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compressed_activation_bytes: Option<u64>,
     /// Bytes of the module's parameters (what replicas all-reduce and stashes copy).
     pub param_bytes: u64,
     /// Shape of the output at this batch size.
@@ -113,6 +117,7 @@ mod tests {
                 backward_s: 0.002,
                 optimizer_s: 0.0005,
                 activation_bytes: 4096,
+                compressed_activation_bytes: Some(2048),
                 param_bytes: 1024,
                 output_shape: vec![8, 128],
             }],

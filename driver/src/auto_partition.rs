@@ -140,6 +140,14 @@ pub async fn profile_and_plan(
             ),
         ));
     }
+    if auto.compress_activations {
+        if let Err(reason) = partition::compressible(&partition::Source::Runtime(profile.clone())) {
+            return Err(plan_failed(
+                reporters,
+                format!("the profile {profiled_on}: {reason}"),
+            ));
+        }
+    }
     write(record, "profile.json", &profile)?;
 
     let request = PlanRequest {
@@ -150,6 +158,7 @@ pub async fn profile_and_plan(
         microbatches: auto.microbatches as usize,
         alternatives: 0,
         schedule,
+        compress_activations: auto.compress_activations,
     };
     let (solved, prediction) = match partition::solve_profile(&profile, &request) {
         Ok(s) => s,

@@ -189,6 +189,11 @@ struct PlanArgs {
     #[arg(long, value_name = "SCHEDULE", value_parser = parse_schedule)]
     schedule: Option<crate::config::Schedule>,
 
+    /// Plan for runs with compress_activations: float32 activations cross stage boundaries in
+    /// float16 (their gradients come back in float32), as the profile recorded their sizes.
+    #[arg(long)]
+    compress_activations: bool,
+
     /// Also show the best plan of each of the next N stage shapes (replicas per stage), fastest
     /// first, with how much slower each is predicted; the predictions JSON gets them with their
     /// stage configs. Up to 12 workers.
@@ -469,6 +474,7 @@ impl PlanArgs {
                 microbatches: self.microbatches as usize,
                 alternatives: self.alternatives,
                 schedule: self.schedule,
+                compress_activations: self.compress_activations,
             },
             output: self.output,
             prediction: self.prediction,

@@ -5,16 +5,28 @@
 use crate::util::experiments::*;
 use crate::util::*;
 
+/// With compress_activations the plan is made for the bytes that cross: the profile says what
+/// each activation weighs in float16, and the plan says it planned for them.
 #[test]
 fn auto_profiles_plans_and_runs_as_processes() {
     let runtime = runtime();
     let h = Harness::new("auto-proc");
     let run = h.run(
-        &auto_mlp(&h, "process", ""),
+        &auto_mlp(&h, "process", "compress_activations: true\n"),
         &["--runtime", runtime.to_str().unwrap()],
     );
     let (dir, _) = check_planned_run(&h, &run);
     assert!(dir.join("rank-0.log").exists());
+    assert!(
+        run.stderr().contains("on 2 workers, activations sent in fp16:"),
+        "{}",
+        run.stderr()
+    );
+    assert_eq!(json(&dir.join("plan.json"))["compress_activations"], true);
+    let profile = json(&dir.join("profile.json"));
+    let hidden = &profile["modules"][0];
+    assert_eq!(hidden["activation_bytes"], 4 * 256 * 4);
+    assert_eq!(hidden["compressed_activation_bytes"], 4 * 256 * 2);
     h.assert_no_processes();
 }
 

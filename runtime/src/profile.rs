@@ -40,9 +40,23 @@ fn timed(device: Device, f: impl FnOnce()) -> f64 {
 /// Bytes `t` weighs crossing a stage boundary: a sparse COO tensor's entries and header as
 /// they travel (pipeline/sparse.rs), a dense tensor's elements.
 fn bytes(t: &Tensor) -> u64 {
+    bytes_as(t, t.kind())
+}
+
+/// The bytes `t` weighs with its values in `kind`.
+fn bytes_as(t: &Tensor, kind: Kind) -> u64 {
     match t.is_sparse() {
-        true => crate::pipeline::coo_wire_bytes(t),
-        false => (t.numel() * t.kind().elt_size_in_bytes()) as u64,
+        true => crate::pipeline::coo_wire_bytes(t, kind),
+        false => (t.numel() * kind.elt_size_in_bytes()) as u64,
+    }
+}
+
+/// What `t` weighs crossing a stage boundary under `--compress-activations`: a float32
+/// activation travels in float16, anything else as it is (the pipeline's wire kind).
+fn compressed_bytes(t: &Tensor) -> u64 {
+    match t.kind() {
+        Kind::Float => bytes_as(t, Kind::Half),
+        kind => bytes_as(t, kind),
     }
 }
 
@@ -145,6 +159,7 @@ pub fn measure(config: &ProfileConfig) -> anyhow::Result<Profile> {
             optimizer_s,
             // The output in the kind autocast computed it in: what crosses a stage boundary.
             activation_bytes: bytes(&output),
+            compressed_activation_bytes: Some(compressed_bytes(&output)),
             param_bytes: param_bytes[index],
             output_shape: output.size(),
         });
@@ -170,6 +185,7 @@ pub fn measure(config: &ProfileConfig) -> anyhow::Result<Profile> {
         backward_s,
         optimizer_s: 0.0,
         activation_bytes: bytes(&loss),
+        compressed_activation_bytes: Some(compressed_bytes(&loss)),
         param_bytes: 0,
         output_shape: loss.size(),
     });

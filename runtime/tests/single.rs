@@ -578,6 +578,13 @@ fn profile_measures_every_module() {
     for m in &profile.modules {
         let elements: i64 = m.output_shape.iter().product();
         assert_eq!(m.activation_bytes, elements as u64 * 4, "{}", m.name);
+        // --compress-activations sends a float32 activation in float16.
+        assert_eq!(
+            m.compressed_activation_bytes,
+            Some(elements as u64 * 2),
+            "{}",
+            m.name
+        );
         assert!(m.forward_s > 0.0, "{}", m.name);
     }
     // Every module but the first trains through its input, so all have a backward.
@@ -600,6 +607,13 @@ fn profile_measures_in_the_arithmetic_it_is_given() {
     for m in modules {
         let elements: i64 = m.output_shape.iter().product();
         assert_eq!(m.activation_bytes, elements as u64 * 2, "{} in bfloat16", m.name);
+        // Compression leaves what is not float32 as it is.
+        assert_eq!(
+            m.compressed_activation_bytes,
+            Some(m.activation_bytes),
+            "{}",
+            m.name
+        );
         assert!(m.forward_s > 0.0 && m.backward_s > 0.0, "{}", m.name);
     }
     // The parameters stay float32 (autocast casts copies), so replicas all-reduce as many bytes.

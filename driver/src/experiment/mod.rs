@@ -56,6 +56,8 @@ pub struct AutoPartition {
     pub memory_bytes: Option<f64>,
     /// One rank per stage.
     pub straight: bool,
+    /// Whether activations cross stage boundaries compressed (`compress_activations`).
+    pub compress_activations: bool,
 }
 
 /// The outcome of `config_file: auto`, for the second resolution.
@@ -982,6 +984,7 @@ fn auto_plan(
         levels: network_levels(hosts, world_size, intra, inter),
         memory_bytes: settings.memory_gib.map(|gib| gib * (1u64 << 30) as f64),
         straight: settings.straight,
+        compress_activations: file.compress_activations == Some(true),
     })
 }
 

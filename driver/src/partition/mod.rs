@@ -29,6 +29,9 @@ pub struct PlanRequest {
     pub alternatives: usize,
     /// The schedule the plan is for; `None` plans the steady state with one update per minibatch.
     pub schedule: Option<Schedule>,
+    /// Activations cross stage boundaries compressed (`--compress-activations`): float32 ones
+    /// forward in float16, their gradients back as they are.
+    pub compress_activations: bool,
 }
 
 impl PlanRequest {
@@ -105,6 +108,9 @@ pub struct Prediction {
     /// The runner-ups `--alternatives` asked for, fastest first.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub alternatives: Vec<Alternative>,
+    /// Whether activations were planned to cross compressed.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub compress_activations: bool,
 }
 
 /// One runner-up plan: the best split of another stage shape.
@@ -133,17 +139,27 @@ pub struct PredictedStage {
 /// The profile's modules as the planner's costs per minibatch of `microbatches` microbatches of
 /// the profile's batch size: forward, backward and boundary traffic happen once per microbatch,
 /// the optimizer step once per minibatch.
-pub fn layer_costs(profile: &Profile, microbatches: usize) -> Vec<LayerCost> {
+pub fn layer_costs(profile: &Profile, microbatches: usize, compress_activations: bool) -> Vec<LayerCost> {
     let m = microbatches.max(1) as f64;
     profile
         .modules
         .iter()
-        .map(|module| LayerCost {
-            compute_s: m * (module.forward_s + module.backward_s),
-            activation_bytes: m * module.activation_bytes as f64,
-            output_bytes: m * module.activation_bytes as f64,
-            param_bytes: module.param_bytes as f64,
-            optimizer_s: module.optimizer_s,
+        .map(|module| {
+            let full = module.activation_bytes as f64;
+            // The planner moves a boundary's bytes forward and as many back: a compressed
+            // activation goes forward in its compressed size and its gradient comes back whole,
+            // so the boundary carries their mean each way.
+            let crossing = match module.compressed_activation_bytes {
+                Some(compressed) if compress_activations => (compressed as f64 + full) / 2.0,
+                _ => full,
+            };
+            LayerCost {
+                compute_s: m * (module.forward_s + module.backward_s),
+                activation_bytes: m * full,
+                output_bytes: m * crossing,
+                param_bytes: module.param_bytes as f64,
+                optimizer_s: module.optimizer_s,
+            }
         })
         .collect()
 }
@@ -202,10 +218,11 @@ impl Source {
         }
     }
 
-    /// The planner's units at `microbatches` microbatches of the profiled batch.
-    fn costs(&self, microbatches: usize) -> Vec<LayerCost> {
+    /// The planner's units at `microbatches` microbatches of the profiled batch (PipeDream's
+    /// graphs know no compression).
+    fn costs(&self, microbatches: usize, compress_activations: bool) -> Vec<LayerCost> {
         match self {
-            Source::Runtime(profile) => layer_costs(profile, microbatches),
+            Source::Runtime(profile) => layer_costs(profile, microbatches, compress_activations),
             Source::PipeDream { chain, .. } => {
                 let m = microbatches.max(1) as f64;
                 chain
@@ -273,8 +290,32 @@ pub fn read_profile(path: &std::path::Path) -> Result<Profile, PartitionError> {
 /// Reads the profile and solves.
 pub fn solve(options: &PartitionOptions) -> Result<(Source, Plan, Prediction), PartitionError> {
     let source = Source::read(&options.profile)?;
+    if options.request.compress_activations {
+        compressible(&source).map_err(|reason| PartitionError::Profile {
+            path: options.profile.clone(),
+            reason,
+        })?;
+    }
     let (plan, prediction) = solve_source(&source, &options.request)?;
     Ok((source, plan, prediction))
+}
+
+/// Whether `source` says what its activations weigh compressed; profiles taken before it was
+/// recorded, and PipeDream's graphs, do not.
+pub fn compressible(source: &Source) -> Result<(), String> {
+    let recorded = match source {
+        Source::Runtime(profile) => profile
+            .modules
+            .iter()
+            .all(|m| m.compressed_activation_bytes.is_some()),
+        Source::PipeDream { .. } => false,
+    };
+    match recorded {
+        true => Ok(()),
+        false => Err("it does not record what activations weigh compressed, which \
+                      --compress-activations plans for; profile with this version's `runtime profile`"
+            .into()),
+    }
 }
 
 /// Solves PipeDream's partitioning of `profile` for `request`.
@@ -292,8 +333,12 @@ fn solve_source(
     let network = Network {
         levels: request.levels.clone(),
     };
-    let model = CostModel::new(&source.costs(request.microbatches), network, request.memory_bytes)
-        .with_schedule(request.planner_schedule());
+    let model = CostModel::new(
+        &source.costs(request.microbatches, request.compress_activations),
+        network,
+        request.memory_bytes,
+    )
+    .with_schedule(request.planner_schedule());
     let plan = plan(&model, request.workers, request.straight)?;
     let predicted = |plan: &Plan| -> Vec<PredictedStage> {
         plan.stages
@@ -325,6 +370,7 @@ fn solve_source(
         data_parallel_time_s: plan.data_parallel_time,
         speedup_over_data_parallel: plan.speedup(),
         stages: predicted(&plan),
+        compress_activations: request.compress_activations,
         alternatives: runner_ups
             .iter()
             .map(|p| Alternative {
@@ -352,9 +398,13 @@ pub fn render_source(source: &Source, plan: &Plan, prediction: &Prediction) -> S
         ),
         Source::PipeDream { .. } => ("segments", "PipeDream's profiled batch".to_string()),
     };
+    let compressed = match prediction.compress_activations {
+        true => ", activations sent in fp16",
+        false => "",
+    };
     let _ = writeln!(
         out,
-        "{} at {} microbatches of {batch} on {} workers:",
+        "{} at {} microbatches of {batch} on {} workers{compressed}:",
         source.model(),
         prediction.microbatches,
         prediction.workers

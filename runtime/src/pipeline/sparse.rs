@@ -117,11 +117,12 @@ fn coo_size(shape: &[i64], sparse_dims: i64, k: i64, elt: i64) -> i64 {
     k * (sparse_dims * 8 + row * elt)
 }
 
-/// Bytes a sparse COO tensor weighs on the wire: its header and its entries.
-pub fn coo_wire_bytes(t: &Tensor) -> u64 {
+/// Bytes a sparse COO tensor weighs on the wire with its values in `values`: its header and its
+/// entries.
+pub fn coo_wire_bytes(t: &Tensor, values: Kind) -> u64 {
     let sparse_dims = t.sparse_dim();
     let k = t.internal_nnz();
-    (HEADER_LEN * 8 + coo_size(&t.size(), sparse_dims, k, t.kind().elt_size_in_bytes() as i64)) as u64
+    (HEADER_LEN * 8 + coo_size(&t.size(), sparse_dims, k, values.elt_size_in_bytes() as i64)) as u64
 }
 
 /// Bit weights 1, 2, 4, ..., 128 of a packed byte.
