@@ -168,6 +168,41 @@ fn the_real_runtime_trains_as_a_process() {
     h.assert_no_processes();
 }
 
+/// fp16 runs whose gradient scaler skipped steps say so: the summary counts each skipped
+/// iteration once (both replicas skip it), and `driver results` shows it beside the throughput,
+/// which alone would not tell that the run trained on none of its steps.
+#[test]
+fn skipped_fp16_steps_are_recorded_and_shown_in_the_results() {
+    let runtime = runtime();
+    let h = Harness::new("proc-fp16-skips");
+    // A first loss scale no float16 gradient survives: every step of the three is skipped.
+    let config = h.config(
+        "backend: process\nmachines: [localhost, localhost]\nmodule: mlp\nbatch_size: 16\n\
+         iterations: 3\nthreads: 1\nprecision: fp16\nfp16_init_scale: 1.0e30\n",
+    );
+    let run = h.run(&config, &["--runtime", runtime.to_str().unwrap()]);
+    assert_eq!(run.code(), 0, "{}", run.stderr());
+    let (_, summary) = h.summary();
+    assert_eq!(summary["skipped_steps"], 3, "{summary}");
+    let shown = h.driver(
+        &[
+            std::ffi::OsStr::new("results"),
+            std::ffi::OsStr::new("--format"),
+            std::ffi::OsStr::new("json"),
+            h.records().as_os_str(),
+        ],
+        Duration::from_secs(60),
+    );
+    assert_eq!(shown.code(), 0, "{}", shown.stderr());
+    let rows: serde_json::Value = serde_json::from_str(&shown.stdout()).unwrap();
+    assert_eq!(rows[0]["skipped_steps"], 3, "{rows}");
+    assert_eq!(
+        rows[0]["note"], "fp16 skipped 3 of 3 steps (inf/nan gradients)",
+        "{rows}"
+    );
+    h.assert_no_processes();
+}
+
 #[test]
 fn a_missing_program_fails_preflight() {
     let h = Harness::new("proc-missing");

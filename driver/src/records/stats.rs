@@ -49,6 +49,9 @@ pub struct Stats {
     /// rank reports the whole minibatch's rate (docs/metrics.md), so the job's rate is the mean.
     per_iteration: BTreeMap<u64, (f64, usize)>,
     sums: BTreeMap<usize, Sums>,
+    /// With fp16 (iterations that say whether their step was skipped): the skipped ones. Every
+    /// rank skips the same steps, so an iteration counts once however many ranks report it.
+    skipped: Option<std::collections::BTreeSet<u64>>,
 }
 
 impl Stats {
@@ -65,6 +68,12 @@ impl Stats {
                 sums.compute += it.compute_s;
                 sums.comm += it.comm_wait_s;
                 sums.idle += it.idle_s;
+                if let Some(skipped) = it.step_skipped {
+                    let set = self.skipped.get_or_insert_default();
+                    if skipped {
+                        set.insert(it.iteration);
+                    }
+                }
                 if self.is_last_stage(it.stage) {
                     let entry = self.per_iteration.entry(it.iteration).or_insert((0.0, 0));
                     entry.0 += it.samples_per_sec;
@@ -129,6 +138,11 @@ impl Stats {
             samples_per_sec_std: var.sqrt(),
             iterations_measured: measured.len(),
         })
+    }
+
+    /// Steps the fp16 gradient scaler skipped; `None` when no rank computes in fp16.
+    pub fn skipped_steps(&self) -> Option<u64> {
+        self.skipped.as_ref().map(|s| s.len() as u64)
     }
 
     /// Compute, communication and idle shares per stage.
@@ -233,6 +247,26 @@ mod tests {
         assert_eq!(traced.iterations_done(), 3);
         assert_eq!(traced.throughput(), plain.throughput());
         assert_eq!(traced.stage_shares(), plain.stage_shares());
+    }
+
+    /// fp16's skipped steps are counted once per iteration, however many ranks say so; runs in
+    /// other arithmetics (no `step_skipped`) have no count at all, not a zero.
+    #[test]
+    fn skipped_steps_are_iterations_any_rank_skipped() {
+        let mut plain = Stats::default();
+        plain.record(&it(0, 0, 0, 5.0));
+        assert_eq!(plain.skipped_steps(), None);
+        let mut s = Stats::default();
+        for (iteration, skipped) in [(0, true), (1, false), (2, true), (3, false)] {
+            for rank in 0..2 {
+                let Metrics::Iteration(mut event) = it(iteration, rank, rank, 5.0) else {
+                    unreachable!()
+                };
+                event.step_skipped = Some(skipped);
+                s.record(&Metrics::Iteration(event));
+            }
+        }
+        assert_eq!(s.skipped_steps(), Some(2));
     }
 
     #[test]

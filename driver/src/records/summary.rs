@@ -106,6 +106,10 @@ pub struct Summary {
     pub iterations_done: u64,
     /// Job samples/s, mean and spread, once an iteration completed.
     pub throughput: Option<Throughput>,
+    /// With fp16: the iterations whose step the gradient scaler skipped (inf/nan gradients);
+    /// absent in other arithmetics.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub skipped_steps: Option<u64>,
     /// Where each stage's time went.
     pub stages: Vec<StageShares>,
     /// How each rank ended.

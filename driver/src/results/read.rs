@@ -8,7 +8,7 @@ use super::ResultsError;
 use crate::events::{Status, StopCause};
 use crate::records::index::{self, Index, PointEntry, PointStatus, INDEX_FILE};
 use crate::records::stats::{StageShares, Throughput};
-use crate::records::summary::read_summary;
+use crate::records::summary::{read_summary, Summary};
 use crate::records::{read_resolved, ResolvedRank};
 
 /// Where a row's run stands.
@@ -85,6 +85,8 @@ pub struct Row {
     pub idle_share: Option<f64>,
     /// Mean communication share over the stages.
     pub comm_share: Option<f64>,
+    /// With fp16: steps the gradient scaler skipped.
+    pub skipped_steps: Option<u64>,
     /// Where the run stands.
     pub status: RowStatus,
     /// Why it failed, or why it could not be read.
@@ -149,6 +151,7 @@ impl Row {
             speedup: None,
             idle_share: None,
             comm_share: None,
+            skipped_steps: None,
             status,
             note,
             experiment: BTreeMap::new(),
@@ -273,8 +276,9 @@ pub fn record(dir: &Path) -> Row {
         speedup: None,
         idle_share: mean(|s| s.idle_share),
         comm_share: mean(|s| s.comm_share),
+        skipped_steps: summary.skipped_steps,
         status,
-        note: summary.failure.as_ref().map(|f| cause_text(&f.cause)),
+        note: note(&summary),
         experiment,
     }
 }
@@ -286,6 +290,22 @@ fn layout(ranks: &[ResolvedRank]) -> (usize, Vec<usize>) {
         *per_stage.entry(r.stage.unwrap_or(0)).or_default() += 1;
     }
     (per_stage.len(), per_stage.into_values().collect())
+}
+
+/// Why the run failed, and how many of its steps fp16's gradient scaler skipped (a run whose
+/// steps were mostly skipped trained little, however fast it went).
+fn note(summary: &Summary) -> Option<String> {
+    let skipped = summary.skipped_steps.filter(|&n| n > 0).map(|n| {
+        format!(
+            "fp16 skipped {n} of {} steps (inf/nan gradients)",
+            summary.iterations_done
+        )
+    });
+    let failure = summary.failure.as_ref().map(|f| cause_text(&f.cause));
+    match (failure, skipped) {
+        (Some(failure), Some(skipped)) => Some(format!("{failure}; {skipped}")),
+        (failure, skipped) => failure.or(skipped),
+    }
 }
 
 fn cause_text(cause: &StopCause) -> String {

@@ -53,6 +53,7 @@ impl RecordReporter {
             world_size: plan.world_size(),
             iterations_done: 0,
             throughput: None,
+            skipped_steps: None,
             stages: Vec::new(),
             ranks: plan
                 .ranks
@@ -126,6 +127,7 @@ impl RecordReporter {
         self.summary.duration_s = now.duration_since(self.record.started).as_secs_f64();
         self.summary.iterations_done = self.stats.iterations_done();
         self.summary.throughput = self.stats.throughput();
+        self.summary.skipped_steps = self.stats.skipped_steps();
         self.summary.stages = self.stats.stage_shares();
         self.last_write = Instant::now();
         files::write_json(&self.record.dir.join("summary.json"), &self.summary)
