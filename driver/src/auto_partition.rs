@@ -291,8 +291,12 @@ impl Watch for Profiling {
         }
     }
 
-    fn failed(&self, _rank: usize, host: String, exit_code: Option<i64>) -> StopCause {
-        StopCause::ProfileFailed { host, exit_code }
+    fn failed(&self, _rank: usize, host: String, exit_code: Option<i64>, out_of_memory: bool) -> StopCause {
+        StopCause::ProfileFailed {
+            host,
+            exit_code,
+            out_of_memory,
+        }
     }
 }
 

@@ -82,18 +82,39 @@ pub enum StopCause {
         rank: usize,
         host: String,
         exit_code: Option<i64>,
+        /// The engine says the kernel killed it for memory ([`Event::RankExited`]).
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        out_of_memory: bool,
     },
     /// A host's engine or connection stopped answering.
     HostLost { host: String, reason: String },
     /// SIGINT (Ctrl-C) or SIGTERM.
     Interrupted,
     /// Profiling the model for `config_file: auto` failed on this host.
-    ProfileFailed { host: String, exit_code: Option<i64> },
+    ProfileFailed {
+        host: String,
+        exit_code: Option<i64>,
+        /// The engine says the kernel killed it for memory.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        out_of_memory: bool,
+    },
     /// No stage config could be planned for `config_file: auto`.
     PlanFailed { reason: String },
     /// Slurm ended the job, or it did not start in time: `reason` says which (`did not start:
     /// ...`, `reached its time limit ...`).
     SlurmJob { job_id: Option<u64>, reason: String },
+}
+
+/// What a failure adds when the engine says the kernel killed the rank for memory (empty
+/// otherwise), after its exit code.
+pub fn memory_note(out_of_memory: bool) -> &'static str {
+    match out_of_memory {
+        true => {
+            ": the kernel killed it for lack of memory (the engine reports it OOM-killed); give \
+                 it more memory, or hold less (smaller batch_size, more stages)"
+        }
+        false => "",
+    }
 }
 
 /// How a stop cause names the Slurm job: by id once Slurm gave one.
@@ -192,7 +213,13 @@ pub enum Event {
         event: Box<stagehand_contract::Event>,
     },
     /// A rank was seen to end; `exit_code` is `None` when it was killed without one.
-    RankExited { rank: usize, exit_code: Option<i64> },
+    /// `out_of_memory`: its engine says the kernel killed a process of its container for lack of
+    /// memory (Docker's `OOMKilled`; false where nothing says so: processes, Slurm).
+    RankExited {
+        rank: usize,
+        exit_code: Option<i64>,
+        out_of_memory: bool,
+    },
     /// A rank's container was removed before it was seen to exit (by the driver while stopping).
     RankRemoved { rank: usize },
     /// A rank's host stopped answering before the rank was seen to exit: it may still run.

@@ -159,6 +159,60 @@ fn a_killed_container_fails_the_run_and_everything_is_removed() {
     assert_eq!(summary["status"], "failed");
     assert_eq!(summary["failure"]["cause"]["rank"], 1);
     assert_eq!(summary["failure"]["cause"]["exit_code"], 137);
+    // Killed, but not for memory: nothing claims it was.
+    assert!(
+        summary["failure"]["cause"].get("out_of_memory").is_none(),
+        "{summary}"
+    );
+    h.assert_no_containers();
+}
+
+/// A rank the kernel kills for lack of memory is reported as such, not as a bare exit code 137:
+/// the engine says so (Docker's OOMKilled). The rank here waits until the test has capped its
+/// container's memory (`docker update`, as a host short of memory would leave it), then holds
+/// more than the cap.
+#[test]
+fn a_rank_killed_for_lack_of_memory_is_reported_as_such() {
+    base_image();
+    let h = Harness::new("dk-oom");
+    let script = "limit() { cat /sys/fs/cgroup/memory.max /sys/fs/cgroup/memory/memory.limit_in_bytes 2>/dev/null | head -n 1; }\n\
+                  n=0\n\
+                  while [ \"$(limit)\" = max ] || [ \"$(limit)\" -gt 100000000 ]; do\n\
+                  n=$((n + 1)); [ \"$n\" -gt 600 ] && exit 3; sleep 0.1\n\
+                  done\n\
+                  held=$(head -c 400000000 /dev/zero | tr '\\0' x)\n\
+                  echo \"held ${#held} bytes\"\n";
+    let config = h.config(&format!(
+        "machines: [localhost]\ncontainer: {{build: '{}'}}\ncommand: [sh, -c, {}]\n",
+        local_context().display(),
+        serde_json::to_string(script).unwrap()
+    ));
+    let child = h.spawn(&config, &[]);
+    let rank = h.wait_for_running(1, Duration::from_secs(60)).remove(0);
+    let capped_at = Instant::now();
+    docker(&["update", "--memory", "32m", "--memory-swap", "32m", &rank]);
+    let (dir, summary) = h.expect_stop(child, capped_at, Duration::from_secs(60), 1);
+    let cause = &summary["failure"]["cause"];
+    assert_eq!(
+        (cause["rank"].as_u64(), cause["exit_code"].as_i64()),
+        (Some(0), Some(137)),
+        "{summary}"
+    );
+    assert_eq!(cause["out_of_memory"], true, "{summary}");
+    let shown = h.driver(
+        &[
+            "results".as_ref(),
+            "--format".as_ref(),
+            "json".as_ref(),
+            dir.as_os_str(),
+        ],
+        Duration::from_secs(60),
+    );
+    assert!(
+        shown.stdout().contains("the kernel killed it for lack of memory"),
+        "{}",
+        shown.stdout()
+    );
     h.assert_no_containers();
 }
 

@@ -177,7 +177,14 @@ impl DockerLauncher {
                 host: host.name.clone(),
                 handle,
             });
-            tokio::spawn(follow_exec(host.clone(), exec.id, output, rank, tx.clone()));
+            tokio::spawn(follow_exec(
+                host.clone(),
+                container.clone(),
+                exec.id,
+                output,
+                rank,
+                tx.clone(),
+            ));
         }
         Ok(())
     }
@@ -427,14 +434,10 @@ async fn follow_container(host: Host, id: String, rank: usize, tx: UnboundedSend
     let lost = forward(logs, rank, &tx).await;
     let mut wait = host.docker.wait_container(&id, None::<WaitContainerOptions>);
     let event = match wait.next().await {
-        Some(Ok(r)) => Event::RankExited {
-            rank,
-            exit_code: Some(r.status_code),
-        },
-        Some(Err(DockerError::DockerContainerWaitError { code, .. })) => Event::RankExited {
-            rank,
-            exit_code: Some(code),
-        },
+        Some(Ok(r)) => container_exited(&host, &id, rank, r.status_code).await,
+        Some(Err(DockerError::DockerContainerWaitError { code, .. })) => {
+            container_exited(&host, &id, rank, code).await
+        }
         // Removed (by the driver while stopping) before its exit was seen.
         Some(Err(DockerError::DockerResponseServerError { status_code: 404, .. })) => {
             Event::RankRemoved { rank }
@@ -461,9 +464,32 @@ fn lost_rank(host: &Host, rank: usize, reason: String, tx: &UnboundedSender<Even
     }
 }
 
+/// A rank's container exited with `code`; a failure says whether it ran out of memory.
+async fn container_exited(host: &Host, id: &str, rank: usize, code: i64) -> Event {
+    Event::RankExited {
+        rank,
+        exit_code: Some(code),
+        out_of_memory: code != 0 && out_of_memory(host, id).await,
+    }
+}
+
+/// Whether the engine says the kernel killed a process of container `id` for lack of memory
+/// (its limit's or the host's): Docker's `OOMKilled`, which stays set until the container
+/// restarts. `false` when the engine cannot say.
+async fn out_of_memory(host: &Host, id: &str) -> bool {
+    let inspected = host
+        .docker
+        .inspect_container(id, None::<bollard::query_parameters::InspectContainerOptions>);
+    match tokio::time::timeout(Duration::from_secs(10), inspected).await {
+        Ok(Ok(container)) => container.state.and_then(|s| s.oom_killed).unwrap_or(false),
+        _ => false,
+    }
+}
+
 /// Streams an exec's output into events, then reports its exit code.
 async fn follow_exec(
     host: Host,
+    container: String,
     exec: String,
     output: impl FutStream<Item = Result<LogOutput, DockerError>> + Unpin,
     rank: usize,
@@ -474,14 +500,17 @@ async fn follow_exec(
     let mut event = Event::RankExited {
         rank,
         exit_code: None,
+        out_of_memory: false,
     };
     for _ in 0..20 {
         match host.docker.inspect_exec(&exec).await {
             Ok(i) if i.running == Some(true) => tokio::time::sleep(Duration::from_millis(50)).await,
             Ok(i) => {
+                let failed = i.exit_code.is_some_and(|c| c != 0);
                 event = Event::RankExited {
                     rank,
                     exit_code: i.exit_code,
+                    out_of_memory: failed && out_of_memory(&host, &container).await,
                 };
                 break;
             }

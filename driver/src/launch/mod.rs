@@ -245,12 +245,13 @@ pub trait Watch {
     fn show(&mut self, event: Event) -> Option<Event>;
 
     /// Why the run stops when `rank` on `host` exits with `exit_code` (not 0), or is removed
-    /// (`None`).
-    fn failed(&self, rank: usize, host: String, exit_code: Option<i64>) -> StopCause {
+    /// (`None`); `out_of_memory` when its engine says it was killed for memory.
+    fn failed(&self, rank: usize, host: String, exit_code: Option<i64>, out_of_memory: bool) -> StopCause {
         StopCause::RankFailed {
             rank,
             host,
             exit_code,
+            out_of_memory,
         }
     }
 }
@@ -351,14 +352,19 @@ async fn supervise(
             _ = until_deadline => break,
         };
         let stop = match &event {
-            Event::RankExited { rank, exit_code } => {
+            Event::RankExited {
+                rank,
+                exit_code,
+                out_of_memory,
+            } => {
                 ended += 1;
-                (*exit_code != Some(0)).then(|| watch.failed(*rank, host_of(&started_on, *rank), *exit_code))
+                (*exit_code != Some(0))
+                    .then(|| watch.failed(*rank, host_of(&started_on, *rank), *exit_code, *out_of_memory))
             }
             // Removed by the driver while stopping, or by someone else: then the rank failed.
             Event::RankRemoved { rank } => {
                 ended += 1;
-                Some(watch.failed(*rank, host_of(&started_on, *rank), None))
+                Some(watch.failed(*rank, host_of(&started_on, *rank), None, false))
             }
             Event::RankStarted { rank, host, .. } => {
                 started_on.insert(*rank, host.clone());

@@ -76,7 +76,11 @@ impl ProcessLauncher {
                     Ok(status) => exit_code(status),
                     Err(_) => None,
                 };
-                let _ = tx.send(Event::RankExited { rank: r, exit_code });
+                let _ = tx.send(Event::RankExited {
+                    rank: r,
+                    exit_code,
+                    out_of_memory: false,
+                });
             });
         }
         Ok(launcher)

@@ -348,6 +348,7 @@ fn report_ends(
             Event::RankExited {
                 rank,
                 exit_code: ok.then_some(0),
+                out_of_memory: false,
             }
         } else {
             Event::RankRemoved { rank }
@@ -423,7 +424,11 @@ fn stderr_events(s: &mut JobState, line: String) -> Vec<Event> {
             for rank in tasks {
                 if !s.ranks_ended.contains(&rank) {
                     s.ranks_ended.push(rank);
-                    events.push(Event::RankExited { rank, exit_code });
+                    events.push(Event::RankExited {
+                        rank,
+                        exit_code,
+                        out_of_memory: false,
+                    });
                 }
             }
             events.push(Event::Slurm(SlurmEvent::Line {
@@ -722,7 +727,8 @@ mod tests {
             rx.try_recv().unwrap(),
             Event::RankExited {
                 rank: 0,
-                exit_code: Some(0)
+                exit_code: Some(0),
+                ..
             }
         ));
         assert!(rx.try_recv().is_err());

@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use indicatif::ProgressBar;
 
 use super::Reporter;
-use crate::events::{slurm_job, Event, SlurmEvent, StopCause, Stream, LEASE_EXPIRED_EXIT_CODE};
+use crate::events::{memory_note, slurm_job, Event, SlurmEvent, StopCause, Stream, LEASE_EXPIRED_EXIT_CODE};
 use crate::options::Verbosity;
 use crate::records::RecordError;
 
@@ -130,7 +130,11 @@ impl TerminalReporter {
                     ),
                 ))
             }
-            Event::RankExited { rank, exit_code } => {
+            Event::RankExited {
+                rank,
+                exit_code,
+                out_of_memory,
+            } => {
                 let failed = *exit_code != Some(0);
                 let code = match exit_code {
                     None => "none (killed)".to_string(),
@@ -142,7 +146,11 @@ impl TerminalReporter {
                 (failed || verbose).then(|| {
                     (
                         Stream::Stderr,
-                        format!("{} exited with code {code}", self.prefix(*rank)),
+                        format!(
+                            "{} exited with code {code}{}",
+                            self.prefix(*rank),
+                            memory_note(*out_of_memory)
+                        ),
                     )
                 })
             }
@@ -169,16 +177,26 @@ impl TerminalReporter {
                         rank,
                         host,
                         exit_code,
+                        out_of_memory,
                     } => {
                         let code = exit_code.map_or("no exit code".to_string(), |c| format!("exit code {c}"));
-                        format!("rank {rank} on {host} failed with {code}")
+                        let oom = match out_of_memory {
+                            true => " (killed for lack of memory)",
+                            false => "",
+                        };
+                        format!("rank {rank} on {host} failed with {code}{oom}")
                     }
                     StopCause::HostLost { host, .. } => format!("host {host} was lost"),
                     StopCause::Interrupted => "interrupted".to_string(),
-                    StopCause::ProfileFailed { host, exit_code } => {
+                    StopCause::ProfileFailed {
+                        host,
+                        exit_code,
+                        out_of_memory,
+                    } => {
                         let code = exit_code.map_or("no exit code".to_string(), |c| format!("exit code {c}"));
                         return err(format!(
-                            "driver: profiling the model on {host} failed with {code}; no rank was started"
+                            "driver: profiling the model on {host} failed with {code}{}; no rank was started",
+                            memory_note(*out_of_memory)
                         ));
                     }
                     StopCause::PlanFailed { reason } => {
@@ -309,6 +327,7 @@ mod tests {
             Event::RankExited {
                 rank: 0,
                 exit_code: Some(0),
+                out_of_memory: false,
             },
             Event::HostLost {
                 host: "node1".into(),
@@ -325,16 +344,24 @@ mod tests {
             Event::RankExited {
                 rank: 1,
                 exit_code: None,
+                out_of_memory: false,
+            },
+            Event::RankExited {
+                rank: 1,
+                exit_code: Some(137),
+                out_of_memory: true,
             },
             Event::Stopping(StopCause::RankFailed {
                 rank: 1,
                 host: "node1".into(),
                 exit_code: Some(137),
+                out_of_memory: true,
             }),
             Event::Stopping(StopCause::Interrupted),
             Event::Stopping(StopCause::ProfileFailed {
                 host: "node1".into(),
                 exit_code: Some(2),
+                out_of_memory: false,
             }),
             Event::Stopping(StopCause::PlanFailed {
                 reason: "does not fit in memory".into(),

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use super::ResultsError;
-use crate::events::{Status, StopCause};
+use crate::events::{memory_note, Status, StopCause};
 use crate::records::index::{self, Index, PointEntry, PointStatus, INDEX_FILE};
 use crate::records::stats::{StageShares, Throughput};
 use crate::records::summary::{read_summary, Summary};
@@ -314,14 +314,25 @@ fn cause_text(cause: &StopCause) -> String {
             rank,
             host,
             exit_code,
+            out_of_memory,
         } => match exit_code {
-            Some(code) => format!("rank {rank} on {host} exited with code {code}"),
+            Some(code) => format!(
+                "rank {rank} on {host} exited with code {code}{}",
+                memory_note(*out_of_memory)
+            ),
             None => format!("rank {rank} on {host} was killed"),
         },
         StopCause::HostLost { host, reason } => format!("host {host} was lost: {reason}"),
         StopCause::Interrupted => "interrupted".into(),
-        StopCause::ProfileFailed { host, exit_code } => match exit_code {
-            Some(code) => format!("profiling on {host} failed with exit code {code}"),
+        StopCause::ProfileFailed {
+            host,
+            exit_code,
+            out_of_memory,
+        } => match exit_code {
+            Some(code) => format!(
+                "profiling on {host} failed with exit code {code}{}",
+                memory_note(*out_of_memory)
+            ),
             None => format!("profiling on {host} was killed"),
         },
         StopCause::PlanFailed { reason } => format!("planning failed: {reason}"),

@@ -165,7 +165,7 @@ impl Reporter for RecordReporter {
                     self.write_summary()?;
                 }
             }
-            Event::RankExited { rank, exit_code } => {
+            Event::RankExited { rank, exit_code, .. } => {
                 if let Some(r) = self.summary.ranks.get_mut(*rank) {
                     r.saw(RankState::Exited, *exit_code);
                 }

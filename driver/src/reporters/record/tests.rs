@@ -110,6 +110,7 @@ fn a_failed_run_is_recorded_as_it_goes() {
     r.report(&Event::RankExited {
         rank: 1,
         exit_code: Some(9),
+        out_of_memory: true,
     })
     .unwrap();
     assert_eq!(
@@ -121,11 +122,13 @@ fn a_failed_run_is_recorded_as_it_goes() {
         rank: 1,
         host: "localhost".into(),
         exit_code: Some(9),
+        out_of_memory: true,
     };
     r.report(&Event::Stopping(cause)).unwrap();
     r.report(&Event::RankExited {
         rank: 0,
         exit_code: Some(143),
+        out_of_memory: false,
     })
     .unwrap();
     r.report(&Event::Finished {
@@ -144,6 +147,7 @@ fn a_failed_run_is_recorded_as_it_goes() {
     assert_eq!(s["throughput"]["iterations_measured"], 2);
     assert!((s["stages"][0]["compute_share"].as_f64().unwrap() - 0.8).abs() < 1e-9);
     assert_eq!(s["failure"]["cause"]["rank"], 1);
+    assert_eq!(s["failure"]["cause"]["out_of_memory"], true);
     assert_eq!(s["failure"]["last_lines"], serde_json::json!(["out of memory"]));
     assert_eq!(
         std::fs::read_to_string(dir.join("metrics.jsonl"))
@@ -221,6 +225,7 @@ fn a_rank_on_a_lost_host_is_never_recorded_as_exited_and_its_container_is_named(
     r.report(&Event::RankExited {
         rank: 0,
         exit_code: Some(143),
+        out_of_memory: false,
     })
     .unwrap();
     r.report(&Event::RankRemoved { rank: 0 }).unwrap();
