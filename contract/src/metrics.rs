@@ -281,6 +281,22 @@ pub struct ReduceMetrics {
     pub sent_bytes: u64,
 }
 
+/// The mean and the sample standard deviation (n - 1; 0 for fewer than two values) of
+/// per-iteration throughputs: what a rank's `summary` reports and the driver's record of the job,
+/// so the two agree. `(0, 0)` for none.
+pub fn mean_and_std(values: &[f64]) -> (f64, f64) {
+    let n = values.len();
+    if n == 0 {
+        return (0.0, 0.0);
+    }
+    let mean = values.iter().sum::<f64>() / n as f64;
+    if n < 2 {
+        return (mean, 0.0);
+    }
+    let squares: f64 = values.iter().map(|v| (v - mean).powi(2)).sum();
+    (mean, (squares / (n - 1) as f64).sqrt())
+}
+
 /// The `summary` event.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Summary {
@@ -294,7 +310,8 @@ pub struct Summary {
     pub warmup_iterations: u64,
     /// Mean of the per-iteration samples/s after warm-up.
     pub samples_per_sec_mean: f64,
-    /// Standard deviation of the per-iteration samples/s after warm-up.
+    /// Sample standard deviation of the per-iteration samples/s after warm-up
+    /// ([`mean_and_std`]).
     pub samples_per_sec_std: f64,
     /// Wall-clock seconds of all iterations.
     pub time_s: f64,

@@ -165,6 +165,19 @@ fn the_real_runtime_trains_as_a_process() {
     let metrics = lines(&dir.join("metrics.jsonl"));
     assert!(metrics[0].contains(r#""model":"mlp""#), "{metrics:?}");
     assert!(metrics.last().unwrap().contains(r#""event":"summary""#));
+    // The record's throughput is the rank's own figures: the same iterations, the same spread.
+    let rank: serde_json::Value = serde_json::from_str(metrics.last().unwrap()).unwrap();
+    let job = &summary["throughput"];
+    for (record, runtime) in [
+        ("samples_per_sec_mean", "samples_per_sec_mean"),
+        ("samples_per_sec_std", "samples_per_sec_std"),
+    ] {
+        let (a, b) = (job[record].as_f64().unwrap(), rank[runtime].as_f64().unwrap());
+        assert!(
+            (a - b).abs() <= 1e-9 * b.abs().max(1.0),
+            "{record}: {a} against the rank's {b}"
+        );
+    }
     h.assert_no_processes();
 }
 

@@ -34,20 +34,12 @@ impl Throughput {
     }
 
     pub fn mean(&self) -> f64 {
-        if self.values.is_empty() {
-            return 0.0;
-        }
-        self.values.iter().sum::<f64>() / self.values.len() as f64
+        stagehand_contract::metrics::mean_and_std(&self.values).0
     }
 
     /// Sample standard deviation (0 with fewer than two values).
     pub fn std(&self) -> f64 {
-        let n = self.values.len();
-        if n < 2 {
-            return 0.0;
-        }
-        let mean = self.mean();
-        (self.values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / (n - 1) as f64).sqrt()
+        stagehand_contract::metrics::mean_and_std(&self.values).1
     }
 }
 

@@ -26,7 +26,8 @@ pub struct StageShares {
 pub struct Throughput {
     /// Mean samples/s over the measured iterations.
     pub samples_per_sec_mean: f64,
-    /// Standard deviation of samples/s over the measured iterations.
+    /// Sample standard deviation (n - 1) of samples/s over the measured iterations, as the
+    /// runtime's summary reports it.
     pub samples_per_sec_std: f64,
     /// Iterations measured (the first is left out as warm-up when there are several).
     pub iterations_measured: usize,
@@ -130,12 +131,11 @@ impl Stats {
         if measured.is_empty() {
             return None;
         }
-        let n = measured.len() as f64;
-        let mean = measured.iter().sum::<f64>() / n;
-        let var = measured.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / n;
+        // As each rank's summary computes it, so the job's spread reads as the ranks' do.
+        let (mean, std) = stagehand_contract::metrics::mean_and_std(measured);
         Some(Throughput {
             samples_per_sec_mean: mean,
-            samples_per_sec_std: var.sqrt(),
+            samples_per_sec_std: std,
             iterations_measured: measured.len(),
         })
     }
@@ -211,7 +211,8 @@ mod tests {
         let t = s.throughput().unwrap();
         assert_eq!(t.iterations_measured, 2);
         assert!((t.samples_per_sec_mean - 13.0).abs() < 1e-9, "{t:?}");
-        assert!((t.samples_per_sec_std - 2.0).abs() < 1e-9, "{t:?}");
+        // Sample standard deviation of 11 and 15 (n - 1), as the ranks' summaries compute it.
+        assert!((t.samples_per_sec_std - 8f64.sqrt()).abs() < 1e-9, "{t:?}");
         assert_eq!(s.iterations_done(), 3);
         assert_eq!(s.latest_samples_per_sec(), Some(15.0));
     }
