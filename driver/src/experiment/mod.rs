@@ -613,8 +613,6 @@ pub fn slurm_task_env(plan: &Experiment, rank: &RankSpec) -> Vec<(String, String
     .collect()
 }
 
-/// Placeholder machines for a Slurm job's nodes (Slurm names them once the job starts), each
-/// with its ranks: srun's default block distribution puts ranks `i*T .. (i+1)*T` on node `i`.
 /// The driver shows each rank its GPUs (a container's, the process backend's
 /// `CUDA_VISIBLE_DEVICES`, or Slurm's): an `env:` entry naming others would renumber them under the
 /// rank's `--device`, so it is refused where the driver assigns GPUs.
@@ -640,6 +638,8 @@ fn check_visible_devices(
 /// CUDA's variable for the GPUs a process sees, numbered from 0 in the order it lists.
 pub(crate) const VISIBLE_DEVICES: &str = "CUDA_VISIBLE_DEVICES";
 
+/// Placeholder machines for a Slurm job's nodes (Slurm names them once the job starts), each
+/// with its ranks: srun's default block distribution puts ranks `i*T .. (i+1)*T` on node `i`.
 fn slurm_nodes(settings: &SlurmSettings) -> Vec<Machine> {
     let mut machines = Vec::new();
     for node in 0..settings.nodes {
