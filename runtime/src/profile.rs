@@ -24,9 +24,18 @@ fn sync(device: Device) {
 /// wants counted (so set-up inside it stays untimed).
 fn median_seconds(repeats: usize, mut f: impl FnMut() -> f64) -> f64 {
     f();
-    let mut times: Vec<f64> = (0..repeats).map(|_| f()).collect();
+    median((0..repeats).map(|_| f()).collect())
+}
+
+/// The median: the middle value, or the mean of the two middle ones (an even count's upper one
+/// alone would keep the slower of two repeats).
+fn median(mut times: Vec<f64>) -> f64 {
     times.sort_by(f64::total_cmp);
-    times[times.len() / 2]
+    let n = times.len();
+    match n % 2 {
+        1 => times[n / 2],
+        _ => (times[n / 2 - 1] + times[n / 2]) / 2.0,
+    }
 }
 
 fn timed(device: Device, f: impl FnOnce()) -> f64 {
@@ -222,4 +231,14 @@ pub fn run(config: &ProfileConfig, out: &mut impl Write) -> anyhow::Result<()> {
         None => writeln!(out, "{text}")?,
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_median_of_an_even_count_is_the_mean_of_the_middle_two() {
+        assert_eq!(super::median(vec![3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(super::median(vec![0.084, 1.007]), (0.084 + 1.007) / 2.0);
+        assert_eq!(super::median(vec![4.0, 1.0, 3.0, 2.0]), 2.5);
+    }
 }
