@@ -148,13 +148,28 @@ fn a_cuda_device_that_is_not_there_is_a_bad_argument() {
         let out = runtime().args(&args).output().unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        let sees = match std::env::var_os("CUDA_VISIBLE_DEVICES") {
+            Some(_) => "this process sees",
+            None => "this machine has",
+        };
         assert!(
-            stderr.contains(&format!(
-                "{device} requested but this machine has {count} CUDA device(s)"
-            )),
+            stderr.contains(&format!("{device} requested but {sees} {count} CUDA device(s)")),
             "{args:?}: {stderr}"
         );
     }
+    // Shown one GPU at most, a process has no cuda:1, and the error says what hid the others.
+    let out = runtime()
+        .args(["--model", "mlp", "--device", "cuda:1"])
+        .env("CUDA_VISIBLE_DEVICES", "0")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("cuda:1 requested but this process sees")
+            && stderr.contains("CUDA_VISIBLE_DEVICES=0 shows it those it lists"),
+        "{stderr}"
+    );
 }
 
 #[test]

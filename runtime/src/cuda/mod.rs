@@ -165,21 +165,36 @@ pub fn require_device(index: usize) -> Result<&'static Cuda, String> {
         format!("cuda:{index} requested but CUDA is unavailable in this runtime: {reason}; use --device cpu")
     })?;
     if index >= cuda.device_count() {
-        let why = cuda
-            .no_devices_reason()
-            .map(|r| format!(" ({r})"))
-            .unwrap_or_default();
-        return Err(format!(
-            "cuda:{index} requested but this machine has {} CUDA device(s){why}; use --device cpu{}",
+        let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
+        return Err(missing_device(
+            index,
             cuda.device_count(),
-            if cuda.device_count() > 0 {
-                format!(" or cuda:0..cuda:{}", cuda.device_count() - 1)
-            } else {
-                String::new()
-            }
+            cuda.no_devices_reason(),
+            visible.as_deref(),
         ));
     }
     Ok(cuda)
+}
+
+/// What to tell a user who asked for `cuda:index` where the process sees `count` devices. With
+/// `CUDA_VISIBLE_DEVICES` set, the devices are those it lists (from 0 in its order), up to the
+/// first index that does not exist: say so, as a GPU number that seems to be missing is often one
+/// that the variable hides or renumbers.
+fn missing_device(index: usize, count: usize, reason: Option<&str>, visible: Option<&str>) -> String {
+    let why = reason.map(|r| format!(" ({r})")).unwrap_or_default();
+    let sees = match visible {
+        Some(list) => format!(
+            "this process sees {count} CUDA device(s){why}: CUDA_VISIBLE_DEVICES={list} shows it \
+             those it lists, numbered from 0, up to the first that does not exist (`nvidia-smi -L` \
+             lists the machine's)"
+        ),
+        None => format!("this machine has {count} CUDA device(s){why}"),
+    };
+    let instead = match count {
+        0 => String::new(),
+        n => format!(" or cuda:0..cuda:{}", n - 1),
+    };
+    format!("cuda:{index} requested but {sees}; use --device cpu{instead}")
 }
 
 /// Whether NCCL can be used in this process: CUDA loaded and NCCL's library answering.
@@ -234,5 +249,24 @@ impl std::error::Error for DeviceError {}
 impl From<DeviceError> for String {
     fn from(e: DeviceError) -> String {
         e.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::missing_device;
+
+    #[test]
+    fn a_missing_gpu_names_what_cuda_visible_devices_shows() {
+        assert_eq!(
+            missing_device(1, 1, None, Some("1,3")),
+            "cuda:1 requested but this process sees 1 CUDA device(s): CUDA_VISIBLE_DEVICES=1,3 \
+             shows it those it lists, numbered from 0, up to the first that does not exist \
+             (`nvidia-smi -L` lists the machine's); use --device cpu or cuda:0..cuda:0"
+        );
+        assert_eq!(
+            missing_device(0, 0, Some("no driver"), None),
+            "cuda:0 requested but this machine has 0 CUDA device(s) (no driver); use --device cpu"
+        );
     }
 }
