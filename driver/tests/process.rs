@@ -168,14 +168,11 @@ fn the_real_runtime_trains_as_a_process() {
     // The record's throughput is the rank's own figures: the same iterations, the same spread.
     let rank: serde_json::Value = serde_json::from_str(metrics.last().unwrap()).unwrap();
     let job = &summary["throughput"];
-    for (record, runtime) in [
-        ("samples_per_sec_mean", "samples_per_sec_mean"),
-        ("samples_per_sec_std", "samples_per_sec_std"),
-    ] {
-        let (a, b) = (job[record].as_f64().unwrap(), rank[runtime].as_f64().unwrap());
+    for key in ["samples_per_sec_mean", "samples_per_sec_std"] {
+        let (a, b) = (job[key].as_f64().unwrap(), rank[key].as_f64().unwrap());
         assert!(
             (a - b).abs() <= 1e-9 * b.abs().max(1.0),
-            "{record}: {a} against the rank's {b}"
+            "{key}: {a} against the rank's {b}"
         );
     }
     h.assert_no_processes();
@@ -199,9 +196,9 @@ fn skipped_fp16_steps_are_recorded_and_shown_in_the_results() {
     assert_eq!(summary["skipped_steps"], 3, "{summary}");
     let shown = h.driver(
         &[
-            std::ffi::OsStr::new("results"),
-            std::ffi::OsStr::new("--format"),
-            std::ffi::OsStr::new("json"),
+            "results".as_ref(),
+            "--format".as_ref(),
+            "json".as_ref(),
             h.records().as_os_str(),
         ],
         Duration::from_secs(60),
