@@ -141,7 +141,7 @@ pub async fn profile_and_plan(
         ));
     }
     if auto.compress_activations {
-        if let Err(reason) = partition::compressible(&partition::Source::Runtime(profile.clone())) {
+        if let Err(reason) = partition::compressible(&profile) {
             return Err(plan_failed(
                 reporters,
                 format!("the profile {profiled_on}: {reason}"),

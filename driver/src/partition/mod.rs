@@ -291,7 +291,11 @@ pub fn read_profile(path: &std::path::Path) -> Result<Profile, PartitionError> {
 pub fn solve(options: &PartitionOptions) -> Result<(Source, Plan, Prediction), PartitionError> {
     let source = Source::read(&options.profile)?;
     if options.request.compress_activations {
-        compressible(&source).map_err(|reason| PartitionError::Profile {
+        let checked = match &source {
+            Source::Runtime(profile) => compressible(profile),
+            Source::PipeDream { .. } => Err(NOT_COMPRESSIBLE.into()),
+        };
+        checked.map_err(|reason| PartitionError::Profile {
             path: options.profile.clone(),
             reason,
         })?;
@@ -300,23 +304,22 @@ pub fn solve(options: &PartitionOptions) -> Result<(Source, Plan, Prediction), P
     Ok((source, plan, prediction))
 }
 
-/// Whether `source` says what its activations weigh compressed; profiles taken before it was
-/// recorded, and PipeDream's graphs, do not.
-pub fn compressible(source: &Source) -> Result<(), String> {
-    let recorded = match source {
-        Source::Runtime(profile) => profile
-            .modules
-            .iter()
-            .all(|m| m.compressed_activation_bytes.is_some()),
-        Source::PipeDream { .. } => false,
-    };
-    match recorded {
+/// Whether `profile` says what its activations weigh compressed, which profiles taken before it
+/// was recorded do not (nor do PipeDream's graphs, which [`solve`] refuses alike).
+pub fn compressible(profile: &Profile) -> Result<(), String> {
+    match profile
+        .modules
+        .iter()
+        .all(|m| m.compressed_activation_bytes.is_some())
+    {
         true => Ok(()),
-        false => Err("it does not record what activations weigh compressed, which \
-                      --compress-activations plans for; profile with this version's `runtime profile`"
-            .into()),
+        false => Err(NOT_COMPRESSIBLE.into()),
     }
 }
+
+const NOT_COMPRESSIBLE: &str = "it does not record what activations weigh compressed, which \
+                                --compress-activations plans for; profile with this version's \
+                                `runtime profile`";
 
 /// Solves PipeDream's partitioning of `profile` for `request`.
 pub fn solve_profile(
