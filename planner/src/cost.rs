@@ -99,6 +99,20 @@ impl StageParts {
     pub fn total(&self) -> f64 {
         self.compute_s + self.optimizer_s + self.allreduce_s
     }
+
+    /// The stage's time with its compute stretched by `stretch` (a flushing schedule's fill and
+    /// drain) and its update (all-reduce, optimizer step) once.
+    pub fn stretched(&self, stretch: f64) -> f64 {
+        self.compute_s * stretch + self.optimizer_s + self.allreduce_s
+    }
+}
+
+/// How a flushing schedule (GPipe, 1F1B) of `stages` stages stretches a minibatch of
+/// `microbatches`: the pipeline fills and drains every minibatch, so the slowest stage's
+/// `microbatches` slots become `microbatches + stages - 1`.
+pub fn fill_and_drain(microbatches: usize, stages: usize) -> f64 {
+    let m = microbatches.max(1) as f64;
+    (m + stages.max(1) as f64 - 1.0) / m
 }
 
 /// The costs of a split, computed from the modules' measurements.
@@ -124,18 +138,21 @@ pub enum Schedule {
     /// The pipeline's steady state with one update (all-reduce and optimizer step) per minibatch,
     /// fill and drain left out: PipeDream's planner's figure, and the default.
     Steady,
-    /// GPipe or 1F1B at `microbatches`: one update per minibatch, and every minibatch fills and
-    /// drains the pipeline, `stages - 1` microbatch slots.
+    /// GPipe or 1F1B at `microbatches`: every minibatch fills and drains the pipeline, so each
+    /// stage's compute and transfers stretch over `microbatches + stages - 1` microbatch slots
+    /// ([`fill_and_drain`]); then each stage updates once (all-reduce, optimizer step).
     Flushing { microbatches: usize },
     /// PipeDream's asynchronous 1F1B at `microbatches` per minibatch: no flush, and each replica
     /// updates after each of its backwards, `microbatches / replicas` times per minibatch.
     PipeDream { microbatches: usize },
 }
 
+/// Prefix sums of measurements, a negative one (noise around nothing) counted as 0: a stage then
+/// costs and holds no less for every module it adds, which the planner's program relies on.
 fn prefix(values: impl Iterator<Item = f64>) -> Vec<f64> {
     let mut sums = vec![0.0];
     for v in values {
-        sums.push(sums.last().expect("starts with 0") + v);
+        sums.push(sums.last().expect("starts with 0") + v.max(0.0));
     }
     sums
 }
@@ -160,15 +177,12 @@ impl CostModel {
         self
     }
 
-    /// What the planner minimises for a plan of `stages` stages whose slowest stage or boundary
-    /// takes `steady` seconds per minibatch: that, with fill and drain for a flushing schedule.
-    pub fn objective(&self, steady: f64, stages: usize) -> f64 {
+    /// How much a plan of `stages` stages stretches its stages' compute and transfers per
+    /// minibatch: [`fill_and_drain`] under a flushing schedule, 1 otherwise.
+    pub fn stretch(&self, stages: usize) -> f64 {
         match self.schedule {
-            Schedule::Flushing { microbatches } => {
-                let m = microbatches.max(1) as f64;
-                steady * (m + stages as f64 - 1.0) / m
-            }
-            Schedule::Steady | Schedule::PipeDream { .. } => steady,
+            Schedule::Flushing { microbatches } => fill_and_drain(microbatches, stages),
+            Schedule::Steady | Schedule::PipeDream { .. } => 1.0,
         }
     }
 
@@ -226,19 +240,30 @@ impl CostModel {
         self.outputs[last]
     }
 
-    /// Seconds per minibatch in steady state of `stages` (module ranges with their replica
-    /// counts, workers assigned in order), memory aside: the slowest stage or boundary. With
-    /// [`CostModel::objective`], the planner's figure for any split, so one split can be judged
-    /// by another's network.
-    pub fn evaluate(&self, stages: &[(Range<usize>, usize)]) -> f64 {
+    /// Seconds per minibatch in steady state of `split` (module ranges with their replica
+    /// counts, workers assigned in order), memory aside: the slowest stage or boundary.
+    pub fn evaluate(&self, split: &[(Range<usize>, usize)]) -> f64 {
+        self.stretched(split, 1.0)
+    }
+
+    /// What the planner minimises for `split`, memory aside: seconds per minibatch under the
+    /// schedule, the slowest stage or boundary with compute and transfers stretched by
+    /// [`CostModel::stretch`] and each stage's update once. The steady state's
+    /// ([`CostModel::evaluate`]) but for a flushing schedule. One split can be judged by another's
+    /// model with it.
+    pub fn objective(&self, split: &[(Range<usize>, usize)]) -> f64 {
+        self.stretched(split, self.stretch(split.len()))
+    }
+
+    fn stretched(&self, split: &[(Range<usize>, usize)], stretch: f64) -> f64 {
         let mut time: f64 = 0.0;
         let mut worker = 0;
-        for (i, (modules, replicas)) in stages.iter().enumerate() {
+        for (i, (modules, replicas)) in split.iter().enumerate() {
             let workers = worker..worker + replicas;
-            time = time.max(self.stage_time(modules, &workers));
-            if let Some((_, next)) = stages.get(i + 1) {
+            time = time.max(self.stage_parts(modules, &workers).stretched(stretch));
+            if let Some((_, next)) = split.get(i + 1) {
                 let to = workers.end..workers.end + next;
-                time = time.max(self.boundary_time(modules.end - 1, &workers, &to));
+                time = time.max(stretch * self.boundary_time(modules.end - 1, &workers, &to));
             }
             worker = workers.end;
         }

@@ -6,7 +6,9 @@
 //! minibatch for modules `i..` on `m` workers, whose first stage is `i..j` on `r` replicas
 //! followed by `best(j, m - r)`. A stage's time is its compute shared by its replicas plus their
 //! gradient all-reduce; a boundary costs its activation forward and its gradient back. The
-//! pipeline's time is its slowest stage or boundary (steady state, as PipeDream assumed). Working
+//! pipeline's time is its slowest stage or boundary (steady state, as PipeDream assumed); for a
+//! flushing schedule (GPipe, 1F1B) compute and transfers stretch over the pipeline's fill and
+//! drain, and each stage then updates once, so the program runs once per stage count. Working
 //! over suffixes means a stage knows how many workers sit downstream of it, so its in-flight
 //! microbatches, and with them its memory, are known exactly.
 
@@ -14,7 +16,7 @@ mod cost;
 mod pipedream;
 mod solve;
 
-pub use cost::{CostModel, LayerCost, Network, Schedule, StageParts};
+pub use cost::{fill_and_drain, CostModel, LayerCost, Network, Schedule, StageParts};
 pub use pipedream::{Graph, GraphError, GraphNode, Segment};
 pub use solve::{alternatives, plan, plan_for_shape, Plan, PlanError, PlannedStage, MAX_ALTERNATIVE_WORKERS};
 

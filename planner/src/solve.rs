@@ -5,7 +5,7 @@ use std::ops::Range;
 
 use stagehand_contract::StageConfig;
 
-use crate::cost::{CostModel, Schedule, StageParts};
+use crate::cost::{fill_and_drain, CostModel, Schedule, StageParts};
 
 /// One stage of a plan.
 #[derive(Debug, Clone, PartialEq)]
@@ -31,6 +31,9 @@ pub struct Plan {
     pub stages: Vec<PlannedStage>,
     /// Predicted seconds per minibatch in steady state: the slowest stage or boundary.
     pub time_per_minibatch: f64,
+    /// Predicted seconds per minibatch under the schedule planned for, what the planner minimised
+    /// ([`CostModel::objective`]): [`Plan::time_per_minibatch`] but for a flushing schedule.
+    pub objective: f64,
     /// Predicted seconds per minibatch of pure data parallelism on the same workers, if it fits.
     pub data_parallel_time: Option<f64>,
 }
@@ -49,16 +52,25 @@ pub enum PlanError {
 }
 
 impl Plan {
-    /// Predicted speedup over pure data parallelism, when that fits in memory.
+    /// Predicted speedup over pure data parallelism, when that fits in memory, under the schedule
+    /// planned for.
     pub fn speedup(&self) -> Option<f64> {
-        self.data_parallel_time.map(|dp| dp / self.time_per_minibatch)
+        self.data_parallel_time.map(|dp| dp / self.objective)
     }
 
-    /// Seconds per minibatch of a flushing schedule (GPipe, 1F1B) with `microbatches`: the
-    /// bottleneck's work plus the pipeline's fill and drain, `(stages - 1)` microbatch slots.
+    /// Seconds per minibatch of a flushing schedule (GPipe, 1F1B) with `microbatches`: each
+    /// stage's compute and transfer stretched by [`fill_and_drain`], its update once, and the
+    /// slowest of those. [`Plan::objective`] when planned for that schedule.
     pub fn flushing_time(&self, microbatches: usize) -> f64 {
-        let m = microbatches.max(1) as f64;
-        self.time_per_minibatch * (m + self.stages.len() as f64 - 1.0) / m
+        let stretch = fill_and_drain(microbatches, self.stages.len());
+        self.stages
+            .iter()
+            .map(|s| {
+                s.parts
+                    .stretched(stretch)
+                    .max(stretch * s.transfer_s.unwrap_or(0.0))
+            })
+            .fold(0.0, f64::max)
     }
 
     /// The plan as PipeDream's stage config, ranks assigned to stages in order.
@@ -90,15 +102,18 @@ struct Best {
     next_replicas: usize,
 }
 
+/// A split: module ranges with their replica counts, workers assigned in order.
+type Split = Vec<(Range<usize>, usize)>;
+
 /// Solves the partitioning for `workers` workers; `straight` allows no replication.
 ///
-/// `best(i, m, r, k)` is the lowest steady-state time for modules `i..` on the last `m` workers
-/// with the first stage on `r` of them. Its boundary with the next stage depends on both stages'
-/// replicas and where they sit, so the state carries `r` and the choice of the next stage's
-/// replicas is made with that boundary in view: the program is exact for the cost model, on
-/// networks of any number of levels. For a flushing schedule, whose fill and drain grow with the
-/// number of stages, `k` counts the stages from `i` on and the root weighs each count's best by
-/// [`CostModel::objective`]; otherwise `k` is always 0.
+/// `best(i, m, r, k)` is the lowest time for modules `i..` on the last `m` workers with the first
+/// stage on `r` of them. Its boundary with the next stage depends on both stages' replicas and
+/// where they sit, so the state carries `r` and the choice of the next stage's replicas is made
+/// with that boundary in view: the program is exact for the cost model, on networks of any number
+/// of levels. A flushing schedule stretches every stage by a factor that grows with the number
+/// of stages ([`CostModel::stretch`]), so the program runs once per stage count `S`, with `k`
+/// counting the stages from `i` on; otherwise it runs once and `k` is always 0.
 pub fn plan(model: &CostModel, workers: usize, straight: bool) -> Result<Plan, PlanError> {
     let modules = model.len();
     if modules == 0 {
@@ -110,12 +125,8 @@ pub fn plan(model: &CostModel, workers: usize, straight: bool) -> Result<Plan, P
     if straight && modules < workers {
         return Err(PlanError::TooFewModules { workers, modules });
     }
-    let counted = matches!(model.schedule, Schedule::Flushing { .. });
-    // Stage counts kept apart: 1..=buckets stages, at index count - 1.
-    let buckets = if counted { workers.min(modules) } else { 1 };
     let max_replicas = |m: usize| if straight { 1.min(m) } else { m };
     let w = workers + 1;
-    let at = |start: usize, m: usize, r: usize, k: usize| ((start * w + m) * w + r) * buckets + k;
     // The boundary's seconds per byte from a stage on `r` workers to one on `next` workers
     // behind it, the `rest` workers after the first being the next stage's and beyond.
     let mut per_byte = vec![0.0; w * w * w];
@@ -128,110 +139,189 @@ pub fn plan(model: &CostModel, workers: usize, straight: bool) -> Result<Plan, P
             }
         }
     }
-    let mut best: Vec<Option<Best>> = vec![None; (modules + 1) * w * w * buckets];
-    // after[end, rest, r, k]: the best continuation of k (bucket) stages from module `end` on the
-    // last `rest` workers, behind a stage on `r` workers, its boundary included.
-    let mut after: Vec<Option<(f64, usize)>> = vec![None; (modules + 1) * w * w * buckets];
-    for start in (0..modules).rev() {
-        for m in 1..=workers {
-            let first_worker = workers - m;
-            for r in 1..=max_replicas(m) {
-                let rest = m - r;
-                let stage_workers = first_worker..first_worker + r;
-                for k in 0..buckets {
-                    let mut choice: Option<Best> = None;
-                    for end in start + 1..=modules {
-                        if (end == modules) != (rest == 0) {
-                            continue;
-                        }
-                        // A counted last stage is a count of one; one more stage per boundary.
-                        let continuation = match (counted, end == modules) {
-                            (true, true) if k != 0 => continue,
-                            (true, false) if k == 0 => continue,
-                            (true, false) => Some(k - 1),
-                            (false, false) => Some(0),
-                            (_, true) => None,
-                        };
-                        let stage = start..end;
-                        if !model.fits(&stage, r, m) {
-                            continue;
-                        }
-                        let mut time = model.stage_time(&stage, &stage_workers);
-                        let mut next_replicas = 0;
-                        if let Some(bucket) = continuation {
-                            let Some((then, next)) = after[at(end, rest, r, bucket)] else {
-                                continue;
-                            };
-                            time = time.max(then);
-                            next_replicas = next;
-                        }
-                        if choice.is_none_or(|c| time < c.time) {
-                            choice = Some(Best {
-                                time,
-                                end,
-                                next_replicas,
-                            });
-                        }
-                    }
-                    best[at(start, m, r, k)] = choice;
-                }
-            }
-        }
-        // The continuations that start at `start`, for the stages before it.
-        if start > 0 {
-            let bytes = model.output_bytes(start - 1);
-            for rest in 1..workers {
-                for r in 1..=workers - rest {
-                    for k in 0..buckets {
-                        after[at(start, rest, r, k)] = (1..=max_replicas(rest))
-                            .filter_map(|next| {
-                                let b = best[at(start, rest, next, k)]?;
-                                let boundary = bytes * per_byte[(rest * w + r) * w + next];
-                                Some((b.time.max(boundary), next))
-                            })
-                            .fold(None, |acc: Option<(f64, usize)>, c| match acc {
-                                Some(a) if a.0 <= c.0 => Some(a),
-                                _ => Some(c),
-                            });
-                    }
-                }
-            }
-        }
-    }
-    let mut root: Option<(f64, Best, usize, usize)> = None;
-    for r in 1..=max_replicas(workers) {
-        for k in 0..buckets {
-            let Some(b) = best[at(0, workers, r, k)] else {
-                continue;
+    let program = Program {
+        model,
+        workers,
+        straight,
+        per_byte,
+    };
+    let best = match model.schedule {
+        Schedule::Flushing { .. } => {
+            // A straight pipeline has a stage per worker. Otherwise, fewest stages first: `S`
+            // stages take at least the compute and the optimizer steps shared by every worker
+            // (a worker's mean time), compute stretched for `S`, so once that reaches the best
+            // plan so far no larger count can beat it.
+            let counts = match straight {
+                true => workers..=workers,
+                false => 1..=workers.min(modules),
             };
-            let objective = model.objective(b.time, k + 1);
-            if root.is_none_or(|(o, ..)| objective < o) {
-                root = Some((objective, b, r, k));
+            let shared = model.stage_parts(&(0..modules), &(0..workers));
+            let floor = |stages: usize| {
+                shared.compute_s * model.stretch(stages) + shared.optimizer_s / workers as f64
+            };
+            // For each count, first the best split for its stretch with the stages left
+            // uncounted (a cheaper program), judged by its own count: it bounds the counted
+            // program, as a stage that costs more than the best plan so far cannot be in a
+            // better one.
+            let mut best: Option<(f64, Split)> = None;
+            let keep = |found: Option<(f64, Split)>, best: &mut Option<(f64, Split)>| {
+                if let Some((time, split)) = found {
+                    if best.as_ref().is_none_or(|(t, _)| time < *t) {
+                        *best = Some((time, split));
+                    }
+                }
+            };
+            let bound = |best: &Option<(f64, Split)>| best.as_ref().map_or(f64::INFINITY, |(t, _)| *t);
+            for stages in counts.clone() {
+                if floor(stages) >= bound(&best) {
+                    break;
+                }
+                let found = program
+                    .solve_stretched(None, model.stretch(stages), bound(&best))
+                    .map(|(_, split)| (model.objective(&split), split))
+                    .filter(|(_, split)| counts.contains(&split.len()));
+                keep(found, &mut best);
+                keep(program.solve(Some(stages), bound(&best)), &mut best);
             }
+            best
         }
-    }
-    let Some((_, root, first_replicas, first_bucket)) = root else {
+        Schedule::Steady | Schedule::PipeDream { .. } => program.solve(None, f64::INFINITY),
+    };
+    let Some((_, split)) = best else {
         return Err(PlanError::NothingFits {
             limit_gib: model.memory_limit.unwrap_or(0.0) / (1u64 << 30) as f64,
         });
     };
-    let mut split = Vec::new();
-    let (mut start, mut m, mut r, mut k) = (0, workers, first_replicas, first_bucket);
-    while start < modules {
-        let b = best[at(start, m, r, k)].expect("the chosen path exists");
-        split.push((start..b.end, r));
-        start = b.end;
-        m -= r;
-        r = b.next_replicas;
-        k = k.saturating_sub(1);
-    }
-    Ok(assemble(model, &split, root.time))
+    Ok(assemble(model, &split))
 }
 
-/// The plan of `split` (module ranges with their replica counts, workers in order) whose
-/// steady-state time is `time`: each stage's parts, transfer and memory, and data parallelism's
-/// time for comparison.
-fn assemble(model: &CostModel, split: &[(Range<usize>, usize)], time: f64) -> Plan {
+/// The dynamic program of [`plan`] for one request.
+struct Program<'a> {
+    model: &'a CostModel,
+    workers: usize,
+    straight: bool,
+    /// `[(rest * w + r) * w + next]`: seconds per byte across the boundary from a stage on `r`
+    /// workers to one on `next` behind it, `rest` workers from there to the end (`w` = workers + 1).
+    per_byte: Vec<f64>,
+}
+
+impl Program<'_> {
+    /// The best split of exactly `stages` stages (any number for `None`) and what it costs, if
+    /// one costs at most `bound`.
+    fn solve(&self, stages: Option<usize>, bound: f64) -> Option<(f64, Split)> {
+        let stretch = stages.map_or(1.0, |s| self.model.stretch(s));
+        self.solve_stretched(stages, stretch, bound)
+    }
+
+    /// [`Program::solve`] with compute and transfers stretched by `stretch`.
+    fn solve_stretched(&self, stages: Option<usize>, stretch: f64, bound: f64) -> Option<(f64, Split)> {
+        let (model, workers, modules) = (self.model, self.workers, self.model.len());
+        let max_replicas = |m: usize| if self.straight { 1.min(m) } else { m };
+        // Stage counts kept apart: 1..=buckets stages from a module on, at index count - 1.
+        let buckets = stages.unwrap_or(1);
+        let counted = stages.is_some();
+        let w = workers + 1;
+        let at = |start: usize, m: usize, r: usize, k: usize| ((start * w + m) * w + r) * buckets + k;
+        let mut best: Vec<Option<Best>> = vec![None; (modules + 1) * w * w * buckets];
+        // after[end, rest, r, k]: the best continuation of k (bucket) stages from module `end` on
+        // the last `rest` workers, behind a stage on `r` workers, its boundary included.
+        let mut after: Vec<Option<(f64, usize)>> = vec![None; (modules + 1) * w * w * buckets];
+        for start in (0..modules).rev() {
+            for m in 1..=workers {
+                let first_worker = workers - m;
+                for r in 1..=max_replicas(m) {
+                    let rest = m - r;
+                    let stage_workers = first_worker..first_worker + r;
+                    // k + 1 stages from here need as many workers and modules.
+                    for k in 0..buckets.min(m).min(modules - start) {
+                        let mut choice: Option<Best> = None;
+                        for end in start + 1..=modules {
+                            if (end == modules) != (rest == 0) {
+                                continue;
+                            }
+                            // A counted last stage is a count of one; one more stage per boundary.
+                            let continuation = match (counted, end == modules) {
+                                (true, true) if k != 0 => continue,
+                                (true, false) if k == 0 => continue,
+                                (true, false) => Some(k - 1),
+                                (false, false) => Some(0),
+                                (_, true) => None,
+                            };
+                            // A longer stage holds and costs no less: none after this fits.
+                            let stage = start..end;
+                            if !model.fits(&stage, r, m) {
+                                break;
+                            }
+                            let mut time = model.stage_parts(&stage, &stage_workers).stretched(stretch);
+                            if time > bound {
+                                break;
+                            }
+                            let mut next_replicas = 0;
+                            if let Some(bucket) = continuation {
+                                let Some((then, next)) = after[at(end, rest, r, bucket)] else {
+                                    continue;
+                                };
+                                time = time.max(then);
+                                next_replicas = next;
+                            }
+                            if choice.is_none_or(|c| time < c.time) {
+                                choice = Some(Best {
+                                    time,
+                                    end,
+                                    next_replicas,
+                                });
+                            }
+                        }
+                        best[at(start, m, r, k)] = choice;
+                    }
+                }
+            }
+            // The continuations that start at `start`, for the stages before it.
+            if start > 0 {
+                let bytes = stretch * model.output_bytes(start - 1);
+                for rest in 1..workers {
+                    for r in 1..=workers - rest {
+                        for k in 0..buckets {
+                            after[at(start, rest, r, k)] = (1..=max_replicas(rest))
+                                .filter_map(|next| {
+                                    let b = best[at(start, rest, next, k)]?;
+                                    let boundary = bytes * self.per_byte[(rest * w + r) * w + next];
+                                    Some((b.time.max(boundary), next))
+                                })
+                                .fold(None, |acc: Option<(f64, usize)>, c| match acc {
+                                    Some(a) if a.0 <= c.0 => Some(a),
+                                    _ => Some(c),
+                                });
+                        }
+                    }
+                }
+            }
+        }
+        // The whole model on every worker, in exactly `stages` stages where counted.
+        let last = buckets - 1;
+        let (time, first_replicas) = (1..=max_replicas(workers))
+            .filter_map(|r| Some((best[at(0, workers, r, last)]?.time, r)))
+            .fold(None, |acc: Option<(f64, usize)>, c| match acc {
+                Some(a) if a.0 <= c.0 => Some(a),
+                _ => Some(c),
+            })?;
+        let mut split = Vec::new();
+        let (mut start, mut m, mut r, mut k) = (0, workers, first_replicas, last);
+        while start < modules {
+            let b = best[at(start, m, r, k)].expect("the chosen path exists");
+            split.push((start..b.end, r));
+            start = b.end;
+            m -= r;
+            r = b.next_replicas;
+            k = k.saturating_sub(1);
+        }
+        Some((time, split))
+    }
+}
+
+/// The plan of `split` (module ranges with their replica counts, workers in order): its times,
+/// each stage's parts, transfer and memory, and data parallelism's time for comparison.
+fn assemble(model: &CostModel, split: &[(Range<usize>, usize)]) -> Plan {
     let workers: usize = split.iter().map(|(_, replicas)| replicas).sum();
     let mut first_worker = 0;
     let stages = split
@@ -256,7 +346,8 @@ fn assemble(model: &CostModel, split: &[(Range<usize>, usize)], time: f64) -> Pl
     let whole = 0..model.len();
     Plan {
         stages,
-        time_per_minibatch: time,
+        time_per_minibatch: model.evaluate(split),
+        objective: model.objective(split),
         data_parallel_time: model
             .fits(&whole, workers, workers)
             .then(|| model.stage_time(&whole, &(0..workers))),
@@ -277,6 +368,7 @@ pub fn plan_for_shape(model: &CostModel, replicas: &[usize]) -> Option<Plan> {
         first_worker[k + 1] = first_worker[k] + replicas[k];
     }
     let range = |k: usize| first_worker[k]..first_worker[k + 1];
+    let stretch = model.stretch(stages);
     // best[k][i]: the lowest time for stages k.. over modules i.., with the end of stage k.
     let mut best = vec![vec![None::<(f64, usize)>; modules + 1]; stages + 1];
     best[stages][modules] = Some((0.0, modules));
@@ -299,9 +391,12 @@ pub fn plan_for_shape(model: &CostModel, replicas: &[usize]) -> Option<Plan> {
                 if !model.fits(&(start..end), replicas[k], workers - first_worker[k]) {
                     continue;
                 }
-                let mut time = model.stage_time(&(start..end), &range(k)).max(after);
+                let mut time = model
+                    .stage_parts(&(start..end), &range(k))
+                    .stretched(stretch)
+                    .max(after);
                 if k + 1 < stages {
-                    time = time.max(model.boundary_time(end - 1, &range(k), &range(k + 1)));
+                    time = time.max(stretch * model.boundary_time(end - 1, &range(k), &range(k + 1)));
                 }
                 if choice.is_none_or(|(t, _)| time < t) {
                     choice = Some((time, end));
@@ -310,7 +405,7 @@ pub fn plan_for_shape(model: &CostModel, replicas: &[usize]) -> Option<Plan> {
             best[k][start] = choice;
         }
     }
-    let (time, _) = best[0][0]?;
+    best[0][0]?;
     let mut split = Vec::new();
     let mut start = 0;
     for (k, &r) in replicas.iter().enumerate() {
@@ -318,15 +413,14 @@ pub fn plan_for_shape(model: &CostModel, replicas: &[usize]) -> Option<Plan> {
         split.push((start..end, r));
         start = end;
     }
-    Some(assemble(model, &split, time))
+    Some(assemble(model, &split))
 }
 
 /// The most workers [`alternatives`] enumerates every stage shape for (2^(workers-1) of them).
 pub const MAX_ALTERNATIVE_WORKERS: usize = 12;
 
 /// The best plan of every other stage shape (replicas per stage) on `workers`, fastest first (by
-/// [`CostModel::objective`]), at
-/// most `count` of them: what the planner passed over, and by how much. Empty beyond
+/// [`Plan::objective`]), at most `count` of them: what the planner passed over, and by how much. Empty beyond
 /// [`MAX_ALTERNATIVE_WORKERS`] workers.
 pub fn alternatives(model: &CostModel, workers: usize, chosen: &Plan, count: usize) -> Vec<Plan> {
     if workers == 0 || workers > MAX_ALTERNATIVE_WORKERS {
@@ -350,8 +444,7 @@ pub fn alternatives(model: &CostModel, workers: usize, chosen: &Plan, count: usi
         .filter(|replicas| *replicas != chosen_shape)
         .filter_map(|replicas| plan_for_shape(model, &replicas))
         .collect();
-    let objective = |p: &Plan| model.objective(p.time_per_minibatch, p.stages.len());
-    found.sort_by(|a, b| objective(a).total_cmp(&objective(b)));
+    found.sort_by(|a, b| a.objective.total_cmp(&b.objective));
     found.truncate(count);
     found
 }

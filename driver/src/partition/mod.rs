@@ -9,7 +9,9 @@ use serde::Serialize;
 use stagehand_contract::{Profile, StageConfig};
 
 use crate::config::Schedule;
-use stagehand_planner::{alternatives, plan, CostModel, Graph, LayerCost, Network, Plan, Segment};
+use stagehand_planner::{
+    alternatives, fill_and_drain, plan, CostModel, Graph, LayerCost, Network, Plan, Segment,
+};
 
 /// What to plan for: the workers, their network and memory, and the schedule's microbatches.
 #[derive(Debug, Clone, PartialEq)]
@@ -35,6 +37,11 @@ pub struct PlanRequest {
 }
 
 impl PlanRequest {
+    /// The microbatches of a flushing schedule (GPipe, 1F1B), if the plan is for one.
+    pub fn flushing(&self) -> Option<usize> {
+        matches!(self.schedule, Some(Schedule::Gpipe | Schedule::OneFOneB)).then_some(self.microbatches)
+    }
+
     /// The planner's view of the schedule.
     fn planner_schedule(&self) -> stagehand_planner::Schedule {
         let microbatches = self.microbatches;
@@ -449,16 +456,30 @@ pub fn render_source(source: &Source, plan: &Plan, prediction: &Prediction) -> S
     };
     if !prediction.alternatives.is_empty() {
         let _ = writeln!(out, "runner-ups, the best split of each other shape:");
+        // Compared by what the planner minimised: with fill and drain for GPipe and 1F1B.
+        let flushing = matches!(prediction.schedule, Some(Schedule::Gpipe | Schedule::OneFOneB));
         for a in &prediction.alternatives {
             let shape: Vec<String> = a.stages.iter().map(|s| s.replicas.to_string()).collect();
-            let _ = writeln!(
-                out,
-                "  {:<12} {:.1} ms steady state ({:.2}x the plan's), {:.1} ms with GPipe/1F1B",
-                shape.join("-"),
-                a.time_per_minibatch_s * 1e3,
+            let (steady, with_flush) = (
                 a.time_per_minibatch_s / prediction.time_per_minibatch_s,
-                a.flushing_time_per_minibatch_s * 1e3
+                a.flushing_time_per_minibatch_s / prediction.flushing_time_per_minibatch_s,
             );
+            let _ = match flushing {
+                false => writeln!(
+                    out,
+                    "  {:<12} {:.1} ms steady state ({steady:.2}x the plan's), {:.1} ms with GPipe/1F1B",
+                    shape.join("-"),
+                    a.time_per_minibatch_s * 1e3,
+                    a.flushing_time_per_minibatch_s * 1e3
+                ),
+                true => writeln!(
+                    out,
+                    "  {:<12} {:.1} ms steady state, {:.1} ms with GPipe/1F1B ({with_flush:.2}x the plan's)",
+                    shape.join("-"),
+                    a.time_per_minibatch_s * 1e3,
+                    a.flushing_time_per_minibatch_s * 1e3
+                ),
+            };
         }
     }
     out
@@ -466,35 +487,57 @@ pub fn render_source(source: &Source, plan: &Plan, prediction: &Prediction) -> S
 
 /// Why the plan predicts what it does: per stage, what one worker spends per minibatch on
 /// compute, the optimizer, the all-reduce and the transfer to the next stage, as milliseconds and
-/// as shares of the predicted steady-state time; the part that sets it is marked.
-pub fn explain(plan: &Plan) -> String {
+/// as shares of the predicted time; the part that sets it is marked. For a flushing schedule
+/// (`flushing`: its microbatches) compute and transfers stretch over the pipeline's fill and
+/// drain, and the prediction is the time with them.
+pub fn explain(plan: &Plan, flushing: Option<usize>) -> String {
     let mut out = String::new();
-    let time = plan.time_per_minibatch;
-    let part = |name: &str, s: f64| format!("{name} {:.1} ms ({:.0}%)", s * 1e3, 100.0 * s / time);
+    let (time, stretch) = match flushing {
+        Some(m) => (plan.flushing_time(m), fill_and_drain(m, plan.stages.len())),
+        None => (plan.time_per_minibatch, 1.0),
+    };
+    let share = |s: f64| format!("({:.0}%)", 100.0 * s / time);
+    let part = |name: &str, s: f64| format!("{name} {:.1} ms {}", s * 1e3, share(s));
+    // Compute and transfers, stretched by fill and drain where the schedule flushes.
+    let spread = |name: &str, s: f64| match flushing {
+        Some(_) => format!("{name} {:.1} ms x {stretch:.2} {}", s * 1e3, share(s * stretch)),
+        None => part(name, s),
+    };
     // A stage or a transfer sets the time; its parts only add up to it.
-    let sets = |name: &str, s: f64| {
+    let sets = |text: String, s: f64| {
         let mark = if s >= time * (1.0 - 1e-9) {
             " <- bottleneck"
         } else {
             ""
         };
-        format!("{}{mark}", part(name, s))
+        format!("{text}{mark}")
     };
-    let _ = writeln!(
-        out,
-        "why: per minibatch, each worker of a stage spends (share of the predicted {:.1} ms):",
-        time * 1e3
-    );
+    let _ = match flushing {
+        Some(m) => writeln!(
+            out,
+            "why: per minibatch, each worker of a stage spends (share of the predicted {:.1} ms with \
+             GPipe/1F1B at {m} microbatches, whose fill and drain stretch compute and transfers \
+             x {stretch:.2}):",
+            time * 1e3
+        ),
+        None => writeln!(
+            out,
+            "why: per minibatch, each worker of a stage spends (share of the predicted {:.1} ms):",
+            time * 1e3
+        ),
+    };
     for (id, s) in plan.stages.iter().enumerate() {
         let parts = [
-            part("compute", s.parts.compute_s),
+            spread("compute", s.parts.compute_s),
             part("optimizer", s.parts.optimizer_s),
             part("all-reduce", s.parts.allreduce_s),
         ];
         let mut line = format!("  stage {id}: {}", parts.join(" + "));
-        let _ = write!(line, " = {}", sets("stage", s.time_s));
+        let total = s.parts.stretched(stretch);
+        let _ = write!(line, " = {}", sets(part("stage", total), total));
         if let Some(t) = s.transfer_s {
-            let _ = write!(line, "; {}", sets(&format!("transfer to stage {}", id + 1), t));
+            let text = spread(&format!("transfer to stage {}", id + 1), t);
+            let _ = write!(line, "; {}", sets(text, t * stretch));
         }
         let _ = writeln!(out, "{line}");
     }
@@ -526,7 +569,7 @@ pub fn run(options: &PartitionOptions) -> Result<(), PartitionError> {
     }
     eprint!("{}", render_source(&source, &plan, &prediction));
     if options.explain {
-        eprint!("{}", explain(&plan));
+        eprint!("{}", explain(&plan, options.request.flushing()));
     }
     Ok(())
 }

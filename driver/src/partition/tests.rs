@@ -165,12 +165,52 @@ fn the_plan_renders_for_people() {
 fn the_explanation_marks_the_bottleneck_and_its_shares() {
     let dir = tempfile::tempdir().unwrap();
     let (_, plan, _) = solve(&options(dir.path())).unwrap();
-    let text = explain(&plan);
+    let text = explain(&plan, None);
     insta::assert_snapshot!(text);
     // Straight on 3 workers: the heavy module's stage is the bottleneck, and only its line says so.
     let marked: Vec<&str> = text.lines().filter(|l| l.contains("bottleneck")).collect();
     assert_eq!(marked.len(), 1, "{text}");
     assert!(marked[0].contains("stage 1:"), "{text}");
+}
+
+/// Planned for 1F1B, the explanation is of the time with fill and drain: 3 stages at 4
+/// microbatches stretch compute over 6 slots instead of 4, x 1.50. The heavy stage's 4 x 40 ms
+/// become 240 ms; its optimizer step (a tenth of its compute here) is not stretched.
+#[test]
+fn the_explanation_of_a_flushing_plan_stretches_compute_not_the_update() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut opts = options(dir.path());
+    let mut stepped = profile();
+    stepped.modules[2].optimizer_s = 0.016;
+    std::fs::write(&opts.profile, serde_json::to_string(&stepped).unwrap()).unwrap();
+    opts.request.schedule = Some(Schedule::OneFOneB);
+    let (_, plan, prediction) = solve(&opts).unwrap();
+    assert!(
+        (prediction.flushing_time_per_minibatch_s - (0.24 + 0.016)).abs() < 1e-9,
+        "{prediction:?}"
+    );
+    assert!(
+        (prediction.time_per_minibatch_s - (0.16 + 0.016)).abs() < 1e-9,
+        "{prediction:?}"
+    );
+    let text = explain(&plan, opts.request.flushing());
+    assert!(
+        text.starts_with(
+            "why: per minibatch, each worker of a stage spends (share of the predicted 256.0 ms with \
+             GPipe/1F1B at 4 microbatches, whose fill and drain stretch compute and transfers x 1.50):"
+        ),
+        "{text}"
+    );
+    let marked: Vec<&str> = text.lines().filter(|l| l.contains("bottleneck")).collect();
+    assert_eq!(marked.len(), 1, "{text}");
+    assert!(
+        marked[0].starts_with("  stage 1: compute 160.0 ms x 1.50 (94%) + optimizer 16.0 ms (6%)"),
+        "{text}"
+    );
+    assert!(
+        marked[0].contains("= stage 256.0 ms (100%) <- bottleneck"),
+        "{text}"
+    );
 }
 
 #[test]
