@@ -100,6 +100,9 @@ pub enum StopCause {
     },
     /// No stage config could be planned for `config_file: auto`.
     PlanFailed { reason: String },
+    /// The ranks could not be started (a container or an exec refused, a host unreachable);
+    /// `reason` is the error with its causes.
+    LaunchFailed { reason: String },
     /// Slurm ended the job, or it did not start in time: `reason` says which (`did not start:
     /// ...`, `reached its time limit ...`).
     SlurmJob { job_id: Option<u64>, reason: String },
@@ -114,6 +117,22 @@ pub fn memory_note(out_of_memory: bool) -> &'static str {
                  it more memory, or hold less (smaller batch_size, more stages)"
         }
         false => "",
+    }
+}
+
+/// What a failure adds for the exit codes shells give commands they could not run (empty for any
+/// other), after the code. Every container starts its rank through `/bin/sh` (the lease guard),
+/// so an image without one fails this way too.
+pub fn command_note(exit_code: Option<i64>) -> &'static str {
+    match exit_code {
+        Some(127) => {
+            ": a command was not found (a container needs /bin/sh, with which the driver starts each \
+             rank, and the rank's program on its PATH)"
+        }
+        Some(126) => {
+            ": a command was found but could not run (not executable, or built for another platform)"
+        }
+        _ => "",
     }
 }
 

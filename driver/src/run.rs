@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use crate::auto_partition::{self, AutoError, FirstHost, ProfileCache};
 use crate::check::{self, CheckError};
 use crate::config::{self, ConfigError};
-use crate::events::{Ended, Event, HostFacts, SlurmEvent, Status};
+use crate::events::{Ended, Event, HostFacts, SlurmEvent, Status, StopCause};
 use crate::exit_codes;
 use crate::experiment;
 use crate::hosts;
@@ -362,6 +362,12 @@ pub async fn run_loaded(
         match launch::run_ranks(target, &plan, &mut reporters, &mut signals, &mut launch::Ranks).await {
             Ok(outcome) => outcome,
             Err(e) => {
+                // The record says why, as the terminal's last lines do.
+                if !matches!(e, LaunchError::Interrupted) {
+                    reporters.report(&Event::Stopping(StopCause::LaunchFailed {
+                        reason: crate::error::error_line(&e),
+                    }));
+                }
                 reporters.report(&Event::Finished {
                     status: Status::Failed,
                 });

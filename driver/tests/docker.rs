@@ -216,6 +216,92 @@ fn a_rank_killed_for_lack_of_memory_is_reported_as_such() {
     h.assert_no_containers();
 }
 
+/// An image the driver did not build, here one holding a single file: no `/bin/sh` for the
+/// lease guard every container starts its ranks with. Removed when dropped.
+struct ShellLessImage(String);
+
+impl ShellLessImage {
+    fn import(h: &Harness) -> ShellLessImage {
+        let dir = h.dir.path().join("shell-less");
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("hello"), "hello\n").unwrap();
+        let tar = h.dir.path().join("shell-less.tar");
+        let packed = std::process::Command::new("tar")
+            .arg("-cf")
+            .arg(&tar)
+            .arg("-C")
+            .arg(&dir)
+            .arg("hello")
+            .status()
+            .unwrap();
+        assert!(packed.success());
+        let name = format!("stagehand-test-no-shell:{}", h.name);
+        docker(&["import", tar.to_str().unwrap(), &name]);
+        ShellLessImage(name)
+    }
+}
+
+impl Drop for ShellLessImage {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("docker")
+            .args(["rmi", "-f", &self.0])
+            .output();
+    }
+}
+
+/// An image without `/bin/sh` cannot run ranks: in either container mode the run fails with
+/// the reason (a command not found, the image's own last line) and leaves nothing behind. With
+/// one container per host, the engine refuses the ranks' execs, or runs and fails them, as the
+/// container's guard dies; either way the container's end is reported.
+#[test]
+fn an_image_without_a_shell_fails_with_the_reason_in_either_container_mode() {
+    let h = Harness::new("dk-noshell");
+    let image = ShellLessImage::import(&h);
+    let config = h.config(&format!(
+        "machines: [localhost]\ncontainer: {{image: '{}'}}\ncommand: [/hello]\n",
+        image.0
+    ));
+    let run = h.run(&config, &[]);
+    assert_eq!(run.code(), 1, "{}", run.stderr());
+    assert!(run.stderr().contains("exec /bin/sh failed"), "{}", run.stderr());
+    assert!(
+        run.stderr()
+            .contains("exited with code 127: a command was not found (a container needs /bin/sh"),
+        "{}",
+        run.stderr()
+    );
+    let (_, summary) = h.summary();
+    assert_eq!(summary["failure"]["cause"]["exit_code"], 127, "{summary}");
+    h.assert_no_containers();
+
+    let h = Harness::new("dk-noshell-host");
+    let config = h.config(&format!(
+        "machines: [localhost, localhost]\ncontainer: {{image: '{}'}}\ncommand: [/hello]\n",
+        image.0
+    ));
+    let run = h.run(&config, &["--launch-single-container"]);
+    assert_eq!(run.code(), 1, "{}", run.stderr());
+    let said = "the container for the ranks on localhost exited with code 127 before they could \
+                start: a command was not found (a container needs /bin/sh";
+    assert!(run.stderr().contains(said), "{}", run.stderr());
+    assert!(
+        run.stderr().contains("its last line: [FATAL tini"),
+        "{}",
+        run.stderr()
+    );
+    // The record says it too: as why the launch failed, or in the failed rank's last lines.
+    let (_, summary) = h.summary();
+    let failure = &summary["failure"];
+    let recorded = failure["cause"]["reason"]
+        .as_str()
+        .is_some_and(|r| r.contains(said))
+        || failure["last_lines"]
+            .as_array()
+            .is_some_and(|lines| lines.iter().any(|l| l.as_str().unwrap_or("").contains(said)));
+    assert!(recorded, "{summary}");
+    h.assert_no_containers();
+}
+
 #[test]
 fn sigint_removes_every_container_and_records_interrupted() {
     let h = Harness::new("dk-int");

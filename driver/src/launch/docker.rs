@@ -155,16 +155,25 @@ impl DockerLauncher {
                 attach_stderr: Some(true),
                 ..Default::default()
             };
-            let exec = host
-                .docker
-                .create_exec(&container, options)
-                .await
-                .map_err(docker_err("create an exec"))?;
-            let started = host
-                .docker
-                .start_exec(&exec.id, None)
-                .await
-                .map_err(docker_err("start an exec"))?;
+            // When the container's own process (the guard) has ended, the engine refuses execs
+            // into it: say how it ended instead.
+            let refused = |action: &'static str| {
+                let container = container.clone();
+                move |source| async move {
+                    match exited(host, &container).await {
+                        Some(error) => error,
+                        None => docker_err(action)(source),
+                    }
+                }
+            };
+            let exec = match host.docker.create_exec(&container, options).await {
+                Ok(exec) => exec,
+                Err(source) => return Err(refused("create an exec")(source).await),
+            };
+            let started = match host.docker.start_exec(&exec.id, None).await {
+                Ok(started) => started,
+                Err(source) => return Err(refused("start an exec")(source).await),
+            };
             let StartExecResults::Attached { output, .. } = started else {
                 let source = DockerError::DockerStreamError {
                     error: "exec started detached".into(),
@@ -486,6 +495,40 @@ async fn out_of_memory(host: &Host, id: &str) -> bool {
     }
 }
 
+/// How container `id` ended, if it has: its exit code and last log line, as the error of the
+/// ranks that were to run in it. `None` while it runs or when the engine cannot say.
+async fn exited(host: &Host, id: &str) -> Option<LaunchError> {
+    let inspected = host
+        .docker
+        .inspect_container(id, None::<bollard::query_parameters::InspectContainerOptions>);
+    let state = tokio::time::timeout(Duration::from_secs(10), inspected)
+        .await
+        .ok()?
+        .ok()?
+        .state?;
+    if state.running != Some(false) {
+        return None;
+    }
+    let options = LogsOptionsBuilder::default()
+        .stdout(true)
+        .stderr(true)
+        .tail("5")
+        .build();
+    let mut logs = host.docker.logs(id, Some(options));
+    let mut text = String::new();
+    let read = async {
+        while let Some(Ok(item)) = logs.next().await {
+            text.push_str(&String::from_utf8_lossy(&item.into_bytes()));
+        }
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(10), read).await;
+    Some(LaunchError::ContainerExited {
+        host: host.name.clone(),
+        code: state.exit_code.unwrap_or(-1),
+        last: last_line(&text).to_string(),
+    })
+}
+
 /// Streams an exec's output into events, then reports its exit code.
 async fn follow_exec(
     host: Host,
@@ -522,6 +565,31 @@ async fn follow_exec(
             Err(e) => {
                 event = lost_rank(&host, rank, lost.unwrap_or_else(|| e.to_string()), &tx);
                 break;
+            }
+        }
+    }
+    // A rank that could not run (126, 127, or no code) in a container whose guard could not run
+    // either (no /bin/sh): that is the reason, whichever way the engine reported the exec
+    // (refused inside, gone). The container may take a moment to be seen stopped.
+    if matches!(
+        event,
+        Event::RankExited {
+            exit_code: None | Some(126 | 127),
+            ..
+        }
+    ) {
+        for _ in 0..10 {
+            match exited(&host, &container).await {
+                Some(ended @ LaunchError::ContainerExited { code: 126 | 127, .. }) => {
+                    let _ = tx.send(Event::LineLogged {
+                        rank,
+                        stream: Stream::Stderr,
+                        line: format!("driver: {ended}"),
+                    });
+                    break;
+                }
+                Some(_) => break,
+                None => tokio::time::sleep(Duration::from_millis(100)).await,
             }
         }
     }

@@ -74,6 +74,8 @@ pub enum LaunchError {
         gpus: Vec<u32>,
         message: String,
     },
+    #[error("the container for the ranks on {host} exited with code {code} before they could start{}{}", crate::events::command_note(Some(*.code)), last_words(.last))]
+    ContainerExited { host: String, code: i64, last: String },
     #[error("master port {port} is in use on {host}; pass another with --master-port, or leave it out to get a free one")]
     PortInUse { host: String, port: u16 },
     #[error("removing the experiment's containers on {host} took longer than {seconds} s")]
@@ -96,6 +98,14 @@ pub enum LaunchError {
         state: String,
         cancel: String,
     },
+}
+
+/// A container's last log line, quoted, when it left one.
+fn last_words(last: &str) -> String {
+    match last.trim() {
+        "" => String::new(),
+        line => format!("; its last line: {line}"),
+    }
 }
 
 fn count(n: usize) -> String {
@@ -415,6 +425,7 @@ async fn supervise(
             | StopCause::HostLost { .. }
             | StopCause::ProfileFailed { .. }
             | StopCause::PlanFailed { .. }
+            | StopCause::LaunchFailed { .. }
             | StopCause::SlurmJob { .. },
         ) => Ended::Failed,
     }

@@ -7,7 +7,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use indicatif::ProgressBar;
 
 use super::Reporter;
-use crate::events::{memory_note, slurm_job, Event, SlurmEvent, StopCause, Stream, LEASE_EXPIRED_EXIT_CODE};
+use crate::events::{
+    command_note, memory_note, slurm_job, Event, SlurmEvent, StopCause, Stream, LEASE_EXPIRED_EXIT_CODE,
+};
 use crate::options::Verbosity;
 use crate::records::RecordError;
 
@@ -147,9 +149,10 @@ impl TerminalReporter {
                     (
                         Stream::Stderr,
                         format!(
-                            "{} exited with code {code}{}",
+                            "{} exited with code {code}{}{}",
                             self.prefix(*rank),
-                            memory_note(*out_of_memory)
+                            memory_note(*out_of_memory),
+                            command_note(*exit_code)
                         ),
                     )
                 })
@@ -195,13 +198,16 @@ impl TerminalReporter {
                     } => {
                         let code = exit_code.map_or("no exit code".to_string(), |c| format!("exit code {c}"));
                         return err(format!(
-                            "driver: profiling the model on {host} failed with {code}{}; no rank was started",
-                            memory_note(*out_of_memory)
+                            "driver: profiling the model on {host} failed with {code}{}{}; no rank was started",
+                            memory_note(*out_of_memory),
+                            command_note(*exit_code)
                         ));
                     }
                     StopCause::PlanFailed { reason } => {
                         return err(format!("driver: cannot plan the stages: {reason}; no rank was started"))
                     }
+                    // The run's error says it, with its causes, as the driver exits.
+                    StopCause::LaunchFailed { .. } => return None,
                     StopCause::SlurmJob { job_id, reason } => {
                         return err(format!("driver: {} {reason}; stopping every rank", slurm_job(*job_id)))
                     }
@@ -350,6 +356,11 @@ mod tests {
                 rank: 1,
                 exit_code: Some(137),
                 out_of_memory: true,
+            },
+            Event::RankExited {
+                rank: 0,
+                exit_code: Some(127),
+                out_of_memory: false,
             },
             Event::Stopping(StopCause::RankFailed {
                 rank: 1,

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use super::ResultsError;
-use crate::events::{memory_note, Status, StopCause};
+use crate::events::{command_note, memory_note, Status, StopCause};
 use crate::records::index::{self, Index, PointEntry, PointStatus, INDEX_FILE};
 use crate::records::stats::{StageShares, Throughput};
 use crate::records::summary::{read_summary, Summary};
@@ -308,7 +308,7 @@ fn note(summary: &Summary) -> Option<String> {
     }
 }
 
-fn cause_text(cause: &StopCause) -> String {
+pub(super) fn cause_text(cause: &StopCause) -> String {
     match cause {
         StopCause::RankFailed {
             rank,
@@ -317,8 +317,9 @@ fn cause_text(cause: &StopCause) -> String {
             out_of_memory,
         } => match exit_code {
             Some(code) => format!(
-                "rank {rank} on {host} exited with code {code}{}",
-                memory_note(*out_of_memory)
+                "rank {rank} on {host} exited with code {code}{}{}",
+                memory_note(*out_of_memory),
+                command_note(*exit_code)
             ),
             None => format!("rank {rank} on {host} was killed"),
         },
@@ -330,12 +331,14 @@ fn cause_text(cause: &StopCause) -> String {
             out_of_memory,
         } => match exit_code {
             Some(code) => format!(
-                "profiling on {host} failed with exit code {code}{}",
-                memory_note(*out_of_memory)
+                "profiling on {host} failed with exit code {code}{}{}",
+                memory_note(*out_of_memory),
+                command_note(*exit_code)
             ),
             None => format!("profiling on {host} was killed"),
         },
         StopCause::PlanFailed { reason } => format!("planning failed: {reason}"),
+        StopCause::LaunchFailed { reason } => format!("the ranks could not start: {reason}"),
         StopCause::SlurmJob { job_id, reason } => format!("{} {reason}", crate::events::slurm_job(*job_id)),
     }
 }

@@ -158,3 +158,34 @@ fn the_model_cell_says_the_arithmetic_when_it_is_not_plain_fp32() {
     row.experiment.insert("precision".into(), serde_json::Value::Null);
     assert_eq!(row.model_cell().as_deref(), Some("resnet50 (channels_last)"));
 }
+
+/// A record's note says why the run stopped, with what the exit code means where it says more
+/// than a number: a command not found (an image without /bin/sh), the ranks never started.
+#[test]
+fn a_failures_note_says_what_its_exit_code_means() {
+    use crate::events::StopCause;
+    let rank_failed = |code| StopCause::RankFailed {
+        rank: 1,
+        host: "node1".into(),
+        exit_code: Some(code),
+        out_of_memory: false,
+    };
+    assert_eq!(
+        read::cause_text(&rank_failed(1)),
+        "rank 1 on node1 exited with code 1"
+    );
+    assert_eq!(
+        read::cause_text(&rank_failed(127)),
+        "rank 1 on node1 exited with code 127: a command was not found (a container needs /bin/sh, \
+         with which the driver starts each rank, and the rank's program on its PATH)"
+    );
+    assert!(read::cause_text(&rank_failed(126)).ends_with(
+        ": a command was found but could not run (not executable, or built for another platform)"
+    ));
+    assert_eq!(
+        read::cause_text(&StopCause::LaunchFailed {
+            reason: "the container for the ranks on node1 exited with code 127".into()
+        }),
+        "the ranks could not start: the container for the ranks on node1 exited with code 127"
+    );
+}

@@ -220,7 +220,8 @@ impl Reporter for RecordReporter {
                         StopCause::SlurmJob { .. } => self.slurm_lines.iter().cloned().collect(),
                         StopCause::HostLost { .. }
                         | StopCause::Interrupted
-                        | StopCause::PlanFailed { .. } => Vec::new(),
+                        | StopCause::PlanFailed { .. }
+                        | StopCause::LaunchFailed { .. } => Vec::new(),
                     };
                     self.summary.failure = Some(Failure {
                         cause: cause.clone(),
