@@ -82,7 +82,7 @@ pub enum StopCause {
         rank: usize,
         host: String,
         exit_code: Option<i64>,
-        /// The engine says the kernel killed it for memory ([`Event::RankExited`]).
+        /// The kernel is known to have killed it for memory ([`Event::RankExited`]).
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         out_of_memory: bool,
     },
@@ -94,7 +94,7 @@ pub enum StopCause {
     ProfileFailed {
         host: String,
         exit_code: Option<i64>,
-        /// The engine says the kernel killed it for memory.
+        /// The kernel is known to have killed it for memory.
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         out_of_memory: bool,
     },
@@ -108,13 +108,13 @@ pub enum StopCause {
     SlurmJob { job_id: Option<u64>, reason: String },
 }
 
-/// What a failure adds when the engine says the kernel killed the rank for memory (empty
+/// What a failure adds when the kernel is known to have killed the rank for memory (empty
 /// otherwise), after its exit code.
 pub fn memory_note(out_of_memory: bool) -> &'static str {
     match out_of_memory {
         true => {
-            ": the kernel killed it for lack of memory (the engine reports it OOM-killed); give \
-                 it more memory, or hold less (smaller batch_size, more stages)"
+            ": the kernel killed it for lack of memory (an OOM kill); give it more memory, or hold \
+                 less (smaller batch_size, more stages)"
         }
         false => "",
     }
@@ -232,8 +232,9 @@ pub enum Event {
         event: Box<stagehand_contract::Event>,
     },
     /// A rank was seen to end; `exit_code` is `None` when it was killed without one.
-    /// `out_of_memory`: its engine says the kernel killed a process of its container for lack of
-    /// memory (Docker's `OOMKilled`; false where nothing says so: processes, Slurm).
+    /// `out_of_memory`: the kernel is known to have killed it (or a process of its container) for
+    /// lack of memory: Docker's `OOMKilled`, or for a process rank the OOM kills counted in the
+    /// driver's memory cgroup (launch/oom.rs); false where nothing says so (Slurm).
     RankExited {
         rank: usize,
         exit_code: Option<i64>,

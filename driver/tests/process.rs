@@ -98,6 +98,118 @@ fn a_failing_rank_stops_the_others_and_is_recorded() {
     h.assert_no_processes();
 }
 
+/// A memory cgroup of the test's own, under the one this process is in, capped at `limit`
+/// bytes with no swap; removed when dropped (once its processes are gone).
+struct MemoryCgroup(std::path::PathBuf);
+
+impl MemoryCgroup {
+    /// `Err` says why one cannot be made here (no permission, a layout this does not know).
+    fn create(name: &str, limit: u64) -> Result<MemoryCgroup, String> {
+        let own = std::fs::read_to_string("/proc/self/cgroup").map_err(|e| e.to_string())?;
+        let root = std::path::Path::new("/sys/fs/cgroup");
+        let mut v2 = None;
+        for line in own.lines() {
+            let fields: Vec<&str> = line.splitn(3, ':').collect();
+            let [_, controllers, path] = fields[..] else {
+                continue;
+            };
+            let path = path.trim_start_matches('/');
+            if controllers.split(',').any(|c| c == "memory") {
+                let dir = root.join("memory").join(path).join(name);
+                return MemoryCgroup::make(
+                    dir,
+                    &[
+                        ("memory.limit_in_bytes", limit),
+                        ("memory.memsw.limit_in_bytes", limit),
+                    ],
+                );
+            }
+            if controllers.is_empty() {
+                v2 = Some(root.join(path).join(name));
+            }
+        }
+        let dir = v2.ok_or("no memory cgroup in /proc/self/cgroup")?;
+        MemoryCgroup::make(dir, &[("memory.max", limit), ("memory.swap.max", 0)])
+    }
+
+    /// Makes `dir` and writes each setting it has (swap's may be missing).
+    fn make(dir: std::path::PathBuf, settings: &[(&str, u64)]) -> Result<MemoryCgroup, String> {
+        std::fs::create_dir(&dir).map_err(|e| format!("cannot make {}: {e}", dir.display()))?;
+        let cgroup = MemoryCgroup(dir);
+        for (i, (file, value)) in settings.iter().enumerate() {
+            let path = cgroup.0.join(file);
+            if i > 0 && !path.exists() {
+                continue;
+            }
+            std::fs::write(&path, value.to_string())
+                .map_err(|e| format!("cannot set {}: {e}", path.display()))?;
+        }
+        Ok(cgroup)
+    }
+
+    fn procs(&self) -> std::path::PathBuf {
+        self.0.join("cgroup.procs")
+    }
+}
+
+impl Drop for MemoryCgroup {
+    fn drop(&mut self) {
+        for _ in 0..50 {
+            if std::fs::remove_dir(&self.0).is_ok() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+/// A process rank the kernel kills for lack of memory is reported as such, as a container's
+/// is: the driver (and with it its ranks) runs in a memory cgroup of its own capped at 256 MiB,
+/// and the rank holds 1 GB. A rank killed by SIGKILL for another reason is not said to be.
+#[test]
+fn a_process_rank_killed_for_lack_of_memory_is_reported_as_such() {
+    let h = Harness::new("proc-oom");
+    let cgroup = match MemoryCgroup::create(&h.name, 256 << 20) {
+        Ok(c) => c,
+        Err(why) => {
+            eprintln!("SKIPPED a_process_rank_killed_for_lack_of_memory_is_reported_as_such: {why} (needs root and a memory cgroup)");
+            return;
+        }
+    };
+    let killed = h.config("backend: process\nmachines: [localhost]\ncommand: [sh, -c, 'kill -9 $$']\n");
+    let run = h.run_in_cgroup(&cgroup.procs(), &killed, &[]);
+    assert_eq!(run.code(), 1, "{}", run.stderr());
+    let (_, summary) = h.summary();
+    assert_eq!(summary["failure"]["cause"]["exit_code"], 137, "{summary}");
+    assert!(
+        summary["failure"]["cause"].get("out_of_memory").is_none(),
+        "{summary}"
+    );
+
+    let h = Harness::new("proc-oom-held");
+    let held = h.config(
+        "backend: process\nmachines: [localhost]\n\
+         command: [python3, -c, \"held = b'x' * 1_000_000_000; print(len(held))\"]\n",
+    );
+    let run = h.run_in_cgroup(&cgroup.procs(), &held, &[]);
+    assert_eq!(run.code(), 1, "{}", run.stderr());
+    assert!(
+        run.stderr()
+            .contains("exited with code 137: the kernel killed it for lack of memory"),
+        "{}",
+        run.stderr()
+    );
+    let (_, summary) = h.summary();
+    let cause = &summary["failure"]["cause"];
+    assert_eq!(
+        (cause["rank"].as_u64(), cause["exit_code"].as_i64()),
+        (Some(0), Some(137)),
+        "{summary}"
+    );
+    assert_eq!(cause["out_of_memory"], true, "{summary}");
+    h.assert_no_processes();
+}
+
 #[test]
 fn sigint_stops_every_rank_and_records_interrupted() {
     let h = Harness::new("proc-int");

@@ -7,6 +7,7 @@ pub mod docker;
 mod labels;
 pub mod lease;
 mod lines;
+mod oom;
 pub mod process;
 pub mod reach;
 pub mod slurm;

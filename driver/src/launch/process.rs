@@ -2,6 +2,8 @@
 //! driver alone decides when they stop (a terminal Ctrl-C reaches only the driver).
 
 use std::process::Stdio;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use nix::sys::signal::{killpg, Signal};
@@ -11,22 +13,33 @@ use tokio::process::Command;
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::lines::for_each_line;
-use super::{classify_line, LaunchError};
+use super::{classify_line, oom, LaunchError};
 use crate::events::{Event, Stream};
 use crate::experiment::Experiment;
 
 /// Time between SIGTERM and SIGKILL when stopping ranks.
 const GRACE: Duration = Duration::from_secs(3);
 
+/// The exit code of a process SIGKILL ended, as [`exit_code`] gives it.
+const SIGKILLED: i64 = 128 + 9;
+
 /// Running child processes.
 pub struct ProcessLauncher {
     groups: Vec<Pid>,
+    /// Set once the driver sends its ranks SIGKILL, after which a SIGKILL death is its own doing.
+    killing: Arc<AtomicBool>,
 }
 
 impl ProcessLauncher {
     /// Starts every rank; events go to `tx`.
     pub fn start(plan: &Experiment, tx: UnboundedSender<Event>) -> Result<ProcessLauncher, LaunchError> {
-        let mut launcher = ProcessLauncher { groups: Vec::new() };
+        let mut launcher = ProcessLauncher {
+            groups: Vec::new(),
+            killing: Arc::new(AtomicBool::new(false)),
+        };
+        // The ranks share the driver's memory cgroup: a kill counted there while they run, with a
+        // rank dead of SIGKILL the driver did not send, is the kernel's OOM killer.
+        let kills_before = oom::kills();
         for rank in &plan.ranks {
             let program = &rank.argv[0];
             let mut cmd = Command::new(program);
@@ -69,6 +82,7 @@ impl ProcessLauncher {
             ));
             let tx = tx.clone();
             let r = rank.rank;
+            let killing = launcher.killing.clone();
             tokio::spawn(async move {
                 let _ = out.await;
                 let _ = err.await;
@@ -76,10 +90,15 @@ impl ProcessLauncher {
                     Ok(status) => exit_code(status),
                     Err(_) => None,
                 };
+                let out_of_memory = exit_code == Some(SIGKILLED)
+                    && !killing.load(Ordering::SeqCst)
+                    && kills_before
+                        .zip(oom::kills())
+                        .is_some_and(|(before, now)| now > before);
                 let _ = tx.send(Event::RankExited {
                     rank: r,
                     exit_code,
-                    out_of_memory: false,
+                    out_of_memory,
                 });
             });
         }
@@ -95,8 +114,10 @@ impl ProcessLauncher {
     pub async fn stop_all_within(&self, grace: Duration) {
         self.signal_all(Signal::SIGTERM);
         let groups = self.groups.clone();
+        let killing = self.killing.clone();
         tokio::spawn(async move {
             tokio::time::sleep(grace).await;
+            killing.store(true, Ordering::SeqCst);
             for g in groups {
                 let _ = killpg(g, Signal::SIGKILL);
             }
@@ -104,6 +125,7 @@ impl ProcessLauncher {
     }
 
     fn kill_now(&self) {
+        self.killing.store(true, Ordering::SeqCst);
         self.signal_all(Signal::SIGKILL);
     }
 

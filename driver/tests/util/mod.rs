@@ -141,6 +141,33 @@ impl Harness {
         }
     }
 
+    /// Runs the driver to completion (at most 120 s) inside the cgroup whose member list is
+    /// `procs`: a shell joins it (the path as a positional parameter), then becomes the driver.
+    pub fn run_in_cgroup(&self, procs: &Path, config: &Path, args: &[&str]) -> Run {
+        let driver = self.command(config, args);
+        let mut cmd = Command::new("/bin/sh");
+        cmd.args(["-c", "echo $$ >\"$1\" && shift && exec \"$@\"", "sh"])
+            .arg(procs)
+            .arg(driver.get_program())
+            .args(driver.get_args())
+            .current_dir(self.dir.path())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        for (key, value) in driver.get_envs() {
+            match value {
+                Some(value) => cmd.env(key, value),
+                None => cmd.env_remove(key),
+            };
+        }
+        let start = Instant::now();
+        let output = wait_with_deadline(cmd.spawn().expect("start driver"), Duration::from_secs(120));
+        Run {
+            output,
+            elapsed: start.elapsed(),
+        }
+    }
+
     /// Runs the driver to completion (at most `deadline`) without `--runtime`: the ranks run the
     /// runtime image built from the workspace's source.
     pub fn run_image_mode(&self, config: &Path, args: &[&str], deadline: Duration) -> Run {
