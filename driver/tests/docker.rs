@@ -168,13 +168,13 @@ fn a_killed_container_fails_the_run_and_everything_is_removed() {
 }
 
 /// A rank the kernel kills for lack of memory is reported as such, not as a bare exit code 137:
-/// the engine says so (Docker's OOMKilled). The rank here waits until the test has capped its
-/// container's memory (`docker update`, as a host short of memory would leave it), then holds
-/// more than the cap.
+/// the engine says so (Docker's OOMKilled) when the rank's own container exits; a rank exec'd
+/// into a per-host container, which runs on, is judged by the OOM kills its container's cgroup
+/// counts. The rank here waits until the test has capped its container's memory (`docker
+/// update`, as a host short of memory would leave it), then holds more than the cap.
 #[test]
 fn a_rank_killed_for_lack_of_memory_is_reported_as_such() {
     base_image();
-    let h = Harness::new("dk-oom");
     let script = "limit() { cat /sys/fs/cgroup/memory.max /sys/fs/cgroup/memory/memory.limit_in_bytes 2>/dev/null | head -n 1; }\n\
                   n=0\n\
                   while [ \"$(limit)\" = max ] || [ \"$(limit)\" -gt 100000000 ]; do\n\
@@ -182,38 +182,44 @@ fn a_rank_killed_for_lack_of_memory_is_reported_as_such() {
                   done\n\
                   held=$(head -c 400000000 /dev/zero | tr '\\0' x)\n\
                   echo \"held ${#held} bytes\"\n";
-    let config = h.config(&format!(
-        "machines: [localhost]\ncontainer: {{build: '{}'}}\ncommand: [sh, -c, {}]\n",
-        local_context().display(),
-        serde_json::to_string(script).unwrap()
-    ));
-    let child = h.spawn(&config, &[]);
-    let rank = h.wait_for_running(1, Duration::from_secs(60)).remove(0);
-    let capped_at = Instant::now();
-    docker(&["update", "--memory", "32m", "--memory-swap", "32m", &rank]);
-    let (dir, summary) = h.expect_stop(child, capped_at, Duration::from_secs(60), 1);
-    let cause = &summary["failure"]["cause"];
-    assert_eq!(
-        (cause["rank"].as_u64(), cause["exit_code"].as_i64()),
-        (Some(0), Some(137)),
-        "{summary}"
-    );
-    assert_eq!(cause["out_of_memory"], true, "{summary}");
-    let shown = h.driver(
-        &[
-            "results".as_ref(),
-            "--format".as_ref(),
-            "json".as_ref(),
-            dir.as_os_str(),
-        ],
-        Duration::from_secs(60),
-    );
-    assert!(
-        shown.stdout().contains("the kernel killed it for lack of memory"),
-        "{}",
-        shown.stdout()
-    );
-    h.assert_no_containers();
+    for (test, mode) in [
+        ("dk-oom", &[][..]),
+        ("dk-oom-host", &["--launch-single-container"][..]),
+    ] {
+        let h = Harness::new(test);
+        let config = h.config(&format!(
+            "machines: [localhost]\ncontainer: {{build: '{}'}}\ncommand: [sh, -c, {}]\n",
+            local_context().display(),
+            serde_json::to_string(script).unwrap()
+        ));
+        let child = h.spawn(&config, mode);
+        let container = h.wait_for_running(1, Duration::from_secs(60)).remove(0);
+        let capped_at = Instant::now();
+        docker(&["update", "--memory", "32m", "--memory-swap", "32m", &container]);
+        let (dir, summary) = h.expect_stop(child, capped_at, Duration::from_secs(60), 1);
+        let cause = &summary["failure"]["cause"];
+        assert_eq!(
+            (cause["rank"].as_u64(), cause["exit_code"].as_i64()),
+            (Some(0), Some(137)),
+            "{mode:?}: {summary}"
+        );
+        assert_eq!(cause["out_of_memory"], true, "{mode:?}: {summary}");
+        let shown = h.driver(
+            &[
+                "results".as_ref(),
+                "--format".as_ref(),
+                "json".as_ref(),
+                dir.as_os_str(),
+            ],
+            Duration::from_secs(60),
+        );
+        assert!(
+            shown.stdout().contains("the kernel killed it for lack of memory"),
+            "{mode:?}: {}",
+            shown.stdout()
+        );
+        h.assert_no_containers();
+    }
 }
 
 /// An image the driver did not build, here one holding a single file: no `/bin/sh` for the

@@ -23,7 +23,7 @@ use super::cleanup::{self, Tracked};
 use super::labels::{LABEL_EXPERIMENT, LABEL_NAME, LABEL_RANK};
 use super::lease::{self, Leased, Renewer};
 use super::lines::LineSplitter;
-use super::{classify_line, LaunchError};
+use super::{classify_line, oom, LaunchError};
 use crate::events::{Event, LeftContainer, Stream};
 use crate::experiment::{Experiment, RankSpec};
 use crate::hosts::HostError;
@@ -529,6 +529,33 @@ async fn exited(host: &Host, id: &str) -> Option<LaunchError> {
     })
 }
 
+/// Processes the kernel has killed for lack of memory in running container `id` since it
+/// started (its memory cgroup is its own), read inside it by the image's `/bin/sh`; `None` when
+/// that cannot be read.
+async fn oom_kills_inside(host: &Host, id: &str) -> Option<u64> {
+    let options = CreateExecOptions {
+        cmd: Some(["/bin/sh", "-c", oom::COUNT_SCRIPT].map(String::from).to_vec()),
+        attach_stdout: Some(true),
+        ..Default::default()
+    };
+    let read = async {
+        let exec = host.docker.create_exec(id, options).await.ok()?;
+        let StartExecResults::Attached { mut output, .. } =
+            host.docker.start_exec(&exec.id, None).await.ok()?
+        else {
+            return None;
+        };
+        let mut text = String::new();
+        while let Some(Ok(item)) = output.next().await {
+            if let LogOutput::StdOut { message } = item {
+                text.push_str(&String::from_utf8_lossy(&message));
+            }
+        }
+        text.trim().parse().ok()
+    };
+    tokio::time::timeout(Duration::from_secs(10), read).await.ok()?
+}
+
 /// Streams an exec's output into events, then reports its exit code.
 async fn follow_exec(
     host: Host,
@@ -550,10 +577,16 @@ async fn follow_exec(
             Ok(i) if i.running == Some(true) => tokio::time::sleep(Duration::from_millis(50)).await,
             Ok(i) => {
                 let failed = i.exit_code.is_some_and(|c| c != 0);
+                // Docker sets OOMKilled only once the container exits, and this one may run on;
+                // a rank SIGKILLed where its container's cgroup counts an OOM kill died of one.
+                let out_of_memory = failed
+                    && (out_of_memory(&host, &container).await
+                        || (i.exit_code == Some(oom::SIGKILLED)
+                            && oom_kills_inside(&host, &container).await.is_some_and(|n| n > 0)));
                 event = Event::RankExited {
                     rank,
                     exit_code: i.exit_code,
-                    out_of_memory: failed && out_of_memory(&host, &container).await,
+                    out_of_memory,
                 };
                 break;
             }

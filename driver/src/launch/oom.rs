@@ -1,9 +1,28 @@
-//! Whether the kernel killed a process for lack of memory, for ranks that are plain processes:
-//! the count of such kills in the driver's memory cgroup, which its ranks inherit. cgroup v2
-//! keeps it in `memory.events`, v1 in `memory.oom_control`, both as `oom_kill N`; the kernel
-//! counts a kill there whichever limit ran out (the cgroup's or the machine's).
+//! Whether the kernel killed a rank for lack of memory where no engine says so: for ranks that are
+//! plain processes, the count of such kills in the driver's memory cgroup, which its ranks
+//! inherit; for ranks exec'd into a per-host container, which runs on, the container's own count,
+//! read inside it. cgroup v2 keeps it in `memory.events`, v1 in `memory.oom_control`, both as
+//! `oom_kill N`; the kernel counts a kill there whichever limit ran out (the cgroup's or the
+//! machine's).
 
 use std::path::{Path, PathBuf};
+
+/// The exit code of a process SIGKILL ended (the OOM killer's signal), as shells give it.
+pub const SIGKILLED: i64 = 128 + 9;
+
+/// A POSIX sh script that prints the kill count of the memory cgroup its shell sees at the cgroup
+/// mount, a container's own in a container (cgroup v2's `memory.events`, v1's
+/// `memory/memory.oom_control`), with the shell's builtins alone; exits 1 where neither is.
+/// Constant text: run as `sh -c SCRIPT`.
+pub const COUNT_SCRIPT: &str = r#"for f in /sys/fs/cgroup/memory.events /sys/fs/cgroup/memory/memory.oom_control; do
+    [ -r "$f" ] || continue
+    while read -r key value; do
+        [ "$key" = oom_kill ] && echo "$value"
+    done <"$f"
+    exit 0
+done
+exit 1
+"#;
 
 /// Where the kill count of the memory cgroup described by `proc_cgroup` (a `/proc/PID/cgroup`)
 /// is, under the cgroup file system mounted at `root`: v1's memory hierarchy when there is one,

@@ -20,9 +20,6 @@ use crate::experiment::Experiment;
 /// Time between SIGTERM and SIGKILL when stopping ranks.
 const GRACE: Duration = Duration::from_secs(3);
 
-/// The exit code of a process SIGKILL ended, as [`exit_code`] gives it.
-const SIGKILLED: i64 = 128 + 9;
-
 /// Running child processes.
 pub struct ProcessLauncher {
     groups: Vec<Pid>,
@@ -90,7 +87,7 @@ impl ProcessLauncher {
                     Ok(status) => exit_code(status),
                     Err(_) => None,
                 };
-                let out_of_memory = exit_code == Some(SIGKILLED)
+                let out_of_memory = exit_code == Some(oom::SIGKILLED)
                     && !killing.load(Ordering::SeqCst)
                     && kills_before
                         .zip(oom::kills())
