@@ -233,8 +233,9 @@ pub enum Event {
     },
     /// A rank was seen to end; `exit_code` is `None` when it was killed without one.
     /// `out_of_memory`: the kernel is known to have killed it (or a process of its container) for
-    /// lack of memory: Docker's `OOMKilled`, or for a process rank the OOM kills counted in the
-    /// driver's memory cgroup (launch/oom.rs); false where nothing says so (Slurm).
+    /// lack of memory: Docker's `OOMKilled` or the container's cgroup count, for a process rank
+    /// the count of the driver's memory cgroup (launch/oom.rs), srun's "Out Of Memory"; false
+    /// where nothing says so.
     RankExited {
         rank: usize,
         exit_code: Option<i64>,

@@ -19,7 +19,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use tokio::sync::watch;
 
 use super::lines::for_each_line;
-use super::{classify_line, LaunchError};
+use super::{classify_line, oom, LaunchError};
 use crate::config::SlurmSettings;
 use crate::events::{Event, SlurmEvent, SlurmJob, Stream};
 use crate::experiment::Experiment;
@@ -420,14 +420,18 @@ fn stderr_events(s: &mut JobState, line: String) -> Vec<Event> {
                 });
             }
         }
-        SrunLine::TasksEnded { tasks, exit_code } => {
+        SrunLine::TasksEnded {
+            tasks,
+            exit_code,
+            out_of_memory,
+        } => {
             for rank in tasks {
                 if !s.ranks_ended.contains(&rank) {
                     s.ranks_ended.push(rank);
                     events.push(Event::RankExited {
                         rank,
                         exit_code,
-                        out_of_memory: false,
+                        out_of_memory,
                     });
                 }
             }
@@ -458,10 +462,12 @@ enum SrunLine {
     Allocated { job_id: u64, nodes: Vec<String> },
     /// `srun: launching StepId=12.0 on host n1, 2 tasks: [0-1]`.
     Launching { host: String, tasks: Vec<usize> },
-    /// `srun: error: n1: task 1: Exited with exit code 3` (or `tasks 0-1: Terminated`).
+    /// `srun: error: n1: task 1: Exited with exit code 3` (or `tasks 0-1: Terminated`, or `task
+    /// 0: Out Of Memory`: Slurm's cgroup saw it killed for memory; srun says so once a step).
     TasksEnded {
         tasks: Vec<usize>,
         exit_code: Option<i64>,
+        out_of_memory: bool,
     },
     /// Anything else srun says; errors and warnings are `important`.
     Srun { important: bool },
@@ -536,9 +542,16 @@ fn parse_srun_line(line: &str) -> SrunLine {
         let (_host, tasks, reason) = (parts.next(), parts.next(), parts.next());
         let tasks = tasks.and_then(|t| t.strip_prefix("tasks ").or_else(|| t.strip_prefix("task ")));
         if let (Some(tasks), Some(reason)) = (tasks.and_then(task_list), reason) {
+            // The kernel's OOM killer sends SIGKILL.
+            let out_of_memory = reason.trim() == "Out Of Memory";
             return SrunLine::TasksEnded {
                 tasks,
-                exit_code: exit_code_of(reason),
+                exit_code: if out_of_memory {
+                    Some(oom::SIGKILLED)
+                } else {
+                    exit_code_of(reason)
+                },
+                out_of_memory,
             };
         }
     }
@@ -635,7 +648,11 @@ mod tests {
     #[test]
     fn task_ends_carry_the_exit_code_a_shell_would_show() {
         let ended = |line| match parse_srun_line(line) {
-            SrunLine::TasksEnded { tasks, exit_code } => (tasks, exit_code),
+            SrunLine::TasksEnded {
+                tasks,
+                exit_code,
+                out_of_memory: false,
+            } => (tasks, exit_code),
             other => panic!("{line}: {other:?}"),
         };
         assert_eq!(
@@ -648,6 +665,15 @@ mod tests {
             (vec![0, 1, 2, 5], Some(137))
         );
         assert_eq!(ended("srun: error: n1: task 4: Bus error"), (vec![4], None));
+        // Slurm's task/cgroup plugin saw the task killed for memory.
+        assert_eq!(
+            parse_srun_line("srun: error: gpu01: task 1: Out Of Memory"),
+            SrunLine::TasksEnded {
+                tasks: vec![1],
+                exit_code: Some(137),
+                out_of_memory: true
+            }
+        );
         assert_eq!(
             parse_srun_line("srun: error: Unable to allocate resources: Invalid partition name specified"),
             SrunLine::Srun { important: true }
