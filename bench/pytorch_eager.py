@@ -197,7 +197,11 @@ def build(a):
         return mlp(a)
     if a.model == "transformer":
         return Transformer(a)
-    import torchvision
+    try:
+        import torchvision
+    except ModuleNotFoundError:
+        raise SystemExit(f"pytorch_eager.py: {a.model} is torchvision's, which this Python lacks; run "
+                         "scripts/bench-runtime (it installs torchvision==0.26.0) or pip install it")
 
     if a.model == "vgg16":
         return torchvision.models.vgg16(num_classes=a.num_classes, dropout=a.dropout)
