@@ -101,7 +101,7 @@ pub enum LaunchError {
     },
 }
 
-/// A container's last log line, quoted, when it left one.
+/// A container's last log line after `; its last line: `, when it left one.
 fn last_words(last: &str) -> String {
     match last.trim() {
         "" => String::new(),
