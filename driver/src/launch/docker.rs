@@ -155,24 +155,13 @@ impl DockerLauncher {
                 attach_stderr: Some(true),
                 ..Default::default()
             };
-            // When the container's own process (the guard) has ended, the engine refuses execs
-            // into it: say how it ended instead.
-            let refused = |action: &'static str| {
-                let container = container.clone();
-                move |source| async move {
-                    match exited(host, &container).await {
-                        Some(error) => error,
-                        None => docker_err(action)(source),
-                    }
-                }
-            };
             let exec = match host.docker.create_exec(&container, options).await {
                 Ok(exec) => exec,
-                Err(source) => return Err(refused("create an exec")(source).await),
+                Err(source) => return Err(exec_refused(host, &container, "create an exec", source).await),
             };
             let started = match host.docker.start_exec(&exec.id, None).await {
                 Ok(started) => started,
-                Err(source) => return Err(refused("start an exec")(source).await),
+                Err(source) => return Err(exec_refused(host, &container, "start an exec", source).await),
             };
             let StartExecResults::Attached { output, .. } = started else {
                 let source = DockerError::DockerStreamError {
@@ -492,6 +481,24 @@ async fn out_of_memory(host: &Host, id: &str) -> bool {
     match tokio::time::timeout(Duration::from_secs(10), inspected).await {
         Ok(Ok(container)) => container.state.and_then(|s| s.oom_killed).unwrap_or(false),
         _ => false,
+    }
+}
+
+/// Why the engine refused an exec into `container`: how the container ended, when its own
+/// process (the guard) has, else the engine's error.
+async fn exec_refused(
+    host: &Host,
+    container: &str,
+    action: &'static str,
+    source: DockerError,
+) -> LaunchError {
+    match exited(host, container).await {
+        Some(error) => error,
+        None => LaunchError::from(HostError::Docker {
+            host: host.name.clone(),
+            action,
+            source,
+        }),
     }
 }
 
