@@ -39,7 +39,7 @@ pub struct PlanRequest {
 impl PlanRequest {
     /// The microbatches of a flushing schedule (GPipe, 1F1B), if the plan is for one.
     pub fn flushing(&self) -> Option<usize> {
-        matches!(self.schedule, Some(Schedule::Gpipe | Schedule::OneFOneB)).then_some(self.microbatches)
+        flushes(self.schedule).then_some(self.microbatches)
     }
 
     /// The planner's view of the schedule.
@@ -53,6 +53,12 @@ impl PlanRequest {
             Some(Schedule::Pipedream) => stagehand_planner::Schedule::PipeDream { microbatches },
         }
     }
+}
+
+/// Whether `schedule` flushes the pipeline every minibatch (GPipe, 1F1B), so a plan for it is
+/// judged with fill and drain.
+fn flushes(schedule: Option<Schedule>) -> bool {
+    matches!(schedule, Some(Schedule::Gpipe | Schedule::OneFOneB))
 }
 
 /// A validated `driver plan` request.
@@ -457,7 +463,7 @@ pub fn render_source(source: &Source, plan: &Plan, prediction: &Prediction) -> S
     if !prediction.alternatives.is_empty() {
         let _ = writeln!(out, "runner-ups, the best split of each other shape:");
         // Compared by what the planner minimised: with fill and drain for GPipe and 1F1B.
-        let flushing = matches!(prediction.schedule, Some(Schedule::Gpipe | Schedule::OneFOneB));
+        let flushing = flushes(prediction.schedule);
         for a in &prediction.alternatives {
             let shape: Vec<String> = a.stages.iter().map(|s| s.replicas.to_string()).collect();
             let (steady, with_flush) = (
