@@ -74,6 +74,24 @@ pub fn cuda() -> Result<&'static Cuda, &'static str> {
     CUDA.get_or_init(load::load).as_ref().map_err(String::as_str)
 }
 
+/// For a unit test that needs a GPU: the first CUDA device, with libtorch_cuda loaded the
+/// runtime's way (the only way libtorch sees CUDA here); else `None`, after saying loudly on
+/// stderr why (`SKIPPED <test>: ...`, which scripts/gpu-checks counts).
+#[cfg(test)]
+pub(crate) fn test_gpu(test: &str) -> Option<tch::Device> {
+    match cuda().map(Cuda::device_count) {
+        Ok(n) if n > 0 => Some(tch::Device::Cuda(0)),
+        Ok(_) => {
+            eprintln!("SKIPPED {test}: no CUDA device here");
+            None
+        }
+        Err(reason) => {
+            eprintln!("SKIPPED {test}: CUDA is unavailable: {reason}");
+            None
+        }
+    }
+}
+
 impl Cuda {
     pub(crate) fn from_api(api: Api) -> Cuda {
         // SAFETY: plain queries through a loaded bridge.

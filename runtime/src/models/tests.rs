@@ -159,27 +159,18 @@ fn every_family_initialises_a_module_alone_as_after_the_others() {
 /// Values are drawn on the CPU and copied: a module built on a GPU holds the CPU's values.
 #[test]
 fn a_module_built_on_a_gpu_holds_the_cpus_values() {
-    // Loading libtorch_cuda (the runtime's way) is what makes CUDA devices visible to libtorch.
-    match crate::cuda::cuda().map(|cuda| cuda.device_count()) {
-        Ok(n) if n > 0 => {}
-        Ok(_) => {
-            eprintln!("SKIPPED a_module_built_on_a_gpu_holds_the_cpus_values: no CUDA device here");
-            return;
-        }
-        Err(reason) => {
-            eprintln!("SKIPPED a_module_built_on_a_gpu_holds_the_cpus_values: CUDA is unavailable: {reason}");
-            return;
-        }
-    }
+    let Some(gpu) = crate::cuda::test_gpu("a_module_built_on_a_gpu_holds_the_cpus_values") else {
+        return;
+    };
     let def = ModelDef::named("resnet50", &options("resnet50")).unwrap();
     let cpu = nn::VarStore::new(tch::Device::Cpu);
     def.build(&cpu.root(), 0..5, 2);
-    let cuda = nn::VarStore::new(tch::Device::Cuda(0));
+    let cuda = nn::VarStore::new(gpu);
     def.build(&cuda.root(), 0..5, 2);
     let cuda_vars = cuda.variables();
     for (var, tensor) in cpu.variables() {
         let on_gpu = &cuda_vars[&var];
-        assert_eq!(on_gpu.device(), tch::Device::Cuda(0), "{var}");
+        assert_eq!(on_gpu.device(), gpu, "{var}");
         assert!(
             tensor.equal(&on_gpu.to_device(tch::Device::Cpu)),
             "{var} differs on the GPU"

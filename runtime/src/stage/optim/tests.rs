@@ -2,7 +2,7 @@
 //! runtime/tests/fixtures/optim/generate.py), and the properties weight stashing relies on.
 
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::PathBuf;
 
 use serde::Deserialize;
 use tch::{Device, Kind, Tensor};
@@ -10,6 +10,16 @@ use tch::{Device, Kind, Tensor};
 use super::*;
 
 const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/optim");
+
+/// The fixtures where this crate was built, else under the current folder: scripts/gpu-checks
+/// runs the test binary from the root of a copy of the checkout on another machine.
+fn fixtures_dir() -> PathBuf {
+    let built_here = PathBuf::from(FIXTURES);
+    match built_here.is_dir() {
+        true => built_here,
+        false => PathBuf::from("runtime/tests/fixtures/optim"),
+    }
+}
 
 /// cases.json.
 #[derive(Deserialize)]
@@ -74,7 +84,7 @@ struct Fixtures {
 
 impl Fixtures {
     fn load() -> Fixtures {
-        let dir = Path::new(FIXTURES);
+        let dir = fixtures_dir();
         let meta: Meta = serde_json::from_str(
             &std::fs::read_to_string(dir.join("cases.json")).expect("reading cases.json"),
         )
@@ -94,22 +104,33 @@ impl Fixtures {
             .unwrap_or_else(|| panic!("tensors.npz has no {name}"))
     }
 
-    /// Our parameters after the fixture's steps with `kind`.
-    fn run(&self, kind: OptimizerKind, lr: f64) -> Vec<Tensor> {
-        let n = self.meta.shapes.len();
-        let params: Vec<Tensor> = (0..n)
-            .map(|i| self.get(&format!("param{i}")).copy().set_requires_grad(true))
-            .collect();
+    /// The fixture's initial parameters, on `device`.
+    fn params(&self, device: Device) -> Vec<Tensor> {
+        (0..self.meta.shapes.len())
+            .map(|i| {
+                self.get(&format!("param{i}"))
+                    .to_device(device)
+                    .copy()
+                    .set_requires_grad(true)
+            })
+            .collect()
+    }
+
+    /// Our parameters after the fixture's steps with `kind` on `device`, back on the CPU.
+    fn run(&self, kind: OptimizerKind, lr: f64, device: Device) -> Vec<Tensor> {
+        let params = self.params(device);
         let mut opt = Optimizer::new(kind, lr, params.iter().map(Tensor::shallow_clone).collect());
         for t in 0..self.meta.steps {
             opt.zero_grad();
             for (i, p) in params.iter().enumerate() {
                 // d/dp sum(p * g) is exactly g.
-                (p * self.grad(i, t, false)).sum(Kind::Float).backward();
+                (p * self.grad(i, t, false).to_device(device))
+                    .sum(Kind::Float)
+                    .backward();
             }
             opt.step().unwrap();
         }
-        params.iter().map(Tensor::detach).collect()
+        params.iter().map(|p| p.detach().to_device(Device::Cpu)).collect()
     }
 
     /// The gradient of parameter `i` at step `t`, with the fixture's bad value put in at the
@@ -129,22 +150,20 @@ impl Fixtures {
         grad
     }
 
-    /// Our parameters after the fixture's steps behind fp16's gradient scaler (the loss scaled,
-    /// the bad steps' flags on the device), and the scaler's final scale. `honour_flag: false`
-    /// steps regardless of it (the check that the parity test can fail).
-    fn run_amp(&self, kind: OptimizerKind, lr: f64, honour_flag: bool) -> (Vec<Tensor>, f64) {
-        let n = self.meta.shapes.len();
-        let params: Vec<Tensor> = (0..n)
-            .map(|i| self.get(&format!("param{i}")).copy().set_requires_grad(true))
-            .collect();
+    /// Our parameters (back on the CPU) after the fixture's steps on `device` behind fp16's
+    /// gradient scaler (the loss scaled, the bad steps' flags on the device), and the scaler's
+    /// final scale. `honour_flag: false` steps regardless of it (the check that the parity test
+    /// can fail).
+    fn run_amp(&self, kind: OptimizerKind, lr: f64, honour_flag: bool, device: Device) -> (Vec<Tensor>, f64) {
+        let params = self.params(device);
         let mut opt = Optimizer::new(kind, lr, params.iter().map(Tensor::shallow_clone).collect());
-        let mut scaler = crate::stage::GradScaler::new(Device::Cpu, crate::config::DEFAULT_FP16_INIT_SCALE);
+        let mut scaler = crate::stage::GradScaler::new(device, crate::config::DEFAULT_FP16_INIT_SCALE);
         for t in 0..self.meta.steps {
             opt.zero_grad();
             let loss = params
                 .iter()
                 .enumerate()
-                .map(|(i, p)| (p * self.grad(i, t, true)).sum(Kind::Float))
+                .map(|(i, p)| (p * self.grad(i, t, true).to_device(device)).sum(Kind::Float))
                 .reduce(|a, b| a + b)
                 .expect("parameters");
             scaler.scale_loss(&loss).backward();
@@ -157,7 +176,10 @@ impl Fixtures {
             scaler.update().unwrap();
         }
         let scale = scaler.report().scale;
-        (params.iter().map(Tensor::detach).collect(), scale)
+        (
+            params.iter().map(|p| p.detach().to_device(Device::Cpu)).collect(),
+            scale,
+        )
     }
 
     /// How far `ours` is from torch's result `{case}_{path}{i}`: the largest absolute difference,
@@ -187,54 +209,86 @@ struct Difference {
     of_tolerance: f64,
 }
 
-#[test]
-fn every_case_matches_torch_foreach_and_fused() {
+/// Every case stepped on `device` ends where torch.optim's foreach and fused paths (on the CPU)
+/// do, within the tolerance the rounding allows (the same bound on any device: each kernel's
+/// operations round once each, in whatever order).
+fn every_case_matches_torch_on(device: Device) {
     let fixtures = Fixtures::load();
     assert_eq!(fixtures.meta.cases.len(), 8);
     for case in &fixtures.meta.cases {
-        let ours = fixtures.run(case.kind(), case.lr);
+        let ours = fixtures.run(case.kind(), case.lr, device);
         for path in ["foreach", "fused"] {
             let d = fixtures.compare(&case.name, path, &ours);
             println!(
-                "{:<26} vs torch {path:<7}: max |diff| {:.3e}, relative to scale {:.3e} ({:.4} of the tolerance)",
+                "{:<26} on {device:?} vs torch {path:<7}: max |diff| {:.3e}, relative to scale {:.3e} ({:.4} of the tolerance)",
                 case.name, d.abs, d.rel, d.of_tolerance
             );
             assert!(
                 d.of_tolerance <= 1.0,
-                "{} differs from torch's {path} path: {d:?}",
+                "{} on {device:?} differs from torch's {path} path: {d:?}",
                 case.name
             );
         }
     }
 }
 
-/// fp16: behind the gradient scaler, with an inf at the first step and a nan at a later one,
-/// every case ends where torch.amp.GradScaler with torch.optim's foreach path does (the whole step
-/// skipped, torch's reference), the scale halved twice; stepping regardless of the flag is far off.
-#[test]
-fn every_case_behind_the_gradient_scaler_matches_torch() {
+/// fp16 on `device`: behind the gradient scaler, with an inf at the first step and a nan at a
+/// later one, every case ends where torch.amp.GradScaler with torch.optim's foreach path does (the
+/// whole step skipped, torch's reference), the scale halved twice; stepping regardless of the
+/// flag is far off.
+fn every_case_behind_the_gradient_scaler_matches_torch_on(device: Device) {
     let fixtures = Fixtures::load();
     assert!(
         fixtures.meta.amp.bad.iter().any(|b| b.step == 0),
         "a skipped first step is covered"
     );
     for case in &fixtures.meta.cases {
-        let (ours, scale) = fixtures.run_amp(case.kind(), case.lr, true);
-        assert_eq!(scale, fixtures.meta.amp.final_scale, "{}", case.name);
+        let (ours, scale) = fixtures.run_amp(case.kind(), case.lr, true, device);
+        assert_eq!(
+            scale, fixtures.meta.amp.final_scale,
+            "{} on {device:?}",
+            case.name
+        );
         let d = fixtures.compare(&case.name, "amp", &ours);
         println!(
-            "{:<26} vs torch amp     : max |diff| {:.3e}, relative to scale {:.3e} ({:.4} of the tolerance)",
+            "{:<26} on {device:?} vs torch amp     : max |diff| {:.3e}, relative to scale {:.3e} ({:.4} of the tolerance)",
             case.name, d.abs, d.rel, d.of_tolerance
         );
-        assert!(d.of_tolerance <= 1.0, "{} behind the scaler: {d:?}", case.name);
-        let (unflagged, _) = fixtures.run_amp(case.kind(), case.lr, false);
+        assert!(
+            d.of_tolerance <= 1.0,
+            "{} on {device:?} behind the scaler: {d:?}",
+            case.name
+        );
+        let (unflagged, _) = fixtures.run_amp(case.kind(), case.lr, false, device);
         let d = fixtures.compare(&case.name, "amp", &unflagged);
         assert!(
             d.of_tolerance > 1.0,
-            "{} passed with the flag ignored: {d:?}",
+            "{} on {device:?} passed with the flag ignored: {d:?}",
             case.name
         );
     }
+}
+
+#[test]
+fn every_case_matches_torch_foreach_and_fused() {
+    every_case_matches_torch_on(Device::Cpu);
+}
+
+#[test]
+fn every_case_behind_the_gradient_scaler_matches_torch() {
+    every_case_behind_the_gradient_scaler_matches_torch_on(Device::Cpu);
+}
+
+/// On a GPU, PyTorch's CUDA kernels behind the same calls (the fused multi-tensor steps, the
+/// scaler's unscale and update) end where torch.optim does, every case, with and without the
+/// scaler. Skips loudly without a GPU.
+#[test]
+fn gpu_every_case_matches_torch_on_a_gpu() {
+    let Some(gpu) = crate::cuda::test_gpu("gpu_every_case_matches_torch_on_a_gpu") else {
+        return;
+    };
+    every_case_matches_torch_on(gpu);
+    every_case_behind_the_gradient_scaler_matches_torch_on(gpu);
 }
 
 #[test]
@@ -277,7 +331,7 @@ fn a_wrong_option_fails_the_parity_check() {
         ("adamw_weight_decay", OptimizerKind::Adam { weight_decay: 0.1 }),
     ];
     for (name, kind) in wrong {
-        let ours = fixtures.run(kind, case(name).lr);
+        let ours = fixtures.run(kind, case(name).lr, Device::Cpu);
         let d = fixtures.compare(name, "fused", &ours);
         println!(
             "{name} run as {kind:?}: {:.1} times the tolerance",
