@@ -261,6 +261,47 @@ fn gpu_cpu_and_cuda_agree_on_the_first_loss() {
     }
 }
 
+/// `runtime profile --device cuda` measures every module on the GPU (each time taken once the GPU
+/// has run the work), in the arithmetic it is given, as on the CPU: float32 activations, or
+/// bfloat16 ones (half the bytes) with `--precision bf16 --channels-last`.
+#[test]
+fn gpu_profile_measures_every_module_on_the_gpu() {
+    let Some(_) = gpus("gpu_profile_measures_every_module_on_the_gpu") else {
+        return;
+    };
+    for (arithmetic, bytes) in [("fp32", 4), ("bf16 channels_last", 2)] {
+        let mut args = vec!["--device", "cuda"];
+        if arithmetic != "fp32" {
+            args.extend(["--precision", "bf16", "--channels-last"]);
+        }
+        let profile = crate::single::profile_resnet50(&args);
+        assert_eq!(profile.device, "cuda:0");
+        assert_eq!(profile.arithmetic(), arithmetic);
+        assert_eq!(
+            profile.modules.len(),
+            21,
+            "conv1, maxpool, 16 blocks, avgpool, fc, loss"
+        );
+        let (loss, modules) = profile.modules.split_last().unwrap();
+        assert_eq!(loss.name, "loss");
+        for m in modules {
+            let elements: i64 = m.output_shape.iter().product();
+            assert_eq!(
+                m.activation_bytes,
+                elements as u64 * bytes,
+                "{arithmetic}: {}",
+                m.name
+            );
+            assert!(
+                m.forward_s > 0.0 && m.backward_s > 0.0,
+                "{arithmetic}: {}: {m:?}",
+                m.name
+            );
+        }
+        assert_eq!(modules.iter().map(|m| m.param_bytes).sum::<u64>(), 25_557_032 * 4);
+    }
+}
+
 /// GPUs that talk through the CPU: two stages on one GPU over Gloo, whose tensors cross through
 /// pinned host buffers, train as the same model in one process does.
 #[test]

@@ -526,7 +526,7 @@ fn modules_lists_every_module_with_shapes() {
 
 /// `runtime profile` of resnet50 at batch 2 on 32x32 images, one repeat, two threads, with
 /// `extra` flags: the profile it wrote.
-fn profile_resnet50(extra: &[&str]) -> stagehand_contract::Profile {
+pub(crate) fn profile_resnet50(extra: &[&str]) -> stagehand_contract::Profile {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("profile.json");
     let out = runtime()
