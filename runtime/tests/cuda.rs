@@ -341,6 +341,25 @@ fn gpu_a_gloo_pipeline_on_one_gpu_stages_through_host_memory() {
     }
 }
 
+/// Replicas on one GPU, over Gloo: the all-reduce started from CUDA autograd's hooks during the
+/// backward (`--overlap-reduce on`, the default on GPUs), in buckets of one tensor and of all,
+/// trains exactly as the all-reduce after the backward (reduce.rs says why bit for bit).
+#[test]
+fn gpu_an_overlapped_all_reduce_on_a_gpu_trains_as_one_after_the_backward() {
+    let Some(_) = gpus("gpu_an_overlapped_all_reduce_on_a_gpu_trains_as_one_after_the_backward") else {
+        return;
+    };
+    let base = format!("{} --device cuda:0 --backend gloo", crate::reduce::MLP);
+    let dp = ["--schedule", "gpipe", "--microbatches", "4"];
+    crate::reduce::overlap_matches_after_backward(
+        "mlp on cuda:0, 2 replicas over gloo",
+        2,
+        &base,
+        &dp,
+        &["0.01", "25"],
+    );
+}
+
 #[test]
 fn gpu_nccl_on_two_ranks_of_one_gpu_is_a_clear_error() {
     let Some(count) = gpus("gpu_nccl_on_two_ranks_of_one_gpu_is_a_clear_error") else {

@@ -19,7 +19,7 @@ use crate::util::{read_params, run_ranks_ok, words, Run};
 const LIMIT: Duration = Duration::from_secs(180);
 
 /// The MLP: its layers' weights are 48 KiB and 16 KiB, its head's 2.5 KiB.
-const MLP: &str = "--model mlp --layers 4 --hidden 64 --image-size 8 --batch-size 16 --threads 1 \
+pub(crate) const MLP: &str = "--model mlp --layers 4 --hidden 64 --image-size 8 --batch-size 16 --threads 1 \
                    --seed 3 --iterations 4 --lr 0.05";
 
 /// A convolutional model with batch norm, small images: 25.6M parameters in 161 tensors.
@@ -82,7 +82,13 @@ fn assert_identical(what: &str, ours: &Path, theirs: &Path) {
 /// Trains `base` on `world` ranks after the backward (25 MiB buckets) and then overlapped with
 /// each of `buckets` (MiB) plus once more after the backward with the smallest, and asserts every
 /// run ends with the reference's parameters and losses, bit for bit.
-fn overlap_matches_after_backward(what: &str, world: usize, base: &str, split: &[&str], buckets: &[&str]) {
+pub(crate) fn overlap_matches_after_backward(
+    what: &str,
+    world: usize,
+    base: &str,
+    split: &[&str],
+    buckets: &[&str],
+) {
     let tmp = tempfile::tempdir().unwrap();
     let reference = tmp.path().join("after");
     let off = [split, &["--overlap-reduce", "off"]].concat();
