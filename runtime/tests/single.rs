@@ -554,6 +554,29 @@ pub(crate) fn profile_resnet50(extra: &[&str]) -> stagehand_contract::Profile {
     stagehand_contract::Profile::from_json(&std::fs::read_to_string(&path).unwrap()).unwrap()
 }
 
+/// What every profile of [`profile_resnet50`] holds, in any arithmetic and on any device:
+/// resnet50's 20 modules and the loss, each module's output in `bytes` per element (what would
+/// cross a stage boundary), a forward and a backward time (every module but the first trains
+/// through its input, and the first has weights), and float32 parameters (autocast casts copies,
+/// so replicas all-reduce as many bytes in any arithmetic).
+pub(crate) fn assert_profiled_resnet50(profile: &stagehand_contract::Profile, bytes: u64) {
+    assert_eq!(
+        profile.modules.len(),
+        21,
+        "conv1, maxpool, 16 blocks, avgpool, fc, loss"
+    );
+    let (loss, modules) = profile.modules.split_last().unwrap();
+    assert_eq!(loss.name, "loss");
+    assert_eq!(modules[2].name, "layer1.0");
+    assert_eq!(modules[0].output_shape, [2, 64, 16, 16]);
+    for m in modules {
+        let elements: i64 = m.output_shape.iter().product();
+        assert_eq!(m.activation_bytes, elements as u64 * bytes, "{}", m.name);
+        assert!(m.forward_s > 0.0 && m.backward_s > 0.0, "{}: {m:?}", m.name);
+    }
+    assert_eq!(modules.iter().map(|m| m.param_bytes).sum::<u64>(), 25_557_032 * 4);
+}
+
 #[test]
 fn profile_measures_every_module() {
     let profile = profile_resnet50(&[]);
@@ -565,19 +588,9 @@ fn profile_measures_every_module() {
         (profile.model.as_str(), profile.batch_size, profile.threads),
         ("resnet50", 2, 2)
     );
-    assert_eq!(
-        profile.modules.len(),
-        21,
-        "conv1, maxpool, 16 blocks, avgpool, fc, loss"
-    );
-    assert_eq!(profile.modules[2].name, "layer1.0");
-    assert_eq!(
-        profile.modules.iter().map(|m| m.param_bytes).sum::<u64>(),
-        25_557_032 * 4
-    );
+    assert_profiled_resnet50(&profile, 4);
     for m in &profile.modules {
         let elements: i64 = m.output_shape.iter().product();
-        assert_eq!(m.activation_bytes, elements as u64 * 4, "{}", m.name);
         // --compress-activations sends a float32 activation in float16.
         assert_eq!(
             m.compressed_activation_bytes,
@@ -585,11 +598,10 @@ fn profile_measures_every_module() {
             "{}",
             m.name
         );
-        assert!(m.forward_s > 0.0, "{}", m.name);
     }
-    // Every module but the first trains through its input, so all have a backward.
-    assert!(profile.modules.iter().all(|m| m.backward_s > 0.0));
-    assert_eq!(profile.modules[0].output_shape, [2, 64, 16, 16]);
+    let loss = profile.modules.last().unwrap();
+    assert_eq!(loss.activation_bytes, 4, "one float32");
+    assert!(loss.forward_s > 0.0 && loss.backward_s > 0.0, "{loss:?}");
 }
 
 /// A profile for a bf16 channels_last run measures what such a run computes: the activations
@@ -602,11 +614,9 @@ fn profile_measures_in_the_arithmetic_it_is_given() {
         (profile.precision.as_str(), profile.channels_last),
         ("bf16", true)
     );
-    let (loss, modules) = profile.modules.split_last().unwrap();
-    assert_eq!(loss.name, "loss");
+    assert_profiled_resnet50(&profile, 2);
+    let (_, modules) = profile.modules.split_last().unwrap();
     for m in modules {
-        let elements: i64 = m.output_shape.iter().product();
-        assert_eq!(m.activation_bytes, elements as u64 * 2, "{} in bfloat16", m.name);
         // Compression leaves what is not float32 as it is.
         assert_eq!(
             m.compressed_activation_bytes,
@@ -614,9 +624,5 @@ fn profile_measures_in_the_arithmetic_it_is_given() {
             "{}",
             m.name
         );
-        assert!(m.forward_s > 0.0 && m.backward_s > 0.0, "{}", m.name);
     }
-    // The parameters stay float32 (autocast casts copies), so replicas all-reduce as many bytes.
-    assert_eq!(modules.iter().map(|m| m.param_bytes).sum::<u64>(), 25_557_032 * 4);
-    assert_eq!(modules[0].output_shape, [2, 64, 16, 16]);
 }
