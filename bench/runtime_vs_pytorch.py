@@ -57,7 +57,15 @@ Targets (issue 13): the runtime at least 1.0x eager for every model in every mod
 channels_last at least torch.compile's throughput (e.g. resnet50 at batch 64 on an H100: 2085
 samples/s measured for torch.compile).
 
---json FILE gets every figure (a list, one object per model and mode), rewritten after each.
+Rounds: every side of a model and mode runs once per round, the order rotating; rounds go
+breadth first (round 1 of every model and mode, then round 2 of each, ...), so that what stops the
+benchmark early leaves figures for all of them. `--deadline SECONDS` is such a stop: a round starts
+only if it would end within SECONDS of the start by the time the same model and mode's last round
+took (a first round, while any time is left); the table says which got fewer rounds, and their
+rows `rounds_done` and `cut_by_deadline`. scripts/gpu-checks uses it to fit a lent GPU's minutes.
+
+--json FILE gets every figure (a list, one object per model and mode), rewritten after every
+round, so a benchmark killed midway leaves the rounds it finished.
 A failed run or a parameter mismatch is reported, recorded and makes the exit code 1; the other
 models still run. `--device cuda` without a usable GPU exits 2 with the reason. The runtime binary
 is $STAGEHAND_RUNTIME, else this checkout's target/release/runtime (--runtime overrides both).
@@ -68,10 +76,11 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from side_by_side import rotate, throughput, write_json
+from side_by_side import rotate_round, throughput, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 EAGER = Path(__file__).resolve().parent / "pytorch_eager.py"
@@ -252,6 +261,11 @@ def parse_args():
                    help="comma-separated from eager,compile [default: eager in fp32, eager and "
                         "compile in bf16 modes]")
     p.add_argument("--rounds", type=int, help="runs of each side [default: 3]")
+    p.add_argument("--deadline", type=float, metavar="SECONDS",
+                   help="start no round of a model and mode that would end more than SECONDS after "
+                        "the start, by the time its last round took (a first round starts while "
+                        "any time is left); rounds run breadth first, so every model gets its "
+                        "first round before any gets a second")
     p.add_argument("--iterations", type=int, help="iterations per run [default: 12 CPU, 40 GPU]")
     p.add_argument("--warmup", type=int, help="leading iterations not timed [default: 2 CPU, 10 GPU]")
     p.add_argument("--compile-warmup", type=int,
@@ -296,6 +310,8 @@ def parse_args():
     args.cuda_graph = args.cuda_graph or ("both" if cuda else "off")
     if args.cuda_graph != "off" and not cuda:
         p.error("--cuda-graph: CUDA graphs need --device cuda")
+    if args.deadline is not None and args.deadline <= 0:
+        p.error(f"--deadline {args.deadline:g}: expected a number of seconds above 0")
     if args.iterations <= args.warmup:
         p.error(f"--iterations {args.iterations} leaves nothing to time after --warmup {args.warmup}")
     if not args.runtime.is_file():
@@ -339,23 +355,27 @@ def input_text(s):
     return f"seq {s['seq_len']}" if "seq_len" in s else f"{s['image']}px"
 
 
-def main():
-    args = parse_args()
-    cuda = args.device.startswith("cuda")
-    device_name = require_cuda(args) if cuda else "cpu"
-    # Today's CPU table, kept as it was for comparisons with earlier figures.
-    legacy = (not cuda and args.modes == [Mode("fp32", False)] and references(args.modes[0], args) == ["eager"]
-              and len(runtime_sides(args)) == 1 and args.reference_malloc == "default")
-    if legacy:
-        print(f"{'model':<10} {'batch':>5} {'image':>5} {'pytorch s/s':>12} {'runtime s/s':>12} {'ratio':>6}")
-    else:
-        mem = "peak GiB alloc/reserved" if cuda else "peak RSS GiB"
-        print(f"device: {device_name}; peak memory: {mem}; ratio = runtime / reference")
-        print(f"{'model':<11} {'mode':<18} {'batch':>5} {'input':>7} {'runtime':<9} {'reference':<9} "
-              f"{'ref s/s':>9} {'runtime s/s':>11} {'ratio':>6} {'ref peak':>11} {'runtime peak':>12}")
-    sys.stdout.flush()
+@dataclass
+class Case:
+    """One model in one mode: its runs (reference and runtime sides by name), its row of the JSON
+    (rewritten after each round) and the figures of the rounds done so far."""
+    model: str
+    shape: dict
+    mode: Mode
+    refs: list
+    sides: list
+    runs: dict
+    row: dict
+    figures: dict
+    round_s: float = 0.0
+    error: str = ""
+    cut: bool = False
 
-    results, failed = [], 0
+
+def cases_of(args, device_name, results):
+    """Every model's cases, its parameter counts checked first; a model whose counts fail is
+    recorded in `results` and has none. Returns the cases and the number of models that failed."""
+    cases, failed = [], 0
     for model in args.models:
         s = shape(model, args)
         try:
@@ -368,69 +388,141 @@ def main():
             continue
         for mode in args.modes:
             refs = references(mode, args)
-            runs = {ref: (lambda c=(ref == "compile"): run_pytorch(model, s, mode, args, c)) for ref in refs}
+            runs = {ref: (lambda m=mode, c=(ref == "compile"), model=model, s=s: run_pytorch(model, s, m, args, c))
+                    for ref in refs}
             sides = runtime_sides(args)
             for side, _, flags in sides:
-                runs[side] = lambda f=flags: run_runtime(model, s, mode, args, f)
+                runs[side] = lambda m=mode, f=flags, model=model, s=s: run_runtime(model, s, m, args, f)
             row = dict(model=model, **s, threads=args.threads, device=args.device, device_name=device_name,
                        mode=mode.name, precision=mode.precision, channels_last=mode.channels_last,
                        cuda_graph=args.cuda_graph, host_memory=args.host_memory,
                        reference_malloc=args.reference_malloc,
                        momentum=MOMENTUM, rounds=args.rounds, iterations=args.iterations,
                        warmup=args.warmup, params=params)
-            try:
-                figures = rotate(args.rounds, runs)
-                for side in figures.values():
-                    for run in side:
-                        if run["params"] != params["runtime"]:
-                            raise RunFailed(f"a run had {run['params']} parameters, not {params['runtime']}")
-            except RunFailed as e:
-                print(f"{model} {mode.name}: {e}", file=sys.stderr, flush=True)
-                results.append(dict(row, error=str(e)))
-                write_json(args.json, results)
-                failed += 1
-                continue
-            row["references"] = {}
+            cases.append(Case(model, s, mode, refs, sides, runs, row, {name: [] for name in runs}))
+    return cases, failed
+
+
+def summarise(case, args):
+    """The case's row from the rounds done so far: medians, ratios and peaks of every side.
+    Returns what each runtime side prints: (label, median, memory, ratios)."""
+    row, refs, figures = case.row, case.refs, case.figures
+    done = len(figures[refs[0]])
+    row.update(rounds_done=done, deadline_s=args.deadline, cut_by_deadline=case.cut)
+    row["references"] = {}
+    for ref in refs:
+        theirs = [r["sps"] for r in figures[ref]]
+        row["references"][ref] = dict(samples_per_sec=theirs, median=statistics.median(theirs),
+                                      memory=peak(figures[ref]))
+        if ref == "compile":
+            row["references"][ref].update(compile_mode=args.compile_mode, compile_warmup=args.compile_warmup)
+    # Each runtime side against every reference: the plain runtime's figures under today's keys
+    # (runtime, runtime_median, ratio in references), the others' under their names (`graph`,
+    # `runtime_release`, `graph_release`).
+    printed = []
+    for side, label, _ in case.sides:
+        ours = [r["sps"] for r in figures[side]]
+        median, memory = statistics.median(ours), peak(figures[side])
+        ratios = {ref: median / row["references"][ref]["median"] for ref in refs}
+        if side == "runtime":
+            row.update(runtime=ours, runtime_median=median, runtime_memory=memory)
             for ref in refs:
-                theirs = [r["sps"] for r in figures[ref]]
-                row["references"][ref] = dict(samples_per_sec=theirs, median=statistics.median(theirs),
-                                              memory=peak(figures[ref]))
-                if ref == "compile":
-                    row["references"][ref].update(compile_mode=args.compile_mode,
-                                                  compile_warmup=args.compile_warmup)
-            # Each runtime side against every reference: the plain runtime's figures under
-            # today's keys (runtime, runtime_median, ratio in references), the others' under their
-            # names (`graph`, `runtime_release`, `graph_release`).
-            printed = []
-            for side, label, _ in sides:
-                ours = [r["sps"] for r in figures[side]]
-                median, memory = statistics.median(ours), peak(figures[side])
-                ratios = {ref: median / row["references"][ref]["median"] for ref in refs}
-                if side == "runtime":
-                    row.update(runtime=ours, runtime_median=median, runtime_memory=memory)
-                    for ref in refs:
-                        row["references"][ref]["ratio"] = ratios[ref]
-                else:
-                    row[side] = dict(samples_per_sec=ours, median=median, memory=memory, ratios=ratios)
-                printed.append((label, median, memory, ratios))
-            if "eager" in refs and "runtime" in row:  # the keys of today's JSON
-                row.update(pytorch=row["references"]["eager"]["samples_per_sec"],
-                           ratio=row["references"]["eager"]["ratio"])
-            results.append(row)
+                row["references"][ref]["ratio"] = ratios[ref]
+        else:
+            row[side] = dict(samples_per_sec=ours, median=median, memory=memory, ratios=ratios)
+        printed.append((label, median, memory, ratios))
+    if "eager" in refs and "runtime" in row:  # the keys of today's JSON
+        row.update(pytorch=row["references"]["eager"]["samples_per_sec"],
+                   ratio=row["references"]["eager"]["ratio"])
+    return printed
+
+
+def run_round(case, r, deadline):
+    """Round `r` of `case` (every side once, the order rotated by `r`), unless the deadline would
+    pass before it ends by the time its last round took. True when it ran."""
+    if deadline is not None and time.monotonic() + case.round_s > deadline:
+        case.cut = True
+        return False
+    started = time.monotonic()
+    figures = rotate_round(r, case.runs)
+    params = case.row["params"]["runtime"]
+    for name, run in figures.items():
+        if run["params"] != params:
+            raise RunFailed(f"a {name} run had {run['params']} parameters, not {params}")
+    for name, run in figures.items():
+        case.figures[name].append(run)
+    case.round_s = time.monotonic() - started
+    return True
+
+
+def main():
+    started = time.monotonic()
+    args = parse_args()
+    deadline = None if args.deadline is None else started + args.deadline
+    cuda = args.device.startswith("cuda")
+    device_name = require_cuda(args) if cuda else "cpu"
+    # Today's CPU table, kept as it was for comparisons with earlier figures.
+    legacy = (not cuda and args.modes == [Mode("fp32", False)] and references(args.modes[0], args) == ["eager"]
+              and len(runtime_sides(args)) == 1 and args.reference_malloc == "default")
+
+    results = []
+    cases, failed = cases_of(args, device_name, results)
+    # Breadth first: every case's first round before any case's second, so a deadline (or a
+    # kill) leaves a figure for every case rather than three for the first; the JSON is rewritten
+    # after every round.
+    for r in range(args.rounds):
+        for case in cases:
+            if case.error:
+                continue
+            try:
+                ran = run_round(case, r, deadline)
+            except RunFailed as e:
+                print(f"{case.model} {case.mode.name}: {e}", file=sys.stderr, flush=True)
+                case.error = case.row["error"] = str(e)
+                failed += 1
+                ran = False
+            if case.row not in results:
+                results.append(case.row)
+            if case.figures[case.refs[0]]:
+                summarise(case, args)
+            else:
+                case.row.update(rounds_done=0, deadline_s=args.deadline, cut_by_deadline=case.cut)
+            if ran:
+                medians = ", ".join(f"{name} {statistics.median(run['sps'] for run in runs):.1f}"
+                                    for name, runs in case.figures.items())
+                print(f"{case.model} {case.mode.name}: round {r + 1} of {args.rounds} "
+                      f"({case.round_s:.0f} s), median samples/s: {medians}", file=sys.stderr, flush=True)
             write_json(args.json, results)
-            for label, median, memory, ratios in printed:
-                for ref in refs:
-                    r = row["references"][ref]
-                    if legacy:
-                        image = s.get("image", s.get("seq_len"))
-                        print(f"{model:<10} {s['batch']:>5} {image:>5} {r['median']:>12.1f} "
-                              f"{median:>12.1f} {ratios[ref]:>6.2f}")
-                    else:
-                        print(f"{model:<11} {mode.name:<18} {s['batch']:>5} {input_text(s):>7} "
-                              f"{label:<9} {ref:<9} {r['median']:>9.1f} {median:>11.1f} "
-                              f"{ratios[ref]:>6.2f} {mem_text(r['memory'], cuda):>11} "
-                              f"{mem_text(memory, cuda):>12}")
-            sys.stdout.flush()
+
+    if legacy:
+        print(f"{'model':<10} {'batch':>5} {'image':>5} {'pytorch s/s':>12} {'runtime s/s':>12} {'ratio':>6}")
+    else:
+        mem = "peak GiB alloc/reserved" if cuda else "peak RSS GiB"
+        print(f"device: {device_name}; peak memory: {mem}; ratio = runtime / reference")
+        print(f"{'model':<11} {'mode':<18} {'batch':>5} {'input':>7} {'runtime':<9} {'reference':<9} "
+              f"{'ref s/s':>9} {'runtime s/s':>11} {'ratio':>6} {'ref peak':>11} {'runtime peak':>12}")
+    for case in cases:
+        if case.error or not case.figures[case.refs[0]]:
+            continue
+        s, row = case.shape, case.row
+        for label, median, memory, ratios in summarise(case, args):
+            for ref in case.refs:
+                r = row["references"][ref]
+                if legacy:
+                    image = s.get("image", s.get("seq_len"))
+                    print(f"{case.model:<10} {s['batch']:>5} {image:>5} {r['median']:>12.1f} "
+                          f"{median:>12.1f} {ratios[ref]:>6.2f}")
+                else:
+                    print(f"{case.model:<11} {case.mode.name:<18} {s['batch']:>5} {input_text(s):>7} "
+                          f"{label:<9} {ref:<9} {r['median']:>9.1f} {median:>11.1f} "
+                          f"{ratios[ref]:>6.2f} {mem_text(r['memory'], cuda):>11} "
+                          f"{mem_text(memory, cuda):>12}")
+    short = [c for c in cases if not c.error and len(c.figures[c.refs[0]]) < args.rounds]
+    for case in short:
+        done = len(case.figures[case.refs[0]])
+        print(f"{case.model} {case.mode.name}: {done} of {args.rounds} rounds before the deadline "
+              f"(--deadline {args.deadline:g} s)" + ("; not run" if done == 0 else ""))
+    sys.stdout.flush()
     sys.exit(1 if failed else 0)
 
 

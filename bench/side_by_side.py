@@ -21,13 +21,19 @@ def rotate(rounds, runs):
     """Calls every function of the dict `runs` once per round, `rounds` times, the order rotating
     by one each round (with two, the same A B, B A order as `alternate`); returns the figures of
     each name, in call order."""
-    names = list(runs)
-    figures = {name: [] for name in names}
+    figures = {name: [] for name in runs}
     for r in range(rounds):
-        shift = r % len(names)
-        for name in names[shift:] + names[:shift]:
-            figures[name].append(runs[name]())
+        for name, figure in rotate_round(r, runs).items():
+            figures[name].append(figure)
     return figures
+
+
+def rotate_round(r, runs):
+    """Round `r` of `rotate`: every function of `runs` called once, the order rotated by `r`;
+    returns each name's figure."""
+    names = list(runs)
+    shift = r % len(names)
+    return {name: runs[name]() for name in names[shift:] + names[:shift]}
 
 
 def throughput(times, batch, warmup):
