@@ -4,7 +4,8 @@
 //! nothing of its job is queued or running afterwards, and in /proc that no rank is left.
 //!
 //! The cluster has this machine's CPUs, so tests that run at the same time queue behind each
-//! other in Slurm, as jobs on a busy cluster do; the deadlines allow for it.
+//! other in Slurm, as jobs on a busy cluster do; the deadlines allow for it. Where cgroup v1's
+//! controllers are mounted it holds each job to its memory (task/cgroup), as real clusters do.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -214,6 +215,55 @@ fn a_failing_rank_cancels_the_job_and_is_recorded() {
     assert_eq!(summary["ranks"][1]["exit_code"], 137, "{summary}");
     assert_eq!(summary["ranks"][0]["exited"], true, "{summary}");
     assert_ne!(summary["ranks"][0]["exit_code"], 0, "{summary}");
+    assert_eq!(jobs_left(&record), "");
+    h.assert_no_processes();
+}
+
+/// A rank the kernel kills because its job ran out of the memory it asked for is reported as such,
+/// end to end: the test cluster's task/cgroup holds the job to `--mem`, the kernel's OOM killer
+/// ends the rank, srun says "Out Of Memory", and the driver records and says why.
+#[test]
+fn a_rank_killed_for_want_of_its_jobs_memory_is_reported_as_such() {
+    let config = slurm("scontrol", &["show", "config"]);
+    if !config
+        .lines()
+        .any(|l| l.starts_with("TaskPlugin ") && l.contains("task/cgroup"))
+    {
+        eprintln!(
+            "SKIPPED a_rank_killed_for_want_of_its_jobs_memory_is_reported_as_such: the test \
+             cluster holds no job to its memory (task/cgroup needs cgroup v1's memory and \
+             freezer controllers; `scripts/slurm-cluster status` says which plugin runs)"
+        );
+        return;
+    }
+    runtime();
+    let h = Harness::new("slurm-oom");
+    // VGG16's parameters alone weigh 553 MB: the rank cannot even build its model in 384 MiB.
+    let config = h.config(
+        "backend: slurm\nslurm:\n  nodes: 1\n  tasks_per_node: 1\n  options: [--mem=384M]\n\
+         module: vgg16\nbatch_size: 4\niterations: 1\nthreads: 1\ndevice: cpu\n",
+    );
+    let (code, stderr) = run(&h, &config, Duration::from_secs(120));
+    assert_eq!(code, 1, "{stderr}");
+    assert!(
+        stderr.contains("exited with code 137: the kernel killed it for lack of memory"),
+        "{stderr}"
+    );
+    // Slurm's own word for it, shown and kept in the record (the run ends with its only rank).
+    assert!(
+        stderr.contains("srun: error: ") && stderr.contains("task 0: Out Of Memory"),
+        "{stderr}"
+    );
+    let (record, summary) = h.summary();
+    let slurm_log = std::fs::read_to_string(record.join("slurm.log")).unwrap();
+    assert!(slurm_log.contains("task 0: Out Of Memory"), "{slurm_log}");
+    let cause = &summary["failure"]["cause"];
+    assert_eq!(
+        (cause["rank"].as_u64(), cause["exit_code"].as_i64()),
+        (Some(0), Some(137)),
+        "{summary}"
+    );
+    assert_eq!(cause["out_of_memory"], true, "{summary}");
     assert_eq!(jobs_left(&record), "");
     h.assert_no_processes();
 }

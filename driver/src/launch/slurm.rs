@@ -425,6 +425,12 @@ fn stderr_events(s: &mut JobState, line: String) -> Vec<Event> {
             exit_code,
             out_of_memory,
         } => {
+            // srun's own words first: once the last rank has exited the run ends, and an event
+            // queued behind that exit would never be reported.
+            events.push(Event::Slurm(SlurmEvent::Line {
+                line,
+                important: true,
+            }));
             for rank in tasks {
                 if !s.ranks_ended.contains(&rank) {
                     s.ranks_ended.push(rank);
@@ -435,10 +441,6 @@ fn stderr_events(s: &mut JobState, line: String) -> Vec<Event> {
                     });
                 }
             }
-            events.push(Event::Slurm(SlurmEvent::Line {
-                line,
-                important: true,
-            }));
         }
         SrunLine::Srun { important } => {
             if important {
@@ -682,6 +684,28 @@ mod tests {
             parse_srun_line("srun: route/default: init: route default plugin loaded"),
             SrunLine::Srun { important: false }
         );
+    }
+
+    #[test]
+    fn sruns_word_on_a_tasks_end_is_reported_before_the_end_itself() {
+        // A run ends with its last rank's exit: what came after it in the queue would be lost.
+        let mut state = JobState::default();
+        let events = stderr_events(&mut state, "srun: error: vm: task 0: Out Of Memory".into());
+        assert!(
+            matches!(
+                events.as_slice(),
+                [
+                    Event::Slurm(SlurmEvent::Line { important: true, .. }),
+                    Event::RankExited {
+                        rank: 0,
+                        exit_code: Some(137),
+                        out_of_memory: true
+                    }
+                ]
+            ),
+            "{events:?}"
+        );
+        assert_eq!(state.ranks_ended, [0]);
     }
 
     #[test]
