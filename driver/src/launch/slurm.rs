@@ -90,6 +90,8 @@ fn slurm_command(argv: &[String]) -> Command {
 /// What the launcher knows of the job, shared with its reader tasks.
 #[derive(Debug, Default)]
 struct JobState {
+    /// Ranks in the job.
+    world: usize,
     job_id: Option<u64>,
     /// The job got its nodes.
     started: bool,
@@ -103,6 +105,9 @@ struct JobState {
     stop_sent: bool,
     /// srun's last error or warning line.
     last_error: Option<String>,
+    /// The end of the job's last rank, as srun reported it: sent once srun has exited and its
+    /// output has been read, since the run ends with it and nothing after it would be reported.
+    last_end: Option<Event>,
 }
 
 /// A running srun and its job.
@@ -135,8 +140,11 @@ impl SlurmLauncher {
             source,
         })?;
         let pid = child.id().expect("a just-spawned child has a pid");
-        let state = Arc::new(Mutex::new(JobState::default()));
         let world = plan.world_size();
+        let state = Arc::new(Mutex::new(JobState {
+            world,
+            ..JobState::default()
+        }));
         let out = tokio::spawn(read_stdout(child.stdout.take().expect("piped"), tx.clone()));
         let err = tokio::spawn(read_stderr(
             child.stderr.take().expect("piped"),
@@ -150,7 +158,7 @@ impl SlurmLauncher {
             let _ = out.await;
             let _ = err.await;
             let status = child.wait().await.ok();
-            report_ends(&ended, world, status, &events);
+            report_ends(&ended, status, &events);
             let _ = done_tx.send(true);
         });
         if let Some(seconds) = settings.start_timeout_s {
@@ -320,12 +328,14 @@ async fn start_deadline(state: Arc<Mutex<JobState>>, wait: Duration, tx: Unbound
 /// first, and its ranks are reported removed (they never ran).
 fn report_ends(
     state: &Mutex<JobState>,
-    world: usize,
     status: Option<std::process::ExitStatus>,
     tx: &UnboundedSender<Event>,
 ) {
     let ok = status.is_some_and(|s| s.success());
     let mut s = state.lock().expect("job state lock");
+    if let Some(end) = s.last_end.take() {
+        let _ = tx.send(end);
+    }
     if !s.started && !s.stopping && !s.stop_sent {
         let code = status
             .and_then(|st| st.code())
@@ -340,7 +350,7 @@ fn report_ends(
             reason,
         }));
     }
-    for rank in 0..world {
+    for rank in 0..s.world {
         if s.ranks_ended.contains(&rank) {
             continue;
         }
@@ -434,11 +444,16 @@ fn stderr_events(s: &mut JobState, line: String) -> Vec<Event> {
             for rank in tasks {
                 if !s.ranks_ended.contains(&rank) {
                     s.ranks_ended.push(rank);
-                    events.push(Event::RankExited {
+                    let end = Event::RankExited {
                         rank,
                         exit_code,
                         out_of_memory,
-                    });
+                    };
+                    // The last rank's end waits for the rest of srun's output (report_ends).
+                    match s.ranks_ended.len() == s.world {
+                        true => s.last_end = Some(end),
+                        false => events.push(end),
+                    }
                 }
             }
         }
@@ -687,25 +702,42 @@ mod tests {
     }
 
     #[test]
-    fn sruns_word_on_a_tasks_end_is_reported_before_the_end_itself() {
+    fn the_last_ranks_end_comes_after_everything_srun_said() {
         // A run ends with its last rank's exit: what came after it in the queue would be lost.
-        let mut state = JobState::default();
-        let events = stderr_events(&mut state, "srun: error: vm: task 0: Out Of Memory".into());
+        let state = Mutex::new(JobState {
+            world: 2,
+            started: true,
+            ranks_started: vec![0, 1],
+            ..JobState::default()
+        });
+        let oom = |rank| Event::RankExited {
+            rank,
+            exit_code: Some(137),
+            out_of_memory: true,
+        };
+        let said = |line: &str| stderr_events(&mut state.lock().unwrap(), line.into());
+        let events = said("srun: error: vm: task 1: Out Of Memory");
         assert!(
             matches!(
                 events.as_slice(),
-                [
-                    Event::Slurm(SlurmEvent::Line { important: true, .. }),
-                    Event::RankExited {
-                        rank: 0,
-                        exit_code: Some(137),
-                        out_of_memory: true
-                    }
-                ]
+                [Event::Slurm(SlurmEvent::Line { important: true, .. }), end] if format!("{end:?}") == format!("{:?}", oom(1))
             ),
             "{events:?}"
         );
-        assert_eq!(state.ranks_ended, [0]);
+        let events = said("srun: error: vm: task 0: Out Of Memory");
+        assert!(
+            matches!(
+                events.as_slice(),
+                [Event::Slurm(SlurmEvent::Line { important: true, .. })]
+            ),
+            "{events:?}"
+        );
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        // Whatever rank 0's output still held has been read; srun exited 1.
+        let failed = std::os::unix::process::ExitStatusExt::from_raw(1 << 8);
+        report_ends(&state, Some(failed), &tx);
+        assert_eq!(format!("{:?}", rx.try_recv().unwrap()), format!("{:?}", oom(0)));
+        assert!(rx.try_recv().is_err());
     }
 
     #[test]
@@ -743,12 +775,13 @@ mod tests {
     #[test]
     fn a_job_that_never_started_says_why_before_its_ranks_are_removed() {
         let state = Mutex::new(JobState {
+            world: 2,
             job_id: Some(9),
             last_error: Some("Unable to allocate resources: Requested time limit is invalid".into()),
             ..JobState::default()
         });
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-        report_ends(&state, 2, None, &tx);
+        report_ends(&state, None, &tx);
         match rx.try_recv().unwrap() {
             Event::Slurm(SlurmEvent::Stopped { job_id, reason }) => {
                 assert_eq!(job_id, Some(9));
@@ -763,6 +796,7 @@ mod tests {
     #[test]
     fn ranks_whose_end_srun_did_not_report_ended_as_srun_did() {
         let state = Mutex::new(JobState {
+            world: 2,
             job_id: Some(9),
             started: true,
             ranks_started: vec![0, 1],
@@ -772,7 +806,7 @@ mod tests {
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         // srun exited 0.
         let success = std::os::unix::process::ExitStatusExt::from_raw(0);
-        report_ends(&state, 2, Some(success), &tx);
+        report_ends(&state, Some(success), &tx);
         assert!(matches!(
             rx.try_recv().unwrap(),
             Event::RankExited {
