@@ -373,8 +373,9 @@ class Case:
 
 
 def cases_of(args, device_name, results):
-    """Every model's cases, its parameter counts checked first; a model whose counts fail is
-    recorded in `results` and has none. Returns the cases and the number of models that failed."""
+    """Every model's cases, its parameter counts checked first, each case's row added to `results`
+    (no rounds done yet); a model whose counts fail is recorded there with its error and has no
+    cases. Returns the cases and the number of models that failed."""
     cases, failed = [], 0
     for model in args.models:
         s = shape(model, args)
@@ -398,7 +399,9 @@ def cases_of(args, device_name, results):
                        cuda_graph=args.cuda_graph, host_memory=args.host_memory,
                        reference_malloc=args.reference_malloc,
                        momentum=MOMENTUM, rounds=args.rounds, iterations=args.iterations,
-                       warmup=args.warmup, params=params)
+                       warmup=args.warmup, params=params, rounds_done=0, deadline_s=args.deadline,
+                       cut_by_deadline=False)
+            results.append(row)
             cases.append(Case(model, s, mode, refs, sides, runs, row, {name: [] for name in runs}))
     return cases, failed
 
@@ -408,7 +411,7 @@ def summarise(case, args):
     Returns what each runtime side prints: (label, median, memory, ratios)."""
     row, refs, figures = case.row, case.refs, case.figures
     done = len(figures[refs[0]])
-    row.update(rounds_done=done, deadline_s=args.deadline, cut_by_deadline=case.cut)
+    row.update(rounds_done=done, cut_by_deadline=case.cut)
     row["references"] = {}
     for ref in refs:
         theirs = [r["sps"] for r in figures[ref]]
@@ -481,12 +484,9 @@ def main():
                 case.error = case.row["error"] = str(e)
                 failed += 1
                 ran = False
-            if case.row not in results:
-                results.append(case.row)
             if case.figures[case.refs[0]]:
                 summarise(case, args)
-            else:
-                case.row.update(rounds_done=0, deadline_s=args.deadline, cut_by_deadline=case.cut)
+            case.row["cut_by_deadline"] = case.cut
             if ran:
                 medians = ", ".join(f"{name} {statistics.median(run['sps'] for run in runs):.1f}"
                                     for name, runs in case.figures.items())
