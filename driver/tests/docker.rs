@@ -197,13 +197,7 @@ fn a_rank_killed_for_lack_of_memory_is_reported_as_such() {
         let capped_at = Instant::now();
         docker(&["update", "--memory", "32m", "--memory-swap", "32m", &container]);
         let (dir, summary) = h.expect_stop(child, capped_at, Duration::from_secs(60), 1);
-        let cause = &summary["failure"]["cause"];
-        assert_eq!(
-            (cause["rank"].as_u64(), cause["exit_code"].as_i64()),
-            (Some(0), Some(137)),
-            "{mode:?}: {summary}"
-        );
-        assert_eq!(cause["out_of_memory"], true, "{mode:?}: {summary}");
+        assert_rank_0_killed_for_memory(&summary, &format!("{mode:?}: "));
         let shown = h.driver(
             &[
                 "results".as_ref(),

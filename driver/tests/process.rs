@@ -200,13 +200,7 @@ fn a_process_rank_killed_for_lack_of_memory_is_reported_as_such() {
         run.stderr()
     );
     let (_, summary) = h.summary();
-    let cause = &summary["failure"]["cause"];
-    assert_eq!(
-        (cause["rank"].as_u64(), cause["exit_code"].as_i64()),
-        (Some(0), Some(137)),
-        "{summary}"
-    );
-    assert_eq!(cause["out_of_memory"], true, "{summary}");
+    assert_rank_0_killed_for_memory(&summary, "");
     h.assert_no_processes();
 }
 

@@ -14,7 +14,10 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use crate::util::{interrupt, runtime, wait_for_record, wait_with_deadline, workspace, Harness};
+use crate::util::{
+    assert_rank_0_killed_for_memory, interrupt, runtime, wait_for_record, wait_with_deadline, workspace,
+    Harness,
+};
 
 /// SLURM_CONF of the test cluster, started (idempotently) on first use.
 fn slurm_conf() -> &'static str {
@@ -257,13 +260,7 @@ fn a_rank_killed_for_want_of_its_jobs_memory_is_reported_as_such() {
     let (record, summary) = h.summary();
     let slurm_log = std::fs::read_to_string(record.join("slurm.log")).unwrap();
     assert!(slurm_log.contains("task 0: Out Of Memory"), "{slurm_log}");
-    let cause = &summary["failure"]["cause"];
-    assert_eq!(
-        (cause["rank"].as_u64(), cause["exit_code"].as_i64()),
-        (Some(0), Some(137)),
-        "{summary}"
-    );
-    assert_eq!(cause["out_of_memory"], true, "{summary}");
+    assert_rank_0_killed_for_memory(&summary, "");
     assert_eq!(jobs_left(&record), "");
     h.assert_no_processes();
 }

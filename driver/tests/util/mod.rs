@@ -500,6 +500,18 @@ pub fn wait_for_record(records: &Path, timeout: Duration) -> PathBuf {
     }
 }
 
+/// Asserts that a run's summary records rank 0 as its failure, killed by the kernel for lack of
+/// memory (exit code 137, `out_of_memory`); `what` prefixes the message.
+pub fn assert_rank_0_killed_for_memory(summary: &Value, what: &str) {
+    let cause = &summary["failure"]["cause"];
+    assert_eq!(
+        (cause["rank"].as_u64(), cause["exit_code"].as_i64()),
+        (Some(0), Some(137)),
+        "{what}{summary}"
+    );
+    assert_eq!(cause["out_of_memory"], true, "{what}{summary}");
+}
+
 /// A sweep folder's index.
 pub fn sweep_index(dir: &Path) -> Value {
     serde_json::from_str(&std::fs::read_to_string(dir.join("sweep.json")).expect("sweep.json"))
