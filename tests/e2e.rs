@@ -291,3 +291,95 @@ fn an_auto_planned_experiment_records_its_prediction_and_meets_it() {
         4,
     );
 }
+
+/// The venv's Python (torch), as scripts/env.sh sets it up.
+fn python() -> PathBuf {
+    std::env::var_os("STAGEHAND_TORCH_VENV")
+        .map(|venv| PathBuf::from(venv).join("bin/python"))
+        .filter(|p| p.exists())
+        .unwrap_or_else(|| PathBuf::from("python3"))
+}
+
+/// The runtime-vs-PyTorch benchmark (bench/runtime_vs_pytorch.py), on which a lent GPU's few
+/// minutes are spent through scripts/gpu-checks: its rounds go breadth first, its JSON holds a row
+/// for every model and mode whatever the deadline allowed, and a deadline passed before the first
+/// round runs none and says so.
+#[test]
+fn the_benchmark_keeps_a_row_per_model_and_mode_whatever_its_deadline_allows() {
+    let _alone = one_at_a_time();
+    let dir = tempfile::tempdir().unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../bench/runtime_vs_pytorch.py");
+    let run = |name: &str, extra: &[&str]| -> (String, String, Vec<serde_json::Value>) {
+        let json = dir.path().join(name);
+        let out = Command::new(python())
+            .arg(&script)
+            .args([
+                "--models",
+                "mlp,transformer",
+                "--rounds",
+                "2",
+                "--iterations",
+                "3",
+            ])
+            .args([
+                "--warmup",
+                "1",
+                "--threads",
+                "1",
+                "--batch-size",
+                "8",
+                "--runtime",
+            ])
+            .arg(bin("runtime"))
+            .arg("--json")
+            .arg(&json)
+            .args(extra)
+            .output()
+            .unwrap();
+        let out = ok(out, &format!("the benchmark {extra:?}"));
+        let rows = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        (
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+            rows,
+        )
+    };
+
+    let (_, stderr, rows) = run("all.json", &[]);
+    let rounds: Vec<&str> = stderr.lines().filter(|l| l.contains(": round ")).collect();
+    let order: Vec<String> = rounds
+        .iter()
+        .map(|l| l.split(" (").next().unwrap().to_string())
+        .collect();
+    assert_eq!(
+        order,
+        [
+            "mlp fp32: round 1 of 2",
+            "transformer fp32: round 1 of 2",
+            "mlp fp32: round 2 of 2",
+            "transformer fp32: round 2 of 2"
+        ],
+        "{stderr}"
+    );
+    assert_eq!(rows.len(), 2, "{rows:?}");
+    for row in &rows {
+        assert_eq!(row["rounds_done"], 2, "{row}");
+        assert_eq!(row["cut_by_deadline"], false, "{row}");
+        assert_eq!(row["runtime"].as_array().unwrap().len(), 2, "{row}");
+        assert_eq!(row["pytorch"].as_array().unwrap().len(), 2, "{row}");
+        assert!(row["ratio"].as_f64().unwrap() > 0.0, "{row}");
+    }
+
+    let (stdout, _, rows) = run("cut.json", &["--deadline", "0.001"]);
+    let models: Vec<&str> = rows.iter().map(|r| r["model"].as_str().unwrap()).collect();
+    assert_eq!(models, ["mlp", "transformer"], "{rows:?}");
+    for row in &rows {
+        assert_eq!(row["rounds_done"], 0, "{row}");
+        assert_eq!(row["cut_by_deadline"], true, "{row}");
+        assert!(row.get("runtime").is_none(), "{row}");
+    }
+    assert!(
+        stdout.contains("mlp fp32: 0 of 2 rounds before the deadline (--deadline 0.001 s); not run"),
+        "{stdout}"
+    );
+}
