@@ -1,6 +1,7 @@
 //! End-to-end tests across both binaries: profile a model with the runtime, plan with the
-//! driver, run the plan, and compare. They use the release binaries `scripts/setup.sh` builds
-//! (`cargo build --release --workspace`); `STAGEHAND_BIN_DIR` points elsewhere.
+//! driver, run the plan, and compare; and the benchmark of the runtime against PyTorch. They use
+//! the release binaries `scripts/setup.sh` builds (`cargo build --release --workspace`);
+//! `STAGEHAND_BIN_DIR` points elsewhere.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
