@@ -371,6 +371,11 @@ class Case:
     error: str = ""
     cut: bool = False
 
+    @property
+    def done(self):
+        """Rounds run to the end."""
+        return len(self.figures[self.refs[0]])
+
 
 def cases_of(args, device_name, results):
     """Every model's cases, its parameter counts checked first, each case's row added to `results`
@@ -410,8 +415,7 @@ def summarise(case, args):
     """The case's row from the rounds done so far: medians, ratios and peaks of every side.
     Returns what each runtime side prints: (label, median, memory, ratios)."""
     row, refs, figures = case.row, case.refs, case.figures
-    done = len(figures[refs[0]])
-    row.update(rounds_done=done, cut_by_deadline=case.cut)
+    row["rounds_done"] = case.done
     row["references"] = {}
     for ref in refs:
         theirs = [r["sps"] for r in figures[ref]]
@@ -484,7 +488,7 @@ def main():
                 case.error = case.row["error"] = str(e)
                 failed += 1
                 ran = False
-            if case.figures[case.refs[0]]:
+            if case.done:
                 summarise(case, args)
             case.row["cut_by_deadline"] = case.cut
             if ran:
@@ -502,7 +506,7 @@ def main():
         print(f"{'model':<11} {'mode':<18} {'batch':>5} {'input':>7} {'runtime':<9} {'reference':<9} "
               f"{'ref s/s':>9} {'runtime s/s':>11} {'ratio':>6} {'ref peak':>11} {'runtime peak':>12}")
     for case in cases:
-        if case.error or not case.figures[case.refs[0]]:
+        if case.error or not case.done:
             continue
         s, row = case.shape, case.row
         for label, median, memory, ratios in summarise(case, args):
@@ -517,11 +521,9 @@ def main():
                           f"{label:<9} {ref:<9} {r['median']:>9.1f} {median:>11.1f} "
                           f"{ratios[ref]:>6.2f} {mem_text(r['memory'], cuda):>11} "
                           f"{mem_text(memory, cuda):>12}")
-    short = [c for c in cases if not c.error and len(c.figures[c.refs[0]]) < args.rounds]
-    for case in short:
-        done = len(case.figures[case.refs[0]])
-        print(f"{case.model} {case.mode.name}: {done} of {args.rounds} rounds before the deadline "
-              f"(--deadline {args.deadline:g} s)" + ("; not run" if done == 0 else ""))
+    for case in (c for c in cases if c.cut):
+        print(f"{case.model} {case.mode.name}: {case.done} of {args.rounds} rounds before the deadline "
+              f"(--deadline {args.deadline:g} s)" + ("; not run" if case.done == 0 else ""))
     sys.stdout.flush()
     sys.exit(1 if failed else 0)
 
