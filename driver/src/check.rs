@@ -56,7 +56,7 @@ pub fn run(options: &Options) -> Result<(), CheckError> {
     let port = options.master_port.unwrap_or(29500);
     let plan = experiment::resolve(&loaded, options, port)?;
     let verdict = runtime_check(&loaded, &plan, options, true)?;
-    print!(
+    stdout_text!(
         "{}",
         render(&plan, &image_line(&plan), &verdict, options.master_port.is_none())
     );

@@ -88,7 +88,7 @@ pub enum StopCause {
     },
     /// A host's engine or connection stopped answering.
     HostLost { host: String, reason: String },
-    /// SIGINT (Ctrl-C) or SIGTERM.
+    /// SIGINT (Ctrl-C), SIGTERM or SIGHUP.
     Interrupted,
     /// Profiling the model for `config_file: auto` failed on this host.
     ProfileFailed {

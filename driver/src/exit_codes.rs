@@ -16,5 +16,6 @@ pub const PREFLIGHT_FAILED: i32 = 3;
 pub const CLEANUP_FAILED: i32 = 4;
 /// The record or sweep folder could not be created, or a plot or plan output not written.
 pub const RECORD_FAILED: i32 = 5;
-/// Interrupted by SIGINT (Ctrl-C) or SIGTERM; as shells report 128 + SIGINT.
+/// Interrupted by SIGINT (Ctrl-C), SIGTERM or SIGHUP (the terminal went away); as shells report
+/// 128 + SIGINT.
 pub const INTERRUPTED: i32 = 130;

@@ -4,6 +4,7 @@
 //! [`exit_codes`]), printing an error once with its whole cause chain.
 //!
 //! Modules import only downwards, bottom to top:
+//! - `console` (the macros every module prints with: output that went away never stops a run);
 //! - `error`, `exit_codes`, `signals`, `events`, `options`: what everything shares;
 //! - `config` (the YAML, typed) -> `experiment` (resolved: hosts, ranks, argv, image);
 //! - `records` (the record format: folders, files, summary, resolved config, sweep index);
@@ -12,6 +13,9 @@
 //! - `partition` (`driver plan`) -> `auto_partition` (`config_file: auto` inside a run);
 //! - `run` (one experiment) -> `sweep`; `results` (reads records only);
 //! - `cli` (clap, only `main` imports it).
+#[macro_use]
+mod console;
+
 mod auto_partition;
 mod check;
 mod cli;
@@ -37,7 +41,7 @@ use crate::cli::Task;
 
 /// Prints `error` once with its causes and returns its exit code.
 fn fail(error: &dyn std::error::Error, code: i32) -> i32 {
-    eprintln!("error: {}", error::error_chain(error));
+    stderr_line!("error: {}", error::error_chain(error));
     code
 }
 
@@ -88,7 +92,7 @@ fn on_async(work: impl std::future::Future<Output = i32>) -> i32 {
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(r) => r,
         Err(e) => {
-            eprintln!("error: cannot start the async runtime: {e}");
+            stderr_line!("error: cannot start the async runtime: {e}");
             return exit_codes::PREFLIGHT_FAILED;
         }
     };

@@ -118,7 +118,7 @@ pub async fn run_loaded(
     let mut signals = StopSignals::install().map_err(RunError::Signals)?;
     let verbose = options.verbosity == crate::options::Verbosity::Verbose;
     if plan.backend == Backend::Process && options.container_mode == ContainerMode::PerHost {
-        eprintln!("warning: --launch-single-container is ignored with the process backend");
+        stderr_line!("warning: --launch-single-container is ignored with the process backend");
     }
     let ssh = hosts::SshOptions {
         config_file: options.ssh_config.clone(),
@@ -222,7 +222,7 @@ pub async fn run_loaded(
         PortPick::Free(port) => experiment::resolve(&loaded, &options, port)?,
         PortPick::Unchecked => {
             let (port, host) = (plan.master_port, &plan.hosts[0].name);
-            eprintln!("warning: could not check that master port {port} is free on {host}");
+            stderr_line!("warning: could not check that master port {port} is free on {host}");
             plan
         }
         PortPick::Taken(port) => {
@@ -451,8 +451,8 @@ fn auto_failed(error: AutoError, record: &Record, reporters: &mut Reporters) -> 
 /// Prints one of the driver's lines on stderr, around a sweep's bars when there are any.
 fn say(bars: Option<&indicatif::MultiProgress>, text: String) {
     match bars {
-        Some(bars) => bars.suspend(|| eprintln!("{text}")),
-        None => eprintln!("{text}"),
+        Some(bars) => bars.suspend(|| stderr_line!("{text}")),
+        None => stderr_line!("{text}"),
     }
 }
 

@@ -318,6 +318,25 @@ fn sigint_removes_every_container_and_records_interrupted() {
 }
 
 #[test]
+fn a_terminal_that_went_away_removes_every_container_and_records_interrupted() {
+    // An SSH session to the driver's machine drops: the driver's output goes nowhere and the
+    // kernel sends it SIGHUP.
+    let h = Harness::new("dk-hup");
+    let config = fake_rank_config(&h, "--iterations, '1', --hang");
+    let mut child = h.spawn(&config, &["-v"]);
+    h.wait_for_running(2, Duration::from_secs(60));
+    let record = wait_for_record(&h.records(), Duration::from_secs(10));
+    wait_for_text(&record.join("rank-1.log"), "hanging", Duration::from_secs(20));
+    drop(child.stdout.take());
+    drop(child.stderr.take());
+    let sent = Instant::now();
+    send_signal(&child, "HUP");
+    let (_, summary) = h.expect_stop(child, sent, Duration::from_secs(10), 130);
+    assert_eq!(summary["status"], "interrupted");
+    h.assert_no_containers();
+}
+
+#[test]
 fn only_the_experiments_own_containers_are_touched() {
     base_image();
     let h = Harness::new("dk-bystander");

@@ -355,9 +355,10 @@ fn a_master_port_in_use_fails_preflight() {
     h.assert_no_processes();
 }
 
-#[test]
-fn sigterm_is_handled_like_ctrl_c() {
-    let h = Harness::new("proc-term");
+/// A driver that one of its stop signals (SIGTERM, SIGHUP: a terminal that went away) reaches while
+/// its rank hangs stops it and records the run as interrupted, as Ctrl-C does.
+fn stopped_by(signal: &str) {
+    let h = Harness::new(&format!("proc-{}", signal.to_lowercase()));
     let config = h.config(&format!(
         "backend: process\nmachines: [localhost]\ncommand: ['{FAKE_RANK}', --iterations, '1', --hang]\n"
     ));
@@ -365,12 +366,75 @@ fn sigterm_is_handled_like_ctrl_c() {
     let record = wait_for_record(&h.records(), Duration::from_secs(20));
     wait_for_text(&record.join("rank-0.log"), "hanging", Duration::from_secs(20));
     let sent = std::time::Instant::now();
-    let status = std::process::Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
+    send_signal(&child, signal);
     let (_, summary) = h.expect_stop(child, sent, Duration::from_secs(15), 130);
     assert_eq!(summary["status"], "interrupted");
+    assert_eq!(summary["ranks"][0]["exited"], true, "{summary}");
+    h.assert_no_processes();
+}
+
+#[test]
+fn sigterm_is_handled_like_ctrl_c() {
+    stopped_by("TERM");
+}
+
+#[test]
+fn a_hang_up_is_handled_like_ctrl_c() {
+    stopped_by("HUP");
+}
+
+#[test]
+fn a_driver_started_with_hang_ups_ignored_runs_on_through_one() {
+    let h = Harness::new("proc-nohup");
+    let config = h.config(&format!(
+        "backend: process\nmachines: [localhost]\niterations: 30\n\
+         command: ['{FAKE_RANK}', --iterations, '30', --sleep-ms, '100']\n"
+    ));
+    let child = h.spawn_ignoring_hangups(&config, &[]);
+    let record = wait_for_record(&h.records(), Duration::from_secs(20));
+    wait_for_text(
+        &record.join("metrics.jsonl"),
+        "\"iteration\":1,",
+        Duration::from_secs(20),
+    );
+    send_signal(&child, "HUP");
+    let out = wait_with_deadline(child, Duration::from_secs(60));
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (_, summary) = h.summary();
+    assert_eq!(summary["status"], "succeeded");
+    assert_eq!(summary["iterations_done"], 30);
+    h.assert_no_processes();
+}
+
+#[test]
+fn a_driver_whose_output_went_away_runs_on_to_the_end_and_records_it_all() {
+    // `driver ... | head` or a `tee` that was killed: the pipes close while the ranks train, and
+    // every line the driver prints after that fails to be written.
+    let h = Harness::new("proc-pipe");
+    let config = h.config(&format!(
+        "backend: process\nmachines: [localhost, localhost]\niterations: 30\n\
+         command: ['{FAKE_RANK}', --iterations, '30', --sleep-ms, '100']\n"
+    ));
+    let mut child = h.spawn(&config, &["-v"]);
+    let record = wait_for_record(&h.records(), Duration::from_secs(20));
+    wait_for_text(
+        &record.join("metrics.jsonl"),
+        "\"iteration\":1,",
+        Duration::from_secs(20),
+    );
+    drop(child.stdout.take());
+    drop(child.stderr.take());
+    let out = wait_with_deadline(child, Duration::from_secs(60));
+    assert_eq!(out.status.code(), Some(0), "the driver went on: {:?}", out.status);
+    let (_, summary) = h.summary();
+    assert_eq!(summary["status"], "succeeded");
+    assert_eq!(summary["iterations_done"], 30);
+    // start + 30 iterations + summary, for each rank.
+    assert_eq!(lines(&record.join("metrics.jsonl")).len(), 64);
     h.assert_no_processes();
 }

@@ -195,7 +195,7 @@ async fn ensure_built(
                     let e = &engines[i];
                     let started = Instant::now();
                     if feedback.normal {
-                        eprintln!(
+                        stderr_line!(
                             "driver: building {tag} on {} ({} files, {} of source; once per source version)",
                             e.host,
                             listing.file_count(),
@@ -205,7 +205,7 @@ async fn ensure_built(
                     let id = build(e, spec, listing, tag, feedback).await?;
                     let seconds = started.elapsed().as_secs_f64();
                     if feedback.normal {
-                        eprintln!("driver: built {tag} on {} in {seconds:.0} s", e.host);
+                        stderr_line!("driver: built {tag} on {} in {seconds:.0} s", e.host);
                     }
                     got.push((
                         i,
@@ -288,7 +288,7 @@ async fn build(
         if let Some(text) = info.stream {
             for line in text.lines().filter(|l| !l.trim().is_empty()) {
                 if feedback.verbose {
-                    eprintln!("[{} build] {line}", engine.host);
+                    stderr_line!("[{} build] {line}", engine.host);
                 }
                 tail.push(line.to_string());
                 if tail.len() > 20 {
@@ -336,7 +336,7 @@ async fn distribute(
         .max(0) as u64;
     if feedback.normal {
         let names: Vec<&str> = to.iter().map(|e| e.host).collect();
-        eprintln!(
+        stderr_line!(
             "driver: sending {tag} ({}) from {} to {}",
             human_bytes(size),
             from.host,
@@ -413,7 +413,7 @@ async fn distribute(
     let (_, results) = tokio::join!(pump, join_all(loads));
     let results = results.into_iter().collect::<Result<Vec<_>, _>>()?;
     if feedback.normal {
-        eprintln!(
+        stderr_line!(
             "driver: {tag} is on {} more host(s) after {:.1} s",
             results.len(),
             started.elapsed().as_secs_f64()

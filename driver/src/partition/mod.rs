@@ -564,7 +564,7 @@ pub fn run(options: &PartitionOptions) -> Result<(), PartitionError> {
             path: path.clone(),
             source,
         })?,
-        None => print!("{config}"),
+        None => stdout_text!("{config}"),
     }
     if let Some(path) = &options.prediction {
         let text = serde_json::to_string_pretty(&prediction).expect("predictions serialize") + "\n";
@@ -573,9 +573,9 @@ pub fn run(options: &PartitionOptions) -> Result<(), PartitionError> {
             source,
         })?;
     }
-    eprint!("{}", render_source(&source, &plan, &prediction));
+    stderr_text!("{}", render_source(&source, &plan, &prediction));
     if options.explain {
-        eprint!("{}", explain(&plan, options.request.flushing()));
+        stderr_text!("{}", explain(&plan, options.request.flushing()));
     }
     Ok(())
 }

@@ -35,7 +35,7 @@ impl Reporters {
             if let Err(e) = r.report(event) {
                 if !self.warned {
                     self.warned = true;
-                    eprintln!("warning: {}", crate::error::error_chain(&e));
+                    stderr_line!("warning: {}", crate::error::error_chain(&e));
                 }
             }
         }

@@ -262,8 +262,8 @@ impl TerminalReporter {
 impl Reporter for TerminalReporter {
     fn report(&mut self, event: &Event) -> Result<(), RecordError> {
         match self.render(event) {
-            Some((Stream::Stdout, text)) => self.bar.suspend(|| println!("{text}")),
-            Some((Stream::Stderr, text)) => self.bar.suspend(|| eprintln!("{text}")),
+            Some((Stream::Stdout, text)) => self.bar.suspend(|| stdout_line!("{text}")),
+            Some((Stream::Stderr, text)) => self.bar.suspend(|| stderr_line!("{text}")),
             None => {}
         }
         Ok(())

@@ -129,14 +129,14 @@ pub fn run(options: &ResultsOptions) -> Result<(), ResultsError> {
         key: options.group_by.as_deref(),
         groups: &groups,
     };
-    print!("{}", export::exporter(options.format).render(&view));
+    stdout_text!("{}", export::exporter(options.format).render(&view));
     if let Some(path) = &options.plot {
         let rows: Vec<read::Row> = groups.into_iter().flat_map(|(_, r)| r).collect();
         match rows.as_slice() {
             [one] if one.point.is_none() => plot::stages(one, path)?,
             _ => plot::throughput(&rows, options.plot_x.as_deref(), path)?,
         }
-        eprintln!("driver: plot written to {}", path.display());
+        stderr_line!("driver: plot written to {}", path.display());
     }
     Ok(())
 }

@@ -115,7 +115,7 @@ pub async fn run(options: SweepOptions) -> Result<i32, SweepError> {
         .collect();
     let quiet = options.run.verbosity == Verbosity::Quiet;
     if !quiet {
-        eprintln!(
+        stderr_line!(
             "driver: sweep {} of {} point(s), {} to run; folder {}",
             index.name,
             index.points.len(),
@@ -159,7 +159,7 @@ pub async fn run(options: SweepOptions) -> Result<i32, SweepError> {
                 entry.error = Some(crate::error::error_chain(e));
                 if entry.status == PointStatus::Failed {
                     bar.suspend(|| {
-                        eprintln!("driver: point {label} failed: {}", crate::error::error_chain(e))
+                        stderr_line!("driver: point {label} failed: {}", crate::error::error_chain(e))
                     });
                 }
             }
@@ -181,13 +181,13 @@ pub async fn run(options: SweepOptions) -> Result<i32, SweepError> {
         .filter(|e| e.status != PointStatus::Succeeded)
         .count();
     let code = if stopped {
-        eprintln!(
+        stderr_line!(
             "driver: sweep interrupted; `driver sweep --resume {}` runs the {failed} point(s) left",
             dir.display()
         );
         exit_codes::INTERRUPTED
     } else if failed > 0 {
-        eprintln!(
+        stderr_line!(
             "driver: {failed} of {} point(s) failed; the table shows which; `driver sweep --resume {}` \
              runs them again",
             index.points.len(),
@@ -196,7 +196,7 @@ pub async fn run(options: SweepOptions) -> Result<i32, SweepError> {
         exit_codes::EXPERIMENT_FAILED
     } else {
         if !quiet {
-            eprintln!("driver: every point succeeded; sweep folder {}", dir.display());
+            stderr_line!("driver: every point succeeded; sweep folder {}", dir.display());
         }
         exit_codes::SUCCESS
     };
@@ -287,7 +287,7 @@ fn resume(dir: &Path) -> Result<(Index, Loaded), SweepError> {
     let loaded = config::load(&index.config_file)?;
     let given = std::fs::read_to_string(dir.join("config.given.yml")).unwrap_or_default();
     if given != loaded.text {
-        eprintln!(
+        stderr_line!(
             "warning: {} changed since the sweep started; the points left run with it as it is now \
              (the sweep's config.given.yml has the text it started with)",
             index.config_file.display()
@@ -309,7 +309,7 @@ fn succeeded(dir: &Path, entry: &PointEntry) -> bool {
 /// Writes `sweep.svg`; a plot that cannot be drawn is a warning, the records are what matter.
 fn write_plot(dir: &Path) {
     if let Err(e) = results::plot_sweep(dir, &dir.join("sweep.svg")) {
-        eprintln!(
+        stderr_line!(
             "warning: no plot in {}: {}",
             dir.display(),
             crate::error::error_chain(&e)
@@ -320,8 +320,8 @@ fn write_plot(dir: &Path) {
 /// Prints the sweep's results table on stdout.
 fn print_table(dir: &Path) {
     match results::table_of(dir) {
-        Ok(table) => println!("{table}"),
-        Err(e) => eprintln!(
+        Ok(table) => stdout_line!("{table}"),
+        Err(e) => stderr_line!(
             "warning: cannot show the results: {}",
             crate::error::error_chain(&e)
         ),

@@ -203,6 +203,24 @@ impl Harness {
         self.command(config, args).spawn().expect("start driver")
     }
 
+    /// [`Harness::spawn`] with SIGHUP ignored in the driver, as `nohup` starts a program.
+    pub fn spawn_ignoring_hangups(&self, config: &Path, args: &[&str]) -> Child {
+        use std::os::unix::process::CommandExt;
+        let mut cmd = self.command(config, args);
+        // SAFETY: between fork and exec only the async-signal-safe sigaction runs.
+        unsafe {
+            cmd.pre_exec(|| {
+                nix::sys::signal::signal(
+                    nix::sys::signal::Signal::SIGHUP,
+                    nix::sys::signal::SigHandler::SigIgn,
+                )
+                .map(|_| ())
+                .map_err(std::io::Error::from)
+            });
+        }
+        cmd.spawn().expect("start driver")
+    }
+
     /// [`Harness::spawn`] with these variables added to the driver's environment.
     pub fn spawn_with_env(&self, config: &Path, args: &[&str], env: &[(&str, &str)]) -> Child {
         let mut cmd = self.command(config, args);
@@ -461,8 +479,13 @@ pub fn wait_with_deadline(mut child: Child, deadline: Duration) -> Output {
 
 /// Sends SIGINT to a child, as Ctrl-C would.
 pub fn interrupt(child: &Child) {
+    send_signal(child, "INT");
+}
+
+/// Sends the signal named `name` (`INT`, `TERM`, `HUP`) to a child.
+pub fn send_signal(child: &Child, name: &str) {
     let status = Command::new("kill")
-        .args(["-INT", &child.id().to_string()])
+        .args([&format!("-{name}"), &child.id().to_string()])
         .status()
         .expect("kill");
     assert!(status.success());
