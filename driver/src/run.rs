@@ -74,19 +74,126 @@ impl RunError {
     }
 }
 
-/// Waits for a preflight check that runs containers labelled `id`; Ctrl-C removes them on every
-/// host and ends the run as interrupted.
-async fn in_check_containers(
-    check: impl std::future::Future<Output = Result<(), LaunchError>>,
+/// Waits for preflight checks that run containers labelled with any of `ids`; Ctrl-C removes
+/// them on every host and ends the run as interrupted.
+async fn in_check_containers<T>(
+    checks: impl std::future::Future<Output = T>,
     hosts: &[hosts::Host],
-    id: &str,
+    ids: &[&str],
     signals: &mut StopSignals,
-) -> Result<(), RunError> {
+) -> Result<T, RunError> {
     tokio::select! {
-        r = check => r.map_err(RunError::Preflight),
+        r = checks => Ok(r),
         _ = signals.recv() => {
-            crate::launch::docker::remove_everywhere(hosts, id).await;
+            for id in ids {
+                crate::launch::docker::remove_everywhere(hosts, id).await;
+            }
             Err(RunError::Launch(LaunchError::Interrupted))
+        }
+    }
+}
+
+/// The plan with its master port checked free on the first machine (a port the driver picked and
+/// found taken there is replaced; a port the user chose is reported), and, with Docker hosts
+/// running the runtime, every host shown to reach it (containers labelled `reach_id`).
+async fn port_and_reach(
+    loaded: &config::Loaded,
+    options: &Options,
+    plan: &experiment::Experiment,
+    prepared: Option<&[(hosts::Host, HostFacts)]>,
+    reach_id: &str,
+) -> Result<experiment::Experiment, RunError> {
+    let master = prepared.and_then(|p| p.first()).map(|(host, _)| host);
+    let port = match plan.backend {
+        // Each job's ranks derive theirs from the job id, or take the one given, on Slurm's node.
+        Backend::Slurm => PortPick::Free(plan.master_port),
+        Backend::Process | Backend::Docker => {
+            master_port(
+                plan.master_port,
+                options.master_port.is_some(),
+                experiment::free_local_port,
+                |port| hosts::master_port_free(master, port),
+            )
+            .await
+        }
+    };
+    let plan = match port {
+        PortPick::Free(port) if port == plan.master_port => plan.clone(),
+        PortPick::Free(port) => experiment::resolve(loaded, options, port)?,
+        PortPick::Unchecked => {
+            let (port, host) = (plan.master_port, &plan.hosts[0].name);
+            stderr_line!("warning: could not check that master port {port} is free on {host}");
+            plan.clone()
+        }
+        PortPick::Taken(port) => {
+            let host = plan.hosts[0].name.clone();
+            return Err(RunError::Preflight(LaunchError::PortInUse { host, port }));
+        }
+        PortPick::NoneFree(e) => return Err(RunError::Port(e)),
+    };
+    if let (Some(prepared), None) = (prepared, &loaded.file.command) {
+        let hosts: Vec<hosts::Host> = prepared.iter().map(|(h, _)| h.clone()).collect();
+        let runtime = plan.ranks[0].argv[0].clone();
+        crate::launch::reach::master_reachable(&hosts, &plan, &runtime, reach_id)
+            .await
+            .map_err(RunError::Preflight)?;
+    }
+    Ok(plan)
+}
+
+/// This machine's runtime's verdict on rank 0's training request (`runtime --check`, as
+/// [`check::runtime_check`]), reached on a thread of its own while the run goes on.
+struct LocalCheck {
+    verdict: tokio::sync::watch::Receiver<Option<Option<String>>>,
+}
+
+impl LocalCheck {
+    fn start(loaded: &config::Loaded, plan: &experiment::Experiment, options: &Options) -> LocalCheck {
+        let (tx, verdict) = tokio::sync::watch::channel(None);
+        let (loaded, plan, options) = (loaded.clone(), plan.clone(), options.clone());
+        tokio::task::spawn_blocking(move || {
+            let refusal = match check::runtime_check(&loaded, &plan, &options, false) {
+                Err(CheckError::Refused { reason, .. }) => Some(reason),
+                Err(CheckError::Config(e)) => Some(crate::error::error_chain(&e)),
+                // No runtime here to ask, or it could not run: the image's runtime checks it.
+                Ok(_) | Err(CheckError::Runtime { .. }) => None,
+            };
+            let _ = tx.send(Some(refusal));
+        });
+        LocalCheck { verdict }
+    }
+
+    /// The refusal, once the check has spoken; `None` when it accepted.
+    async fn spoken(&self) -> Option<String> {
+        let mut verdict = self.verdict.clone();
+        let said = match verdict.wait_for(Option::is_some).await {
+            Ok(said) => said.clone().flatten(),
+            // The thread is gone without a word (it panicked): nothing was refused here.
+            Err(_) => None,
+        };
+        said
+    }
+
+    /// Waits for the verdict: the run goes on, or is refused.
+    async fn verdict(&self) -> Result<(), RunError> {
+        match self.spoken().await {
+            None => Ok(()),
+            Some(reason) => Err(RunError::Preflight(LaunchError::RequestRefused { reason })),
+        }
+    }
+
+    /// Resolves once the request is accepted; never, when it is refused.
+    async fn accepted(&self) {
+        if self.spoken().await.is_some() {
+            std::future::pending::<()>().await;
+        }
+    }
+
+    /// Resolves with the refusal once the request is refused; never, when it is accepted.
+    async fn refused(&self) -> RunError {
+        match self.verdict().await {
+            Err(refusal) => refusal,
+            Ok(()) => std::future::pending().await,
         }
     }
 }
@@ -135,14 +242,12 @@ pub async fn run_loaded(
         }));
     }
 
-    // The training request, checked by a runtime on this machine when there is one, before any
-    // host is touched (the image's runtime checks it again at preflight).
-    match check::runtime_check(&loaded, &plan, &options, false) {
-        Err(CheckError::Refused { reason, .. }) => {
-            return Err(RunError::Preflight(LaunchError::RequestRefused { reason }))
-        }
-        Err(CheckError::Config(e)) => return Err(RunError::Config(e)),
-        Ok(_) | Err(CheckError::Runtime { .. }) => {}
+    // The training request, checked by a runtime on this machine when there is one (it loads
+    // libtorch: a third of a second), while the hosts are reached; nothing is built on them until
+    // it is accepted, and nothing starts before. Without Docker hosts it is waited for here.
+    let local_check = LocalCheck::start(&loaded, &plan, &options);
+    if plan.backend != Backend::Docker {
+        local_check.verdict().await?;
     }
 
     // Slurm judges the request itself, without running it.
@@ -167,9 +272,17 @@ pub async fn run_loaded(
                 normal: options.verbosity != crate::options::Verbosity::Quiet,
                 bars: options.progress == crate::options::Progress::Auto,
             };
-            let work = hosts::prepare_all(&plan.hosts, &plan.image, &plan.mounts, &ssh, feedback);
+            let work = hosts::prepare_all(
+                &plan.hosts,
+                &plan.image,
+                &plan.mounts,
+                &ssh,
+                feedback,
+                local_check.accepted(),
+            );
             let results = tokio::select! {
                 r = work => r,
+                refusal = local_check.refused() => return Err(refusal),
                 _ = signals.recv() => return Err(RunError::Launch(LaunchError::Interrupted)),
             };
             Some(results.map_err(|e| RunError::Preflight(e.into()))?)
@@ -192,53 +305,29 @@ pub async fn run_loaded(
         }
     }
 
-    // The ranks must start where they will run: `runtime info` in each host's image, and the
-    // GPUs given to a container there.
-    if let Some(hosts) = &engines {
-        let id = format!("{}-check-{}", plan.name, std::process::id());
-        let runs_runtime = loaded.file.command.is_none();
-        let check = crate::launch::docker::self_check(hosts, &plan, &id, runs_runtime);
-        in_check_containers(check, hosts, &id, &mut signals).await?;
-    }
-
-    // The master port must be free where rank 0 listens; a port the driver picked is replaced
-    // when the first machine has it taken, a port the user chose is reported.
-    let master = prepared.as_ref().and_then(|p| p.first()).map(|(host, _)| host);
-    let port = match plan.backend {
-        // Each job's ranks derive theirs from the job id, or take the one given, on Slurm's node.
-        Backend::Slurm => PortPick::Free(plan.master_port),
-        Backend::Process | Backend::Docker => {
-            master_port(
-                plan.master_port,
-                options.master_port.is_some(),
-                experiment::free_local_port,
-                |port| hosts::master_port_free(master, port),
-            )
-            .await
+    // Side by side: the ranks must start where they will run (`runtime info` in each host's
+    // image, and the GPUs given to a container there), and the master port must be free where
+    // rank 0 listens and reached from every host.
+    let check_id = format!("{}-check-{}", plan.name, std::process::id());
+    let reach_id = format!("{}-reach-{}", plan.name, std::process::id());
+    let runs_runtime = loaded.file.command.is_none();
+    let starts = async {
+        match &engines {
+            Some(hosts) => crate::launch::docker::self_check(hosts, &plan, &check_id, runs_runtime)
+                .await
+                .map_err(RunError::Preflight),
+            None => Ok(()),
         }
     };
-    let plan = match port {
-        PortPick::Free(port) if port == plan.master_port => plan,
-        PortPick::Free(port) => experiment::resolve(&loaded, &options, port)?,
-        PortPick::Unchecked => {
-            let (port, host) = (plan.master_port, &plan.hosts[0].name);
-            stderr_line!("warning: could not check that master port {port} is free on {host}");
-            plan
-        }
-        PortPick::Taken(port) => {
-            let host = plan.hosts[0].name.clone();
-            return Err(RunError::Preflight(LaunchError::PortInUse { host, port }));
-        }
-        PortPick::NoneFree(e) => return Err(RunError::Port(e)),
+    let port = port_and_reach(&loaded, &options, &plan, prepared.as_deref(), &reach_id);
+    let checks = async { futures_util::join!(starts, port) };
+    let (started, port) = match &engines {
+        Some(hosts) => in_check_containers(checks, hosts, &[&check_id, &reach_id], &mut signals).await?,
+        None => checks.await,
     };
-
-    // Every host must reach the master port where rank 0 will listen (checked with the runtime).
-    if let (Some(hosts), None) = (&engines, &loaded.file.command) {
-        let id = format!("{}-reach-{}", plan.name, std::process::id());
-        let runtime = plan.ranks[0].argv[0].clone();
-        let check = crate::launch::reach::master_reachable(hosts, &plan, &runtime, &id);
-        in_check_containers(check, hosts, &id, &mut signals).await?;
-    }
+    local_check.verdict().await?;
+    started?;
+    let plan = port?;
 
     let record = Record::create(&plan.log_directory, &plan.name)?;
     record.write_setup(&loaded, &plan)?;

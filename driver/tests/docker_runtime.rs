@@ -93,6 +93,40 @@ fn a_request_the_runtime_refuses_fails_preflight_before_any_rank_starts() {
 }
 
 #[test]
+fn a_request_the_runtime_refuses_costs_no_image_build() {
+    // The runtime on this machine checks the request while the hosts are reached; an image that
+    // must be built for the run waits for its verdict, and is not built when it refuses.
+    base_image();
+    let h = Harness::new("pipe-refused-build");
+    let context = h.dir.path().join("fresh-context");
+    std::fs::create_dir(&context).unwrap();
+    let dockerfile = std::fs::read_to_string(local_context().join("Dockerfile")).unwrap();
+    // A context no engine has seen: its tag is new, so the run would build it.
+    std::fs::write(
+        context.join("Dockerfile"),
+        format!("{dockerfile}\nLABEL test={}\n", h.name),
+    )
+    .unwrap();
+    let exp = refused_pipedream_mlp(&h);
+    let body = std::fs::read_to_string(&exp).unwrap().replace(
+        &local_context().display().to_string(),
+        &context.display().to_string(),
+    );
+    std::fs::write(&exp, body).unwrap();
+    let run = h.run(&exp, &[]);
+    assert_eq!(run.code(), 3, "{}", run.stderr());
+    let stderr = run.stderr();
+    assert!(
+        stderr.contains("multiple of every stage's replica count"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("driver: building"), "{stderr}");
+    let built = docker(&["images", "-q", "stagehand-fresh-context"]);
+    assert!(built.trim().is_empty(), "an image was built: {built}");
+    h.assert_no_containers();
+}
+
+#[test]
 fn a_four_point_sweep_trains_the_real_runtime_on_the_local_engine() {
     let runtime = runtime();
     base_image();

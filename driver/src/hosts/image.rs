@@ -56,21 +56,23 @@ pub struct Engine<'a> {
     pub arch: &'a str,
 }
 
-/// Makes sure every engine has the image; returns what each got, in the same order.
+/// Makes sure every engine has the image; returns what each got, in the same order. Nothing is
+/// built or sent before `before_changes` resolves.
 pub async fn ensure_all(
     engines: &[Engine<'_>],
     source: &ImageSource,
     feedback: Feedback,
+    before_changes: impl std::future::Future<Output = ()>,
 ) -> Result<Vec<Prepared>, HostError> {
     match source {
         ImageSource::Named(name) => named(engines, name, inspect_all(engines, name).await),
-        ImageSource::Build(spec) => ensure_built(engines, spec, feedback).await,
+        ImageSource::Build(spec) => ensure_built(engines, spec, feedback, before_changes).await,
         ImageSource::Base { name, build } => {
             let found = inspect_all(engines, name).await;
             if found.iter().flatten().any(holds_runtime) {
                 named(engines, name, found)
             } else {
-                ensure_built(engines, build, feedback).await
+                ensure_built(engines, build, feedback, before_changes).await
             }
         }
     }
@@ -147,6 +149,7 @@ async fn ensure_built(
     engines: &[Engine<'_>],
     spec: &BuildSpec,
     feedback: Feedback,
+    before_changes: impl std::future::Future<Output = ()>,
 ) -> Result<Vec<Prepared>, HostError> {
     let listing = {
         let spec = spec.clone();
@@ -176,6 +179,10 @@ async fn ensure_built(
             })
         })
         .collect();
+
+    if out.iter().any(Option::is_none) {
+        before_changes.await;
+    }
 
     // One build (at most) and one fan-out per architecture, the architectures side by side.
     let mut by_arch: BTreeMap<&str, Vec<usize>> = BTreeMap::new();

@@ -120,13 +120,16 @@ pub async fn connect(
 }
 
 /// Preflight for every host: each engine reachable, its mounts and GPUs checked, all at once;
-/// then the image on every host, built once and streamed where it is missing ([`image`]).
+/// then the image on every host, built once and streamed where it is missing ([`image`]), once
+/// `before_changes` has resolved (a host that has the image is not changed, and waits for
+/// nothing).
 pub async fn prepare_all(
     hosts: &[HostSpec],
     image: &ImageSource,
     planned: &[MountSpec],
     ssh: &SshOptions,
     feedback: image::Feedback,
+    before_changes: impl std::future::Future<Output = ()>,
 ) -> Result<Vec<(Host, HostFacts)>, HostError> {
     let ready = futures_util::future::join_all(hosts.iter().map(|h| prepare(h, planned, ssh)))
         .await
@@ -140,7 +143,7 @@ pub async fn prepare_all(
             arch: &h.arch,
         })
         .collect();
-    let images = image::ensure_all(&engines, image, feedback).await?;
+    let images = image::ensure_all(&engines, image, feedback, before_changes).await?;
     Ok(ready
         .into_iter()
         .zip(images)

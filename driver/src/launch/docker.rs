@@ -705,8 +705,10 @@ pub struct RuntimeInfo {
 /// copied files and GPUs its ranks get; a runtime that cannot start (a missing library) or a host
 /// that shows fewer CUDA devices than its ranks asked for is refused here. With a `command:` of
 /// the user's, a host whose ranks get GPUs starts a container of the image with them. Either way
-/// an engine that cannot give the GPUs is refused naming the host, before any rank starts. The
-/// containers carry `id` as their experiment label and are removed afterwards.
+/// an engine that cannot give the GPUs is refused naming the host, before any rank starts. Where
+/// rank 0 runs, the training request itself is checked by the image's runtime too, in a second
+/// container started alongside the first. The containers carry `id` as their experiment label
+/// and are removed afterwards.
 pub async fn self_check(
     hosts: &[Host],
     plan: &Experiment,
@@ -729,82 +731,102 @@ pub async fn self_check(
         };
         check.gpus = hp.gpus.clone();
         let body = container_body(plan, host, labels(id, plan, "check"), &check.gpus, Some(&check));
-        let outcome = run_to_end(
-            host,
-            format!(
-                "{id}-{}",
-                hp.name.replace(|c: char| !c.is_ascii_alphanumeric(), "-")
-            ),
-            body,
-        )
-        .await;
-        let _ = remove_labelled(&host.docker, &host.name, id).await;
-        // With GPUs asked for, the engine refusing the container is the NVIDIA runtime refusing
-        // an index this host lacks (or the toolkit missing): say so, naming host and GPUs.
-        let (code, stdout, stderr) = match outcome {
-            Err(LaunchError::Host(HostError::Docker { source, .. })) if !hp.gpus.is_empty() => {
-                return Err(LaunchError::GpusUnavailable {
-                    host: host.name.clone(),
-                    gpus: hp.gpus.clone(),
-                    message: format!("{source}{}", gpu_support_hint(&host.docker).await),
-                })
-            }
-            other => other?,
-        };
-        let failed = |reason: String| LaunchError::SelfCheck {
-            host: host.name.clone(),
-            reason,
-        };
-        if !runs_runtime {
-            return match code {
-                0 => Ok(()),
-                _ => Err(failed(format!(
-                    "a container of the image given GPUs {:?} exited with {code}: {}",
-                    hp.gpus,
-                    last_line(&stderr)
-                ))),
-            };
-        }
-        if code != 0 {
-            let last = last_line(&stderr);
-            return Err(failed(format!(
-                "`{} info` exited with {code}: {last}",
-                rank.argv[0]
-            )));
-        }
-        let info: RuntimeInfo = serde_json::from_str(stdout.trim())
-            .map_err(|e| failed(format!("`runtime info` printed {:?}: {e}", stdout.trim())))?;
-        if wants_cuda(&rank.argv, &hp.gpus) && info.cuda_devices < hp.gpus.len().max(1) {
-            let why = info
-                .cuda_error
-                .or(info.cuda_devices_error)
-                .unwrap_or_else(|| "no reason given".into());
-            return Err(LaunchError::GpusMissing {
-                host: host.name.clone(),
-                gpus: hp.gpus.clone(),
-                seen: info.cuda_devices,
-                why,
-            });
-        }
+        let name = format!(
+            "{id}-{}",
+            hp.name.replace(|c: char| !c.is_ascii_alphanumeric(), "-")
+        );
         // The training request itself, as the runtime validates it before connecting (model,
         // stage config, schedule, replicas, microbatches): once, where rank 0 runs. With
         // `config_file: auto` the request is not final until planned (the profile checks it).
-        if first == 0 && plan.auto.is_none() {
+        let request = (runs_runtime && first == 0 && plan.auto.is_none()).then(|| {
             let mut request = rank.clone();
             request.argv.push("--check".into());
-            let body = container_body(plan, host, labels(id, plan, "check"), &[], Some(&request));
-            let outcome = run_to_end(host, format!("{id}-request"), body).await;
-            let _ = remove_labelled(&host.docker, &host.name, id).await;
-            let (code, _, stderr) = outcome?;
-            if code != 0 {
-                return Err(LaunchError::RequestRefused {
-                    reason: runtime_error(&stderr).to_string(),
-                });
+            container_body(plan, host, labels(id, plan, "check"), &[], Some(&request))
+        });
+        let asked = async {
+            match request {
+                Some(body) => Some(run_to_end(host, format!("{id}-request"), body).await),
+                None => None,
             }
+        };
+        let (started, asked) = futures_util::join!(run_to_end(host, name, body), asked);
+        let _ = remove_labelled(&host.docker, &host.name, id).await;
+        runs_where_asked(host, hp, rank, runs_runtime, started).await?;
+        match asked {
+            Some(outcome) => request_accepted(outcome?),
+            None => Ok(()),
         }
-        Ok(())
     });
     join_all(checks).await.into_iter().collect()
+}
+
+/// Whether the check container on `host` (for its first rank, `rank`) proved the ranks start
+/// there with what they asked for.
+async fn runs_where_asked(
+    host: &Host,
+    hp: &crate::experiment::HostSpec,
+    rank: &RankSpec,
+    runs_runtime: bool,
+    outcome: Result<(i64, String, String), LaunchError>,
+) -> Result<(), LaunchError> {
+    // With GPUs asked for, the engine refusing the container is the NVIDIA runtime refusing
+    // an index this host lacks (or the toolkit missing): say so, naming host and GPUs.
+    let (code, stdout, stderr) = match outcome {
+        Err(LaunchError::Host(HostError::Docker { source, .. })) if !hp.gpus.is_empty() => {
+            return Err(LaunchError::GpusUnavailable {
+                host: host.name.clone(),
+                gpus: hp.gpus.clone(),
+                message: format!("{source}{}", gpu_support_hint(&host.docker).await),
+            })
+        }
+        other => other?,
+    };
+    let failed = |reason: String| LaunchError::SelfCheck {
+        host: host.name.clone(),
+        reason,
+    };
+    if !runs_runtime {
+        return match code {
+            0 => Ok(()),
+            _ => Err(failed(format!(
+                "a container of the image given GPUs {:?} exited with {code}: {}",
+                hp.gpus,
+                last_line(&stderr)
+            ))),
+        };
+    }
+    if code != 0 {
+        let last = last_line(&stderr);
+        return Err(failed(format!(
+            "`{} info` exited with {code}: {last}",
+            rank.argv[0]
+        )));
+    }
+    let info: RuntimeInfo = serde_json::from_str(stdout.trim())
+        .map_err(|e| failed(format!("`runtime info` printed {:?}: {e}", stdout.trim())))?;
+    if wants_cuda(&rank.argv, &hp.gpus) && info.cuda_devices < hp.gpus.len().max(1) {
+        let why = info
+            .cuda_error
+            .or(info.cuda_devices_error)
+            .unwrap_or_else(|| "no reason given".into());
+        return Err(LaunchError::GpusMissing {
+            host: host.name.clone(),
+            gpus: hp.gpus.clone(),
+            seen: info.cuda_devices,
+            why,
+        });
+    }
+    Ok(())
+}
+
+/// The image's runtime's verdict on the training request (`runtime --check`).
+fn request_accepted((code, _, stderr): (i64, String, String)) -> Result<(), LaunchError> {
+    match code {
+        0 => Ok(()),
+        _ => Err(LaunchError::RequestRefused {
+            reason: runtime_error(&stderr).to_string(),
+        }),
+    }
 }
 
 /// What the engine's own description says of its GPU support, when it says none: no `nvidia`
