@@ -144,6 +144,8 @@ async fn port_and_reach(
 /// This machine's runtime's verdict on rank 0's training request (`runtime --check`, as
 /// [`check::runtime_check`]), reached on a thread of its own while the run goes on.
 struct LocalCheck {
+    /// `None` until the check has spoken; then `Some` of its refusal, `Some(None)` when it
+    /// accepted (or could not judge: no runtime here, which the image's runtime then does).
     verdict: tokio::sync::watch::Receiver<Option<Option<String>>>,
 }
 
