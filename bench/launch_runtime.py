@@ -21,6 +21,7 @@ run -d ...` for each, all at once, as PipeDream's launcher did one at a time.
 Prints each side's median and the ratio (driver / docker) and writes bench/out/launch_runtime.json.
 """
 import argparse
+import itertools
 import json
 import os
 import shlex
@@ -129,7 +130,7 @@ def main():
     plan = json.loads((record / "config.resolved.json").read_text())["plan"]
     image = json.loads((record / "hosts.json").read_text())[0]["image"]
     ranks = [dict(r, on=plan["hosts"][r["host"]]["name"]) for r in plan["ranks"]]
-    counter = iter(range(1_000_000))
+    counter = itertools.count()
 
     def ours():
         seconds, _ = driver_launch(args.driver, config, records, len(hosts))

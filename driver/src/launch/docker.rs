@@ -15,7 +15,7 @@ use bollard::models::{ContainerCreateBody, DeviceRequest, HostConfig, Mount as D
 use bollard::query_parameters::{
     CreateContainerOptionsBuilder, LogsOptionsBuilder, UploadToContainerOptionsBuilder, WaitContainerOptions,
 };
-use futures_util::future::join_all;
+use futures_util::future::{join_all, OptionFuture};
 use futures_util::{Stream as FutStream, StreamExt};
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -743,12 +743,7 @@ pub async fn self_check(
             request.argv.push("--check".into());
             container_body(plan, host, labels(id, plan, "check"), &[], Some(&request))
         });
-        let asked = async {
-            match request {
-                Some(body) => Some(run_to_end(host, format!("{id}-request"), body).await),
-                None => None,
-            }
-        };
+        let asked = OptionFuture::from(request.map(|body| run_to_end(host, format!("{id}-request"), body)));
         let (started, asked) = futures_util::join!(run_to_end(host, name, body), asked);
         let _ = remove_labelled(&host.docker, &host.name, id).await;
         runs_where_asked(host, hp, rank, runs_runtime, started).await?;
