@@ -241,6 +241,10 @@ pub struct Iteration {
     /// gradients held an inf or a nan (every rank skips it; the scale is halved).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub step_skipped: Option<bool>,
+    /// With `--checkpoint-dir`: a whole checkpoint of the `iteration + 1` iterations done was
+    /// written after this iteration (absent when none was).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub checkpointed: bool,
 }
 
 /// One step's group of a partial reduce (`--reduce partial:K`).
@@ -444,6 +448,7 @@ mod tests {
             partial_reduce: None,
             loss_scale: None,
             step_skipped: None,
+            checkpointed: false,
         }
     }
 
@@ -493,6 +498,19 @@ mod tests {
         assert_eq!(Event::parse_line("epoch 1 done"), None);
         assert_eq!(Event::parse_line(r#"{"event":"unknown_kind"}"#), None);
         assert_eq!(Event::parse_line(""), None);
+    }
+
+    /// `checkpointed` is on the line only when a checkpoint was written, and reads back either way.
+    #[test]
+    fn only_an_iteration_that_checkpointed_says_so() {
+        let plain = Event::Iteration(iteration()).to_line();
+        assert!(!plain.contains("checkpointed"), "{plain}");
+        let mut it = iteration();
+        it.checkpointed = true;
+        let event = Event::Iteration(it);
+        let line = event.to_line();
+        assert!(line.ends_with(r#","checkpointed":true}"#), "{line}");
+        assert_eq!(Event::parse_line(&line), Some(event));
     }
 
     #[test]

@@ -268,6 +268,17 @@ pub enum Event {
     ContainersLeft(Vec<LeftContainer>),
     /// What Slurm said about the job.
     Slurm(SlurmEvent),
+    /// The ranks failed, every one was stopped and removed, and they are started again
+    /// (`max_restarts`): this is restart `restart` of at most `max`, after `cause`; from the
+    /// checkpoint of `resume_from` iterations done, or as first started (`None`).
+    Restarting {
+        restart: u32,
+        max: u32,
+        cause: StopCause,
+        resume_from: Option<u64>,
+    },
+    /// The ranks failed and the run allowed restarts, but gets none: `why`.
+    NotRestarted { why: String },
     /// The run is over: every rank ended and every container removed, or reported left.
     Finished { status: Status },
 }

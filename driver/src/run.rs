@@ -10,6 +10,7 @@ use crate::events::{Ended, Event, HostFacts, SlurmEvent, Status, StopCause};
 use crate::exit_codes;
 use crate::experiment;
 use crate::hosts;
+use crate::launch::restart::Decision;
 use crate::launch::{self, LaunchError, Outcome, Target};
 use crate::options::{Backend, ContainerMode, Options};
 use crate::records::{Record, RecordError};
@@ -449,8 +450,8 @@ pub async fn run_loaded(
             }
         }
     };
-    let Outcome { status, cleanup } =
-        match launch::run_ranks(target, &plan, &mut reporters, &mut signals, &mut launch::Ranks).await {
+    let Outcome { status, cleanup, .. } =
+        match run_with_restarts(target, &plan, runs_runtime, &mut reporters, &mut signals).await {
             Ok(outcome) => outcome,
             Err(e) => {
                 // The record says why, as the terminal's last lines do.
@@ -480,6 +481,54 @@ pub async fn run_loaded(
         }
         Ended::Failed => Err(RunError::Failed { id, dir }),
         Ended::Interrupted => Err(RunError::Interrupted { id, dir }),
+    }
+}
+
+/// Runs the ranks on `target` and, while `max_restarts` allows, starts them again after a
+/// failure once every one was stopped and removed: from the latest checkpoints the runtime's
+/// ranks wrote in the run, or as first started. Returns the last start's outcome; an error
+/// means a start failed before its ranks ran.
+async fn run_with_restarts(
+    target: Target,
+    plan: &experiment::Experiment,
+    runs_runtime: bool,
+    reporters: &mut Reporters,
+    signals: &mut StopSignals,
+) -> Result<Outcome, LaunchError> {
+    let mut ranks = launch::Ranks::default();
+    let mut this_start = plan.clone();
+    let mut restarts = 0;
+    loop {
+        let outcome = launch::run_ranks(target.clone(), &this_start, reporters, signals, &mut ranks).await?;
+        let cause = match (&outcome.status, &outcome.cause, &outcome.cleanup) {
+            (Ended::Failed, Some(cause), Ok(())) => cause.clone(),
+            // Succeeded, interrupted, or with containers left behind: nothing starts again.
+            _ => return Ok(outcome),
+        };
+        // A signal that came while the ranks were being stopped ends the run here.
+        if signals.pending() {
+            return Ok(outcome);
+        }
+        match launch::restart::decide(&cause, restarts, plan.max_restarts, &ranks.checkpoints) {
+            Decision::Stop { why } => {
+                if let Some(why) = why {
+                    reporters.report(&Event::NotRestarted { why });
+                }
+                return Ok(outcome);
+            }
+            Decision::Restart { resume_from } => {
+                restarts += 1;
+                // Only the runtime's ranks are told to resume; a `command:` starts as it did.
+                let resume_from = resume_from.filter(|_| runs_runtime);
+                reporters.report(&Event::Restarting {
+                    restart: restarts,
+                    max: plan.max_restarts,
+                    cause,
+                    resume_from,
+                });
+                this_start = plan.restarted(resume_from.is_some());
+            }
+        }
     }
 }
 

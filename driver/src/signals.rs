@@ -47,6 +47,12 @@ impl StopSignals {
         }
     }
 
+    /// Whether one of the signals arrived and was not yet received; receives it.
+    pub fn pending(&mut self) -> bool {
+        use futures_util::FutureExt;
+        self.recv().now_or_never().is_some()
+    }
+
     /// A flag set once any of the signals arrives, for work that checks between steps (a sweep's
     /// points); needs a running tokio runtime.
     pub fn into_flag(mut self) -> Arc<AtomicBool> {

@@ -438,3 +438,96 @@ fn a_driver_whose_output_went_away_runs_on_to_the_end_and_records_it_all() {
     assert_eq!(lines(&record.join("metrics.jsonl")).len(), 64);
     h.assert_no_processes();
 }
+
+/// A rank that fails on every start is started again `max_restarts` times and no more: the run
+/// fails with the last start's failure, and the record lists the earlier ones.
+#[test]
+fn a_rank_that_keeps_failing_is_restarted_as_often_as_allowed() {
+    let h = Harness::new("proc-restarts");
+    let config = h.config(&format!(
+        "backend: process\nmachines: [localhost, localhost]\nmax_restarts: 2\n\
+         command: ['{FAKE_RANK}', --iterations, '1000', --sleep-ms, '20', --fail-rank, '1', --fail-at, '2', --exit-code, '7']\n"
+    ));
+    let run = h.run(&config, &[]);
+    assert_eq!(run.code(), 1, "{}", run.stderr());
+    let stderr = run.stderr();
+    for restart in ["restart 1 of 2", "restart 2 of 2"] {
+        assert!(
+            stderr.contains(&format!(
+                "driver: starting every rank again, as they first started (no checkpoint was written in this run); {restart}"
+            )),
+            "{stderr}"
+        );
+    }
+    assert_eq!(
+        stderr
+            .matches("rank 1 on localhost failed with exit code 7")
+            .count(),
+        3,
+        "{stderr}"
+    );
+    let (dir, summary) = h.summary();
+    assert_eq!(summary["status"], "failed");
+    assert_eq!(summary["failure"]["cause"]["exit_code"], 7);
+    let restarts = summary["restarts"].as_array().unwrap();
+    assert_eq!(restarts.len(), 2, "{summary}");
+    for restart in restarts {
+        assert_eq!(restart["failure"]["cause"]["exit_code"], 7, "{restart}");
+        assert!(restart["resume_from"].is_null(), "{restart}");
+        let last = restart["failure"]["last_lines"].as_array().unwrap();
+        assert!(
+            last.iter()
+                .any(|l| l.as_str().unwrap().contains("failing on purpose")),
+            "{last:?}"
+        );
+    }
+    assert!(
+        summary["not_restarted"].is_null(),
+        "used up, not refused: {summary}"
+    );
+    // Each start's rank 1 logged its start line; the restarts are marked between them.
+    let log = std::fs::read_to_string(dir.join("rank-1.log")).unwrap();
+    assert_eq!(log.matches("fake-rank 1/2").count(), 3, "{log}");
+    assert_eq!(
+        log.matches("--- driver: every rank started again, as first started")
+            .count(),
+        2,
+        "{log}"
+    );
+    // `driver results` says so beside the failure.
+    let results = h.driver(&["results".as_ref(), dir.as_os_str()], Duration::from_secs(30));
+    assert!(
+        results
+            .stdout()
+            .contains("rank 1 on localhost exited with code 7; after 2 restarts"),
+        "{}",
+        results.stdout()
+    );
+    h.assert_no_processes();
+}
+
+/// A rank that refuses its request (exit 2) would refuse it again: no restart, and the record
+/// says why.
+#[test]
+fn a_refusal_is_not_restarted() {
+    let h = Harness::new("proc-no-restart");
+    let config = h.config(&format!(
+        "backend: process\nmachines: [localhost, localhost]\nmax_restarts: 3\n\
+         command: ['{FAKE_RANK}', --iterations, '1000', --fail-rank, '0', --fail-at, '0', --exit-code, '2']\n"
+    ));
+    let run = h.run(&config, &[]);
+    assert_eq!(run.code(), 1, "{}", run.stderr());
+    assert!(
+        run.stderr()
+            .contains("driver: no restart: the rank refused its request (exit code 2)"),
+        "{}",
+        run.stderr()
+    );
+    let (_, summary) = h.summary();
+    assert!(summary["restarts"].is_null(), "{summary}");
+    assert!(
+        summary["not_restarted"].as_str().unwrap().contains("exit code 2"),
+        "{summary}"
+    );
+    h.assert_no_processes();
+}

@@ -193,6 +193,30 @@ fn resume_auto_starts_afresh_or_goes_on_from_the_checkpoint_there() {
     assert!(other.stderr().contains("is of another run"), "{}", other.stderr());
 }
 
+/// The iteration lines say after which iterations a whole checkpoint was written (every
+/// `--checkpoint-every` and after the last), which is what a driver restarting the ranks
+/// resumes from; a run without checkpoints says nothing of them.
+#[test]
+fn each_iteration_that_checkpointed_says_so() {
+    let tmp = tempfile::tempdir().unwrap();
+    let c = tmp.path().join("ckpt");
+    let c = c.to_str().unwrap();
+    let checkpointed = |run: &Run| -> Vec<u64> {
+        run.iterations()
+            .iter()
+            .filter(|i| i.checkpointed)
+            .map(|i| i.iteration)
+            .collect()
+    };
+    let every_two = run_ok(&strs(&mlp(
+        "5",
+        &["--checkpoint-dir", c, "--checkpoint-every", "2"],
+    )));
+    assert_eq!(checkpointed(&every_two), [1, 3, 4]);
+    assert!(tmp.path().join("ckpt/rank-0/iter-5").is_dir());
+    assert!(checkpointed(&run_ok(&strs(&mlp("3", &[])))).is_empty());
+}
+
 #[test]
 fn a_checkpoint_of_another_run_or_none_is_refused_with_what_to_do() {
     let tmp = tempfile::tempdir().unwrap();

@@ -121,6 +121,7 @@ fn main() {
             partial_reduce: None,
             loss_scale: None,
             step_skipped: None,
+            checkpointed: false,
         };
         println!("{}", Event::Iteration(it).to_line());
         eprintln!("fake-rank {rank}: iteration {i} done");

@@ -107,6 +107,11 @@ pub struct ExperimentFile {
     /// there), `false`, or `auto` (`--resume=auto`: from it if there is one, else afresh).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resume: Option<Resume>,
+    /// How many times the ranks are started again after a rank fails or a host is lost (as
+    /// torchrun's `--max-restarts`): from the latest checkpoint the ranks wrote in this run, or
+    /// as first started when they wrote none. 0 (the default) ends the run at its first failure.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_restarts: Option<u32>,
     /// How the learning rate changes per epoch (`--lr-policy`; PipeDream's `learning_rate_policy`):
     /// `constant`, `step`, `polynomial` or `exponential_decay`.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -194,6 +194,8 @@ pub struct Experiment {
     pub auto: Option<AutoPartition>,
     /// What the job asks Slurm for, with the Slurm backend.
     pub slurm: Option<SlurmSettings>,
+    /// How many times the ranks are started again after a failure (`max_restarts`).
+    pub max_restarts: u32,
 }
 
 impl Experiment {
@@ -208,6 +210,21 @@ impl Experiment {
         self.ranks
             .iter()
             .any(|r| r.argv.iter().any(|a| a == "--checkpoint-dir"))
+    }
+
+    /// The plan for a start of the runtime's ranks after a restart: resuming from their latest
+    /// checkpoints when `resume` (the runtime's `--resume` in place of the experiment's own
+    /// setting), else as first planned.
+    pub fn restarted(&self, resume: bool) -> Experiment {
+        let mut plan = self.clone();
+        if resume {
+            for rank in &mut plan.ranks {
+                rank.argv
+                    .retain(|a| a != "--resume" && !a.starts_with("--resume="));
+                rank.argv.push("--resume".into());
+            }
+        }
+        plan
     }
 
     /// The host a rank runs on.
@@ -539,6 +556,7 @@ fn resolve_with(
         log_directory: log_directory(loaded, options),
         auto,
         slurm,
+        max_restarts: file.max_restarts.unwrap_or(0),
     })
 }
 

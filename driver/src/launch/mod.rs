@@ -10,6 +10,7 @@ mod lines;
 mod oom;
 pub mod process;
 pub mod reach;
+pub mod restart;
 pub mod slurm;
 
 use std::path::PathBuf;
@@ -153,6 +154,7 @@ pub fn classify_line(rank: usize, stream: Stream, line: String) -> Event {
 }
 
 /// Where a launch's ranks run.
+#[derive(Clone)]
 pub enum Target {
     /// Local child processes.
     Processes,
@@ -267,11 +269,16 @@ pub trait Watch {
     }
 }
 
-/// An experiment's ranks: the reporters see every event.
-pub struct Ranks;
+/// An experiment's ranks: the reporters see every event; the checkpoints the ranks say they
+/// wrote are kept, over every start of the ranks, for a restart to resume from.
+#[derive(Debug, Default)]
+pub struct Ranks {
+    pub checkpoints: restart::Checkpoints,
+}
 
 impl Watch for Ranks {
     fn show(&mut self, event: Event) -> Option<Event> {
+        self.checkpoints.saw(&event);
         Some(event)
     }
 }
@@ -280,6 +287,8 @@ impl Watch for Ranks {
 pub struct Outcome {
     /// How the ranks ended.
     pub status: Ended,
+    /// Why the driver stopped the ranks early, if it did.
+    pub cause: Option<StopCause>,
     /// Removing what was started; an error names what is left (already reported).
     pub cleanup: Result<(), LaunchError>,
 }
@@ -304,16 +313,20 @@ pub async fn run_ranks(
             return Err(e);
         }
     };
-    let status = supervise(plan, &launcher, rx, reporters, signals, watch).await;
+    let (status, cause) = supervise(plan, &launcher, rx, reporters, signals, watch).await;
     let cleanup = launcher.finish().await;
     if let Err(LaunchError::ContainersLeft { left, .. }) = &cleanup {
         reporters.report(&Event::ContainersLeft(left.clone()));
     }
-    Ok(Outcome { status, cleanup })
+    Ok(Outcome {
+        status,
+        cause,
+        cleanup,
+    })
 }
 
 /// Feeds events to the reporters until every rank has exited; stops all ranks on the first failure
-/// or signal. Returns the run's status.
+/// or signal. Returns the run's status, and why it was stopped early if it was.
 async fn supervise(
     plan: &Experiment,
     launcher: &Launcher,
@@ -321,7 +334,7 @@ async fn supervise(
     reporters: &mut Reporters,
     signals: &mut StopSignals,
     watch: &mut dyn Watch,
-) -> Ended {
+) -> (Ended, Option<StopCause>) {
     // Ranks seen to exit, removed, or lost with their host: no more to hear from them.
     let mut ended = 0;
     let mut cause: Option<StopCause> = None;
@@ -403,6 +416,8 @@ async fn supervise(
             | Event::Planned(_)
             | Event::Stopping(_)
             | Event::ContainersLeft(_)
+            | Event::Restarting { .. }
+            | Event::NotRestarted { .. }
             | Event::Finished { .. } => None,
         };
         if let Some(shown) = watch.show(event) {
@@ -418,7 +433,7 @@ async fn supervise(
             break;
         }
     }
-    match cause {
+    let ended = match &cause {
         None => Ended::Succeeded,
         Some(StopCause::Interrupted) => Ended::Interrupted,
         Some(
@@ -429,5 +444,6 @@ async fn supervise(
             | StopCause::LaunchFailed { .. }
             | StopCause::SlurmJob { .. },
         ) => Ended::Failed,
-    }
+    };
+    (ended, cause)
 }

@@ -1,7 +1,7 @@
 //! Throughput and time shares computed from the ranks' metrics lines; shared by the progress bar
 //! and the record so both show the same numbers.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 use stagehand_contract::Event as Metrics;
@@ -52,7 +52,12 @@ pub struct Stats {
     sums: BTreeMap<usize, Sums>,
     /// With fp16 (iterations that say whether their step was skipped): the skipped ones. Every
     /// rank skips the same steps, so an iteration counts once however many ranks report it.
-    skipped: Option<std::collections::BTreeSet<u64>>,
+    skipped: Option<BTreeSet<u64>>,
+    /// The first iteration of each start of the ranks after a restart: a warm-up, as the run's
+    /// first is.
+    restarts_at: BTreeSet<u64>,
+    /// The ranks were started again and no iteration of theirs has arrived yet.
+    restarting: bool,
 }
 
 impl Stats {
@@ -64,6 +69,9 @@ impl Stats {
                 self.num_stages = Some(s.num_stages);
             }
             Metrics::Iteration(it) => {
+                if std::mem::take(&mut self.restarting) {
+                    self.start_again_at(it.iteration);
+                }
                 self.stage_of.insert(it.rank, it.stage);
                 let sums = self.sums.entry(it.stage).or_default();
                 sums.compute += it.compute_s;
@@ -84,6 +92,22 @@ impl Stats {
             // Per-microbatch tracing (`--trace`) says nothing about throughput or time shares.
             Metrics::Summary(_) | Metrics::Trace(_) | Metrics::P2p(_) => {}
         }
+    }
+
+    /// The ranks are being started again: their iterations from the first one they report
+    /// replace what the earlier start reported of the same iterations (they resume from a
+    /// checkpoint, or start afresh).
+    pub fn restarted(&mut self) {
+        self.restarting = true;
+    }
+
+    fn start_again_at(&mut self, iteration: u64) {
+        self.per_iteration.split_off(&iteration);
+        if let Some(skipped) = &mut self.skipped {
+            skipped.split_off(&iteration);
+        }
+        self.restarts_at.split_off(&iteration);
+        self.restarts_at.insert(iteration);
     }
 
     fn is_last_stage(&self, stage: usize) -> bool {
@@ -114,25 +138,31 @@ impl Stats {
             .map(|(s, n)| s / *n as f64)
     }
 
-    /// Mean and spread over complete iterations, leaving out the first as warm-up when possible.
+    /// Mean and spread over complete iterations, leaving out the first, and the first of each
+    /// start after a restart, as warm-up when that leaves any.
     pub fn throughput(&self) -> Option<Throughput> {
         let need = self.last_stage_ranks();
-        let complete: Vec<f64> = self
+        let complete: Vec<(u64, f64)> = self
             .per_iteration
-            .values()
-            .filter(|(_, n)| *n >= need)
-            .map(|(s, n)| s / *n as f64)
+            .iter()
+            .filter(|(_, (_, n))| *n >= need)
+            .map(|(&i, (s, n))| (i, s / *n as f64))
             .collect();
-        let measured = if complete.len() > 1 {
-            &complete[1..]
-        } else {
-            &complete[..]
+        let warm: Vec<f64> = complete
+            .iter()
+            .skip(1)
+            .filter(|(i, _)| !self.restarts_at.contains(i))
+            .map(|&(_, rate)| rate)
+            .collect();
+        let measured = match warm.is_empty() {
+            false => warm,
+            true => complete.iter().map(|&(_, rate)| rate).collect(),
         };
         if measured.is_empty() {
             return None;
         }
         // As each rank's summary computes it, so the job's spread reads as the ranks' do.
-        let (mean, std) = stagehand_contract::metrics::mean_and_std(measured);
+        let (mean, std) = stagehand_contract::metrics::mean_and_std(&measured);
         Some(Throughput {
             samples_per_sec_mean: mean,
             samples_per_sec_std: std,
@@ -197,6 +227,7 @@ mod tests {
             partial_reduce: None,
             loss_scale: None,
             step_skipped: None,
+            checkpointed: false,
         })
     }
 
@@ -215,6 +246,35 @@ mod tests {
         assert!((t.samples_per_sec_std - 8f64.sqrt()).abs() < 1e-9, "{t:?}");
         assert_eq!(s.iterations_done(), 3);
         assert_eq!(s.latest_samples_per_sec(), Some(15.0));
+    }
+
+    /// Ranks started again replace what the failed start reported from the iteration they
+    /// resume at, and that first iteration is a warm-up as the run's first is.
+    #[test]
+    fn a_restart_replaces_the_iterations_it_runs_again_and_warms_up_again() {
+        let mut s = Stats::default();
+        for (i, sps) in [(0, 1.0), (1, 10.0), (2, 10.0), (3, 10.0)] {
+            s.record(&it(i, 0, 0, sps));
+            s.record(&it(i, 1, 0, sps));
+        }
+        // Rank 1 died in iteration 4; rank 0 finished it alone.
+        s.record(&it(4, 0, 0, 10.0));
+        s.restarted();
+        assert_eq!(
+            s.iterations_done(),
+            4,
+            "nothing changes until the new start reports"
+        );
+        // Resumed from the checkpoint of 2 iterations done: 2 and 3 again, then 4 and 5.
+        for (i, sps) in [(2, 2.0), (3, 20.0), (4, 20.0), (5, 20.0)] {
+            s.record(&it(i, 0, 0, sps));
+            s.record(&it(i, 1, 0, sps));
+        }
+        assert_eq!(s.iterations_done(), 6);
+        let t = s.throughput().unwrap();
+        // Measured: 1 from the first start, 3, 4 and 5 from the second; 0 and 2 warm up.
+        assert_eq!(t.iterations_measured, 4, "{t:?}");
+        assert!((t.samples_per_sec_mean - 17.5).abs() < 1e-9, "{t:?}");
     }
 
     #[test]

@@ -81,6 +81,20 @@ pub struct Failure {
     pub last_lines: Vec<String>,
 }
 
+/// One failure after which the ranks were started again (`max_restarts`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Restart {
+    /// RFC 3339 UTC, when the ranks were started again.
+    pub at: String,
+    /// What made the driver stop the ranks, and the failing rank's last lines.
+    pub failure: Failure,
+    /// Iterations every rank of the last stage had finished by then (over every start so far).
+    pub iterations_done: u64,
+    /// Iterations done of the checkpoint the ranks resumed from; `null` when they started as
+    /// they first did (no checkpoint written in the run).
+    pub resume_from: Option<u64>,
+}
+
 /// The whole file.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Summary {
@@ -116,6 +130,12 @@ pub struct Summary {
     pub ranks: Vec<RankOutcome>,
     /// Why the run stopped early, if it did.
     pub failure: Option<Failure>,
+    /// Each failure after which the ranks were started again (`max_restarts`), in order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub restarts: Vec<Restart>,
+    /// Why a run that allowed restarts got none after its last failure.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub not_restarted: Option<String>,
     /// Containers the driver could not remove: host, name, id, ranks, why, and the command that
     /// removes each by hand.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]

@@ -98,6 +98,12 @@ impl Reporter for ProgressReporter {
                 .bar
                 .set_message(format!("planned {} stage(s)", facts.replicas.len())),
             Event::Stopping(_) => self.bar.set_message("stopping"),
+            Event::Restarting { .. } => {
+                self.stats.restarted();
+                self.started = 0;
+                self.bar.set_message("restarting");
+            }
+            Event::NotRestarted { .. } => {}
             Event::Finished { .. } => self.bar.finish_and_clear(),
         }
         Ok(())

@@ -254,6 +254,19 @@ impl TerminalReporter {
                 // The stop it causes says why.
                 SlurmEvent::Stopped { .. } => None,
             },
+            Event::Restarting {
+                restart,
+                max,
+                resume_from,
+                ..
+            } => {
+                let from = match resume_from {
+                    Some(done) => format!("from their checkpoints of {done} iterations done"),
+                    None => "as they first started (no checkpoint was written in this run)".to_string(),
+                };
+                err(format!("driver: starting every rank again, {from}; restart {restart} of {max}"))
+            }
+            Event::NotRestarted { why } => err(format!("driver: no restart: {why}")),
             Event::Finished { .. } => None,
         }
     }

@@ -292,8 +292,9 @@ fn layout(ranks: &[ResolvedRank]) -> (usize, Vec<usize>) {
     (per_stage.len(), per_stage.into_values().collect())
 }
 
-/// Why the run failed, and how many of its steps fp16's gradient scaler skipped (a run whose
-/// steps were mostly skipped trained little, however fast it went).
+/// Why the run failed, how often its ranks were started again and after what, and how many of
+/// its steps fp16's gradient scaler skipped (a run whose steps were mostly skipped trained
+/// little, however fast it went).
 fn note(summary: &Summary) -> Option<String> {
     let skipped = summary.skipped_steps.filter(|&n| n > 0).map(|n| {
         format!(
@@ -302,10 +303,24 @@ fn note(summary: &Summary) -> Option<String> {
         )
     });
     let failure = summary.failure.as_ref().map(|f| cause_text(&f.cause));
-    match (failure, skipped) {
-        (Some(failure), Some(skipped)) => Some(format!("{failure}; {skipped}")),
-        (failure, skipped) => failure.or(skipped),
-    }
+    // A run that failed in the end says how often it was started again; one that went on to
+    // succeed, after what.
+    let restarts = match (summary.restarts.as_slice(), &failure) {
+        ([], _) => None,
+        ([_], Some(_)) => Some("after 1 restart".to_string()),
+        (all, Some(_)) => Some(format!("after {} restarts", all.len())),
+        ([one], None) => Some(format!(
+            "restarted once, after: {}",
+            cause_text(&one.failure.cause)
+        )),
+        ([.., last], None) => Some(format!(
+            "restarted {} times, last after: {}",
+            summary.restarts.len(),
+            cause_text(&last.failure.cause)
+        )),
+    };
+    let notes: Vec<String> = [failure, restarts, skipped].into_iter().flatten().collect();
+    (!notes.is_empty()).then(|| notes.join("; "))
 }
 
 pub(super) fn cause_text(cause: &StopCause) -> String {

@@ -321,3 +321,149 @@ pub fn an_interrupted_run_checkpoints_every_rank_and_resumes(h: &Harness, backen
     }
     assert_eq!(iterations.into_iter().collect::<Vec<_>>(), [k, k + 1]);
 }
+
+/// Each iteration's loss on the last stage's rank (1) of a two-stage record: the last report of
+/// each iteration, so a restarted run's resumed iterations replace the failed start's.
+pub fn losses(record: &Path) -> BTreeMap<u64, f64> {
+    let mut losses = BTreeMap::new();
+    for line in lines(&record.join("metrics.jsonl")) {
+        let event: Value = serde_json::from_str(&line).unwrap();
+        if event["event"] == "iteration" && event["rank"] == 1 {
+            losses.insert(
+                event["iteration"].as_u64().unwrap(),
+                event["loss"].as_f64().unwrap(),
+            );
+        }
+    }
+    losses
+}
+
+/// A two-stage pipeline with `max_restarts: 1` whose rank 1 is killed (by `kill`, given the
+/// rank's handle in the record) once it has written a checkpoint: the driver stops rank 0,
+/// starts both again from their checkpoints, and the run succeeds with every iteration's loss
+/// what a run never stopped gives, to the bit (the runtime's resume is exact). The record keeps
+/// the failure under `restarts` and both starts' lines.
+pub fn a_killed_rank_restarts_from_its_checkpoint(h: &Harness, backend: &str, kill: impl Fn(&str)) {
+    let runtime = runtime();
+    let args = ["--runtime", runtime.to_str().unwrap()];
+    let config = two_stage_mlp(h, backend);
+    let text = std::fs::read_to_string(&config)
+        .unwrap()
+        .replace("iterations: 3", "iterations: 30");
+    // Never stopped: the losses to match.
+    std::fs::write(
+        &config,
+        format!("{text}checkpoint_dir: ckpt-reference\ncheckpoint_every: 5\n"),
+    )
+    .unwrap();
+    let run = h.run(&config, &args);
+    assert_eq!(run.code(), 0, "{}", run.stderr());
+    let reference = h.summary().0;
+    let expected = losses(&reference);
+    assert_eq!(expected.len(), 30);
+
+    // Rank 1's compute stretched to leave time to kill it between a checkpoint and the end.
+    std::fs::write(
+        &config,
+        format!(
+            "{text}checkpoint_dir: ckpt\ncheckpoint_every: 5\nmax_restarts: 1\n\
+             slowdown: [{{rank: 1, factor: 40}}]\n"
+        ),
+    )
+    .unwrap();
+    let child = h.spawn(&config, &args);
+    let record = wait_until(Duration::from_secs(120), || {
+        std::fs::read_dir(h.records())
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .find(|p| *p != reference)
+    });
+    wait_until(Duration::from_secs(120), || {
+        lines(&record.join("metrics.jsonl"))
+            .iter()
+            .any(|l| l.contains(r#""rank":1"#) && l.contains(r#""checkpointed":true"#))
+            .then_some(())
+    });
+    let summary = json(&record.join("summary.json"));
+    let handle = summary["ranks"][1]["handle"]
+        .as_str()
+        .expect("rank 1 started")
+        .to_string();
+    let killed_at = lines(&record.join("metrics.jsonl"))
+        .iter()
+        .filter(|l| l.contains(r#""event":"iteration""#) && l.contains(r#""rank":1"#))
+        .count();
+    assert!(killed_at < 30, "rank 1 ran to the end before it could be killed");
+    kill(&handle);
+    let out = super::wait_with_deadline(child, Duration::from_secs(180));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+
+    let summary = json(&record.join("summary.json"));
+    assert_eq!(summary["status"], "succeeded", "{summary}");
+    assert!(summary["failure"].is_null(), "{summary}");
+    let restarts = summary["restarts"].as_array().expect("the restart is recorded");
+    assert_eq!(restarts.len(), 1, "{summary}");
+    let cause = &restarts[0]["failure"]["cause"];
+    assert_eq!(cause["kind"], "rank_failed", "{summary}");
+    let resumed = restarts[0]["resume_from"]
+        .as_u64()
+        .expect("resumed from a checkpoint");
+    assert!(
+        resumed >= 5 && resumed.is_multiple_of(5) && resumed < 30,
+        "{summary}"
+    );
+    assert!(
+        stderr.contains(&format!(
+            "starting every rank again, from their checkpoints of {resumed} iterations done; restart 1 of 1"
+        )),
+        "{stderr}"
+    );
+    assert_eq!(summary["iterations_done"], 30, "{summary}");
+    for r in summary["ranks"].as_array().unwrap() {
+        assert_eq!(r["exit_code"], 0, "the second start's ranks: {r}");
+    }
+    // The second start began at the checkpoint: its first iteration is `resumed`.
+    let iterations: Vec<u64> = lines(&record.join("metrics.jsonl"))
+        .iter()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .filter(|e| e["event"] == "iteration" && e["rank"] == 1)
+        .map(|e| e["iteration"].as_u64().unwrap())
+        .collect();
+    // The first start ran 0..m (m at least `resumed`, the checkpoint written before the kill),
+    // the second `resumed`..30.
+    let again = iterations.iter().rposition(|&i| i == resumed).unwrap();
+    assert!(again >= resumed as usize, "{iterations:?}");
+    assert_eq!(
+        iterations[..again],
+        (0..again as u64).collect::<Vec<_>>(),
+        "{iterations:?}"
+    );
+    assert_eq!(
+        iterations[again..],
+        (resumed..30).collect::<Vec<_>>(),
+        "{iterations:?}"
+    );
+    assert_eq!(
+        losses(&record),
+        expected,
+        "the restarted run's losses against a run never stopped"
+    );
+    let log = std::fs::read_to_string(record.join("rank-1.log")).unwrap();
+    assert!(
+        log.contains(&format!("--- driver: every rank started again, from the checkpoints of {resumed} iterations done (restart 1 of 1) ---")),
+        "{log}"
+    );
+}
+
+/// Polls `found` every 50 ms until it gives a value, failing after `limit`.
+pub fn wait_until<T>(limit: Duration, mut found: impl FnMut() -> Option<T>) -> T {
+    let start = Instant::now();
+    loop {
+        if let Some(value) = found() {
+            return value;
+        }
+        assert!(start.elapsed() < limit, "not seen within {limit:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}

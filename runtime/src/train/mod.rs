@@ -699,6 +699,7 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
             }),
             loss_scale: report.scaler.map(|s| s.scale),
             step_skipped: report.scaler.map(|s| s.skipped),
+            checkpointed: report.checkpointed,
         }))?;
         Ok(())
     })?;

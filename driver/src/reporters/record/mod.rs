@@ -14,7 +14,7 @@ use super::Reporter;
 use crate::events::{Event, HostFacts, SlurmEvent, SlurmJob, Status, StopCause};
 use crate::experiment::Experiment;
 use crate::records::stats::Stats;
-use crate::records::summary::{Failure, RankOutcome, RankState, Summary, FORMAT_VERSION};
+use crate::records::summary::{Failure, RankOutcome, RankState, Restart, Summary, FORMAT_VERSION};
 use crate::records::{files, Record, RecordError};
 
 /// Lines kept per rank for the failure report.
@@ -61,6 +61,8 @@ impl RecordReporter {
                 .map(|r| RankOutcome::pending(r.rank, plan.hosts[r.host].name.clone()))
                 .collect(),
             failure: None,
+            restarts: Vec::new(),
+            not_restarted: None,
             containers_not_removed: Vec::new(),
             plan: None,
             slurm_job: None,
@@ -257,6 +259,43 @@ impl Reporter for RecordReporter {
                 }
                 SlurmEvent::Stopped { .. } => {}
             },
+            Event::Restarting {
+                restart,
+                max,
+                cause,
+                resume_from,
+            } => {
+                let failure = self.summary.failure.take().unwrap_or_else(|| Failure {
+                    cause: cause.clone(),
+                    last_lines: Vec::new(),
+                });
+                self.summary.restarts.push(Restart {
+                    at: Timestamp::now().to_string(),
+                    failure,
+                    iterations_done: self.stats.iterations_done(),
+                    resume_from: *resume_from,
+                });
+                self.stats.restarted();
+                self.last_lines.clear();
+                let from = match resume_from {
+                    Some(done) => format!("from the checkpoints of {done} iterations done"),
+                    None => "as first started".to_string(),
+                };
+                let mark =
+                    format!("--- driver: every rank started again, {from} (restart {restart} of {max}) ---");
+                for rank in self.summary.ranks.iter_mut() {
+                    *rank = RankOutcome::pending(rank.rank, rank.host.clone());
+                }
+                let ranks: Vec<usize> = self.summary.ranks.iter().map(|r| r.rank).collect();
+                for rank in ranks {
+                    self.log_line(rank, &mark)?;
+                }
+                self.write_summary()?;
+            }
+            Event::NotRestarted { why } => {
+                self.summary.not_restarted = Some(why.clone());
+                self.write_summary()?;
+            }
             Event::Finished { status } => {
                 self.summary.status = *status;
                 self.summary.ended_at = Some(Timestamp::now().to_string());

@@ -82,6 +82,8 @@ pub struct IterationReport {
     pub group: Option<GroupReport>,
     /// With fp16, what the gradient scaler did at the iteration's step.
     pub scaler: Option<ScalerReport>,
+    /// A whole checkpoint of the iterations done so far was written after this iteration.
+    pub checkpointed: bool,
 }
 
 /// A microbatch between its forward and its backward.
@@ -635,6 +637,29 @@ impl Executor {
                         let time = started.elapsed();
                         let traces = std::mem::take(&mut progress.traces);
                         let p2p = self.links.channels.as_ref().map(Channels::take_log);
+                        // The checkpoint is written before the iteration's line, which says so:
+                        // a driver that restarts the ranks resumes only from checkpoints it saw
+                        // written whole.
+                        let done = iteration as u64 + 1;
+                        let (checkpointed, stop) = match &self.checkpoint {
+                            Some(c) => {
+                                let due = c.config.due(done, c.total);
+                                let stop = stopping && (drains_every_iteration || due);
+                                if stop || due {
+                                    checkpoint::save(
+                                        &c.config.dir,
+                                        &c.identity,
+                                        done,
+                                        &self.stage,
+                                        &self.optimizer,
+                                        self.scaler.as_ref(),
+                                    )
+                                    .map_err(anyhow::Error::msg)?;
+                                }
+                                (stop || due, stop && done < c.total)
+                            }
+                            None => (false, false),
+                        };
                         report(IterationReport {
                             lr: self.lr.at(iteration as u64),
                             iteration: iteration as u64,
@@ -645,29 +670,14 @@ impl Executor {
                             p2p: p2p.filter(|_| self.trace).unwrap_or_default(),
                             group: progress.group.take(),
                             scaler: self.scaler.as_ref().map(GradScaler::report),
+                            checkpointed,
                         })?;
-                        if let Some(c) = &self.checkpoint {
-                            let done = iteration as u64 + 1;
-                            let due = c.config.due(done, c.total);
-                            let stop = stopping && (drains_every_iteration || due);
-                            if stop || due {
-                                checkpoint::save(
-                                    &c.config.dir,
-                                    &c.identity,
-                                    done,
-                                    &self.stage,
-                                    &self.optimizer,
-                                    self.scaler.as_ref(),
-                                )
-                                .map_err(anyhow::Error::msg)?;
+                        if let (true, Some(c)) = (stop, &self.checkpoint) {
+                            return Err(Stopped {
+                                iterations_done: done,
+                                dir: checkpoint::rank_dir(&c.config.dir, self.rank),
                             }
-                            if stop && done < c.total {
-                                return Err(Stopped {
-                                    iterations_done: done,
-                                    dir: checkpoint::rank_dir(&c.config.dir, self.rank),
-                                }
-                                .into());
-                            }
+                            .into());
                         }
                         progress.timing = Timing::default();
                         started = Instant::now();
