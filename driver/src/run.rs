@@ -489,7 +489,7 @@ pub async fn run_loaded(
 /// ranks wrote in the run, or as first started. Returns the last start's outcome; an error
 /// means a start failed before its ranks ran.
 async fn run_with_restarts(
-    target: Target,
+    mut target: Target,
     plan: &experiment::Experiment,
     runs_runtime: bool,
     reporters: &mut Reporters,
@@ -517,6 +517,17 @@ async fn run_with_restarts(
                 return Ok(outcome);
             }
             Decision::Restart { resume_from } => {
+                // A host that was lost and came back is reached on a new connection; one that
+                // still does not answer ends the run.
+                if let (StopCause::HostLost { .. }, Target::Containers { hosts, ssh, .. }) =
+                    (&cause, &mut target)
+                {
+                    if let Err(e) = hosts::reconnect_all(hosts, ssh).await {
+                        let why = format!("a host still does not answer: {}", crate::error::error_line(&e));
+                        reporters.report(&Event::NotRestarted { why });
+                        return Ok(outcome);
+                    }
+                }
                 restarts += 1;
                 // Only the runtime's ranks are told to resume; a `command:` starts as it did.
                 let resume_from = resume_from.filter(|_| runs_runtime);

@@ -75,6 +75,19 @@ fn an_interrupted_pipeline_in_one_container_checkpoints_every_rank_and_resumes()
     h.assert_no_containers();
 }
 
+/// A rank's container killed by someone else (`docker kill`, as an admin or the kernel would):
+/// the driver removes every container of the run, starts new ones that resume from the
+/// checkpoints, and leaves none behind.
+#[test]
+fn a_killed_rank_container_restarts_from_its_checkpoint() {
+    base_image();
+    let h = Harness::new("pipe-restart-docker");
+    a_killed_rank_restarts_from_its_checkpoint(&h, "docker", |container| {
+        docker(&["kill", container]);
+    });
+    h.assert_no_containers();
+}
+
 #[test]
 fn a_request_the_runtime_refuses_fails_preflight_before_any_rank_starts() {
     base_image();

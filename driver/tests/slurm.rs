@@ -265,6 +265,69 @@ fn a_rank_killed_for_want_of_its_jobs_memory_is_reported_as_such() {
     h.assert_no_processes();
 }
 
+/// With `max_restarts`, a task killed after a checkpoint ends its job as above, and a second
+/// job's tasks resume from the checkpoints: the run succeeds, both jobs are gone, and the record
+/// keeps the first job's failure and names the second job.
+#[test]
+fn a_killed_task_restarts_as_a_new_job_from_its_checkpoint() {
+    runtime();
+    let h = Harness::new("slurm-restart");
+    let config = mlp(&h, 40, "");
+    let text = std::fs::read_to_string(&config).unwrap();
+    std::fs::write(
+        &config,
+        format!(
+            "{text}checkpoint_dir: ckpt\ncheckpoint_every: 5\nmax_restarts: 1\n\
+             slowdown: [{{rank: 1, factor: 40}}]\n"
+        ),
+    )
+    .unwrap();
+    let child = h.spawn_with_env(&config, &[], &slurm_env());
+    let record = wait_for_record(&h.records(), Duration::from_secs(60));
+    let start = Instant::now();
+    while !std::fs::read_to_string(record.join("metrics.jsonl"))
+        .unwrap_or_default()
+        .lines()
+        .any(|l| l.contains(r#""rank":1"#) && l.contains(r#""checkpointed":true"#))
+    {
+        assert!(start.elapsed() < Duration::from_secs(180), "no checkpoint");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let first_job = h.summary().1["slurm_job"]["job_id"]
+        .as_u64()
+        .expect("the first job");
+    let pid = task_pid(&h, 1).expect("task 1's runtime");
+    let killed = Command::new("kill")
+        .args(["-KILL", &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let out = wait_with_deadline(child, Duration::from_secs(240));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    let (_, summary) = h.summary();
+    assert_eq!(summary["status"], "succeeded", "{summary}");
+    assert_eq!(summary["iterations_done"], 40, "{summary}");
+    let restarts = summary["restarts"].as_array().expect("the restart is recorded");
+    assert_eq!(restarts.len(), 1, "{summary}");
+    assert_eq!(
+        restarts[0]["failure"]["cause"]["kind"], "rank_failed",
+        "{summary}"
+    );
+    let resumed = restarts[0]["resume_from"]
+        .as_u64()
+        .expect("resumed from a checkpoint");
+    assert!(resumed >= 5 && resumed.is_multiple_of(5), "{summary}");
+    let second_job = summary["slurm_job"]["job_id"].as_u64().unwrap();
+    assert_ne!(second_job, first_job, "{summary}");
+    assert!(
+        stderr.contains(&format!("Slurm job {second_job} started on")),
+        "{stderr}"
+    );
+    assert_eq!(jobs_left(&record), "");
+    h.assert_no_processes();
+}
+
 #[test]
 fn ctrl_c_cancels_the_job_and_leaves_nothing() {
     runtime();

@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use crate::util::testbed::{self, text, Bed};
 use crate::util::{
-    base_image, docker, interrupt, local_context, runtime, wait_with_deadline, workspace, Harness, DRIVER,
-    FAKE_RANK,
+    base_image, docker, interrupt, local_context, runtime, wait_for_record, wait_with_deadline, workspace,
+    Harness, DRIVER, FAKE_RANK,
 };
 
 /// Where the script keeps the hosts' pid files and engine sockets.
@@ -573,6 +573,74 @@ fn testbed_a_host_cut_off_mid_run_is_named_and_its_container_stops_itself() {
         "containers left on th2: {}",
         ps("th2", "-a")
     );
+}
+
+/// With `max_restarts`, a host cut off long enough to be lost and back before its containers
+/// are given up on: the driver removes every container of the run on both hosts, reaches th2
+/// on a new connection, and starts every rank again; the run succeeds and leaves nothing.
+#[test]
+fn testbed_a_host_lost_and_back_gets_its_ranks_started_again() {
+    let test = "testbed_a_host_lost_and_back_gets_its_ranks_started_again";
+    let Some(bed) = testbed::up(test, 2) else {
+        return;
+    };
+    let image = import_shell_image(&bed);
+    let h = Harness::new("testbed-restart");
+    let exp = h.config(&format!(
+        "machines: [th1, th2]\ncontainer: {image}\ncommand: [sleep, '40']\nmax_restarts: 1\n"
+    ));
+    let driver = h.spawn(&exp, &[]);
+    let ps = |host: &str| {
+        bed.ssh_ok(
+            host,
+            &format!(
+                "docker ps -a --filter label=stagehand.name={} --format '{{{{.Names}}}} {{{{.State}}}}'",
+                h.name
+            ),
+        )
+    };
+    let start = std::time::Instant::now();
+    while bed.hosts.iter().any(|host| !ps(host).contains("running")) {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "the ranks did not start"
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    let record = wait_for_record(&h.records(), Duration::from_secs(10));
+    bed.cut("th2");
+    // Healed once the driver has given th2 up for lost, well within the 20 s it keeps trying to
+    // remove th2's container.
+    let cut = std::time::Instant::now();
+    loop {
+        let summary = std::fs::read_to_string(record.join("summary.json")).unwrap_or_default();
+        if summary.contains(r#""kind": "host_lost""#) {
+            break;
+        }
+        assert!(
+            cut.elapsed() < Duration::from_secs(60),
+            "th2 was not given up for lost: {summary}"
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    bed.heal("th2");
+    let out = wait_with_deadline(driver, Duration::from_secs(180));
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    let (_, summary) = h.summary();
+    assert_eq!(summary["status"], "succeeded", "{summary}");
+    let restarts = summary["restarts"].as_array().expect("the restart is recorded");
+    assert_eq!(restarts.len(), 1, "{summary}");
+    assert_eq!(restarts[0]["failure"]["cause"]["kind"], "host_lost", "{summary}");
+    assert_eq!(restarts[0]["failure"]["cause"]["host"], "th2", "{summary}");
+    assert!(summary["containers_not_removed"].is_null(), "{summary}");
+    assert!(
+        stderr.contains("driver: starting every rank again, as they first started"),
+        "{stderr}"
+    );
+    for host in &bed.hosts {
+        assert_eq!(ps(host), "", "containers left on {host}");
+    }
 }
 
 #[test]

@@ -119,6 +119,18 @@ pub async fn connect(
     Ok((docker, None))
 }
 
+/// Reaches every host's engine again on a new connection, all at once: after a host was lost,
+/// before its ranks start again. The first host that does not answer is the error.
+pub async fn reconnect_all(hosts: &mut [Host], ssh: &SshOptions) -> Result<(), HostError> {
+    let fresh = futures_util::future::join_all(hosts.iter().map(|h| connect(&h.plan, ssh))).await;
+    for (host, connection) in hosts.iter_mut().zip(fresh) {
+        let (docker, tunnel) = connection?;
+        host.docker = docker;
+        host._tunnel = tunnel;
+    }
+    Ok(())
+}
+
 /// Preflight for every host: each engine reachable, its mounts and GPUs checked, all at once;
 /// then the image on every host, built once and streamed where it is missing ([`image`]), once
 /// `before_changes` has resolved (a host that has the image is not changed, and waits for
