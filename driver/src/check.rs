@@ -203,6 +203,17 @@ pub fn render(plan: &Experiment, image: &str, verdict: &RuntimeCheck, port_picke
     let _ = writeln!(out, "master: {} port {port}", plan.master_addr);
     let record = plan.log_directory.join(format!("<UTC time>_{}", plan.name));
     let _ = writeln!(out, "record: {}", record.display());
+    if plan.max_restarts > 0 {
+        let from = match plan.checkpoints() {
+            true => "from the latest checkpoints written in the run, else as first started",
+            false => "as first started (no checkpoint_dir)",
+        };
+        let _ = writeln!(
+            out,
+            "restarts: up to {} after a failure, every rank {from}",
+            plan.max_restarts
+        );
+    }
     for (i, host) in plan.hosts.iter().enumerate() {
         let gpus = if host.gpus.is_empty() {
             "no GPUs".to_string()

@@ -188,7 +188,7 @@ fn dry_run_prints_what_check_prints_and_starts_nothing() {
     let config = h.config(&format!(
         "machines: [localhost, localhost]\ncontainer: {{build: '{}'}}\nmodule: mlp\n\
          config_file: mlp_2stage.json\nschedule: 1f1b\nmicrobatches: 2\nbatch_size: 8\n\
-         iterations: 3\ndistributed_backend: gloo\nthreads: 1\n",
+         iterations: 3\ndistributed_backend: gloo\nthreads: 1\ncheckpoint_dir: ckpt\nmax_restarts: 2\n",
         local_context().display()
     ));
     let records = h.records();
@@ -209,6 +209,13 @@ fn dry_run_prints_what_check_prints_and_starts_nothing() {
     assert_eq!(dry.stdout(), out, "--dry-run prints what `driver check` prints");
     assert_eq!(ranks_shown(&out), [0, 1], "{out}");
     assert!(out.contains("docker containers, one per rank"), "{out}");
+    assert!(
+        out.contains(
+            "restarts: up to 2 after a failure, every rank from the latest checkpoints written in \
+             the run, else as first started"
+        ),
+        "{out}"
+    );
     assert!(
         out.contains(&format!("record: {}", records.join("<UTC time>_").display())),
         "{out}"

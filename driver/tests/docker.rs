@@ -362,6 +362,30 @@ fn only_the_experiments_own_containers_are_touched() {
     h.assert_no_containers();
 }
 
+/// A run restarted in containers, one per rank or one per host, gets new containers for its
+/// second start and leaves none of either start behind.
+#[test]
+fn a_restarted_run_starts_new_containers_and_leaves_none() {
+    for mode in [&[][..], &["--launch-single-container"][..]] {
+        let h = Harness::new("dk-restart");
+        let config = fake_rank_config(&h, "--iterations, '100', --fail-rank, '1', --fail-at, '1'");
+        let text = std::fs::read_to_string(&config).unwrap();
+        std::fs::write(&config, format!("{text}max_restarts: 1\n")).unwrap();
+        let run = h.run(&config, mode);
+        assert_eq!(run.code(), 1, "{mode:?}: {}", run.stderr());
+        let (dir, summary) = h.summary();
+        assert_eq!(
+            summary["restarts"].as_array().map(Vec::len),
+            Some(1),
+            "{mode:?}: {summary}"
+        );
+        assert_eq!(summary["failure"]["cause"]["exit_code"], 3, "{mode:?}: {summary}");
+        let log = std::fs::read_to_string(dir.join("rank-1.log")).unwrap();
+        assert_eq!(log.matches("failing on purpose").count(), 2, "{mode:?}: {log}");
+        h.assert_no_containers();
+    }
+}
+
 #[test]
 fn preflight_failures_name_the_host_and_start_nothing() {
     base_image();
