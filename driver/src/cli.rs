@@ -249,6 +249,11 @@ struct ExperimentArgs {
     #[arg(long = "master-port", value_name = "PORT")]
     master_port: Option<u16>,
 
+    /// How many times every rank is started again after a failure, from the checkpoints the
+    /// ranks wrote in the run (as torchrun's); overrides the YAML's `max_restarts`.
+    #[arg(long = "max-restarts", value_name = "N")]
+    max_restarts: Option<u32>,
+
     /// An ssh_config file to use for SSH hosts instead of ~/.ssh/config (as `ssh -F`).
     #[arg(long = "ssh-config", env = "STAGEHAND_SSH_CONFIG", value_name = "FILE")]
     ssh_config: Option<PathBuf>,
@@ -522,6 +527,7 @@ impl ExperimentArgs {
             torch_venv: self.torch_venv.unwrap_or_else(default_torch_venv),
             mount_directories: self.mount_directories,
             master_port: self.master_port,
+            max_restarts: self.max_restarts,
             ssh_config: self.ssh_config,
             verbosity,
             progress: if self.no_progress || verbosity == Verbosity::Quiet {
@@ -582,6 +588,11 @@ mod tests {
         assert_eq!(o.verbosity, Verbosity::Quiet);
         assert_eq!(o.progress, Progress::Off);
         assert_eq!(o.backend, Some(Backend::Process));
+        assert_eq!(o.max_restarts, None);
+        assert_eq!(
+            options(&["-c", "x.yml", "--max-restarts", "3"]).max_restarts,
+            Some(3)
+        );
         assert_eq!(o.container_mode, ContainerMode::PerRank);
     }
 

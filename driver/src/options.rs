@@ -67,6 +67,8 @@ pub struct Options {
     pub mount_directories: Vec<PathBuf>,
     /// Master port chosen by the user, if any.
     pub master_port: Option<u16>,
+    /// Overrides the YAML's `max_restarts`.
+    pub max_restarts: Option<u32>,
     /// ssh_config file for SSH hosts, instead of ~/.ssh/config.
     pub ssh_config: Option<PathBuf>,
     /// Terminal verbosity.

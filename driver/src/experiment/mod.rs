@@ -556,7 +556,7 @@ fn resolve_with(
         log_directory: log_directory(loaded, options),
         auto,
         slurm,
-        max_restarts: file.max_restarts.unwrap_or(0),
+        max_restarts: options.max_restarts.or(file.max_restarts).unwrap_or(0),
     })
 }
 

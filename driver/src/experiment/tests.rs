@@ -16,6 +16,7 @@ fn options(backend: Option<Backend>, mode: ContainerMode) -> Options {
         torch_venv: PathBuf::from("/nonexistent/venv"),
         mount_directories: Vec::new(),
         master_port: None,
+        max_restarts: None,
         ssh_config: None,
         verbosity: Verbosity::Normal,
         progress: Progress::Off,
@@ -1068,6 +1069,41 @@ fn pipedreams_container_is_the_base_the_runtime_image_is_built_on() {
     assert_eq!(
         resolve_text(text, &dev).unwrap().image,
         ImageSource::Named("nvcr.io/nvidia/pytorch:19.05-py3".into())
+    );
+}
+
+/// A restart that resumes gives every rank `--resume` (its checkpoint must be there) in place of
+/// the file's own setting, once; one that does not keeps the ranks' commands as they were.
+/// `--max-restarts` overrides the file's `max_restarts`.
+#[test]
+fn a_restart_resumes_every_rank_from_its_checkpoint_and_the_flag_overrides_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut o = options(None, ContainerMode::PerRank);
+    for resume in ["", "resume: auto\n", "resume: true\n", "resume: false\n"] {
+        let text = format!(
+            "machines: [localhost, localhost]\nmodule: mlp\ncheckpoint_dir: ckpt\n{resume}max_restarts: 2\n"
+        );
+        let plan = resolve(&loaded(dir.path(), &text), &o, 29500).unwrap();
+        assert_eq!(plan.max_restarts, 2);
+        let resumed = plan.restarted(true);
+        let afresh = plan.restarted(false);
+        for (rank, first) in plan.ranks.iter().enumerate() {
+            let argv = &resumed.ranks[rank].argv;
+            let given: Vec<&String> = argv.iter().filter(|a| a.starts_with("--resume")).collect();
+            assert_eq!(given, ["--resume"], "{resume:?}: {argv:?}");
+            let kept: Vec<&String> = argv.iter().filter(|a| !a.starts_with("--resume")).collect();
+            let before: Vec<&String> = first.argv.iter().filter(|a| !a.starts_with("--resume")).collect();
+            assert_eq!(kept, before, "{resume:?}: nothing else changes");
+            assert_eq!(afresh.ranks[rank].argv, first.argv, "{resume:?}");
+        }
+    }
+    o.max_restarts = Some(0);
+    let text = "machines: [localhost]\nmodule: mlp\nmax_restarts: 2\n";
+    assert_eq!(
+        resolve(&loaded(dir.path(), text), &o, 29500)
+            .unwrap()
+            .max_restarts,
+        0
     );
 }
 

@@ -27,6 +27,7 @@ fn plan(dir: &Path) -> (Loaded, Experiment) {
         torch_venv: "/nonexistent/venv".into(),
         mount_directories: Vec::new(),
         master_port: None,
+        max_restarts: None,
         ssh_config: None,
         verbosity: Verbosity::Quiet,
         progress: Progress::Off,
