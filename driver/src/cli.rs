@@ -7,7 +7,7 @@ use clap::{ArgAction, Args, Parser, Subcommand, ValueEnum};
 
 use crate::options::{default_torch_venv, Backend, ContainerMode, Options, Progress, Verbosity};
 use crate::partition::{PartitionOptions, PlanRequest};
-use crate::results::{Format, ResultsOptions};
+use crate::results::{Format, LossX, ResultsOptions};
 use crate::sweep::{SweepOptions, SweepSource};
 
 /// Runs stagehand experiments: ranks of the runtime (or any torchrun-style program) on Docker
@@ -140,6 +140,26 @@ struct ResultsArgs {
     /// The key on the plot's x axis (default: the sweep's first grid key).
     #[arg(long = "plot-x", value_name = "KEY", requires = "plot")]
     plot_x: Option<String>,
+
+    /// Also writes an SVG plot of every record's training loss (the last stage's), a line per
+    /// record, to compare how runs converge.
+    #[arg(long = "plot-loss", value_name = "FILE.svg")]
+    plot_loss: Option<PathBuf>,
+
+    /// The loss plot's x axis: iterations, or seconds of training.
+    #[arg(
+        long = "loss-x",
+        value_enum,
+        default_value = "iteration",
+        requires = "plot_loss"
+    )]
+    loss_x: LossXArg,
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum LossXArg {
+    Iteration,
+    Seconds,
 }
 
 #[derive(Debug, Args)]
@@ -423,6 +443,11 @@ impl ResultsArgs {
             baseline: self.baseline,
             plot: self.plot,
             plot_x: self.plot_x,
+            plot_loss: self.plot_loss,
+            loss_x: match self.loss_x {
+                LossXArg::Iteration => LossX::Iteration,
+                LossXArg::Seconds => LossX::Seconds,
+            },
         }
     }
 }

@@ -251,6 +251,102 @@ fn each_point_of_a_sweep_checkpoints_into_its_own_folder() {
     h.assert_no_processes();
 }
 
+/// `driver results --plot-loss` over a sweep of real runtimes draws each point's training loss,
+/// a line per point with a vertex per iteration, labelled as the point, against iterations or
+/// seconds of training; a record without losses is refused with what is missing.
+#[test]
+fn a_sweeps_loss_curves_are_plotted_a_line_per_point() {
+    let runtime = runtime();
+    let h = Harness::new("sw-loss");
+    let config = h.config(
+        "backend: process\nmachines: [localhost]\nmodule: mlp\nlayers: 2\nhidden: 32\nbatch_size: 8\n\
+         iterations: 6\nthreads: 1\nsweep:\n  lr: [0.001, 0.05]\n",
+    );
+    let run = h.driver(
+        &os(&sweep_args(
+            &h,
+            &config,
+            &["--runtime", runtime.to_str().unwrap(), "-q"],
+        )),
+        Duration::from_secs(120),
+    );
+    assert_eq!(run.code(), 0, "{}", run.stderr());
+    let dir = h.sweep_dir();
+    for x in ["iteration", "seconds"] {
+        let svg = h.dir.path().join(format!("loss-{x}.svg"));
+        let plotted = h.driver(
+            &[
+                "results".as_ref(),
+                dir.as_os_str(),
+                "--plot-loss".as_ref(),
+                svg.as_os_str(),
+                "--loss-x".as_ref(),
+                x.as_ref(),
+            ],
+            Duration::from_secs(30),
+        );
+        assert_eq!(plotted.code(), 0, "{}", plotted.stderr());
+        assert!(
+            plotted.stderr().contains("loss plot written to"),
+            "{}",
+            plotted.stderr()
+        );
+        let text = std::fs::read_to_string(&svg).unwrap();
+        // Each curve is one polyline through its 6 iterations (a legend's sample line has 2).
+        let curves = text
+            .split("<polyline")
+            .skip(1)
+            .filter(|p| {
+                let points = p
+                    .split("points=\"")
+                    .nth(1)
+                    .unwrap_or("")
+                    .split('"')
+                    .next()
+                    .unwrap();
+                points.split_whitespace().count() == 6
+            })
+            .count();
+        assert_eq!(curves, 2, "{x}: {text}");
+        for label in ["lr=0.001", "lr=0.05"] {
+            assert!(text.contains(label), "{x}: no {label} in {text}");
+        }
+        let desc = if x == "iteration" {
+            "iteration"
+        } else {
+            "seconds of training"
+        };
+        assert!(text.contains(&format!("training loss against {desc}")), "{text}");
+    }
+    // A program that prints no metrics has no loss.
+    let fake = h.config("backend: process\nmachines: [localhost]\ncommand: [/bin/true]\n");
+    let records = h.dir.path().join("fake-records");
+    let run = h.run_into(&fake, &records, &[]);
+    assert_eq!(run.code(), 0, "{}", run.stderr());
+    let svg = h.dir.path().join("none.svg");
+    let refused = h.driver(
+        &[
+            "results".as_ref(),
+            records.as_os_str(),
+            "--plot-loss".as_ref(),
+            svg.as_os_str(),
+        ],
+        Duration::from_secs(30),
+    );
+    assert_eq!(
+        refused.code(),
+        5,
+        "a plot that cannot be drawn: {}",
+        refused.stderr()
+    );
+    assert!(
+        refused.stderr().contains("no record has a loss to plot"),
+        "{}",
+        refused.stderr()
+    );
+    h.assert_no_processes();
+}
+
 /// A sweep of real runtimes with `checkpoint_dir` and `resume: auto`, interrupted in its first
 /// point: that point's ranks checkpoint, and `driver sweep --resume` goes on from that checkpoint
 /// for it while the point that never ran starts afresh.

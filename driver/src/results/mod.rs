@@ -9,7 +9,7 @@ mod select;
 
 use std::path::{Path, PathBuf};
 
-pub use self::plot::PlotError;
+pub use self::plot::{LossX, PlotError};
 pub use self::read::record_succeeded;
 
 /// Output formats.
@@ -44,6 +44,10 @@ pub struct ResultsOptions {
     pub plot: Option<PathBuf>,
     /// The plot's x axis key (default: the sweep's first grid key).
     pub plot_x: Option<String>,
+    /// Where to write an SVG plot of every record's loss curve, if anywhere.
+    pub plot_loss: Option<PathBuf>,
+    /// What the loss plot's x axis counts.
+    pub loss_x: LossX,
 }
 
 impl ResultsOptions {
@@ -58,6 +62,8 @@ impl ResultsOptions {
             baseline: None,
             plot: None,
             plot_x: None,
+            plot_loss: None,
+            loss_x: LossX::Iteration,
         }
     }
 }
@@ -130,13 +136,17 @@ pub fn run(options: &ResultsOptions) -> Result<(), ResultsError> {
         groups: &groups,
     };
     stdout_text!("{}", export::exporter(options.format).render(&view));
+    let rows: Vec<read::Row> = groups.into_iter().flat_map(|(_, r)| r).collect();
     if let Some(path) = &options.plot {
-        let rows: Vec<read::Row> = groups.into_iter().flat_map(|(_, r)| r).collect();
         match rows.as_slice() {
             [one] if one.point.is_none() => plot::stages(one, path)?,
             _ => plot::throughput(&rows, options.plot_x.as_deref(), path)?,
         }
         stderr_line!("driver: plot written to {}", path.display());
+    }
+    if let Some(path) = &options.plot_loss {
+        plot::losses(&rows, options.loss_x, path)?;
+        stderr_line!("driver: loss plot written to {}", path.display());
     }
     Ok(())
 }

@@ -1,6 +1,7 @@
 //! SVG plots with plotters: throughput against one key, a line per value of the other keys (a
-//! sweep's plot); and for one record, each stage's compute, communication and idle time per
-//! iteration as stacked bars.
+//! sweep's plot); for one record, each stage's compute, communication and idle time per
+//! iteration as stacked bars; and every record's training loss against iterations or seconds
+//! (`--plot-loss`), to compare how runs converge.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -19,6 +20,10 @@ pub enum PlotError {
     NoAxis,
     #[error("{} has no metrics to plot per stage", dir.display())]
     NoMetrics { dir: PathBuf },
+    #[error(
+        "no record has a loss to plot (the last stage's `loss` on its iteration lines in metrics.jsonl)"
+    )]
+    NoLoss,
     #[error("cannot draw {}: {message}", path.display())]
     Draw { path: PathBuf, message: String },
 }
@@ -231,4 +236,168 @@ pub fn stages(row: &Row, path: &Path) -> Result<(), PlotError> {
         .draw()
         .map_err(|e| fail(e.to_string()))?;
     root.present().map_err(|e| fail(e.to_string()))
+}
+
+/// What the loss plot's x axis counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LossX {
+    /// Iterations (optimizer steps).
+    #[default]
+    Iteration,
+    /// Seconds of training: the iterations' own times added up, so time spent starting ranks
+    /// (or starting them again) is left out.
+    Seconds,
+}
+
+/// One point of a loss curve.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LossPoint {
+    pub iteration: u64,
+    /// Seconds of training up to the end of this iteration.
+    pub seconds: f64,
+    /// The mean of the loss the last stage's ranks reported for it.
+    pub loss: f64,
+}
+
+/// A record's loss per iteration from its `metrics.jsonl`: for each iteration, the mean of the
+/// losses its last-stage ranks reported (data-parallel replicas each report their own share's),
+/// each rank's last report counting (a restarted run reports resumed iterations again); `None`
+/// when no iteration has a loss.
+pub fn loss_curve(dir: &Path) -> Option<Vec<LossPoint>> {
+    let text = std::fs::read_to_string(dir.join("metrics.jsonl")).ok()?;
+    // iteration -> rank -> (loss, seconds)
+    let mut reports: BTreeMap<u64, BTreeMap<usize, (f64, f64)>> = BTreeMap::new();
+    for line in text.lines() {
+        if let Some(stagehand_contract::Event::Iteration(it)) = stagehand_contract::Event::parse_line(line) {
+            if let Some(loss) = it.loss.filter(|l| l.is_finite()) {
+                reports
+                    .entry(it.iteration)
+                    .or_default()
+                    .insert(it.rank, (loss, it.time_s));
+            }
+        }
+    }
+    let mut seconds = 0.0;
+    let points: Vec<LossPoint> = reports
+        .into_iter()
+        .map(|(iteration, ranks)| {
+            let n = ranks.len() as f64;
+            seconds += ranks.values().map(|(_, t)| t).sum::<f64>() / n;
+            LossPoint {
+                iteration,
+                seconds,
+                loss: ranks.values().map(|(l, _)| l).sum::<f64>() / n,
+            }
+        })
+        .collect();
+    (!points.is_empty()).then_some(points)
+}
+
+/// Every row's loss curve against `x`, a line per row (labelled as its row, with its record
+/// folder where labels repeat); rows without losses are left out.
+pub fn losses(rows: &[Row], x: LossX, path: &Path) -> Result<(), PlotError> {
+    let curves: Vec<(&Row, Vec<LossPoint>)> = rows
+        .iter()
+        .filter_map(|r| loss_curve(&r.dir).map(|c| (r, c)))
+        .collect();
+    if curves.is_empty() {
+        return Err(PlotError::NoLoss);
+    }
+    let labels: Vec<String> = curves.iter().map(|(r, _)| r.label()).collect();
+    let labels: Vec<String> = labels
+        .iter()
+        .zip(&curves)
+        .map(
+            |(label, (row, _))| match labels.iter().filter(|l| *l == label).count() {
+                1 => label.clone(),
+                _ => format!("{label} ({})", folder(&row.dir)),
+            },
+        )
+        .collect();
+    let at = |p: &LossPoint| match x {
+        LossX::Iteration => p.iteration as f64,
+        LossX::Seconds => p.seconds,
+    };
+    let points = curves.iter().flat_map(|(_, c)| c.iter());
+    let (mut x_end, mut low, mut high) = (0.0f64, f64::INFINITY, f64::NEG_INFINITY);
+    for p in points {
+        x_end = x_end.max(at(p));
+        low = low.min(p.loss);
+        high = high.max(p.loss);
+    }
+    // Losses over orders of magnitude (a run that diverged beside ones that did not) are drawn
+    // on a log scale, so that every curve stays readable: the y axis holds log10 of the loss.
+    let log = low > 0.0 && high / low > LOG_SCALE_SPAN;
+    let y = |loss: f64| if log { loss.log10() } else { loss };
+    let (low, high) = (y(low), y(high));
+    let pad = ((high - low) * 0.05).max(1e-6);
+
+    let fail = draw_error(path);
+    let root = SVGBackend::new(path, SIZE).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| fail(e.to_string()))?;
+    let x_desc = match x {
+        LossX::Iteration => "iteration",
+        LossX::Seconds => "seconds of training",
+    };
+    let mut chart = ChartBuilder::on(&root)
+        .caption(format!("training loss against {x_desc}"), ("sans-serif", 22))
+        .margin(16)
+        .x_label_area_size(44)
+        .y_label_area_size(70)
+        .build_cartesian_2d(0.0f64..x_end.max(1.0), (low - pad)..(high + pad))
+        .map_err(|e| fail(e.to_string()))?;
+    let y_label = |v: &f64| match log {
+        true => loss_text(10f64.powf(*v)),
+        false => loss_text(*v),
+    };
+    let x_label = |v: &f64| match x {
+        LossX::Iteration => format!("{v:.0}"),
+        LossX::Seconds => loss_text(*v),
+    };
+    chart
+        .configure_mesh()
+        .x_desc(x_desc)
+        .x_label_formatter(&x_label)
+        .y_desc(if log { "loss (log scale)" } else { "loss" })
+        .y_label_formatter(&y_label)
+        .draw()
+        .map_err(|e| fail(e.to_string()))?;
+    for (i, ((_, curve), label)) in curves.iter().zip(labels).enumerate() {
+        let color = Palette99::pick(i).to_rgba();
+        let series: Vec<(f64, f64)> = curve.iter().map(|p| (at(p), y(p.loss))).collect();
+        chart
+            .draw_series(LineSeries::new(series, color.stroke_width(2)))
+            .map_err(|e| fail(e.to_string()))?
+            .label(label)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2)));
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::UpperRight)
+        .draw()
+        .map_err(|e| fail(e.to_string()))?;
+    root.present().map_err(|e| fail(e.to_string()))
+}
+
+/// How far apart the largest and smallest loss must be for a log scale.
+const LOG_SCALE_SPAN: f64 = 100.0;
+
+/// A loss as an axis label: 4 significant digits, in scientific notation when large or small.
+fn loss_text(v: f64) -> String {
+    match v.abs() {
+        0.0 => "0".to_string(),
+        a if !(1e-3..1e4).contains(&a) => format!("{v:.2e}"),
+        _ => {
+            let text = format!("{v:.4}");
+            text.trim_end_matches('0').trim_end_matches('.').to_string()
+        }
+    }
+}
+
+fn folder(dir: &Path) -> String {
+    dir.file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| dir.display().to_string())
 }

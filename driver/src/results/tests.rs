@@ -189,3 +189,73 @@ fn a_failures_note_says_what_its_exit_code_means() {
         "the ranks could not start: the container for the ranks on node1 exited with code 127"
     );
 }
+
+/// A record's loss curve: each iteration's losses from the ranks that report one (the first stage
+/// reports none), averaged over data-parallel replicas, a restarted run's later report of an
+/// iteration replacing the earlier, and training seconds added up over the iterations.
+#[test]
+fn a_loss_curve_averages_replicas_and_takes_each_iterations_last_report() {
+    let dir = tempfile::tempdir().unwrap();
+    let line = |iteration: u64, rank: usize, loss: Option<f64>, time: f64| {
+        let loss = loss.map_or("null".to_string(), |l| l.to_string());
+        format!(
+            r#"{{"event":"iteration","iteration":{iteration},"rank":{rank},"stage":{},"loss":{loss},"samples":8,"time_s":{time},"samples_per_sec":1.0,"compute_s":0.0,"comm_wait_s":0.0,"idle_s":0.0,"peak_mem_bytes":null}}"#,
+            usize::from(rank > 0)
+        )
+    };
+    let lines = [
+        line(0, 0, None, 0.5),
+        line(0, 1, Some(2.0), 0.5),
+        line(0, 2, Some(4.0), 1.5),
+        line(1, 1, Some(1.0), 1.0),
+        line(1, 2, Some(2.0), 1.0),
+        line(2, 1, Some(9.0), 1.0),
+        // Started again from the checkpoint after iteration 1: iteration 2 anew.
+        line(2, 1, Some(0.5), 2.0),
+        line(2, 2, Some(1.5), 2.0),
+        "not a metrics line".to_string(),
+    ];
+    std::fs::write(dir.path().join("metrics.jsonl"), lines.join("\n")).unwrap();
+    let curve = plot::loss_curve(dir.path()).unwrap();
+    let got: Vec<(u64, f64, f64)> = curve.iter().map(|p| (p.iteration, p.seconds, p.loss)).collect();
+    assert_eq!(got, [(0, 1.0, 3.0), (1, 2.0, 1.5), (2, 4.0, 1.0)]);
+    std::fs::write(dir.path().join("metrics.jsonl"), line(0, 0, None, 0.5)).unwrap();
+    assert_eq!(plot::loss_curve(dir.path()), None, "no loss, no curve");
+}
+
+/// Losses that span orders of magnitude (a run that diverged beside one that converged) go on a
+/// log scale with readable labels; close ones on a plain scale. Rows whose labels repeat are told
+/// apart by their record folders.
+#[test]
+fn a_loss_plot_goes_to_a_log_scale_only_when_losses_span_orders_of_magnitude() {
+    let dir = tempfile::tempdir().unwrap();
+    let record = |name: &str, losses: &[f64]| {
+        let path = dir.path().join(name);
+        std::fs::create_dir(&path).unwrap();
+        let lines: Vec<String> = losses
+            .iter()
+            .enumerate()
+            .map(|(i, loss)| {
+                format!(
+                    r#"{{"event":"iteration","iteration":{i},"rank":0,"stage":0,"loss":{loss},"samples":8,"time_s":0.5,"samples_per_sec":16.0,"compute_s":0.5,"comm_wait_s":0.0,"idle_s":0.0,"peak_mem_bytes":null}}"#
+                )
+            })
+            .collect();
+        std::fs::write(path.join("metrics.jsonl"), lines.join("\n")).unwrap();
+        read::Row::empty(&path, "mlp".into(), read::RowStatus::Succeeded, None)
+    };
+    let calm = record("20261127T000000Z_mlp", &[2.3, 1.9, 1.2]);
+    let wild = record("20261127T000100Z_mlp", &[2.3, 40.0, 3.0e6]);
+    let svg = dir.path().join("loss.svg");
+    plot::losses(&[calm.clone(), wild], plot::LossX::Iteration, &svg).unwrap();
+    let text = std::fs::read_to_string(&svg).unwrap();
+    assert!(text.contains("loss (log scale)"), "{text}");
+    assert!(text.contains("3.00e6") || text.contains("1.00e6"), "{text}");
+    for folder in ["mlp (20261127T000000Z_mlp)", "mlp (20261127T000100Z_mlp)"] {
+        assert!(text.contains(folder), "{folder}: {text}");
+    }
+    plot::losses(&[calm], plot::LossX::Seconds, &svg).unwrap();
+    let text = std::fs::read_to_string(&svg).unwrap();
+    assert!(!text.contains("log scale") && text.contains("\nloss\n"), "{text}");
+    assert!(text.contains("seconds of training"), "{text}");
+}
