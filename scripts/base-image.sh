@@ -2,7 +2,8 @@
 # Makes, without a registry, the images the runtime image (docker/runtime/Dockerfile) starts from,
 # on this machine's Docker engine (or the one DOCKER_HOST names):
 #   stagehand-base:bookworm        a minimal Debian bookworm (debootstrap + docker import): the
-#                                  final stage's system, and the dev image docker/local's base
+#                                  final stage's system, and the dev image docker/local's base;
+#                                  remade when its package list changes (its label names it)
 #   stagehand-build:bookworm       bookworm with g++ and libgloo-dev, this machine's Rust toolchain
 #                                  at /usr/local/rust and the workspace's crates already fetched
 #                                  into /usr/local/cargo (so it builds with no network: the test
@@ -12,7 +13,8 @@
 #                                  torch venv scripts/setup.sh installs
 #   stagehand-torch:2.11.0-cuda    with --cuda: the whole torch package and its nvidia wheels
 # Where a registry is reachable, docker/base/ builds the same three from public images instead.
-# Idempotent: an image that exists (with the current Cargo.lock, for the build image) is kept.
+# Idempotent: an image that exists (with the current Cargo.lock, for the build image; with the
+# current packages, for the base) is kept.
 # Needs root (debootstrap) and a running Docker engine.
 #
 #   scripts/base-image.sh            base, build and the CPU torch image
@@ -67,10 +69,14 @@ bootstrap() {
     log "imported $image"
 }
 
-if have "$BASE"; then
-    log "$BASE already exists"
+# The base image: its label names the packages it holds, so a base made before a package was
+# added is made again. libibverbs1 and its providers are what NCCL's InfiniBand/RoCE transport
+# opens at run time (without them NCCL talks TCP between hosts).
+base_packages=libgomp1,ca-certificates,libibverbs1,ibverbs-providers
+if [ "$(docker image inspect -f '{{index .Config.Labels "stagehand.packages"}}' "$BASE" 2>/dev/null)" = "$base_packages" ]; then
+    log "$BASE already exists ($base_packages)"
 else
-    bootstrap "$BASE" libgomp1,ca-certificates
+    bootstrap "$BASE" "$base_packages" "LABEL stagehand.packages=$base_packages"
 fi
 ((only_base)) && exit 0
 

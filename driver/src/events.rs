@@ -36,6 +36,9 @@ pub struct HostFacts {
     pub image_seconds: f64,
     /// Files the host lacked, copied into the containers through the Docker API.
     pub copied_in: Vec<String>,
+    /// Whether the host has InfiniBand/RoCE verbs devices (`/dev/infiniband`), which its
+    /// containers get unless the experiment says `rdma: off`.
+    pub infiniband: bool,
 }
 
 /// How a run ended.

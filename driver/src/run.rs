@@ -267,7 +267,7 @@ pub async fn run_loaded(
     };
 
     // Preflight every host concurrently before anything starts anywhere.
-    let prepared = match plan.backend {
+    let mut prepared = match plan.backend {
         Backend::Process | Backend::Slurm => None,
         Backend::Docker => {
             let feedback = hosts::image::Feedback {
@@ -318,8 +318,9 @@ pub async fn run_loaded(
         match &engines {
             Some(hosts) => crate::launch::docker::self_check(hosts, &plan, &check_id, runs_runtime)
                 .await
+                .map(Some)
                 .map_err(RunError::Preflight),
-            None => Ok(()),
+            None => Ok(None),
         }
     };
     let port = port_and_reach(&loaded, &options, &plan, prepared.as_deref(), &reach_id);
@@ -329,8 +330,15 @@ pub async fn run_loaded(
         None => checks.await,
     };
     local_check.verdict().await?;
-    started?;
+    let rdma_given = started?;
     let plan = port?;
+    // Hosts whose engine cannot give their containers InfiniBand as NCCL needs it go without.
+    if let (Some(prepared), Some(given)) = (prepared.as_mut(), rdma_given) {
+        for ((host, facts), given) in prepared.iter_mut().zip(given) {
+            host.infiniband = given;
+            facts.infiniband = given;
+        }
+    }
 
     let record = Record::create(&plan.log_directory, &plan.name)?;
     record.write_setup(&loaded, &plan)?;
@@ -378,7 +386,6 @@ pub async fn run_loaded(
         }));
     }
     let job_name = format!("stagehand-{}", record.id);
-    let mut prepared = prepared;
     let plan = match plan.auto.clone() {
         None => plan,
         Some(auto) => {
@@ -435,6 +442,7 @@ pub async fn run_loaded(
                 image_received_from: None,
                 image_seconds: 0.0,
                 copied_in: Vec::new(),
+                infiniband: false,
             }));
             Target::Processes
         }

@@ -386,6 +386,76 @@ fn a_restarted_run_starts_new_containers_and_leaves_none() {
     }
 }
 
+/// A host with InfiniBand verbs device files (a stand-in folder here, through
+/// STAGEHAND_INFINIBAND_DIR, holding one character device) gives its containers the devices,
+/// IPC_LOCK and unlimited locked memory, as NCCL's transport needs; an engine that may not raise
+/// the locked-memory limit (this machine's: runc fails "setting rlimit type 8") gets a warning
+/// that says how to fix it, and its containers run without (NCCL then talks TCP). `rdma: off`
+/// gives nothing and warns of nothing.
+#[test]
+fn a_host_with_infiniband_gives_its_containers_the_devices_or_says_why_not() {
+    base_image();
+    let h = Harness::new("dk-rdma");
+    let ib = h.dir.path().join("infiniband");
+    std::fs::create_dir(&ib).unwrap();
+    let made = std::process::Command::new("mknod")
+        .args([ib.join("uverbs0").to_str().unwrap(), "c", "231", "192"])
+        .status()
+        .unwrap();
+    assert!(made.success(), "mknod (the tests run as root)");
+    let probe = "ls /dev/infiniband 2>&1; echo memlock $(ulimit -l); grep CapEff /proc/self/status";
+    for setting in ["", "rdma: off\n"] {
+        let config = h.config(&format!(
+            "machines: [localhost]\ncontainer: {{build: '{}'}}\ncommand: [/bin/sh, -c, '{probe}']\n{setting}",
+            local_context().display()
+        ));
+        let child = h.spawn_with_env(
+            &config,
+            &["-v"],
+            &[("STAGEHAND_INFINIBAND_DIR", ib.to_str().unwrap())],
+        );
+        let out = wait_with_deadline(child, Duration::from_secs(120));
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert_eq!(out.status.code(), Some(0), "{setting:?}: {stderr}");
+        let (dir, _) = h.summary();
+        let log = std::fs::read_to_string(dir.join("rank-0.log")).unwrap();
+        let hosts = hosts_json(&dir);
+        let caps = log
+            .lines()
+            .find_map(|l| l.strip_prefix("CapEff:"))
+            .map(|c| u64::from_str_radix(c.trim(), 16).unwrap())
+            .expect("the probe's CapEff line");
+        const IPC_LOCK: u64 = 1 << 14;
+        let refused = stderr.contains("cannot give its containers unlimited locked memory");
+        if setting.is_empty() && !refused {
+            // An engine that may: the container has the device, the capability, no limit.
+            assert!(log.contains("uverbs0"), "{log}");
+            assert!(log.contains("memlock unlimited"), "{log}");
+            assert_ne!(caps & IPC_LOCK, 0, "{log}");
+            assert_eq!(hosts[0]["infiniband"], true, "{hosts}");
+            assert!(
+                stderr.contains("InfiniBand devices given to its containers"),
+                "{stderr}"
+            );
+        } else {
+            if setting.is_empty() {
+                assert!(
+                    stderr.contains("LimitMEMLOCK=infinity") && stderr.contains("`rdma: off`"),
+                    "{stderr}"
+                );
+            } else {
+                assert!(!refused && !stderr.contains("InfiniBand"), "{stderr}");
+            }
+            assert!(!log.contains("uverbs0") && log.contains("No such file"), "{log}");
+            assert!(!log.contains("memlock unlimited"), "{log}");
+            assert_eq!(caps & IPC_LOCK, 0, "{log}");
+            assert_eq!(hosts[0]["infiniband"], false, "{hosts}");
+        }
+        std::fs::remove_dir_all(h.records()).unwrap();
+    }
+    h.assert_no_containers();
+}
+
 #[test]
 fn preflight_failures_name_the_host_and_start_nothing() {
     base_image();

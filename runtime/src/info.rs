@@ -6,7 +6,10 @@
 //! `cuda` means libtorch_cuda and the CUDA bridge are loaded and usable in this process (with
 //! zero devices on a machine without a GPU); `nccl` that NCCL's library answers as well. When
 //! either is false, `cuda_error` / `nccl_error` say why; `cuda_devices_error` says why the CUDA
-//! runtime sees no device.
+//! runtime sees no device. `rdma` says what NCCL's InfiniBand/RoCE transport needs here: the
+//! verbs devices the kernel lists (`/sys/class/infiniband`), their device files
+//! (`/dev/infiniband`, which a container has only when given them), and whether libibverbs
+//! loads (NCCL opens it at run time, and talks TCP between hosts without it).
 
 use std::io::Write;
 
@@ -29,6 +32,60 @@ struct Info {
     nccl_error: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     cuda_devices_error: Option<String>,
+    rdma: Rdma,
+}
+
+/// What NCCL's InfiniBand/RoCE transport would find here.
+#[derive(Debug, Serialize)]
+struct Rdma {
+    /// Verbs devices the kernel lists (`mlx5_0`, ...), sorted.
+    devices: Vec<String>,
+    /// Whether `/dev/infiniband` (the verbs device files) exists.
+    device_files: bool,
+    /// Whether libibverbs loads.
+    ibverbs: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    ibverbs_error: Option<String>,
+}
+
+impl Rdma {
+    fn here() -> Rdma {
+        let mut devices: Vec<String> = std::fs::read_dir("/sys/class/infiniband")
+            .map(|dir| {
+                dir.filter_map(|e| e.ok())
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default();
+        devices.sort();
+        let ibverbs_error = loads("libibverbs.so.1").err();
+        Rdma {
+            devices,
+            device_files: std::path::Path::new("/dev/infiniband").is_dir(),
+            ibverbs: ibverbs_error.is_none(),
+            ibverbs_error,
+        }
+    }
+}
+
+/// Whether the shared library `name` loads (as NCCL's `dlopen` would find it); the loader's
+/// words when it does not. It stays loaded: this process only reports and exits.
+fn loads(name: &str) -> Result<(), String> {
+    let name = std::ffi::CString::new(name).expect("a library name has no NUL");
+    // SAFETY: a NUL-terminated name; dlopen/dlerror have no other preconditions.
+    let handle = unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_LAZY | libc::RTLD_LOCAL) };
+    if !handle.is_null() {
+        return Ok(());
+    }
+    // SAFETY: dlerror returns null or a NUL-terminated string valid until the next dl call.
+    let error = unsafe { libc::dlerror() };
+    Err(match error.is_null() {
+        true => "not found".to_string(),
+        // SAFETY: checked non-null above; copied before any other dl call.
+        false => unsafe { std::ffi::CStr::from_ptr(error) }
+            .to_string_lossy()
+            .into_owned(),
+    })
 }
 
 pub fn run(out: &mut impl Write) -> anyhow::Result<()> {
@@ -48,6 +105,7 @@ pub fn run(out: &mut impl Write) -> anyhow::Result<()> {
             cuda_error: Some(reason.to_string()),
             nccl_error: Some("CUDA is unavailable".into()),
             cuda_devices_error: None,
+            rdma: Rdma::here(),
         },
         Ok(cuda) => {
             let devices = (0..cuda.device_count())
@@ -68,6 +126,7 @@ pub fn run(out: &mut impl Write) -> anyhow::Result<()> {
                 cuda_error: None,
                 nccl_error,
                 cuda_devices_error: cuda.no_devices_reason().map(str::to_string),
+                rdma: Rdma::here(),
             }
         }
     };

@@ -473,3 +473,40 @@ fn gpu_a_step_replayed_from_a_cuda_graph_trains_as_the_eager_step() {
         );
     }
 }
+
+/// `runtime info` says what NCCL's InfiniBand transport would find: the kernel's verbs devices,
+/// the device files, and whether libibverbs loads (with the loader's words when it does not).
+#[test]
+fn info_says_what_rdma_would_find_here() {
+    let rdma = &info(&[])["rdma"];
+    let mut listed: Vec<String> = std::fs::read_dir("/sys/class/infiniband")
+        .map(|d| {
+            d.map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    listed.sort();
+    let devices: Vec<String> = rdma["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d.as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(devices, listed, "{rdma}");
+    assert_eq!(
+        rdma["device_files"],
+        Path::new("/dev/infiniband").is_dir(),
+        "{rdma}"
+    );
+    match rdma["ibverbs"].as_bool().unwrap() {
+        true => assert!(rdma["ibverbs_error"].is_null(), "{rdma}"),
+        false => assert!(
+            rdma["ibverbs_error"].as_str().unwrap().contains("libibverbs"),
+            "{rdma}"
+        ),
+    }
+    // Debian's libibverbs1 puts the library here; where it is, it loads.
+    if Path::new("/usr/lib/x86_64-linux-gnu/libibverbs.so.1").exists() {
+        assert_eq!(rdma["ibverbs"], true, "{rdma}");
+    }
+}

@@ -241,6 +241,11 @@ pub struct ExperimentFile {
     /// Shared memory per container, in MiB (default 2048).
     #[serde(default)]
     pub shm_size_mb: Option<u64>,
+    /// InfiniBand/RoCE for NCCL in containers: `auto` (the default) gives the containers of a
+    /// host that has `/dev/infiniband` its verbs devices, the IPC_LOCK capability and unlimited
+    /// locked memory; `off` gives them none (NCCL then talks TCP between hosts).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rdma: Option<Rdma>,
     /// A grid for `driver sweep`: experiment keys and the values each takes; ignored by a
     /// single run.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -285,6 +290,17 @@ impl Precision {
             Precision::Fp16 => "fp16",
         }
     }
+}
+
+/// Whether containers get a host's InfiniBand/RoCE devices (`rdma:`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Rdma {
+    /// Where the host has `/dev/infiniband`.
+    #[default]
+    Auto,
+    /// Never.
+    Off,
 }
 
 /// What becomes of host memory a runtime step frees (`--host-memory`).

@@ -196,6 +196,8 @@ pub struct Experiment {
     pub slurm: Option<SlurmSettings>,
     /// How many times the ranks are started again after a failure (`max_restarts`).
     pub max_restarts: u32,
+    /// Whether containers get their host's InfiniBand/RoCE devices (`rdma:`).
+    pub rdma: crate::config::Rdma,
 }
 
 impl Experiment {
@@ -557,6 +559,7 @@ fn resolve_with(
         auto,
         slurm,
         max_restarts: options.max_restarts.or(file.max_restarts).unwrap_or(0),
+        rdma: file.rdma.unwrap_or_default(),
     })
 }
 

@@ -79,6 +79,8 @@ pub struct Host {
     pub mounts: Vec<Mount>,
     /// Files this host lacks, copied into each container before it starts.
     pub copies: Vec<PathBuf>,
+    /// Whether the host has `/dev/infiniband` (InfiniBand or RoCE verbs devices for NCCL).
+    pub infiniband: bool,
     /// The SSH connection the engine is reached through, for a remote host; held, never read:
     /// dropping the last clone closes the connection.
     pub _tunnel: Option<Arc<ssh::Tunnel>>,
@@ -117,6 +119,17 @@ pub async fn connect(
     let docker = Docker::connect_with_local_defaults().map_err(connect_err)?;
     let docker = docker.negotiate_version().await.map_err(connect_err)?;
     Ok((docker, None))
+}
+
+/// Where a host's InfiniBand/RoCE verbs device files are, and where containers get them.
+pub const INFINIBAND: &str = "/dev/infiniband";
+
+/// Where the driver looks for every host's verbs device files: [`INFINIBAND`], or the folder
+/// `STAGEHAND_INFINIBAND_DIR` names (a host that keeps them elsewhere; the tests' stand-in).
+pub fn infiniband_dir() -> PathBuf {
+    std::env::var_os("STAGEHAND_INFINIBAND_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(INFINIBAND))
 }
 
 /// Reaches every host's engine again on a new connection, all at once: after a host was lost,
@@ -179,14 +192,27 @@ async fn prepare(
     ssh: &SshOptions,
 ) -> Result<(Host, HostFacts), HostError> {
     let (docker, tunnel) = connect(host, ssh).await?;
-    // One remote check per path, all at once over the multiplexed connection.
+    // One remote check per path, all at once over the multiplexed connection: the mounts', and
+    // the verbs devices NCCL's InfiniBand transport would need in the containers.
+    let infiniband_dir = infiniband_dir();
+    let exists = |path: &std::path::Path| {
+        let path = path.to_path_buf();
+        let tunnel = &tunnel;
+        async move {
+            match tunnel {
+                None => Ok(path.exists()),
+                Some(t) => t.path_exists(&host.name, &path).await,
+            }
+        }
+    };
     let checks = futures_util::future::join_all(planned.iter().map(|p| async {
         match &tunnel {
             None => Ok(p.mount.source.exists()),
             Some(t) => t.path_exists(&host.name, &p.mount.source).await,
         }
-    }))
-    .await;
+    }));
+    let (checks, infiniband) = futures_util::join!(checks, exists(&infiniband_dir));
+    let infiniband = infiniband?;
     let mut mounts = Vec::new();
     let mut copies = Vec::new();
     for (p, exists) in planned.iter().zip(checks) {
@@ -221,6 +247,7 @@ async fn prepare(
         image_received_from: None,
         image_seconds: 0.0,
         copied_in: copies.iter().map(|p| p.display().to_string()).collect(),
+        infiniband,
     };
     let host = Host {
         name: host.name.clone(),
@@ -230,6 +257,7 @@ async fn prepare(
         arch: version.arch.unwrap_or_default(),
         mounts,
         copies,
+        infiniband,
         _tunnel: tunnel,
     };
     Ok((host, facts))

@@ -11,7 +11,10 @@ use std::time::Duration;
 use bollard::container::LogOutput;
 use bollard::errors::Error as DockerError;
 use bollard::exec::{CreateExecOptions, StartExecResults};
-use bollard::models::{ContainerCreateBody, DeviceRequest, HostConfig, Mount as DockerMount, MountType};
+use bollard::models::{
+    ContainerCreateBody, DeviceMapping, DeviceRequest, HostConfig, Mount as DockerMount, MountType,
+    ResourcesUlimits,
+};
 use bollard::query_parameters::{
     CreateContainerOptionsBuilder, LogsOptionsBuilder, UploadToContainerOptionsBuilder, WaitContainerOptions,
 };
@@ -399,6 +402,7 @@ pub(super) fn container_body(
         Some(r) => (r.argv.clone(), env_list(r)),
         None => (Vec::new(), Vec::new()),
     };
+    let rdma = rdma(plan, host);
     ContainerCreateBody {
         image: Some(host.image.clone()),
         // The guard runs the argument vector as its positional parameters (no argument vector: it
@@ -415,9 +419,50 @@ pub(super) fn container_body(
             binds: (!binds.is_empty()).then_some(binds),
             device_requests,
             init: Some(true),
+            devices: rdma.devices,
+            cap_add: rdma.cap_add,
+            ulimits: rdma.ulimits,
             ..Default::default()
         }),
         ..Default::default()
+    }
+}
+
+/// What a container needs for NCCL's InfiniBand/RoCE transport, as NVIDIA's containers are run
+/// for it (`--device=/dev/infiniband --cap-add=IPC_LOCK --ulimit memlock=-1`): the host's verbs
+/// device files, the capability to lock memory, and no limit on locked memory (the transport
+/// registers, and so pins, its buffers). Nothing where the host has no `/dev/infiniband` or the
+/// experiment says `rdma: off`.
+#[derive(Debug, Default, PartialEq)]
+pub(super) struct Rdma {
+    devices: Option<Vec<DeviceMapping>>,
+    cap_add: Option<Vec<String>>,
+    ulimits: Option<Vec<ResourcesUlimits>>,
+}
+
+pub(super) fn rdma(plan: &Experiment, host: &Host) -> Rdma {
+    rdma_for(plan.rdma, host.infiniband, &crate::hosts::infiniband_dir())
+}
+
+/// [`rdma`] for the experiment's `setting`, on a host that has (`infiniband`) its verbs device
+/// files in `dir`.
+fn rdma_for(setting: crate::config::Rdma, infiniband: bool, dir: &std::path::Path) -> Rdma {
+    if setting == crate::config::Rdma::Off || !infiniband {
+        return Rdma::default();
+    }
+    Rdma {
+        // A folder: the engine gives every device file under it.
+        devices: Some(vec![DeviceMapping {
+            path_on_host: Some(dir.display().to_string()),
+            path_in_container: Some(crate::hosts::INFINIBAND.to_string()),
+            cgroup_permissions: Some("rwm".into()),
+        }]),
+        cap_add: Some(vec!["IPC_LOCK".into()]),
+        ulimits: Some(vec![ResourcesUlimits {
+            name: Some("memlock".into()),
+            soft: Some(-1),
+            hard: Some(-1),
+        }]),
     }
 }
 
@@ -698,9 +743,40 @@ pub struct RuntimeInfo {
     pub cuda_error: Option<String>,
     #[serde(default)]
     pub cuda_devices_error: Option<String>,
+    /// Absent from runtimes before it was reported.
+    #[serde(default)]
+    pub rdma: Option<RdmaInfo>,
 }
 
-/// Preflight's proof that the ranks start where they will run, all hosts at once. With the
+/// What NCCL's InfiniBand transport finds in the container (`runtime info`'s `rdma`).
+#[derive(Debug, Clone, serde::Deserialize)]
+pub struct RdmaInfo {
+    pub device_files: bool,
+    pub ibverbs: bool,
+    #[serde(default)]
+    pub ibverbs_error: Option<String>,
+}
+
+/// Why NCCL in the containers of a host given its InfiniBand devices would still talk TCP, as
+/// the image's runtime saw it; `None` when nothing stands in the way.
+pub fn rdma_unusable(host: &str, info: &RdmaInfo) -> Option<String> {
+    if !info.device_files {
+        return Some(format!(
+            "{host} has {} but its containers do not see it (the engine did not pass the devices on)",
+            crate::hosts::INFINIBAND
+        ));
+    }
+    (!info.ibverbs).then(|| {
+        format!(
+            "{host} has InfiniBand/RoCE devices but its image cannot load libibverbs ({}); add \
+             libibverbs1 and ibverbs-providers to the image (the runtime image has them)",
+            info.ibverbs_error.as_deref().unwrap_or("not found")
+        )
+    })
+}
+
+/// Preflight's proof that the ranks start where they will run, all hosts at once; says, per host,
+/// whether its containers get its InfiniBand devices ([`rdma`]). With the
 /// runtime (`runs_runtime`): `runtime info` in a container of each host's image, with the mounts,
 /// copied files and GPUs its ranks get; a runtime that cannot start (a missing library) or a host
 /// that shows fewer CUDA devices than its ranks asked for is refused here. With a `command:` of
@@ -714,13 +790,16 @@ pub async fn self_check(
     plan: &Experiment,
     id: &str,
     runs_runtime: bool,
-) -> Result<(), LaunchError> {
+) -> Result<Vec<bool>, LaunchError> {
     let checks = plan.hosts.iter().zip(hosts).map(|(hp, host)| async move {
+        let given_rdma = rdma(plan, host) != Rdma::default();
         let Some(&first) = hp.ranks.first() else {
-            return Ok(());
+            return Ok(false);
         };
-        if !runs_runtime && hp.gpus.is_empty() {
-            return Ok(());
+        // A host with InfiniBand devices to give is checked whatever runs: an engine may refuse
+        // the locked-memory limit that comes with them.
+        if !runs_runtime && hp.gpus.is_empty() && !given_rdma {
+            return Ok(false);
         }
         let rank = &plan.ranks[first];
         let mut check = rank.clone();
@@ -730,7 +809,12 @@ pub async fn self_check(
             false => ["/bin/sh", "-c", "exit 0"].map(String::from).to_vec(),
         };
         check.gpus = hp.gpus.clone();
-        let body = container_body(plan, host, labels(id, plan, "check"), &check.gpus, Some(&check));
+        let without_rdma = Host {
+            infiniband: false,
+            ..host.clone()
+        };
+        let body_on =
+            |host: &Host| container_body(plan, host, labels(id, plan, "check"), &check.gpus, Some(&check));
         let name = format!(
             "{id}-{}",
             hp.name.replace(|c: char| !c.is_ascii_alphanumeric(), "-")
@@ -741,18 +825,57 @@ pub async fn self_check(
         let request = (runs_runtime && first == 0 && plan.auto.is_none()).then(|| {
             let mut request = rank.clone();
             request.argv.push("--check".into());
-            container_body(plan, host, labels(id, plan, "check"), &[], Some(&request))
+            container_body(
+                plan,
+                &without_rdma,
+                labels(id, plan, "check"),
+                &[],
+                Some(&request),
+            )
         });
         let asked = OptionFuture::from(request.map(|body| run_to_end(host, format!("{id}-request"), body)));
-        let (started, asked) = futures_util::join!(run_to_end(host, name, body), asked);
+        let (started, asked) = futures_util::join!(run_to_end(host, name.clone(), body_on(host)), asked);
+        // An engine that cannot raise the locked-memory limit (its own is lower) cannot start
+        // containers with InfiniBand as NCCL needs it: the ranks go without, over TCP.
+        let (started, rdma_given) = match started {
+            Err(e) if given_rdma && locked_memory_refused(&e) => {
+                stderr_line!(
+                    "warning: the engine on {} cannot give its containers unlimited locked memory, which \
+                     NCCL's InfiniBand transport needs ({}); they get no InfiniBand devices and NCCL \
+                     will talk TCP between hosts: raise dockerd's limit there (systemd: \
+                     LimitMEMLOCK=infinity) to use them, or set `rdma: off`",
+                    host.name,
+                    last_line(&crate::error::error_line(&e))
+                );
+                let body = body_on(&without_rdma);
+                (run_to_end(host, format!("{name}-tcp"), body).await, false)
+            }
+            other => (other, given_rdma),
+        };
         let _ = remove_labelled(&host.docker, &host.name, id).await;
-        runs_where_asked(host, hp, rank, runs_runtime, started).await?;
+        let info = runs_where_asked(host, hp, rank, runs_runtime, started).await?;
+        // The ranks still start without InfiniBand: NCCL then talks TCP, which is slower between
+        // hosts, so say why.
+        if let Some(why) = info
+            .and_then(|i| i.rdma)
+            .filter(|_| rdma_given)
+            .and_then(|r| rdma_unusable(&host.name, &r))
+        {
+            stderr_line!("warning: {why}; NCCL will talk TCP between hosts (`rdma: off` says so up front)");
+        }
         match asked {
-            Some(outcome) => request_accepted(outcome?),
-            None => Ok(()),
+            Some(outcome) => request_accepted(outcome?).map(|()| rdma_given),
+            None => Ok(rdma_given),
         }
     });
     join_all(checks).await.into_iter().collect()
+}
+
+/// Whether starting a container failed on the locked-memory limit asked for it (runc: "error
+/// setting rlimit type 8": RLIMIT_MEMLOCK above what the engine itself may have).
+fn locked_memory_refused(error: &LaunchError) -> bool {
+    let text = crate::error::error_line(error);
+    text.contains("rlimit type 8") || (text.contains("rlimit") && text.contains("memlock"))
 }
 
 /// Whether the check container on `host` (for its first rank, `rank`) proved the ranks start
@@ -763,7 +886,7 @@ async fn runs_where_asked(
     rank: &RankSpec,
     runs_runtime: bool,
     outcome: Result<(i64, String, String), LaunchError>,
-) -> Result<(), LaunchError> {
+) -> Result<Option<RuntimeInfo>, LaunchError> {
     // With GPUs asked for, the engine refusing the container is the NVIDIA runtime refusing
     // an index this host lacks (or the toolkit missing): say so, naming host and GPUs.
     let (code, stdout, stderr) = match outcome {
@@ -782,7 +905,7 @@ async fn runs_where_asked(
     };
     if !runs_runtime {
         return match code {
-            0 => Ok(()),
+            0 => Ok(None),
             _ => Err(failed(format!(
                 "a container of the image given GPUs {:?} exited with {code}: {}",
                 hp.gpus,
@@ -811,7 +934,7 @@ async fn runs_where_asked(
             why,
         });
     }
-    Ok(())
+    Ok(Some(info))
 }
 
 /// The image's runtime's verdict on the training request (`runtime --check`).
@@ -954,5 +1077,52 @@ mod tests {
             &[]
         ));
         assert!(!wants_cuda(&argv("runtime --devices cpu,cpu"), &[]));
+    }
+}
+
+#[cfg(test)]
+mod rdma_tests {
+    use super::*;
+    use crate::config::Rdma as Setting;
+
+    /// A host with verbs device files gives its containers them (as /dev/infiniband), IPC_LOCK
+    /// and unlimited locked memory, unless the experiment says `rdma: off`; a host without gives
+    /// nothing.
+    #[test]
+    fn containers_get_infiniband_only_where_the_host_has_it_and_it_is_wanted() {
+        let dir = std::path::Path::new("/srv/ib");
+        let given = rdma_for(Setting::Auto, true, dir);
+        let device = &given.devices.as_ref().unwrap()[0];
+        assert_eq!(device.path_on_host.as_deref(), Some("/srv/ib"));
+        assert_eq!(device.path_in_container.as_deref(), Some("/dev/infiniband"));
+        assert_eq!(device.cgroup_permissions.as_deref(), Some("rwm"));
+        assert_eq!(given.cap_add, Some(vec!["IPC_LOCK".to_string()]));
+        let limit = &given.ulimits.as_ref().unwrap()[0];
+        assert_eq!(
+            (limit.name.as_deref(), limit.soft, limit.hard),
+            (Some("memlock"), Some(-1), Some(-1))
+        );
+        assert_eq!(rdma_for(Setting::Off, true, dir), Rdma::default());
+        assert_eq!(rdma_for(Setting::Auto, false, dir), Rdma::default());
+    }
+
+    /// Why NCCL would still talk TCP, as the image's runtime saw the container.
+    #[test]
+    fn what_stands_in_the_way_of_infiniband_is_named() {
+        let seen = |device_files, ibverbs| RdmaInfo {
+            device_files,
+            ibverbs,
+            ibverbs_error: (!ibverbs).then(|| "libibverbs.so.1: cannot open shared object file".into()),
+        };
+        assert_eq!(rdma_unusable("th1", &seen(true, true)), None);
+        assert!(rdma_unusable("th1", &seen(false, true))
+            .unwrap()
+            .contains("do not see it"));
+        let why = rdma_unusable("th1", &seen(true, false)).unwrap();
+        assert!(
+            why.contains("cannot load libibverbs (libibverbs.so.1: cannot open"),
+            "{why}"
+        );
+        assert!(why.contains("libibverbs1 and ibverbs-providers"), "{why}");
     }
 }

@@ -80,9 +80,13 @@ impl TerminalReporter {
                     0 => String::new(),
                     n => format!(", {n} file(s) copied in"),
                 };
+                let infiniband = match facts.infiniband {
+                    true => ", InfiniBand devices given to its containers",
+                    false => "",
+                };
                 (
                     Stream::Stderr,
-                    format!("driver: host {} ready, image {image}{built}{copied}", facts.host),
+                    format!("driver: host {} ready, image {image}{built}{copied}{infiniband}", facts.host),
                 )
             }),
             Event::RankStarted { rank, host, handle } => {
@@ -301,6 +305,7 @@ mod tests {
                 image_received_from: None,
                 image_seconds: 1.0,
                 copied_in: vec!["/opt/runtime".into()],
+                infiniband: false,
             }),
             Event::Profiling {
                 model: "mlp".into(),
