@@ -189,6 +189,11 @@ fn the_quickstart_runs_the_runtime_image_built_from_the_workspace() {
         listing.contains("libtorch_cpu.so") && !listing.contains("libtorch_cuda.so"),
         "{listing}"
     );
+    // And its base has what NCCL's InfiniBand transport opens at run time, as its runtime says.
+    let info: Value =
+        serde_json::from_str(&docker(&["run", "--rm", &tag, "/usr/local/bin/runtime", "info"])).unwrap();
+    assert_eq!(info["rdma"]["ibverbs"], true, "{info}");
+    assert_eq!(info["rdma"]["device_files"], false, "no devices given: {info}");
 
     // The next run reuses it.
     let h2 = Harness::new("img-quickstart-again");
