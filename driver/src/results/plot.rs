@@ -6,6 +6,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use plotters::coord::Shift;
 use plotters::prelude::*;
 
 use super::read::Row;
@@ -135,14 +136,7 @@ pub fn throughput(rows: &[Row], x: Option<&str>, path: &Path) -> Result<(), Plot
             .label(label.clone())
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2)));
     }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .position(SeriesLabelPosition::LowerRight)
-        .draw()
-        .map_err(|e| fail(e.to_string()))?;
-    root.present().map_err(|e| fail(e.to_string()))
+    legend_and_present(&mut chart, &root, SeriesLabelPosition::LowerRight, path)
 }
 
 /// Seconds per iteration each stage spent computing, waiting on communication and idle,
@@ -228,14 +222,7 @@ pub fn stages(row: &Row, path: &Path) -> Result<(), PlotError> {
             .label(*name)
             .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], color.filled()));
     }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .position(SeriesLabelPosition::UpperRight)
-        .draw()
-        .map_err(|e| fail(e.to_string()))?;
-    root.present().map_err(|e| fail(e.to_string()))
+    legend_and_present(&mut chart, &root, SeriesLabelPosition::UpperRight, path)
 }
 
 /// What the loss plot's x axis counts.
@@ -371,11 +358,22 @@ pub fn losses(rows: &[Row], x: LossX, path: &Path) -> Result<(), PlotError> {
             .label(label)
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2)));
     }
+    legend_and_present(&mut chart, &root, SeriesLabelPosition::UpperRight, path)
+}
+
+/// Draws the series' legend at `position` and writes the plot to `path`.
+fn legend_and_present<'a, CT: CoordTranslate>(
+    chart: &mut ChartContext<'a, SVGBackend<'a>, CT>,
+    root: &DrawingArea<SVGBackend<'a>, Shift>,
+    position: SeriesLabelPosition,
+    path: &Path,
+) -> Result<(), PlotError> {
+    let fail = draw_error(path);
     chart
         .configure_series_labels()
         .background_style(WHITE.mix(0.8))
         .border_style(BLACK)
-        .position(SeriesLabelPosition::UpperRight)
+        .position(position)
         .draw()
         .map_err(|e| fail(e.to_string()))?;
     root.present().map_err(|e| fail(e.to_string()))
