@@ -87,6 +87,8 @@ pub struct Row {
     pub comm_share: Option<f64>,
     /// With fp16: steps the gradient scaler skipped.
     pub skipped_steps: Option<u64>,
+    /// Times the ranks were started again after a failure (`max_restarts`), for a record.
+    pub restarts: Option<u64>,
     /// Where the run stands.
     pub status: RowStatus,
     /// Why it failed, or why it could not be read.
@@ -152,6 +154,7 @@ impl Row {
             idle_share: None,
             comm_share: None,
             skipped_steps: None,
+            restarts: None,
             status,
             note,
             experiment: BTreeMap::new(),
@@ -277,6 +280,7 @@ pub fn record(dir: &Path) -> Row {
         idle_share: mean(|s| s.idle_share),
         comm_share: mean(|s| s.comm_share),
         skipped_steps: summary.skipped_steps,
+        restarts: Some(summary.restarts.len() as u64),
         status,
         note: note(&summary),
         experiment,

@@ -59,6 +59,7 @@ pub fn value(row: &Row, key: &str) -> Option<String> {
         "idle" => num(row.idle_share),
         "comm" => num(row.comm_share),
         "skipped_steps" => row.skipped_steps.map(|n| n.to_string()),
+        "restarts" => row.restarts.map(|n| n.to_string()),
         "status" => Some(row.status.as_str().to_string()),
         "note" => row.note.clone(),
         other => {
@@ -81,7 +82,7 @@ pub fn value(row: &Row, key: &str) -> Option<String> {
 /// Whether any row knows the key (so a typo is an error, not an empty table).
 fn known(rows: &[Row], key: &str) -> bool {
     COLUMN_KEYS.contains(&canonical(key))
-        || ["name", "id", "sweep", "skipped_steps"].contains(&key)
+        || ["name", "id", "sweep", "skipped_steps", "restarts"].contains(&key)
         || rows.iter().any(|r| value(r, key).is_some())
 }
 
