@@ -248,8 +248,9 @@ async fn run_profile(
     let outcome = launch::run_ranks(target, &profile_plan, reporters, signals, &mut watch)
         .await
         .map_err(AutoError::Launch)?;
+    let status = outcome.status();
     outcome.cleanup.map_err(AutoError::Cleanup)?;
-    match outcome.status {
+    match status {
         Ended::Succeeded => Ok(watch.stdout),
         ended => Err(AutoError::Stopped(ended)),
     }

@@ -458,26 +458,26 @@ pub async fn run_loaded(
             }
         }
     };
-    let Outcome { status, cleanup, .. } =
-        match run_with_restarts(target, &plan, runs_runtime, &mut reporters, &mut signals).await {
-            Ok(outcome) => outcome,
-            Err(e) => {
-                // The record says why, as the terminal's last lines do.
-                if !matches!(e, LaunchError::Interrupted) {
-                    reporters.report(&Event::Stopping(StopCause::LaunchFailed {
-                        reason: crate::error::error_line(&e),
-                    }));
-                }
-                reporters.report(&Event::Finished {
-                    status: Status::Failed,
-                });
-                return Err(RunError::Launch(e));
+    let outcome = match run_with_restarts(target, &plan, runs_runtime, &mut reporters, &mut signals).await {
+        Ok(outcome) => outcome,
+        Err(e) => {
+            // The record says why, as the terminal's last lines do.
+            if !matches!(e, LaunchError::Interrupted) {
+                reporters.report(&Event::Stopping(StopCause::LaunchFailed {
+                    reason: crate::error::error_line(&e),
+                }));
             }
-        };
+            reporters.report(&Event::Finished {
+                status: Status::Failed,
+            });
+            return Err(RunError::Launch(e));
+        }
+    };
+    let status = outcome.status();
     reporters.report(&Event::Finished {
         status: status.into(),
     });
-    cleanup.map_err(RunError::Cleanup)?;
+    outcome.cleanup.map_err(RunError::Cleanup)?;
     let (id, dir) = (record.id, record.dir);
     match status {
         Ended::Succeeded => {
@@ -508,7 +508,7 @@ async fn run_with_restarts(
     let mut restarts = 0;
     loop {
         let outcome = launch::run_ranks(target.clone(), &this_start, reporters, signals, &mut ranks).await?;
-        let cause = match (&outcome.status, &outcome.cause, &outcome.cleanup) {
+        let cause = match (outcome.status(), &outcome.cause, &outcome.cleanup) {
             (Ended::Failed, Some(cause), Ok(())) => cause.clone(),
             // Succeeded, interrupted, or with containers left behind: nothing starts again.
             _ => return Ok(outcome),

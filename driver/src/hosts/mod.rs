@@ -205,12 +205,7 @@ async fn prepare(
             }
         }
     };
-    let checks = futures_util::future::join_all(planned.iter().map(|p| async {
-        match &tunnel {
-            None => Ok(p.mount.source.exists()),
-            Some(t) => t.path_exists(&host.name, &p.mount.source).await,
-        }
-    }));
+    let checks = futures_util::future::join_all(planned.iter().map(|p| exists(&p.mount.source)));
     let (checks, infiniband) = futures_util::join!(checks, exists(&infiniband_dir));
     let infiniband = infiniband?;
     let mut mounts = Vec::new();

@@ -285,12 +285,28 @@ impl Watch for Ranks {
 
 /// How [`run_ranks`] ended once the ranks started.
 pub struct Outcome {
-    /// How the ranks ended.
-    pub status: Ended,
     /// Why the driver stopped the ranks early, if it did.
     pub cause: Option<StopCause>,
     /// Removing what was started; an error names what is left (already reported).
     pub cleanup: Result<(), LaunchError>,
+}
+
+impl Outcome {
+    /// How the ranks ended: as the cause they were stopped for says, if any.
+    pub fn status(&self) -> Ended {
+        match &self.cause {
+            None => Ended::Succeeded,
+            Some(StopCause::Interrupted) => Ended::Interrupted,
+            Some(
+                StopCause::RankFailed { .. }
+                | StopCause::HostLost { .. }
+                | StopCause::ProfileFailed { .. }
+                | StopCause::PlanFailed { .. }
+                | StopCause::LaunchFailed { .. }
+                | StopCause::SlurmJob { .. },
+            ) => Ended::Failed,
+        }
+    }
 }
 
 /// Starts `plan`'s ranks on `target`, supervises them until they have all ended (stopping all on
@@ -313,20 +329,16 @@ pub async fn run_ranks(
             return Err(e);
         }
     };
-    let (status, cause) = supervise(plan, &launcher, rx, reporters, signals, watch).await;
+    let cause = supervise(plan, &launcher, rx, reporters, signals, watch).await;
     let cleanup = launcher.finish().await;
     if let Err(LaunchError::ContainersLeft { left, .. }) = &cleanup {
         reporters.report(&Event::ContainersLeft(left.clone()));
     }
-    Ok(Outcome {
-        status,
-        cause,
-        cleanup,
-    })
+    Ok(Outcome { cause, cleanup })
 }
 
 /// Feeds events to the reporters until every rank has exited; stops all ranks on the first failure
-/// or signal. Returns the run's status, and why it was stopped early if it was.
+/// or signal. Returns why it stopped them, if it did.
 async fn supervise(
     plan: &Experiment,
     launcher: &Launcher,
@@ -334,7 +346,7 @@ async fn supervise(
     reporters: &mut Reporters,
     signals: &mut StopSignals,
     watch: &mut dyn Watch,
-) -> (Ended, Option<StopCause>) {
+) -> Option<StopCause> {
     // Ranks seen to exit, removed, or lost with their host: no more to hear from them.
     let mut ended = 0;
     let mut cause: Option<StopCause> = None;
@@ -433,17 +445,5 @@ async fn supervise(
             break;
         }
     }
-    let ended = match &cause {
-        None => Ended::Succeeded,
-        Some(StopCause::Interrupted) => Ended::Interrupted,
-        Some(
-            StopCause::RankFailed { .. }
-            | StopCause::HostLost { .. }
-            | StopCause::ProfileFailed { .. }
-            | StopCause::PlanFailed { .. }
-            | StopCause::LaunchFailed { .. }
-            | StopCause::SlurmJob { .. },
-        ) => Ended::Failed,
-    };
-    (ended, cause)
+    cause
 }

@@ -139,22 +139,34 @@ pub fn throughput(rows: &[Row], x: Option<&str>, path: &Path) -> Result<(), Plot
     legend_and_present(&mut chart, &root, SeriesLabelPosition::LowerRight, path)
 }
 
+/// The iteration lines of a record's `metrics.jsonl`, in order; `None` when it has no such file.
+fn iterations(dir: &Path) -> Option<Vec<stagehand_contract::Iteration>> {
+    let text = std::fs::read_to_string(dir.join("metrics.jsonl")).ok()?;
+    let events = text.lines().filter_map(stagehand_contract::Event::parse_line);
+    Some(
+        events
+            .filter_map(|event| match event {
+                stagehand_contract::Event::Iteration(it) => Some(it),
+                _ => None,
+            })
+            .collect(),
+    )
+}
+
 /// Seconds per iteration each stage spent computing, waiting on communication and idle,
 /// averaged over the stage's ranks, from the record's `metrics.jsonl`.
 pub fn stage_times(dir: &Path) -> Result<Vec<(usize, [f64; 3])>, PlotError> {
-    let text = std::fs::read_to_string(dir.join("metrics.jsonl")).map_err(|_| PlotError::NoMetrics {
+    let iterations = iterations(dir).ok_or_else(|| PlotError::NoMetrics {
         dir: dir.to_path_buf(),
     })?;
     // stage -> (sums, iteration reports)
     let mut sums: BTreeMap<usize, ([f64; 3], usize)> = BTreeMap::new();
-    for line in text.lines() {
-        if let Some(stagehand_contract::Event::Iteration(it)) = stagehand_contract::Event::parse_line(line) {
-            let entry = sums.entry(it.stage).or_insert(([0.0; 3], 0));
-            entry.0[0] += it.compute_s;
-            entry.0[1] += it.comm_wait_s;
-            entry.0[2] += it.idle_s;
-            entry.1 += 1;
-        }
+    for it in iterations {
+        let entry = sums.entry(it.stage).or_insert(([0.0; 3], 0));
+        entry.0[0] += it.compute_s;
+        entry.0[1] += it.comm_wait_s;
+        entry.0[2] += it.idle_s;
+        entry.1 += 1;
     }
     if sums.is_empty() {
         return Err(PlotError::NoMetrics {
@@ -251,17 +263,14 @@ pub struct LossPoint {
 /// each rank's last report counting (a restarted run reports resumed iterations again); `None`
 /// when no iteration has a loss.
 pub fn loss_curve(dir: &Path) -> Option<Vec<LossPoint>> {
-    let text = std::fs::read_to_string(dir.join("metrics.jsonl")).ok()?;
     // iteration -> rank -> (loss, seconds)
     let mut reports: BTreeMap<u64, BTreeMap<usize, (f64, f64)>> = BTreeMap::new();
-    for line in text.lines() {
-        if let Some(stagehand_contract::Event::Iteration(it)) = stagehand_contract::Event::parse_line(line) {
-            if let Some(loss) = it.loss.filter(|l| l.is_finite()) {
-                reports
-                    .entry(it.iteration)
-                    .or_default()
-                    .insert(it.rank, (loss, it.time_s));
-            }
+    for it in iterations(dir)? {
+        if let Some(loss) = it.loss.filter(|l| l.is_finite()) {
+            reports
+                .entry(it.iteration)
+                .or_default()
+                .insert(it.rank, (loss, it.time_s));
         }
     }
     let mut seconds = 0.0;
@@ -297,7 +306,7 @@ pub fn losses(rows: &[Row], x: LossX, path: &Path) -> Result<(), PlotError> {
         .map(
             |(label, (row, _))| match labels.iter().filter(|l| *l == label).count() {
                 1 => label.clone(),
-                _ => format!("{label} ({})", folder(&row.dir)),
+                _ => format!("{label} ({})", super::read::folder_name(&row.dir)),
             },
         )
         .collect();
@@ -392,10 +401,4 @@ fn loss_text(v: f64) -> String {
             text.trim_end_matches('0').trim_end_matches('.').to_string()
         }
     }
-}
-
-fn folder(dir: &Path) -> String {
-    dir.file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_else(|| dir.display().to_string())
 }

@@ -218,7 +218,8 @@ pub fn collect(paths: &[PathBuf]) -> Result<Vec<Row>, ResultsError> {
     Ok(rows)
 }
 
-fn folder_name(dir: &Path) -> String {
+/// A folder's own name (a record folder's is its experiment id).
+pub(super) fn folder_name(dir: &Path) -> String {
     dir.file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_else(|| dir.display().to_string())
