@@ -127,12 +127,7 @@ fn an_interrupted_pipeline_of_processes_checkpoints_every_rank_and_resumes() {
 fn a_killed_rank_of_processes_restarts_from_its_checkpoint() {
     let h = Harness::new("pipe-restart");
     a_killed_rank_restarts_from_its_checkpoint(&h, "process", |handle| {
-        let pid = handle.strip_prefix("pid ").expect("a process rank's handle");
-        let killed = std::process::Command::new("kill")
-            .args(["-KILL", pid])
-            .status()
-            .unwrap();
-        assert!(killed.success(), "kill -KILL {pid}");
+        kill_hard(handle.strip_prefix("pid ").expect("a process rank's handle"));
     });
     h.assert_no_processes();
 }

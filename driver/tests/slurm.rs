@@ -14,9 +14,10 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+use crate::util::experiments::{wait_for_a_checkpoint_of_rank_1, KILLABLE_AFTER_A_CHECKPOINT};
 use crate::util::{
-    assert_rank_0_killed_for_memory, interrupt, runtime, wait_for_record, wait_with_deadline, workspace,
-    Harness,
+    assert_rank_0_killed_for_memory, interrupt, kill_hard, runtime, wait_for_record, wait_with_deadline,
+    workspace, Harness,
 };
 
 /// SLURM_CONF of the test cluster, started (idempotently) on first use.
@@ -181,12 +182,7 @@ fn a_failing_rank_cancels_the_job_and_is_recorded() {
     let record = wait_for_record(&h.records(), Duration::from_secs(60));
     wait_for_iterations(&record, 4, Duration::from_secs(180));
     // Rank 1 dies as the OOM killer would end it.
-    let pid = task_pid(&h, 1).expect("task 1's runtime");
-    let killed = Command::new("kill")
-        .args(["-KILL", &pid.to_string()])
-        .status()
-        .unwrap();
-    assert!(killed.success());
+    kill_hard(&task_pid(&h, 1).expect("task 1's runtime").to_string());
     let since = Instant::now();
     let out = wait_with_deadline(child, Duration::from_secs(90));
     assert_eq!(
@@ -274,34 +270,14 @@ fn a_killed_task_restarts_as_a_new_job_from_its_checkpoint() {
     let h = Harness::new("slurm-restart");
     let config = mlp(&h, 40, "");
     let text = std::fs::read_to_string(&config).unwrap();
-    std::fs::write(
-        &config,
-        format!(
-            "{text}checkpoint_dir: ckpt\ncheckpoint_every: 5\nmax_restarts: 1\n\
-             slowdown: [{{rank: 1, factor: 40}}]\n"
-        ),
-    )
-    .unwrap();
+    std::fs::write(&config, format!("{text}{KILLABLE_AFTER_A_CHECKPOINT}")).unwrap();
     let child = h.spawn_with_env(&config, &[], &slurm_env());
     let record = wait_for_record(&h.records(), Duration::from_secs(60));
-    let start = Instant::now();
-    while !std::fs::read_to_string(record.join("metrics.jsonl"))
-        .unwrap_or_default()
-        .lines()
-        .any(|l| l.contains(r#""rank":1"#) && l.contains(r#""checkpointed":true"#))
-    {
-        assert!(start.elapsed() < Duration::from_secs(180), "no checkpoint");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_for_a_checkpoint_of_rank_1(&record, Duration::from_secs(180));
     let first_job = h.summary().1["slurm_job"]["job_id"]
         .as_u64()
         .expect("the first job");
-    let pid = task_pid(&h, 1).expect("task 1's runtime");
-    let killed = Command::new("kill")
-        .args(["-KILL", &pid.to_string()])
-        .status()
-        .unwrap();
-    assert!(killed.success());
+    kill_hard(&task_pid(&h, 1).expect("task 1's runtime").to_string());
     let out = wait_with_deadline(child, Duration::from_secs(240));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(0), "{stderr}");

@@ -338,6 +338,21 @@ pub fn losses(record: &Path) -> BTreeMap<u64, f64> {
     losses
 }
 
+/// What the restart tests add to an experiment: a checkpoint every 5 iterations, one restart,
+/// and rank 1's compute stretched to leave time to kill it between a checkpoint and the end.
+pub const KILLABLE_AFTER_A_CHECKPOINT: &str =
+    "checkpoint_dir: ckpt\ncheckpoint_every: 5\nmax_restarts: 1\nslowdown: [{rank: 1, factor: 40}]\n";
+
+/// Waits until rank 1 of the run recorded in `record` says it wrote a checkpoint.
+pub fn wait_for_a_checkpoint_of_rank_1(record: &Path, limit: Duration) {
+    wait_until(limit, || {
+        lines(&record.join("metrics.jsonl"))
+            .iter()
+            .any(|l| l.contains(r#""rank":1"#) && l.contains(r#""checkpointed":true"#))
+            .then_some(())
+    });
+}
+
 /// A two-stage pipeline with `max_restarts: 1` whose rank 1 is killed (by `kill`, given the
 /// rank's handle in the record) once it has written a checkpoint: the driver stops rank 0,
 /// starts both again from their checkpoints, and the run succeeds with every iteration's loss
@@ -362,15 +377,7 @@ pub fn a_killed_rank_restarts_from_its_checkpoint(h: &Harness, backend: &str, ki
     let expected = losses(&reference);
     assert_eq!(expected.len(), 30);
 
-    // Rank 1's compute stretched to leave time to kill it between a checkpoint and the end.
-    std::fs::write(
-        &config,
-        format!(
-            "{text}checkpoint_dir: ckpt\ncheckpoint_every: 5\nmax_restarts: 1\n\
-             slowdown: [{{rank: 1, factor: 40}}]\n"
-        ),
-    )
-    .unwrap();
+    std::fs::write(&config, format!("{text}{KILLABLE_AFTER_A_CHECKPOINT}")).unwrap();
     let child = h.spawn(&config, &args);
     let record = wait_until(Duration::from_secs(120), || {
         std::fs::read_dir(h.records())
@@ -378,12 +385,7 @@ pub fn a_killed_rank_restarts_from_its_checkpoint(h: &Harness, backend: &str, ki
             .map(|e| e.unwrap().path())
             .find(|p| *p != reference)
     });
-    wait_until(Duration::from_secs(120), || {
-        lines(&record.join("metrics.jsonl"))
-            .iter()
-            .any(|l| l.contains(r#""rank":1"#) && l.contains(r#""checkpointed":true"#))
-            .then_some(())
-    });
+    wait_for_a_checkpoint_of_rank_1(&record, Duration::from_secs(120));
     let summary = json(&record.join("summary.json"));
     let handle = summary["ranks"][1]["handle"]
         .as_str()

@@ -477,6 +477,12 @@ pub fn wait_with_deadline(mut child: Child, deadline: Duration) -> Output {
     }
 }
 
+/// Kills process `pid` with SIGKILL, as the kernel's OOM killer would end it.
+pub fn kill_hard(pid: &str) {
+    let killed = Command::new("kill").args(["-KILL", pid]).status().unwrap();
+    assert!(killed.success(), "kill -KILL {pid}");
+}
+
 /// Sends SIGINT to a child, as Ctrl-C would.
 pub fn interrupt(child: &Child) {
     send_signal(child, "INT");
