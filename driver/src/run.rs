@@ -10,7 +10,7 @@ use crate::events::{Ended, Event, HostFacts, SlurmEvent, Status, StopCause};
 use crate::exit_codes;
 use crate::experiment;
 use crate::hosts;
-use crate::launch::restart::Decision;
+use crate::launch::restart::{self, Decision};
 use crate::launch::{self, LaunchError, Outcome, Target};
 use crate::options::{Backend, ContainerMode, Options};
 use crate::records::{Record, RecordError};
@@ -506,6 +506,7 @@ async fn run_with_restarts(
     let mut ranks = launch::Ranks::default();
     let mut this_start = plan.clone();
     let mut restarts = 0;
+    let mut previous: Option<restart::Failure> = None;
     loop {
         let outcome = launch::run_ranks(target.clone(), &this_start, reporters, signals, &mut ranks).await?;
         let cause = match (outcome.status(), &outcome.cause, &outcome.cleanup) {
@@ -517,7 +518,13 @@ async fn run_with_restarts(
         if signals.pending() {
             return Ok(outcome);
         }
-        match launch::restart::decide(&cause, restarts, plan.max_restarts, &ranks.checkpoints) {
+        match restart::decide(
+            &cause,
+            restarts,
+            plan.max_restarts,
+            &ranks.progress,
+            previous.as_ref(),
+        ) {
             Decision::Stop { why } => {
                 if let Some(why) = why {
                     reporters.report(&Event::NotRestarted { why });
@@ -537,6 +544,7 @@ async fn run_with_restarts(
                     }
                 }
                 restarts += 1;
+                previous = Some(restart::Failure::new(&cause, &ranks.progress));
                 // Only the runtime's ranks are told to resume; a `command:` starts as it did.
                 let resume_from = resume_from.filter(|_| runs_runtime);
                 reporters.report(&Event::Restarting {

@@ -439,14 +439,18 @@ fn a_driver_whose_output_went_away_runs_on_to_the_end_and_records_it_all() {
     h.assert_no_processes();
 }
 
-/// A rank that fails on every start is started again `max_restarts` times and no more: the run
-/// fails with the last start's failure, and the record lists the earlier ones.
+/// A rank that fails on every start, a little further on each, is started again `max_restarts`
+/// times and no more: the run fails with the last start's failure, and the record lists the
+/// earlier ones.
 #[test]
 fn a_rank_that_keeps_failing_is_restarted_as_often_as_allowed() {
     let h = Harness::new("proc-restarts");
+    let starts = h.dir.path().join("starts");
     let config = h.config(&format!(
         "backend: process\nmachines: [localhost, localhost]\nmax_restarts: 2\n\
-         command: ['{FAKE_RANK}', --iterations, '1000', --sleep-ms, '20', --fail-rank, '1', --fail-at, '2', --exit-code, '7']\n"
+         command: ['{FAKE_RANK}', --iterations, '1000', --sleep-ms, '20', --fail-rank, '1', --fail-at, '2', --exit-code, '7', \
+         --later-each-start, '{}']\n",
+        starts.display()
     ));
     let run = h.run(&config, &[]);
     assert_eq!(run.code(), 1, "{}", run.stderr());
@@ -503,6 +507,33 @@ fn a_rank_that_keeps_failing_is_restarted_as_often_as_allowed() {
         "{}",
         results.stdout()
     );
+    h.assert_no_processes();
+}
+
+/// A rank that fails the same way at the same place again would fail so on every start: one
+/// restart, not all of them, and the record says why there was no other.
+#[test]
+fn the_same_failure_at_the_same_place_twice_is_not_restarted_again() {
+    let h = Harness::new("proc-same-failure");
+    let config = h.config(&format!(
+        "backend: process\nmachines: [localhost, localhost]\nmax_restarts: 5\n\
+         command: ['{FAKE_RANK}', --iterations, '1000', --sleep-ms, '20', --fail-rank, '1', --fail-at, '2', --exit-code, '7']\n"
+    ));
+    let run = h.run(&config, &[]);
+    assert_eq!(run.code(), 1, "{}", run.stderr());
+    let stderr = run.stderr();
+    assert!(stderr.contains("restart 1 of 5"), "{stderr}");
+    assert!(!stderr.contains("restart 2 of 5"), "{stderr}");
+    let (_, summary) = h.summary();
+    assert_eq!(summary["status"], "failed");
+    assert_eq!(summary["restarts"].as_array().unwrap().len(), 1, "{summary}");
+    let why = summary["not_restarted"].as_str().unwrap_or_default();
+    assert!(
+        why.contains("rank 1 on localhost failed as it did before the last restart")
+            && why.contains("(2 iteration(s) done)"),
+        "{summary}"
+    );
+    assert!(stderr.contains(why), "the terminal says it too: {stderr}");
     h.assert_no_processes();
 }
 

@@ -28,6 +28,19 @@ fn strs(args: &[String]) -> Vec<&str> {
     args.iter().map(String::as_str).collect()
 }
 
+/// The iterations of the checkpoint folders rank `rank` holds, ascending.
+fn held(ckpt: &Path, rank: usize) -> Vec<u64> {
+    let mut held: Vec<u64> = std::fs::read_dir(ckpt.join(format!("rank-{rank}")))
+        .unwrap()
+        .filter_map(|e| {
+            let name = e.unwrap().file_name().to_string_lossy().into_owned();
+            name.strip_prefix("iter-").and_then(|k| k.parse().ok())
+        })
+        .collect();
+    held.sort_unstable();
+    held
+}
+
 #[test]
 fn a_resumed_run_continues_exactly_where_the_checkpoint_left_it() {
     // Adam on a transformer with dropout: its masks are drawn afresh each iteration from the
@@ -93,13 +106,8 @@ fn a_resumed_run_continues_exactly_where_the_checkpoint_left_it() {
         );
         assert_eq!(second.losses(), never_stopped[3..], "{optimizer:?}");
         assert_same_params(&whole, &resumed, "resumed");
-        // The checkpoint moved on to the end, and the one of iteration 3 is gone.
-        let kept: Vec<String> = std::fs::read_dir(ckpt.join("rank-0"))
-            .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .filter(|n| n.starts_with("iter-"))
-            .collect();
-        assert_eq!(kept, ["iter-6"], "{optimizer:?}");
+        // The checkpoint moved on to the end, the one it resumed from kept beside it.
+        assert_eq!(held(&ckpt, 0), [3, 6], "{optimizer:?}");
     }
 }
 
@@ -165,6 +173,116 @@ fn a_pipeline_and_a_hybrid_resume_exactly_on_every_rank() {
         assert_eq!(last(&second), never_stopped[4..], "{name}");
         assert_same_params(&whole, &resumed, "resumed");
     }
+}
+
+/// What a rank killed while writing the checkpoint of iteration 4 leaves: `latest` still naming
+/// the one of iteration 2, and a folder `iter-4` without its description, its optimizer state cut
+/// short.
+fn killed_while_writing_4(rank_dir: &Path) {
+    let description = std::fs::read(rank_dir.join("iter-2/checkpoint.json")).unwrap();
+    std::fs::write(rank_dir.join("latest"), description).unwrap();
+    std::fs::remove_file(rank_dir.join("iter-4/checkpoint.json")).unwrap();
+    let state = rank_dir.join("iter-4/optimizer.safetensors");
+    let bytes = std::fs::read(&state).unwrap();
+    std::fs::write(&state, &bytes[..bytes.len() / 2]).unwrap();
+}
+
+/// Ranks checkpoint one after another, so one killed while writing may be a checkpoint behind
+/// the others. Each keeps the one before its latest; resuming, the ranks agree on the newest
+/// iteration every rank holds, those ahead step back to it, and the run goes on exactly as one
+/// never stopped. Under `--resume=auto`, a rank killed while writing its first leaves none, and
+/// every rank starts afresh; under `--resume`, ranks with no iteration in common are refused,
+/// with what each holds.
+#[test]
+fn ranks_a_checkpoint_apart_resume_from_the_newest_iteration_all_of_them_hold() {
+    let tmp = tempfile::tempdir().unwrap();
+    let config = tmp.path().join("stages.json");
+    std::fs::write(
+        &config,
+        r#"{"module_to_stage_map": [0,0,0,1,1,1], "stage_to_rank_map": {"0": [0], "1": [1]}}"#,
+    )
+    .unwrap();
+    let (whole, resumed) = (tmp.path().join("whole"), tmp.path().join("resumed"));
+    let ckpt = tmp.path().join("ckpt");
+    let (w, r, c, s) = (
+        whole.to_str().unwrap(),
+        resumed.to_str().unwrap(),
+        ckpt.to_str().unwrap(),
+        config.to_str().unwrap(),
+    );
+    let pipeline = ["--stage-config", s, "--schedule", "1f1b", "--microbatches", "4"];
+    let ranks = |iterations: &str, extra: &[&str]| -> Vec<Run> {
+        run_ranks(
+            2,
+            &strs(&mlp(iterations, &[&pipeline[..], extra].concat())),
+            LIMIT,
+        )
+    };
+    let ok = |runs: &[Run]| -> Vec<f64> {
+        for run in runs {
+            assert!(run.output.status.success(), "{}", run.stderr());
+        }
+        runs[1].losses()
+    };
+    let never_stopped = ok(&ranks("6", &["--save-params", w]));
+    let every_two = ["--checkpoint-dir", c, "--checkpoint-every", "2"];
+    ok(&ranks("4", &every_two));
+    assert_eq!(held(&ckpt, 0), [2, 4], "the one before the latest stays");
+    killed_while_writing_4(&ckpt.join("rank-1"));
+
+    let second = ranks("6", &[&every_two[..], &["--resume", "--save-params", r]].concat());
+    assert_eq!(ok(&second), never_stopped[2..], "from iteration 2, exactly");
+    let said = second[0].stderr();
+    assert!(said.contains("resuming from iteration 2"), "{said}");
+    assert_same_params(&whole, &resumed, "resumed a checkpoint back");
+    for rank in 0..2 {
+        assert_eq!(held(&ckpt, rank), [4, 6], "rank {rank} wrote 4 and 6 anew");
+    }
+
+    // Nothing in common: rank 0 holds 4 and 6, rank 1 only 2 (and, written before two were
+    // kept, names no previous one).
+    std::fs::remove_dir_all(ckpt.join("rank-1")).unwrap();
+    let only_2 = tmp.path().join("only-2");
+    let c2 = only_2.to_str().unwrap();
+    ok(&ranks("2", &["--checkpoint-dir", c2]));
+    std::fs::rename(only_2.join("rank-1"), ckpt.join("rank-1")).unwrap();
+    let refused = ranks("8", &[&every_two[..], &["--resume"]].concat());
+    for run in &refused {
+        assert!(!run.output.status.success());
+    }
+    let said = refused[0].stderr();
+    assert!(
+        said.contains(
+            "no iteration has a checkpoint on every rank (iterations held: rank 0 6 and 4, rank 1 2)"
+        ),
+        "{said}"
+    );
+
+    // `--resume=auto` with a rank that holds none: every rank starts afresh, and the one that
+    // held a checkpoint sets it aside.
+    std::fs::remove_dir_all(ckpt.join("rank-1")).unwrap();
+    let afresh = ranks("7", &["--checkpoint-dir", c, "--resume=auto"]);
+    assert_eq!(ok(&afresh)[..6], never_stopped);
+    assert!(
+        afresh[0].stderr().contains("every rank starts afresh"),
+        "{}",
+        afresh[0].stderr()
+    );
+    assert_eq!(
+        held(&ckpt, 0),
+        [7],
+        "rank 0's earlier checkpoints went at its first"
+    );
+
+    // A run without --resume sets aside what the folder holds, and says so.
+    let again = ranks("1", &["--checkpoint-dir", c]);
+    ok(&again);
+    assert!(
+        again[0].stderr().contains("the checkpoint of iteration 7 in"),
+        "{}",
+        again[0].stderr()
+    );
+    assert_eq!(held(&ckpt, 0), [1]);
 }
 
 /// `--resume=auto`: an empty folder starts afresh (the losses of a run without it), a folder with

@@ -3,7 +3,10 @@
 //! stdout and human text on stderr, and can fail or hang on request. Not installed for users.
 //!
 //! Usage: fake-rank info | [--iterations N] [--sleep-ms MS] [--fail-rank R] [--fail-at I] [--exit-code C]
-//!                  [--hang] [--batch-size B]
+//!                  [--hang] [--batch-size B] [--later-each-start FILE]
+//!
+//! `--later-each-start FILE` counts the failing rank's starts in FILE and fails one iteration
+//! later on each: a failure that is not the same each time.
 
 use std::time::Duration;
 
@@ -21,6 +24,7 @@ fn main() {
     let mut exit_code = 3i32;
     let mut hang = false;
     let mut batch_size = 8u64;
+    let mut later_each_start = None;
     // The runtime's self-check, as the driver's preflight asks it (`runtime info`).
     if std::env::args().nth(1).as_deref() == Some("info") {
         println!(r#"{{"torch":"fake","cuda":false,"nccl":false,"cuda_devices":0,"devices":[]}}"#);
@@ -37,6 +41,7 @@ fn main() {
             "--exit-code" => exit_code = value().parse().expect("number"),
             "--batch-size" => batch_size = value().parse().expect("number"),
             "--hang" => hang = true,
+            "--later-each-start" => later_each_start = Some(std::path::PathBuf::from(value())),
             other => {
                 eprintln!("fake-rank: unknown argument {other:?}");
                 std::process::exit(2);
@@ -44,6 +49,14 @@ fn main() {
         }
     }
     let rank = env_usize("RANK");
+    if let (Some(file), true) = (&later_each_start, fail_rank == Some(rank)) {
+        let starts: u64 = std::fs::read_to_string(file)
+            .ok()
+            .and_then(|t| t.trim().parse().ok())
+            .unwrap_or(0);
+        std::fs::write(file, (starts + 1).to_string()).expect("the starts file is writable");
+        fail_at += starts;
+    }
     let world_size = env_usize("WORLD_SIZE").max(1);
     eprintln!(
         "fake-rank {rank}/{world_size} master {}:{} local_rank {}",

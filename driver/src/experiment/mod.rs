@@ -214,16 +214,17 @@ impl Experiment {
             .any(|r| r.argv.iter().any(|a| a == "--checkpoint-dir"))
     }
 
-    /// The plan for a start of the runtime's ranks after a restart: resuming from their latest
-    /// checkpoints when `resume` (the runtime's `--resume` in place of the experiment's own
-    /// setting), else as first planned.
+    /// The plan for a start of the runtime's ranks after a restart: resuming from their
+    /// checkpoints when `resume` (the runtime's `--resume=auto` in place of the experiment's own
+    /// setting: from the newest iteration every rank holds, or afresh when a rank stopped while
+    /// writing its first holds none), else as first planned.
     pub fn restarted(&self, resume: bool) -> Experiment {
         let mut plan = self.clone();
         if resume {
             for rank in &mut plan.ranks {
                 rank.argv
                     .retain(|a| a != "--resume" && !a.starts_with("--resume="));
-                rank.argv.push("--resume".into());
+                rank.argv.push("--resume=auto".into());
             }
         }
         plan

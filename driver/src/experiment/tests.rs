@@ -1072,8 +1072,8 @@ fn pipedreams_container_is_the_base_the_runtime_image_is_built_on() {
     );
 }
 
-/// A restart that resumes gives every rank `--resume` (its checkpoint must be there) in place of
-/// the file's own setting, once; one that does not keeps the ranks' commands as they were.
+/// A restart that resumes gives every rank `--resume=auto` (from the newest checkpoint every rank
+/// holds, afresh if a rank holds none) in place of the file's own setting, once; one that does not keeps the ranks' commands as they were.
 /// `--max-restarts` overrides the file's `max_restarts`.
 #[test]
 fn a_restart_resumes_every_rank_from_its_checkpoint_and_the_flag_overrides_the_file() {
@@ -1090,7 +1090,7 @@ fn a_restart_resumes_every_rank_from_its_checkpoint_and_the_flag_overrides_the_f
         for (rank, first) in plan.ranks.iter().enumerate() {
             let argv = &resumed.ranks[rank].argv;
             let given: Vec<&String> = argv.iter().filter(|a| a.starts_with("--resume")).collect();
-            assert_eq!(given, ["--resume"], "{resume:?}: {argv:?}");
+            assert_eq!(given, ["--resume=auto"], "{resume:?}: {argv:?}");
             let kept: Vec<&String> = argv.iter().filter(|a| !a.starts_with("--resume")).collect();
             let before: Vec<&String> = first.argv.iter().filter(|a| !a.starts_with("--resume")).collect();
             assert_eq!(kept, before, "{resume:?}: nothing else changes");

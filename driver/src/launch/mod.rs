@@ -269,16 +269,17 @@ pub trait Watch {
     }
 }
 
-/// An experiment's ranks: the reporters see every event; the checkpoints the ranks say they
-/// wrote are kept, over every start of the ranks, for a restart to resume from.
+/// An experiment's ranks: the reporters see every event; how far the ranks say they got (the
+/// checkpoints they wrote, the iterations they finished) is kept, over every start of the ranks,
+/// for a restart to resume from and to judge by.
 #[derive(Debug, Default)]
 pub struct Ranks {
-    pub checkpoints: restart::Checkpoints,
+    pub progress: restart::Progress,
 }
 
 impl Watch for Ranks {
     fn show(&mut self, event: Event) -> Option<Event> {
-        self.checkpoints.saw(&event);
+        self.progress.saw(&event);
         Some(event)
     }
 }

@@ -1,9 +1,13 @@
 //! Starting the ranks again after a failure (`max_restarts`, as torchrun's `--max-restarts`):
 //! which failures are worth another start, and where the next start begins. A run that wrote a
-//! checkpoint resumes from the ranks' latest (`--resume`: every rank's must be there, of one
-//! iteration, which the runtime checks); a run that wrote none starts as it first did, with the
-//! experiment's own `resume:` setting, so a checkpoint left in the folder by an earlier run is
-//! never taken for this one's.
+//! checkpoint resumes (`--resume=auto`) from the newest iteration every rank holds a checkpoint
+//! of, which the ranks agree on (a rank stopped while checkpointing holds one fewer than the
+//! others; one stopped while writing its first holds none, and then every rank starts afresh); a
+//! run that wrote none starts as it first did, with the experiment's own `resume:` setting, so a
+//! checkpoint left in the folder by an earlier run is never taken for this one's (a run started
+//! afresh sets those aside).
+
+use std::collections::BTreeMap;
 
 use crate::events::{Event, StopCause};
 
@@ -11,21 +15,27 @@ use crate::events::{Event, StopCause};
 /// refusal would end every start.
 const REFUSED: i64 = 2;
 
-/// The checkpoints the ranks said they wrote whole in this run (`checkpointed` on their iteration
-/// lines, printed only once the checkpoint is on disk), over every start of the ranks.
+/// How far the ranks said they got in this run, over every start of the ranks: the checkpoints
+/// they wrote whole (`checkpointed` on their iteration lines, printed only once the checkpoint is
+/// on disk) and the iterations each finished.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub struct Checkpoints {
+pub struct Progress {
     /// The most iterations done of any checkpoint a rank said it wrote.
     latest: Option<u64>,
+    /// The most iterations done each rank reported.
+    furthest: BTreeMap<usize, u64>,
 }
 
-impl Checkpoints {
-    /// Takes in what `event` says of a checkpoint, if anything.
+impl Progress {
+    /// Takes in what `event` says of the ranks' progress, if anything.
     pub fn saw(&mut self, event: &Event) {
         if let Event::Metrics { event, .. } = event {
             if let stagehand_contract::Event::Iteration(it) = event.as_ref() {
+                let done = it.iteration + 1;
+                let furthest = self.furthest.entry(it.rank).or_default();
+                *furthest = (*furthest).max(done);
                 if it.checkpointed {
-                    self.latest = self.latest.max(Some(it.iteration + 1));
+                    self.latest = self.latest.max(Some(done));
                 }
             }
         }
@@ -34,6 +44,33 @@ impl Checkpoints {
     /// The iterations done of the latest checkpoint a rank wrote in this run, if any did.
     pub fn latest(&self) -> Option<u64> {
         self.latest
+    }
+
+    /// The most iterations `rank` finished in this run (0 before it finished one).
+    pub fn furthest(&self, rank: usize) -> u64 {
+        self.furthest.get(&rank).copied().unwrap_or(0)
+    }
+}
+
+/// A rank's failure the ranks were started again after, as [`decide`] compares the next with it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Failure {
+    pub cause: StopCause,
+    /// [`Progress::furthest`] of the rank that failed, when it failed.
+    pub furthest: u64,
+}
+
+impl Failure {
+    /// The failure `cause`, with how far its rank had got.
+    pub fn new(cause: &StopCause, progress: &Progress) -> Failure {
+        let furthest = match cause {
+            StopCause::RankFailed { rank, .. } => progress.furthest(*rank),
+            _ => 0,
+        };
+        Failure {
+            cause: cause.clone(),
+            furthest,
+        }
     }
 }
 
@@ -49,27 +86,43 @@ pub enum Decision {
     Stop { why: Option<String> },
 }
 
-/// Whether ranks stopped for `cause` start again, after `done` restarts of at most `max`.
-pub fn decide(cause: &StopCause, done: u32, max: u32, checkpoints: &Checkpoints) -> Decision {
+/// Whether ranks stopped for `cause` start again, after `done` restarts of at most `max`, the
+/// last of them after `previous`. A rank that fails as it did before (the same rank, exit code
+/// and kill for memory) having got no further than then fails where it will fail again: a
+/// deterministic failure (a bug, a batch too large for the memory) uses one restart, not all.
+pub fn decide(
+    cause: &StopCause,
+    done: u32,
+    max: u32,
+    progress: &Progress,
+    previous: Option<&Failure>,
+) -> Decision {
     if done >= max {
         return Decision::Stop { why: None };
     }
-    let not = |why: &str| Decision::Stop {
-        why: Some(why.to_string()),
-    };
+    let not = |why: String| Decision::Stop { why: Some(why) };
     match cause {
         StopCause::RankFailed {
             exit_code: Some(REFUSED),
             ..
-        } => not("the rank refused its request (exit code 2), which it would refuse again"),
+        } => not("the rank refused its request (exit code 2), which it would refuse again".into()),
+        StopCause::RankFailed { rank, host, .. }
+            if previous.is_some_and(|p| p.cause == *cause && p.furthest >= progress.furthest(*rank)) =>
+        {
+            not(format!(
+                "rank {rank} on {host} failed as it did before the last restart, having got no \
+                 further ({} iteration(s) done): another start would fail the same way",
+                progress.furthest(*rank)
+            ))
+        }
         StopCause::RankFailed { .. } | StopCause::HostLost { .. } | StopCause::SlurmJob { .. } => {
             Decision::Restart {
-                resume_from: checkpoints.latest(),
+                resume_from: progress.latest(),
             }
         }
         StopCause::Interrupted => Decision::Stop { why: None },
         StopCause::ProfileFailed { .. } | StopCause::PlanFailed { .. } | StopCause::LaunchFailed { .. } => {
-            not("the ranks never started")
+            not("the ranks never started".into())
         }
     }
 }
@@ -105,7 +158,7 @@ mod tests {
 
     #[test]
     fn the_latest_checkpoint_is_the_one_written_last_on_any_rank() {
-        let mut seen = Checkpoints::default();
+        let mut seen = Progress::default();
         for event in [iteration(0, 0, false), iteration(1, 0, false)] {
             seen.saw(&event);
         }
@@ -125,8 +178,8 @@ mod tests {
 
     #[test]
     fn a_failed_rank_restarts_from_the_latest_checkpoint_or_as_first_started() {
-        let mut seen = Checkpoints::default();
-        let restart = |seen: &Checkpoints| decide(&failed(Some(137)), 0, 1, seen);
+        let mut seen = Progress::default();
+        let restart = |seen: &Progress| decide(&failed(Some(137)), 0, 1, seen, None);
         assert_eq!(restart(&seen), Decision::Restart { resume_from: None });
         seen.saw(&iteration(0, 3, true));
         assert_eq!(restart(&seen), Decision::Restart { resume_from: Some(4) });
@@ -142,7 +195,7 @@ mod tests {
             },
         ] {
             assert!(
-                matches!(decide(&cause, 0, 1, &seen), Decision::Restart { .. }),
+                matches!(decide(&cause, 0, 1, &seen, None), Decision::Restart { .. }),
                 "{cause:?}"
             );
         }
@@ -150,22 +203,59 @@ mod tests {
 
     #[test]
     fn restarts_stop_when_used_up_interrupted_or_refused() {
-        let seen = Checkpoints::default();
+        let seen = Progress::default();
         assert_eq!(
-            decide(&failed(Some(1)), 0, 0, &seen),
+            decide(&failed(Some(1)), 0, 0, &seen, None),
             Decision::Stop { why: None }
         );
         assert_eq!(
-            decide(&failed(Some(1)), 2, 2, &seen),
+            decide(&failed(Some(1)), 2, 2, &seen, None),
             Decision::Stop { why: None }
         );
         assert_eq!(
-            decide(&StopCause::Interrupted, 0, 3, &seen),
+            decide(&StopCause::Interrupted, 0, 3, &seen, None),
             Decision::Stop { why: None }
         );
-        let Decision::Stop { why: Some(why) } = decide(&failed(Some(2)), 0, 3, &seen) else {
+        let Decision::Stop { why: Some(why) } = decide(&failed(Some(2)), 0, 3, &seen, None) else {
             panic!("a refusal is not restarted");
         };
         assert!(why.contains("exit code 2"), "{why}");
+    }
+
+    #[test]
+    fn the_same_failure_with_no_progress_since_is_not_restarted_again() {
+        let mut seen = Progress::default();
+        seen.saw(&iteration(1, 4, false));
+        let before = Failure::new(&failed(Some(1)), &seen);
+        assert_eq!(before.furthest, 5);
+        // Started again from the beginning, it failed as before, at the same place; another rank
+        // getting further does not count.
+        seen.saw(&iteration(1, 2, false));
+        seen.saw(&iteration(0, 7, false));
+        let Decision::Stop { why: Some(why) } = decide(&failed(Some(1)), 1, 3, &seen, Some(&before)) else {
+            panic!("the same failure, no further: not restarted");
+        };
+        assert!(why.contains("rank 1 on localhost failed as it did"), "{why}");
+        assert!(why.contains("(5 iteration(s) done)"), "{why}");
+        // Another exit code, or the same one further on, is worth another start.
+        assert!(matches!(
+            decide(&failed(Some(137)), 1, 3, &seen, Some(&before)),
+            Decision::Restart { .. }
+        ));
+        seen.saw(&iteration(1, 5, false));
+        assert!(matches!(
+            decide(&failed(Some(1)), 1, 3, &seen, Some(&before)),
+            Decision::Restart { .. }
+        ));
+        // A host lost twice is not a rank's failure: it may be back for good.
+        let lost = StopCause::HostLost {
+            host: "th1".into(),
+            reason: "gone".into(),
+        };
+        let before = Failure::new(&lost, &seen);
+        assert!(matches!(
+            decide(&lost, 1, 3, &seen, Some(&before)),
+            Decision::Restart { .. }
+        ));
     }
 }

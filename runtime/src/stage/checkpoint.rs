@@ -1,7 +1,13 @@
 //! Checkpoints that resume exactly. Each rank writes its own, under `DIR/rank-R/`: after
 //! iteration `K` (counted from 1) the stage's parameters and buffers and its optimizer's state
-//! go into `iter-K/`, then `latest` is replaced (write and rename) to name it, then older
-//! checkpoints are removed. A rank stopped at any point leaves `latest` naming a whole one.
+//! go into `iter-K/`, then its description (`iter-K/checkpoint.json`, which marks it whole), then
+//! `latest` is replaced (write and rename) to name it, then checkpoints older than the one before
+//! it are removed. A rank stopped at any point leaves `latest` naming a whole one.
+//!
+//! Two generations stay: ranks checkpoint one after another, so a rank stopped while writing
+//! `iter-K` may leave the others' `latest` at `K` and its own at the one before. Resuming takes
+//! the newest iteration every rank holds ([`held`], agreed on over the ranks), and a rank a
+//! generation ahead steps back to it ([`step_back`]).
 //!
 //! Resuming loads them, skips the `K` minibatches the data stream already gave, and runs
 //! iterations `K..`: the same numbers, in the same order, as a run that was never stopped. A
@@ -61,7 +67,21 @@ pub struct Latest {
     /// Optimizer steps taken (more than iterations under PipeDream's schedule).
     steps: u64,
     identity: Identity,
+    /// The iterations done of the checkpoint this one followed in the same run, kept beside it
+    /// (absent in checkpoints written before two generations were kept).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub previous: Option<u64>,
 }
+
+impl Latest {
+    /// The iterations done of the checkpoints this rank holds: this one and the one before.
+    pub fn held(&self) -> impl Iterator<Item = u64> {
+        std::iter::once(self.iterations_done).chain(self.previous)
+    }
+}
+
+/// A checkpoint's description, inside its folder.
+const DESCRIPTION: &str = "checkpoint.json";
 
 /// This rank's checkpoint folder.
 pub fn rank_dir(dir: &Path, rank: usize) -> PathBuf {
@@ -72,19 +92,48 @@ fn iteration_dir(dir: &Path, rank: usize, done: u64) -> PathBuf {
     rank_dir(dir, rank).join(format!("iter-{done}"))
 }
 
-/// Writes the checkpoint after `done` iterations.
+fn io(what: &str, path: &Path, e: &dyn std::fmt::Display) -> String {
+    format!("checkpoint: cannot {what} {}: {e}", path.display())
+}
+
+/// Writes `latest` as `path`'s content: a temporary file renamed over it.
+fn write_description(path: &Path, latest: &Latest) -> Result<(), String> {
+    let temporary = path.with_extension("tmp");
+    let text = serde_json::to_string_pretty(latest).expect("a checkpoint's description serializes") + "\n";
+    std::fs::write(&temporary, text).map_err(|e| io("write", &temporary, &e))?;
+    std::fs::rename(&temporary, path).map_err(|e| io("replace", path, &e))
+}
+
+/// Removes this rank's checkpoints of iterations for which `remove` holds.
+fn remove_where(dir: &Path, rank: usize, remove: impl Fn(u64) -> bool) -> Result<(), String> {
+    let rank_dir = rank_dir(dir, rank);
+    let entries = std::fs::read_dir(&rank_dir).map_err(|e| io("list", &rank_dir, &e))?;
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let iteration = name.strip_prefix("iter-").and_then(|k| k.parse::<u64>().ok());
+        if iteration.is_some_and(&remove) {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
+    Ok(())
+}
+
+/// Writes the checkpoint after `done` iterations; `keep`, the one before it in this run (written
+/// or resumed from), stays beside it, and every other one of this rank is removed.
 pub fn save(
     dir: &Path,
     identity: &Identity,
     done: u64,
+    keep: Option<u64>,
     stage: &Stage,
     optimizer: &Optimizer,
     scaler: Option<&GradScaler>,
 ) -> Result<(), String> {
     let here = iteration_dir(dir, identity.rank, done);
-    let io = |what: &str, path: &Path, e: &dyn std::fmt::Display| {
-        format!("checkpoint: cannot {what} {}: {e}", path.display())
-    };
+    // What a rank stopped while writing this iteration before left of it.
+    if here.exists() {
+        std::fs::remove_dir_all(&here).map_err(|e| io("remove", &here, &e))?;
+    }
     std::fs::create_dir_all(&here).map_err(|e| io("create", &here, &e))?;
     let params = here.join("params.safetensors");
     stage.save(&params).map_err(|e| io("write", &params, &e))?;
@@ -111,41 +160,55 @@ pub fn save(
         iterations_done: done,
         steps,
         identity: identity.clone(),
+        previous: keep.filter(|&k| k != done),
     };
-    let rank_dir = rank_dir(dir, identity.rank);
-    let path = rank_dir.join("latest");
-    let temporary = rank_dir.join("latest.tmp");
-    let text = serde_json::to_string_pretty(&latest).expect("a checkpoint's description serializes") + "\n";
-    std::fs::write(&temporary, text).map_err(|e| io("write", &temporary, &e))?;
-    std::fs::rename(&temporary, &path).map_err(|e| io("replace", &path, &e))?;
-    // Older checkpoints are no longer named by `latest`.
-    let entries = std::fs::read_dir(&rank_dir).map_err(|e| io("list", &rank_dir, &e))?;
-    for entry in entries.flatten() {
-        let name = entry.file_name().to_string_lossy().into_owned();
-        let older = name
-            .strip_prefix("iter-")
-            .and_then(|k| k.parse::<u64>().ok())
-            .is_some_and(|k| k != done);
-        if older {
-            let _ = std::fs::remove_dir_all(entry.path());
-        }
-    }
-    Ok(())
+    write_description(&here.join(DESCRIPTION), &latest)?;
+    write_description(&rank_dir(dir, identity.rank).join("latest"), &latest)?;
+    // The rest are named by neither `latest` nor the checkpoint before it.
+    remove_where(dir, identity.rank, |k| k != done && Some(k) != latest.previous)
 }
 
-/// The checkpoint `dir` holds for this rank, after checking it belongs to this run.
-pub fn read_latest(dir: &Path, identity: &Identity) -> Result<Latest, String> {
-    let path = rank_dir(dir, identity.rank).join("latest");
+/// Makes `to`, a checkpoint this rank holds from before its latest, the latest again, and
+/// removes the newer ones: the ranks resume from `to`, and the run writes them anew.
+pub fn step_back(dir: &Path, to: &Latest) -> Result<(), String> {
+    let rank = to.identity.rank;
+    write_description(&rank_dir(dir, rank).join("latest"), to)?;
+    remove_where(dir, rank, |k| k > to.iterations_done)
+}
+
+/// Sets aside this rank's checkpoints for a run that starts afresh: `latest` goes (the data stays
+/// until this run's first checkpoint replaces it), so that no later `--resume` of this run takes
+/// an earlier run's checkpoint for its own. Returns what was set aside, in words.
+pub fn set_aside(dir: &Path, rank: usize) -> Result<Option<String>, String> {
+    let path = rank_dir(dir, rank).join("latest");
+    let Ok(text) = std::fs::read_to_string(&path) else {
+        return Ok(None);
+    };
+    let what = match serde_json::from_str::<Latest>(&text) {
+        Ok(latest) => format!("the checkpoint of iteration {}", latest.iterations_done),
+        Err(_) => format!("{}, which names no checkpoint", path.display()),
+    };
+    std::fs::remove_file(&path).map_err(|e| io("remove", &path, &e))?;
+    Ok(Some(what))
+}
+
+/// The checkpoint of this rank after `done` iterations, the one before `latest` (its description
+/// inside its folder), after checking it belongs to this run.
+pub fn read_held(dir: &Path, identity: &Identity, done: u64) -> Result<Latest, String> {
+    let path = iteration_dir(dir, identity.rank, done).join(DESCRIPTION);
     let text = std::fs::read_to_string(&path).map_err(|e| {
         format!(
-            "--resume: no checkpoint of rank {} in {} ({}: {e}); run without --resume to start afresh",
+            "--resume: rank {}'s checkpoint of iteration {done} is not whole ({}: {e})",
             identity.rank,
-            dir.display(),
             path.display()
         )
     })?;
-    let latest: Latest = serde_json::from_str(&text)
+    let held: Latest = serde_json::from_str(&text)
         .map_err(|e| format!("--resume: {} is not a checkpoint: {e}", path.display()))?;
+    check(&path, dir, held, identity)
+}
+
+fn check(path: &Path, dir: &Path, latest: Latest, identity: &Identity) -> Result<Latest, String> {
     if latest.format_version != FORMAT_VERSION {
         return Err(format!(
             "--resume: {} is checkpoint format {}, this runtime reads {FORMAT_VERSION}",
@@ -161,6 +224,22 @@ pub fn read_latest(dir: &Path, identity: &Identity) -> Result<Latest, String> {
         ));
     }
     Ok(latest)
+}
+
+/// The checkpoint `dir` holds for this rank, after checking it belongs to this run.
+pub fn read_latest(dir: &Path, identity: &Identity) -> Result<Latest, String> {
+    let path = rank_dir(dir, identity.rank).join("latest");
+    let text = std::fs::read_to_string(&path).map_err(|e| {
+        format!(
+            "--resume: no checkpoint of rank {} in {} ({}: {e}); run without --resume to start afresh",
+            identity.rank,
+            dir.display(),
+            path.display()
+        )
+    })?;
+    let latest: Latest = serde_json::from_str(&text)
+        .map_err(|e| format!("--resume: {} is not a checkpoint: {e}", path.display()))?;
+    check(&path, dir, latest, identity)
 }
 
 /// [`read_latest`] when `dir` holds a checkpoint of this rank, `None` when it holds none yet

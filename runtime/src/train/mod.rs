@@ -15,7 +15,8 @@ use tch::Kind;
 
 use crate::comm::{ProcessGroup, Store};
 use crate::config::{
-    Backend, DeviceSpec, DistConfig, P2pGroups, Precision, ReduceOptions, Resume, TrainConfig,
+    Backend, CheckpointConfig, DeviceSpec, DistConfig, P2pGroups, Precision, ReduceOptions, Resume,
+    TrainConfig,
 };
 use crate::data::{self, BatchRequest, Shard};
 use crate::host_memory;
@@ -82,28 +83,97 @@ fn rank_actions(
         .collect())
 }
 
-/// Every rank resumes from the same iteration, or none starts: each adds its `first` and its
-/// square over a group spanning them all, and `w * sum(k^2) == sum(k)^2` only when all `w` are
-/// equal (exact in float64 for any iteration count a run reaches).
-fn agree_on_resume(links: &Links, first: u64, device: tch::Device) -> anyhow::Result<()> {
+/// The iterations done of the checkpoint every rank resumes from: the newest one every rank
+/// holds (a rank stopped while checkpointing holds the others' latest but one), or 0, every rank
+/// starting afresh, when some rank holds none and `afresh` (`--resume=auto`) allows it. Each
+/// rank's holdings reach every rank as an all-gather: a sum over a group spanning them all, each
+/// rank filling its own slots (iterations + 1, exact in float64 for any count a run reaches).
+fn agree_on_resume(
+    links: &Links,
+    mine: Option<&Latest>,
+    afresh: bool,
+    device: tch::Device,
+) -> anyhow::Result<u64> {
+    let own = || mine.map_or(0, |latest| latest.iterations_done);
     let everyone = links
         .channels
         .as_ref()
         .map(Channels::everyone)
         .or(links.replicas.as_ref());
-    let Some(group) = everyone else { return Ok(()) };
-    let k = first as f64;
-    let sums = tch::Tensor::from_slice(&[1.0, k, k * k]).to_device(device);
-    group.all_reduce_sum(std::slice::from_ref(&sums))?.wait()?;
-    let sums: Vec<f64> = Vec::<f64>::try_from(sums.to_device(tch::Device::Cpu))?;
-    let (w, sum, squares) = (sums[0], sums[1], sums[2]);
-    ensure!(
-        w * squares == sum * sum,
-        "--resume: the ranks' latest checkpoints are of different iterations (this rank's: {first}); \
-         a rank was stopped while checkpointing. Start afresh, or restore each rank's checkpoint \
-         of one iteration"
-    );
-    Ok(())
+    let Some(group) = everyone else { return Ok(own()) };
+    let mut slots = vec![0f64; 2 * group.size()];
+    for (slot, k) in mine.into_iter().flat_map(Latest::held).take(2).enumerate() {
+        slots[2 * group.rank() + slot] = k as f64 + 1.0;
+    }
+    let gathered = tch::Tensor::from_slice(&slots).to_device(device);
+    group.all_reduce_sum(std::slice::from_ref(&gathered))?.wait()?;
+    let gathered: Vec<f64> = Vec::<f64>::try_from(gathered.to_device(tch::Device::Cpu))?;
+    let held: Vec<Vec<u64>> = gathered
+        .chunks(2)
+        .map(|pair| pair.iter().filter(|&&k| k > 0.0).map(|&k| k as u64 - 1).collect())
+        .collect();
+    let everyone_holds = |k: &u64| held.iter().all(|h| h.contains(k));
+    let newest = held[group.rank()].iter().copied().filter(everyone_holds).max();
+    match newest {
+        Some(k) => Ok(k),
+        None if afresh => Ok(0),
+        None => {
+            let listed: Vec<String> = held
+                .iter()
+                .zip(group.ranks())
+                .map(|(h, rank)| match h.as_slice() {
+                    [] => format!("rank {rank} none"),
+                    [k] => format!("rank {rank} {k}"),
+                    [k, previous] => format!("rank {rank} {k} and {previous}"),
+                    _ => unreachable!("two slots per rank"),
+                })
+                .collect();
+            bail!(
+                "--resume: no iteration has a checkpoint on every rank (iterations held: {}); \
+                 start afresh without --resume, or restore each rank's checkpoint of one iteration",
+                listed.join(", ")
+            )
+        }
+    }
+}
+
+/// Where the ranks resume (`--resume`): the iterations done of the checkpoint every rank
+/// agreed on ([`agree_on_resume`], 0 to start afresh) and this rank's checkpoint of them to load,
+/// after stepping back to it from a newer `latest` or setting `latest` aside.
+fn agree_and_step_back(
+    c: &CheckpointConfig,
+    links: &Links,
+    latest: Option<Latest>,
+    identity: &Identity,
+    device: tch::Device,
+) -> anyhow::Result<(u64, Option<Latest>)> {
+    let rank = identity.rank;
+    let first = agree_on_resume(links, latest.as_ref(), c.resume == Resume::IfPresent, device)?;
+    let resume_from = match latest {
+        Some(latest) if latest.iterations_done == first => Some(latest),
+        None => None,
+        Some(latest) if first == 0 => {
+            checkpoint::set_aside(&c.dir, rank).map_err(anyhow::Error::msg)?;
+            eprintln!(
+                "runtime: rank {rank}: another rank holds no checkpoint of this run, so every rank \
+                 starts afresh (--resume=auto); this rank's, of iteration {}, is set aside",
+                latest.iterations_done,
+            );
+            None
+        }
+        Some(latest) => {
+            let before = checkpoint::read_held(&c.dir, identity, first).map_err(anyhow::Error::msg)?;
+            checkpoint::step_back(&c.dir, &before).map_err(anyhow::Error::msg)?;
+            eprintln!(
+                "runtime: rank {rank}: resuming from iteration {first}, the newest checkpoint every \
+                 rank holds; this rank's of iteration {}, written while another rank's was not, is \
+                 removed",
+                latest.iterations_done
+            );
+            Some(before)
+        }
+    };
+    Ok((first, resume_from))
 }
 
 /// Rendezvous with the other ranks: the two point-to-point channels (every rank creates them in
@@ -477,12 +547,10 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
         model,
         plan,
         microbatches,
-        actions,
-        resume,
+        mut actions,
+        resume: latest,
         identity,
     } = check_plan(config)?;
-    // Iterations a resumed checkpoint had done (0 when starting afresh).
-    let first = resume.as_ref().map_or(0, |latest| latest.iterations_done);
     let micro_size = (config.batch_size / microbatches) as i64;
     let config_iterations = config.iterations;
     let my_stage = plan.stage_of_rank(dist.rank).clone();
@@ -495,23 +563,37 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
     let mut optimizer = Optimizer::new(config.optimizer, config.lr, stage.params());
     let mut scaler =
         (config.precision == Precision::Fp16).then(|| GradScaler::new(device, config.fp16_init_scale));
-    if let (Some(path), None) = (&config.init_from, &resume) {
-        let loaded = stage.init_from(path).map_err(anyhow::Error::msg)?;
-        eprintln!(
-            "runtime: rank {}: {loaded} parameters and buffers from {}",
-            dist.rank,
-            path.display()
-        );
+    let init_from = |stage: &mut Stage| -> anyhow::Result<()> {
+        if let Some(path) = &config.init_from {
+            let loaded = stage.init_from(path).map_err(anyhow::Error::msg)?;
+            eprintln!(
+                "runtime: rank {}: {loaded} parameters and buffers from {}",
+                dist.rank,
+                path.display()
+            );
+        }
+        Ok(())
+    };
+    let latest_done = latest.as_ref().map_or(0, |latest| latest.iterations_done);
+    // Without a checkpoint of its own a rank starts afresh whatever the others hold.
+    if latest.is_none() {
+        init_from(&mut stage)?;
     }
-    if let Some(latest) = &resume {
-        let dir = &config.checkpoint.as_ref().expect("resuming has a checkpoint").dir;
-        checkpoint::load(dir, latest, &mut stage, &mut optimizer, scaler.as_mut())
-            .map_err(anyhow::Error::msg)?;
+    if let Some(c) = config.checkpoint.as_ref().filter(|c| c.resume == Resume::No) {
+        // Starting afresh: an earlier run's checkpoint is no longer this run's to resume.
+        if let Some(what) = checkpoint::set_aside(&c.dir, dist.rank).map_err(anyhow::Error::msg)? {
+            eprintln!(
+                "runtime: rank {}: starting afresh (no --resume): {what} in {} is set aside, and \
+                 goes when this run writes its first",
+                dist.rank,
+                c.dir.display()
+            );
+        }
     }
     if config.checkpoint.is_some() {
         crate::signals::catch_term().map_err(anyhow::Error::msg)?;
     }
-    let data = if my_stage.id == 0 {
+    let mut data = if my_stage.id == 0 {
         // Every first-stage replica reads the same minibatches and takes its own microbatches.
         let request = BatchRequest {
             input: model.input,
@@ -520,18 +602,33 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
             shard: Shard::WHOLE,
             device,
         };
-        let mut stream = data::open(&config.data, request)?;
-        // The minibatches the resumed iterations already took.
-        for _ in 0..first {
-            drop(stream.next_batch()?);
-        }
-        Some(stream)
+        Some(data::open(&config.data, request)?)
     } else {
         None
     };
     let (links, store) = connect(dist, &plan, config.device)?;
-    if config.checkpoint.as_ref().is_some_and(|c| c.resume != Resume::No) {
-        agree_on_resume(&links, first, device)?;
+    // Iterations done of the checkpoint every rank resumes from (0 when starting afresh).
+    let mut first = 0;
+    if let Some(c) = config.checkpoint.as_ref().filter(|c| c.resume != Resume::No) {
+        let resume_from;
+        (first, resume_from) = agree_and_step_back(c, &links, latest, &identity, device)?;
+        match &resume_from {
+            Some(from) => checkpoint::load(&c.dir, from, &mut stage, &mut optimizer, scaler.as_mut())
+                .map_err(anyhow::Error::msg)?,
+            // Another rank held none: this one starts afresh too.
+            None if latest_done > 0 => init_from(&mut stage)?,
+            None => {}
+        }
+        if first != latest_done {
+            let segment = c.every;
+            actions = rank_actions(&plan, dist, microbatches, config.iterations, first, segment)?;
+        }
+    }
+    if let Some(stream) = &mut data {
+        // The minibatches the resumed iterations already took.
+        for _ in 0..first {
+            drop(stream.next_batch()?);
+        }
     }
     let reducer = links
         .replicas
@@ -596,6 +693,7 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
             config,
             identity: identity.clone(),
             total: config_iterations,
+            kept: (first > 0).then_some(first),
         }),
         compress_activations: dist.compress_activations,
         sparse: dist.sparse,

@@ -186,6 +186,9 @@ pub struct Checkpointing {
     pub identity: Identity,
     /// The run's iterations.
     pub total: u64,
+    /// The iterations done of this run's last checkpoint (written, or resumed from), which the
+    /// next keeps beside it.
+    pub kept: Option<u64>,
 }
 
 /// Mutable state while the action list runs.
@@ -641,7 +644,7 @@ impl Executor {
                         // a driver that restarts the ranks resumes only from checkpoints it saw
                         // written whole.
                         let done = iteration as u64 + 1;
-                        let (checkpointed, stop) = match &self.checkpoint {
+                        let (checkpointed, stop) = match &mut self.checkpoint {
                             Some(c) => {
                                 let due = c.config.due(done, c.total);
                                 let stop = stopping && (drains_every_iteration || due);
@@ -650,11 +653,13 @@ impl Executor {
                                         &c.config.dir,
                                         &c.identity,
                                         done,
+                                        c.kept,
                                         &self.stage,
                                         &self.optimizer,
                                         self.scaler.as_ref(),
                                     )
                                     .map_err(anyhow::Error::msg)?;
+                                    c.kept = Some(done);
                                 }
                                 (stop || due, stop && done < c.total)
                             }
