@@ -28,6 +28,35 @@ fn strs(args: &[String]) -> Vec<&str> {
     args.iter().map(String::as_str).collect()
 }
 
+/// Two stages of three modules, one rank each.
+const PIPELINE: &str = r#"{"module_to_stage_map": [0,0,0,1,1,1], "stage_to_rank_map": {"0": [0], "1": [1]}}"#;
+/// The same with the first stage replicated on two ranks.
+const HYBRID: &str =
+    r#"{"module_to_stage_map": [0,0,0,1,1,1], "stage_to_rank_map": {"0": [0, 1], "1": [2]}}"#;
+
+/// A test's scratch folder holding the stage config `map`, and the paths of what its runs write.
+struct Scratch {
+    dir: tempfile::TempDir,
+}
+
+impl Scratch {
+    fn new(map: &str) -> Scratch {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("stages.json"), map).unwrap();
+        Scratch { dir }
+    }
+
+    /// `name` in the folder.
+    fn path(&self, name: &str) -> std::path::PathBuf {
+        self.dir.path().join(name)
+    }
+
+    /// `name` in the folder, as an argument.
+    fn arg(&self, name: &str) -> String {
+        self.path(name).to_str().unwrap().to_string()
+    }
+}
+
 /// The iterations of the checkpoint folders rank `rank` holds, ascending.
 fn held(ckpt: &Path, rank: usize) -> Vec<u64> {
     let mut held: Vec<u64> = std::fs::read_dir(ckpt.join(format!("rank-{rank}")))
@@ -113,29 +142,9 @@ fn a_resumed_run_continues_exactly_where_the_checkpoint_left_it() {
 
 #[test]
 fn a_pipeline_and_a_hybrid_resume_exactly_on_every_rank() {
-    for (name, world, map) in [
-        (
-            "pipeline",
-            2,
-            r#"{"module_to_stage_map": [0,0,0,1,1,1], "stage_to_rank_map": {"0": [0], "1": [1]}}"#,
-        ),
-        (
-            "hybrid",
-            3,
-            r#"{"module_to_stage_map": [0,0,0,1,1,1], "stage_to_rank_map": {"0": [0, 1], "1": [2]}}"#,
-        ),
-    ] {
-        let tmp = tempfile::tempdir().unwrap();
-        let config = tmp.path().join("stages.json");
-        std::fs::write(&config, map).unwrap();
-        let (whole, resumed) = (tmp.path().join("whole"), tmp.path().join("resumed"));
-        let ckpt = tmp.path().join("ckpt");
-        let (w, r, c, s) = (
-            whole.to_str().unwrap(),
-            resumed.to_str().unwrap(),
-            ckpt.to_str().unwrap(),
-            config.to_str().unwrap(),
-        );
+    for (name, world, map) in [("pipeline", 2, PIPELINE), ("hybrid", 3, HYBRID)] {
+        let scratch = Scratch::new(map);
+        let [w, r, c, s] = &["whole", "resumed", "ckpt", "stages.json"].map(|name| scratch.arg(name));
         let pipeline = ["--stage-config", s, "--schedule", "1f1b", "--microbatches", "4"];
         let last = |runs: &[Run]| -> Vec<f64> {
             for run in runs {
@@ -171,7 +180,7 @@ fn a_pipeline_and_a_hybrid_resume_exactly_on_every_rank() {
             LIMIT,
         );
         assert_eq!(last(&second), never_stopped[4..], "{name}");
-        assert_same_params(&whole, &resumed, "resumed");
+        assert_same_params(&scratch.path("whole"), &scratch.path("resumed"), "resumed");
     }
 }
 
@@ -195,21 +204,9 @@ fn killed_while_writing_4(rank_dir: &Path) {
 /// with what each holds.
 #[test]
 fn ranks_a_checkpoint_apart_resume_from_the_newest_iteration_all_of_them_hold() {
-    let tmp = tempfile::tempdir().unwrap();
-    let config = tmp.path().join("stages.json");
-    std::fs::write(
-        &config,
-        r#"{"module_to_stage_map": [0,0,0,1,1,1], "stage_to_rank_map": {"0": [0], "1": [1]}}"#,
-    )
-    .unwrap();
-    let (whole, resumed) = (tmp.path().join("whole"), tmp.path().join("resumed"));
-    let ckpt = tmp.path().join("ckpt");
-    let (w, r, c, s) = (
-        whole.to_str().unwrap(),
-        resumed.to_str().unwrap(),
-        ckpt.to_str().unwrap(),
-        config.to_str().unwrap(),
-    );
+    let scratch = Scratch::new(PIPELINE);
+    let [whole, resumed, ckpt] = ["whole", "resumed", "ckpt"].map(|name| scratch.path(name));
+    let [w, r, c, s] = &["whole", "resumed", "ckpt", "stages.json"].map(|name| scratch.arg(name));
     let pipeline = ["--stage-config", s, "--schedule", "1f1b", "--microbatches", "4"];
     let ranks = |iterations: &str, extra: &[&str]| -> Vec<Run> {
         run_ranks(
@@ -242,7 +239,7 @@ fn ranks_a_checkpoint_apart_resume_from_the_newest_iteration_all_of_them_hold() 
     // Nothing in common: rank 0 holds 4 and 6, rank 1 only 2 (and, written before two were
     // kept, names no previous one).
     std::fs::remove_dir_all(ckpt.join("rank-1")).unwrap();
-    let only_2 = tmp.path().join("only-2");
+    let only_2 = scratch.path("only-2");
     let c2 = only_2.to_str().unwrap();
     ok(&ranks("2", &["--checkpoint-dir", c2]));
     std::fs::rename(only_2.join("rank-1"), ckpt.join("rank-1")).unwrap();
@@ -428,24 +425,9 @@ fn latest_iteration(ckpt: &Path, rank: usize) -> u64 {
 #[test]
 fn sigterm_to_one_rank_checkpoints_every_rank_at_one_iteration_and_resumes_exactly() {
     use std::io::BufRead;
-    let tmp = tempfile::tempdir().unwrap();
-    let config = tmp.path().join("stages.json");
-    std::fs::write(
-        &config,
-        r#"{"module_to_stage_map": [0,0,0,1,1,1], "stage_to_rank_map": {"0": [0], "1": [1]}}"#,
-    )
-    .unwrap();
-    let (whole, resumed, ckpt) = (
-        tmp.path().join("whole"),
-        tmp.path().join("resumed"),
-        tmp.path().join("ckpt"),
-    );
-    let (w, r, c, s) = (
-        whole.to_str().unwrap(),
-        resumed.to_str().unwrap(),
-        ckpt.to_str().unwrap(),
-        config.to_str().unwrap(),
-    );
+    let scratch = Scratch::new(PIPELINE);
+    let [whole, resumed, ckpt] = ["whole", "resumed", "ckpt"].map(|name| scratch.path(name));
+    let [w, r, c, s] = &["whole", "resumed", "ckpt", "stages.json"].map(|name| scratch.arg(name));
     let pipeline = ["--stage-config", s, "--schedule", "1f1b", "--microbatches", "4"];
     // A run far longer than the test: it ends only by the signal.
     let port = crate::util::free_port().to_string();
@@ -552,30 +534,10 @@ fn pipedreams_pipeline_checkpoints_between_drained_segments_and_resumes_exactly(
     // With checkpoints PipeDream's stream is cut every --checkpoint-every iterations and drained
     // there, so a checkpoint holds no microbatch in flight and no stashed weights; a run that is
     // stopped and resumed replays the same segments as one that is not.
-    for (name, world, map) in [
-        (
-            "pipeline",
-            2,
-            r#"{"module_to_stage_map": [0,0,0,1,1,1], "stage_to_rank_map": {"0": [0], "1": [1]}}"#,
-        ),
-        (
-            "hybrid",
-            3,
-            r#"{"module_to_stage_map": [0,0,0,1,1,1], "stage_to_rank_map": {"0": [0, 1], "1": [2]}}"#,
-        ),
-    ] {
-        let tmp = tempfile::tempdir().unwrap();
-        let config = tmp.path().join("stages.json");
-        std::fs::write(&config, map).unwrap();
-        let (whole, resumed) = (tmp.path().join("whole"), tmp.path().join("resumed"));
-        let (ckpt_a, ckpt_b) = (tmp.path().join("a"), tmp.path().join("b"));
-        let (w, r, a, b, s) = (
-            whole.to_str().unwrap(),
-            resumed.to_str().unwrap(),
-            ckpt_a.to_str().unwrap(),
-            ckpt_b.to_str().unwrap(),
-            config.to_str().unwrap(),
-        );
+    for (name, world, map) in [("pipeline", 2, PIPELINE), ("hybrid", 3, HYBRID)] {
+        let scratch = Scratch::new(map);
+        let [whole, resumed] = ["whole", "resumed"].map(|name| scratch.path(name));
+        let [w, r, a, b, s] = &["whole", "resumed", "a", "b", "stages.json"].map(|name| scratch.arg(name));
         let pipeline = [
             "--stage-config",
             s,
