@@ -520,8 +520,8 @@ async fn run_with_restarts(
         }
         match restart::decide(
             &cause,
-            restarts,
-            plan.max_restarts,
+            (restarts, plan.max_restarts),
+            plan.world_size(),
             &ranks.progress,
             previous.as_ref(),
         ) {

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use crate::util::experiments::{wait_for_a_checkpoint_of_rank_1, KILLABLE_AFTER_A_CHECKPOINT};
+use crate::util::experiments::{wait_for_a_checkpoint_of_both_ranks, KILLABLE_AFTER_A_CHECKPOINT};
 use crate::util::{
     assert_rank_0_killed_for_memory, interrupt, kill_hard, runtime, wait_for_record, wait_with_deadline,
     workspace, Harness,
@@ -273,7 +273,7 @@ fn a_killed_task_restarts_as_a_new_job_from_its_checkpoint() {
     std::fs::write(&config, format!("{text}{KILLABLE_AFTER_A_CHECKPOINT}")).unwrap();
     let child = h.spawn_with_env(&config, &[], &slurm_env());
     let record = wait_for_record(&h.records(), Duration::from_secs(60));
-    wait_for_a_checkpoint_of_rank_1(&record, Duration::from_secs(180));
+    wait_for_a_checkpoint_of_both_ranks(&record, Duration::from_secs(180));
     let first_job = h.summary().1["slurm_job"]["job_id"]
         .as_u64()
         .expect("the first job");

@@ -1,11 +1,11 @@
 //! Starting the ranks again after a failure (`max_restarts`, as torchrun's `--max-restarts`):
-//! which failures are worth another start, and where the next start begins. A run that wrote a
-//! checkpoint resumes (`--resume=auto`) from the newest iteration every rank holds a checkpoint
-//! of, which the ranks agree on (a rank stopped while checkpointing holds one fewer than the
-//! others; one stopped while writing its first holds none, and then every rank starts afresh); a
-//! run that wrote none starts as it first did, with the experiment's own `resume:` setting, so a
-//! checkpoint left in the folder by an earlier run is never taken for this one's (a run started
-//! afresh sets those aside).
+//! which failures are worth another start, and where the next start begins. A run in which every
+//! rank wrote a checkpoint resumes (`--resume=auto`) from the newest iteration every rank holds
+//! one of, which the ranks agree on among themselves too (a rank stopped while checkpointing is
+//! one behind the others, who keep the one before their latest); a run in which some rank wrote
+//! none starts as it first did, with the experiment's own `resume:` setting, so a checkpoint left
+//! in the folder by an earlier run is never taken for this one's (a run started afresh sets those
+//! aside).
 
 use std::collections::BTreeMap;
 
@@ -16,12 +16,12 @@ use crate::events::{Event, StopCause};
 const REFUSED: i64 = 2;
 
 /// How far the ranks said they got in this run, over every start of the ranks: the checkpoints
-/// they wrote whole (`checkpointed` on their iteration lines, printed only once the checkpoint is
-/// on disk) and the iterations each finished.
+/// each wrote whole (`checkpointed` on its iteration lines, printed only once the checkpoint is on
+/// disk) and the iterations each finished.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Progress {
-    /// The most iterations done of any checkpoint a rank said it wrote.
-    latest: Option<u64>,
+    /// The most iterations done of a checkpoint each rank said it wrote.
+    checkpointed: BTreeMap<usize, u64>,
     /// The most iterations done each rank reported.
     furthest: BTreeMap<usize, u64>,
 }
@@ -32,18 +32,26 @@ impl Progress {
         if let Event::Metrics { event, .. } = event {
             if let stagehand_contract::Event::Iteration(it) = event.as_ref() {
                 let done = it.iteration + 1;
-                let furthest = self.furthest.entry(it.rank).or_default();
-                *furthest = (*furthest).max(done);
+                let most = |map: &mut BTreeMap<usize, u64>| {
+                    let most = map.entry(it.rank).or_default();
+                    *most = (*most).max(done);
+                };
+                most(&mut self.furthest);
                 if it.checkpointed {
-                    self.latest = self.latest.max(Some(done));
+                    most(&mut self.checkpointed);
                 }
             }
         }
     }
 
-    /// The iterations done of the latest checkpoint a rank wrote in this run, if any did.
-    pub fn latest(&self) -> Option<u64> {
-        self.latest
+    /// The iterations done of the checkpoint the runtime's `world_size` ranks resume from, as
+    /// they agree on it: the newest every rank holds, which is the oldest of the ranks' latest
+    /// (each keeps the one before its latest, and a rank is at most one checkpoint behind the
+    /// others). `None` while some rank has written none in this run: they start as first started.
+    pub fn resume_from(&self, world_size: usize) -> Option<u64> {
+        (self.checkpointed.len() == world_size)
+            .then(|| self.checkpointed.values().copied().min())
+            .flatten()
     }
 
     /// The most iterations `rank` finished in this run (0 before it finished one).
@@ -78,22 +86,21 @@ impl Failure {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Decision {
     /// Start the ranks again; `resume_from` the iterations done of the checkpoint the ranks
-    /// resume from (the latest the driver saw written; the runtime takes each rank's latest on
-    /// disk), `None` when they start as they first did.
+    /// resume from ([`Progress::resume_from`]), `None` when they start as they first did.
     Restart { resume_from: Option<u64> },
     /// End the run; `why` says why a run allowed restarts does not get one (`None` when
     /// restarts were not asked for, or are used up).
     Stop { why: Option<String> },
 }
 
-/// Whether ranks stopped for `cause` start again, after `done` restarts of at most `max`, the
-/// last of them after `previous`. A rank that fails as it did before (the same rank, exit code
+/// Whether the `world_size` ranks stopped for `cause` start again, after `done` restarts of at
+/// most `max`, the last of them after `previous`. A rank that fails as it did before (the same rank, exit code
 /// and kill for memory) having got no further than then fails where it will fail again: a
 /// deterministic failure (a bug, a batch too large for the memory) uses one restart, not all.
 pub fn decide(
     cause: &StopCause,
-    done: u32,
-    max: u32,
+    (done, max): (u32, u32),
+    world_size: usize,
     progress: &Progress,
     previous: Option<&Failure>,
 ) -> Decision {
@@ -117,7 +124,7 @@ pub fn decide(
         }
         StopCause::RankFailed { .. } | StopCause::HostLost { .. } | StopCause::SlurmJob { .. } => {
             Decision::Restart {
-                resume_from: progress.latest(),
+                resume_from: progress.resume_from(world_size),
             }
         }
         StopCause::Interrupted => Decision::Stop { why: None },
@@ -156,32 +163,37 @@ mod tests {
         }
     }
 
+    /// The ranks resume from the newest checkpoint every one of them holds: the oldest of their
+    /// latest (a rank killed while writing one is a checkpoint behind), and none while a rank has
+    /// written none.
     #[test]
-    fn the_latest_checkpoint_is_the_one_written_last_on_any_rank() {
+    fn the_ranks_resume_from_the_oldest_of_their_latest_checkpoints() {
         let mut seen = Progress::default();
         for event in [iteration(0, 0, false), iteration(1, 0, false)] {
             seen.saw(&event);
         }
-        assert_eq!(seen.latest(), None, "no line said checkpointed");
-        for event in [
-            iteration(0, 3, true),
-            iteration(1, 3, true),
-            iteration(0, 7, true),
-        ] {
+        assert_eq!(seen.resume_from(2), None, "no line said checkpointed");
+        seen.saw(&iteration(0, 3, true));
+        assert_eq!(seen.resume_from(2), None, "rank 1 holds none");
+        assert_eq!(seen.resume_from(1), Some(4), "alone, rank 0 resumes its own");
+        for event in [iteration(1, 3, true), iteration(0, 7, true)] {
             seen.saw(&event);
         }
-        assert_eq!(seen.latest(), Some(8));
+        assert_eq!(seen.resume_from(2), Some(4), "rank 1 was killed writing 8");
+        seen.saw(&iteration(1, 7, true));
+        assert_eq!(seen.resume_from(2), Some(8));
         // A later start that resumed from an earlier checkpoint does not move it back.
         seen.saw(&iteration(1, 3, true));
-        assert_eq!(seen.latest(), Some(8));
+        assert_eq!(seen.resume_from(2), Some(8));
     }
 
     #[test]
     fn a_failed_rank_restarts_from_the_latest_checkpoint_or_as_first_started() {
         let mut seen = Progress::default();
-        let restart = |seen: &Progress| decide(&failed(Some(137)), 0, 1, seen, None);
+        let restart = |seen: &Progress| decide(&failed(Some(137)), (0, 1), 2, seen, None);
         assert_eq!(restart(&seen), Decision::Restart { resume_from: None });
         seen.saw(&iteration(0, 3, true));
+        seen.saw(&iteration(1, 3, true));
         assert_eq!(restart(&seen), Decision::Restart { resume_from: Some(4) });
         for cause in [
             failed(None),
@@ -195,7 +207,7 @@ mod tests {
             },
         ] {
             assert!(
-                matches!(decide(&cause, 0, 1, &seen, None), Decision::Restart { .. }),
+                matches!(decide(&cause, (0, 1), 2, &seen, None), Decision::Restart { .. }),
                 "{cause:?}"
             );
         }
@@ -205,18 +217,18 @@ mod tests {
     fn restarts_stop_when_used_up_interrupted_or_refused() {
         let seen = Progress::default();
         assert_eq!(
-            decide(&failed(Some(1)), 0, 0, &seen, None),
+            decide(&failed(Some(1)), (0, 0), 2, &seen, None),
             Decision::Stop { why: None }
         );
         assert_eq!(
-            decide(&failed(Some(1)), 2, 2, &seen, None),
+            decide(&failed(Some(1)), (2, 2), 2, &seen, None),
             Decision::Stop { why: None }
         );
         assert_eq!(
-            decide(&StopCause::Interrupted, 0, 3, &seen, None),
+            decide(&StopCause::Interrupted, (0, 3), 2, &seen, None),
             Decision::Stop { why: None }
         );
-        let Decision::Stop { why: Some(why) } = decide(&failed(Some(2)), 0, 3, &seen, None) else {
+        let Decision::Stop { why: Some(why) } = decide(&failed(Some(2)), (0, 3), 2, &seen, None) else {
             panic!("a refusal is not restarted");
         };
         assert!(why.contains("exit code 2"), "{why}");
@@ -232,19 +244,20 @@ mod tests {
         // getting further does not count.
         seen.saw(&iteration(1, 2, false));
         seen.saw(&iteration(0, 7, false));
-        let Decision::Stop { why: Some(why) } = decide(&failed(Some(1)), 1, 3, &seen, Some(&before)) else {
+        let Decision::Stop { why: Some(why) } = decide(&failed(Some(1)), (1, 3), 2, &seen, Some(&before))
+        else {
             panic!("the same failure, no further: not restarted");
         };
         assert!(why.contains("rank 1 on localhost failed as it did"), "{why}");
         assert!(why.contains("(5 iteration(s) done)"), "{why}");
         // Another exit code, or the same one further on, is worth another start.
         assert!(matches!(
-            decide(&failed(Some(137)), 1, 3, &seen, Some(&before)),
+            decide(&failed(Some(137)), (1, 3), 2, &seen, Some(&before)),
             Decision::Restart { .. }
         ));
         seen.saw(&iteration(1, 5, false));
         assert!(matches!(
-            decide(&failed(Some(1)), 1, 3, &seen, Some(&before)),
+            decide(&failed(Some(1)), (1, 3), 2, &seen, Some(&before)),
             Decision::Restart { .. }
         ));
         // A host lost twice is not a rank's failure: it may be back for good.
@@ -254,7 +267,7 @@ mod tests {
         };
         let before = Failure::new(&lost, &seen);
         assert!(matches!(
-            decide(&lost, 1, 3, &seen, Some(&before)),
+            decide(&lost, (1, 3), 2, &seen, Some(&before)),
             Decision::Restart { .. }
         ));
     }

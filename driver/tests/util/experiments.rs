@@ -343,18 +343,22 @@ pub fn losses(record: &Path) -> BTreeMap<u64, f64> {
 pub const KILLABLE_AFTER_A_CHECKPOINT: &str =
     "checkpoint_dir: ckpt\ncheckpoint_every: 5\nmax_restarts: 1\nslowdown: [{rank: 1, factor: 40}]\n";
 
-/// Waits until rank 1 of the run recorded in `record` says it wrote a checkpoint.
-pub fn wait_for_a_checkpoint_of_rank_1(record: &Path, limit: Duration) {
+/// Waits until both ranks of the run recorded in `record` say they wrote a checkpoint (a
+/// restart resumes from the checkpoint every rank holds).
+pub fn wait_for_a_checkpoint_of_both_ranks(record: &Path, limit: Duration) {
     wait_until(limit, || {
-        lines(&record.join("metrics.jsonl"))
-            .iter()
-            .any(|l| l.contains(r#""rank":1"#) && l.contains(r#""checkpointed":true"#))
-            .then_some(())
+        let lines = lines(&record.join("metrics.jsonl"));
+        let wrote = |rank: &str| {
+            lines
+                .iter()
+                .any(|l| l.contains(rank) && l.contains(r#""checkpointed":true"#))
+        };
+        (wrote(r#""rank":0"#) && wrote(r#""rank":1"#)).then_some(())
     });
 }
 
 /// A two-stage pipeline with `max_restarts: 1` whose rank 1 is killed (by `kill`, given the
-/// rank's handle in the record) once it has written a checkpoint: the driver stops rank 0,
+/// rank's handle in the record) once both have written a checkpoint: the driver stops rank 0,
 /// starts both again from their checkpoints, and the run succeeds with every iteration's loss
 /// what a run never stopped gives, to the bit (the runtime's resume is exact). The record keeps
 /// the failure under `restarts` and both starts' lines.
@@ -385,7 +389,7 @@ pub fn a_killed_rank_restarts_from_its_checkpoint(h: &Harness, backend: &str, ki
             .map(|e| e.unwrap().path())
             .find(|p| *p != reference)
     });
-    wait_for_a_checkpoint_of_rank_1(&record, Duration::from_secs(120));
+    wait_for_a_checkpoint_of_both_ranks(&record, Duration::from_secs(120));
     let summary = json(&record.join("summary.json"));
     let handle = summary["ranks"][1]["handle"]
         .as_str()
