@@ -6,7 +6,7 @@
 //!
 //! Two generations stay: ranks checkpoint one after another, so a rank stopped while writing
 //! `iter-K` may leave the others' `latest` at `K` and its own at the one before. Resuming takes
-//! the newest iteration every rank holds ([`held`], agreed on over the ranks), and a rank a
+//! the newest iteration every rank holds ([`Latest::held`], agreed on over the ranks), and a rank a
 //! generation ahead steps back to it ([`step_back`]).
 //!
 //! Resuming loads them, skips the `K` minibatches the data stream already gave, and runs
