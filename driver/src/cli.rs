@@ -1,5 +1,5 @@
-//! The command line: clap types live here and nowhere else. [`Cli::into_options`] turns them into
-//! the validated [`Options`] the rest of the driver reads.
+//! The command line: clap types live here and nowhere else. [`Cli::into_task`] turns them into
+//! the validated [`Task`] (its [`Options`]) the rest of the driver reads.
 
 use std::path::PathBuf;
 

@@ -2,7 +2,7 @@
 //! `vgg16_bn`: parameters `features.N.*` and `classifier.N.*` with torchvision's indices, so
 //! counts and weights line up (138,357,544 parameters with 1000 classes).
 //!
-//! Modules: one per convolution (conv, [bn,] ReLU), one per max-pool, `avgpool` (adaptive 7x7 and
+//! Modules: one per convolution (conv, \[bn,\] ReLU), one per max-pool, `avgpool` (adaptive 7x7 and
 //! flatten), then `classifier.0`, `classifier.3`, `classifier.6`.
 //!
 //! Initialised as torchvision's `VGG.__init__`: convolutions Kaiming normal (fan-out, ReLU) with
