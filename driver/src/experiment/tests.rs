@@ -1073,8 +1073,9 @@ fn pipedreams_container_is_the_base_the_runtime_image_is_built_on() {
 }
 
 /// A restart that resumes gives every rank `--resume=auto` (from the newest checkpoint every rank
-/// holds, afresh if a rank holds none) in place of the file's own setting, once; one that does not keeps the ranks' commands as they were.
-/// `--max-restarts` overrides the file's `max_restarts`.
+/// holds, afresh if a rank holds none) in place of the file's own setting, once; one that does
+/// not keeps the ranks' commands as they were. `--max-restarts` overrides the file's
+/// `max_restarts`.
 #[test]
 fn a_restart_resumes_every_rank_from_its_checkpoint_and_the_flag_overrides_the_file() {
     let dir = tempfile::tempdir().unwrap();

@@ -94,9 +94,10 @@ pub enum Decision {
 }
 
 /// Whether the `world_size` ranks stopped for `cause` start again, after `done` restarts of at
-/// most `max`, the last of them after `previous`. A rank that fails as it did before (the same rank, exit code
-/// and kill for memory) having got no further than then fails where it will fail again: a
-/// deterministic failure (a bug, a batch too large for the memory) uses one restart, not all.
+/// most `max`, the last of them after `previous`. A rank that fails as it did before (the same
+/// rank, exit code and kill for memory) having got no further than then fails where it will fail
+/// again: a deterministic failure (a bug, a batch too large for the memory) uses one restart, not
+/// all.
 pub fn decide(
     cause: &StopCause,
     (done, max): (u32, u32),

@@ -10,9 +10,9 @@ use tch::{Kind, Tensor};
 use super::route::Transfer;
 use crate::comm::{CommError, ProcessGroup, Work};
 
-/// The groups point-to-point messages travel on ([`P2pGroups`](crate::config::P2pGroups)): one per direction over every
-/// rank, or one per pair of neighbouring ranks and direction. Either way, between two ranks each
-/// group carries messages one way, so NCCL, which pairs a send with a receive by issue order,
+/// The groups point-to-point messages travel on ([`P2pGroups`](crate::config::P2pGroups)): one
+/// per direction over every rank, or one per pair of neighbouring ranks and direction. Either way,
+/// between two ranks each group carries messages one way, so NCCL, which pairs a send with a receive by issue order,
 /// pairs them as the tags say (route.rs has the argument), and with pairs no operation waits
 /// behind another peer's.
 pub struct Channels {

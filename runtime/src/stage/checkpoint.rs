@@ -203,12 +203,13 @@ pub fn read_held(dir: &Path, identity: &Identity, done: u64) -> Result<Latest, S
             path.display()
         )
     })?;
-    let held: Latest = serde_json::from_str(&text)
-        .map_err(|e| format!("--resume: {} is not a checkpoint: {e}", path.display()))?;
-    check(&path, dir, held, identity)
+    parse(&path, &text, dir, identity)
 }
 
-fn check(path: &Path, dir: &Path, latest: Latest, identity: &Identity) -> Result<Latest, String> {
+/// The checkpoint description `text` read from `path`, after checking it belongs to this run.
+fn parse(path: &Path, text: &str, dir: &Path, identity: &Identity) -> Result<Latest, String> {
+    let latest: Latest = serde_json::from_str(text)
+        .map_err(|e| format!("--resume: {} is not a checkpoint: {e}", path.display()))?;
     if latest.format_version != FORMAT_VERSION {
         return Err(format!(
             "--resume: {} is checkpoint format {}, this runtime reads {FORMAT_VERSION}",
@@ -237,9 +238,7 @@ pub fn read_latest(dir: &Path, identity: &Identity) -> Result<Latest, String> {
             path.display()
         )
     })?;
-    let latest: Latest = serde_json::from_str(&text)
-        .map_err(|e| format!("--resume: {} is not a checkpoint: {e}", path.display()))?;
-    check(&path, dir, latest, identity)
+    parse(&path, &text, dir, identity)
 }
 
 /// [`read_latest`] when `dir` holds a checkpoint of this rank, `None` when it holds none yet

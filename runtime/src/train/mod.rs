@@ -94,13 +94,14 @@ fn agree_on_resume(
     afresh: bool,
     device: tch::Device,
 ) -> anyhow::Result<u64> {
-    let own = || mine.map_or(0, |latest| latest.iterations_done);
     let everyone = links
         .channels
         .as_ref()
         .map(Channels::everyone)
         .or(links.replicas.as_ref());
-    let Some(group) = everyone else { return Ok(own()) };
+    let Some(group) = everyone else {
+        return Ok(mine.map_or(0, |latest| latest.iterations_done));
+    };
     let mut slots = vec![0f64; 2 * group.size()];
     for (slot, k) in mine.into_iter().flat_map(Latest::held).take(2).enumerate() {
         slots[2 * group.rank() + slot] = k as f64 + 1.0;
