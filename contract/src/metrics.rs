@@ -58,6 +58,12 @@ pub struct RunConfig {
     pub seed: u64,
     /// Data source, as given to `--data`.
     pub data: String,
+    /// An image folder's transform (`--augment`): `crop-flip` or `none`; absent for other data.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub augment: Option<String>,
+    /// Threads decoding an image folder's images (`--data-workers`); absent for other data.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data_workers: Option<usize>,
     /// `cpu`, `cuda` or `cuda:N`.
     pub device: String,
     /// Intra-op threads used by libtorch.

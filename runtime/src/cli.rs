@@ -13,7 +13,7 @@ use crate::config::{
     ModulesConfig, OptimizerKind, P2pConfig, P2pGroups, PartialOptions, Precision, ProfileConfig,
     ReachConfig, ReduceOptions, Resume, TrainConfig, DEFAULT_FP16_INIT_SCALE,
 };
-use crate::data::DataSpec;
+use crate::data::{Augment, DataSpec};
 use crate::host_memory;
 use crate::lr::{LrPolicy, LrSchedule};
 use crate::schedule::Schedule;
@@ -248,6 +248,15 @@ struct TrainArgs {
     /// images per class), or a DIR whose format is recognised.
     #[arg(long, default_value = "synthetic")]
     data: String,
+    /// How an image folder's images are transformed: crop-flip (torchvision's
+    /// RandomResizedCrop and RandomHorizontalFlip, as ImageNet training and PipeDream do) or none
+    /// (Resize and CenterCrop, the same each epoch) [default: crop-flip].
+    #[arg(long, value_enum)]
+    augment: Option<Augment>,
+    /// Threads decoding an image folder's images, as DataLoader's num_workers [default: 4, or
+    /// the CPUs this process may use if fewer].
+    #[arg(long, value_name = "N")]
+    data_workers: Option<usize>,
     /// Device: cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
     device: String,
@@ -624,6 +633,7 @@ impl TrainArgs {
     fn into_config(self) -> Result<TrainConfig, ConfigError> {
         let optimizer = self.optimizer_kind()?;
         let data = DataSpec::parse(&self.data)?;
+        let (augment, data_workers) = self.image_loading(&data)?;
         let batch_size = positive("--batch-size", self.batch_size)?;
         let (iterations, lr_schedule) = self.lr_schedule(&data, batch_size)?;
         let devices = self.devices()?;
@@ -742,6 +752,8 @@ impl TrainArgs {
             optimizer,
             seed: self.seed,
             data,
+            augment,
+            data_workers,
             device,
             devices,
             init_from: self.init_from,
@@ -789,6 +801,30 @@ impl TrainArgs {
 
     /// The run's iterations and learning rate per iteration. An epoch's length is read only when
     /// something needs it: --epochs, a policy other than constant, or a warm-up.
+    /// `--augment` and `--data-workers`, which only an image folder reads.
+    fn image_loading(&self, data: &DataSpec) -> Result<(Augment, usize), ConfigError> {
+        if !matches!(data, DataSpec::ImageFolder(_)) {
+            let given = [
+                ("--augment", self.augment.is_some()),
+                ("--data-workers", self.data_workers.is_some()),
+            ];
+            if let Some((flag, _)) = given.into_iter().find(|(_, given)| *given) {
+                return Err(ConfigError::Invalid {
+                    flag,
+                    reason: format!(
+                        "only an image folder's images are decoded and transformed; {data} has \
+                         none to load: drop {flag}"
+                    ),
+                });
+            }
+        }
+        let workers = match self.data_workers {
+            Some(n) => positive("--data-workers", n)?,
+            None => DEFAULT_DATA_WORKERS.min(std::thread::available_parallelism().map_or(1, |n| n.get())),
+        };
+        Ok((self.augment.unwrap_or_default(), workers))
+    }
+
     fn lr_schedule(&self, data: &DataSpec, batch_size: usize) -> Result<(u64, LrSchedule), ConfigError> {
         let invalid = |flag, reason: String| ConfigError::Invalid { flag, reason };
         let policy = match self.lr_policy {
@@ -892,6 +928,8 @@ struct Place {
 
 /// The rendezvous port when neither --master-port nor MASTER_PORT gives one (torchrun's).
 const DEFAULT_MASTER_PORT: u16 = 29500;
+/// Image decoding threads without `--data-workers`: PipeDream's `--workers` default.
+const DEFAULT_DATA_WORKERS: usize = 4;
 
 impl DistArgs {
     /// The rank's place; `var` reads the environment (Slurm's, with `--launcher slurm`).

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use stagehand_contract::{RunConfig, StageConfig};
 
-use crate::data::{DataError, DataSpec};
+use crate::data::{Augment, DataError, DataSpec};
 use crate::host_memory;
 use crate::lr::LrSchedule;
 use crate::models::{ModelOptions, MODEL_NAMES};
@@ -276,6 +276,10 @@ pub struct TrainConfig {
     pub optimizer: OptimizerKind,
     pub seed: u64,
     pub data: DataSpec,
+    /// An image folder's transform.
+    pub augment: Augment,
+    /// Threads decoding an image folder's images.
+    pub data_workers: usize,
     /// The first of `devices`: where the data and the process groups are.
     pub device: DeviceSpec,
     /// The devices this rank's stage spans (`--devices`), `device` first; one for most runs.
@@ -427,6 +431,11 @@ pub struct PartialOptions {
 }
 
 impl TrainConfig {
+    /// Whether the data is an image folder, which `augment` and `data_workers` are for.
+    fn image_folder(&self) -> bool {
+        matches!(self.data, DataSpec::ImageFolder(_))
+    }
+
     /// The configuration as the `start` event reports it.
     pub fn to_run_config(
         &self,
@@ -443,6 +452,8 @@ impl TrainConfig {
             optimizer: self.optimizer.name().into(),
             seed: self.seed,
             data: self.data.to_string(),
+            augment: self.image_folder().then(|| self.augment.as_arg().to_string()),
+            data_workers: self.image_folder().then_some(self.data_workers),
             device: self.device.to_string(),
             threads,
             schedule: if stages > 1 {

@@ -101,6 +101,14 @@ extern "C" {
     pub fn sh_pg_barrier(pg: *mut RawGroup, out: *mut *mut RawWork) -> *mut c_char;
     pub fn sh_work_wait(work: *mut RawWork, timeout_ms: i64) -> *mut c_char;
     pub fn sh_work_free(work: *mut RawWork);
+    fn sh_keep_this_thread_serial();
+}
+
+/// Runs every ATen operator this thread calls from now on single-threaded (`csrc/threads.cpp`),
+/// leaving libtorch's intra-op pool to the other threads.
+pub fn keep_this_thread_serial() {
+    // SAFETY: takes nothing and cannot fail; it only sets a thread-local flag of c10's.
+    unsafe { sh_keep_this_thread_serial() }
 }
 
 /// Takes ownership of a bridge call's result: `Ok` for null, else the message, freed here.

@@ -6,7 +6,7 @@
 use std::path::Path;
 use std::time::Duration;
 
-use crate::util::{assert_same_params, run, run_ok, run_ranks, Run};
+use crate::util::{assert_same_params, run, run_ok, run_ranks, write_image_folder, Run};
 
 const LIMIT: Duration = Duration::from_secs(120);
 
@@ -138,6 +138,53 @@ fn a_resumed_run_continues_exactly_where_the_checkpoint_left_it() {
         // The checkpoint moved on to the end, the one it resumed from kept beside it.
         assert_eq!(held(&ckpt, 0), [3, 6], "{optimizer:?}");
     }
+}
+
+/// A run on an image folder resumes on the batches it stopped before: the resumed run passes
+/// over those the first took (decoding none), so its images, random crops and mirrors included,
+/// and its losses are those of a run never stopped.
+#[test]
+fn an_image_folder_run_resumes_on_the_batches_it_stopped_before() {
+    let tmp = tempfile::tempdir().unwrap();
+    let images = tmp.path().join("images");
+    write_image_folder(&images, 3, 4);
+    let (whole, resumed, ckpt) = (
+        tmp.path().join("whole"),
+        tmp.path().join("resumed"),
+        tmp.path().join("ckpt"),
+    );
+    let arg = |p: &Path| p.to_str().unwrap().to_string();
+    let data = [
+        "--data".to_string(),
+        arg(&images),
+        "--data-workers".into(),
+        "2".into(),
+    ];
+    let with = |extra: &[String]| [&data[..], extra].concat();
+    let never_stopped = run_ok(&strs(&mlp(
+        "6",
+        &strs(&with(&["--save-params".into(), arg(&whole)])),
+    )))
+    .losses();
+    let first = run_ok(&strs(&mlp(
+        "3",
+        &strs(&with(&["--checkpoint-dir".into(), arg(&ckpt)])),
+    )));
+    assert_eq!(first.losses(), never_stopped[..3]);
+    let resume = with(&[
+        "--checkpoint-dir".into(),
+        arg(&ckpt),
+        "--resume".into(),
+        "--save-params".into(),
+        arg(&resumed),
+    ]);
+    let second = run_ok(&strs(&mlp("6", &strs(&resume))));
+    assert_eq!(
+        second.losses(),
+        never_stopped[3..],
+        "the resumed run's batches are the ones it stopped before"
+    );
+    assert_same_params(&whole, &resumed, "resumed");
 }
 
 #[test]

@@ -1,6 +1,6 @@
 //! One process holding the whole model: every model learns, the metrics contract, bad input.
 
-use crate::util::{run, run_command, run_ok, runtime, write_cifar, write_image_folder};
+use crate::util::{refused, run, run_command, run_ok, runtime, write_cifar, write_image_folder};
 
 /// Synthetic data cycles a pool of 4 batches: the first and the last 4 iterations see the same
 /// batches, and a model that learns has a lower mean loss on the last pass than on the first.
@@ -300,6 +300,37 @@ fn trains_on_cifar_and_image_folder_data() {
     assert_eq!(run.start().config.data, format!("imagefolder:{path}"));
     // ResNet-50 with the dataset's 3 classes: the fc layer is 2048 x 3 + 3.
     assert_eq!(run.start().num_params, 25_557_032 - 2048 * 997 - 997);
+    // ImageNet training's transform, on as many loader threads as PipeDream's (fewer CPUs, fewer).
+    let cpus = std::thread::available_parallelism().unwrap().get();
+    assert_eq!(run.start().config.augment.as_deref(), Some("crop-flip"));
+    assert_eq!(run.start().config.data_workers, Some(cpus.min(4)));
+    let chosen = run_ok(&[
+        "--model",
+        "mlp",
+        "--data",
+        path,
+        "--iterations",
+        "2",
+        "--batch-size",
+        "4",
+        "--augment",
+        "none",
+        "--data-workers",
+        "3",
+    ]);
+    assert_eq!(chosen.start().config.augment.as_deref(), Some("none"));
+    assert_eq!(chosen.start().config.data_workers, Some(3));
+    assert_eq!(chosen.iterations().len(), 2);
+    // Other data has nothing to decode: the flags are refused, not ignored, and not recorded.
+    for flag in [["--augment", "none"], ["--data-workers", "2"]] {
+        let text = refused(&["--model", "mlp", "--iterations", "1", flag[0], flag[1]]);
+        assert!(
+            text.contains(flag[0]) && text.contains("only an image folder's images"),
+            "{text}"
+        );
+    }
+    assert_eq!(epochs.start().config.augment, None);
+    assert_eq!(epochs.start().config.data_workers, None);
 }
 
 /// Epochs and PipeDream's learning-rate policies: the run's length follows the epoch, each

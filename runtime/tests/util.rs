@@ -106,17 +106,15 @@ pub fn write_cifar(dir: &Path, records: usize) {
     std::fs::write(dir.join("data_batch_1.bin"), bytes).unwrap();
 }
 
-/// Writes an ImageFolder tree of PNGs: `classes` subfolders of `per_class` images each.
+/// Writes an ImageFolder tree of PNGs: `classes` subfolders of `per_class` images each, each
+/// image its own level plus a left-to-right ramp (so crops and mirrors change what a model sees).
 pub fn write_image_folder(dir: &Path, classes: usize, per_class: usize) {
     for c in 0..classes {
         let class = dir.join(format!("class_{c}"));
         std::fs::create_dir_all(&class).unwrap();
         for i in 0..per_class {
-            let image = tch::Tensor::full(
-                [3, 20, 24],
-                (c * 60 + i) as i64,
-                (tch::Kind::Uint8, tch::Device::Cpu),
-            );
+            let ramp = tch::Tensor::arange(24, (tch::Kind::Int64, tch::Device::Cpu)).view([1, 1, 24]);
+            let image = (ramp.expand([3, 20, 24], false) + (c * 60 + i) as i64).to_kind(tch::Kind::Uint8);
             tch::vision::image::save(&image, class.join(format!("{i}.png"))).unwrap();
         }
     }

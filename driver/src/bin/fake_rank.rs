@@ -83,6 +83,8 @@ fn main() {
             optimizer: "sgd".into(),
             seed: 0,
             data: "synthetic".into(),
+            augment: None,
+            data_workers: None,
             device: "cpu".into(),
             threads: 1,
             schedule: "none".into(),

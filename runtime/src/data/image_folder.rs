@@ -1,16 +1,32 @@
 //! An ImageFolder tree as torchvision reads it: one subfolder per class (sorted names give the
-//! class indices), JPEG or PNG files inside. Images are decoded and resized by tch's image
-//! helpers on a background thread that keeps the next batches ready.
+//! class indices), JPEG or PNG files inside, decoded to RGB.
+//!
+//! Images are decoded and transformed by a pool of worker threads (`--data-workers`, as
+//! `DataLoader`'s `num_workers`), each making whole batches: worker `k` of `n` makes batches
+//! `k`, `k + n`, ... and keeps the next few ready, and the training loop takes them in order. What
+//! a batch holds depends only on the seed and the batch's place in the stream (its samples follow
+//! the epoch's permutation, and each sample's crop and flip are drawn from the seed and its
+//! position), never on the number of workers or which finished first. Skipping batches (a resumed
+//! run's) decodes nothing.
+//!
+//! The transforms are torchvision's, done with the same libtorch operator as torchvision's v2
+//! transforms on a uint8 tensor (`interpolate(..., mode="bilinear", antialias=True)`):
+//! [`Augment::CropFlip`] is `RandomResizedCrop(size)` then `RandomHorizontalFlip()` (ImageNet
+//! training's, and PipeDream's), [`Augment::None`] is `Resize(size)` then `CenterCrop(size)`
+//! (ImageNet evaluation's at the model's size). Batches travel to the device as bytes and are
+//! normalised there.
 
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::{self, Receiver, SyncSender};
+use std::sync::Arc;
 use std::thread;
 
 use tch::Tensor;
 
-use super::{normalize, permutation, BatchRequest, Batches, DataError};
+use super::{normalize, permutation, Augment, BatchRequest, Batches, DataError, SplitMix};
 use crate::models::InputKind;
 
+/// Batches each worker keeps ready beyond the one it is making.
 const PREFETCH: usize = 2;
 const EXTENSIONS: &[&str] = &["jpg", "jpeg", "png"];
 
@@ -62,8 +78,24 @@ fn samples(dir: &Path) -> Result<Vec<(PathBuf, i64)>, DataError> {
     Ok(samples)
 }
 
+type Batch = Result<(Tensor, Tensor), DataError>;
+
+/// What every worker reads: the shard's samples and how to make a batch of them.
+struct Source {
+    samples: Vec<(PathBuf, i64)>,
+    batch_size: usize,
+    seed: u64,
+    size: i64,
+    augment: Augment,
+}
+
 pub struct ImageFolder {
-    batches: Receiver<Result<(Tensor, Tensor), DataError>>,
+    source: Arc<Source>,
+    workers: usize,
+    /// The next batch the training loop takes (batches since the stream's start).
+    next: u64,
+    /// The running pool: the batch its first worker started at, and a receiver per worker.
+    pool: Option<(u64, Vec<Receiver<Batch>>)>,
     device: tch::Device,
 }
 
@@ -88,74 +120,236 @@ impl ImageFolder {
             ));
         }
         // Decode the first image now, so a broken tree fails at start rather than mid-run.
-        drop(load(&mine[0].0, size)?);
-        let (tx, rx) = mpsc::sync_channel(PREFETCH);
-        thread::Builder::new()
-            .name("imagefolder".into())
-            .spawn(move || produce(mine, request, size, tx))
-            .map_err(DataError::io(dir))?;
+        drop(decode(&mine[0].0)?);
         Ok(ImageFolder {
-            batches: rx,
+            source: Arc::new(Source {
+                samples: mine,
+                batch_size: request.batch_size,
+                seed: request.seed,
+                size,
+                augment: request.augment,
+            }),
+            workers: request.workers.max(1),
+            next: 0,
+            pool: None,
             device: request.device,
         })
     }
-}
 
-fn load(path: &Path, size: i64) -> Result<Tensor, DataError> {
-    tch::vision::image::load_and_resize(path, size, size)
-        .map_err(|e| DataError::malformed(path, format!("cannot decode image: {e}")))
-}
-
-/// Runs on the loader thread until the training loop drops its receiver.
-fn produce(
-    samples: Vec<(PathBuf, i64)>,
-    request: BatchRequest,
-    size: i64,
-    tx: SyncSender<Result<(Tensor, Tensor), DataError>>,
-) {
-    let mut epoch = 0u64;
-    let mut order: Vec<usize> = Vec::new();
-    let mut cursor = 0usize;
-    loop {
-        let mut images = Vec::with_capacity(request.batch_size);
-        let mut labels = Vec::with_capacity(request.batch_size);
-        let mut failed = None;
-        while images.len() < request.batch_size {
-            if cursor == order.len() {
-                order = permutation(samples.len(), request.seed.wrapping_add(epoch));
-                cursor = 0;
-                epoch += 1;
+    /// Starts the workers at batch `first`, or returns the running pool's receiver of `next`.
+    fn receiver(&mut self) -> Result<&Receiver<Batch>, DataError> {
+        if self.pool.is_none() {
+            let first = self.next;
+            let mut receivers = Vec::with_capacity(self.workers);
+            for k in 0..self.workers {
+                let (tx, rx) = mpsc::sync_channel(PREFETCH);
+                let source = Arc::clone(&self.source);
+                let stride = self.workers as u64;
+                thread::Builder::new()
+                    .name(format!("imagefolder-{k}"))
+                    .spawn(move || work(&source, first + k as u64, stride, tx))
+                    .map_err(|e| {
+                        DataError::malformed(Path::new("."), format!("cannot start a loader: {e}"))
+                    })?;
+                receivers.push(rx);
             }
-            let (path, label) = &samples[order[cursor]];
-            cursor += 1;
-            match load(path, size) {
-                Ok(image) => {
-                    images.push(image);
-                    labels.push(*label);
-                }
-                Err(e) => {
-                    failed = Some(e);
-                    break;
-                }
-            }
+            self.pool = Some((first, receivers));
         }
-        let batch = match failed {
-            Some(e) => Err(e),
-            None => Ok((normalize(&Tensor::stack(&images, 0)), Tensor::from_slice(&labels))),
-        };
+        let (first, receivers) = self.pool.as_ref().expect("just started");
+        Ok(&receivers[((self.next - first) % receivers.len() as u64) as usize])
+    }
+}
+
+/// Runs on worker thread until the training loop drops its receiver or a batch fails.
+fn work(source: &Source, first: u64, stride: u64, tx: SyncSender<Batch>) {
+    // Each worker makes one image at a time: its operators stay on this thread rather than
+    // spreading over the training's intra-op threads.
+    crate::ffi::keep_this_thread_serial();
+    let mut order = Order::default();
+    let mut index = first;
+    loop {
+        let batch = source.batch(index, &mut order);
         let stop = batch.is_err();
         if tx.send(batch).is_err() || stop {
             return;
         }
+        index += stride;
     }
+}
+
+/// One epoch's permutation of the samples, kept while batches stay in that epoch.
+#[derive(Default)]
+struct Order {
+    epoch: Option<u64>,
+    order: Vec<usize>,
+}
+
+impl Source {
+    /// Batch `index` of the stream: the samples at positions `index * batch_size ..` of the
+    /// epochs' permutations laid end to end, as uint8 images and their labels.
+    fn batch(&self, index: u64, order: &mut Order) -> Batch {
+        let n = self.samples.len() as u64;
+        let start = index * self.batch_size as u64;
+        let mut images = Vec::with_capacity(self.batch_size);
+        let mut labels = Vec::with_capacity(self.batch_size);
+        for position in start..start + self.batch_size as u64 {
+            let epoch = position / n;
+            if order.epoch != Some(epoch) {
+                order.order = permutation(self.samples.len(), self.seed.wrapping_add(epoch));
+                order.epoch = Some(epoch);
+            }
+            let (path, label) = &self.samples[order.order[(position % n) as usize]];
+            let image = decode(path)?;
+            let mut draws = SplitMix::new(sample_seed(self.seed, position));
+            images.push(transform(&image, self.size, self.augment, &mut draws));
+            labels.push(*label);
+        }
+        Ok((Tensor::stack(&images, 0), Tensor::from_slice(&labels)))
+    }
+}
+
+/// The seed of the crop and flip of the sample at `position` of the stream.
+fn sample_seed(seed: u64, position: u64) -> u64 {
+    SplitMix::new(seed ^ 0x5eed_da7a).next_u64() ^ position.wrapping_mul(0x9e37_79b9_7f4a_7c15)
+}
+
+/// The file's image as uint8 `[3, height, width]` (grey and RGBA images become RGB).
+pub(super) fn decode(path: &Path) -> Result<Tensor, DataError> {
+    tch::vision::image::load(path)
+        .map_err(|e| DataError::malformed(path, format!("cannot decode image: {e}")))
+}
+
+/// A crop of an image: top, left, height, width.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Crop {
+    pub top: i64,
+    pub left: i64,
+    pub height: i64,
+    pub width: i64,
+}
+
+/// The image's `augment` transform to `size` x `size`, as uint8 `[3, size, size]`.
+pub(super) fn transform(image: &Tensor, size: i64, augment: Augment, draws: &mut SplitMix) -> Tensor {
+    let (_, height, width) = image.size3().expect("a decoded image is [3, h, w]");
+    match augment {
+        Augment::CropFlip => {
+            let (crop, flip) = crop_and_flip(height, width, draws);
+            resized_crop(image, crop, size, flip)
+        }
+        Augment::None => {
+            let (h, w) = resized_shorter_side(height, width, size);
+            let resized = resize(image, h, w);
+            let top = round_half_even((h - size) as f64 / 2.0);
+            let left = round_half_even((w - size) as f64 / 2.0);
+            resized.narrow(1, top, size).narrow(2, left, size).contiguous()
+        }
+    }
+}
+
+/// A sample's `RandomResizedCrop` and whether `RandomHorizontalFlip` mirrors it (half do).
+pub fn crop_and_flip(height: i64, width: i64, draws: &mut SplitMix) -> (Crop, bool) {
+    let crop = random_resized_crop(height, width, draws);
+    (crop, draws.uniform(0.0, 1.0) < 0.5)
+}
+
+/// `crop` of `image` resized to `size` x `size`, then mirrored left to right if `flip`: what
+/// torchvision's `resized_crop` and `hflip` make of a uint8 image tensor.
+pub fn resized_crop(image: &Tensor, crop: Crop, size: i64, flip: bool) -> Tensor {
+    let cropped = image
+        .narrow(1, crop.top, crop.height)
+        .narrow(2, crop.left, crop.width);
+    let resized = resize(&cropped, size, size);
+    if flip {
+        resized.flip([2])
+    } else {
+        resized
+    }
+}
+
+/// torchvision's bilinear resize with antialiasing of a uint8 `[3, h, w]` image.
+fn resize(image: &Tensor, height: i64, width: i64) -> Tensor {
+    image
+        .unsqueeze(0)
+        .internal_upsample_bilinear2d_aa([height, width], false, None, None)
+        .squeeze_dim(0)
+}
+
+/// torchvision's `Resize(size)` output size: the shorter side becomes `size`, the longer keeps
+/// the aspect ratio (rounded down).
+fn resized_shorter_side(height: i64, width: i64, size: i64) -> (i64, i64) {
+    if width <= height {
+        (size * height / width, size)
+    } else {
+        (size, size * width / height)
+    }
+}
+
+/// torchvision's `RandomResizedCrop` parameters (scale 0.08 to 1 of the area, aspect ratio 3/4
+/// to 4/3 drawn log-uniformly, ten tries, then the central crop), drawn from `draws`.
+pub fn random_resized_crop(height: i64, width: i64, draws: &mut SplitMix) -> Crop {
+    let area = (height * width) as f64;
+    let (log_low, log_high) = ((3.0f64 / 4.0).ln(), (4.0f64 / 3.0).ln());
+    for _ in 0..10 {
+        let target = area * draws.uniform(0.08, 1.0);
+        let ratio = draws.uniform(log_low, log_high).exp();
+        let w = round_half_even((target * ratio).sqrt());
+        let h = round_half_even((target / ratio).sqrt());
+        if 0 < w && w <= width && 0 < h && h <= height {
+            let top = draws.below((height - h + 1) as u64) as i64;
+            let left = draws.below((width - w + 1) as u64) as i64;
+            return Crop {
+                top,
+                left,
+                height: h,
+                width: w,
+            };
+        }
+    }
+    let in_ratio = width as f64 / height as f64;
+    let (h, w) = if in_ratio < 3.0 / 4.0 {
+        (round_half_even(width as f64 / (3.0 / 4.0)), width)
+    } else if in_ratio > 4.0 / 3.0 {
+        (height, round_half_even(height as f64 * (4.0 / 3.0)))
+    } else {
+        (height, width)
+    };
+    Crop {
+        top: (height - h) / 2,
+        left: (width - w) / 2,
+        height: h,
+        width: w,
+    }
+}
+
+/// Python's `round`: halves go to the even neighbour.
+fn round_half_even(x: f64) -> i64 {
+    x.round_ties_even() as i64
 }
 
 impl Batches for ImageFolder {
     fn next_batch(&mut self) -> Result<(Tensor, Tensor), DataError> {
-        let (images, labels) = self
-            .batches
+        let batch = self
+            .receiver()?
             .recv()
-            .expect("the image loader thread ends only after an error")?;
-        Ok((images.to_device(self.device), labels.to_device(self.device)))
+            .expect("an image loader ends only after sending its error");
+        self.next += 1;
+        let (images, labels) = match batch {
+            Ok(batch) => batch,
+            Err(e) => {
+                // The failed worker has stopped: a later call starts the pool afresh.
+                self.pool = None;
+                return Err(e);
+            }
+        };
+        let images = images.to_device(self.device);
+        Ok((normalize(&images), labels.to_device(self.device)))
+    }
+
+    fn skip(&mut self, batches: u64) -> Result<(), DataError> {
+        if batches > 0 {
+            self.pool = None;
+            self.next += batches;
+        }
+        Ok(())
     }
 }

@@ -122,6 +122,29 @@ impl Shard {
     pub const WHOLE: Shard = Shard { index: 0, count: 1 };
 }
 
+/// How an image folder's images become the model's input (`--augment`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum Augment {
+    /// torchvision's `RandomResizedCrop(size)` and `RandomHorizontalFlip()`: ImageNet training's
+    /// (and PipeDream's), a random part of each image at a random aspect ratio, half of them
+    /// mirrored.
+    #[default]
+    CropFlip,
+    /// torchvision's `Resize(size)` and `CenterCrop(size)`: every image whole but for its longer
+    /// side's ends, the same each epoch.
+    None,
+}
+
+impl Augment {
+    /// Its `--augment` spelling.
+    pub fn as_arg(self) -> &'static str {
+        match self {
+            Augment::CropFlip => "crop-flip",
+            Augment::None => "none",
+        }
+    }
+}
+
 /// What every batch source needs to know.
 #[derive(Debug, Clone, Copy)]
 pub struct BatchRequest {
@@ -130,11 +153,24 @@ pub struct BatchRequest {
     pub seed: u64,
     pub shard: Shard,
     pub device: Device,
+    /// An image folder's transform (other data has none).
+    pub augment: Augment,
+    /// Threads decoding an image folder's images.
+    pub workers: usize,
 }
 
 /// An endless stream of `(input, target)` batches on the requested device.
 pub trait Batches: Send {
     fn next_batch(&mut self) -> Result<(Tensor, Tensor), DataError>;
+
+    /// Passes over the next `batches` batches (those a resumed run's iterations already took),
+    /// leaving the stream where taking them would have.
+    fn skip(&mut self, batches: u64) -> Result<(), DataError> {
+        for _ in 0..batches {
+            drop(self.next_batch()?);
+        }
+        Ok(())
+    }
 }
 
 /// Opens the dataset described by `spec` as a stream of batches.
@@ -171,20 +207,42 @@ fn resize(images: Tensor, size: i64) -> Tensor {
 /// A permutation of `0..n` from `seed`, made without touching libtorch's global generator (which
 /// dropout and initialisation use), so data order never changes the model's random stream.
 fn permutation(n: usize, seed: u64) -> Vec<usize> {
-    let mut state = seed;
-    let mut next = move || {
-        // splitmix64
-        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = state;
+    let mut draws = SplitMix::new(seed);
+    let mut order: Vec<usize> = (0..n).collect();
+    for i in (1..n).rev() {
+        order.swap(i, (draws.next_u64() % (i as u64 + 1)) as usize);
+    }
+    order
+}
+
+/// splitmix64: the data's own random numbers, apart from libtorch's generator.
+pub struct SplitMix {
+    state: u64,
+}
+
+impl SplitMix {
+    pub fn new(seed: u64) -> SplitMix {
+        SplitMix { state: seed }
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.state = self.state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.state;
         z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
         z ^ (z >> 31)
-    };
-    let mut order: Vec<usize> = (0..n).collect();
-    for i in (1..n).rev() {
-        order.swap(i, (next() % (i as u64 + 1)) as usize);
     }
-    order
+
+    /// Uniform in `[low, high)`, from the top 53 bits of a draw.
+    pub fn uniform(&mut self, low: f64, high: f64) -> f64 {
+        let unit = (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
+        low + (high - low) * unit
+    }
+
+    /// Uniform in `0..n` (`n` > 0), by multiply and shift (biased by less than `n / 2^64`).
+    pub fn below(&mut self, n: u64) -> u64 {
+        ((u128::from(self.next_u64()) * u128::from(n)) >> 64) as u64
+    }
 }
 
 #[cfg(test)]

@@ -13,6 +13,8 @@ fn request(input: InputKind, batch_size: usize, shard: Shard) -> BatchRequest {
         seed: 3,
         shard,
         device: Device::Cpu,
+        augment: Augment::None,
+        workers: 1,
     }
 }
 
@@ -194,5 +196,293 @@ fn image_folder_errors_say_what_was_expected() {
     assert!(
         err.to_string().contains("cannot read") && err.to_string().contains("nope"),
         "{err}"
+    );
+}
+
+/// A random uint8 image `[3, height, width]`, the same for the same seed.
+fn random_image(height: i64, width: i64, seed: i64) -> Tensor {
+    crate::models::seeded(seed, || {
+        Tensor::randint(256, [3, height, width], (Kind::Uint8, Device::Cpu))
+    })
+}
+
+/// The torch venv's python (`STAGEHAND_TORCH_VENV`, which scripts/env.sh sets, else setup.sh's
+/// default place).
+fn torch_python() -> std::path::PathBuf {
+    let venv = std::env::var_os("STAGEHAND_TORCH_VENV")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| {
+            let home = std::env::var_os("HOME").expect("HOME is set");
+            Path::new(&home).join(".cache/stagehand/torch-2.11.0")
+        });
+    let python = venv.join("bin/python");
+    assert!(
+        python.is_file(),
+        "no torch venv at {}; run scripts/setup.sh",
+        venv.display()
+    );
+    python
+}
+
+/// The loader's transforms give torchvision's bytes: for random crops (down- and upsampling,
+/// mirrored or not) and for Resize then CenterCrop (tall, wide and square images), each image
+/// decoded from the PNG the loader reads, against fixtures/transforms/reference.py.
+#[test]
+fn image_transforms_give_torchvisions_bytes() {
+    use super::image_folder::{crop_and_flip, decode, transform};
+
+    let dir = tempfile::tempdir().unwrap();
+    let shapes = [(37, 53), (64, 48), (20, 20), (9, 120), (151, 7)];
+    let mut cases = Vec::new();
+    let mut ours = Vec::new();
+    for (i, &(height, width)) in shapes.iter().enumerate() {
+        let image = random_image(height, width, i as i64);
+        let png = dir.path().join(format!("{i}.png"));
+        tch::vision::image::save(&image, &png).unwrap();
+        let decoded = decode(&png).unwrap();
+        assert!(
+            decoded.equal(&image),
+            "PNG is lossless: the loader reads back the image"
+        );
+        let raw = dir.path().join(format!("{i}.raw"));
+        std::fs::write(&raw, Vec::<u8>::try_from(image.flatten(0, -1)).unwrap()).unwrap();
+        // Upsampling (64 from small crops) and downsampling (16), three draws each.
+        for (j, size) in [16i64, 64].into_iter().enumerate() {
+            for seed in 0..3u64 {
+                let seed = seed + 10 * j as u64 + 100 * i as u64;
+                let (crop, flip) = crop_and_flip(height, width, &mut SplitMix::new(seed));
+                let out = dir.path().join(format!("{i}-{size}-{seed}.out"));
+                cases.push(serde_json::json!({
+                    "raw": raw, "shape": [3, height, width], "size": size,
+                    "crop": [crop.top, crop.left, crop.height, crop.width], "flip": flip, "out": out,
+                }));
+                let mine = transform(&decoded, size, Augment::CropFlip, &mut SplitMix::new(seed));
+                ours.push((
+                    out,
+                    mine,
+                    format!("{height}x{width} {crop:?} flip {flip} to {size}"),
+                ));
+            }
+        }
+        for size in [16i64, 5] {
+            let out = dir.path().join(format!("{i}-{size}-center.out"));
+            cases.push(serde_json::json!({
+                "raw": raw, "shape": [3, height, width], "size": size, "crop": null, "out": out,
+            }));
+            let mine = transform(&decoded, size, Augment::None, &mut SplitMix::new(0));
+            ours.push((
+                out,
+                mine,
+                format!("{height}x{width} resized and center-cropped to {size}"),
+            ));
+        }
+    }
+    let flips = cases.iter().filter(|c| c["flip"] == true).count();
+    assert!(
+        flips > 0 && flips < 30,
+        "the draws mirror some crops and not others: {flips} of 30"
+    );
+    let cases_file = dir.path().join("cases.json");
+    std::fs::write(&cases_file, serde_json::to_vec(&cases).unwrap()).unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/transforms/reference.py");
+    let run = std::process::Command::new(torch_python())
+        .arg(&script)
+        .arg(&cases_file)
+        .output()
+        .unwrap();
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    eprintln!("reference.py: {}", String::from_utf8_lossy(&run.stdout).trim());
+    for (out, mine, what) in ours {
+        let size = mine.size()[1];
+        assert_eq!(mine.size(), [3, size, size], "{what}");
+        let theirs = std::fs::read(&out).unwrap();
+        let mine = Vec::<u8>::try_from(mine.contiguous().flatten(0, -1)).unwrap();
+        assert_eq!(mine.len(), theirs.len(), "{what}");
+        let differ = mine.iter().zip(&theirs).filter(|(a, b)| a != b).count();
+        assert_eq!(
+            differ,
+            0,
+            "{what}: {differ} of {} bytes differ from torch's",
+            mine.len()
+        );
+    }
+}
+
+/// torchvision's RandomResizedCrop rules: a crop inside the image, of 8% to all of its area at
+/// an aspect ratio from 3/4 to 4/3 (up to the rounding of its sides), and the central crop at the
+/// nearest allowed ratio when ten draws find none (a strip far wider or taller than 4/3).
+#[test]
+fn random_resized_crops_keep_torchvisions_ranges() {
+    use super::image_folder::{random_resized_crop, Crop};
+
+    let mut draws = SplitMix::new(7);
+    for (height, width) in [(375i64, 500i64), (32, 32), (240, 200)] {
+        let mut areas = (f64::MAX, 0.0f64);
+        for _ in 0..2000 {
+            let c = random_resized_crop(height, width, &mut draws);
+            assert!(c.height > 0 && c.width > 0, "{c:?}");
+            assert!(c.top + c.height <= height && c.left + c.width <= width, "{c:?}");
+            let fraction = (c.height * c.width) as f64 / (height * width) as f64;
+            areas = (areas.0.min(fraction), areas.1.max(fraction));
+            // Each side is rounded to a whole pixel, so the ratio may stray by half a pixel on each.
+            let ratio = c.width as f64 / c.height as f64;
+            let slack = 1.0 / c.height.min(c.width) as f64;
+            let whole = c.height == height && c.width == width;
+            assert!(
+                whole || (ratio >= 0.75 * (1.0 - slack) - 1e-9 && ratio <= 4.0 / 3.0 * (1.0 + slack) + 1e-9),
+                "{c:?} of {height}x{width}: ratio {ratio}"
+            );
+        }
+        assert!(
+            areas.0 < 0.12 && areas.0 >= 0.07,
+            "{height}x{width}: smallest area {}",
+            areas.0
+        );
+        assert!(areas.1 > 0.9, "{height}x{width}: largest area {}", areas.1);
+    }
+    let wide = random_resized_crop(2, 100, &mut draws);
+    assert_eq!(
+        wide,
+        Crop {
+            top: 0,
+            left: 48,
+            height: 2,
+            width: 3
+        }
+    );
+    let tall = random_resized_crop(100, 1, &mut draws);
+    assert_eq!(
+        tall,
+        Crop {
+            top: 49,
+            left: 0,
+            height: 1,
+            width: 1
+        }
+    );
+}
+
+/// An image folder's stream is the seed's, whatever the workers: one worker and three give the
+/// same bytes batch for batch; each epoch takes every image once; skipping batches lands where
+/// taking them would; and the next epoch's crops differ from the first's.
+#[test]
+fn image_folder_batches_are_the_seeds_whatever_the_workers() {
+    let dir = tempfile::tempdir().unwrap();
+    // Ten images of sizes that vary, each its own class, so labels tell which image a row is.
+    for class in 0..10i64 {
+        let folder = dir.path().join(format!("c{class}"));
+        std::fs::create_dir_all(&folder).unwrap();
+        let image = random_image(20 + 3 * class, 30 - class, 50 + class);
+        tch::vision::image::save(&image, folder.join("x.png")).unwrap();
+    }
+    let spec = DataSpec::ImageFolder(dir.path().into());
+    let input = InputKind::Image {
+        size: 16,
+        classes: 10,
+    };
+    let stream = |workers: usize| {
+        let request = BatchRequest {
+            augment: Augment::CropFlip,
+            workers,
+            ..request(input, 4, Shard::WHOLE)
+        };
+        open(&spec, request).unwrap()
+    };
+    let take = |mut s: Box<dyn Batches>, n: usize| -> Vec<(Tensor, Tensor)> {
+        (0..n).map(|_| s.next_batch().unwrap()).collect()
+    };
+    let one = take(stream(1), 10);
+    let three = take(stream(3), 10);
+    for (i, ((x1, y1), (x3, y3))) in one.iter().zip(&three).enumerate() {
+        assert_eq!(x1.size(), [4, 3, 16, 16]);
+        assert!(
+            x1.equal(x3) && y1.equal(y3),
+            "batch {i} differs between 1 and 3 workers"
+        );
+    }
+    // 40 rows are four epochs of the ten images: each epoch is every label once.
+    let labels: Vec<i64> = one
+        .iter()
+        .flat_map(|(_, y)| Vec::<i64>::try_from(y).unwrap())
+        .collect();
+    for epoch in labels.chunks(10) {
+        let mut sorted = epoch.to_vec();
+        sorted.sort();
+        assert_eq!(sorted, (0..10).collect::<Vec<_>>(), "an epoch: {epoch:?}");
+    }
+    assert_ne!(labels[..10], labels[10..20], "each epoch has its own order");
+    // Image 0's rows in the first two epochs: crops are drawn afresh each time it comes.
+    let rows: Vec<Tensor> = labels
+        .iter()
+        .enumerate()
+        .filter(|(_, &l)| l == 0)
+        .map(|(p, _)| one[p / 4].0.get((p % 4) as i64))
+        .collect();
+    assert!(
+        !rows[0].equal(&rows[1]),
+        "image 0 is cropped differently in epochs 1 and 2"
+    );
+    // Skipping 3 batches, then taking, gives batches 3 and 4; so does skipping after taking.
+    let mut skipped = stream(2);
+    skipped.skip(3).unwrap();
+    let mut later = stream(2);
+    drop(later.next_batch().unwrap());
+    later.skip(2).unwrap();
+    for s in [&mut skipped, &mut later] {
+        for expected in &one[3..5] {
+            let (x, y) = s.next_batch().unwrap();
+            assert!(
+                x.equal(&expected.0) && y.equal(&expected.1),
+                "a skip lands where taking would"
+            );
+        }
+    }
+}
+
+/// A file that fails to decode mid-stream is an error naming it, from whichever worker met it.
+#[test]
+fn an_image_that_breaks_mid_stream_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    write_image_folder(dir.path(), &[("a", 0)], 6);
+    // The first image (the one checked at open) is whole; a later one is not.
+    std::fs::write(dir.path().join("a").join("5.png"), b"not a png").unwrap();
+    let spec = DataSpec::ImageFolder(dir.path().into());
+    let input = InputKind::Image { size: 8, classes: 1 };
+    let request = BatchRequest {
+        workers: 2,
+        ..request(input, 2, Shard::WHOLE)
+    };
+    let mut batches = open(&spec, request).unwrap();
+    let err = (0..3)
+        .find_map(|_| batches.next_batch().err())
+        .expect("one of the first three batches holds 5.png");
+    assert!(
+        err.to_string().contains("5.png") && err.to_string().contains("cannot decode"),
+        "{err}"
+    );
+}
+
+/// A loader worker runs its operators on its own thread alone, and the training thread keeps
+/// libtorch's thread count: OpenMP's count is per thread.
+#[test]
+fn a_loader_thread_is_serial_and_leaves_the_others_their_threads() {
+    let before = tch::get_num_threads();
+    let worker = std::thread::spawn(|| {
+        let inherited = tch::get_num_threads();
+        crate::ffi::keep_this_thread_serial();
+        (inherited, tch::get_num_threads())
+    })
+    .join()
+    .unwrap();
+    assert_eq!(
+        worker,
+        (before, 1),
+        "a new thread takes libtorch's count, then runs alone"
+    );
+    assert_eq!(tch::get_num_threads(), before, "this thread keeps its count");
+    let other = std::thread::spawn(tch::get_num_threads).join().unwrap();
+    assert_eq!(
+        other, before,
+        "later threads take libtorch's count, not the worker's"
     );
 }

@@ -602,6 +602,8 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
             seed: config.seed,
             shard: Shard::WHOLE,
             device,
+            augment: config.augment,
+            workers: config.data_workers,
         };
         Some(data::open(&config.data, request)?)
     } else {
@@ -627,9 +629,7 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
     }
     if let Some(stream) = &mut data {
         // The minibatches the resumed iterations already took.
-        for _ in 0..first {
-            drop(stream.next_batch()?);
-        }
+        stream.skip(first as u64)?;
     }
     let reducer = links
         .replicas
