@@ -136,6 +136,14 @@ pub struct ExperimentFile {
     /// Data given to the runtime's `--data`; a path that exists is mounted into containers.
     #[serde(default)]
     pub data_dir: Option<String>,
+    /// An image folder's transform (`--augment`): `crop-flip` (torchvision's RandomResizedCrop
+    /// and RandomHorizontalFlip, the runtime's default) or `none` (Resize and CenterCrop).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub augment: Option<Augment>,
+    /// Threads decoding an image folder's images per rank (`--data-workers`, as DataLoader's
+    /// `num_workers`; the runtime's default is 4, fewer on fewer CPUs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data_workers: Option<std::num::NonZeroU32>,
     /// `cpu` or `cuda`; defaults to `cuda` when the machines name GPUs.
     #[serde(default)]
     pub device: Option<Device>,
@@ -301,6 +309,25 @@ pub enum Rdma {
     Auto,
     /// Never.
     Off,
+}
+
+/// An image folder's transform (`--augment`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+pub enum Augment {
+    #[serde(rename = "crop-flip", alias = "crop_flip")]
+    CropFlip,
+    #[serde(rename = "none")]
+    None,
+}
+
+impl Augment {
+    /// The runtime's spelling.
+    pub fn as_arg(self) -> &'static str {
+        match self {
+            Augment::CropFlip => "crop-flip",
+            Augment::None => "none",
+        }
+    }
 }
 
 /// What becomes of host memory a runtime step frees (`--host-memory`).

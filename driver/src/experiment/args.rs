@@ -125,6 +125,12 @@ fn runtime_command(
     if let Some(d) = data_arg(ctx) {
         flag("data", d);
     }
+    if let Some(a) = f.augment {
+        flag("augment", a.as_arg().to_string());
+    }
+    if let Some(n) = f.data_workers {
+        flag("data-workers", n.to_string());
+    }
     let (name, value) = device_flag(ctx, host, gpus);
     flag(name, value);
     if let Some(t) = f.threads {

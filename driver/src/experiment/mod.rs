@@ -849,6 +849,8 @@ fn check_pipedream_keys(loaded: &Loaded) -> Result<(), ConfigError> {
         ("lr_warmup_epochs", f.lr_warmup_epochs.is_some()),
         ("compress_activations", f.compress_activations == Some(true)),
         ("checkpoint_dir", f.checkpoint_dir.is_some()),
+        ("augment", f.augment.is_some()),
+        ("data_workers", f.data_workers.is_some()),
     ];
     if let (Some(_), Some((key, _))) = (&f.command, runtime_keys.iter().find(|(_, given)| *given)) {
         return Err(loaded.error_at(

@@ -1248,3 +1248,45 @@ fn slurm_refuses_what_it_would_ignore() {
         assert!(e.contains(says), "{text}: {e}");
     }
 }
+
+#[test]
+fn an_image_folders_transform_and_loader_threads_reach_every_rank() {
+    let plan = plan_per_rank(
+        "machines: [localhost, localhost]\nmodule: resnet50\ndata_dir: imagenet/train\naugment: none\ndata_workers: 6\n",
+    );
+    for rank in &plan.ranks {
+        assert_eq!(flag(&rank.argv, "--augment"), Some("none"));
+        assert_eq!(flag(&rank.argv, "--data-workers"), Some("6"));
+    }
+    let plan = plan_per_rank("machines: [localhost]\nmodule: resnet50\ndata_dir: imagenet/train\n");
+    assert_eq!(
+        flag(&plan.ranks[0].argv, "--augment"),
+        None,
+        "the runtime's default"
+    );
+    assert_eq!(flag(&plan.ranks[0].argv, "--data-workers"), None);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("exp.yml");
+    for (text, line, says) in [
+        ("data_workers: 0\n", 3, "nonzero"),
+        ("augment: random\n", 3, "`crop-flip`"),
+        (
+            "command: [python, train.py]\ndata_workers: 2\n",
+            4,
+            "`data_workers` is the runtime's",
+        ),
+    ] {
+        std::fs::write(&path, format!("machines: [localhost]\nmodule: mlp\n{text}")).unwrap();
+        let bad = crate::config::load(&path)
+            .map_err(|e| e.to_string())
+            .and_then(|l| {
+                let o = options(None, ContainerMode::PerRank);
+                resolve(&l, &o, 29500).map(|_| ()).map_err(|e| e.to_string())
+            })
+            .unwrap_err();
+        assert!(
+            bad.contains(&format!("exp.yml:{line}")) && bad.contains(says),
+            "{text}: {bad}"
+        );
+    }
+}

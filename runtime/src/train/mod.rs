@@ -629,7 +629,7 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
     }
     if let Some(stream) = &mut data {
         // The minibatches the resumed iterations already took.
-        stream.skip(first as u64)?;
+        stream.skip(first)?;
     }
     let reducer = links
         .replicas
