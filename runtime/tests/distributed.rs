@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use stagehand_contract::Event;
 
-use crate::util::{free_port, read_params, run_ok, run_ranks, runtime, Run};
+use crate::util::{free_port, read_params, run_ok, run_ranks, runtime, write_image_folder, Run};
 
 const LIMIT: Duration = Duration::from_secs(120);
 
@@ -226,6 +226,47 @@ fn gpipe_and_1f1b_match_single_process_training_for_every_split() {
             assert_same_params(&what, &params, &single);
             assert_time_accounted(&what, &runs, 5);
         }
+    }
+}
+
+/// Replicas of the first stage on an image folder decode only their own microbatches' rows, yet
+/// train as one process on the whole minibatches does: with the replicas of pure data
+/// parallelism, and with three replicas taking four microbatches (one of them two) before a
+/// second stage. A replica that got another's rows, or rows left undecoded, would train on other
+/// images or on zeros and move the losses by a microbatch's share.
+#[test]
+fn replicas_on_an_image_folder_decode_their_own_rows_and_train_as_one_process() {
+    let tmp = tempfile::tempdir().unwrap();
+    let images = tmp.path().join("images");
+    write_image_folder(&images, 4, 5);
+    let data = [
+        "--data",
+        images.to_str().unwrap(),
+        "--data-workers",
+        "2",
+        "--microbatches",
+        "4",
+    ];
+    let base = args(&words(MLP), &data);
+    let single = reference(&base, &tmp.path().join("single"));
+    let three = write(
+        tmp.path(),
+        "3-1.json",
+        r#"{"module_to_stage_map": [0,0,0,1,1,1], "stage_to_rank_map": {"0": [0,1,2], "1": [3]}}"#,
+    );
+    for (what, world, split) in [
+        ("data parallel on 2 ranks", 2, vec![]),
+        (
+            "stage 0 on 3 replicas, 4 microbatches",
+            4,
+            vec!["--stage-config", three.as_str()],
+        ),
+    ] {
+        let params = tmp.path().join(what.replace([' ', ','], "_"));
+        let extra = [&split[..], &["--save-params", params.to_str().unwrap()]].concat();
+        let runs = run_ranks(world, &args(&base, &extra), LIMIT);
+        assert_close(what, &last_stage_losses(&runs), &single.losses);
+        assert_same_params(what, &params, &single);
     }
 }
 

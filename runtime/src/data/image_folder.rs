@@ -7,7 +7,8 @@
 //! a batch holds depends only on the seed and the batch's place in the stream (its samples follow
 //! the epoch's permutation, and each sample's crop and flip are drawn from the seed and its
 //! position), never on the number of workers or which finished first. Skipping batches (a resumed
-//! run's) decodes nothing.
+//! run's) decodes nothing, and neither do the rows of a batch this rank does not use (the other
+//! replicas' microbatches), which stay zero.
 //!
 //! The transforms are torchvision's, done with the same libtorch operator as torchvision's v2
 //! transforms on a uint8 tensor (`interpolate(..., mode="bilinear", antialias=True)`):
@@ -16,6 +17,7 @@
 //! (ImageNet evaluation's at the model's size). Batches travel to the device as bytes and are
 //! normalised there.
 
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::{self, Receiver, SyncSender};
 use std::sync::Arc;
@@ -87,6 +89,8 @@ struct Source {
     seed: u64,
     size: i64,
     augment: Augment,
+    /// The rows of each batch to decode; `None` for all.
+    rows: Option<Vec<Range<usize>>>,
 }
 
 pub struct ImageFolder {
@@ -128,6 +132,7 @@ impl ImageFolder {
                 seed: request.seed,
                 size,
                 augment: request.augment,
+                rows: request.rows,
             }),
             workers: request.workers.max(1),
             next: 0,
@@ -192,17 +197,28 @@ impl Source {
         let start = index * self.batch_size as u64;
         let mut images = Vec::with_capacity(self.batch_size);
         let mut labels = Vec::with_capacity(self.batch_size);
-        for position in start..start + self.batch_size as u64 {
+        for (row, position) in (start..start + self.batch_size as u64).enumerate() {
             let epoch = position / n;
             if order.epoch != Some(epoch) {
                 order.order = permutation(self.samples.len(), self.seed.wrapping_add(epoch));
                 order.epoch = Some(epoch);
             }
             let (path, label) = &self.samples[order.order[(position % n) as usize]];
+            labels.push(*label);
+            if self
+                .rows
+                .as_ref()
+                .is_some_and(|rows| !rows.iter().any(|r| r.contains(&row)))
+            {
+                images.push(Tensor::zeros(
+                    [3, self.size, self.size],
+                    (tch::Kind::Uint8, tch::Device::Cpu),
+                ));
+                continue;
+            }
             let image = decode(path)?;
             let mut draws = SplitMix::new(sample_seed(self.seed, position));
             images.push(transform(&image, self.size, self.augment, &mut draws));
-            labels.push(*label);
         }
         Ok((Tensor::stack(&images, 0), Tensor::from_slice(&labels)))
     }
@@ -351,5 +367,9 @@ impl Batches for ImageFolder {
             self.next += batches;
         }
         Ok(())
+    }
+
+    fn rows(&self) -> Option<&[Range<usize>]> {
+        self.source.rows.as_deref()
     }
 }

@@ -6,6 +6,7 @@ mod image_folder;
 mod synthetic;
 
 use std::fmt;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use tch::{Device, Tensor};
@@ -146,7 +147,7 @@ impl Augment {
 }
 
 /// What every batch source needs to know.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct BatchRequest {
     pub input: InputKind,
     pub batch_size: usize,
@@ -157,6 +158,10 @@ pub struct BatchRequest {
     pub augment: Augment,
     /// Threads decoding an image folder's images.
     pub workers: usize,
+    /// The rows of each batch this rank uses, where it uses only some (a replica of the first
+    /// stage takes its own microbatches of every minibatch); `None` for all. An image folder
+    /// decodes only these and leaves the other rows zero.
+    pub rows: Option<Vec<Range<usize>>>,
 }
 
 /// An endless stream of `(input, target)` batches on the requested device.
@@ -170,6 +175,11 @@ pub trait Batches: Send {
             drop(self.next_batch()?);
         }
         Ok(())
+    }
+
+    /// The rows of each batch that hold data, where only some do (`BatchRequest::rows`).
+    fn rows(&self) -> Option<&[Range<usize>]> {
+        None
     }
 }
 

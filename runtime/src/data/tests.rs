@@ -15,6 +15,7 @@ fn request(input: InputKind, batch_size: usize, shard: Shard) -> BatchRequest {
         device: Device::Cpu,
         augment: Augment::None,
         workers: 1,
+        rows: None,
     }
 }
 

@@ -514,6 +514,24 @@ fn identity(config: &TrainConfig, model: &ModelDef, plan: &StagePlan, microbatch
     }
 }
 
+/// The rows of each minibatch a replica of the first stage runs (its microbatches, taken
+/// round-robin within each iteration); `None` where it runs them all.
+fn own_rows(
+    plan: &StagePlan,
+    rank: usize,
+    microbatches: usize,
+    micro_size: usize,
+) -> Option<Vec<Range<usize>>> {
+    if plan.stages[0].ranks.len() < 2 {
+        return None;
+    }
+    let rows = (0..microbatches)
+        .filter(|&m| schedule::rank_for(plan, 0, m) == rank)
+        .map(|m| m * micro_size..(m + 1) * micro_size)
+        .collect();
+    Some(rows)
+}
+
 /// `runtime --check`: validates a training request as [`run`] would before it connects, and
 /// prints one JSON line describing the plan (`driver check` and preflight ask it).
 pub fn check<W: Write>(config: &TrainConfig, out: &mut W) -> anyhow::Result<()> {
@@ -604,6 +622,7 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
             device,
             augment: config.augment,
             workers: config.data_workers,
+            rows: own_rows(&plan, dist.rank, microbatches, micro_size as usize),
         };
         Some(data::open(&config.data, request)?)
     } else {

@@ -6,7 +6,7 @@
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context};
+use anyhow::{bail, ensure, Context};
 use stagehand_contract::{P2p, StagePlan, Trace};
 use tch::{Device, Kind, Tensor};
 
@@ -263,6 +263,16 @@ impl Executor {
         }
         let (_, x, y) = progress.batch.as_ref().expect("just loaded");
         let start = (g % self.microbatches) as i64 * self.micro_size;
+        let loaded = self.data.as_ref().and_then(|d| d.rows()).is_none_or(|rows| {
+            let wanted = start as usize..(start + self.micro_size) as usize;
+            rows.iter()
+                .any(|r| r.start <= wanted.start && wanted.end <= r.end)
+        });
+        ensure!(
+            loaded,
+            "internal error: microbatch {g} takes rows {start}.. of its minibatch, which this \
+             rank's data stream was told it would not use"
+        );
         Ok((
             x.narrow(0, start, self.micro_size),
             y.narrow(0, start, self.micro_size),
