@@ -229,10 +229,37 @@ fn sample_seed(seed: u64, position: u64) -> u64 {
     SplitMix::new(seed ^ 0x5eed_da7a).next_u64() ^ position.wrapping_mul(0x9e37_79b9_7f4a_7c15)
 }
 
-/// The file's image as uint8 `[3, height, width]` (grey and RGBA images become RGB).
+/// The file's image as uint8 `[3, height, width]` (grey, CMYK and RGBA images become RGB). JPEGs,
+/// told by their first bytes rather than their names, are decoded by zune-jpeg (SIMD, about 1.4
+/// times stb_image's speed here); PNGs, and any JPEG it declines, by stb_image (tch's decoder).
 pub(super) fn decode(path: &Path) -> Result<Tensor, DataError> {
-    tch::vision::image::load(path)
+    let bytes = std::fs::read(path).map_err(DataError::io(path))?;
+    if bytes.starts_with(&[0xff, 0xd8]) {
+        if let Some(image) = decode_jpeg(&bytes) {
+            return Ok(image);
+        }
+    }
+    tch::vision::image::load_from_memory(&bytes)
         .map_err(|e| DataError::malformed(path, format!("cannot decode image: {e}")))
+}
+
+/// A JPEG's pixels by zune-jpeg, or `None` where it cannot decode them.
+pub(super) fn decode_jpeg(bytes: &[u8]) -> Option<Tensor> {
+    use zune_core::{bytestream::ZCursor, colorspace::ColorSpace, options::DecoderOptions};
+
+    let options = DecoderOptions::default().jpeg_set_out_colorspace(ColorSpace::RGB);
+    let mut decoder = zune_jpeg::JpegDecoder::new_with_options(ZCursor::new(bytes), options);
+    let pixels = decoder.decode().ok()?;
+    let info = decoder.info()?;
+    let (height, width) = (i64::from(info.height), i64::from(info.width));
+    if decoder.output_colorspace()? != ColorSpace::RGB || pixels.len() as i64 != height * width * 3 {
+        return None;
+    }
+    Some(
+        Tensor::from_slice(&pixels)
+            .view([height, width, 3])
+            .permute([2, 0, 1]),
+    )
 }
 
 /// A crop of an image: top, left, height, width.

@@ -487,3 +487,55 @@ fn a_loader_thread_is_serial_and_leaves_the_others_their_threads() {
         "later threads take libtorch's count, not the worker's"
     );
 }
+
+/// JPEGs decode to what stb_image (the decoder PNGs go through) makes of them, up to the rounding
+/// two conforming decoders may differ by (the inverse DCT's and the chroma upsampling's); a grey
+/// JPEG becomes three equal channels; a PNG named .jpg is still read (ImageNet has one).
+#[test]
+fn jpegs_decode_as_stb_does_up_to_rounding_and_grey_ones_become_rgb() {
+    use super::image_folder::{decode, decode_jpeg};
+
+    let dir = tempfile::tempdir().unwrap();
+    // A smooth image, as photographs mostly are: a low-resolution random image upsampled.
+    let small = random_image(6, 8, 9).to_kind(Kind::Float).unsqueeze(0);
+    let smooth = small
+        .upsample_bilinear2d([90, 120], false, None, None)
+        .squeeze_dim(0)
+        .to_kind(Kind::Uint8);
+    let jpeg = dir.path().join("smooth.jpg");
+    tch::vision::image::save(&smooth, &jpeg).unwrap();
+    let ours = decode(&jpeg).unwrap();
+    let zune = decode_jpeg(&std::fs::read(&jpeg).unwrap()).expect("zune-jpeg decodes stb's JPEGs");
+    assert!(ours.equal(&zune), "a JPEG goes through zune-jpeg");
+    let stb = tch::vision::image::load(&jpeg).unwrap();
+    assert_eq!(ours.size(), [3, 90, 120]);
+    let difference = (ours.to_kind(Kind::Float) - stb.to_kind(Kind::Float)).abs();
+    let (mean, max) = (
+        difference.mean(Kind::Float).double_value(&[]),
+        difference.max().double_value(&[]),
+    );
+    eprintln!("zune-jpeg against stb_image: mean {mean}, max {max}");
+    assert!(
+        mean < 1.0 && max <= 8.0,
+        "JPEG decoders differ by mean {mean}, max {max}"
+    );
+    let grey = dir.path().join("grey.jpg");
+    tch::vision::image::save(&smooth.narrow(0, 0, 1), &grey).unwrap();
+    assert!(
+        decode_jpeg(&std::fs::read(&grey).unwrap()).is_some(),
+        "zune-jpeg decodes grey JPEGs"
+    );
+    let grey = decode(&grey).unwrap();
+    assert_eq!(grey.size(), [3, 90, 120]);
+    assert!(
+        grey.get(0).equal(&grey.get(1)) && grey.get(0).equal(&grey.get(2)),
+        "grey is R = G = B"
+    );
+    let png_named_jpg = dir.path().join("really.jpg");
+    tch::vision::image::save(&smooth, dir.path().join("really.png")).unwrap();
+    std::fs::rename(dir.path().join("really.png"), &png_named_jpg).unwrap();
+    assert!(
+        decode(&png_named_jpg).unwrap().equal(&smooth),
+        "a PNG is lossless, whatever its name"
+    );
+}
