@@ -94,13 +94,32 @@ struct Source {
 }
 
 pub struct ImageFolder {
+    dir: PathBuf,
     source: Arc<Source>,
     workers: usize,
     /// The next batch the training loop takes (batches since the stream's start).
     next: u64,
-    /// The running pool: the batch its first worker started at, and a receiver per worker.
-    pool: Option<(u64, Vec<Receiver<Batch>>)>,
+    /// The running workers, started at the first batch taken after an open or a skip.
+    pool: Option<Pool>,
     device: tch::Device,
+}
+
+/// Worker threads making batches `first + k`, `first + k + n`, ... (worker `k` of `n`).
+struct Pool {
+    first: u64,
+    receivers: Vec<Receiver<Batch>>,
+    threads: Vec<thread::JoinHandle<()>>,
+}
+
+impl Drop for Pool {
+    /// Stops the workers and waits for them (each finishes at most the batch it is making): no
+    /// thread of the pool is left running libtorch operators, at the process's exit least of all.
+    fn drop(&mut self) {
+        self.receivers.clear();
+        for thread in self.threads.drain(..) {
+            let _ = thread.join();
+        }
+    }
 }
 
 impl ImageFolder {
@@ -126,6 +145,7 @@ impl ImageFolder {
         // Decode the first image now, so a broken tree fails at start rather than mid-run.
         drop(decode(&mine[0].0)?);
         Ok(ImageFolder {
+            dir: dir.to_path_buf(),
             source: Arc::new(Source {
                 samples: mine,
                 batch_size: request.batch_size,
@@ -141,31 +161,35 @@ impl ImageFolder {
         })
     }
 
-    /// Starts the workers at batch `first`, or returns the running pool's receiver of `next`.
+    /// The receiver of batch `next`, starting the workers there if none are running.
     fn receiver(&mut self) -> Result<&Receiver<Batch>, DataError> {
         if self.pool.is_none() {
-            let first = self.next;
-            let mut receivers = Vec::with_capacity(self.workers);
+            let mut pool = Pool {
+                first: self.next,
+                receivers: Vec::with_capacity(self.workers),
+                threads: Vec::with_capacity(self.workers),
+            };
+            let stride = self.workers as u64;
             for k in 0..self.workers {
                 let (tx, rx) = mpsc::sync_channel(PREFETCH);
                 let source = Arc::clone(&self.source);
-                let stride = self.workers as u64;
-                thread::Builder::new()
+                let first = pool.first + k as u64;
+                let thread = thread::Builder::new()
                     .name(format!("imagefolder-{k}"))
-                    .spawn(move || work(&source, first + k as u64, stride, tx))
-                    .map_err(|e| {
-                        DataError::malformed(Path::new("."), format!("cannot start a loader: {e}"))
-                    })?;
-                receivers.push(rx);
+                    .spawn(move || work(&source, first, stride, tx))
+                    .map_err(DataError::io(&self.dir))?;
+                pool.receivers.push(rx);
+                pool.threads.push(thread);
             }
-            self.pool = Some((first, receivers));
+            self.pool = Some(pool);
         }
-        let (first, receivers) = self.pool.as_ref().expect("just started");
-        Ok(&receivers[((self.next - first) % receivers.len() as u64) as usize])
+        let pool = self.pool.as_ref().expect("just started");
+        let worker = (self.next - pool.first) % pool.receivers.len() as u64;
+        Ok(&pool.receivers[worker as usize])
     }
 }
 
-/// Runs on worker thread until the training loop drops its receiver or a batch fails.
+/// Runs on a worker thread until the training loop drops its receiver or a batch fails.
 fn work(source: &Source, first: u64, stride: u64, tx: SyncSender<Batch>) {
     // Each worker makes one image at a time: its operators stay on this thread rather than
     // spreading over the training's intra-op threads.
@@ -371,10 +395,12 @@ fn round_half_even(x: f64) -> i64 {
 
 impl Batches for ImageFolder {
     fn next_batch(&mut self) -> Result<(Tensor, Tensor), DataError> {
-        let batch = self
-            .receiver()?
-            .recv()
-            .expect("an image loader ends only after sending its error");
+        let batch = self.receiver()?.recv().unwrap_or_else(|_| {
+            Err(DataError::malformed(
+                &self.dir,
+                "an image loader thread stopped without a batch (it panicked: see above)",
+            ))
+        });
         self.next += 1;
         let (images, labels) = match batch {
             Ok(batch) => batch,
