@@ -29,6 +29,55 @@ fn a_two_stage_pipeline_runs_in_both_container_modes() {
 
 /// Checkpoints written inside containers land in a folder the engine made on the host, and a
 /// later run's containers resume from it.
+/// An image folder on this machine reaches the containers (mounted read-only) and trains there:
+/// two data-parallel replicas, each decoding its own rows of every minibatch on the file's
+/// `data_workers` threads with the file's `augment`. The fixture's JPEGs and PNGs were written by
+/// torchvision (libjpeg-turbo and libpng), smooth images of 4 sizes in two classes.
+#[test]
+fn an_image_folder_trains_in_containers_with_its_transform_and_loader_threads() {
+    let runtime = runtime();
+    base_image();
+    let h = Harness::new("images-docker");
+    let images = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/images");
+    let config = h.config(&format!(
+        "machines: [localhost, localhost]\ncontainer: {{build: '{}'}}\nmodule: mlp\nimage_size: 16\n\
+         batch_size: 8\nmicrobatches: 2\niterations: 3\ndistributed_backend: gloo\nthreads: 1\n\
+         data_dir: '{}'\naugment: none\ndata_workers: 2\n",
+        local_context().display(),
+        images.display()
+    ));
+    let run = h.run(&config, &["--runtime", runtime.to_str().unwrap()]);
+    assert_eq!(run.code(), 0, "{}", run.stderr());
+    let (dir, summary) = h.summary();
+    assert_eq!(summary["status"], "succeeded");
+    assert_eq!(summary["iterations_done"], 3);
+    let mut starts = 0;
+    for line in lines(&dir.join("metrics.jsonl")) {
+        let event: serde_json::Value = serde_json::from_str(&line).unwrap();
+        match event["event"].as_str() {
+            Some("start") => {
+                starts += 1;
+                let c = &event["config"];
+                assert!(c["data"].as_str().unwrap().starts_with("imagefolder:"), "{c}");
+                assert_eq!(
+                    (c["augment"].as_str(), c["data_workers"].as_u64()),
+                    (Some("none"), Some(2)),
+                    "{c}"
+                );
+                // The dataset's two classes size the model's head.
+                assert_eq!(
+                    event["num_params"],
+                    3 * 16 * 16 * 1024 + 1024 + 3 * (1024 * 1024 + 1024) + 1024 * 2 + 2
+                );
+            }
+            Some("iteration") => assert!(event["loss"].as_f64().unwrap().is_finite(), "{event}"),
+            _ => {}
+        }
+    }
+    assert_eq!(starts, 2, "both ranks started");
+    h.assert_no_containers();
+}
+
 #[test]
 fn checkpoints_outlive_the_containers_that_wrote_them() {
     let runtime = runtime();
