@@ -50,6 +50,29 @@ pub fn class_dirs(dir: &Path) -> Result<Vec<PathBuf>, DataError> {
     Ok(dirs)
 }
 
+/// Subfolders that name a dataset's splits rather than classes.
+const SPLITS: &[&str] = &["train", "val", "validation", "test"];
+
+/// `dir/train` where `dir` is split as ImageNet's is (its subfolders are splits, `train` among
+/// them), as PipeDream reads its `--data_dir`; otherwise `dir` itself.
+pub fn training_split(dir: &Path) -> PathBuf {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return dir.to_path_buf();
+    };
+    let subfolders: Vec<String> = entries
+        .filter_map(|e| e.ok())
+        .filter(|e| e.path().is_dir())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    let split =
+        subfolders.iter().any(|f| f == "train") && subfolders.iter().all(|f| SPLITS.contains(&f.as_str()));
+    if split {
+        dir.join("train")
+    } else {
+        dir.to_path_buf()
+    }
+}
+
 /// The images in `dir`'s class folders.
 pub fn count(dir: &Path) -> Result<u64, DataError> {
     Ok(samples(dir)?.len() as u64)

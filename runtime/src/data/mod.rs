@@ -58,7 +58,9 @@ impl DataError {
 }
 
 impl DataSpec {
-    /// Parses `synthetic`, `cifar10:DIR`, `imagefolder:DIR`, or a folder whose layout tells the format.
+    /// Parses `synthetic`, `cifar10:DIR`, `imagefolder:DIR`, or a folder whose layout tells the
+    /// format. An image folder split as ImageNet's is (`train/` beside `val/`, each a folder per
+    /// class) means its `train/`, as PipeDream's `--data_dir` does.
     pub fn parse(text: &str) -> Result<DataSpec, DataError> {
         if text == "synthetic" {
             return Ok(DataSpec::Synthetic);
@@ -67,14 +69,16 @@ impl DataSpec {
             return Ok(DataSpec::Cifar10(dir.into()));
         }
         if let Some(dir) = text.strip_prefix("imagefolder:") {
-            return Ok(DataSpec::ImageFolder(dir.into()));
+            return Ok(DataSpec::ImageFolder(image_folder::training_split(Path::new(
+                dir,
+            ))));
         }
         let path = Path::new(text);
         if path.is_dir() {
             return Ok(if cifar::looks_like(path) {
                 DataSpec::Cifar10(path.into())
             } else {
-                DataSpec::ImageFolder(path.into())
+                DataSpec::ImageFolder(image_folder::training_split(path))
             });
         }
         Err(DataError::BadSpec {

@@ -52,6 +52,28 @@ fn specs_parse_and_folders_are_recognised() {
         DataSpec::parse(dir.path().to_str().unwrap()).unwrap(),
         DataSpec::Cifar10(dir.path().into())
     );
+    // A folder split as ImageNet's means its training split, as PipeDream's --data_dir does,
+    // whether named as a folder or as imagefolder:; one with a class that happens to be called
+    // train beside others is a folder of classes.
+    let imagenet = tempfile::tempdir().unwrap();
+    for split in ["train", "val"] {
+        for class in ["n01", "n02"] {
+            std::fs::create_dir_all(imagenet.path().join(split).join(class)).unwrap();
+        }
+    }
+    let root = imagenet.path().to_str().unwrap();
+    for text in [root.to_string(), format!("imagefolder:{root}")] {
+        assert_eq!(
+            DataSpec::parse(&text).unwrap(),
+            DataSpec::ImageFolder(imagenet.path().join("train")),
+            "{text}"
+        );
+    }
+    std::fs::create_dir(imagenet.path().join("cat")).unwrap();
+    assert_eq!(
+        DataSpec::parse(root).unwrap(),
+        DataSpec::ImageFolder(imagenet.path().into())
+    );
     let err = DataSpec::parse("/no/such/dir").unwrap_err();
     assert!(
         err.to_string().contains("\"/no/such/dir\" is not `synthetic`"),
