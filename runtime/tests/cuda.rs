@@ -261,6 +261,33 @@ fn gpu_cpu_and_cuda_agree_on_the_first_loss() {
     }
 }
 
+/// An image folder's batches reach the GPU (pinned by the loader threads, copied without holding
+/// up the training thread) as they reach the CPU: the same images, crops and mirrors (drawn on
+/// the CPU from the seed), so the first loss agrees to float32 rounding (the mlp's matmuls stay
+/// float32 on the GPU), and training goes on.
+#[test]
+fn gpu_an_image_folder_trains_on_the_gpu_as_on_the_cpu() {
+    let Some(_) = gpus("gpu_an_image_folder_trains_on_the_gpu_as_on_the_cpu") else {
+        return;
+    };
+    let folder = tempfile::tempdir().unwrap();
+    crate::util::write_image_folder(folder.path(), 3, 4);
+    let path = folder.path().to_str().unwrap();
+    let losses = |device: &str| {
+        let args = format!(
+            "--model mlp --image-size 16 --batch-size 8 --iterations 3 --seed 5 --data-workers 2 \
+             --device {device} --data"
+        );
+        run_ok(&[words(&args), vec![path]].concat()).losses()
+    };
+    let (cpu, cuda) = (losses("cpu"), losses("cuda"));
+    assert_eq!(cuda.len(), 3, "{cuda:?}");
+    assert!(
+        (cpu[0] - cuda[0]).abs() <= 1e-3 * cpu[0].abs(),
+        "cpu {cpu:?} vs cuda {cuda:?}"
+    );
+}
+
 /// `runtime profile --device cuda` measures every module on the GPU (each time taken once the GPU
 /// has run the work), in the arithmetic it is given, as on the CPU: float32 activations, or
 /// bfloat16 ones (half the bytes) with `--precision bf16 --channels-last`.

@@ -15,7 +15,8 @@
 //! [`Augment::CropFlip`] is `RandomResizedCrop(size)` then `RandomHorizontalFlip()` (ImageNet
 //! training's, and PipeDream's), [`Augment::None`] is `Resize(size)` then `CenterCrop(size)`
 //! (ImageNet evaluation's at the model's size). Batches travel to the device as bytes and are
-//! normalised there.
+//! normalised there; for a GPU the workers pin them, and the copy does not hold up the training
+//! thread.
 
 use std::ops::Range;
 use std::path::{Path, PathBuf};
@@ -114,6 +115,10 @@ struct Source {
     augment: Augment,
     /// The rows of each batch to decode; `None` for all.
     rows: Option<Vec<Range<usize>>>,
+    /// The CUDA device the batches go to, for which the workers pin them (page-locked host
+    /// memory, which the copy to the GPU reads without staging and without holding up the
+    /// training thread); `None` on the CPU.
+    pin: Option<tch::Device>,
 }
 
 pub struct ImageFolder {
@@ -176,6 +181,7 @@ impl ImageFolder {
                 size,
                 augment: request.augment,
                 rows: request.rows,
+                pin: request.device.is_cuda().then_some(request.device),
             }),
             workers: request.workers.max(1),
             next: 0,
@@ -217,10 +223,18 @@ fn work(source: &Source, first: u64, stride: u64, tx: SyncSender<Batch>) {
     // Each worker makes one image at a time: its operators stay on this thread rather than
     // spreading over the training's intra-op threads.
     crate::ffi::keep_this_thread_serial();
+    // Pinned for the rank's GPU, made current here first: CUDA would otherwise make this thread's
+    // calls on GPU 0, and a context there costs another rank's memory. Unpinned if that fails.
+    let pin = source
+        .pin
+        .filter(|&device| crate::cuda::bind_device(device).is_ok());
     let mut order = Order::default();
     let mut index = first;
     loop {
-        let batch = source.batch(index, &mut order);
+        let batch = source.batch(index, &mut order).map(|(images, labels)| match pin {
+            Some(device) => (images.f_pin_memory(device).unwrap_or(images), labels),
+            None => (images, labels),
+        });
         let stop = batch.is_err();
         if tx.send(batch).is_err() || stop {
             return;
@@ -433,7 +447,9 @@ impl Batches for ImageFolder {
                 return Err(e);
             }
         };
-        let images = images.to_device(self.device);
+        // From pinned memory (on a GPU) the copy is queued on the stream and the training thread
+        // goes on; the normalisation after it is queued behind it.
+        let images = images.to_device_(self.device, tch::Kind::Uint8, self.device.is_cuda(), false);
         Ok((normalize(&images), labels.to_device(self.device)))
     }
 
