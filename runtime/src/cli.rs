@@ -245,7 +245,8 @@ struct TrainArgs {
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Data: `synthetic`, `cifar10:DIR` (CIFAR-10 binary files), `imagefolder:DIR` (a subfolder of
-    /// images per class), or a DIR whose format is recognised.
+    /// images per class; a DIR split as ImageNet's, train/ beside val/, means its train/), or a
+    /// DIR whose format is recognised.
     #[arg(long, default_value = "synthetic")]
     data: String,
     /// How an image folder's images are transformed: crop-flip (torchvision's
@@ -799,8 +800,6 @@ impl TrainArgs {
         Ok(devices)
     }
 
-    /// The run's iterations and learning rate per iteration. An epoch's length is read only when
-    /// something needs it: --epochs, a policy other than constant, or a warm-up.
     /// `--augment` and `--data-workers`, which only an image folder reads.
     fn image_loading(&self, data: &DataSpec) -> Result<(Augment, usize), ConfigError> {
         if !matches!(data, DataSpec::ImageFolder(_)) {
@@ -825,6 +824,8 @@ impl TrainArgs {
         Ok((self.augment.unwrap_or_default(), workers))
     }
 
+    /// The run's iterations and learning rate per iteration. An epoch's length is read only when
+    /// something needs it: --epochs, a policy other than constant, or a warm-up.
     fn lr_schedule(&self, data: &DataSpec, batch_size: usize) -> Result<(u64, LrSchedule), ConfigError> {
         let invalid = |flag, reason: String| ConfigError::Invalid { flag, reason };
         let policy = match self.lr_policy {
