@@ -561,3 +561,25 @@ fn jpegs_decode_as_stb_does_up_to_rounding_and_grey_ones_become_rgb() {
         "a PNG is lossless, whatever its name"
     );
 }
+
+/// A CMYK JPEG (ImageNet has a few dozen; this one written by PIL, its left half cyan and its
+/// right half yellow) decodes to RGB, as PIL's `convert("RGB")` gives (0, 255, 255) and
+/// (255, 255, 0): a JPEG's colours are approximate, hence the margin.
+#[test]
+fn a_cmyk_jpeg_decodes_to_rgb() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/images/cmyk.jpg");
+    let image = super::image_folder::decode(&path).unwrap();
+    assert_eq!(image.size(), [3, 12, 20]);
+    let zune = super::image_folder::decode_jpeg(&std::fs::read(&path).unwrap());
+    assert!(zune.is_some_and(|z| z.equal(&image)), "zune-jpeg decodes CMYK");
+    let pixel = |x: i64| -> Vec<i64> {
+        Vec::<i64>::try_from(image.select(2, x).select(1, 5).to_kind(Kind::Int64)).unwrap()
+    };
+    for (x, expected) in [(2, [0, 255, 255]), (17, [255, 255, 0])] {
+        let got = pixel(x);
+        assert!(
+            got.iter().zip(expected).all(|(g, e)| (g - e).abs() <= 24),
+            "pixel at x = {x}: {got:?}, expected about {expected:?}"
+        );
+    }
+}
