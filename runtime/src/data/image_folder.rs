@@ -1,5 +1,5 @@
 //! An ImageFolder tree as torchvision reads it: one subfolder per class (sorted names give the
-//! class indices), JPEG or PNG files inside, decoded to RGB.
+//! class indices), its images (JPEG, PNG, BMP, PPM, PGM) anywhere below it, decoded to RGB.
 //!
 //! Images are decoded and transformed by a pool of worker threads (`--data-workers`, as
 //! `DataLoader`'s `num_workers`), each making whole batches: worker `k` of `n` makes batches
@@ -31,7 +31,10 @@ use crate::models::InputKind;
 
 /// Batches each worker keeps ready beyond the one it is making.
 const PREFETCH: usize = 2;
-const EXTENSIONS: &[&str] = &["jpg", "jpeg", "png"];
+/// torchvision's image extensions that the decoders here read (JPEG through zune-jpeg, the
+/// rest through stb_image), and those they do not.
+const EXTENSIONS: &[&str] = &[".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm"];
+const UNREADABLE: &[&str] = &[".tif", ".tiff", ".webp"];
 
 /// The class subfolders of `dir`, sorted by name.
 pub fn class_dirs(dir: &Path) -> Result<Vec<PathBuf>, DataError> {
@@ -79,29 +82,89 @@ pub fn count(dir: &Path) -> Result<u64, DataError> {
     Ok(samples(dir)?.len() as u64)
 }
 
-fn samples(dir: &Path) -> Result<Vec<(PathBuf, i64)>, DataError> {
+/// torchvision's `ImageFolder` samples: each class folder walked as `sorted(os.walk(class_dir,
+/// followlinks=True))` (folders in the order of their paths, files by name within each), the
+/// files whose names end, in any case, in an image extension; a class with none is an error, as
+/// it is there. Of torchvision's extensions, TIFF and WebP are refused by name, not left out: the
+/// decoders here do not read them, and leaving them out would train on fewer images than
+/// PyTorch does.
+pub(super) fn samples(dir: &Path) -> Result<Vec<(PathBuf, i64)>, DataError> {
     let mut samples = Vec::new();
+    let mut empty = Vec::new();
     for (label, class) in class_dirs(dir)?.iter().enumerate() {
-        let mut files: Vec<PathBuf> = std::fs::read_dir(class)
-            .map_err(DataError::io(class))?
-            .filter_map(|e| e.ok())
-            .map(|e| e.path())
-            .filter(|p| {
-                p.extension()
-                    .and_then(|e| e.to_str())
-                    .is_some_and(|e| EXTENSIONS.contains(&e.to_ascii_lowercase().as_str()))
-            })
-            .collect();
-        files.sort();
-        samples.extend(files.into_iter().map(|f| (f, label as i64)));
+        let mut folders = Vec::new();
+        walk(class, &mut folders, &mut Vec::new())?;
+        folders.sort_by(|a, b| a.0.cmp(&b.0));
+        let before = samples.len();
+        for (_, mut files) in folders {
+            files.sort_by(|a: &(String, PathBuf), b| a.0.cmp(&b.0));
+            for (name, path) in files {
+                let lower = name.to_ascii_lowercase();
+                if let Some(ext) = UNREADABLE.iter().find(|e| lower.ends_with(*e)) {
+                    return Err(DataError::malformed(
+                        &path,
+                        format!(
+                            "{ext} images are not decoded here (JPEG, PNG, BMP, PPM and PGM are); \
+                             convert them, to PNG say, or move them out of the folder"
+                        ),
+                    ));
+                }
+                if EXTENSIONS.iter().any(|e| lower.ends_with(*e)) {
+                    samples.push((path, label as i64));
+                }
+            }
+        }
+        if samples.len() == before {
+            empty.push(
+                class
+                    .file_name()
+                    .map_or_else(String::new, |n| n.to_string_lossy().into_owned()),
+            );
+        }
     }
-    if samples.is_empty() {
+    if !empty.is_empty() {
         return Err(DataError::malformed(
             dir,
-            "found no .jpg, .jpeg or .png files in the class subfolders",
+            format!(
+                "found no images for the classes {} (files ending in {})",
+                empty.join(", "),
+                EXTENSIONS.join(", ")
+            ),
         ));
     }
     Ok(samples)
+}
+
+/// The folders under `dir` (itself included, symbolic links followed, each real folder once),
+/// each with its files as (name, path), for [`samples`] to sort as Python's `os.walk` lists them.
+fn walk(
+    dir: &Path,
+    out: &mut Vec<(String, Vec<(String, PathBuf)>)>,
+    seen: &mut Vec<PathBuf>,
+) -> Result<(), DataError> {
+    let real = std::fs::canonicalize(dir).map_err(DataError::io(dir))?;
+    if seen.contains(&real) {
+        return Ok(());
+    }
+    seen.push(real);
+    let mut files = Vec::new();
+    let mut subfolders = Vec::new();
+    for entry in std::fs::read_dir(dir).map_err(DataError::io(dir))? {
+        let path = entry.map_err(DataError::io(dir))?.path();
+        if path.is_dir() {
+            subfolders.push(path);
+        } else {
+            let name = path
+                .file_name()
+                .map_or_else(String::new, |n| n.to_string_lossy().into_owned());
+            files.push((name, path));
+        }
+    }
+    out.push((dir.to_string_lossy().into_owned(), files));
+    for sub in subfolders {
+        walk(&sub, out, seen)?;
+    }
+    Ok(())
 }
 
 type Batch = Result<(Tensor, Tensor), DataError>;

@@ -205,7 +205,7 @@ fn image_folder_errors_say_what_was_expected() {
     std::fs::write(dir.path().join("cat").join("notes.txt"), "x").unwrap();
     let err = open(&spec, request(IMAGE32, 2, Shard::WHOLE)).err().unwrap();
     assert!(
-        err.to_string().contains("found no .jpg, .jpeg or .png files"),
+        err.to_string().contains("found no images for the classes cat"),
         "{err}"
     );
     std::fs::write(dir.path().join("cat").join("broken.png"), "not a png").unwrap();
@@ -582,4 +582,67 @@ fn a_cmyk_jpeg_decodes_to_rgb() {
             "pixel at x = {x}: {got:?}, expected about {expected:?}"
         );
     }
+}
+
+/// The samples are torchvision's ImageFolder's: images anywhere below a class folder, folders in
+/// the order of their paths and files by name within each (`sorted(os.walk(...))`), extensions
+/// in any case, BMP, PPM and PGM read too; TIFF (which torchvision lists and nothing here
+/// decodes) is refused by name, and so is a class without images.
+#[test]
+fn image_folder_samples_are_torchvisions_walk() {
+    use super::image_folder::samples;
+
+    let dir = tempfile::tempdir().unwrap();
+    let image = random_image(6, 5, 1);
+    let a = dir.path().join("a");
+    for sub in ["sub", "sub2", "sub/deeper"] {
+        std::fs::create_dir_all(a.join(sub)).unwrap();
+    }
+    for file in ["z.png", "sub/b.png", "sub2/c.PNG", "sub/deeper/d.png", "b.bmp"] {
+        tch::vision::image::save(&image, a.join(file)).unwrap();
+    }
+    let mut ppm = b"P6\n5 6\n255\n".to_vec();
+    ppm.extend(Vec::<u8>::try_from(image.permute([1, 2, 0]).flatten(0, -1)).unwrap());
+    std::fs::write(a.join("x.ppm"), ppm).unwrap();
+    std::fs::write(a.join("notes.txt"), "not an image").unwrap();
+    std::fs::create_dir(dir.path().join("b")).unwrap();
+    let mut pgm = b"P5\n5 6\n255\n".to_vec();
+    pgm.extend(Vec::<u8>::try_from(image.get(0).flatten(0, -1)).unwrap());
+    std::fs::write(dir.path().join("b").join("y.pgm"), pgm).unwrap();
+
+    let found: Vec<(String, i64)> = samples(dir.path())
+        .unwrap()
+        .into_iter()
+        .map(|(p, l)| (p.strip_prefix(dir.path()).unwrap().display().to_string(), l))
+        .collect();
+    let expected = [
+        ("a/b.bmp", 0),
+        ("a/x.ppm", 0),
+        ("a/z.png", 0),
+        ("a/sub/b.png", 0),
+        ("a/sub/deeper/d.png", 0),
+        ("a/sub2/c.PNG", 0),
+        ("b/y.pgm", 1),
+    ];
+    let expected: Vec<(String, i64)> = expected.iter().map(|(p, l)| (p.to_string(), *l)).collect();
+    assert_eq!(found, expected);
+    // Every one of them decodes: the PPM to the image, the PGM to its grey made RGB.
+    for (path, _) in samples(dir.path()).unwrap() {
+        let decoded = super::image_folder::decode(&path).unwrap();
+        assert_eq!(decoded.size(), [3, 6, 5], "{}", path.display());
+    }
+    assert!(super::image_folder::decode(&a.join("x.ppm"))
+        .unwrap()
+        .equal(&image));
+
+    std::fs::write(a.join("sub").join("scan.TIF"), "tiff").unwrap();
+    let err = samples(dir.path()).unwrap_err().to_string();
+    assert!(
+        err.contains("scan.TIF") && err.contains(".tif images are not decoded here"),
+        "{err}"
+    );
+    std::fs::remove_file(a.join("sub").join("scan.TIF")).unwrap();
+    std::fs::create_dir(dir.path().join("c")).unwrap();
+    let err = samples(dir.path()).unwrap_err().to_string();
+    assert!(err.contains("found no images for the classes c"), "{err}");
 }
