@@ -58,7 +58,8 @@ pub struct RunConfig {
     pub seed: u64,
     /// Data source, as given to `--data`.
     pub data: String,
-    /// An image folder's transform (`--augment`): `crop-flip` or `none`; absent for other data.
+    /// How the images were transformed (`--augment`): `crop-flip` or `none`; absent for
+    /// synthetic data.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub augment: Option<String>,
     /// Threads decoding an image folder's images (`--data-workers`); absent for other data.

@@ -249,9 +249,10 @@ struct TrainArgs {
     /// DIR whose format is recognised.
     #[arg(long, default_value = "synthetic")]
     data: String,
-    /// How an image folder's images are transformed: crop-flip (torchvision's
-    /// RandomResizedCrop and RandomHorizontalFlip, as ImageNet training and PipeDream do) or none
-    /// (Resize and CenterCrop, the same each epoch) [default: crop-flip].
+    /// How images are transformed: crop-flip (an image folder's default: torchvision's
+    /// RandomResizedCrop and RandomHorizontalFlip, as ImageNet training and PipeDream do; for
+    /// CIFAR-10, RandomCrop(32, padding=4) and RandomHorizontalFlip) or none (an image folder's
+    /// Resize and CenterCrop, CIFAR-10's images as they are; CIFAR-10's default).
     #[arg(long, value_enum)]
     augment: Option<Augment>,
     /// Threads decoding an image folder's images, as DataLoader's num_workers [default: 4, or
@@ -800,28 +801,32 @@ impl TrainArgs {
         Ok(devices)
     }
 
-    /// `--augment` and `--data-workers`, which only an image folder reads.
+    /// `--augment` (image data: an image folder crops and flips by default, CIFAR-10 does not)
+    /// and `--data-workers` (an image folder's, the one dataset decoded as it goes).
     fn image_loading(&self, data: &DataSpec) -> Result<(Augment, usize), ConfigError> {
-        if !matches!(data, DataSpec::ImageFolder(_)) {
-            let given = [
-                ("--augment", self.augment.is_some()),
-                ("--data-workers", self.data_workers.is_some()),
-            ];
-            if let Some((flag, _)) = given.into_iter().find(|(_, given)| *given) {
-                return Err(ConfigError::Invalid {
-                    flag,
-                    reason: format!(
-                        "only an image folder's images are decoded and transformed; {data} has \
-                         none to load: drop {flag}"
-                    ),
-                });
-            }
-        }
-        let workers = match self.data_workers {
-            Some(n) => positive("--data-workers", n)?,
-            None => DEFAULT_DATA_WORKERS.min(std::thread::available_parallelism().map_or(1, |n| n.get())),
+        let refuse = |flag: &'static str, what: &str| ConfigError::Invalid {
+            flag,
+            reason: format!("only {what}; {data} has none: drop {flag}"),
         };
-        Ok((self.augment.unwrap_or_default(), workers))
+        let augment = match (data, self.augment) {
+            (DataSpec::Synthetic, Some(_)) => return Err(refuse("--augment", "real images are transformed")),
+            (_, Some(augment)) => augment,
+            (DataSpec::ImageFolder(_), None) => Augment::CropFlip,
+            (_, None) => Augment::None,
+        };
+        let workers = match (data, self.data_workers) {
+            (DataSpec::ImageFolder(_), Some(n)) => positive("--data-workers", n)?,
+            (_, Some(_)) => {
+                return Err(refuse(
+                    "--data-workers",
+                    "an image folder's images are decoded as it goes",
+                ))
+            }
+            (_, None) => {
+                DEFAULT_DATA_WORKERS.min(std::thread::available_parallelism().map_or(1, |n| n.get()))
+            }
+        };
+        Ok((augment, workers))
     }
 
     /// The run's iterations and learning rate per iteration. An epoch's length is read only when

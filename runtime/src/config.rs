@@ -276,7 +276,7 @@ pub struct TrainConfig {
     pub optimizer: OptimizerKind,
     pub seed: u64,
     pub data: DataSpec,
-    /// An image folder's transform.
+    /// How real images are transformed (synthetic data is not).
     pub augment: Augment,
     /// Threads decoding an image folder's images.
     pub data_workers: usize,
@@ -431,7 +431,7 @@ pub struct PartialOptions {
 }
 
 impl TrainConfig {
-    /// Whether the data is an image folder, which `augment` and `data_workers` are for.
+    /// Whether the data is an image folder, which `data_workers` is for.
     fn image_folder(&self) -> bool {
         matches!(self.data, DataSpec::ImageFolder(_))
     }
@@ -452,7 +452,7 @@ impl TrainConfig {
             optimizer: self.optimizer.name().into(),
             seed: self.seed,
             data: self.data.to_string(),
-            augment: self.image_folder().then(|| self.augment.as_arg().to_string()),
+            augment: (self.data != DataSpec::Synthetic).then(|| self.augment.as_arg().to_string()),
             data_workers: self.image_folder().then_some(self.data_workers),
             device: self.device.to_string(),
             threads,

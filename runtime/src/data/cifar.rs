@@ -9,12 +9,16 @@ use std::path::{Path, PathBuf};
 
 use tch::{Kind, Tensor};
 
-use super::{normalize, permutation, resize, BatchRequest, Batches, DataError};
+use super::{
+    normalize, permutation, resize, sample_seed, Augment, BatchRequest, Batches, DataError, SplitMix,
+};
 use crate::models::InputKind;
 
 pub const CLASSES: i64 = 10;
 const SIDE: i64 = 32;
 const RECORD: usize = 1 + 3 * (SIDE * SIDE) as usize;
+/// `RandomCrop(32, padding=4)`'s padding.
+const PAD: i64 = 4;
 
 fn train_files(dir: &Path) -> Vec<PathBuf> {
     (1..=5)
@@ -52,6 +56,8 @@ pub struct Cifar10 {
     epoch: u64,
     request: BatchRequest,
     size: i64,
+    /// Samples taken since the stream's start: the position of the next batch's first.
+    taken: u64,
 }
 
 impl Cifar10 {
@@ -120,6 +126,7 @@ impl Cifar10 {
             epoch: 0,
             request,
             size,
+            taken: 0,
         };
         data.shuffle();
         Ok(data)
@@ -152,11 +159,38 @@ impl Batches for Cifar10 {
             count += take;
         }
         let index = Tensor::cat(&picked, 0);
-        let images = resize(normalize(&self.images.index_select(0, &index)), self.size);
+        let mut images = self.images.index_select(0, &index);
+        if self.request.augment == Augment::CropFlip {
+            images = crop_and_flip(&images, self.request.seed, self.taken);
+        }
+        self.taken += batch as u64;
+        let images = resize(normalize(&images), self.size);
         let labels = self.labels.index_select(0, &index);
         Ok((
             images.to_device(self.request.device),
             labels.to_device(self.request.device),
         ))
     }
+}
+
+/// torchvision's `RandomCrop(32, padding=4)` (zeros around the image) and
+/// `RandomHorizontalFlip()` of uint8 images `[n, 3, 32, 32]`, CIFAR-10 training's recipe; each
+/// sample's offsets and mirror are drawn from the seed and its position, `first` being the
+/// first's.
+pub(super) fn crop_and_flip(images: &Tensor, seed: u64, first: u64) -> Tensor {
+    let padded = images.constant_pad_nd([PAD, PAD, PAD, PAD]);
+    let rows: Vec<Tensor> = (0..images.size()[0])
+        .map(|j| {
+            let mut draws = SplitMix::new(sample_seed(seed, first + j as u64));
+            let top = draws.below(2 * PAD as u64 + 1) as i64;
+            let left = draws.below(2 * PAD as u64 + 1) as i64;
+            let crop = padded.get(j).narrow(1, top, SIDE).narrow(2, left, SIDE);
+            if draws.uniform(0.0, 1.0) < 0.5 {
+                crop.flip([2])
+            } else {
+                crop
+            }
+        })
+        .collect();
+    Tensor::stack(&rows, 0)
 }

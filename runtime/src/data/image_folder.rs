@@ -26,7 +26,7 @@ use std::thread;
 
 use tch::Tensor;
 
-use super::{normalize, permutation, Augment, BatchRequest, Batches, DataError, SplitMix};
+use super::{normalize, permutation, sample_seed, Augment, BatchRequest, Batches, DataError, SplitMix};
 use crate::models::InputKind;
 
 /// Batches each worker keeps ready beyond the one it is making.
@@ -346,11 +346,6 @@ impl Source {
         }
         Ok((Tensor::stack(&images, 0), Tensor::from_slice(&labels)))
     }
-}
-
-/// The seed of the crop and flip of the sample at `position` of the stream.
-fn sample_seed(seed: u64, position: u64) -> u64 {
-    SplitMix::new(seed ^ 0x5eed_da7a).next_u64() ^ position.wrapping_mul(0x9e37_79b9_7f4a_7c15)
 }
 
 /// The file's image as uint8 `[3, height, width]` (grey, CMYK and RGBA images become RGB). JPEGs,

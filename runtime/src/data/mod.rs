@@ -127,16 +127,15 @@ impl Shard {
     pub const WHOLE: Shard = Shard { index: 0, count: 1 };
 }
 
-/// How an image folder's images become the model's input (`--augment`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+/// How images become the model's input (`--augment`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Augment {
-    /// torchvision's `RandomResizedCrop(size)` and `RandomHorizontalFlip()`: ImageNet training's
-    /// (and PipeDream's), a random part of each image at a random aspect ratio, half of them
-    /// mirrored.
-    #[default]
+    /// Each dataset's training recipe, half of the images mirrored: for an image folder
+    /// torchvision's `RandomResizedCrop(size)` and `RandomHorizontalFlip()` (ImageNet training's,
+    /// and PipeDream's), for CIFAR-10 `RandomCrop(32, padding=4)` and `RandomHorizontalFlip()`.
     CropFlip,
-    /// torchvision's `Resize(size)` and `CenterCrop(size)`: every image whole but for its longer
-    /// side's ends, the same each epoch.
+    /// The same input each epoch: an image folder's images through torchvision's `Resize(size)`
+    /// and `CenterCrop(size)`; CIFAR-10's as they are.
     None,
 }
 
@@ -227,6 +226,12 @@ fn permutation(n: usize, seed: u64) -> Vec<usize> {
         order.swap(i, (draws.next_u64() % (i as u64 + 1)) as usize);
     }
     order
+}
+
+/// The seed of the random transform of the sample at `position` of the stream (samples taken
+/// since its start): the same whoever makes the batch.
+pub(super) fn sample_seed(seed: u64, position: u64) -> u64 {
+    SplitMix::new(seed ^ 0x5eed_da7a).next_u64() ^ position.wrapping_mul(0x9e37_79b9_7f4a_7c15)
 }
 
 /// splitmix64: the data's own random numbers, apart from libtorch's generator.

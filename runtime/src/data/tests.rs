@@ -646,3 +646,70 @@ fn image_folder_samples_are_torchvisions_walk() {
     let err = samples(dir.path()).unwrap_err().to_string();
     assert!(err.contains("found no images for the classes c"), "{err}");
 }
+
+/// CIFAR-10 with `--augment crop-flip`: each image is torchvision's RandomCrop(32, padding=4)
+/// of itself (zeros around), mirrored or not, at offsets drawn per sample; without it the
+/// images are as they are. Found by trying every placement against the same batch unaugmented
+/// (the order of the samples does not depend on the transform).
+#[test]
+fn cifar_crops_and_flips_as_torchvisions_random_crop_with_padding() {
+    let dir = tempfile::tempdir().unwrap();
+    // Random pixels, so that a placement is told apart from every other.
+    let images = random_image(640, 32, 4).view([20, 3 * 32 * 32]);
+    let labels = Tensor::arange(20, (Kind::Int64, Device::Cpu))
+        .remainder(10)
+        .to_kind(Kind::Uint8)
+        .view([20, 1]);
+    let records = Tensor::cat(&[labels, images], 1);
+    std::fs::write(
+        dir.path().join("data_batch_1.bin"),
+        Vec::<u8>::try_from(records.flatten(0, -1)).unwrap(),
+    )
+    .unwrap();
+    let spec = DataSpec::Cifar10(dir.path().into());
+    let raw = |x: &Tensor| {
+        let mean = Tensor::from_slice(&[0.485f32, 0.456, 0.406]).view([1, 3, 1, 1]);
+        let std = Tensor::from_slice(&[0.229f32, 0.224, 0.225]).view([1, 3, 1, 1]);
+        ((x * std + mean) * 255.0).round().to_kind(Kind::Uint8)
+    };
+    let batches = |augment: Augment| {
+        let mut stream = open(
+            &spec,
+            BatchRequest {
+                augment,
+                ..request(IMAGE32, 10, Shard::WHOLE)
+            },
+        )
+        .unwrap();
+        (0..2)
+            .map(|_| raw(&stream.next_batch().unwrap().0))
+            .collect::<Vec<_>>()
+    };
+    let (plain, cropped) = (batches(Augment::None), batches(Augment::CropFlip));
+    assert_eq!(
+        cropped,
+        batches(Augment::CropFlip),
+        "the same seed, the same crops"
+    );
+    let mut placements = std::collections::BTreeSet::new();
+    let mut flips = 0;
+    for (plain, cropped) in plain.iter().zip(&cropped) {
+        for j in 0..10 {
+            let padded = plain.get(j).constant_pad_nd([4, 4, 4, 4]);
+            let found = (0..9)
+                .flat_map(|top| (0..9).map(move |left| (top, left)))
+                .flat_map(|(top, left)| [(top, left, false), (top, left, true)])
+                .find(|&(top, left, flip)| {
+                    let crop = padded.narrow(1, top, 32).narrow(2, left, 32);
+                    let crop = if flip { crop.flip([2]) } else { crop };
+                    crop.equal(&cropped.get(j))
+                });
+            let (top, left, flip) =
+                found.unwrap_or_else(|| panic!("sample {j} is no padded crop of its image"));
+            placements.insert((top, left));
+            flips += flip as usize;
+        }
+    }
+    assert!(placements.len() > 5, "offsets vary: {placements:?}");
+    assert!((3..=17).contains(&flips), "about half of 20 mirrored: {flips}");
+}
