@@ -136,8 +136,8 @@ pub struct ExperimentFile {
     /// Data given to the runtime's `--data`; a path that exists is mounted into containers.
     #[serde(default)]
     pub data_dir: Option<String>,
-    /// An image folder's transform (`--augment`): `crop-flip` (torchvision's RandomResizedCrop
-    /// and RandomHorizontalFlip, the runtime's default) or `none` (Resize and CenterCrop).
+    /// How the images are transformed (`--augment`): `crop-flip` (the dataset's training recipe:
+    /// an image folder's default) or `none` (CIFAR-10's default).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub augment: Option<Augment>,
     /// Threads decoding an image folder's images per rank (`--data-workers`, as DataLoader's
@@ -311,7 +311,7 @@ pub enum Rdma {
     Off,
 }
 
-/// An image folder's transform (`--augment`).
+/// How the images are transformed (`--augment`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
 pub enum Augment {
     #[serde(rename = "crop-flip", alias = "crop_flip")]
