@@ -10,7 +10,8 @@ use std::path::{Path, PathBuf};
 use tch::{Kind, Tensor};
 
 use super::{
-    normalize, permutation, resize, sample_seed, Augment, BatchRequest, Batches, DataError, SplitMix,
+    mirrored, normalize, permutation, resize, sample_seed, Augment, BatchRequest, Batches, DataError,
+    SplitMix,
 };
 use crate::models::InputKind;
 
@@ -161,7 +162,7 @@ impl Batches for Cifar10 {
         let index = Tensor::cat(&picked, 0);
         let mut images = self.images.index_select(0, &index);
         if self.request.augment == Augment::CropFlip {
-            images = crop_and_flip(&images, self.request.seed, self.taken);
+            images = random_crop_and_flip(&images, self.request.seed, self.taken);
         }
         self.taken += batch as u64;
         let images = resize(normalize(&images), self.size);
@@ -177,19 +178,17 @@ impl Batches for Cifar10 {
 /// `RandomHorizontalFlip()` of uint8 images `[n, 3, 32, 32]`, CIFAR-10 training's recipe; each
 /// sample's offsets and mirror are drawn from the seed and its position, `first` being the
 /// first's.
-pub(super) fn crop_and_flip(images: &Tensor, seed: u64, first: u64) -> Tensor {
+fn random_crop_and_flip(images: &Tensor, seed: u64, first: u64) -> Tensor {
     let padded = images.constant_pad_nd([PAD, PAD, PAD, PAD]);
     let rows: Vec<Tensor> = (0..images.size()[0])
         .map(|j| {
             let mut draws = SplitMix::new(sample_seed(seed, first + j as u64));
             let top = draws.below(2 * PAD as u64 + 1) as i64;
             let left = draws.below(2 * PAD as u64 + 1) as i64;
-            let crop = padded.get(j).narrow(1, top, SIDE).narrow(2, left, SIDE);
-            if draws.uniform(0.0, 1.0) < 0.5 {
-                crop.flip([2])
-            } else {
-                crop
-            }
+            mirrored(
+                padded.get(j).narrow(1, top, SIDE).narrow(2, left, SIDE),
+                draws.coin(),
+            )
         })
         .collect();
     Tensor::stack(&rows, 0)

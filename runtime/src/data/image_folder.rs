@@ -26,7 +26,9 @@ use std::thread;
 
 use tch::Tensor;
 
-use super::{normalize, permutation, sample_seed, Augment, BatchRequest, Batches, DataError, SplitMix};
+use super::{
+    mirrored, normalize, permutation, sample_seed, Augment, BatchRequest, Batches, DataError, SplitMix,
+};
 use crate::models::InputKind;
 
 /// Batches each worker keeps ready beyond the one it is making.
@@ -150,8 +152,12 @@ fn walk(
     let mut files = Vec::new();
     let mut subfolders = Vec::new();
     for entry in std::fs::read_dir(dir).map_err(DataError::io(dir))? {
-        let path = entry.map_err(DataError::io(dir))?.path();
-        if path.is_dir() {
+        let entry = entry.map_err(DataError::io(dir))?;
+        let path = entry.path();
+        // The entry's type comes with the listing; only a link needs a look at what it names
+        // (ImageNet's million files are not each asked for their metadata).
+        let kind = entry.file_type().map_err(DataError::io(&path))?;
+        if kind.is_dir() || (kind.is_symlink() && path.is_dir()) {
             subfolders.push(path);
         } else {
             let name = path
@@ -411,7 +417,7 @@ pub(super) fn transform(image: &Tensor, size: i64, augment: Augment, draws: &mut
 /// A sample's `RandomResizedCrop` and whether `RandomHorizontalFlip` mirrors it (half do).
 pub fn crop_and_flip(height: i64, width: i64, draws: &mut SplitMix) -> (Crop, bool) {
     let crop = random_resized_crop(height, width, draws);
-    (crop, draws.uniform(0.0, 1.0) < 0.5)
+    (crop, draws.coin())
 }
 
 /// `crop` of `image` resized to `size` x `size`, then mirrored left to right if `flip`: what
@@ -420,12 +426,7 @@ pub fn resized_crop(image: &Tensor, crop: Crop, size: i64, flip: bool) -> Tensor
     let cropped = image
         .narrow(1, crop.top, crop.height)
         .narrow(2, crop.left, crop.width);
-    let resized = resize(&cropped, size, size);
-    if flip {
-        resized.flip([2])
-    } else {
-        resized
-    }
+    mirrored(resize(&cropped, size, size), flip)
 }
 
 /// torchvision's bilinear resize with antialiasing of a uint8 `[3, h, w]` image.

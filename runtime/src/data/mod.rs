@@ -228,6 +228,15 @@ fn permutation(n: usize, seed: u64) -> Vec<usize> {
     order
 }
 
+/// An image `[3, h, w]` mirrored left to right if `flip` (torchvision's `hflip`), else as it is.
+fn mirrored(image: Tensor, flip: bool) -> Tensor {
+    if flip {
+        image.flip([2])
+    } else {
+        image
+    }
+}
+
 /// The seed of the random transform of the sample at `position` of the stream (samples taken
 /// since its start): the same whoever makes the batch.
 pub(super) fn sample_seed(seed: u64, position: u64) -> u64 {
@@ -256,6 +265,11 @@ impl SplitMix {
     pub fn uniform(&mut self, low: f64, high: f64) -> f64 {
         let unit = (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
         low + (high - low) * unit
+    }
+
+    /// `RandomHorizontalFlip`'s draw: true for half of the draws.
+    pub fn coin(&mut self) -> bool {
+        self.uniform(0.0, 1.0) < 0.5
     }
 
     /// Uniform in `0..n` (`n` > 0), by multiply and shift (biased by less than `n / 2^64`).

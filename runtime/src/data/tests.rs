@@ -586,7 +586,7 @@ fn a_cmyk_jpeg_decodes_to_rgb() {
 
 /// The samples are torchvision's ImageFolder's: images anywhere below a class folder, folders in
 /// the order of their paths and files by name within each (`sorted(os.walk(...))`), extensions
-/// in any case, BMP, PPM and PGM read too; TIFF (which torchvision lists and nothing here
+/// in any case, BMP, PPM and PGM read too, linked folders followed; TIFF (which torchvision lists and nothing here
 /// decodes) is refused by name, and so is a class without images.
 #[test]
 fn image_folder_samples_are_torchvisions_walk() {
@@ -605,6 +605,10 @@ fn image_folder_samples_are_torchvisions_walk() {
     ppm.extend(Vec::<u8>::try_from(image.permute([1, 2, 0]).flatten(0, -1)).unwrap());
     std::fs::write(a.join("x.ppm"), ppm).unwrap();
     std::fs::write(a.join("notes.txt"), "not an image").unwrap();
+    // A folder linked in is walked as os.walk(followlinks=True) walks it.
+    let elsewhere = tempfile::tempdir().unwrap();
+    tch::vision::image::save(&image, elsewhere.path().join("l.png")).unwrap();
+    std::os::unix::fs::symlink(elsewhere.path(), a.join("link")).unwrap();
     std::fs::create_dir(dir.path().join("b")).unwrap();
     let mut pgm = b"P5\n5 6\n255\n".to_vec();
     pgm.extend(Vec::<u8>::try_from(image.get(0).flatten(0, -1)).unwrap());
@@ -619,6 +623,7 @@ fn image_folder_samples_are_torchvisions_walk() {
         ("a/b.bmp", 0),
         ("a/x.ppm", 0),
         ("a/z.png", 0),
+        ("a/link/l.png", 0),
         ("a/sub/b.png", 0),
         ("a/sub/deeper/d.png", 0),
         ("a/sub2/c.PNG", 0),
