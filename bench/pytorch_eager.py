@@ -291,6 +291,9 @@ def main():
         return
 
     device = torch.device(a.device)
+    if device.type == "cuda" and device.index is None:
+        # torch.cuda.set_device and the memory statistics want an index; "cuda" means the current one.
+        device = torch.device("cuda", torch.cuda.current_device())
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.cuda.reset_peak_memory_stats(device)
