@@ -4,8 +4,8 @@
 //! - `csrc/c10d_bridge.cpp` (the C ABI to PyTorch's c10d: TCPStore, Gloo, the operations) and
 //!   `csrc/autograd.cpp` (autograd entry points tch lacks), `csrc/amp.cpp` (autocast, the
 //!   gradient scaler's kernels, channels_last) and `csrc/optim.cpp` (the optimizers' step in
-//!   PyTorch's fused multi-tensor kernels) and `csrc/threads.cpp` (threads kept off the intra-op
-//!   pool) are linked into the binary. They need
+//!   PyTorch's fused multi-tensor kernels), `csrc/threads.cpp` (threads kept off the intra-op
+//!   pool) and `csrc/determinism.cpp` (`--deterministic`) are linked into the binary. They need
 //!   libtorch_cpu and c10 only. Gloo's own headers come from Debian's `libgloo-dev`.
 //! - `csrc/cuda_bridge.cpp` (NCCL groups, the current device, the caching allocator's figures) is
 //!   linked as a shared object against libtorch_cuda, c10_cuda, cudart and NCCL, and embedded in
@@ -31,6 +31,7 @@ fn main() {
     println!("cargo:rerun-if-changed=csrc/amp.cpp");
     println!("cargo:rerun-if-changed=csrc/optim.cpp");
     println!("cargo:rerun-if-changed=csrc/threads.cpp");
+    println!("cargo:rerun-if-changed=csrc/determinism.cpp");
     println!("cargo:rerun-if-changed=csrc/cuda_bridge.cpp");
     println!("cargo::rustc-check-cfg=cfg(cuda_bridge)");
     let lib_dir = PathBuf::from(
@@ -45,7 +46,8 @@ fn main() {
         .file("csrc/autograd.cpp")
         .file("csrc/amp.cpp")
         .file("csrc/optim.cpp")
-        .file("csrc/threads.cpp");
+        .file("csrc/threads.cpp")
+        .file("csrc/determinism.cpp");
     build.compile("c10d_bridge");
     // The bridge's symbols come from libtorch_cpu (c10d) and c10, which torch-sys links already;
     // naming them again keeps the order right after the static bridge library.

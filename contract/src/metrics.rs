@@ -87,6 +87,10 @@ pub struct RunConfig {
     /// Each training step replayed from a CUDA graph captured once (`--cuda-graph`).
     #[serde(default)]
     pub cuda_graph: bool,
+    /// Deterministic algorithms only (`--deterministic`): the run repeats bit for bit on the same
+    /// device.
+    #[serde(default)]
+    pub deterministic: bool,
     /// What became of host memory a step freed (`--host-memory`): `keep` (reused by the next
     /// iteration), `release` (glibc's defaults; what runtimes before the option did), or
     /// `environment` (the environment's malloc settings).

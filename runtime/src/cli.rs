@@ -291,6 +291,12 @@ struct TrainArgs {
     /// instead of one per kernel. A single process on one GPU; not with --trace or --slowdown.
     #[arg(long)]
     cuda_graph: bool,
+    /// Deterministic algorithms only (PyTorch's torch.use_deterministic_algorithms(True) and
+    /// cudnn.deterministic): a run repeats bit for bit on the same device, and an operator that
+    /// has no deterministic version fails naming itself. Sets CUBLAS_WORKSPACE_CONFIG=:4096:8
+    /// unless the environment sets :4096:8 or :16:8. Costs speed on a GPU.
+    #[arg(long)]
+    deterministic: bool,
     #[command(flatten)]
     host_memory: HostMemoryArgs,
     /// Leading iterations left out of the summary's throughput.
@@ -610,7 +616,8 @@ fn check_cuda_graph(trace: bool, dist: &DistConfig, devices: &[DeviceSpec]) -> R
     } else if dist.world_size > 1 {
         Some((
             "--world-size",
-            "captures a single process's step; ranks that talk to each other run without it                  (drop --cuda-graph, or use --world-size 1)",
+            "captures a single process's step; ranks that talk to each other run without it \
+                 (drop --cuda-graph, or use --world-size 1)",
         ))
     } else if trace {
         Some(("--trace", "reads the weights within the step; drop --trace"))
@@ -698,6 +705,15 @@ impl TrainArgs {
         if self.cuda_graph {
             check_cuda_graph(self.trace, &dist, &devices)?;
         }
+        if self.deterministic {
+            let current = std::env::var(crate::determinism::CUBLAS_WORKSPACE_CONFIG).ok();
+            crate::determinism::cublas_workspace(current.as_deref()).map_err(|reason| {
+                ConfigError::Invalid {
+                    flag: "--deterministic",
+                    reason,
+                }
+            })?;
+        }
         let fp16_init_scale = match (self.fp16_init_scale, &self.precision) {
             (None, _) => DEFAULT_FP16_INIT_SCALE,
             (Some(_), PrecisionArg::Fp32 | PrecisionArg::Bf16) => {
@@ -764,6 +780,7 @@ impl TrainArgs {
             fp16_init_scale,
             channels_last: self.channels_last,
             cuda_graph: self.cuda_graph,
+            deterministic: self.deterministic,
             host_memory: self.host_memory.into(),
             warmup: self.warmup,
             save_params: self.save_params,

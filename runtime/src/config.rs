@@ -296,6 +296,8 @@ pub struct TrainConfig {
     pub channels_last: bool,
     /// Capture the training step in a CUDA graph after the first iterations and replay it.
     pub cuda_graph: bool,
+    /// Deterministic algorithms only (`--deterministic`).
+    pub deterministic: bool,
     /// What becomes of host memory a step frees.
     pub host_memory: host_memory::Policy,
     /// Leading iterations left out of the summary's throughput.
@@ -466,6 +468,7 @@ impl TrainConfig {
             fp16_init_scale: (self.precision == Precision::Fp16).then_some(self.fp16_init_scale),
             channels_last: self.channels_last,
             cuda_graph: self.cuda_graph,
+            deterministic: self.deterministic,
             host_memory: host_memory.to_string(),
             bucket_mb: self.dist.reduce.bucket_bytes as f64 / (1u64 << 20) as f64,
             overlap_reduce: self.dist.reduce.overlap,

@@ -20,6 +20,7 @@ mod comm;
 mod config;
 mod cuda;
 mod data;
+mod determinism;
 mod ffi;
 mod forward;
 mod host_memory;

@@ -242,6 +242,64 @@ fn host_memory_is_kept_released_or_left_to_the_environment() {
     assert!(refused.stderr().contains("keep") && refused.stderr().contains("release"));
 }
 
+/// `--deterministic` is recorded and leaves a CPU run's arithmetic as it was (libtorch's CPU
+/// kernels already repeat for a given thread count); a cuBLAS workspace setting under which GPU
+/// runs could vary is refused before anything runs, naming the variable and the values that do.
+#[test]
+fn deterministic_runs_say_so_and_refuse_a_varying_cublas_workspace() {
+    let args = [
+        "--model",
+        "resnet50",
+        "--image-size",
+        "32",
+        "--num-classes",
+        "10",
+        "--batch-size",
+        "4",
+        "--iterations",
+        "3",
+        "--threads",
+        "1",
+    ];
+    let with = |extra: &[&str], workspace: Option<&str>| {
+        let mut cmd = runtime();
+        cmd.args(args).args(extra);
+        match workspace {
+            Some(value) => cmd.env("CUBLAS_WORKSPACE_CONFIG", value),
+            None => cmd.env_remove("CUBLAS_WORKSPACE_CONFIG"),
+        };
+        run_command(cmd)
+    };
+    let plain = with(&[], None);
+    let deterministic = with(&["--deterministic"], None);
+    let kept = with(&["--deterministic"], Some(":16:8"));
+    for (run, what) in [
+        (&plain, "plain"),
+        (&deterministic, "--deterministic"),
+        (&kept, ":16:8"),
+    ] {
+        assert!(run.output.status.success(), "{what}: {}", run.stderr());
+    }
+    assert!(!plain.start().config.deterministic);
+    assert!(deterministic.start().config.deterministic);
+    assert_eq!(plain.losses(), deterministic.losses());
+    assert_eq!(plain.losses(), kept.losses());
+    let refused = with(&["--deterministic"], Some(":0:0"));
+    assert_eq!(refused.output.status.code(), Some(2), "{}", refused.stderr());
+    let why = refused.stderr();
+    assert!(
+        why.contains("--deterministic")
+            && why.contains("CUBLAS_WORKSPACE_CONFIG=:0:0")
+            && why.contains(":4096:8"),
+        "{why}"
+    );
+    assert!(
+        refused.events.is_empty(),
+        "refused before training: {:?}",
+        refused.events.len()
+    );
+}
+
 #[test]
 fn same_seed_same_losses_other_seed_other_losses() {
     let args = SHORT_MLP;

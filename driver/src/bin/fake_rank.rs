@@ -93,6 +93,7 @@ fn main() {
             fp16_init_scale: None,
             channels_last: false,
             cuda_graph: false,
+            deterministic: false,
             host_memory: "keep".into(),
             bucket_mb: 25.0,
             overlap_reduce: true,

@@ -170,6 +170,10 @@ pub struct ExperimentFile {
     /// one GPU).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cuda_graph: Option<bool>,
+    /// Deterministic algorithms only (`--deterministic`): a rank's run repeats bit for bit on the
+    /// same device.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deterministic: Option<bool>,
     /// Host memory a step frees: `keep` it for the next iteration (the runtime's default) or
     /// `release` it to the system (`--host-memory`).
     #[serde(default, skip_serializing_if = "Option::is_none")]

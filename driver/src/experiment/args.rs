@@ -191,6 +191,9 @@ fn runtime_command(
     if f.cuda_graph == Some(true) {
         argv.push("--cuda-graph".into());
     }
+    if f.deterministic == Some(true) {
+        argv.push("--deterministic".into());
+    }
     if let Some(h) = f.host_memory {
         argv.push("--host-memory".into());
         argv.push(h.as_arg().to_string());

@@ -851,6 +851,7 @@ fn check_pipedream_keys(loaded: &Loaded) -> Result<(), ConfigError> {
         ("checkpoint_dir", f.checkpoint_dir.is_some()),
         ("augment", f.augment.is_some()),
         ("data_workers", f.data_workers.is_some()),
+        ("deterministic", f.deterministic == Some(true)),
     ];
     if let (Some(_), Some((key, _))) = (&f.command, runtime_keys.iter().find(|(_, given)| *given)) {
         return Err(loaded.error_at(

@@ -1250,6 +1250,36 @@ fn slurm_refuses_what_it_would_ignore() {
 }
 
 #[test]
+fn deterministic_reaches_every_rank_and_is_refused_with_a_command() {
+    let plan = plan_per_rank("machines: [localhost, localhost]\nmodule: mlp\ndeterministic: true\n");
+    for rank in &plan.ranks {
+        assert!(
+            rank.argv.iter().any(|a| a == "--deterministic"),
+            "{:?}",
+            rank.argv
+        );
+    }
+    let plan = plan_per_rank("machines: [localhost]\nmodule: mlp\ndeterministic: false\n");
+    assert!(!plan.ranks[0].argv.iter().any(|a| a == "--deterministic"));
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("exp.yml");
+    std::fs::write(
+        &path,
+        "machines: [localhost]\ncommand: [python, train.py]\ndeterministic: true\n",
+    )
+    .unwrap();
+    let loaded = crate::config::load(&path).unwrap();
+    let bad = resolve(&loaded, &options(None, ContainerMode::PerRank), 29500)
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        bad.contains("exp.yml:3") && bad.contains("`deterministic` is the runtime's"),
+        "{bad}"
+    );
+}
+
+#[test]
 fn an_image_folders_transform_and_loader_threads_reach_every_rank() {
     let plan = plan_per_rank(
         "machines: [localhost, localhost]\nmodule: resnet50\ndata_dir: imagenet/train\naugment: none\ndata_workers: 6\n",

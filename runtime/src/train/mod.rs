@@ -551,6 +551,10 @@ pub fn check<W: Write>(config: &TrainConfig, out: &mut W) -> anyhow::Result<()> 
 
 /// Trains this rank's part of the model.
 pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Result<()> {
+    // Before any operator runs and any thread of ours starts (it sets cuBLAS's environment).
+    if config.deterministic {
+        crate::determinism::apply().map_err(anyhow::Error::msg)?;
+    }
     let host_memory = host_memory::apply(config.host_memory);
     if let Some(threads) = config.threads {
         tch::set_num_threads(threads as i32);

@@ -1,0 +1,25 @@
+// `--deterministic`: what `torch.use_deterministic_algorithms(True)` and
+// `torch.backends.cudnn.deterministic = True` set in a Python process, with cuDNN's benchmark off
+// (libtorch's default): every operator runs an algorithm that gives the same bits run after run
+// on the same device, and an operator that has none fails naming itself rather than silently
+// varying. cuBLAS takes its part from CUBLAS_WORKSPACE_CONFIG, which src/determinism.rs sets.
+// All of it is ATen's global context, in libtorch_cpu, so this half needs no CUDA library.
+
+#include <ATen/Context.h>
+
+#include "bridge.hpp"
+
+extern "C" char* sh_use_deterministic_algorithms() {
+  return sh::guarded([] {
+    auto& context = at::globalContext();
+    context.setDeterministicAlgorithms(true, /*warn_only=*/false);
+    context.setDeterministicCuDNN(true);
+    context.setBenchmarkCuDNN(false);
+  });
+}
+
+extern "C" bool sh_deterministic_algorithms() {
+  auto& context = at::globalContext();
+  return context.deterministicAlgorithms() && !context.deterministicAlgorithmsWarnOnly() &&
+         context.deterministicCuDNN() && !context.benchmarkCuDNN();
+}
