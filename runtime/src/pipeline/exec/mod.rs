@@ -423,12 +423,24 @@ impl Executor {
     }
 
     /// The devices whose queued work ends a timed span: the stage's, except during a CUDA graph
-    /// capture, when nothing runs (and waiting would break the capture).
+    /// capture, when nothing runs (and waiting would break the capture), and in a process that
+    /// does not [wait after each action](Self::waits_after_each_action).
     fn timed_devices(&self, progress: &Progress) -> Vec<Device> {
-        match progress.capturing() {
+        match progress.capturing() || !self.waits_after_each_action() {
             true => Vec::new(),
             false => self.stage.devices(),
         }
+    }
+
+    /// Whether each forward, backward and step waits for the device to run it, so that its
+    /// kernels' time is booked as compute apart from the waits for peers, and `--slowdown` can
+    /// stretch it. A single process has no peers and, unslowed, nothing to stretch: its actions
+    /// are queued back to back as PyTorch's are, with no wait for the device between them (which
+    /// would leave the GPU idle while the next action's first kernels are launched), and the
+    /// iteration's one wait, for its loss, is booked as compute ([`Self::take_loss`]). On a CPU
+    /// nothing changes: its kernels run as they are called.
+    fn waits_after_each_action(&self) -> bool {
+        everyone(&self.links).is_some() || self.slowdown > 1.0
     }
 
     /// Sum of the first parameter's current values (weights as the next kernel will see them).
@@ -744,7 +756,15 @@ impl Executor {
             progress.timing.comm += started.elapsed();
             count = self.microbatches as f64;
         }
-        let loss = total.double_value(&[0]) / count;
+        let started = Instant::now();
+        // The iteration's queued kernels end here; a fault of the device's shows here too.
+        let total = total
+            .f_double_value(&[0])
+            .map_err(|e| anyhow::anyhow!("the device failed running the iteration: {e}"))?;
+        if !self.waits_after_each_action() {
+            progress.timing.compute += started.elapsed();
+        }
+        let loss = total / count;
         if !loss.is_finite() {
             bail!("loss became {loss}; lower --lr");
         }
