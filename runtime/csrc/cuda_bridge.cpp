@@ -164,12 +164,16 @@ char* shc_graph_new(int64_t device, shc_graph** out) {
 
 // Starts capturing what the calling thread (and autograd's threads, for backward passes begun
 // during the capture) queue on the graph's stream, with the autocast cache off. Nothing captured
-// runs until the first replay.
+// runs until the first replay. The graph allocates from a memory pool of its own, so what the
+// eager iterations before it left cached in the allocator's pool is given back to the device
+// first, as torch.cuda.graph does on entering: otherwise the GPU holds the step's memory twice
+// (on an H100, vgg16's graphed run reserved 24.9 GiB against its eager run's 10.8).
 char* shc_graph_begin(shc_graph* g) {
   return sh::guarded([&] {
     TORCH_CHECK(!g->capturing, "a CUDA graph capture is already under way");
     c10::cuda::CUDAGuard guard(g->stream.device_index());
     c10::cuda::device_synchronize();
+    c10::cuda::CUDACachingAllocator::emptyCache();
     g->autocast_cache = at::autocast::is_autocast_cache_enabled();
     at::autocast::set_autocast_cache_enabled(false);
     g->graph.capture_begin();
