@@ -9,6 +9,7 @@
 //! bias 0, batch norms weight 1 and bias 0, linear layers N(0, 0.01) with bias 0.
 
 use tch::nn::{self, ModuleT};
+use tch::Tensor;
 
 use super::layers::{batch_norm2d, conv2d, dropout, linear_normal};
 use super::{InputKind, Loss, ModelOptions, ModuleDef};
@@ -38,6 +39,19 @@ const CONFIG_D: [Option<i64>; 18] = [
     None,
 ];
 
+/// torchvision's `AdaptiveAvgPool2d((7, 7))`, then flattened. The features of a 224x224 image are
+/// already 7x7, where each output averages one input: the pool is the identity, and is skipped.
+/// The values are the same; what is spared is a kernel each way and, under `--deterministic`,
+/// a refusal, since CUDA's backward of the adaptive pool accumulates with atomics and has no
+/// deterministic version (other image sizes still take it, and fail there naming it).
+fn avgpool(xs: &Tensor) -> Tensor {
+    let pooled = match xs.size()[2..] {
+        [7, 7] => xs.shallow_clone(),
+        _ => xs.adaptive_avg_pool2d([7, 7]),
+    };
+    pooled.flatten(1, -1)
+}
+
 pub fn vgg16(o: &ModelOptions, batch_norm: bool) -> (Vec<ModuleDef>, Loss, InputKind) {
     let mut modules = Vec::new();
     let mut index = 0usize; // torchvision's index inside `features`
@@ -62,7 +76,7 @@ pub fn vgg16(o: &ModelOptions, batch_norm: bool) -> (Vec<ModuleDef>, Loss, Input
         }
     }
     modules.push(ModuleDef::new("avgpool", |_p: &nn::Path| {
-        nn::func_t(|xs, _| xs.adaptive_avg_pool2d([7, 7]).flatten(1, -1))
+        nn::func_t(|xs, _| avgpool(xs))
     }));
     let p_drop = o.dropout;
     let classes = o.num_classes;
@@ -109,4 +123,38 @@ fn conv_block(p: &nn::Path, index: usize, c_in: i64, c_out: i64, batch_norm: boo
         };
         ys.relu_()
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use tch::{Device, Kind, Tensor};
+
+    /// The skipped pool computes what torchvision's does, forward and backward, for the 7x7
+    /// features of a 224x224 image in either memory layout; other sizes still pool.
+    #[test]
+    fn the_pool_of_7x7_features_is_skipped_with_the_same_values_and_gradients() {
+        for channels_last in [false, true] {
+            let mut x = Tensor::randn([2, 512, 7, 7], (Kind::Float, Device::Cpu));
+            if channels_last {
+                x = x.permute([0, 2, 3, 1]).contiguous().permute([0, 3, 1, 2]);
+                assert_eq!(x.stride()[1], 1, "channels_last strides");
+            }
+            let ours_in = x.detach().set_requires_grad(true);
+            let theirs_in = x.detach().set_requires_grad(true);
+            let ours = super::avgpool(&ours_in);
+            let theirs = theirs_in.adaptive_avg_pool2d([7, 7]).flatten(1, -1);
+            assert!(ours.equal(&theirs), "channels_last {channels_last}");
+            let weights = Tensor::randn([2, 512 * 49], (Kind::Float, Device::Cpu));
+            (&ours * &weights).sum(Kind::Float).backward();
+            (&theirs * &weights).sum(Kind::Float).backward();
+            assert!(
+                ours_in.grad().equal(&theirs_in.grad()),
+                "channels_last {channels_last}"
+            );
+        }
+        let small = Tensor::randn([2, 512, 1, 1], (Kind::Float, Device::Cpu));
+        let pooled = super::avgpool(&small);
+        assert_eq!(pooled.size(), [2, 512 * 49]);
+        assert!(pooled.equal(&small.adaptive_avg_pool2d([7, 7]).flatten(1, -1)));
+    }
 }
