@@ -6,10 +6,11 @@
 //! accumulate with atomics, and cuBLAS splits its reductions by the workspace it has. Rounding
 //! differences of one part in 10^7 are then all that differs, but a deep network early in
 //! training can amplify them: resnet50 at batch 8 turns a change of 2e-6 in the learning rate
-//! into losses 10% apart three iterations later. Comparing two runs (a change against the run
+//! into losses 10% apart by the fourth iteration. Comparing two runs (a change against the run
 //! before it, a CUDA graph's replays against the eager steps) then needs both to be
-//! deterministic. On a CPU libtorch's kernels already are for a given thread count; the flag
-//! changes nothing there but refusing the few operators without a deterministic version.
+//! deterministic. On a CPU libtorch's kernels already are for a given thread count; there the
+//! flag changes no result, but refuses the few operators without a deterministic version (and,
+//! as in PyTorch, fills memory a new tensor leaves uninitialised, which costs some speed).
 //!
 //! cuBLAS is deterministic only with a fixed workspace per stream, which it reads from
 //! `CUBLAS_WORKSPACE_CONFIG` (`:4096:8` or `:16:8`) when it first runs: [`apply`] sets the first
