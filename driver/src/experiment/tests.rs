@@ -1261,18 +1261,13 @@ fn deterministic_reaches_every_rank_and_is_refused_with_a_command() {
     }
     let plan = plan_per_rank("machines: [localhost]\nmodule: mlp\ndeterministic: false\n");
     assert!(!plan.ranks[0].argv.iter().any(|a| a == "--deterministic"));
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("exp.yml");
-    std::fs::write(
-        &path,
+    let bad = resolve_text(
         "machines: [localhost]\ncommand: [python, train.py]\ndeterministic: true\n",
+        &options(None, ContainerMode::PerRank),
     )
-    .unwrap();
-    let loaded = crate::config::load(&path).unwrap();
-    let bad = resolve(&loaded, &options(None, ContainerMode::PerRank), 29500)
-        .map(|_| ())
-        .unwrap_err()
-        .to_string();
+    .map(|_| ())
+    .unwrap_err()
+    .to_string();
     assert!(
         bad.contains("exp.yml:3") && bad.contains("`deterministic` is the runtime's"),
         "{bad}"
