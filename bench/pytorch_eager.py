@@ -270,6 +270,11 @@ def parse_args():
                    help="model.to(memory_format=torch.channels_last) and channels_last images")
     p.add_argument("--compile", action="store_true", help="train torch.compile(model)")
     p.add_argument("--compile-mode", default="default", help="torch.compile's mode")
+    p.add_argument("--profiler-trace", metavar="FILE",
+                   help="record torch.profiler over the iterations after --warmup (each a "
+                        "ProfilerStep#N) and write its Chrome trace here, as `runtime --profiler-trace` does")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="iterations before --profiler-trace starts recording (the runtime's --warmup)")
     p.add_argument("--count-params", action="store_true",
                    help="only build the model and print its parameter count")
     a = p.parse_args()
@@ -310,8 +315,20 @@ def main():
             return torch.autocast(device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
+    profiler = None
     times, losses = [], []
     for i in range(a.iterations):
+        if a.profiler_trace and i == a.warmup:
+            # What `runtime --profiler-trace` records: operators, and on a GPU its kernels.
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            profiler = torch.profiler.profile(activities=activities)
+            profiler.__enter__()
+        # Each traced iteration is a ProfilerStep#N scope, as the runtime marks them.
+        scope = torch.profiler.record_function(f"ProfilerStep#{i}") if profiler is not None else None
+        if scope is not None:
+            scope.__enter__()
         t0 = time.perf_counter()
         x, y = pool[i % len(pool)]
         opt.zero_grad()
@@ -321,6 +338,11 @@ def main():
         opt.step()
         losses.append(loss.item())  # waits for the GPU: the iteration's kernels are in its time
         times.append(time.perf_counter() - t0)
+        if scope is not None:
+            scope.__exit__(None, None, None)
+    if profiler is not None:
+        profiler.__exit__(None, None, None)
+        profiler.export_chrome_trace(a.profiler_trace)
     print(json.dumps({
         "times": times,
         "losses": losses,

@@ -64,6 +64,13 @@ only if it would end within SECONDS of the start by the time the same model and 
 took (a first round, while any time is left); the table says which got fewer rounds, and their
 rows `rounds_done` and `cut_by_deadline`. scripts/gpu-checks uses it to fit a lent GPU's minutes.
 
+Traces: `--trace-dir DIR` times nothing: it runs every side once, --warmup iterations (torch.compile:
+--compile-warmup) and then --trace-steps more under PyTorch's profiler (`runtime --profiler-trace`,
+`pytorch_eager.py --profiler-trace`), and prints bench/trace_table.py's tables of the traces side by
+side: on a GPU, each side's GPU busy and idle time per step, its kernels by kind and the kernels
+that take the most time; on the CPU, its operators' self time. What one side does that another
+does not shows there. `scripts/gpu-checks profile` runs it.
+
 --json FILE gets every figure (a list, one object per model and mode), rewritten after every
 round, so a benchmark killed midway leaves the rounds it finished.
 A failed run or a parameter mismatch is reported, recorded and makes the exit code 1; the other
@@ -80,6 +87,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import trace_table
 from side_by_side import rotate_round, throughput, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -171,9 +179,14 @@ def memory_of(record):
     return {k: record.get(k) for k in keys}
 
 
-def run_runtime(model, s, mode, args, flags):
-    cmd = [str(args.runtime), "--model", model, *common_flags(s, mode, args, args.iterations),
+def run_runtime(model, s, mode, args, flags, trace=None):
+    """One run of the runtime; with `trace`, a short one (--warmup, then --trace-steps iterations)
+    that writes its profiler trace there."""
+    iterations = args.iterations if trace is None else args.warmup + args.trace_steps
+    cmd = [str(args.runtime), "--model", model, *common_flags(s, mode, args, iterations),
            "--warmup", str(args.warmup)] + flags
+    if trace is not None:
+        cmd += ["--profiler-trace", str(trace)]
     events = run_json_lines(cmd)
     start = next(e for e in events if e["event"] == "start")
     summary = next(e for e in events if e["event"] == "summary")
@@ -182,12 +195,14 @@ def run_runtime(model, s, mode, args, flags):
                 memory=memory_of(summary))
 
 
-def run_pytorch(model, s, mode, args, compiled):
+def run_pytorch(model, s, mode, args, compiled, trace=None):
     warmup = args.compile_warmup if compiled else args.warmup
-    iterations = warmup + args.iterations - args.warmup
+    iterations = warmup + (args.iterations - args.warmup if trace is None else args.trace_steps)
     cmd = [sys.executable, str(EAGER), "--model", model, *common_flags(s, mode, args, iterations)]
     if compiled:
         cmd += ["--compile", "--compile-mode", args.compile_mode]
+    if trace is not None:
+        cmd += ["--warmup", str(warmup), "--profiler-trace", str(trace)]
     env = {"GLIBC_TUNABLES": KEEP_TUNABLES} if args.reference_malloc == "keep" else None
     out = run_json_lines(cmd, env)[-1]
     return dict(sps=throughput(out["times"], s["batch"], warmup), params=out["num_params"],
@@ -288,6 +303,13 @@ def parse_args():
     p.add_argument("--runtime", type=Path,
                    default=Path(os.environ.get("STAGEHAND_RUNTIME", ROOT / "target" / "release" / "runtime")))
     p.add_argument("--json", type=Path, help="also write the results here")
+    p.add_argument("--trace-dir", type=Path, metavar="DIR",
+                   help="instead of timing: run every side of every model and mode once, for "
+                        "--warmup iterations and then --trace-steps more under PyTorch's profiler, "
+                        "write each trace to DIR/MODEL-MODE-SIDE.json and print bench/trace_table.py's "
+                        "tables of them side by side (also in DIR/MODEL-MODE.txt)")
+    p.add_argument("--trace-steps", type=int, default=5, metavar="N",
+                   help="iterations each --trace-dir run records [default: 5]")
     args = p.parse_args()
     cuda = args.device.startswith("cuda")
     if not (cuda or args.device == "cpu"):
@@ -314,6 +336,8 @@ def parse_args():
         p.error(f"--deadline {args.deadline:g}: expected a number of seconds above 0")
     if args.iterations <= args.warmup:
         p.error(f"--iterations {args.iterations} leaves nothing to time after --warmup {args.warmup}")
+    if args.trace_steps < 1:
+        p.error(f"--trace-steps {args.trace_steps}: expected 1 or more")
     if not args.runtime.is_file():
         p.error(f"no runtime binary at {args.runtime}: build it (scripts/setup.sh), or set "
                 "STAGEHAND_RUNTIME or --runtime")
@@ -444,6 +468,38 @@ def summarise(case, args):
     return printed
 
 
+def trace_case(case, args):
+    """Every side of `case` once under PyTorch's profiler, the runtime's first and torch.compile's
+    (which compiles first) last, then the tables of their traces, printed and written beside
+    them (rewritten after each side, so a run cut short leaves the sides it traced). Returns the
+    number of sides that failed."""
+    base = f"{case.model}-{case.mode.name.replace('+', '-')}"
+    table_path = args.trace_dir / f"{base}.txt"
+    order = [n for n in case.runs if n not in ("eager", "compile")] + [n for n in ("eager", "compile") if n in case.runs]
+    traces, failed, text = [], 0, None
+    for name in order:
+        path = args.trace_dir / f"{base}-{name}.json"
+        started = time.monotonic()
+        try:
+            if name in ("eager", "compile"):
+                run_pytorch(case.model, case.shape, case.mode, args, name == "compile", trace=path)
+            else:
+                flags = next(f for side, _, f in case.sides if side == name)
+                run_runtime(case.model, case.shape, case.mode, args, flags, trace=path)
+            traces.append(trace_table.read(name, path))
+            text = trace_table.render(traces, top=30)
+        except (RunFailed, trace_table.TraceError) as e:
+            print(f"{case.model} {case.mode.name} {name}: {e}", file=sys.stderr, flush=True)
+            failed += 1
+            continue
+        table_path.write_text(text + "\n")
+        print(f"{case.model} {case.mode.name}: traced {name} ({time.monotonic() - started:.0f} s): {path}",
+              file=sys.stderr, flush=True)
+    if text is not None:
+        print(f"\n== {case.model} {case.mode.name} ==\n{text}", flush=True)
+    return failed
+
+
 def run_round(case, r, deadline):
     """Round `r` of `case` (every side once, the order rotated by `r`), unless the deadline would
     pass before it ends by the time its last round took. True when it ran."""
@@ -474,6 +530,11 @@ def main():
 
     results = []
     cases, failed = cases_of(args, device_name, results)
+    if args.trace_dir is not None:
+        args.trace_dir.mkdir(parents=True, exist_ok=True)
+        for case in cases:
+            failed += trace_case(case, args)
+        sys.exit(1 if failed else 0)
     # Breadth first: every case's first round before any case's second, so a deadline (or a
     # kill) leaves a figure for every case rather than three for the first; the JSON is rewritten
     # after every round.

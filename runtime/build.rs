@@ -5,7 +5,8 @@
 //!   `csrc/autograd.cpp` (autograd entry points tch lacks), `csrc/amp.cpp` (autocast, the
 //!   gradient scaler's kernels, channels_last) and `csrc/optim.cpp` (the optimizers' step in
 //!   PyTorch's fused multi-tensor kernels), `csrc/threads.cpp` (threads kept off the intra-op
-//!   pool) and `csrc/determinism.cpp` (`--deterministic`) are linked into the binary. They need
+//!   pool), `csrc/determinism.cpp` (`--deterministic`) and `csrc/profiler.cpp` (`--profiler-trace`:
+//!   PyTorch's profiler, Kineto, which libtorch_cpu holds) are linked into the binary. They need
 //!   libtorch_cpu and c10 only. Gloo's own headers come from Debian's `libgloo-dev`.
 //! - `csrc/cuda_bridge.cpp` (NCCL groups, the current device, the caching allocator's figures) is
 //!   linked as a shared object against libtorch_cuda, c10_cuda, cudart and NCCL, and embedded in
@@ -32,6 +33,7 @@ fn main() {
     println!("cargo:rerun-if-changed=csrc/optim.cpp");
     println!("cargo:rerun-if-changed=csrc/threads.cpp");
     println!("cargo:rerun-if-changed=csrc/determinism.cpp");
+    println!("cargo:rerun-if-changed=csrc/profiler.cpp");
     println!("cargo:rerun-if-changed=csrc/cuda_bridge.cpp");
     println!("cargo::rustc-check-cfg=cfg(cuda_bridge)");
     let lib_dir = PathBuf::from(
@@ -47,7 +49,8 @@ fn main() {
         .file("csrc/amp.cpp")
         .file("csrc/optim.cpp")
         .file("csrc/threads.cpp")
-        .file("csrc/determinism.cpp");
+        .file("csrc/determinism.cpp")
+        .file("csrc/profiler.cpp");
     build.compile("c10d_bridge");
     // The bridge's symbols come from libtorch_cpu (c10d) and c10, which torch-sys links already;
     // naming them again keeps the order right after the static bridge library.

@@ -384,3 +384,79 @@ fn the_benchmark_keeps_a_row_per_model_and_mode_whatever_its_deadline_allows() {
         "{stdout}"
     );
 }
+
+/// The benchmark's `--trace-dir`: every side of a model traced once under PyTorch's profiler (the
+/// runtime through `--profiler-trace`, the reference through pytorch_eager.py's) and tabulated
+/// side by side by bench/trace_table.py, per step. Both sides train the same mlp, so both
+/// traces hold the same forward matrix products, the steps asked for and no warm-up.
+#[test]
+fn the_benchmark_traces_every_side_and_tabulates_them_per_step() {
+    let _alone = one_at_a_time();
+    let dir = tempfile::tempdir().unwrap();
+    let bench = Path::new(env!("CARGO_MANIFEST_DIR")).join("../bench");
+    let traces = dir.path().join("traces");
+    let out = Command::new(python())
+        .arg(bench.join("runtime_vs_pytorch.py"))
+        .args(["--models", "mlp", "--threads", "1", "--batch-size", "8"])
+        .args(["--warmup", "2", "--trace-steps", "3", "--runtime"])
+        .arg(bin("runtime"))
+        .arg("--trace-dir")
+        .arg(&traces)
+        .output()
+        .unwrap();
+    let out = ok(out, "the benchmark --trace-dir");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("== mlp fp32 =="), "{stdout}");
+    let table = std::fs::read_to_string(traces.join("mlp-fp32.txt")).unwrap();
+    assert!(
+        stdout.contains(&table),
+        "the printed table is the one written:\n{table}"
+    );
+
+    let json = dir.path().join("table.json");
+    let out = Command::new(python())
+        .arg(bench.join("trace_table.py"))
+        .arg(format!(
+            "runtime={}",
+            traces.join("mlp-fp32-runtime.json").display()
+        ))
+        .arg(format!("eager={}", traces.join("mlp-fp32-eager.json").display()))
+        .arg("--json")
+        .arg(&json)
+        .output()
+        .unwrap();
+    ok(out, "trace_table.py");
+    let sides: Vec<serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(sides.len(), 2);
+    for side in &sides {
+        let label = &side["label"];
+        assert_eq!(side["steps"], 3, "{label}: --trace-steps");
+        assert_eq!(side["gpu"], false, "{label}");
+        // 5 linear layers (4 hidden and the head), one addmm each per forward.
+        assert_eq!(side["by_name"]["aten::addmm"]["count"], 5.0, "{label}");
+        assert!(side["busy_ms"].as_f64().unwrap() > 0.0, "{label}");
+    }
+    let refused = Command::new(python())
+        .arg(bench.join("trace_table.py"))
+        .arg(format!("runtime={}", json.display()))
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    let why = String::from_utf8_lossy(&refused.stderr);
+    assert!(why.contains("is not a Chrome trace"), "{why}");
+    let stepless = dir.path().join("stepless.json");
+    std::fs::write(
+        &stepless,
+        r#"{"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 1, "dur": 2}]}"#,
+    )
+    .unwrap();
+    let refused = Command::new(python())
+        .arg(bench.join("trace_table.py"))
+        .arg(format!("runtime={}", stepless.display()))
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    let why = String::from_utf8_lossy(&refused.stderr);
+    assert!(why.contains("no ProfilerStep#N scope"), "{why}");
+}

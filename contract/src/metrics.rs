@@ -3,12 +3,18 @@
 //! Documented for users in `docs/metrics.md`. Fields are only ever added (with a serde default so
 //! older lines still parse); a change of meaning bumps [`SCHEMA_VERSION`].
 
+use std::path::PathBuf;
+
 use serde::{Deserialize, Serialize};
 
 /// Version of the metrics line format, carried by every `start` event.
 pub const SCHEMA_VERSION: u32 = 1;
 
 /// One line of a rank's stdout.
+// `Start` is the largest variant by far (it holds the whole run configuration), but events are
+// handled a line at a time (the driver keeps no list of them), so the size of the enum costs no
+// memory worth having back by boxing it.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "event", rename_all = "snake_case")]
 pub enum Event {
@@ -91,6 +97,10 @@ pub struct RunConfig {
     /// device.
     #[serde(default)]
     pub deterministic: bool,
+    /// Where this rank wrote a Chrome trace of PyTorch's profiler (`--profiler-trace`); absent
+    /// when it wrote none. Recording slows a run: its throughput is not one to compare.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub profiler_trace: Option<PathBuf>,
     /// What became of host memory a step freed (`--host-memory`): `keep` (reused by the next
     /// iteration), `release` (glibc's defaults; what runtimes before the option did), or
     /// `environment` (the environment's malloc settings).

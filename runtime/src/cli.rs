@@ -308,6 +308,12 @@ struct TrainArgs {
     /// Print a `trace` event per microbatch: the weights its forward and backward used.
     #[arg(long)]
     trace: bool,
+    /// Record PyTorch's profiler over the iterations after --warmup (with --cuda-graph, after the
+    /// capture) and write its Chrome trace here: operators, and on a GPU every kernel, each
+    /// iteration a `ProfilerStep#N`. `{rank}` in the path becomes the rank. Open it in Perfetto,
+    /// or tabulate it with bench/trace_table.py; recording slows the run.
+    #[arg(long, value_name = "FILE")]
+    profiler_trace: Option<PathBuf>,
     /// Checkpoint this rank's parameters and optimizer state into DIR/rank-N/ after the last
     /// iteration (and every --checkpoint-every), replacing the previous checkpoint.
     #[arg(long, value_name = "DIR")]
@@ -705,6 +711,30 @@ impl TrainArgs {
         if self.cuda_graph {
             check_cuda_graph(self.trace, &dist, &devices)?;
         }
+        if self.profiler_trace.is_some() {
+            let replays_from = self
+                .cuda_graph
+                .then_some(crate::pipeline::GRAPH_EAGER_ITERATIONS as u64 + 1);
+            let from = crate::profiler_trace::first_traced(self.warmup, 0, replays_from);
+            if iterations <= from {
+                let what = if from > self.warmup {
+                    format!(
+                        "the replayed iterations (from iteration {from} on: --cuda-graph captures \
+                         iteration {})",
+                        from - 1
+                    )
+                } else {
+                    format!("the iterations after --warmup {from} (from iteration {from} on)")
+                };
+                return Err(ConfigError::Invalid {
+                    flag: "--profiler-trace",
+                    reason: format!(
+                        "records {what}, and the run has only {iterations}; raise --iterations \
+                         or lower --warmup"
+                    ),
+                });
+            }
+        }
         if self.deterministic {
             let current = std::env::var(crate::determinism::CUBLAS_WORKSPACE_CONFIG).ok();
             crate::determinism::cublas_workspace(current.as_deref()).map_err(|reason| {
@@ -760,6 +790,9 @@ impl TrainArgs {
                 });
             }
         }
+        let profiler_trace = self
+            .profiler_trace
+            .map(|template| crate::profiler_trace::path_for_rank(&template, dist.rank));
         Ok(TrainConfig {
             dist,
             model,
@@ -785,6 +818,7 @@ impl TrainArgs {
             warmup: self.warmup,
             save_params: self.save_params,
             trace: self.trace,
+            profiler_trace,
             checkpoint,
         })
     }

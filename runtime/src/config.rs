@@ -308,6 +308,8 @@ pub struct TrainConfig {
     pub save_params: Option<PathBuf>,
     /// Emit `trace` events.
     pub trace: bool,
+    /// Write a Chrome trace of PyTorch's profiler here (`--profiler-trace`, `{rank}` replaced).
+    pub profiler_trace: Option<PathBuf>,
     /// Where to checkpoint, how often, and whether to resume from there.
     pub checkpoint: Option<CheckpointConfig>,
 }
@@ -469,6 +471,7 @@ impl TrainConfig {
             channels_last: self.channels_last,
             cuda_graph: self.cuda_graph,
             deterministic: self.deterministic,
+            profiler_trace: self.profiler_trace.clone(),
             host_memory: host_memory.to_string(),
             bucket_mb: self.dist.reduce.bucket_bytes as f64 / (1u64 << 20) as f64,
             overlap_reduce: self.dist.reduce.overlap,

@@ -5,6 +5,7 @@
 //! imports one that imports it back:
 //! - `ffi`: the C ABI of the bridge to libtorch (`csrc/`); `lr`: learning-rate schedules;
 //!   `signals`: SIGTERM noted for a checkpoint; `host_memory`: what becomes of freed memory;
+//!   `profiler_trace`: PyTorch's profiler over a run's iterations;
 //! - `cuda`: CUDA, loaded at run time; `comm`: c10d's store and process groups;
 //! - `models`; `data`: batch streams for a model's input; `schedule`: per-rank action lists;
 //! - `config`: every validated request;
@@ -32,6 +33,7 @@ mod models;
 mod p2p;
 mod pipeline;
 mod profile;
+mod profiler_trace;
 mod reach;
 mod schedule;
 mod signals;

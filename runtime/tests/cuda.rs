@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
-use crate::util::{run_ok, run_ranks, runtime, words};
+use crate::util::{run_ok, run_ranks, runtime, trace_events, trace_steps, words};
 
 /// `runtime info`'s line, parsed.
 fn info(env: &[(&str, &str)]) -> Value {
@@ -553,6 +553,66 @@ fn gpu_deterministic_runs_repeat_bit_for_bit() {
             a.losses()
         );
     }
+}
+
+/// `--profiler-trace` on a GPU records the GPU's side as well (CUPTI through Kineto): every
+/// traced iteration launches its kernels, each convolution's at least, and they are in the trace;
+/// under `--cuda-graph` it records the replays, one graph launch per iteration after the capture.
+#[test]
+fn gpu_the_profiler_trace_holds_the_kernels_of_each_step() {
+    let Some(_) = gpus("gpu_the_profiler_trace_holds_the_kernels_of_each_step") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let count = |events: &[Value], cat: &str, name: Option<&str>| {
+        events
+            .iter()
+            .filter(|e| e["cat"] == cat && name.is_none_or(|n| e["name"].as_str().unwrap().contains(n)))
+            .count()
+    };
+    let resnet = "--model resnet50 --image-size 32 --num-classes 10 --batch-size 8 --device cuda \
+                  --precision bf16 --channels-last --warmup 1";
+    let eager = dir.path().join("eager.json");
+    let mut args = words(resnet);
+    args.extend(["--iterations", "4", "--profiler-trace", eager.to_str().unwrap()]);
+    run_ok(&args);
+    let events = trace_events(&eager);
+    assert_eq!(
+        trace_steps(&events),
+        ["ProfilerStep#1", "ProfilerStep#2", "ProfilerStep#3"]
+    );
+    // resnet50 has 53 convolutions, each at least a kernel forward and one backward.
+    let kernels = count(&events, "kernel", None);
+    assert!(kernels >= 3 * 2 * 53, "{kernels} kernels in 3 iterations");
+    assert!(
+        count(&events, "cuda_runtime", Some("LaunchKernel")) > 0,
+        "launches recorded"
+    );
+
+    let graphed = dir.path().join("graph.json");
+    let mut args = words(resnet);
+    args.extend([
+        "--iterations",
+        "7",
+        "--cuda-graph",
+        "--profiler-trace",
+        graphed.to_str().unwrap(),
+    ]);
+    run_ok(&args);
+    let events = trace_events(&graphed);
+    assert_eq!(
+        trace_steps(&events),
+        ["ProfilerStep#4", "ProfilerStep#5", "ProfilerStep#6"]
+    );
+    assert_eq!(
+        count(&events, "cuda_runtime", Some("cudaGraphLaunch")),
+        3,
+        "one replay a step"
+    );
+    eprintln!(
+        "the graphed trace holds {} kernels (CUPTI reports a graph's kernels where it can)",
+        count(&events, "kernel", None)
+    );
 }
 
 /// `runtime info` says what NCCL's InfiniBand transport would find: the kernel's verbs devices,

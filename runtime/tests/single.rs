@@ -1,6 +1,8 @@
 //! One process holding the whole model: every model learns, the metrics contract, bad input.
 
-use crate::util::{refused, run, run_command, run_ok, runtime, write_cifar, write_image_folder};
+use crate::util::{
+    refused, run, run_command, run_ok, runtime, trace_events, trace_steps, write_cifar, write_image_folder,
+};
 
 /// Synthetic data cycles a pool of 4 batches: the first and the last 4 iterations see the same
 /// batches, and a model that learns has a lower mean loss on the last pass than on the first.
@@ -202,6 +204,74 @@ const SHORT_MLP: [&str; 8] = [
     "--threads",
     "1",
 ];
+
+/// `--profiler-trace` writes PyTorch's profiler trace of the iterations after the warm-up, each a
+/// `ProfilerStep#N` holding that iteration's operators, to the path with `{rank}` replaced, and
+/// the `start` event says where; a run with no iteration after the warm-up is refused.
+#[test]
+fn the_profiler_trace_holds_each_iteration_after_the_warm_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let template = dir.path().join("traces/rank-{rank}.json");
+    let template = template.to_str().unwrap();
+    let mlp = ["--model", "mlp", "--batch-size", "8", "--threads", "1"];
+    let run = run_ok(
+        &[
+            &mlp[..],
+            &["--iterations", "4", "--warmup", "1", "--profiler-trace", template],
+        ]
+        .concat(),
+    );
+    let path = dir.path().join("traces/rank-0.json");
+    assert_eq!(run.start().config.profiler_trace.as_deref(), Some(path.as_path()));
+    let events = trace_events(&path);
+    assert_eq!(
+        trace_steps(&events),
+        ["ProfilerStep#1", "ProfilerStep#2", "ProfilerStep#3"]
+    );
+    // The mlp's forward is 5 linear layers (4 hidden and the head), one addmm each, and its
+    // backward a matrix product for each weight: per traced iteration, and none from the warm-up.
+    let count = |name: &str| {
+        events
+            .iter()
+            .filter(|e| e["cat"] == "cpu_op" && e["name"] == name)
+            .count()
+    };
+    assert_eq!(count("aten::addmm"), 5 * 3, "forwards");
+    assert!(count("aten::mm") >= 5 * 3, "backwards: {}", count("aten::mm"));
+    assert_eq!(count("aten::_fused_sgd_"), 3, "one fused step per iteration");
+    // Every operator lies within a step.
+    let steps: Vec<(f64, f64)> = events
+        .iter()
+        .filter(|e| e["name"].as_str().unwrap().starts_with("ProfilerStep#"))
+        .map(|e| {
+            let ts = e["ts"].as_f64().unwrap();
+            (ts, ts + e["dur"].as_f64().unwrap())
+        })
+        .collect();
+    for e in events.iter().filter(|e| e["cat"] == "cpu_op") {
+        let ts = e["ts"].as_f64().unwrap();
+        assert!(
+            steps.iter().any(|&(a, b)| a <= ts && ts <= b),
+            "{} at {ts} is outside every step {steps:?}",
+            e["name"]
+        );
+    }
+    // Without the flag nothing is written and the start event says none.
+    let plain = run_ok(&SHORT_MLP);
+    assert_eq!(plain.start().config.profiler_trace, None);
+
+    let why = refused(
+        &[
+            &mlp[..],
+            &["--iterations", "2", "--warmup", "2", "--profiler-trace", template],
+        ]
+        .concat(),
+    );
+    assert!(
+        why.contains("--profiler-trace") && why.contains("--warmup 2") && why.contains("raise --iterations"),
+        "{why}"
+    );
+}
 
 /// `--host-memory` says what becomes of freed host memory, the `start` event says what was done
 /// (the environment's malloc settings win over the flag), and neither changes a number.

@@ -238,3 +238,31 @@ pub fn assert_same_params(a: &Path, b: &Path, what: &str) {
         assert!(t.equal(&b[name]), "{what}: {name} differs");
     }
 }
+
+/// The complete events (`"ph": "X"`) of a Chrome trace `--profiler-trace` wrote.
+pub fn trace_events(path: &Path) -> Vec<serde_json::Value> {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let trace: serde_json::Value =
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{} is not JSON: {e}", path.display()));
+    trace["traceEvents"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{} has no traceEvents", path.display()))
+        .iter()
+        .filter(|e| e["ph"] == "X")
+        .cloned()
+        .collect()
+}
+
+/// The names of a trace's `ProfilerStep#N` scopes, in order: the iterations it recorded.
+pub fn trace_steps(events: &[serde_json::Value]) -> Vec<String> {
+    let mut steps: Vec<(f64, String)> = events
+        .iter()
+        .filter_map(|e| {
+            let name = e["name"].as_str()?;
+            name.starts_with("ProfilerStep#")
+                .then(|| (e["ts"].as_f64().unwrap(), name.to_string()))
+        })
+        .collect();
+    steps.sort_by(|a, b| a.0.total_cmp(&b.0));
+    steps.into_iter().map(|(_, name)| name).collect()
+}

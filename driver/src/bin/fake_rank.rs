@@ -94,6 +94,7 @@ fn main() {
             channels_last: false,
             cuda_graph: false,
             deterministic: false,
+            profiler_trace: None,
             host_memory: "keep".into(),
             bucket_mb: 25.0,
             overlap_reduce: true,

@@ -24,7 +24,9 @@ use crate::metrics::{Emitter, Memory, Throughput};
 use crate::models::{InputKind, ModelDef};
 use crate::pipeline::{
     Bundle, Channels, Checkpointing, Executor, Lanes, Links, PartialReduce, Reducer, TensorSpec,
+    GRAPH_EAGER_ITERATIONS,
 };
+use crate::profiler_trace::{self, ProfilerTrace};
 use crate::schedule::{self, Action, Schedule};
 use crate::stage::checkpoint::{self, Identity, Latest};
 use crate::stage::{GradScaler, Optimizer, Stage};
@@ -766,6 +768,16 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
     let mut last_loss = None;
     let mut skipped_steps = 0u64;
     let (rank, stage_id, batch) = (dist.rank, my_stage.id, config.batch_size);
+    let mut profiler = config.profiler_trace.clone().map(|path| {
+        let replays_from = config
+            .cuda_graph
+            .then_some(first + GRAPH_EAGER_ITERATIONS as u64 + 1);
+        let from = profiler_trace::first_traced(config.warmup, first, replays_from);
+        ProfilerTrace::new(path, device.is_cuda(), from)
+    });
+    if let Some(profiler) = profiler.as_mut() {
+        profiler.before_iteration(first).map_err(anyhow::Error::msg)?;
+    }
     executor.run(&actions, |report| {
         let time_s = report.time.as_secs_f64();
         let compute_s = report.timing.compute.as_secs_f64();
@@ -823,8 +835,24 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
             step_skipped: report.scaler.map(|s| s.skipped),
             checkpointed: report.checkpointed,
         }))?;
+        if let Some(profiler) = profiler
+            .as_mut()
+            .filter(|_| report.iteration + 1 < config.iterations)
+        {
+            profiler
+                .before_iteration(report.iteration + 1)
+                .map_err(anyhow::Error::msg)?;
+        }
         Ok(())
     })?;
+    if let Some(profiler) = profiler.take() {
+        match profiler.finish().map_err(anyhow::Error::msg)? {
+            Some(path) => eprintln!("runtime: rank {rank}: profiler trace in {}", path.display()),
+            None => eprintln!(
+                "runtime: rank {rank}: --profiler-trace: no iteration ran after the warm-up; no trace written"
+            ),
+        }
+    }
 
     // Done: no group waits for this replica any more; rank 0 stays until no replica needs its
     // store.

@@ -29,6 +29,8 @@ use crate::stage::{backward_with_grad, GradScaler, Optimizer, ScalerReport, Stag
 mod graph;
 mod transfer;
 
+pub use graph::GRAPH_EAGER_ITERATIONS;
+
 use graph::{GraphPhase, StepGraph};
 
 /// The process groups a rank talks through; `None` in a single-process run.

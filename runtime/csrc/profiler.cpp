@@ -1,0 +1,78 @@
+// `--profiler-trace`: PyTorch's own profiler (Kineto), as `torch.profiler.profile` drives it from
+// Python, over the iterations after the warm-up, saved as the Chrome trace that
+// `export_chrome_trace` writes. It records the operators this thread runs (and the backward's,
+// which the autograd engine runs on threads that inherit this one's profiler state) and, on a
+// GPU, every kernel, copy and memset through CUPTI. Each iteration is a `ProfilerStep#N` user
+// scope, as `prof.step()` marks them, so tools that read PyTorch's traces split it the same way.
+// All of it lives in libtorch_cpu (Kineto is linked into it, CUPTI loaded by Kineto when CUDA is
+// asked for), so this half needs no CUDA library.
+
+#include <memory>
+#include <set>
+#include <string>
+#include <unordered_set>
+
+#include <ATen/record_function.h>
+#include <torch/csrc/autograd/profiler_kineto.h>
+
+#include "bridge.hpp"
+
+namespace {
+
+namespace profiler = torch::autograd::profiler;
+using torch::profiler::impl::ActivityType;
+using torch::profiler::impl::ProfilerConfig;
+using torch::profiler::impl::ProfilerState;
+
+// The open `ProfilerStep#N` scope of the thread that started the profiler.
+std::unique_ptr<at::RecordFunction>& step_scope() {
+  thread_local std::unique_ptr<at::RecordFunction> scope;
+  return scope;
+}
+
+std::set<ActivityType> activities(bool cuda) {
+  std::set<ActivityType> kinds{ActivityType::CPU};
+  if (cuda) {
+    kinds.insert(ActivityType::CUDA);
+  }
+  return kinds;
+}
+
+ProfilerConfig config() {
+  // What torch.profiler.profile() records by default: operators and kernels, no shapes, memory,
+  // stacks or FLOPs.
+  return ProfilerConfig(ProfilerState::KINETO);
+}
+
+}  // namespace
+
+// Starts recording on this thread (and, with `cuda`, the GPU's activity).
+extern "C" char* sh_profiler_start(bool cuda) {
+  return sh::guarded([&] {
+    TORCH_CHECK(!profiler::isProfilerEnabledInMainThread(), "the profiler is already recording");
+    profiler::prepareProfiler(config(), activities(cuda));
+    profiler::enableProfiler(config(), activities(cuda));
+  });
+}
+
+// Ends the previous step's scope and opens `ProfilerStep#step`.
+extern "C" char* sh_profiler_step(int64_t step) {
+  return sh::guarded([&] {
+    auto& scope = step_scope();
+    scope.reset();
+    scope = std::make_unique<at::RecordFunction>(at::RecordScope::USER_SCOPE);
+    if (scope->isActive()) {
+      scope->before("ProfilerStep#" + std::to_string(step));
+    }
+  });
+}
+
+// Ends the last step's scope, stops recording and writes the Chrome trace to `path`.
+extern "C" char* sh_profiler_stop(const char* path) {
+  return sh::guarded([&] {
+    step_scope().reset();
+    auto result = profiler::disableProfiler();
+    TORCH_CHECK(result != nullptr, "the profiler was not recording");
+    result->save(std::string(path));
+  });
+}

@@ -1,0 +1,123 @@
+//! `--profiler-trace FILE`: PyTorch's profiler (Kineto) over the iterations after the warm-up,
+//! written as the Chrome trace `torch.profiler`'s `export_chrome_trace` writes
+//! (`csrc/profiler.cpp`). Operators on the training thread and the backward's, and on a GPU every
+//! kernel, copy and memset; each iteration is a `ProfilerStep#N` scope, as `prof.step()` marks
+//! them. Perfetto (ui.perfetto.dev) and chrome://tracing open it, and `bench/trace_table.py`
+//! tabulates it against a PyTorch script's trace of the same model.
+//!
+//! Recording costs time on every operator, so a run that writes a trace is not one to take
+//! throughput from; its `start` event says it wrote one (`config.profiler_trace`).
+
+use std::ffi::{c_char, CString};
+use std::path::{Path, PathBuf};
+
+use crate::ffi::check;
+
+extern "C" {
+    fn sh_profiler_start(cuda: bool) -> *mut c_char;
+    fn sh_profiler_step(step: i64) -> *mut c_char;
+    fn sh_profiler_stop(path: *const c_char) -> *mut c_char;
+}
+
+/// The placeholder `--profiler-trace` replaces with the rank, so that ranks on one host write
+/// files of their own.
+pub const RANK_PLACEHOLDER: &str = "{rank}";
+
+/// The file a rank writes its trace to: `template` with `{rank}` replaced.
+pub fn path_for_rank(template: &Path, rank: usize) -> PathBuf {
+    match template.to_str() {
+        Some(text) if text.contains(RANK_PLACEHOLDER) => {
+            PathBuf::from(text.replace(RANK_PLACEHOLDER, &rank.to_string()))
+        }
+        _ => template.to_path_buf(),
+    }
+}
+
+/// The first iteration a trace records: the first after the warm-up (`--warmup` counts from the
+/// run's first iteration, 0, and a resumed run starts at `first`) and, under `--cuda-graph`, the
+/// first replayed one (`replays_from`): eager and capturing iterations are not the steps to see.
+pub fn first_traced(warmup: u64, first: u64, replays_from: Option<u64>) -> u64 {
+    warmup.max(first).max(replays_from.unwrap_or(0))
+}
+
+/// Records iterations from `from` on and writes the trace when the run ends.
+pub struct ProfilerTrace {
+    path: PathBuf,
+    cuda: bool,
+    from: u64,
+    recording: bool,
+}
+
+impl ProfilerTrace {
+    /// A trace of iterations `from` onwards, of the GPU's activity too with `cuda`, to be written
+    /// to `path`. Nothing records until [`Self::before_iteration`] reaches `from`.
+    pub fn new(path: PathBuf, cuda: bool, from: u64) -> Self {
+        Self {
+            path,
+            cuda,
+            from,
+            recording: false,
+        }
+    }
+
+    /// Call on the training thread before iteration `iteration` runs: starts recording at the
+    /// first iteration traced and opens the iteration's `ProfilerStep#N`.
+    pub fn before_iteration(&mut self, iteration: u64) -> Result<(), String> {
+        if iteration < self.from {
+            return Ok(());
+        }
+        if !self.recording {
+            // SAFETY: takes a bool; a C++ exception comes back as a message.
+            check(unsafe { sh_profiler_start(self.cuda) })
+                .map_err(|e| format!("--profiler-trace: starting the profiler: {e}"))?;
+            self.recording = true;
+        }
+        // SAFETY: takes an integer; a C++ exception comes back as a message.
+        check(unsafe { sh_profiler_step(iteration as i64) }).map_err(|e| format!("--profiler-trace: {e}"))
+    }
+
+    /// Stops recording and writes the trace; the file written, or `None` where no iteration
+    /// reached the first traced one.
+    pub fn finish(mut self) -> Result<Option<PathBuf>, String> {
+        if !self.recording {
+            return Ok(None);
+        }
+        self.recording = false;
+        if let Some(dir) = self.path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir)
+                .map_err(|e| format!("--profiler-trace: cannot create {}: {e}", dir.display()))?;
+        }
+        let c_path = CString::new(self.path.as_os_str().as_encoded_bytes())
+            .map_err(|_| format!("--profiler-trace: {} holds a NUL byte", self.path.display()))?;
+        // SAFETY: a NUL-terminated path that outlives the call.
+        check(unsafe { sh_profiler_stop(c_path.as_ptr()) })
+            .map_err(|e| format!("--profiler-trace: writing {}: {e}", self.path.display()))?;
+        Ok(Some(self.path.clone()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_rank_gets_its_own_file_where_the_path_asks() {
+        assert_eq!(
+            path_for_rank(Path::new("traces/rank-{rank}.json"), 3),
+            PathBuf::from("traces/rank-3.json")
+        );
+        assert_eq!(
+            path_for_rank(Path::new("trace.json"), 3),
+            PathBuf::from("trace.json")
+        );
+    }
+
+    #[test]
+    fn the_trace_starts_after_the_warm_up_the_resumed_start_and_the_capture() {
+        assert_eq!(first_traced(1, 0, None), 1);
+        assert_eq!(first_traced(0, 0, None), 0);
+        assert_eq!(first_traced(1, 5, None), 5);
+        assert_eq!(first_traced(1, 0, Some(4)), 4);
+        assert_eq!(first_traced(10, 0, Some(4)), 10);
+    }
+}
