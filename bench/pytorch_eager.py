@@ -319,11 +319,12 @@ def main():
     times, losses = [], []
     for i in range(a.iterations):
         if a.profiler_trace and i == a.warmup:
-            # What `runtime --profiler-trace` records: operators, and on a GPU its kernels.
+            # What `runtime --profiler-trace` records: operators with their inputs' shapes, and on
+            # a GPU its kernels.
             activities = [torch.profiler.ProfilerActivity.CPU]
             if device.type == "cuda":
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
-            profiler = torch.profiler.profile(activities=activities)
+            profiler = torch.profiler.profile(activities=activities, record_shapes=True)
             profiler.__enter__()
         # Each traced iteration is a ProfilerStep#N scope, as the runtime marks them.
         scope = torch.profiler.record_function(f"ProfilerStep#{i}") if profiler is not None else None

@@ -1,11 +1,11 @@
 // `--profiler-trace`: PyTorch's own profiler (Kineto), as `torch.profiler.profile` drives it from
 // Python, over the iterations after the warm-up, saved as the Chrome trace that
-// `export_chrome_trace` writes. It records the operators this thread runs (and the backward's,
-// which the autograd engine runs on threads that inherit this one's profiler state) and, on a
-// GPU, every kernel, copy and memset through CUPTI. Each iteration is a `ProfilerStep#N` user
-// scope, as `prof.step()` marks them, so tools that read PyTorch's traces split it the same way.
-// All of it lives in libtorch_cpu (Kineto is linked into it, CUPTI loaded by Kineto when CUDA is
-// asked for), so this half needs no CUDA library.
+// `export_chrome_trace` writes. It records the operators this thread runs, with their inputs'
+// shapes and dtypes (and the backward's, which the autograd engine runs on threads that inherit
+// this one's profiler state), and on a GPU every kernel, copy and memset through CUPTI. Each
+// iteration is a `ProfilerStep#N` user scope, as `prof.step()` marks them, so tools that read
+// PyTorch's traces split it the same way. Kineto lives in libtorch_cpu (which links CUPTI in the
+// CUDA builds of torch), so this half needs nothing of libtorch_cuda.
 
 #include <memory>
 #include <set>
@@ -39,9 +39,9 @@ std::set<ActivityType> activities(bool cuda) {
 }
 
 ProfilerConfig config() {
-  // What torch.profiler.profile() records by default: operators and kernels, no shapes, memory,
-  // stacks or FLOPs.
-  return ProfilerConfig(ProfilerState::KINETO);
+  // What torch.profiler.profile(record_shapes=True) records: operators with their inputs' shapes
+  // and dtypes, and kernels; no memory, stacks or FLOPs.
+  return ProfilerConfig(ProfilerState::KINETO, /*report_input_shapes=*/true);
 }
 
 }  // namespace

@@ -1,9 +1,10 @@
 //! `--profiler-trace FILE`: PyTorch's profiler (Kineto) over the iterations after the warm-up,
 //! written as the Chrome trace `torch.profiler`'s `export_chrome_trace` writes
-//! (`csrc/profiler.cpp`). Operators on the training thread and the backward's, and on a GPU every
-//! kernel, copy and memset; each iteration is a `ProfilerStep#N` scope, as `prof.step()` marks
-//! them. Perfetto (ui.perfetto.dev) and chrome://tracing open it, and `bench/trace_table.py`
-//! tabulates it against a PyTorch script's trace of the same model.
+//! (`csrc/profiler.cpp`). Operators (with their inputs' shapes and dtypes) on the training thread
+//! and the backward's, and on a GPU every kernel, copy and memset; each iteration is a
+//! `ProfilerStep#N` scope, as `prof.step()` marks them. Perfetto (ui.perfetto.dev) and
+//! chrome://tracing open it, and `bench/trace_table.py` tabulates it against a PyTorch script's
+//! trace of the same model.
 //!
 //! Recording costs time on every operator, so a run that writes a trace is not one to take
 //! throughput from; its `start` event says it wrote one (`config.profiler_trace`).
