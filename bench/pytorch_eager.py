@@ -268,6 +268,8 @@ def parse_args():
                    help="bf16: torch.autocast(device, torch.bfloat16) around the forward and the loss")
     p.add_argument("--channels-last", action="store_true",
                    help="model.to(memory_format=torch.channels_last) and channels_last images")
+    p.add_argument("--cudnn-benchmark", action="store_true",
+                   help="torch.backends.cudnn.benchmark = True, as `runtime --cudnn-benchmark` sets it")
     p.add_argument("--compile", action="store_true", help="train torch.compile(model)")
     p.add_argument("--compile-mode", default="default", help="torch.compile's mode")
     p.add_argument("--profiler-trace", metavar="FILE",
@@ -288,6 +290,8 @@ def main():
     a = parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
+    if a.cudnn_benchmark:
+        torch.backends.cudnn.benchmark = True
     torch.manual_seed(a.seed)
     model = build(a)
     num_params = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -41,8 +41,8 @@ Timing: throughput of one run = batch * iterations / seconds over the iterations
 every iteration ends when the loss has reached the host (on CUDA, after the GPU ran it all).
 torch.compile's runs first do --compile-warmup iterations (the first compiles the forward and the
 backward) that are not timed, then as many timed iterations as the other sides keep. Both sides
-keep libtorch's defaults otherwise (cudnn.benchmark off; TF32 on for cuDNN convolutions, off for
-matmuls).
+keep libtorch's defaults otherwise (cudnn.benchmark off, unless --cudnn-benchmark turns it on for
+every side; TF32 on for cuDNN convolutions, off for matmuls).
 
 Memory: peaks over each run (warm-up and compilation included), the largest over the rounds. On
 CUDA, the runtime's `summary` gpu_peak_allocated_bytes / gpu_peak_reserved_bytes and PyTorch's
@@ -171,7 +171,7 @@ def common_flags(s, mode, args, iterations):
     return shape_flags(s) + mode.flags() + [
         "--momentum", str(MOMENTUM), "--iterations", str(iterations),
         "--threads", str(args.threads), "--device", args.device,
-    ]
+    ] + (["--cudnn-benchmark"] if args.cudnn_benchmark else [])
 
 
 def memory_of(record):
@@ -295,6 +295,9 @@ def parse_args():
     p.add_argument("--reference-malloc", choices=["default", "keep"], default="default",
                    help="the PyTorch references on glibc's default malloc settings, or on those "
                         "the runtime's --host-memory keep makes [default: default]")
+    p.add_argument("--cudnn-benchmark", action="store_true",
+                   help="every side with cuDNN's benchmark on (runtime --cudnn-benchmark, "
+                        "torch.backends.cudnn.benchmark = True) [default: off, libtorch's default]")
     p.add_argument("--threads", type=int, default=os.cpu_count())
     for key, flag in FLAGS.items():
         real = key in ("lr", "dropout")
@@ -426,6 +429,7 @@ def cases_of(args, device_name, results):
             row = dict(model=model, **s, threads=args.threads, device=args.device, device_name=device_name,
                        mode=mode.name, precision=mode.precision, channels_last=mode.channels_last,
                        cuda_graph=args.cuda_graph, host_memory=args.host_memory,
+                       cudnn_benchmark=args.cudnn_benchmark,
                        reference_malloc=args.reference_malloc,
                        momentum=MOMENTUM, rounds=args.rounds, iterations=args.iterations,
                        warmup=args.warmup, params=params, rounds_done=0, deadline_s=args.deadline,

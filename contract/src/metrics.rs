@@ -97,6 +97,9 @@ pub struct RunConfig {
     /// device.
     #[serde(default)]
     pub deterministic: bool,
+    /// cuDNN picked convolution algorithms by timing them (`--cudnn-benchmark`).
+    #[serde(default)]
+    pub cudnn_benchmark: bool,
     /// Where this rank wrote a Chrome trace of PyTorch's profiler (`--profiler-trace`); absent
     /// when it wrote none. Recording slows a run: its throughput is not one to compare.
     #[serde(default, skip_serializing_if = "Option::is_none")]

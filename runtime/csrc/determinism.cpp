@@ -3,7 +3,8 @@
 // (libtorch's default): every operator runs an algorithm that gives the same bits run after run
 // on the same device, and an operator that has none fails naming itself rather than silently
 // varying. cuBLAS takes its part from CUBLAS_WORKSPACE_CONFIG, which src/determinism.rs sets.
-// All of it is ATen's global context, in libtorch_cpu, so this half needs no CUDA library.
+// `--cudnn-benchmark`, its opposite, is here too. All of it is ATen's global context, in
+// libtorch_cpu, so this half needs no CUDA library.
 
 #include <ATen/Context.h>
 
@@ -16,6 +17,16 @@ extern "C" char* sh_use_deterministic_algorithms() {
     context.setDeterministicCuDNN(true);
     context.setBenchmarkCuDNN(false);
   });
+}
+
+// `--cudnn-benchmark`: `torch.backends.cudnn.benchmark = True`: cuDNN times its algorithms for
+// each new convolution shape on first use and keeps the fastest (PipeDream's runtime sets it).
+extern "C" char* sh_benchmark_cudnn() {
+  return sh::guarded([] { at::globalContext().setBenchmarkCuDNN(true); });
+}
+
+extern "C" bool sh_benchmarking_cudnn() {
+  return at::globalContext().benchmarkCuDNN();
 }
 
 extern "C" bool sh_deterministic_algorithms() {

@@ -297,6 +297,12 @@ struct TrainArgs {
     /// unless the environment sets :4096:8 or :16:8. Costs speed on a GPU.
     #[arg(long)]
     deterministic: bool,
+    /// cuDNN times its convolution algorithms for each new shape on first use and keeps the
+    /// fastest (PyTorch's torch.backends.cudnn.benchmark = True; PipeDream's runtime sets it):
+    /// slower first iterations, faster ones after while shapes stay the same. Not with
+    /// --deterministic.
+    #[arg(long, conflicts_with = "deterministic")]
+    cudnn_benchmark: bool,
     #[command(flatten)]
     host_memory: HostMemoryArgs,
     /// Leading iterations left out of the summary's throughput.
@@ -814,6 +820,7 @@ impl TrainArgs {
             channels_last: self.channels_last,
             cuda_graph: self.cuda_graph,
             deterministic: self.deterministic,
+            cudnn_benchmark: self.cudnn_benchmark,
             host_memory: self.host_memory.into(),
             warmup: self.warmup,
             save_params: self.save_params,

@@ -298,6 +298,8 @@ pub struct TrainConfig {
     pub cuda_graph: bool,
     /// Deterministic algorithms only (`--deterministic`).
     pub deterministic: bool,
+    /// cuDNN picks convolution algorithms by timing them (`--cudnn-benchmark`).
+    pub cudnn_benchmark: bool,
     /// What becomes of host memory a step frees.
     pub host_memory: host_memory::Policy,
     /// Leading iterations left out of the summary's throughput.
@@ -471,6 +473,7 @@ impl TrainConfig {
             channels_last: self.channels_last,
             cuda_graph: self.cuda_graph,
             deterministic: self.deterministic,
+            cudnn_benchmark: self.cudnn_benchmark,
             profiler_trace: self.profiler_trace.clone(),
             host_memory: host_memory.to_string(),
             bucket_mb: self.dist.reduce.bucket_bytes as f64 / (1u64 << 20) as f64,

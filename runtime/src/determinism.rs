@@ -1,6 +1,7 @@
-//! `--deterministic`: runs that repeat bit for bit on the same device, as PyTorch's
-//! `torch.use_deterministic_algorithms(True)` with `torch.backends.cudnn.deterministic = True`
-//! makes them (`csrc/determinism.cpp`).
+//! How libtorch picks its kernels (`csrc/determinism.cpp`): `--deterministic`, runs that repeat
+//! bit for bit on the same device, as PyTorch's `torch.use_deterministic_algorithms(True)` with
+//! `torch.backends.cudnn.deterministic = True` makes them; and its opposite, `--cudnn-benchmark`
+//! ([`benchmark_cudnn`]), the fastest convolution algorithms cuDNN finds by timing them.
 //!
 //! On a GPU the default kernels are free to vary between runs: cuDNN may pick algorithms that
 //! accumulate with atomics, and cuBLAS splits its reductions by the workspace it has. Rounding
@@ -23,6 +24,8 @@ use crate::ffi::check;
 extern "C" {
     fn sh_use_deterministic_algorithms() -> *mut c_char;
     fn sh_deterministic_algorithms() -> bool;
+    fn sh_benchmark_cudnn() -> *mut c_char;
+    fn sh_benchmarking_cudnn() -> bool;
 }
 
 /// The environment variable through which cuBLAS takes a fixed workspace per stream.
@@ -57,6 +60,21 @@ pub fn apply() -> Result<(), String> {
     check(unsafe { sh_use_deterministic_algorithms() })?;
     if !enabled() {
         return Err("--deterministic: libtorch did not take its deterministic settings".into());
+    }
+    Ok(())
+}
+
+/// `--cudnn-benchmark`, the other way to pick kernels: cuDNN times its algorithms for each new
+/// convolution shape on first use and keeps the fastest, as `torch.backends.cudnn.benchmark =
+/// True` makes it (PipeDream's runtime sets it). The first iterations pay for the timing; shapes
+/// that stay the same, as a training run's do, gain from then on. Results may then differ
+/// between runs, so it excludes `--deterministic`.
+pub fn benchmark_cudnn() -> Result<(), String> {
+    // SAFETY: takes nothing; a C++ exception comes back as a message.
+    check(unsafe { sh_benchmark_cudnn() })?;
+    // SAFETY: reads ATen's global context.
+    if !unsafe { sh_benchmarking_cudnn() } {
+        return Err("--cudnn-benchmark: libtorch did not take the setting".into());
     }
     Ok(())
 }

@@ -555,6 +555,30 @@ fn gpu_deterministic_runs_repeat_bit_for_bit() {
     }
 }
 
+/// `--cudnn-benchmark` on a GPU: cuDNN times its algorithms and trains with the fastest, which
+/// compute the same convolutions: the first loss (a forward before any step) agrees with the
+/// default algorithms' to TF32's rounding (cuDNN convolutions run in TF32 by default, 10 bits of
+/// mantissa, about 1e-3 relative per product; over a mean of 8 losses 1e-2 is ample).
+#[test]
+fn gpu_cudnn_benchmark_trains_with_the_convolutions_it_times() {
+    let Some(_) = gpus("gpu_cudnn_benchmark_trains_with_the_convolutions_it_times") else {
+        return;
+    };
+    let args = words(
+        "--model resnet50 --image-size 64 --num-classes 10 --batch-size 8 --iterations 4 --device cuda",
+    );
+    let plain = run_ok(&args);
+    let timed = run_ok(&[&args[..], &["--cudnn-benchmark"]].concat());
+    assert!(timed.start().config.cudnn_benchmark);
+    let (a, b) = (plain.losses()[0], timed.losses()[0]);
+    assert!((a - b).abs() <= 1e-2 * a.abs(), "first losses {a} and {b}");
+    assert!(
+        timed.losses().iter().all(|l| l.is_finite()),
+        "{:?}",
+        timed.losses()
+    );
+}
+
 /// `--profiler-trace` on a GPU records the GPU's side as well (CUPTI through Kineto): every
 /// traced iteration launches its kernels, each convolution's at least, and they are in the trace;
 /// under `--cuda-graph` it records the replays, one graph launch per iteration after the capture.

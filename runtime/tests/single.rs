@@ -1,7 +1,8 @@
 //! One process holding the whole model: every model learns, the metrics contract, bad input.
 
 use crate::util::{
-    refused, run, run_command, run_ok, runtime, trace_events, trace_steps, write_cifar, write_image_folder,
+    refused, run, run_command, run_ok, runtime, trace_events, trace_steps, words, write_cifar,
+    write_image_folder,
 };
 
 /// Synthetic data cycles a pool of 4 batches: the first and the last 4 iterations see the same
@@ -367,6 +368,24 @@ fn deterministic_runs_say_so_and_refuse_a_varying_cublas_workspace() {
         refused.events.is_empty(),
         "refused before training: {:?}",
         refused.events.len()
+    );
+}
+
+/// `--cudnn-benchmark` is recorded and, on a CPU, where there is no cuDNN to time, changes no
+/// result; beside `--deterministic` it is refused before anything runs.
+#[test]
+fn cudnn_benchmark_is_recorded_and_refused_beside_deterministic() {
+    let args =
+        words("--model resnet50 --image-size 32 --num-classes 10 --batch-size 4 --iterations 3 --threads 1");
+    let plain = run_ok(&args);
+    let benchmarked = run_ok(&[&args[..], &["--cudnn-benchmark"]].concat());
+    assert!(!plain.start().config.cudnn_benchmark);
+    assert!(benchmarked.start().config.cudnn_benchmark);
+    assert_eq!(plain.losses(), benchmarked.losses());
+    let why = refused(&[&args[..], &["--cudnn-benchmark", "--deterministic"]].concat());
+    assert!(
+        why.contains("--cudnn-benchmark") && why.contains("--deterministic"),
+        "{why}"
     );
 }
 

@@ -94,6 +94,7 @@ fn main() {
             channels_last: false,
             cuda_graph: false,
             deterministic: false,
+            cudnn_benchmark: false,
             profiler_trace: None,
             host_memory: "keep".into(),
             bucket_mb: 25.0,

@@ -174,6 +174,10 @@ pub struct ExperimentFile {
     /// same device.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub deterministic: Option<bool>,
+    /// cuDNN picks each convolution's algorithm by timing them (`--cudnn-benchmark`; not with
+    /// `deterministic`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cudnn_benchmark: Option<bool>,
     /// Host memory a step frees: `keep` it for the next iteration (the runtime's default) or
     /// `release` it to the system (`--host-memory`).
     #[serde(default, skip_serializing_if = "Option::is_none")]

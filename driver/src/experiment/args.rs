@@ -194,6 +194,9 @@ fn runtime_command(
     if f.deterministic == Some(true) {
         argv.push("--deterministic".into());
     }
+    if f.cudnn_benchmark == Some(true) {
+        argv.push("--cudnn-benchmark".into());
+    }
     if let Some(h) = f.host_memory {
         argv.push("--host-memory".into());
         argv.push(h.as_arg().to_string());

@@ -842,6 +842,13 @@ fn check_pipedream_keys(loaded: &Loaded) -> Result<(), ConfigError> {
              CUDA); set `compress_in_gpu: true` or leave it out",
         ));
     }
+    if f.deterministic == Some(true) && f.cudnn_benchmark == Some(true) {
+        return Err(loaded.error_at(
+            "cudnn_benchmark",
+            "`cudnn_benchmark` lets cuDNN pick kernels by timing them, which may differ from run to \
+             run, and `deterministic` rules that out; drop one",
+        ));
+    }
     let runtime_keys = [
         ("epochs", f.epochs.is_some()),
         ("epoch_samples", f.epoch_samples.is_some()),
@@ -852,6 +859,7 @@ fn check_pipedream_keys(loaded: &Loaded) -> Result<(), ConfigError> {
         ("augment", f.augment.is_some()),
         ("data_workers", f.data_workers.is_some()),
         ("deterministic", f.deterministic == Some(true)),
+        ("cudnn_benchmark", f.cudnn_benchmark == Some(true)),
     ];
     if let (Some(_), Some((key, _))) = (&f.command, runtime_keys.iter().find(|(_, given)| *given)) {
         return Err(loaded.error_at(

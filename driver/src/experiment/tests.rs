@@ -1275,6 +1275,36 @@ fn deterministic_reaches_every_rank_and_is_refused_with_a_command() {
 }
 
 #[test]
+fn cudnn_benchmark_reaches_every_rank_and_is_refused_beside_deterministic() {
+    let plan = plan_per_rank("machines: [localhost, localhost]\nmodule: vgg16\ncudnn_benchmark: true\n");
+    for rank in &plan.ranks {
+        assert!(
+            rank.argv.iter().any(|a| a == "--cudnn-benchmark"),
+            "{:?}",
+            rank.argv
+        );
+    }
+    let plan = plan_per_rank("machines: [localhost]\nmodule: vgg16\n");
+    assert!(!plan.ranks[0].argv.iter().any(|a| a == "--cudnn-benchmark"));
+    let refuse = |text: &str| {
+        resolve_text(text, &options(None, ContainerMode::PerRank))
+            .map(|_| ())
+            .unwrap_err()
+            .to_string()
+    };
+    let both = refuse("machines: [localhost]\nmodule: vgg16\ndeterministic: true\ncudnn_benchmark: true\n");
+    assert!(
+        both.contains("exp.yml:4") && both.contains("`deterministic` rules that out"),
+        "{both}"
+    );
+    let command = refuse("machines: [localhost]\ncommand: [python, train.py]\ncudnn_benchmark: true\n");
+    assert!(
+        command.contains("exp.yml:3") && command.contains("`cudnn_benchmark` is the runtime's"),
+        "{command}"
+    );
+}
+
+#[test]
 fn an_image_folders_transform_and_loader_threads_reach_every_rank() {
     let plan = plan_per_rank(
         "machines: [localhost, localhost]\nmodule: resnet50\ndata_dir: imagenet/train\naugment: none\ndata_workers: 6\n",
