@@ -320,6 +320,11 @@ def main():
         return contextlib.nullcontext()
 
     profiler = None
+
+    def part(name):
+        """The iteration's forward, backward or step, as a scope of the trace (the runtime's)."""
+        return torch.profiler.record_function(name) if profiler is not None else contextlib.nullcontext()
+
     times, losses = [], []
     for i in range(a.iterations):
         if a.profiler_trace and i == a.warmup:
@@ -337,10 +342,12 @@ def main():
         t0 = time.perf_counter()
         x, y = pool[i % len(pool)]
         opt.zero_grad()
-        with autocast():
+        with part("forward"), autocast():
             loss = loss_of(a.model, step_model(x), y)
-        loss.backward()
-        opt.step()
+        with part("backward"):
+            loss.backward()
+        with part("step"):
+            opt.step()
         losses.append(loss.item())  # waits for the GPU: the iteration's kernels are in its time
         times.append(time.perf_counter() - t0)
         if scope is not None:

@@ -7,18 +7,21 @@ compare.
 
     bench/trace_table.py runtime=rt.json eager=eager.json compile=compile.json [--top 25]
 
-With GPU activity in the traces (kernels, copies, memsets) the tables are of the GPU's time: per
-step, how long the GPU was busy (the union of its kernels' intervals), how long the step took
-from its first kernel's start to its last kernel's end and the gaps between (the GPU idle within
-the step, as when the host waits or launches too slowly), the kernel count, then the time by
+With GPU activity in the traces (kernels, copies, memsets) the tables are of the GPU's time, a
+step's being what was launched within it: per step, how long the GPU was busy (the union of its
+kernels' intervals), how long the step's GPU work took from its first kernel's start to its last
+kernel's end and the gaps between (the GPU idle within the step, as when the host waits or
+launches too slowly), the kernel count, then the time by part of the iteration (`forward`,
+`backward`, `step`: scopes both sides mark; a kernel belongs to the part that launched it), by
 kind of kernel (convolutions, GEMMs, elementwise, ...: a rule of thumb on kernel names) and the
 kernels that take the most time, each with its count and time per step in every trace. Without
 GPU activity, the tables are of the CPU operators (`aten::` ops) of the traced threads, by self
-time (an operator's time less that of the operators it called).
+time (an operator's time less that of the operators it called), each in the part it ran in.
 
 `--json FILE` writes the same figures for scripts.
 """
 import argparse
+import bisect
 import json
 import re
 import statistics
@@ -28,6 +31,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 GPU_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
+LAUNCH_CATEGORIES = {"cuda_runtime", "cuda_driver"}
+# The parts of an iteration both sides mark with scopes of these names (the runtime's `replay` is
+# a whole step replayed from a CUDA graph); GPU work is its launch's part, CPU work its own.
+PARTS = ("forward", "backward", "step", "replay")
 CPU_CATEGORIES = {"cpu_op"}
 STEP = re.compile(r"^ProfilerStep#(\d+)$")
 
@@ -102,6 +109,23 @@ class Trace:
     count: float = 0.0
     by_name: dict = field(default_factory=dict)  # name -> (count per step, ms per step)
     by_kind: dict = field(default_factory=dict)  # kind -> ms per step
+    by_part: dict = field(default_factory=dict)  # part (or "other") -> ms per step
+
+
+class Parts:
+    """Which part of an iteration a moment fell in, from the trace's part scopes."""
+
+    def __init__(self, events):
+        self.spans = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+                            if e.get("cat") == "user_annotation" and e.get("name") in PARTS)
+        self.starts = [a for a, _, _ in self.spans]
+
+    def at(self, ts):
+        i = bisect.bisect_right(self.starts, ts) - 1
+        # Parts do not nest; the latest one to start before `ts` holds it if it had not ended.
+        if i >= 0 and ts <= self.spans[i][1]:
+            return self.spans[i][2]
+        return "other"
 
 
 def union_length(intervals):
@@ -154,24 +178,38 @@ def read(label, path):
     trace.gpu = bool(gpu)
     n = trace.steps
     names = defaultdict(lambda: [0, 0.0])
+    parts, by_part = Parts(events), defaultdict(float)
     if gpu:
+        launched = {e["args"]["correlation"]: e["ts"] for e in events
+                    if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})}
         for e in gpu:
             names[e["name"]][0] += 1
             names[e["name"]][1] += e["dur"]
-        intervals = [(e["ts"], e["ts"] + e["dur"]) for e in gpu]
-        trace.busy_ms = union_length(intervals) / 1000 / n
-        # The GPU's span within each step: from the first to the last GPU activity whose launch
-        # fell in the step; approximated by the whole trace's span over its steps.
-        trace.span_ms = (max(b for _, b in intervals) - min(a for a, _ in intervals)) / 1000 / n
+            launch = launched.get(e.get("args", {}).get("correlation"))
+            by_part["other" if launch is None else parts.at(launch)] += e["dur"]
+        # Each step's GPU work is what was launched within it: its busy time is the union of that
+        # work's intervals, its span from the first one's start to the last one's end.
+        step_spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in steps)
+        step_starts = [a for a, _ in step_spans]
+        per_step = defaultdict(list)
+        for e in gpu:
+            launch = launched.get(e.get("args", {}).get("correlation"), e["ts"])
+            i = bisect.bisect_right(step_starts, launch) - 1
+            if i >= 0 and launch <= step_spans[i][1]:
+                per_step[i].append((e["ts"], e["ts"] + e["dur"]))
+        trace.busy_ms = sum(union_length(v) for v in per_step.values()) / 1000 / n
+        trace.span_ms = sum(max(b for _, b in v) - min(a for a, _ in v) for v in per_step.values()) / 1000 / n
         trace.count = len(gpu) / n
     else:
         ops = [e for e in events if e.get("cat") in CPU_CATEGORIES]
         for e, own in self_times(ops):
             names[e["name"]][0] += 1
             names[e["name"]][1] += own
+            by_part[parts.at(e["ts"])] += own
         trace.busy_ms = sum(v[1] for v in names.values()) / 1000 / n
         trace.count = len(ops) / n
     trace.by_name = {name: (c / n, us / 1000 / n) for name, (c, us) in names.items()}
+    trace.by_part = {part: us / 1000 / n for part, us in by_part.items()}
     kinds = defaultdict(float)
     for name, (_, ms) in trace.by_name.items():
         kinds[kind_of(name)] += ms
@@ -212,6 +250,11 @@ def render(traces, top):
             ["operators"] + [f"{t.count:.0f}" for t in traces],
         ]
     out += ["", "per step", table(summary, [""] + labels)]
+    order = {p: i for i, p in enumerate(PARTS + ("other",))}
+    parts = sorted({p for t in traces for p in t.by_part}, key=lambda p: order.get(p, len(order)))
+    rows = [[p] + [f"{t.by_part.get(p, 0):.2f}" for t in traces] for p in parts]
+    out += ["", f"{unit} ms per step by part (GPU work: the part that launched it)",
+            table(rows, ["part"] + labels)]
     kinds = sorted({k for t in traces for k in t.by_kind}, key=lambda k: -max(t.by_kind.get(k, 0) for t in traces))
     rows = [[k] + [f"{t.by_kind.get(k, 0):.2f}" for t in traces] for k in kinds]
     out += ["", f"{unit} ms per step by kind", table(rows, ["kind"] + labels)]
@@ -252,7 +295,7 @@ def main(argv=None):
         a.json.write_text(json.dumps([{
             "label": t.label, "path": str(t.path), "steps": t.steps, "gpu": t.gpu,
             "step_ms": t.step_ms, "busy_ms": t.busy_ms, "span_ms": t.span_ms, "count": t.count,
-            "by_kind": t.by_kind,
+            "by_kind": t.by_kind, "by_part": t.by_part,
             "by_name": {n: {"count": c, "ms": ms} for n, (c, ms) in t.by_name.items()},
         } for t in traces], indent=1))
 

@@ -436,6 +436,11 @@ fn the_benchmark_traces_every_side_and_tabulates_them_per_step() {
         // 5 linear layers (4 hidden and the head), one addmm each per forward.
         assert_eq!(side["by_name"]["aten::addmm"]["count"], 5.0, "{label}");
         assert!(side["busy_ms"].as_f64().unwrap() > 0.0, "{label}");
+        // Both mark the iteration's parts; each holds work of its own.
+        for part in ["forward", "backward", "step"] {
+            let ms = side["by_part"][part].as_f64().unwrap_or(0.0);
+            assert!(ms > 0.0, "{label}: no {part}: {}", side["by_part"]);
+        }
     }
     let refused = Command::new(python())
         .arg(bench.join("trace_table.py"))

@@ -4,12 +4,14 @@
 // shapes and dtypes (and the backward's, which the autograd engine runs on threads that inherit
 // this one's profiler state), and on a GPU every kernel, copy and memset through CUPTI. Each
 // iteration is a `ProfilerStep#N` user scope, as `prof.step()` marks them, so tools that read
-// PyTorch's traces split it the same way. Kineto lives in libtorch_cpu (which links CUPTI in the
+// PyTorch's traces split it the same way, and its forward, backward and step are scopes of their
+// own. Kineto lives in libtorch_cpu (which links CUPTI in the
 // CUDA builds of torch), so this half needs nothing of libtorch_cuda.
 
 #include <memory>
 #include <set>
 #include <string>
+#include <string_view>
 #include <unordered_set>
 
 #include <ATen/record_function.h>
@@ -65,6 +67,28 @@ extern "C" char* sh_profiler_step(int64_t step) {
       scope->before("ProfilerStep#" + std::to_string(step));
     }
   });
+}
+
+// Opens a user scope named `name` (what `torch.profiler.record_function(name)` opens), to be
+// ended by sh_profiler_scope_end on the same thread; null when nothing records.
+extern "C" void* sh_profiler_scope_begin(const char* name) {
+  try {
+    auto scope = std::make_unique<at::RecordFunction>(at::RecordScope::USER_SCOPE);
+    if (!scope->isActive()) {
+      return nullptr;
+    }
+    scope->before(std::string_view(name));
+    return scope.release();
+  } catch (...) {
+    return nullptr;  // a scope the profiler could not open is one the trace lacks, no more
+  }
+}
+
+extern "C" void sh_profiler_scope_end(void* scope) {
+  try {
+    delete static_cast<at::RecordFunction*>(scope);
+  } catch (...) {
+  }
 }
 
 // Ends the last step's scope, stops recording and writes the Chrome trace to `path`.

@@ -9,8 +9,9 @@
 //! Recording costs time on every operator, so a run that writes a trace is not one to take
 //! throughput from; its `start` event says it wrote one (`config.profiler_trace`).
 
-use std::ffi::{c_char, CString};
+use std::ffi::{c_char, c_void, CStr, CString};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::ffi::check;
 
@@ -18,6 +19,36 @@ extern "C" {
     fn sh_profiler_start(cuda: bool) -> *mut c_char;
     fn sh_profiler_step(step: i64) -> *mut c_char;
     fn sh_profiler_stop(path: *const c_char) -> *mut c_char;
+    fn sh_profiler_scope_begin(name: *const c_char) -> *mut c_void;
+    fn sh_profiler_scope_end(scope: *mut c_void);
+}
+
+/// Whether a trace is recording: scopes cost nothing (no call into libtorch) while none is.
+static RECORDING: AtomicBool = AtomicBool::new(false);
+
+/// A named part of an iteration (`forward`, `backward`, `step`) in the trace, from
+/// [`Scope::enter`] until dropped, as `torch.profiler.record_function(name)` marks one; the
+/// kernels its operators launch are the part's. Dropped on the thread that entered it.
+pub struct Scope(*mut c_void);
+
+impl Scope {
+    /// The scope `name`, or `None` when no trace records.
+    pub fn enter(name: &CStr) -> Option<Scope> {
+        if !RECORDING.load(Ordering::Relaxed) {
+            return None;
+        }
+        // SAFETY: a NUL-terminated name that outlives the call (the scope copies it).
+        let scope = unsafe { sh_profiler_scope_begin(name.as_ptr()) };
+        (!scope.is_null()).then_some(Scope(scope))
+    }
+}
+
+impl Drop for Scope {
+    fn drop(&mut self) {
+        // SAFETY: the scope sh_profiler_scope_begin made, ended once, on its thread (Scope is
+        // neither Send nor Sync: it holds a raw pointer).
+        unsafe { sh_profiler_scope_end(self.0) }
+    }
 }
 
 /// The placeholder `--profiler-trace` replaces with the rank, so that ranks on one host write
@@ -72,6 +103,7 @@ impl ProfilerTrace {
             check(unsafe { sh_profiler_start(self.cuda) })
                 .map_err(|e| format!("--profiler-trace: starting the profiler: {e}"))?;
             self.recording = true;
+            RECORDING.store(true, Ordering::Relaxed);
         }
         // SAFETY: takes an integer; a C++ exception comes back as a message.
         check(unsafe { sh_profiler_step(iteration as i64) }).map_err(|e| format!("--profiler-trace: {e}"))
@@ -84,6 +116,7 @@ impl ProfilerTrace {
             return Ok(None);
         }
         self.recording = false;
+        RECORDING.store(false, Ordering::Relaxed);
         if let Some(dir) = self.path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir)
                 .map_err(|e| format!("--profiler-trace: cannot create {}: {e}", dir.display()))?;

@@ -612,6 +612,28 @@ fn gpu_the_profiler_trace_holds_the_kernels_of_each_step() {
         count(&events, "cuda_runtime", Some("LaunchKernel")) > 0,
         "launches recorded"
     );
+    // The forward, backward and step each launch kernels within their scopes (the backward's
+    // from autograd's device thread, while the training thread waits in its scope).
+    let launches: Vec<f64> = events
+        .iter()
+        .filter(|e| e["cat"] == "cuda_runtime" && e["name"].as_str().unwrap().contains("LaunchKernel"))
+        .map(|e| e["ts"].as_f64().unwrap())
+        .collect();
+    for part in ["forward", "backward", "step"] {
+        let within = events
+            .iter()
+            .filter(|e| e["cat"] == "user_annotation" && e["name"] == part)
+            .map(|e| {
+                let (a, d) = (e["ts"].as_f64().unwrap(), e["dur"].as_f64().unwrap());
+                launches.iter().filter(|&&t| a <= t && t <= a + d).count()
+            })
+            .collect::<Vec<_>>();
+        assert_eq!(within.len(), 3, "{part}: a scope per iteration");
+        assert!(
+            within.iter().all(|&n| n > 0),
+            "{part}: kernels launched within it: {within:?}"
+        );
+    }
 
     let graphed = dir.path().join("graph.json");
     let mut args = words(resnet);

@@ -257,6 +257,20 @@ fn the_profiler_trace_holds_each_iteration_after_the_warm_up() {
             e["name"]
         );
     }
+    // Each iteration's forward, backward and step are scopes of the trace, in that order.
+    let mut parts: Vec<(f64, &str)> = events
+        .iter()
+        .filter(|e| e["cat"] == "user_annotation")
+        .filter_map(|e| {
+            let name = e["name"].as_str().unwrap();
+            ["forward", "backward", "step"]
+                .contains(&name)
+                .then(|| (e["ts"].as_f64().unwrap(), name))
+        })
+        .collect();
+    parts.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let parts: Vec<&str> = parts.into_iter().map(|(_, name)| name).collect();
+    assert_eq!(parts, ["forward", "backward", "step"].repeat(3));
     // Without the flag nothing is written and the start event says none.
     let plain = run_ok(&SHORT_MLP);
     assert_eq!(plain.start().config.profiler_trace, None);

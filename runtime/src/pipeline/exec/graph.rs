@@ -91,9 +91,13 @@ impl Executor {
     pub(super) fn replay(&mut self, progress: &mut Progress, iteration: usize) -> anyhow::Result<()> {
         let graph = progress.graph.as_mut().expect("replaying a graph");
         tch::manual_seed(iteration_seed(self.seed, self.rank, iteration));
-        timed(&self.stage.devices(), 1.0, &mut progress.timing, || {
-            graph.graph.replay()
-        })
+        timed(
+            c"replay",
+            &self.stage.devices(),
+            1.0,
+            &mut progress.timing,
+            || graph.graph.replay(),
+        )
         .map_err(|e| anyhow::anyhow!("--cuda-graph: replaying iteration {iteration}: {e}"))?;
         progress.losses = graph.losses.iter().map(Tensor::shallow_clone).collect();
         graph.phase = GraphPhase::Replayed;

@@ -4,6 +4,7 @@
 //! step, with PipeDream's weight stashing.
 
 use std::collections::{HashMap, HashSet};
+use std::ffi::CStr;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context};
@@ -21,6 +22,7 @@ use crate::config::CheckpointConfig;
 use crate::cuda::{DeviceError, Graph};
 use crate::data::Batches;
 use crate::lr::LrSchedule;
+use crate::profiler_trace::Scope;
 use crate::schedule::{Action, Schedule};
 use crate::signals::{self, Stopped};
 use crate::stage::checkpoint::{self, Identity};
@@ -303,6 +305,7 @@ impl Executor {
         };
         let devices = self.timed_devices(progress);
         let (output, loss) = timed(
+            c"forward",
             &devices,
             self.slowdown,
             &mut progress.timing,
@@ -397,10 +400,16 @@ impl Executor {
             false => g.to_device(flight.output.device()),
         });
         let mut run = || {
-            timed(&devices, slowdown, &mut progress.timing, || match &grad {
-                None => flight.output.f_backward().map_err(|e| e.to_string()),
-                Some(grad) => backward_with_grad(&flight.output, grad),
-            })
+            timed(
+                c"backward",
+                &devices,
+                slowdown,
+                &mut progress.timing,
+                || match &grad {
+                    None => flight.output.f_backward().map_err(|e| e.to_string()),
+                    Some(grad) => backward_with_grad(&flight.output, grad),
+                },
+            )
         };
         match (&mut self.reducer, &self.links.replicas) {
             (Some(reducer), Some(group)) => reducer.backward(group, last, run),
@@ -509,10 +518,16 @@ impl Executor {
         let slowdown = self.slowdown;
         let devices = self.timed_devices(progress);
         let optimizer = &mut self.optimizer;
-        timed(&devices, slowdown, &mut progress.timing, || match &found_inf {
-            None => optimizer.step(),
-            Some(flag) => optimizer.step_unless(flag),
-        })
+        timed(
+            c"step",
+            &devices,
+            slowdown,
+            &mut progress.timing,
+            || match &found_inf {
+                None => optimizer.step(),
+                Some(flag) => optimizer.step_unless(flag),
+            },
+        )
         .map_err(|e| anyhow::anyhow!("the optimizer step of stage {} failed: {e}", self.stage_id))?;
         if let Some(scaler) = &mut self.scaler {
             scaler.update().map_err(anyhow::Error::msg)?;
@@ -774,17 +789,23 @@ impl Executor {
     }
 }
 
-/// Runs `f` as compute: timed, and stretched by the slow-down factor (straggler emulation). On
-/// CUDA the clock stops only once the GPU has run what `f` queued, so the time is the kernels'
-/// and not their launches'; a device's fault seen then is the result (`f`'s own error first).
+/// Runs `f`, the iteration's `part` (`forward`, `backward`, `step`: a scope of that name in a
+/// `--profiler-trace`), as compute: timed, and stretched by the slow-down factor (straggler
+/// emulation). On CUDA the clock stops only once the GPU has run what `f` queued, so the time is
+/// the kernels' and not their launches'; a device's fault seen then is the result (`f`'s own
+/// error first).
 fn timed<T, E: From<DeviceError>>(
+    part: &CStr,
     devices: &[Device],
     slowdown: f64,
     timing: &mut Timing,
     f: impl FnOnce() -> Result<T, E>,
 ) -> Result<T, E> {
     let started = Instant::now();
-    let value = f()?;
+    let value = {
+        let _scope = Scope::enter(part);
+        f()?
+    };
     for &device in devices {
         crate::cuda::synchronize(device)?;
     }
@@ -810,7 +831,7 @@ mod tests {
         let mut timing = Timing::default();
         let mut work = Duration::ZERO;
         let started = Instant::now();
-        timed(&[Device::Cpu], 3.0, &mut timing, || {
+        timed(c"work", &[Device::Cpu], 3.0, &mut timing, || {
             let begun = Instant::now();
             std::thread::sleep(Duration::from_millis(5));
             work = begun.elapsed();
@@ -829,7 +850,7 @@ mod tests {
 
         let mut plain = Timing::default();
         let started = Instant::now();
-        timed(&[Device::Cpu], 1.0, &mut plain, || {
+        timed(c"work", &[Device::Cpu], 1.0, &mut plain, || {
             std::thread::sleep(Duration::from_millis(5));
             Ok::<_, String>(())
         })
