@@ -12,10 +12,11 @@ step's being what was launched within it: per step, how long the GPU was busy (t
 kernels' intervals), how long the step's GPU work took from its first kernel's start to its last
 kernel's end and the gaps between (the GPU idle within the step, as when the host waits or
 launches too slowly), the kernel count, then the time by part of the iteration (`forward`,
-`backward`, `step`: scopes both sides mark; a kernel belongs to the part that launched it), by
-kind of kernel (convolutions, GEMMs, elementwise, ...: a rule of thumb on kernel names) and the
-kernels that take the most time, each with its count and time per step in every trace. Without
-GPU activity, the tables are of the CPU operators (`aten::` ops) of the traced threads, by self
+`backward`, `step`: scopes both sides mark; a kernel belongs to the part that launched it), the
+host's time in each part (the scopes' own durations, waits for peers in `receive` and `sync`
+included), the time by kind of kernel (convolutions, GEMMs, elementwise, ...: a rule of thumb
+on kernel names) and the kernels that take the most time, each with its count and time per step
+in every trace. Without GPU activity, the tables are of the CPU operators (`aten::` ops) of the traced threads, by self
 time (an operator's time less that of the operators it called), each in the part it ran in.
 
 `--json FILE` writes the same figures for scripts.
@@ -32,9 +33,11 @@ from pathlib import Path
 
 GPU_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
 LAUNCH_CATEGORIES = {"cuda_runtime", "cuda_driver"}
-# The parts of an iteration both sides mark with scopes of these names (the runtime's `replay` is
-# a whole step replayed from a CUDA graph); GPU work is its launch's part, CPU work its own.
-PARTS = ("forward", "backward", "step", "replay")
+# The parts of an iteration both sides mark with scopes of these names (the runtime's also
+# `replay`, a whole step replayed from a CUDA graph, and across ranks `receive`, the wait for a
+# peer's message and its unpacking, and `sync`, the wait for sends and all-reduces before the
+# step); GPU work is its launch's part, CPU work its own.
+PARTS = ("forward", "backward", "receive", "sync", "step", "replay")
 CPU_CATEGORIES = {"cpu_op"}
 STEP = re.compile(r"^ProfilerStep#(\d+)$")
 
@@ -110,6 +113,7 @@ class Trace:
     by_name: dict = field(default_factory=dict)  # name -> (count per step, ms per step)
     by_kind: dict = field(default_factory=dict)  # kind -> ms per step
     by_part: dict = field(default_factory=dict)  # part (or "other") -> ms per step
+    part_wall: dict = field(default_factory=dict)  # part -> its scopes' host time, ms per step
 
 
 class Parts:
@@ -210,6 +214,10 @@ def read(label, path):
         trace.count = len(ops) / n
     trace.by_name = {name: (c / n, us / 1000 / n) for name, (c, us) in names.items()}
     trace.by_part = {part: us / 1000 / n for part, us in by_part.items()}
+    wall = defaultdict(float)
+    for a, b, name in parts.spans:
+        wall[name] += b - a
+    trace.part_wall = {part: us / 1000 / n for part, us in wall.items()}
     kinds = defaultdict(float)
     for name, (_, ms) in trace.by_name.items():
         kinds[kind_of(name)] += ms
@@ -255,6 +263,10 @@ def render(traces, top):
     rows = [[p] + [f"{t.by_part.get(p, 0):.2f}" for t in traces] for p in parts]
     out += ["", f"{unit} ms per step by part (GPU work: the part that launched it)",
             table(rows, ["part"] + labels)]
+    walls = sorted({p for t in traces for p in t.part_wall}, key=lambda p: order.get(p, len(order)))
+    rows = [[p] + [f"{t.part_wall.get(p, 0):.2f}" for t in traces] for p in walls]
+    out += ["", "host ms per step in each part (its scopes' own time: waits for peers or for the "
+            "device included)", table(rows, ["part"] + labels)]
     kinds = sorted({k for t in traces for k in t.by_kind}, key=lambda k: -max(t.by_kind.get(k, 0) for t in traces))
     rows = [[k] + [f"{t.by_kind.get(k, 0):.2f}" for t in traces] for k in kinds]
     out += ["", f"{unit} ms per step by kind", table(rows, ["kind"] + labels)]
@@ -295,7 +307,7 @@ def main(argv=None):
         a.json.write_text(json.dumps([{
             "label": t.label, "path": str(t.path), "steps": t.steps, "gpu": t.gpu,
             "step_ms": t.step_ms, "busy_ms": t.busy_ms, "span_ms": t.span_ms, "count": t.count,
-            "by_kind": t.by_kind, "by_part": t.by_part,
+            "by_kind": t.by_kind, "by_part": t.by_part, "part_wall": t.part_wall,
             "by_name": {n: {"count": c, "ms": ms} for n, (c, ms) in t.by_name.items()},
         } for t in traces], indent=1))
 

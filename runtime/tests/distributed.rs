@@ -6,7 +6,9 @@ use std::time::{Duration, Instant};
 
 use stagehand_contract::Event;
 
-use crate::util::{free_port, read_params, run_ok, run_ranks, runtime, write_image_folder, Run};
+use crate::util::{
+    free_port, read_params, run_ok, run_ranks, runtime, trace_events, trace_steps, write_image_folder, Run,
+};
 
 const LIMIT: Duration = Duration::from_secs(120);
 
@@ -627,4 +629,50 @@ fn slowdown_stretches_one_ranks_compute() {
         "rank 0 waited {patient:.4}s, rank 1 {straggler:.4}s; rank 1 computed {:.4}s longer",
         slow - fast
     );
+}
+
+/// `--profiler-trace` across ranks: `{rank}` gives each rank its own file, and each marks its
+/// microbatches' forwards and backwards, its step, and the waits for its peer's messages
+/// (`receive`: activations and targets on the last stage, gradients on the first).
+#[test]
+fn each_rank_traces_its_parts_and_its_waits_for_peers() {
+    let tmp = tempfile::tempdir().unwrap();
+    let two = write(
+        tmp.path(),
+        "two.json",
+        r#"{"module_to_stage_map": [0,0,0,1,1,1], "stage_to_rank_map": {"0": [0], "1": [1]}}"#,
+    );
+    let template = tmp.path().join("rank-{rank}.json");
+    let template = template.to_str().unwrap();
+    let base = words(
+        "--model mlp --batch-size 8 --threads 1 --iterations 3 --warmup 1 --microbatches 2 --schedule 1f1b",
+    );
+    let extra = ["--stage-config", two.as_str(), "--profiler-trace", template];
+    let runs = run_ranks(2, &args(&base, &extra), LIMIT);
+    for (rank, run) in runs.iter().enumerate() {
+        assert!(run.output.status.success(), "rank {rank}: {}", run.stderr());
+        let path = tmp.path().join(format!("rank-{rank}.json"));
+        assert_eq!(run.start().config.profiler_trace.as_deref(), Some(path.as_path()));
+        let events = trace_events(&path);
+        assert_eq!(
+            trace_steps(&events),
+            ["ProfilerStep#1", "ProfilerStep#2"],
+            "rank {rank}"
+        );
+        let scopes = |name: &str| {
+            events
+                .iter()
+                .filter(|e| e["cat"] == "user_annotation" && e["name"] == name)
+                .count()
+        };
+        // Two traced iterations of two microbatches each.
+        assert_eq!(scopes("forward"), 4, "rank {rank}");
+        assert_eq!(scopes("backward"), 4, "rank {rank}");
+        assert_eq!(scopes("step"), 2, "rank {rank}");
+        assert!(
+            scopes("receive") >= 4,
+            "rank {rank}: {} receives",
+            scopes("receive")
+        );
+    }
 }

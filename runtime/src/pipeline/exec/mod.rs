@@ -467,6 +467,9 @@ impl Executor {
             bail!("internal error: {message:?} was produced but never sent");
         }
         let started = Instant::now();
+        // Waiting for this rank's sends, the replicas' gradient all-reduce and the scaler's
+        // flags: a `sync` scope in a --profiler-trace, ended before the step's own.
+        let sync = Scope::enter(c"sync");
         for work in progress.sends.drain(..) {
             work.wait()?;
         }
@@ -515,6 +518,7 @@ impl Executor {
             // was the gradient scaler's kernels, if any.
             progress.timing.compute += started.elapsed();
         }
+        drop(sync);
         let slowdown = self.slowdown;
         let devices = self.timed_devices(progress);
         let optimizer = &mut self.optimizer;

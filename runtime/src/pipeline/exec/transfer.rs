@@ -9,6 +9,7 @@ use super::{Executor, Progress};
 use crate::pipeline::route::Transfer;
 use crate::pipeline::sparse;
 use crate::pipeline::wire::{Message, TensorSpec};
+use crate::profiler_trace::Scope;
 
 impl Executor {
     /// The spec of what `message` carries as this rank receives it.
@@ -75,8 +76,10 @@ impl Executor {
             .map_err(|e| anyhow::anyhow!("{message:?} from rank {}: {e}", transfer.peer))
     }
 
-    /// The posted receive of `message`, once it has arrived.
+    /// The posted receive of `message`, once it has arrived (a `receive` scope in a
+    /// `--profiler-trace`: the wait for the peer is in it).
     pub(super) fn take(&self, progress: &mut Progress, message: Message) -> anyhow::Result<Tensor> {
+        let _scope = Scope::enter(c"receive");
         let (tensor, work, transfer) = progress
             .posted
             .remove(&message)
