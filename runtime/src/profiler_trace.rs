@@ -72,24 +72,34 @@ pub fn first_traced(warmup: u64, first: u64, replays_from: Option<u64>) -> u64 {
     warmup.max(first).max(replays_from.unwrap_or(0))
 }
 
-/// Records iterations from `from` on and writes the trace when the run ends.
+/// Records iterations from `from` on and writes the trace when the run ends; a run that ends
+/// otherwise (an error) leaves no file behind.
 pub struct ProfilerTrace {
     path: PathBuf,
     cuda: bool,
     from: u64,
     recording: bool,
+    written: bool,
 }
 
 impl ProfilerTrace {
     /// A trace of iterations `from` onwards, of the GPU's activity too with `cuda`, to be written
-    /// to `path`. Nothing records until [`Self::before_iteration`] reaches `from`.
-    pub fn new(path: PathBuf, cuda: bool, from: u64) -> Self {
-        Self {
+    /// to `path`, which is made now (and its folder), so that a path the run cannot write fails
+    /// it before it trains. Nothing records until [`Self::before_iteration`] reaches `from`.
+    pub fn create(path: PathBuf, cuda: bool, from: u64) -> Result<Self, String> {
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir)
+                .map_err(|e| format!("--profiler-trace: cannot create {}: {e}", dir.display()))?;
+        }
+        std::fs::File::create(&path)
+            .map_err(|e| format!("--profiler-trace: cannot write {}: {e}", path.display()))?;
+        Ok(Self {
             path,
             cuda,
             from,
             recording: false,
-        }
+            written: false,
+        })
     }
 
     /// Call on the training thread before iteration `iteration` runs: starts recording at the
@@ -109,24 +119,30 @@ impl ProfilerTrace {
         check(unsafe { sh_profiler_step(iteration as i64) }).map_err(|e| format!("--profiler-trace: {e}"))
     }
 
-    /// Stops recording and writes the trace; the file written, or `None` where no iteration
-    /// reached the first traced one.
+    /// Stops recording and writes the trace; the file written, or `None` (and no file) where no
+    /// iteration reached the first traced one.
     pub fn finish(mut self) -> Result<Option<PathBuf>, String> {
         if !self.recording {
             return Ok(None);
         }
         self.recording = false;
         RECORDING.store(false, Ordering::Relaxed);
-        if let Some(dir) = self.path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir)
-                .map_err(|e| format!("--profiler-trace: cannot create {}: {e}", dir.display()))?;
-        }
         let c_path = CString::new(self.path.as_os_str().as_encoded_bytes())
             .map_err(|_| format!("--profiler-trace: {} holds a NUL byte", self.path.display()))?;
         // SAFETY: a NUL-terminated path that outlives the call.
         check(unsafe { sh_profiler_stop(c_path.as_ptr()) })
             .map_err(|e| format!("--profiler-trace: writing {}: {e}", self.path.display()))?;
+        self.written = true;
         Ok(Some(self.path.clone()))
+    }
+}
+
+impl Drop for ProfilerTrace {
+    /// The empty file [`ProfilerTrace::create`] made goes unless a trace was written into it.
+    fn drop(&mut self) {
+        if !self.written {
+            let _ = std::fs::remove_file(&self.path);
+        }
     }
 }
 
@@ -144,6 +160,22 @@ mod tests {
             path_for_rank(Path::new("trace.json"), 3),
             PathBuf::from("trace.json")
         );
+    }
+
+    #[test]
+    fn the_file_is_made_at_the_start_and_gone_unless_a_trace_was_written() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("nested/traces/rank-0.json");
+        let trace = ProfilerTrace::create(path.clone(), false, 1).unwrap();
+        assert!(path.is_file(), "made before the run trains");
+        drop(trace);
+        assert!(!path.exists(), "a run that wrote no trace leaves no file");
+        let blocker = dir.path().join("a-file");
+        std::fs::write(&blocker, "").unwrap();
+        let err = ProfilerTrace::create(blocker.join("t.json"), false, 1)
+            .err()
+            .unwrap();
+        assert!(err.starts_with("--profiler-trace: cannot create"), "{err}");
     }
 
     #[test]

@@ -275,6 +275,30 @@ fn the_profiler_trace_holds_each_iteration_after_the_warm_up() {
     let plain = run_ok(&SHORT_MLP);
     assert_eq!(plain.start().config.profiler_trace, None);
 
+    // A path the run cannot write fails it before it trains.
+    let blocker = dir.path().join("a-file");
+    std::fs::write(&blocker, "").unwrap();
+    let unwritable = blocker.join("trace.json");
+    let failed = crate::util::run(
+        &[
+            &mlp[..],
+            &[
+                "--iterations",
+                "2",
+                "--profiler-trace",
+                unwritable.to_str().unwrap(),
+            ],
+        ]
+        .concat(),
+    );
+    assert_eq!(failed.output.status.code(), Some(1), "{}", failed.stderr());
+    assert!(
+        failed.stderr().contains("--profiler-trace: cannot create"),
+        "{}",
+        failed.stderr()
+    );
+    assert!(failed.iterations().is_empty(), "failed before training");
+
     let why = refused(
         &[
             &mlp[..],

@@ -771,13 +771,16 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
     let mut last_loss = None;
     let mut skipped_steps = 0u64;
     let (rank, stage_id, batch) = (dist.rank, my_stage.id, config.batch_size);
-    let mut profiler = config.profiler_trace.clone().map(|path| {
-        let replays_from = config
-            .cuda_graph
-            .then_some(first + GRAPH_EAGER_ITERATIONS as u64 + 1);
-        let from = profiler_trace::first_traced(config.warmup, first, replays_from);
-        ProfilerTrace::new(path, device.is_cuda(), from)
-    });
+    let mut profiler = match config.profiler_trace.clone() {
+        Some(path) => {
+            let replays_from = config
+                .cuda_graph
+                .then_some(first + GRAPH_EAGER_ITERATIONS as u64 + 1);
+            let from = profiler_trace::first_traced(config.warmup, first, replays_from);
+            Some(ProfilerTrace::create(path, device.is_cuda(), from).map_err(anyhow::Error::msg)?)
+        }
+        None => None,
+    };
     if let Some(profiler) = profiler.as_mut() {
         profiler.before_iteration(first).map_err(anyhow::Error::msg)?;
     }
@@ -848,13 +851,14 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
         }
         Ok(())
     })?;
-    if let Some(profiler) = profiler.take() {
-        match profiler.finish().map_err(anyhow::Error::msg)? {
-            Some(path) => eprintln!("runtime: rank {rank}: profiler trace in {}", path.display()),
-            None => eprintln!(
-                "runtime: rank {rank}: --profiler-trace: no iteration ran after the warm-up; no trace written"
-            ),
-        }
+    // A trace that cannot be written fails the run, but only once its summary is out.
+    let traced = profiler.take().map(ProfilerTrace::finish).transpose();
+    match &traced {
+        Ok(Some(Some(path))) => eprintln!("runtime: rank {rank}: profiler trace in {}", path.display()),
+        Ok(Some(None)) => eprintln!(
+            "runtime: rank {rank}: --profiler-trace: no iteration ran after the warm-up; no trace written"
+        ),
+        Ok(None) | Err(_) => {}
     }
 
     // Done: no group waits for this replica any more; rank 0 stays until no replica needs its
@@ -909,5 +913,6 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
         last_loss.map_or("-".to_string(), |l| format!("{l:.4}"))
     );
     out.emit(&Event::Summary(summary))?;
+    traced.map_err(anyhow::Error::msg)?;
     Ok(())
 }
