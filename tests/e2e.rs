@@ -465,3 +465,91 @@ fn the_benchmark_traces_every_side_and_tabulates_them_per_step() {
     let why = String::from_utf8_lossy(&refused.stderr);
     assert!(why.contains("no ProfilerStep#N scope"), "{why}");
 }
+
+/// bench/trace_table.py on GPU activity, on a trace made by hand so that every figure is known:
+/// two steps, each a forward, backward and step scope on the host launching one kernel each (a
+/// kernel runs after its launch, the step's last after the step's scope has ended: it is still
+/// the step's, by its launch), the GPU idle between them.
+#[test]
+fn the_trace_table_books_gpu_work_to_the_step_and_part_that_launched_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut events = Vec::new();
+    for (step, t0) in [(1, 0.0), (2, 1000.0)] {
+        let x = |name: &str, cat: &str, ts: f64, dur: f64, corr: Option<u64>| {
+            let mut e = serde_json::json!({"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": 1,
+                                           "ts": t0 + ts, "dur": dur});
+            if let Some(c) = corr {
+                e["args"] = serde_json::json!({"correlation": c + step * 10});
+            }
+            e
+        };
+        events.extend([
+            x(
+                &format!("ProfilerStep#{step}"),
+                "user_annotation",
+                0.0,
+                100.0,
+                None,
+            ),
+            x("forward", "user_annotation", 0.0, 40.0, None),
+            x("backward", "user_annotation", 40.0, 50.0, None),
+            x("step", "user_annotation", 90.0, 10.0, None),
+            x("cudaLaunchKernel", "cuda_runtime", 10.0, 2.0, Some(1)),
+            x("cudaLaunchKernel", "cuda_runtime", 50.0, 2.0, Some(2)),
+            x("cudaLaunchKernel", "cuda_runtime", 95.0, 2.0, Some(3)),
+            x(
+                "sm90_xmma_fprop_implicit_gemm_bf16",
+                "kernel",
+                20.0,
+                10.0,
+                Some(1),
+            ),
+            x(
+                "sm90_xmma_dgrad_implicit_gemm_bf16",
+                "kernel",
+                60.0,
+                30.0,
+                Some(2),
+            ),
+            x(
+                "void multi_tensor_apply_kernel<Sgd>(int)",
+                "kernel",
+                100.0,
+                5.0,
+                Some(3),
+            ),
+        ]);
+    }
+    let trace = dir.path().join("gpu.json");
+    std::fs::write(&trace, serde_json::json!({ "traceEvents": events }).to_string()).unwrap();
+    let json = dir.path().join("table.json");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../bench/trace_table.py");
+    let out = Command::new(python())
+        .arg(&script)
+        .arg(format!("gpu={}", trace.display()))
+        .arg("--json")
+        .arg(&json)
+        .output()
+        .unwrap();
+    let out = ok(out, "trace_table.py");
+    let side =
+        &serde_json::from_str::<Vec<serde_json::Value>>(&std::fs::read_to_string(&json).unwrap()).unwrap()[0];
+    let ms = |v: &serde_json::Value| (v.as_f64().unwrap() * 1e6).round() / 1e3; // µs, rounded
+    assert_eq!(side["steps"], 2);
+    assert_eq!(side["gpu"], true);
+    assert_eq!(side["count"], 3.0);
+    assert_eq!(ms(&side["busy_ms"]), 45.0, "10 + 30 + 5 µs of kernels a step");
+    assert_eq!(ms(&side["span_ms"]), 85.0, "from 20 to 105 µs");
+    assert_eq!(ms(&side["by_part"]["forward"]), 10.0);
+    assert_eq!(ms(&side["by_part"]["backward"]), 30.0);
+    assert_eq!(
+        ms(&side["by_part"]["step"]),
+        5.0,
+        "launched in the step, run after it"
+    );
+    assert_eq!(ms(&side["part_wall"]["backward"]), 50.0);
+    assert_eq!(ms(&side["by_kind"]["convolution"]), 40.0);
+    assert_eq!(ms(&side["by_kind"]["optimizer"]), 5.0);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("GPU idle within the span (ms)"), "{text}");
+}
