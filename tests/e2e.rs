@@ -442,13 +442,17 @@ fn the_benchmark_traces_every_side_and_tabulates_them_per_step() {
             assert!(ms > 0.0, "{label}: no {part}: {}", side["by_part"]);
         }
     }
-    let refused = Command::new(python())
-        .arg(bench.join("trace_table.py"))
-        .arg(format!("runtime={}", json.display()))
-        .output()
-        .unwrap();
-    assert!(!refused.status.success());
-    let why = String::from_utf8_lossy(&refused.stderr);
+    // What is not a trace of steps is refused, saying why.
+    let refusal = |path: &Path| {
+        let out = Command::new(python())
+            .arg(bench.join("trace_table.py"))
+            .arg(format!("runtime={}", path.display()))
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{} was taken", path.display());
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let why = refusal(&json);
     assert!(why.contains("is not a Chrome trace"), "{why}");
     let stepless = dir.path().join("stepless.json");
     std::fs::write(
@@ -456,13 +460,7 @@ fn the_benchmark_traces_every_side_and_tabulates_them_per_step() {
         r#"{"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 1, "dur": 2}]}"#,
     )
     .unwrap();
-    let refused = Command::new(python())
-        .arg(bench.join("trace_table.py"))
-        .arg(format!("runtime={}", stepless.display()))
-        .output()
-        .unwrap();
-    assert!(!refused.status.success());
-    let why = String::from_utf8_lossy(&refused.stderr);
+    let why = refusal(&stepless);
     assert!(why.contains("no ProfilerStep#N scope"), "{why}");
 }
 

@@ -30,6 +30,16 @@ fn write(dir: &Path, name: &str, json: &str) -> String {
     path.to_str().unwrap().to_string()
 }
 
+/// The stage config of two stages, the mlp's first three modules and its last three, one rank
+/// each, written into `dir`; its path.
+fn two_stages(dir: &Path) -> String {
+    write(
+        dir,
+        "two.json",
+        r#"{"module_to_stage_map": [0,0,0,1,1,1], "stage_to_rank_map": {"0": [0], "1": [1]}}"#,
+    )
+}
+
 fn args<'a>(base: &[&'a str], extra: &[&'a str]) -> Vec<&'a str> {
     base.iter().chain(extra).copied().collect()
 }
@@ -152,11 +162,7 @@ fn gpipe_and_1f1b_match_single_process_training_for_every_split() {
         "the reference learns (iterations 0 and 4 see the same batch): {expected:?}"
     );
 
-    let two = write(
-        tmp.path(),
-        "two.json",
-        r#"{"module_to_stage_map": [0,0,0,1,1,1], "stage_to_rank_map": {"0": [0], "1": [1]}}"#,
-    );
+    let two = two_stages(tmp.path());
     let three = write(
         tmp.path(),
         "three.json",
@@ -394,11 +400,7 @@ fn pipedream_with_one_microbatch_in_flight_is_synchronous_training() {
 #[test]
 fn pipedream_backward_uses_the_weights_its_forward_used() {
     let tmp = tempfile::tempdir().unwrap();
-    let config = write(
-        tmp.path(),
-        "two.json",
-        r#"{"module_to_stage_map": [0,0,0,1,1,1], "stage_to_rank_map": {"0": [0], "1": [1]}}"#,
-    );
+    let config = two_stages(tmp.path());
     let extra = [
         "--stage-config",
         config.as_str(),
@@ -527,11 +529,7 @@ fn a_missing_peer_fails_the_rendezvous_within_the_timeout() {
 #[test]
 fn killing_one_rank_ends_the_others_within_the_timeout() {
     let tmp = tempfile::tempdir().unwrap();
-    let config = write(
-        tmp.path(),
-        "two.json",
-        r#"{"module_to_stage_map": [0,0,0,1,1,1], "stage_to_rank_map": {"0": [0], "1": [1]}}"#,
-    );
+    let config = two_stages(tmp.path());
     let port = free_port().to_string();
     let spawn = |rank: &str| {
         runtime()
@@ -637,11 +635,7 @@ fn slowdown_stretches_one_ranks_compute() {
 #[test]
 fn each_rank_traces_its_parts_and_its_waits_for_peers() {
     let tmp = tempfile::tempdir().unwrap();
-    let two = write(
-        tmp.path(),
-        "two.json",
-        r#"{"module_to_stage_map": [0,0,0,1,1,1], "stage_to_rank_map": {"0": [0], "1": [1]}}"#,
-    );
+    let two = two_stages(tmp.path());
     let template = tmp.path().join("rank-{rank}.json");
     let template = template.to_str().unwrap();
     let base = words(
