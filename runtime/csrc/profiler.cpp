@@ -5,8 +5,8 @@
 // this one's profiler state), and on a GPU every kernel, copy and memset through CUPTI. Each
 // iteration is a `ProfilerStep#N` user scope, as `prof.step()` marks them, so tools that read
 // PyTorch's traces split it the same way, and its forward, backward and step are scopes of their
-// own. Kineto lives in libtorch_cpu (which links CUPTI in the
-// CUDA builds of torch), so this half needs nothing of libtorch_cuda.
+// own. Kineto lives in libtorch_cpu (which links CUPTI in the CUDA builds of torch), so this half
+// needs nothing of libtorch_cuda.
 
 #include <memory>
 #include <set>
