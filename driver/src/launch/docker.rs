@@ -584,7 +584,30 @@ async fn exited(host: &Host, id: &str) -> Option<LaunchError> {
 /// Processes the kernel has killed for lack of memory in running container `id` since it
 /// started (its memory cgroup is its own), read inside it by the image's `/bin/sh`; `None` when
 /// that cannot be read.
+///
+/// Asked right after a rank's death, the container may still be at its memory limit: the kernel
+/// frees a killed process's memory after the kill, and until then the reading exec can be
+/// refused or killed itself (runc's exec needs memory of its own in the container's cgroup). So
+/// a reading that fails is tried again, every quarter of a second, for 15 seconds at most.
 async fn oom_kills_inside(host: &Host, id: &str) -> Option<u64> {
+    let retried = async {
+        for attempt in 0..6 {
+            if attempt > 0 {
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+            if let Some(kills) = read_oom_kills_inside(host, id).await {
+                return Some(kills);
+            }
+        }
+        None
+    };
+    tokio::time::timeout(Duration::from_secs(15), retried)
+        .await
+        .ok()?
+}
+
+/// One reading of [`oom_kills_inside`].
+async fn read_oom_kills_inside(host: &Host, id: &str) -> Option<u64> {
     let options = CreateExecOptions {
         cmd: Some(["/bin/sh", "-c", oom::COUNT_SCRIPT].map(String::from).to_vec()),
         attach_stdout: Some(true),
