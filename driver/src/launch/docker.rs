@@ -588,7 +588,8 @@ async fn exited(host: &Host, id: &str) -> Option<LaunchError> {
 /// Asked right after a rank's death, the container may still be at its memory limit: the kernel
 /// frees a killed process's memory after the kill, and until then the reading exec can be
 /// refused or killed itself (runc's exec needs memory of its own in the container's cgroup). So
-/// a reading that fails is tried again, every quarter of a second, for 15 seconds at most.
+/// a reading that fails is tried again, up to five times a quarter of a second apart, within 15
+/// seconds in all.
 async fn oom_kills_inside(host: &Host, id: &str) -> Option<u64> {
     let retried = async {
         for attempt in 0..6 {
