@@ -718,9 +718,7 @@ impl TrainArgs {
             check_cuda_graph(self.trace, &dist, &devices)?;
         }
         if self.profiler_trace.is_some() {
-            let replays_from = self
-                .cuda_graph
-                .then_some(crate::pipeline::GRAPH_EAGER_ITERATIONS as u64 + 1);
+            let replays_from = self.cuda_graph.then(|| crate::pipeline::first_replayed(0));
             let from = crate::profiler_trace::first_traced(self.warmup, 0, replays_from);
             if iterations <= from {
                 let what = if from > self.warmup {

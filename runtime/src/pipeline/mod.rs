@@ -13,7 +13,7 @@ mod wire;
 
 pub use bundle::Bundle;
 pub use channel::{Channels, Lanes};
-pub use exec::{Checkpointing, Executor, Links, GRAPH_EAGER_ITERATIONS};
+pub use exec::{first_replayed, Checkpointing, Executor, Links};
 pub use partial::{outlast, PartialReduce};
 pub use reduce::Reducer;
 pub use sparse::coo_wire_bytes;

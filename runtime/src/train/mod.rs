@@ -23,8 +23,8 @@ use crate::host_memory;
 use crate::metrics::{Emitter, Memory, Throughput};
 use crate::models::{InputKind, ModelDef};
 use crate::pipeline::{
-    Bundle, Channels, Checkpointing, Executor, Lanes, Links, PartialReduce, Reducer, TensorSpec,
-    GRAPH_EAGER_ITERATIONS,
+    first_replayed, Bundle, Channels, Checkpointing, Executor, Lanes, Links, PartialReduce, Reducer,
+    TensorSpec,
 };
 use crate::profiler_trace::{self, ProfilerTrace};
 use crate::schedule::{self, Action, Schedule};
@@ -773,9 +773,7 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
     let (rank, stage_id, batch) = (dist.rank, my_stage.id, config.batch_size);
     let mut profiler = match config.profiler_trace.clone() {
         Some(path) => {
-            let replays_from = config
-                .cuda_graph
-                .then_some(first + GRAPH_EAGER_ITERATIONS as u64 + 1);
+            let replays_from = config.cuda_graph.then(|| first_replayed(first));
             let from = profiler_trace::first_traced(config.warmup, first, replays_from);
             Some(ProfilerTrace::create(path, device.is_cuda(), from).map_err(anyhow::Error::msg)?)
         }

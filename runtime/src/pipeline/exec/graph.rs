@@ -11,6 +11,12 @@ use crate::cuda::Graph;
 /// step will (PyTorch's whole-network capture recipe warms up a few iterations the same way).
 pub const GRAPH_EAGER_ITERATIONS: usize = 3;
 
+/// The first iteration replayed from the graph in a run whose first iteration is `first`: after
+/// the eager ones and the one captured.
+pub fn first_replayed(first: u64) -> u64 {
+    first + GRAPH_EAGER_ITERATIONS as u64 + 1
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum GraphPhase {
     /// Iterations still run kernel by kernel.

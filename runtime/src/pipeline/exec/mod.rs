@@ -31,7 +31,7 @@ use crate::stage::{backward_with_grad, GradScaler, Optimizer, ScalerReport, Stag
 mod graph;
 mod transfer;
 
-pub use graph::GRAPH_EAGER_ITERATIONS;
+pub use graph::first_replayed;
 
 use graph::{GraphPhase, StepGraph};
 
@@ -140,8 +140,9 @@ pub struct Executor {
     /// iteration's first forward, so what dropout draws never depends on earlier iterations and a
     /// resumed run draws what the uninterrupted one did.
     pub seed: u64,
-    /// `--cuda-graph`: after [`GRAPH_EAGER_ITERATIONS`] eager iterations, one iteration's work
-    /// is captured in a CUDA graph and every later iteration replays it (one process, one GPU).
+    /// `--cuda-graph`: after [`GRAPH_EAGER_ITERATIONS`](graph::GRAPH_EAGER_ITERATIONS) eager
+    /// iterations, one iteration's work is captured in a CUDA graph and every later iteration
+    /// replays it (one process, one GPU).
     pub cuda_graph: bool,
     /// Shapes crossing into and out of this stage, learned at start.
     pub input_spec: Option<TensorSpec>,
