@@ -19,6 +19,12 @@ on kernel names) and the kernels that take the most time, each with its count an
 in every trace. Without GPU activity, the tables are of the CPU operators (`aten::` ops) of the traced threads, by self
 time (an operator's time less that of the operators it called), each in the part it ran in.
 
+A record's folder of traces (`profiler_trace: true` in an experiment: `experiments/ID/traces`),
+or the record itself, stands for every rank's trace in it, each labelled `rank-N`; a bare FILE
+is labelled by its name:
+
+    bench/trace_table.py experiments/20261127T101500Z_vgg16/traces
+
 `--json FILE` writes the same figures for scripts.
 """
 import argparse
@@ -284,21 +290,45 @@ def render(traces, top):
     return "\n".join(out)
 
 
+RANK_TRACE = re.compile(r"rank-(\d+)\.json")
+
+
+def sides(specs):
+    """(label, path) of each trace the arguments name: LABEL=FILE; a FILE, labelled by its name;
+    a record's `traces` folder (or the record), each `rank-N.json` in it labelled `rank-N`."""
+    out = []
+    for spec in specs:
+        label, sep, path = spec.partition("=")
+        if sep and label and path:
+            out.append((label, path))
+            continue
+        if sep:
+            raise TraceError(f"expected LABEL=FILE, FILE or a folder of traces, not '{spec}'")
+        path = Path(spec)
+        if not path.is_dir():
+            out.append((path.stem, spec))
+            continue
+        folder = path / "traces" if (path / "traces").is_dir() else path
+        ranks = sorted((int(m.group(1)), f) for f in folder.iterdir() if (m := RANK_TRACE.fullmatch(f.name)))
+        if not ranks:
+            raise TraceError(f"{folder} holds no rank-N.json trace; an experiment writes them with "
+                             "`profiler_trace: true`")
+        out.extend((f"rank-{n}", str(f)) for n, f in ranks)
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("traces", nargs="+", metavar="LABEL=FILE")
+    p.add_argument("traces", nargs="+", metavar="LABEL=FILE|FILE|FOLDER")
     p.add_argument("--top", type=int, default=25, help="how many names the last table lists")
     p.add_argument("--json", type=Path, help="write the figures here too")
     a = p.parse_args(argv)
     traces = []
-    for spec in a.traces:
-        label, sep, path = spec.partition("=")
-        if not sep or not label or not path:
-            raise SystemExit(f"trace_table: expected LABEL=FILE, not '{spec}'")
-        try:
+    try:
+        for label, path in sides(a.traces):
             traces.append(read(label, path))
-        except TraceError as e:
-            raise SystemExit(f"trace_table: {e}")
+    except TraceError as e:
+        raise SystemExit(f"trace_table: {e}")
     try:
         print(render(traces, a.top))
     except TraceError as e:

@@ -2,6 +2,7 @@
 //! new kind of event makes each of them decide what to do with it.
 
 use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
 
 /// The exit code of a container whose lease guard stopped it: the driver stopped renewing its
 /// lease (`launch::lease`).
@@ -185,6 +186,26 @@ pub struct LeftContainer {
     pub remove_by_hand: String,
 }
 
+/// The ranks' profiler traces the record keeps (`profiler_trace: true`), gathered once the
+/// ranks ended.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TracesFacts {
+    /// The record's folder of traces, one `rank-N.json` per rank.
+    pub dir: PathBuf,
+    /// The ranks whose trace it holds.
+    pub ranks: Vec<usize>,
+    /// The ranks whose trace it lacks, and why.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub missing: Vec<MissingTrace>,
+}
+
+/// A rank's profiler trace the record lacks.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MissingTrace {
+    pub rank: usize,
+    pub reason: String,
+}
+
 /// A stage config planned at launch (`config_file: auto`), and what it predicts.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PlanFacts {
@@ -282,6 +303,8 @@ pub enum Event {
     },
     /// The ranks failed and the run allowed restarts, but gets none: `why`.
     NotRestarted { why: String },
+    /// The ranks' profiler traces, gathered into the record once they ended.
+    TracesGathered(TracesFacts),
     /// The run is over: every rank ended and every container removed, or reported left.
     Finished { status: Status },
 }

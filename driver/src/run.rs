@@ -341,6 +341,8 @@ pub async fn run_loaded(
     }
 
     let record = Record::create(&plan.log_directory, &plan.name)?;
+    let mut plan = plan;
+    plan.keep_traces_in(&record.dir);
     record.write_setup(&loaded, &plan)?;
     let bar = progress::bar(options.progress, plan.iterations, bars);
     let rank_hosts: BTreeMap<usize, String> = plan
@@ -410,7 +412,7 @@ pub async fn run_loaded(
                 Ok(planned) => planned,
                 Err(e) => return Err(auto_failed(e, &record, &mut reporters)),
             };
-            let plan = match experiment::resolve_planned(&loaded, &options, plan.master_port, &planned) {
+            let mut plan = match experiment::resolve_planned(&loaded, &options, plan.master_port, &planned) {
                 Ok(plan) => plan,
                 Err(e) => {
                     let reason = crate::error::error_chain(&e);
@@ -418,6 +420,7 @@ pub async fn run_loaded(
                     return Err(auto_failed(e, &record, &mut reporters));
                 }
             };
+            plan.keep_traces_in(&record.dir);
             record.write_setup(&loaded, &plan)?;
             for (host, _) in prepared.iter_mut().flatten() {
                 host.add_file(&planned.stage_config);

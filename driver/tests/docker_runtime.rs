@@ -27,6 +27,22 @@ fn a_two_stage_pipeline_runs_in_both_container_modes() {
     }
 }
 
+/// `profiler_trace: true` in both container modes: each rank writes its trace inside its
+/// container, and the driver copies it out into the record before removing the container.
+#[test]
+fn profiler_traces_are_copied_out_of_the_containers_into_the_record() {
+    let runtime = runtime();
+    base_image();
+    for mode in [&[][..], &["--launch-single-container"][..]] {
+        let h = Harness::new("pipe-docker-traced");
+        let mut args = vec!["--runtime", runtime.to_str().unwrap()];
+        args.extend_from_slice(mode);
+        let run = h.run(&traced(&two_stage_mlp(&h, "docker")), &args);
+        check_traces_kept(&h, &run);
+        h.assert_no_containers();
+    }
+}
+
 /// Checkpoints written inside containers land in a folder the engine made on the host, and a
 /// later run's containers resume from it.
 /// An image folder on this machine reaches the containers (mounted read-only) and trains there:

@@ -20,6 +20,31 @@ fn a_two_stage_pipeline_runs_as_processes() {
     h.assert_no_processes();
 }
 
+/// `profiler_trace: true`: each local rank writes its trace straight into the record.
+#[test]
+fn a_pipelines_profiler_traces_are_kept_in_its_record() {
+    let runtime = runtime();
+    let h = Harness::new("pipe-proc-traced");
+    let config = traced(&two_stage_mlp(&h, "process"));
+    let run = h.run(&config, &["--runtime", runtime.to_str().unwrap()]);
+    check_traces_kept(&h, &run);
+    h.assert_no_processes();
+
+    // A run with no iteration after the warm-up has nothing to trace: refused before it starts.
+    let h = Harness::new("pipe-proc-traced-short");
+    let config = traced(&two_stage_mlp(&h, "process"));
+    let text = std::fs::read_to_string(&config).unwrap();
+    std::fs::write(&config, text.replace("iterations: 3", "iterations: 1")).unwrap();
+    let run = h.run(&config, &["--runtime", runtime.to_str().unwrap()]);
+    assert_eq!(run.code(), 3, "{}", run.stderr());
+    assert!(
+        run.stderr().contains("--profiler-trace") && run.stderr().contains("raise --iterations"),
+        "{}",
+        run.stderr()
+    );
+    assert!(!h.records().exists(), "nothing started, so no record");
+}
+
 /// A PipeDream experiment, keys and partitioned model folder as PipeDream writes them, runs
 /// unchanged: the runtime's AlexNet split as PipeDream's stage files split it, for the epochs
 /// PipeDream's keys ask.

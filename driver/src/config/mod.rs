@@ -178,6 +178,10 @@ pub struct ExperimentFile {
     /// `deterministic`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cudnn_benchmark: Option<bool>,
+    /// Each rank records PyTorch's profiler over its iterations after the warm-up
+    /// (`--profiler-trace`), and the record keeps every rank's trace in `traces/`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub profiler_trace: Option<bool>,
     /// Host memory a step frees: `keep` it for the next iteration (the runtime's default) or
     /// `release` it to the system (`--host-memory`).
     #[serde(default, skip_serializing_if = "Option::is_none")]

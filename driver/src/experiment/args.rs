@@ -25,7 +25,13 @@ pub(super) struct ArgsContext<'a> {
     pub master_port_given: bool,
     /// Microbatches per minibatch: the file's, or the planned ones with `config_file: auto`.
     pub microbatches: Option<u32>,
+    /// The folder each rank writes its profiler trace into (`profiler_trace: true`).
+    pub trace_dir: Option<&'a Path>,
 }
+
+/// The runtime's flag for a profiler trace, whose value [`super::Experiment::keep_traces_in`]
+/// points into the record.
+pub(super) const PROFILER_TRACE_FLAG: &str = "--profiler-trace";
 
 /// The argument vector and environment of one rank.
 pub(super) fn rank_command(
@@ -196,6 +202,10 @@ fn runtime_command(
     }
     if f.cudnn_benchmark == Some(true) {
         argv.push("--cudnn-benchmark".into());
+    }
+    if let Some(dir) = ctx.trace_dir {
+        argv.push(PROFILER_TRACE_FLAG.into());
+        argv.push(super::trace_file(dir, rank).display().to_string());
     }
     if let Some(h) = f.host_memory {
         argv.push("--host-memory".into());

@@ -198,6 +198,31 @@ pub struct Experiment {
     pub max_restarts: u32,
     /// Whether containers get their host's InfiniBand/RoCE devices (`rdma:`).
     pub rdma: crate::config::Rdma,
+    /// Where the ranks' profiler traces are written and kept (`profiler_trace: true`).
+    pub traces: Option<Traces>,
+}
+
+/// The folder, inside each container, that its ranks write their profiler traces into; the
+/// driver copies them out into the record before it removes the container.
+pub const CONTAINER_TRACE_DIR: &str = "/tmp/stagehand-traces";
+
+/// The record's folder of profiler traces, one `rank-N.json` per rank.
+pub const TRACES_FOLDER: &str = "traces";
+
+/// Where the ranks' profiler traces go (`profiler_trace: true`).
+#[derive(Debug, Clone, Serialize)]
+pub struct Traces {
+    /// The folder each rank writes `rank-N.json` into ([`trace_file`]), as the rank sees it:
+    /// [`CONTAINER_TRACE_DIR`] in containers; the record's own [`TRACES_FOLDER`] for local
+    /// processes and Slurm's tasks, once [`Experiment::keep_traces_in`] has named the record.
+    pub written_in: PathBuf,
+    /// The record's [`TRACES_FOLDER`], where they are kept; `None` until the record exists.
+    pub kept_in: Option<PathBuf>,
+}
+
+/// The file `rank` writes its trace to in `dir`.
+pub fn trace_file(dir: &Path, rank: usize) -> PathBuf {
+    dir.join(format!("rank-{rank}.json"))
 }
 
 impl Experiment {
@@ -228,6 +253,28 @@ impl Experiment {
             }
         }
         plan
+    }
+
+    /// Names the record folder the ranks' profiler traces are kept in (its [`TRACES_FOLDER`]):
+    /// ranks that run where the record is (local processes, Slurm's tasks on nodes that share
+    /// its filesystem) write theirs straight into it, in place of the folder they were checked
+    /// with; containers' ranks write inside their container, whence the driver copies them.
+    pub fn keep_traces_in(&mut self, record: &Path) {
+        let Some(traces) = &mut self.traces else {
+            return;
+        };
+        let kept = absolute(&record.join(TRACES_FOLDER));
+        if self.backend != Backend::Docker {
+            traces.written_in = kept.clone();
+            for rank in &mut self.ranks {
+                if let Some(i) = rank.argv.iter().position(|a| a == args::PROFILER_TRACE_FLAG) {
+                    if let Some(value) = rank.argv.get_mut(i + 1) {
+                        *value = trace_file(&kept, rank.rank).display().to_string();
+                    }
+                }
+            }
+        }
+        traces.kept_in = Some(kept);
     }
 
     /// The host a rank runs on.
@@ -500,7 +547,19 @@ fn resolve_with(
         });
     }
 
+    // Each rank's trace goes into its container, or (checked with this folder, written into the
+    // record's once it exists: `keep_traces_in`) where the record goes.
+    let traces = (file.profiler_trace == Some(true)).then(|| Traces {
+        written_in: match backend {
+            Backend::Docker => PathBuf::from(CONTAINER_TRACE_DIR),
+            Backend::Process | Backend::Slurm => {
+                absolute(&log_directory(loaded, options).join(TRACES_FOLDER))
+            }
+        },
+        kept_in: None,
+    });
     let ctx = args::ArgsContext {
+        trace_dir: traces.as_ref().map(|t| t.written_in.as_path()),
         file,
         base: &base,
         runtime: &runtime,
@@ -561,6 +620,7 @@ fn resolve_with(
         slurm,
         max_restarts: options.max_restarts.or(file.max_restarts).unwrap_or(0),
         rdma: file.rdma.unwrap_or_default(),
+        traces,
     })
 }
 
@@ -860,6 +920,7 @@ fn check_pipedream_keys(loaded: &Loaded) -> Result<(), ConfigError> {
         ("data_workers", f.data_workers.is_some()),
         ("deterministic", f.deterministic == Some(true)),
         ("cudnn_benchmark", f.cudnn_benchmark == Some(true)),
+        ("profiler_trace", f.profiler_trace == Some(true)),
     ];
     if let (Some(_), Some((key, _))) = (&f.command, runtime_keys.iter().find(|(_, given)| *given)) {
         return Err(loaded.error_at(
@@ -1234,4 +1295,4 @@ pub fn free_local_port() -> std::io::Result<u16> {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use super::*;
 use crate::options::{Progress, Verbosity};
 
-fn options(backend: Option<Backend>, mode: ContainerMode) -> Options {
+pub(crate) fn options(backend: Option<Backend>, mode: ContainerMode) -> Options {
     Options {
         config_file: PathBuf::from("exp.yml"),
         container_mode: mode,
@@ -1344,4 +1344,64 @@ fn an_image_folders_transform_and_loader_threads_reach_every_rank() {
             "{text}: {bad}"
         );
     }
+}
+
+#[test]
+fn each_rank_traces_into_its_container_or_straight_into_the_record() {
+    let text = "machines: [localhost, localhost]\nmodule: mlp\nprofiler_trace: true\n";
+    let record = tempfile::tempdir().unwrap();
+    let mut docker = plan_per_rank(text);
+    docker.keep_traces_in(record.path());
+    let mut process = resolve_text(text, &options(Some(Backend::Process), ContainerMode::PerRank)).unwrap();
+    // Checked before the record exists with a folder where records go; written into the record's.
+    assert_eq!(
+        flag(&process.ranks[1].argv, "--profiler-trace").map(PathBuf::from),
+        Some(absolute(Path::new("experiments/traces/rank-1.json")))
+    );
+    process.keep_traces_in(record.path());
+    let kept = record.path().join("traces");
+    for rank in 0..2 {
+        assert_eq!(
+            flag(&docker.ranks[rank].argv, "--profiler-trace"),
+            Some(format!("/tmp/stagehand-traces/rank-{rank}.json").as_str()),
+            "in the container, whence the driver copies it"
+        );
+        assert_eq!(
+            flag(&process.ranks[rank].argv, "--profiler-trace").map(PathBuf::from),
+            Some(kept.join(format!("rank-{rank}.json")))
+        );
+        let once = process.ranks[rank]
+            .argv
+            .iter()
+            .filter(|a| *a == "--profiler-trace")
+            .count();
+        assert_eq!(once, 1);
+    }
+    for plan in [&docker, &process] {
+        assert_eq!(
+            plan.traces.as_ref().unwrap().kept_in.as_deref(),
+            Some(kept.as_path())
+        );
+    }
+    // A restart keeps them where they were.
+    let again = process.restarted(true);
+    assert_eq!(again.ranks[0].argv, {
+        let mut argv = process.ranks[0].argv.clone();
+        argv.push("--resume=auto".into());
+        argv
+    });
+
+    let plain = plan_per_rank("machines: [localhost]\nmodule: mlp\n");
+    assert!(plain.traces.is_none());
+    assert_eq!(flag(&plain.ranks[0].argv, "--profiler-trace"), None);
+    let command = resolve_text(
+        "machines: [localhost]\ncommand: [python, train.py]\nprofiler_trace: true\n",
+        &options(None, ContainerMode::PerRank),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        command.contains("exp.yml:3") && command.contains("`profiler_trace` is the runtime's"),
+        "{command}"
+    );
 }

@@ -16,7 +16,8 @@ use bollard::models::{
     ResourcesUlimits,
 };
 use bollard::query_parameters::{
-    CreateContainerOptionsBuilder, LogsOptionsBuilder, UploadToContainerOptionsBuilder, WaitContainerOptions,
+    CreateContainerOptionsBuilder, DownloadFromContainerOptionsBuilder, LogsOptionsBuilder,
+    UploadToContainerOptionsBuilder, WaitContainerOptions,
 };
 use futures_util::future::{join_all, OptionFuture};
 use futures_util::{Stream as FutStream, StreamExt};
@@ -26,12 +27,15 @@ use super::cleanup::{self, Tracked};
 use super::labels::{LABEL_EXPERIMENT, LABEL_NAME, LABEL_RANK};
 use super::lease::{self, Leased, Renewer};
 use super::lines::LineSplitter;
-use super::{classify_line, oom, LaunchError};
+use super::{classify_line, oom, traces, LaunchError};
 use crate::events::{Event, LeftContainer, Stream};
-use crate::experiment::{Experiment, RankSpec};
+use crate::experiment::{Experiment, RankSpec, CONTAINER_TRACE_DIR};
 use crate::hosts::HostError;
 use crate::hosts::{Host, SshOptions};
 use crate::options::ContainerMode;
+
+/// How long copying one container's profiler traces out may take.
+const TRACE_COPY_DEADLINE: Duration = Duration::from_secs(300);
 
 /// Containers of one experiment across its hosts.
 pub struct DockerLauncher {
@@ -192,6 +196,54 @@ impl DockerLauncher {
 
     fn labels(&self, plan: &Experiment, rank: &str) -> HashMap<String, String> {
         labels(&self.id, plan, rank)
+    }
+
+    /// Copies the profiler traces each container's ranks wrote in [`CONTAINER_TRACE_DIR`] into
+    /// `dir` (each `rank-N.json`), every container concurrently, before they are removed; says
+    /// for each rank why it has none.
+    pub async fn copy_traces(&self, dir: &std::path::Path) -> traces::Copied {
+        let tracked = self.tracked.lock().expect("tracked lock").clone();
+        let copies = join_all(tracked.iter().map(|t| async move {
+            let host = &self.hosts[t.host];
+            let options = DownloadFromContainerOptionsBuilder::new()
+                .path(CONTAINER_TRACE_DIR)
+                .build();
+            let download = async {
+                let mut tar = Vec::new();
+                let mut stream = std::pin::pin!(host.docker.download_from_container(&t.id, Some(options)));
+                while let Some(chunk) = stream.next().await {
+                    tar.extend_from_slice(&chunk?);
+                }
+                Ok::<_, DockerError>(tar)
+            };
+            let tar = match tokio::time::timeout(TRACE_COPY_DEADLINE, download).await {
+                Ok(Ok(tar)) => tar,
+                // No trace folder: no rank there got as far as writing its trace.
+                Ok(Err(DockerError::DockerResponseServerError {
+                    status_code: 404,
+                    message,
+                })) if !message.contains("No such container") => Vec::new(),
+                Ok(Err(e)) => {
+                    let reason = format!("cannot copy it out of container {} on {}: {e}", t.name, host.name);
+                    return traces::fail_all(&t.ranks, reason);
+                }
+                Err(_) => {
+                    let reason = format!(
+                        "copying it out of container {} on {} took over {} s",
+                        t.name,
+                        host.name,
+                        TRACE_COPY_DEADLINE.as_secs()
+                    );
+                    return traces::fail_all(&t.ranks, reason);
+                }
+            };
+            let (ranks, dir) = (t.ranks.clone(), dir.to_path_buf());
+            tokio::task::spawn_blocking(move || traces::unpack(&tar, &ranks, &dir))
+                .await
+                .unwrap_or_else(|e| traces::fail_all(&t.ranks, format!("unpacking it failed: {e}")))
+        }))
+        .await;
+        copies.into_iter().flatten().collect()
     }
 
     /// Sends every container SIGTERM (its lease guard passes it on to its rank, or to the ranks

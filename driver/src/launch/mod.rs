@@ -12,6 +12,7 @@ pub mod process;
 pub mod reach;
 pub mod restart;
 pub mod slurm;
+pub mod traces;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -331,6 +332,18 @@ pub async fn run_ranks(
         }
     };
     let cause = supervise(plan, &launcher, rx, reporters, signals, watch).await;
+    if let Some(dir) = plan.traces.as_ref().and_then(|t| t.kept_in.as_deref()) {
+        let copied = match &launcher {
+            Launcher::Docker(d) => Some(d.copy_traces(dir).await),
+            Launcher::Process(_) | Launcher::Slurm(_) => None,
+        };
+        reporters.report(&Event::TracesGathered(traces::account(
+            plan,
+            dir,
+            copied,
+            cause.is_some(),
+        )));
+    }
     let cleanup = launcher.finish().await;
     if let Err(LaunchError::ContainersLeft { left, .. }) = &cleanup {
         reporters.report(&Event::ContainersLeft(left.clone()));
@@ -431,6 +444,7 @@ async fn supervise(
             | Event::ContainersLeft(_)
             | Event::Restarting { .. }
             | Event::NotRestarted { .. }
+            | Event::TracesGathered(_)
             | Event::Finished { .. } => None,
         };
         if let Some(shown) = watch.show(event) {

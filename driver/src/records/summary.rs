@@ -4,7 +4,7 @@ use serde::{Deserialize, Serialize};
 
 use super::stats::{StageShares, Throughput};
 use super::{read_versioned, VersionedError};
-use crate::events::{LeftContainer, PlanFacts, SlurmJob, Status, StopCause};
+use crate::events::{LeftContainer, PlanFacts, SlurmJob, Status, StopCause, TracesFacts};
 
 /// Version of `summary.json`; bumped when a field changes meaning.
 pub const FORMAT_VERSION: u32 = 1;
@@ -146,6 +146,10 @@ pub struct Summary {
     /// The Slurm job the ranks ran in, and its nodes (the Slurm backend only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub slurm_job: Option<SlurmJob>,
+    /// The ranks' profiler traces in the record (`profiler_trace: true`): the folder in the
+    /// record, the ranks whose trace it holds, and why each other rank's is missing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub traces: Option<TracesFacts>,
 }
 
 /// Reads a record's summary, refusing another format version with a message saying so.

@@ -103,7 +103,7 @@ impl Reporter for ProgressReporter {
                 self.started = 0;
                 self.bar.set_message("restarting");
             }
-            Event::NotRestarted { .. } => {}
+            Event::NotRestarted { .. } | Event::TracesGathered(_) => {}
             Event::Finished { .. } => self.bar.finish_and_clear(),
         }
         Ok(())

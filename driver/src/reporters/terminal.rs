@@ -271,6 +271,35 @@ impl TerminalReporter {
                 err(format!("driver: starting every rank again, {from}; restart {restart} of {max}"))
             }
             Event::NotRestarted { why } => err(format!("driver: no restart: {why}")),
+            Event::TracesGathered(facts) => {
+                let mut lines = Vec::new();
+                if normal && !facts.ranks.is_empty() {
+                    let ranks: Vec<String> = facts.ranks.iter().map(|r| format!("rank-{r}.json")).collect();
+                    lines.push(format!(
+                        "driver: profiler traces {} in {} (open one in ui.perfetto.dev, or tabulate \
+                         them per step with bench/trace_table.py)",
+                        ranks.join(", "),
+                        facts.dir.display()
+                    ));
+                }
+                // Said at any verbosity (the run was asked for them), once per reason.
+                let mut by_reason: Vec<(&str, Vec<String>)> = Vec::new();
+                for missing in &facts.missing {
+                    let rank = missing.rank.to_string();
+                    match by_reason.iter_mut().find(|(reason, _)| *reason == missing.reason) {
+                        Some((_, ranks)) => ranks.push(rank),
+                        None => by_reason.push((&missing.reason, vec![rank])),
+                    }
+                }
+                for (reason, ranks) in by_reason {
+                    let which = match ranks.len() {
+                        1 => format!("rank {}", ranks[0]),
+                        _ => format!("ranks {}", ranks.join(", ")),
+                    };
+                    lines.push(format!("driver: warning: no profiler trace from {which}: {reason}"));
+                }
+                (!lines.is_empty()).then(|| (Stream::Stderr, lines.join("\n")))
+            }
             Event::Finished { .. } => None,
         }
     }
@@ -394,6 +423,18 @@ mod tests {
             }),
             Event::Stopping(StopCause::PlanFailed {
                 reason: "does not fit in memory".into(),
+            }),
+            Event::TracesGathered(crate::events::TracesFacts {
+                dir: "experiments/20261127T000000Z_mlp/traces".into(),
+                ranks: vec![0, 4],
+                missing: ["the rank wrote none", "cannot copy it", "the rank wrote none"]
+                    .iter()
+                    .enumerate()
+                    .map(|(i, reason)| crate::events::MissingTrace {
+                        rank: i + 1,
+                        reason: reason.to_string(),
+                    })
+                    .collect(),
             }),
             Event::Finished {
                 status: Status::Failed,

@@ -473,3 +473,67 @@ pub fn wait_until<T>(limit: Duration, mut found: impl FnMut() -> Option<T>) -> T
         std::thread::sleep(Duration::from_millis(50));
     }
 }
+
+/// `config` with every rank's profiler trace asked for.
+pub fn traced(config: &Path) -> PathBuf {
+    let text = std::fs::read_to_string(config).unwrap();
+    std::fs::write(config, format!("{text}profiler_trace: true\n")).unwrap();
+    config.to_path_buf()
+}
+
+/// A run of [`two_stage_mlp`] with `profiler_trace: true` kept each rank's trace in the record:
+/// PyTorch's profiler over the two iterations after the runtime's one-iteration warm-up, each
+/// microbatch's forward and backward marked, and the summary saying so.
+pub fn check_traces_kept(h: &Harness, run: &Run) {
+    assert_eq!(run.code(), 0, "{}", run.stderr());
+    let (dir, summary) = h.summary();
+    assert_eq!(summary["traces"]["dir"], "traces", "{summary}");
+    assert_eq!(summary["traces"]["ranks"], serde_json::json!([0, 1]), "{summary}");
+    assert!(summary["traces"].get("missing").is_none(), "{summary}");
+    assert!(
+        run.stderr()
+            .contains("driver: profiler traces rank-0.json, rank-1.json in"),
+        "{}",
+        run.stderr()
+    );
+    for rank in 0..2 {
+        let path = dir.join(format!("traces/rank-{rank}.json"));
+        let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let trace: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let events = trace["traceEvents"].as_array().unwrap();
+        let named = |name: &str| {
+            events
+                .iter()
+                .filter(|e| e["cat"] == "user_annotation" && e["name"] == name)
+                .count()
+        };
+        let mut steps: Vec<&str> = events
+            .iter()
+            .filter_map(|e| e["name"].as_str().filter(|n| n.starts_with("ProfilerStep#")))
+            .collect();
+        steps.sort();
+        assert_eq!(steps, ["ProfilerStep#1", "ProfilerStep#2"], "rank {rank}");
+        // Two traced iterations of two microbatches each.
+        assert_eq!((named("forward"), named("backward")), (4, 4), "rank {rank}");
+    }
+    let kept: Vec<String> = std::fs::read_dir(dir.join("traces"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(kept.len(), 2, "nothing but the traces: {kept:?}");
+    // The record tabulates as it is: bench/trace_table.py takes the record for its ranks' traces.
+    let table = std::process::Command::new("python3")
+        .arg(super::workspace().join("bench/trace_table.py"))
+        .arg(&dir)
+        .output()
+        .expect("python3 runs bench/trace_table.py");
+    let text = String::from_utf8_lossy(&table.stdout);
+    assert!(
+        table.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&table.stderr)
+    );
+    let header = text.lines().find(|l| l.contains("rank-0")).unwrap_or_default();
+    assert!(header.contains("rank-1"), "a column per rank:\n{text}");
+    assert!(text.contains("forward") && text.contains("backward"), "{text}");
+}

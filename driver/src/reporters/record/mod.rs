@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use jiff::Timestamp;
 
 use super::Reporter;
-use crate::events::{Event, HostFacts, SlurmEvent, SlurmJob, Status, StopCause};
+use crate::events::{Event, HostFacts, SlurmEvent, SlurmJob, Status, StopCause, TracesFacts};
 use crate::experiment::Experiment;
 use crate::records::stats::Stats;
 use crate::records::summary::{Failure, RankOutcome, RankState, Restart, Summary, FORMAT_VERSION};
@@ -66,6 +66,7 @@ impl RecordReporter {
             containers_not_removed: Vec::new(),
             plan: None,
             slurm_job: None,
+            traces: None,
         };
         let mut reporter = RecordReporter {
             record,
@@ -290,6 +291,16 @@ impl Reporter for RecordReporter {
                 for rank in ranks {
                     self.log_line(rank, &mark)?;
                 }
+                self.write_summary()?;
+            }
+            Event::TracesGathered(facts) => {
+                // Named in the record as the folder in it, so the record can move.
+                let record = crate::experiment::absolute(&self.record.dir);
+                let dir = facts.dir.strip_prefix(&record).unwrap_or(&facts.dir);
+                self.summary.traces = Some(TracesFacts {
+                    dir: dir.to_path_buf(),
+                    ..facts.clone()
+                });
                 self.write_summary()?;
             }
             Event::NotRestarted { why } => {
