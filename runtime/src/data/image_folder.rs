@@ -21,7 +21,7 @@
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::{self, Receiver, SyncSender};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::thread;
 
 use tch::Tensor;
@@ -79,9 +79,42 @@ pub fn training_split(dir: &Path) -> PathBuf {
     }
 }
 
-/// The images in `dir`'s class folders.
+/// The images in `dir`'s class folders. The listing is kept for [`ImageFolder::open`] of the
+/// same folder to take, so a run that counts its epoch walks the tree once (ImageNet's is a
+/// million files, seconds to list on a network filesystem).
 pub fn count(dir: &Path) -> Result<u64, DataError> {
-    Ok(samples(dir)?.len() as u64)
+    let all = samples(dir)?;
+    let n = all.len() as u64;
+    let mut listed = LISTED.lock().unwrap_or_else(|e| e.into_inner());
+    listed.retain(|(of, _)| of != dir);
+    listed.push((dir.to_path_buf(), all));
+    Ok(n)
+}
+
+/// The listings [`count`] made and no [`ImageFolder::open`] took yet, by folder (a run has one).
+static LISTED: Mutex<Vec<(PathBuf, Samples)>> = Mutex::new(Vec::new());
+
+/// Each image's path and class index, in torchvision's order.
+type Samples = Vec<(PathBuf, i64)>;
+
+/// `dir`'s samples: the listing [`count`] kept of it (taken, so it is not held twice), else a
+/// new walk.
+fn listed(dir: &Path) -> Result<Samples, DataError> {
+    let kept = {
+        let mut listed = LISTED.lock().unwrap_or_else(|e| e.into_inner());
+        let at = listed.iter().position(|(of, _)| of == dir);
+        at.map(|i| listed.swap_remove(i).1)
+    };
+    match kept {
+        Some(all) => Ok(all),
+        None => samples(dir),
+    }
+}
+
+#[cfg(test)]
+thread_local! {
+    /// The walks of class folders this thread made, for tests to count.
+    pub(super) static WALKS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
 /// torchvision's `ImageFolder` samples: each class folder walked as `sorted(os.walk(class_dir,
@@ -90,7 +123,9 @@ pub fn count(dir: &Path) -> Result<u64, DataError> {
 /// it is there. Of torchvision's extensions, TIFF and WebP are refused by name, not left out: the
 /// decoders here do not read them, and leaving them out would train on fewer images than
 /// PyTorch does.
-pub(super) fn samples(dir: &Path) -> Result<Vec<(PathBuf, i64)>, DataError> {
+pub(super) fn samples(dir: &Path) -> Result<Samples, DataError> {
+    #[cfg(test)]
+    WALKS.with(|w| w.set(w.get() + 1));
     let mut samples = Vec::new();
     let mut empty = Vec::new();
     for (label, class) in class_dirs(dir)?.iter().enumerate() {
@@ -227,7 +262,7 @@ impl ImageFolder {
                 input: request.input,
             });
         };
-        let all = samples(dir)?;
+        let all = listed(dir)?;
         let mine: Vec<_> = all
             .into_iter()
             .skip(request.shard.index)

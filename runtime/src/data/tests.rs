@@ -191,6 +191,29 @@ fn image_folder_loads_resizes_and_labels_by_sorted_folder() {
     }
 }
 
+/// A run that counts its epoch (`samples`) and then loads the folder walks the tree once: the
+/// loader takes the count's listing, and a second loader walks it again.
+#[test]
+fn an_image_folder_counted_then_opened_is_walked_once() {
+    use super::image_folder::WALKS;
+
+    let dir = tempfile::tempdir().unwrap();
+    write_image_folder(dir.path(), &[("a", 0), ("b", 100)], 3);
+    let spec = DataSpec::ImageFolder(dir.path().into());
+    let input = InputKind::Image { size: 8, classes: 2 };
+    let walks = || WALKS.with(|w| w.get());
+    let before = walks();
+    assert_eq!(spec.samples().unwrap(), 6);
+    let mut once = open(&spec, request(input, 6, Shard::WHOLE)).unwrap();
+    assert_eq!(walks() - before, 1);
+    let mut again = open(&spec, request(input, 6, Shard::WHOLE)).unwrap();
+    assert_eq!(walks() - before, 2);
+    // The kept listing is the walk's: both loaders make the same batch.
+    let (x1, y1) = once.next_batch().unwrap();
+    let (x2, y2) = again.next_batch().unwrap();
+    assert!(x1.equal(&x2) && y1.equal(&y2));
+}
+
 #[test]
 fn image_folder_errors_say_what_was_expected() {
     let dir = tempfile::tempdir().unwrap();
