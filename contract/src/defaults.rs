@@ -6,3 +6,7 @@ pub const BATCH_SIZE: usize = 32;
 
 /// An epoch of synthetic data, in samples: PipeDream's synthetic dataset's length.
 pub const SYNTHETIC_EPOCH_SAMPLES: u64 = 1_000_000;
+
+/// What `--profiler-trace` replaces with the rank in its path, so that ranks started with one
+/// argument vector (Slurm's tasks) or on one host write files of their own.
+pub const TRACE_RANK_PLACEHOLDER: &str = "{rank}";

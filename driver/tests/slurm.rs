@@ -173,6 +173,36 @@ fn the_shipped_experiment_runs_on_slurm_and_its_record_names_the_job_and_nodes()
     h.assert_no_processes();
 }
 
+/// `profiler_trace: true` on Slurm: the tasks write their traces straight into the record, which
+/// the node sees at the driver's path (the one node here is this machine).
+#[test]
+fn slurms_tasks_write_their_profiler_traces_into_the_record() {
+    runtime();
+    let h = Harness::new("slurm-traced");
+    let config = mlp(&h, 3, "");
+    let text = std::fs::read_to_string(&config).unwrap();
+    std::fs::write(&config, format!("{text}profiler_trace: true\n")).unwrap();
+    let (code, stderr) = run(&h, &config, Duration::from_secs(240));
+    assert_eq!(code, 0, "{stderr}");
+    let (record, summary) = h.summary();
+    assert_eq!(summary["traces"]["dir"], "traces", "{summary}");
+    assert_eq!(summary["traces"]["ranks"], serde_json::json!([0, 1]), "{summary}");
+    for rank in 0..2 {
+        let path = record.join(format!("traces/rank-{rank}.json"));
+        let trace: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        let mut steps: Vec<&str> = trace["traceEvents"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|e| e["name"].as_str().filter(|n| n.starts_with("ProfilerStep#")))
+            .collect();
+        steps.sort();
+        assert_eq!(steps, ["ProfilerStep#1", "ProfilerStep#2"], "rank {rank}");
+    }
+    assert_eq!(jobs_left(&record), "");
+    h.assert_no_processes();
+}
+
 #[test]
 fn a_failing_rank_cancels_the_job_and_is_recorded() {
     runtime();

@@ -53,7 +53,7 @@ impl Drop for Scope {
 
 /// The placeholder `--profiler-trace` replaces with the rank, so that ranks on one host write
 /// files of their own.
-pub const RANK_PLACEHOLDER: &str = "{rank}";
+pub const RANK_PLACEHOLDER: &str = stagehand_contract::defaults::TRACE_RANK_PLACEHOLDER;
 
 /// The file a rank writes its trace to: `template` with `{rank}` replaced.
 pub fn path_for_rank(template: &Path, rank: usize) -> PathBuf {

@@ -205,7 +205,7 @@ fn runtime_command(
     }
     if let Some(dir) = ctx.trace_dir {
         argv.push(PROFILER_TRACE_FLAG.into());
-        argv.push(super::trace_file(dir, rank).display().to_string());
+        argv.push(super::trace_template(dir));
     }
     if let Some(h) = f.host_memory {
         argv.push("--host-memory".into());

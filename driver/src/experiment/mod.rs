@@ -225,6 +225,14 @@ pub fn trace_file(dir: &Path, rank: usize) -> PathBuf {
     dir.join(format!("rank-{rank}.json"))
 }
 
+/// `--profiler-trace`'s value for the ranks that write into `dir`: one path whose placeholder
+/// each rank replaces with its rank ([`trace_file`]), since Slurm starts every task with the
+/// same argument vector.
+pub fn trace_template(dir: &Path) -> String {
+    let placeholder = stagehand_contract::defaults::TRACE_RANK_PLACEHOLDER;
+    dir.join(format!("rank-{placeholder}.json")).display().to_string()
+}
+
 impl Experiment {
     /// Number of ranks.
     pub fn world_size(&self) -> usize {
@@ -269,7 +277,7 @@ impl Experiment {
             for rank in &mut self.ranks {
                 if let Some(i) = rank.argv.iter().position(|a| a == args::PROFILER_TRACE_FLAG) {
                     if let Some(value) = rank.argv.get_mut(i + 1) {
-                        *value = trace_file(&kept, rank.rank).display().to_string();
+                        *value = trace_template(&kept);
                     }
                 }
             }

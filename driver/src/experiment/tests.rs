@@ -1354,21 +1354,22 @@ fn each_rank_traces_into_its_container_or_straight_into_the_record() {
     docker.keep_traces_in(record.path());
     let mut process = resolve_text(text, &options(Some(Backend::Process), ContainerMode::PerRank)).unwrap();
     // Checked before the record exists with a folder where records go; written into the record's.
+    // One path for every rank, each replacing `{rank}` (Slurm's tasks share one argument vector).
     assert_eq!(
         flag(&process.ranks[1].argv, "--profiler-trace").map(PathBuf::from),
-        Some(absolute(Path::new("experiments/traces/rank-1.json")))
+        Some(absolute(Path::new("experiments/traces/rank-{rank}.json")))
     );
     process.keep_traces_in(record.path());
     let kept = record.path().join("traces");
     for rank in 0..2 {
         assert_eq!(
             flag(&docker.ranks[rank].argv, "--profiler-trace"),
-            Some(format!("/tmp/stagehand-traces/rank-{rank}.json").as_str()),
+            Some("/tmp/stagehand-traces/rank-{rank}.json"),
             "in the container, whence the driver copies it"
         );
         assert_eq!(
             flag(&process.ranks[rank].argv, "--profiler-trace").map(PathBuf::from),
-            Some(kept.join(format!("rank-{rank}.json")))
+            Some(kept.join("rank-{rank}.json"))
         );
         let once = process.ranks[rank]
             .argv
