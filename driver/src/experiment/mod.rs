@@ -561,7 +561,8 @@ fn resolve_with(
         written_in: match backend {
             Backend::Docker => PathBuf::from(CONTAINER_TRACE_DIR),
             Backend::Process | Backend::Slurm => {
-                absolute(&log_directory(loaded, options).join(TRACES_FOLDER))
+                let record = crate::records::Record::to_come(&log_directory(loaded, options), &name);
+                absolute(&record.join(TRACES_FOLDER))
             }
         },
         kept_in: None,

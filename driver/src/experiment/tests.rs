@@ -1357,7 +1357,9 @@ fn each_rank_traces_into_its_container_or_straight_into_the_record() {
     // One path for every rank, each replacing `{rank}` (Slurm's tasks share one argument vector).
     assert_eq!(
         flag(&process.ranks[1].argv, "--profiler-trace").map(PathBuf::from),
-        Some(absolute(Path::new("experiments/traces/rank-{rank}.json")))
+        Some(absolute(Path::new(
+            "experiments/<UTC time>_exp/traces/rank-{rank}.json"
+        )))
     );
     process.keep_traces_in(record.path());
     let kept = record.path().join("traces");
