@@ -6,16 +6,26 @@ use crate::util::experiments::*;
 use crate::util::*;
 
 /// With compress_activations the plan is made for the bytes that cross: the profile says what
-/// each activation weighs in float16, and the plan says it planned for them.
+/// each activation weighs in float16, and the plan says it planned for them. The planned ranks'
+/// profiler traces are kept, and the profiling run is not taken for one that left none.
 #[test]
 fn auto_profiles_plans_and_runs_as_processes() {
     let runtime = runtime();
     let h = Harness::new("auto-proc");
     let run = h.run(
-        &auto_mlp(&h, "process", "compress_activations: true\n"),
+        &auto_mlp(
+            &h,
+            "process",
+            "compress_activations: true\nprofiler_trace: true\n",
+        ),
         &["--runtime", runtime.to_str().unwrap()],
     );
-    let (dir, _) = check_planned_run(&h, &run);
+    let (dir, summary) = check_planned_run(&h, &run);
+    assert_eq!(summary["traces"]["ranks"], serde_json::json!([0, 1]), "{summary}");
+    assert!(!run.stderr().contains("no profiler trace"), "{}", run.stderr());
+    for rank in 0..2 {
+        assert!(dir.join(format!("traces/rank-{rank}.json")).is_file());
+    }
     assert!(dir.join("rank-0.log").exists());
     assert!(
         run.stderr().contains("on 2 workers, activations sent in fp16:"),

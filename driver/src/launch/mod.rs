@@ -332,17 +332,15 @@ pub async fn run_ranks(
         }
     };
     let cause = supervise(plan, &launcher, rx, reporters, signals, watch).await;
-    if let Some(dir) = plan.traces.as_ref().and_then(|t| t.kept_in.as_deref()) {
+    // Ranks write their traces as they finish: a run stopped early (and maybe started again)
+    // has none to gather.
+    let traced = plan.traces.as_ref().and_then(|t| t.kept_in.as_deref());
+    if let (Some(dir), None) = (traced, &cause) {
         let copied = match &launcher {
             Launcher::Docker(d) => Some(d.copy_traces(dir).await),
             Launcher::Process(_) | Launcher::Slurm(_) => None,
         };
-        reporters.report(&Event::TracesGathered(traces::account(
-            plan,
-            dir,
-            copied,
-            cause.is_some(),
-        )));
+        reporters.report(&Event::TracesGathered(traces::account(plan, dir, copied)));
     }
     let cleanup = launcher.finish().await;
     if let Err(LaunchError::ContainersLeft { left, .. }) = &cleanup {

@@ -13,17 +13,13 @@ use crate::experiment::{trace_file, Experiment};
 /// Why a rank that left no trace left none, as far as the driver can tell.
 const WROTE_NONE: &str = "the rank wrote none: a rank writes its trace once it has run every iteration";
 
-/// Why ranks of a run stopped early left none.
-const STOPPED: &str = "the run stopped before the rank finished its iterations, when it writes its trace";
-
 /// What a container's copy of the trace folder held for its ranks: each rank's trace, or why
 /// there is none.
 pub type Copied = BTreeMap<usize, Result<(), String>>;
 
 /// The record's account of the traces in `dir` after the ranks ended: every rank whose trace
 /// is there, and why each other one's is not (`copied`: what copying out of containers said).
-/// `stopped`: the driver stopped the ranks early, so those that wrote none never got to.
-pub fn account(plan: &Experiment, dir: &Path, copied: Option<Copied>, stopped: bool) -> TracesFacts {
+pub fn account(plan: &Experiment, dir: &Path, copied: Option<Copied>) -> TracesFacts {
     let mut facts = TracesFacts {
         dir: dir.to_path_buf(),
         ranks: Vec::new(),
@@ -32,7 +28,6 @@ pub fn account(plan: &Experiment, dir: &Path, copied: Option<Copied>, stopped: b
     for rank in &plan.ranks {
         let said = copied.as_ref().and_then(|c| c.get(&rank.rank));
         let reason = match said {
-            _ if stopped && !written(&trace_file(dir, rank.rank)) => Some(STOPPED.to_string()),
             Some(Err(reason)) => Some(reason.clone()),
             _ if written(&trace_file(dir, rank.rank)) => None,
             Some(Ok(())) => Some("its copy is not in the record".to_string()),
@@ -221,21 +216,17 @@ mod tests {
         std::fs::write(dir.join("rank-0.json"), "{}").unwrap();
         // The runtime's empty placeholder of a trace it never wrote counts as none.
         std::fs::write(dir.join("rank-1.json"), "").unwrap();
-        let facts = account(&plan, &dir, None, false);
+        let facts = account(&plan, &dir, None);
         assert_eq!(facts.ranks, [0]);
         assert_eq!(facts.missing.len(), 1);
         assert_eq!(facts.missing[0].rank, 1);
         assert!(facts.missing[0].reason.contains("wrote none"), "{facts:?}");
-        // Stopped early: that is why; a trace written all the same is kept.
-        let facts = account(&plan, &dir, None, true);
-        assert_eq!(facts.ranks, [0]);
-        assert!(facts.missing[0].reason.contains("the run stopped"), "{facts:?}");
         // What copying said stands for the rank, unless its trace is there.
         let copied = Copied::from([
             (0, Err("cannot copy".to_string())),
             (1, Err("cannot copy".to_string())),
         ]);
-        let facts = account(&plan, &dir, Some(copied), false);
+        let facts = account(&plan, &dir, Some(copied));
         assert_eq!(facts.ranks, Vec::<usize>::new());
         assert_eq!(
             facts
