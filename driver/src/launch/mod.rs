@@ -337,7 +337,14 @@ pub async fn run_ranks(
     let traced = plan.traces.as_ref().and_then(|t| t.kept_in.as_deref());
     if let (Some(dir), None) = (traced, &cause) {
         let copied = match &launcher {
-            Launcher::Docker(d) => Some(d.copy_traces(dir).await),
+            // Ctrl-C ends the copy (the ranks are done; their containers still go).
+            Launcher::Docker(d) => Some(tokio::select! {
+                copied = d.copy_traces(dir) => copied,
+                _ = signals.recv() => {
+                    let ranks: Vec<usize> = plan.ranks.iter().map(|r| r.rank).collect();
+                    traces::fail_all(&ranks, "its copy was interrupted (Ctrl-C)".into())
+                }
+            }),
             Launcher::Process(_) | Launcher::Slurm(_) => None,
         };
         reporters.report(&Event::TracesGathered(traces::account(plan, dir, copied)));

@@ -28,8 +28,8 @@ pub fn account(plan: &Experiment, dir: &Path, copied: Option<Copied>) -> TracesF
     for rank in &plan.ranks {
         let said = copied.as_ref().and_then(|c| c.get(&rank.rank));
         let reason = match said {
-            Some(Err(reason)) => Some(reason.clone()),
             _ if written(&trace_file(dir, rank.rank)) => None,
+            Some(Err(reason)) => Some(reason.clone()),
             Some(Ok(())) => Some("its copy is not in the record".to_string()),
             None if plan.slurm.is_some() => Some(format!(
                 "{WROTE_NONE}; a rank that ran every iteration on a node that does not share this \
@@ -221,21 +221,16 @@ mod tests {
         assert_eq!(facts.missing.len(), 1);
         assert_eq!(facts.missing[0].rank, 1);
         assert!(facts.missing[0].reason.contains("wrote none"), "{facts:?}");
-        // What copying said stands for the rank, unless its trace is there.
+        // What copying said stands for a rank whose trace is not there (rank 0's copy came in
+        // before, say, the rest were interrupted).
         let copied = Copied::from([
-            (0, Err("cannot copy".to_string())),
+            (0, Err("interrupted".to_string())),
             (1, Err("cannot copy".to_string())),
         ]);
         let facts = account(&plan, &dir, Some(copied));
-        assert_eq!(facts.ranks, Vec::<usize>::new());
-        assert_eq!(
-            facts
-                .missing
-                .iter()
-                .map(|m| m.reason.as_str())
-                .collect::<Vec<_>>(),
-            ["cannot copy"; 2]
-        );
+        assert_eq!(facts.ranks, [0]);
+        let reasons: Vec<&str> = facts.missing.iter().map(|m| m.reason.as_str()).collect();
+        assert_eq!(reasons, ["cannot copy"]);
     }
 
     #[test]
