@@ -201,7 +201,7 @@ pub fn render(plan: &Experiment, image: &str, verdict: &RuntimeCheck, port_picke
         plan.master_port.to_string()
     };
     let _ = writeln!(out, "master: {} port {port}", plan.master_addr);
-    let record = crate::records::Record::to_come(&plan.log_directory, &plan.name);
+    let record = crate::experiment::record_to_come(&plan.log_directory, &plan.name);
     let _ = writeln!(out, "record: {}", record.display());
     if plan.max_restarts > 0 {
         let from = match plan.checkpoints() {

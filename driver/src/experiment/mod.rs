@@ -220,6 +220,12 @@ pub struct Traces {
     pub kept_in: Option<PathBuf>,
 }
 
+/// The record folder `records::Record::create` will make under `log_directory` for experiment
+/// `name`, as shown before it exists (its time is not known yet).
+pub fn record_to_come(log_directory: &Path, name: &str) -> PathBuf {
+    log_directory.join(format!("<UTC time>_{name}"))
+}
+
 /// The file `rank` writes its trace to in `dir`.
 pub fn trace_file(dir: &Path, rank: usize) -> PathBuf {
     dir.join(format!("rank-{rank}.json"))
@@ -561,7 +567,7 @@ fn resolve_with(
         written_in: match backend {
             Backend::Docker => PathBuf::from(CONTAINER_TRACE_DIR),
             Backend::Process | Backend::Slurm => {
-                let record = crate::records::Record::to_come(&log_directory(loaded, options), &name);
+                let record = record_to_come(&log_directory(loaded, options), &name);
                 absolute(&record.join(TRACES_FOLDER))
             }
         },

@@ -113,12 +113,6 @@ pub struct Record {
 }
 
 impl Record {
-    /// How the folder [`Record::create`] will make under `parent` for `name` is shown before it
-    /// exists (its time is not known yet).
-    pub fn to_come(parent: &Path, name: &str) -> PathBuf {
-        parent.join(format!("<UTC time>_{name}"))
-    }
-
     /// Creates a fresh folder under `parent` named by the UTC time and `name`.
     pub fn create(parent: &Path, name: &str) -> Result<Record, RecordError> {
         let started = Timestamp::now();
