@@ -317,6 +317,7 @@ fn one_rank(plan: &Experiment, argv: &[String]) -> Experiment {
     one.container_mode = ContainerMode::PerRank;
     one.auto = None;
     // The profile is not the experiment's run: it leaves no profiler trace to gather.
-    one.traces = None;
+    one.profiler_trace = false;
+    one.traces_dir = None;
     one
 }

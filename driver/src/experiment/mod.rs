@@ -198,8 +198,11 @@ pub struct Experiment {
     pub max_restarts: u32,
     /// Whether containers get their host's InfiniBand/RoCE devices (`rdma:`).
     pub rdma: crate::config::Rdma,
-    /// Where the ranks' profiler traces are written and kept (`profiler_trace: true`).
-    pub traces: Option<Traces>,
+    /// Whether the ranks record PyTorch's profiler (`profiler_trace: true`).
+    pub profiler_trace: bool,
+    /// The record's [`TRACES_FOLDER`] the ranks' profiler traces are kept in, once
+    /// [`Experiment::keep_traces_in`] has named the record.
+    pub traces_dir: Option<PathBuf>,
 }
 
 /// The folder, inside each container, that its ranks write their profiler traces into; the
@@ -208,17 +211,6 @@ pub const CONTAINER_TRACE_DIR: &str = "/tmp/stagehand-traces";
 
 /// The record's folder of profiler traces, one `rank-N.json` per rank.
 pub const TRACES_FOLDER: &str = "traces";
-
-/// Where the ranks' profiler traces go (`profiler_trace: true`).
-#[derive(Debug, Clone, Serialize)]
-pub struct Traces {
-    /// The folder each rank writes `rank-N.json` into ([`trace_file`]), as the rank sees it:
-    /// [`CONTAINER_TRACE_DIR`] in containers; the record's own [`TRACES_FOLDER`] for local
-    /// processes and Slurm's tasks, once [`Experiment::keep_traces_in`] has named the record.
-    pub written_in: PathBuf,
-    /// The record's [`TRACES_FOLDER`], where they are kept; `None` until the record exists.
-    pub kept_in: Option<PathBuf>,
-}
 
 /// The record folder `records::Record::create` will make under `log_directory` for experiment
 /// `name`, as shown before it exists (its time is not known yet).
@@ -274,12 +266,11 @@ impl Experiment {
     /// its filesystem) write theirs straight into it, in place of the folder they were checked
     /// with; containers' ranks write inside their container, whence the driver copies them.
     pub fn keep_traces_in(&mut self, record: &Path) {
-        let Some(traces) = &mut self.traces else {
+        if !self.profiler_trace {
             return;
-        };
+        }
         let kept = absolute(&record.join(TRACES_FOLDER));
         if self.backend != Backend::Docker {
-            traces.written_in = kept.clone();
             for rank in &mut self.ranks {
                 if let Some(i) = rank.argv.iter().position(|a| a == args::PROFILER_TRACE_FLAG) {
                     if let Some(value) = rank.argv.get_mut(i + 1) {
@@ -288,7 +279,7 @@ impl Experiment {
                 }
             }
         }
-        traces.kept_in = Some(kept);
+        self.traces_dir = Some(kept);
     }
 
     /// The host a rank runs on.
@@ -563,18 +554,16 @@ fn resolve_with(
 
     // Each rank's trace goes into its container, or (checked with this folder, written into the
     // record's once it exists: `keep_traces_in`) where the record goes.
-    let traces = (file.profiler_trace == Some(true)).then(|| Traces {
-        written_in: match backend {
-            Backend::Docker => PathBuf::from(CONTAINER_TRACE_DIR),
-            Backend::Process | Backend::Slurm => {
-                let record = record_to_come(&log_directory(loaded, options), &name);
-                absolute(&record.join(TRACES_FOLDER))
-            }
-        },
-        kept_in: None,
+    let profiler_trace = file.profiler_trace == Some(true);
+    let trace_dir = profiler_trace.then(|| match backend {
+        Backend::Docker => PathBuf::from(CONTAINER_TRACE_DIR),
+        Backend::Process | Backend::Slurm => {
+            let record = record_to_come(&log_directory(loaded, options), &name);
+            absolute(&record.join(TRACES_FOLDER))
+        }
     });
     let ctx = args::ArgsContext {
-        trace_dir: traces.as_ref().map(|t| t.written_in.as_path()),
+        trace_dir: trace_dir.as_deref(),
         file,
         base: &base,
         runtime: &runtime,
@@ -635,7 +624,8 @@ fn resolve_with(
         slurm,
         max_restarts: options.max_restarts.or(file.max_restarts).unwrap_or(0),
         rdma: file.rdma.unwrap_or_default(),
-        traces,
+        profiler_trace,
+        traces_dir: None,
     })
 }
 

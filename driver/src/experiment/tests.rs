@@ -1381,10 +1381,7 @@ fn each_rank_traces_into_its_container_or_straight_into_the_record() {
         assert_eq!(once, 1);
     }
     for plan in [&docker, &process] {
-        assert_eq!(
-            plan.traces.as_ref().unwrap().kept_in.as_deref(),
-            Some(kept.as_path())
-        );
+        assert_eq!(plan.traces_dir.as_deref(), Some(kept.as_path()));
     }
     // A restart keeps them where they were.
     let again = process.restarted(true);
@@ -1394,8 +1391,10 @@ fn each_rank_traces_into_its_container_or_straight_into_the_record() {
         argv
     });
 
-    let plain = plan_per_rank("machines: [localhost]\nmodule: mlp\n");
-    assert!(plain.traces.is_none());
+    let mut plain = plan_per_rank("machines: [localhost]\nmodule: mlp\n");
+    assert!(!plain.profiler_trace);
+    plain.keep_traces_in(record.path());
+    assert_eq!(plain.traces_dir, None, "nothing to gather");
     assert_eq!(flag(&plain.ranks[0].argv, "--profiler-trace"), None);
     let command = resolve_text(
         "machines: [localhost]\ncommand: [python, train.py]\nprofiler_trace: true\n",

@@ -334,8 +334,7 @@ pub async fn run_ranks(
     let cause = supervise(plan, &launcher, rx, reporters, signals, watch).await;
     // Ranks write their traces as they finish: a run stopped early (and maybe started again)
     // has none to gather.
-    let traced = plan.traces.as_ref().and_then(|t| t.kept_in.as_deref());
-    if let (Some(dir), None) = (traced, &cause) {
+    if let (Some(dir), None) = (&plan.traces_dir, &cause) {
         let copied = match &launcher {
             // Ctrl-C ends the copy (the ranks are done; their containers still go).
             Launcher::Docker(d) => Some(tokio::select! {

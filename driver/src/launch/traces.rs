@@ -9,6 +9,7 @@ use std::path::Path;
 
 use crate::events::{MissingTrace, TracesFacts};
 use crate::experiment::{trace_file, Experiment};
+use crate::records::files;
 
 /// Why a rank that left no trace left none, as far as the driver can tell.
 const WROTE_NONE: &str = "the rank wrote none: a rank writes its trace once it has run every iteration";
@@ -95,7 +96,7 @@ pub fn unpack(tar: &[u8], ranks: &[usize], dir: &Path) -> Copied {
         let result = match entry.read_to_end(&mut text) {
             Err(e) => Err(format!("cannot read its trace from the container's copy: {e}")),
             Ok(_) if text.is_empty() => Err(WROTE_NONE.to_string()),
-            Ok(_) => write_whole(&trace_file(dir, rank), &text),
+            Ok(_) => keep(&trace_file(dir, rank), &text),
         };
         copied.insert(rank, result);
     }
@@ -112,15 +113,12 @@ fn rank_of(name: &str) -> Option<usize> {
     name.strip_prefix("rank-")?.strip_suffix(".json")?.parse().ok()
 }
 
-/// Writes `bytes` to `path` through a temporary file renamed into place.
-fn write_whole(path: &Path, bytes: &[u8]) -> Result<(), String> {
-    let fail = |e: std::io::Error| format!("cannot write {}: {e}", path.display());
+/// Writes a rank's trace into the record's folder, whole or not at all.
+fn keep(path: &Path, bytes: &[u8]) -> Result<(), String> {
     if let Some(parent) = path.parent() {
-        std::fs::create_dir_all(parent).map_err(fail)?;
+        std::fs::create_dir_all(parent).map_err(|e| format!("cannot make {}: {e}", parent.display()))?;
     }
-    let part = path.with_extension("json.part");
-    std::fs::write(&part, bytes).map_err(fail)?;
-    std::fs::rename(&part, path).map_err(fail)
+    files::write_atomic(path, bytes).map_err(|e| crate::error::error_chain(&e))
 }
 
 #[cfg(test)]
