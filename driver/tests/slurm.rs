@@ -14,7 +14,9 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use crate::util::experiments::{wait_for_a_checkpoint_of_both_ranks, KILLABLE_AFTER_A_CHECKPOINT};
+use crate::util::experiments::{
+    trace_events, trace_steps, wait_for_a_checkpoint_of_both_ranks, KILLABLE_AFTER_A_CHECKPOINT,
+};
 use crate::util::{
     assert_rank_0_killed_for_memory, interrupt, kill_hard, runtime, wait_for_record, wait_with_deadline,
     workspace, Harness,
@@ -188,16 +190,12 @@ fn slurms_tasks_write_their_profiler_traces_into_the_record() {
     assert_eq!(summary["traces"]["dir"], "traces", "{summary}");
     assert_eq!(summary["traces"]["ranks"], serde_json::json!([0, 1]), "{summary}");
     for rank in 0..2 {
-        let path = record.join(format!("traces/rank-{rank}.json"));
-        let trace: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-        let mut steps: Vec<&str> = trace["traceEvents"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .filter_map(|e| e["name"].as_str().filter(|n| n.starts_with("ProfilerStep#")))
-            .collect();
-        steps.sort();
-        assert_eq!(steps, ["ProfilerStep#1", "ProfilerStep#2"], "rank {rank}");
+        let events = trace_events(&record.join(format!("traces/rank-{rank}.json")));
+        assert_eq!(
+            trace_steps(&events),
+            ["ProfilerStep#1", "ProfilerStep#2"],
+            "rank {rank}"
+        );
     }
     assert_eq!(jobs_left(&record), "");
     h.assert_no_processes();

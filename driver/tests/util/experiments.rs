@@ -474,6 +474,26 @@ pub fn wait_until<T>(limit: Duration, mut found: impl FnMut() -> Option<T>) -> T
     }
 }
 
+/// The events of the Chrome trace at `path`.
+pub fn trace_events(path: &Path) -> Vec<Value> {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let trace: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    trace["traceEvents"]
+        .as_array()
+        .expect("a traceEvents list")
+        .clone()
+}
+
+/// The names of a trace's `ProfilerStep#N` scopes, sorted.
+pub fn trace_steps(events: &[Value]) -> Vec<&str> {
+    let mut steps: Vec<&str> = events
+        .iter()
+        .filter_map(|e| e["name"].as_str().filter(|n| n.starts_with("ProfilerStep#")))
+        .collect();
+    steps.sort();
+    steps
+}
+
 /// `config` with every rank's profiler trace asked for.
 pub fn traced(config: &Path) -> PathBuf {
     let text = std::fs::read_to_string(config).unwrap();
@@ -497,22 +517,18 @@ pub fn check_traces_kept(h: &Harness, run: &Run) {
         run.stderr()
     );
     for rank in 0..2 {
-        let path = dir.join(format!("traces/rank-{rank}.json"));
-        let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-        let trace: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-        let events = trace["traceEvents"].as_array().unwrap();
+        let events = trace_events(&dir.join(format!("traces/rank-{rank}.json")));
+        assert_eq!(
+            trace_steps(&events),
+            ["ProfilerStep#1", "ProfilerStep#2"],
+            "rank {rank}"
+        );
         let named = |name: &str| {
             events
                 .iter()
                 .filter(|e| e["cat"] == "user_annotation" && e["name"] == name)
                 .count()
         };
-        let mut steps: Vec<&str> = events
-            .iter()
-            .filter_map(|e| e["name"].as_str().filter(|n| n.starts_with("ProfilerStep#")))
-            .collect();
-        steps.sort();
-        assert_eq!(steps, ["ProfilerStep#1", "ProfilerStep#2"], "rank {rank}");
         // Two traced iterations of two microbatches each.
         assert_eq!((named("forward"), named("backward")), (4, 4), "rank {rank}");
     }
