@@ -186,7 +186,7 @@ def run_runtime(model, s, mode, args, flags, trace=None):
     cmd = [str(args.runtime), "--model", model, *common_flags(s, mode, args, iterations),
            "--warmup", str(args.warmup)] + flags
     if trace is not None:
-        cmd += ["--profiler-trace", str(trace)]
+        cmd += ["--profiler-trace", str(trace), "--profiler-steps", str(args.trace_steps)]
     events = run_json_lines(cmd)
     start = next(e for e in events if e["event"] == "start")
     summary = next(e for e in events if e["event"] == "summary")

@@ -104,6 +104,10 @@ pub struct RunConfig {
     /// when it wrote none. Recording slows a run: its throughput is not one to compare.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub profiler_trace: Option<PathBuf>,
+    /// How many iterations that trace records (`--profiler-steps`): from the first after the
+    /// warm-up (under `--cuda-graph`, the first replayed one), fewer where the run ended first.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub profiler_steps: Option<u64>,
     /// What became of host memory a step freed (`--host-memory`): `keep` (reused by the next
     /// iteration), `release` (glibc's defaults; what runtimes before the option did), or
     /// `environment` (the environment's malloc settings).

@@ -43,6 +43,18 @@ fn profiler_traces_are_copied_out_of_the_containers_into_the_record() {
     }
 }
 
+/// A rank's container killed after the traced iterations fails the run; the driver kills the
+/// other rank's container, copies both traces out of the stopped containers, then removes them.
+#[test]
+fn a_failed_runs_traces_are_copied_out_of_its_stopped_containers() {
+    base_image();
+    let h = Harness::new("pipe-docker-traced-failed");
+    a_failed_runs_traces_are_kept(&h, "docker", |container| {
+        docker(&["kill", container]);
+    });
+    h.assert_no_containers();
+}
+
 /// Checkpoints written inside containers land in a folder the engine made on the host, and a
 /// later run's containers resume from it.
 /// An image folder on this machine reaches the containers (mounted read-only) and trains there:

@@ -45,6 +45,16 @@ fn a_pipelines_profiler_traces_are_kept_in_its_record() {
     assert!(!h.records().exists(), "nothing started, so no record");
 }
 
+/// A rank killed after the traced iterations fails the run, which keeps both ranks' traces.
+#[test]
+fn a_failed_pipelines_traces_are_kept_in_its_record() {
+    let h = Harness::new("pipe-proc-traced-failed");
+    a_failed_runs_traces_are_kept(&h, "process", |handle| {
+        kill_hard(handle.strip_prefix("pid ").expect("a process rank's handle"));
+    });
+    h.assert_no_processes();
+}
+
 /// A PipeDream experiment, keys and partitioned model folder as PipeDream writes them, runs
 /// unchanged: the runtime's AlexNet split as PipeDream's stage files split it, for the epochs
 /// PipeDream's keys ask.

@@ -314,12 +314,18 @@ struct TrainArgs {
     /// Print a `trace` event per microbatch: the weights its forward and backward used.
     #[arg(long)]
     trace: bool,
-    /// Record PyTorch's profiler over the iterations after --warmup (with --cuda-graph, after the
-    /// capture) and write its Chrome trace here: operators, and on a GPU every kernel, each
-    /// iteration a `ProfilerStep#N`. `{rank}` in the path becomes the rank. Open it in Perfetto,
-    /// or tabulate it with bench/trace_table.py; recording slows the run.
+    /// Record PyTorch's profiler over --profiler-steps iterations after --warmup (with
+    /// --cuda-graph, after the capture) and write its Chrome trace here as soon as they have run:
+    /// operators, and on a GPU every kernel, each iteration a `ProfilerStep#N`. `{rank}` in the
+    /// path becomes the rank. Open it in Perfetto, or tabulate it with bench/trace_table.py;
+    /// recording slows the iterations it records.
     #[arg(long, value_name = "FILE")]
     profiler_trace: Option<PathBuf>,
+    /// How many iterations --profiler-trace records (fewer if the run ends first) [default: 5]:
+    /// a trace holds thousands of events an iteration, so a long run's whole would fill the
+    /// host's memory and a file too big to open.
+    #[arg(long, value_name = "N", requires = "profiler_trace")]
+    profiler_steps: Option<u64>,
     /// Checkpoint this rank's parameters and optimizer state into DIR/rank-N/ after the last
     /// iteration (and every --checkpoint-every), replacing the previous checkpoint.
     #[arg(long, value_name = "DIR")]
@@ -717,6 +723,13 @@ impl TrainArgs {
         if self.cuda_graph {
             check_cuda_graph(self.trace, &dist, &devices)?;
         }
+        let profiler_steps = self.profiler_steps.unwrap_or(DEFAULT_PROFILER_STEPS);
+        if profiler_steps == 0 {
+            return Err(ConfigError::Invalid {
+                flag: "--profiler-steps",
+                reason: "must be at least 1".into(),
+            });
+        }
         if self.profiler_trace.is_some() {
             let replays_from = self.cuda_graph.then(|| crate::pipeline::first_replayed(0));
             let from = crate::profiler_trace::first_traced(self.warmup, 0, replays_from);
@@ -824,6 +837,7 @@ impl TrainArgs {
             save_params: self.save_params,
             trace: self.trace,
             profiler_trace,
+            profiler_steps,
             checkpoint,
         })
     }
@@ -1195,6 +1209,10 @@ impl ModelArgs {
         )
     }
 }
+
+/// Iterations `--profiler-trace` records unless `--profiler-steps` says otherwise: as many as
+/// `torch.profiler`'s own examples record (a few steps of a steady state), few enough to open.
+pub const DEFAULT_PROFILER_STEPS: u64 = 5;
 
 fn positive(flag: &'static str, value: usize) -> Result<usize, ConfigError> {
     if value == 0 {

@@ -312,6 +312,8 @@ pub struct TrainConfig {
     pub trace: bool,
     /// Write a Chrome trace of PyTorch's profiler here (`--profiler-trace`, `{rank}` replaced).
     pub profiler_trace: Option<PathBuf>,
+    /// How many iterations the trace records (`--profiler-steps`).
+    pub profiler_steps: u64,
     /// Where to checkpoint, how often, and whether to resume from there.
     pub checkpoint: Option<CheckpointConfig>,
 }
@@ -475,6 +477,7 @@ impl TrainConfig {
             deterministic: self.deterministic,
             cudnn_benchmark: self.cudnn_benchmark,
             profiler_trace: self.profiler_trace.clone(),
+            profiler_steps: self.profiler_trace.is_some().then_some(self.profiler_steps),
             host_memory: host_memory.to_string(),
             bucket_mb: self.dist.reduce.bucket_bytes as f64 / (1u64 << 20) as f64,
             overlap_reduce: self.dist.reduce.overlap,

@@ -1,13 +1,14 @@
-//! `--profiler-trace FILE`: PyTorch's profiler (Kineto) over the iterations after the warm-up,
-//! written as the Chrome trace `torch.profiler`'s `export_chrome_trace` writes
+//! `--profiler-trace FILE`: PyTorch's profiler (Kineto) over `--profiler-steps` iterations after
+//! the warm-up, written as the Chrome trace `torch.profiler`'s `export_chrome_trace` writes
 //! (`csrc/profiler.cpp`). Operators (with their inputs' shapes and dtypes) on the training thread
 //! and the backward's, and on a GPU every kernel, copy and memset; each iteration is a
 //! `ProfilerStep#N` scope, as `prof.step()` marks them. Perfetto (ui.perfetto.dev) and
 //! chrome://tracing open it, and `bench/trace_table.py` tabulates it against a PyTorch script's
 //! trace of the same model.
 //!
-//! Recording costs time on every operator, so a run that writes a trace is not one to take
-//! throughput from; its `start` event says it wrote one (`config.profiler_trace`).
+//! Recording costs time on every operator it records, and writing the trace stalls the rank (and
+//! its peers) between two iterations, so a run that writes a trace is not one to take throughput
+//! from; its `start` event says it wrote one (`config.profiler_trace`, `config.profiler_steps`).
 
 use std::ffi::{c_char, c_void, CStr, CString};
 use std::path::{Path, PathBuf};
@@ -72,21 +73,31 @@ pub fn first_traced(warmup: u64, first: u64, replays_from: Option<u64>) -> u64 {
     warmup.max(first).max(replays_from.unwrap_or(0))
 }
 
-/// Records iterations from `from` on and writes the trace when the run ends; a run that ends
-/// otherwise (an error) leaves no file behind.
+/// Records `steps` iterations from `from` on and writes the trace as soon as they have run (or
+/// when the run ends, if it ends first): a run that fails later keeps it, and the profiler's
+/// memory is given back. A run that ends otherwise before writing it (an error) leaves no file.
 pub struct ProfilerTrace {
     path: PathBuf,
     cuda: bool,
     from: u64,
-    recording: bool,
-    written: bool,
+    until: u64,
+    state: State,
+}
+
+/// Where a [`ProfilerTrace`] is in its window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    Waiting,
+    Recording,
+    Written,
 }
 
 impl ProfilerTrace {
-    /// A trace of iterations `from` onwards, of the GPU's activity too with `cuda`, to be written
-    /// to `path`, which is made now (and its folder), so that a path the run cannot write fails
-    /// it before it trains. Nothing records until [`Self::before_iteration`] reaches `from`.
-    pub fn create(path: PathBuf, cuda: bool, from: u64) -> Result<Self, String> {
+    /// A trace of `steps` iterations from `from` on, of the GPU's activity too with `cuda`, to be
+    /// written to `path`, which is made now (and its folder), so that a path the run cannot
+    /// write fails it before it trains. Nothing records until [`Self::before_iteration`]
+    /// reaches `from`.
+    pub fn create(path: PathBuf, cuda: bool, from: u64, steps: u64) -> Result<Self, String> {
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir)
                 .map_err(|e| format!("--profiler-trace: cannot create {}: {e}", dir.display()))?;
@@ -97,42 +108,58 @@ impl ProfilerTrace {
             path,
             cuda,
             from,
-            recording: false,
-            written: false,
+            until: from.saturating_add(steps),
+            state: State::Waiting,
         })
     }
 
-    /// Call on the training thread before iteration `iteration` runs: starts recording at the
-    /// first iteration traced and opens the iteration's `ProfilerStep#N`.
-    pub fn before_iteration(&mut self, iteration: u64) -> Result<(), String> {
-        if iteration < self.from {
-            return Ok(());
+    /// Call on the training thread before iteration `iteration` runs, with no scope open: starts
+    /// recording at the first iteration traced and opens the iteration's `ProfilerStep#N`; once
+    /// the window's iterations have run, writes the trace and returns its file.
+    pub fn before_iteration(&mut self, iteration: u64) -> Result<Option<PathBuf>, String> {
+        if iteration >= self.until {
+            return self.write();
         }
-        if !self.recording {
+        if iteration < self.from || self.state == State::Written {
+            return Ok(None);
+        }
+        if self.state == State::Waiting {
             // SAFETY: takes a bool; a C++ exception comes back as a message.
             check(unsafe { sh_profiler_start(self.cuda) })
                 .map_err(|e| format!("--profiler-trace: starting the profiler: {e}"))?;
-            self.recording = true;
+            self.state = State::Recording;
             RECORDING.store(true, Ordering::Relaxed);
         }
         // SAFETY: takes an integer; a C++ exception comes back as a message.
-        check(unsafe { sh_profiler_step(iteration as i64) }).map_err(|e| format!("--profiler-trace: {e}"))
+        check(unsafe { sh_profiler_step(iteration as i64) }).map_err(|e| format!("--profiler-trace: {e}"))?;
+        Ok(None)
     }
 
-    /// Stops recording and writes the trace; the file written, or `None` (and no file) where no
-    /// iteration reached the first traced one.
+    /// Call when the run has ended: writes the trace if it still records (the run ended within
+    /// the window) and returns its file, if it was written now.
     pub fn finish(mut self) -> Result<Option<PathBuf>, String> {
-        if !self.recording {
+        self.write()
+    }
+
+    /// Whether the trace was written.
+    pub fn written(&self) -> bool {
+        self.state == State::Written
+    }
+
+    /// Stops recording and writes the trace, if it records.
+    fn write(&mut self) -> Result<Option<PathBuf>, String> {
+        if self.state != State::Recording {
             return Ok(None);
         }
-        self.recording = false;
+        // Whatever the outcome, nothing records any more: scopes stop calling the profiler.
+        self.state = State::Waiting;
         RECORDING.store(false, Ordering::Relaxed);
         let c_path = CString::new(self.path.as_os_str().as_encoded_bytes())
             .map_err(|_| format!("--profiler-trace: {} holds a NUL byte", self.path.display()))?;
         // SAFETY: a NUL-terminated path that outlives the call.
         check(unsafe { sh_profiler_stop(c_path.as_ptr()) })
             .map_err(|e| format!("--profiler-trace: writing {}: {e}", self.path.display()))?;
-        self.written = true;
+        self.state = State::Written;
         Ok(Some(self.path.clone()))
     }
 }
@@ -140,7 +167,7 @@ impl ProfilerTrace {
 impl Drop for ProfilerTrace {
     /// The empty file [`ProfilerTrace::create`] made goes unless a trace was written into it.
     fn drop(&mut self) {
-        if !self.written {
+        if self.state != State::Written {
             let _ = std::fs::remove_file(&self.path);
         }
     }
@@ -166,13 +193,13 @@ mod tests {
     fn the_file_is_made_at_the_start_and_gone_unless_a_trace_was_written() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("nested/traces/rank-0.json");
-        let trace = ProfilerTrace::create(path.clone(), false, 1).unwrap();
+        let trace = ProfilerTrace::create(path.clone(), false, 1, 5).unwrap();
         assert!(path.is_file(), "made before the run trains");
         drop(trace);
         assert!(!path.exists(), "a run that wrote no trace leaves no file");
         let blocker = dir.path().join("a-file");
         std::fs::write(&blocker, "").unwrap();
-        let err = ProfilerTrace::create(blocker.join("t.json"), false, 1)
+        let err = ProfilerTrace::create(blocker.join("t.json"), false, 1, 5)
             .err()
             .unwrap();
         assert!(err.starts_with("--profiler-trace: cannot create"), "{err}");

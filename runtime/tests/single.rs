@@ -224,7 +224,9 @@ fn the_profiler_trace_holds_each_iteration_after_the_warm_up() {
     );
     let path = dir.path().join("traces/rank-0.json");
     assert_eq!(run.start().config.profiler_trace.as_deref(), Some(path.as_path()));
+    assert_eq!(run.start().config.profiler_steps, Some(5), "the default");
     let events = trace_events(&path);
+    // The default 5 steps, cut short where the run ended.
     assert_eq!(
         trace_steps(&events),
         ["ProfilerStep#1", "ProfilerStep#2", "ProfilerStep#3"]
@@ -274,6 +276,7 @@ fn the_profiler_trace_holds_each_iteration_after_the_warm_up() {
     // Without the flag nothing is written and the start event says none.
     let plain = run_ok(&SHORT_MLP);
     assert_eq!(plain.start().config.profiler_trace, None);
+    assert_eq!(plain.start().config.profiler_steps, None);
 
     // A path the run cannot write fails it before it trains.
     let blocker = dir.path().join("a-file");
@@ -310,6 +313,94 @@ fn the_profiler_trace_holds_each_iteration_after_the_warm_up() {
         why.contains("--profiler-trace") && why.contains("--warmup 2") && why.contains("raise --iterations"),
         "{why}"
     );
+}
+
+/// `--profiler-steps N` records N iterations after the warm-up, and the trace is written as soon
+/// as they have run: a run that is still training has it whole, and keeps it when it dies.
+#[test]
+fn the_profiler_trace_is_written_once_its_steps_have_run() {
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("trace.json");
+    // Far more iterations than the test waits for: it is killed once its trace is written.
+    let mut child = runtime()
+        .args(["--model", "mlp", "--batch-size", "8", "--threads", "1"])
+        .args([
+            "--iterations",
+            "1000000",
+            "--warmup",
+            "2",
+            "--profiler-steps",
+            "2",
+        ])
+        .arg("--profiler-trace")
+        .arg(&path)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Its events, read as they come (a full pipe would stall it), by a thread of their own.
+    let stdout = child.stdout.take().unwrap();
+    let events = std::thread::spawn(move || {
+        let mut lines = BufReader::new(stdout).lines();
+        let start = lines.next().unwrap().unwrap();
+        let iterations = lines.map_while(Result::ok).count();
+        (start, iterations)
+    });
+    let (said, lines) = std::sync::mpsc::channel();
+    let stderr = child.stderr.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = said.send(line);
+        }
+    });
+    let written = loop {
+        match lines.recv_timeout(std::time::Duration::from_secs(300)) {
+            Ok(line) if line.contains("profiler trace in") => break line,
+            Ok(_) => {}
+            Err(e) => {
+                let _ = child.kill();
+                panic!("no 'profiler trace in' line from the runtime: {e}");
+            }
+        }
+    };
+    assert!(written.contains(path.to_str().unwrap()), "{written}");
+    // Read while the run goes on: whole, and of the 2 iterations after the 2 of the warm-up.
+    let during = std::fs::read(&path).unwrap();
+    assert_eq!(
+        trace_steps(&trace_events(&path)),
+        ["ProfilerStep#2", "ProfilerStep#3"]
+    );
+    assert!(child.try_wait().unwrap().is_none(), "the run goes on training");
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert_eq!(
+        std::fs::read(&path).unwrap(),
+        during,
+        "the trace stays as written"
+    );
+    let (start, iterations) = events.join().unwrap();
+    let start: stagehand_contract::Event = serde_json::from_str(&start).unwrap();
+    let stagehand_contract::Event::Start(start) = start else {
+        panic!("the first event is not the start: {start:?}");
+    };
+    assert_eq!(start.config.profiler_steps, Some(2));
+    assert!(
+        iterations >= 4,
+        "the trace was written after iteration 3: {iterations} iterations"
+    );
+
+    for (args, said) in [
+        (
+            &["--profiler-steps", "0", "--profiler-trace", "t.json"][..],
+            "--profiler-steps",
+        ),
+        (&["--profiler-steps", "3"][..], "--profiler-trace"),
+    ] {
+        let why = refused(&[&["--model", "mlp", "--iterations", "4"][..], args].concat());
+        assert!(why.contains(said), "{args:?}: {why}");
+    }
 }
 
 /// `--host-memory` says what becomes of freed host memory, the `start` event says what was done

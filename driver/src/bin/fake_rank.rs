@@ -96,6 +96,7 @@ fn main() {
             deterministic: false,
             cudnn_benchmark: false,
             profiler_trace: None,
+            profiler_steps: None,
             host_memory: "keep".into(),
             bucket_mb: 25.0,
             overlap_reduce: true,

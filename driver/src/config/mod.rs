@@ -178,10 +178,14 @@ pub struct ExperimentFile {
     /// `deterministic`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cudnn_benchmark: Option<bool>,
-    /// Each rank records PyTorch's profiler over its iterations after the warm-up
+    /// Each rank records PyTorch's profiler over a few iterations after the warm-up
     /// (`--profiler-trace`), and the record keeps every rank's trace in `traces/`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub profiler_trace: Option<bool>,
+    /// How many iterations `profiler_trace` records (`--profiler-steps`; the runtime's default
+    /// is 5).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub profiler_steps: Option<std::num::NonZeroU64>,
     /// Host memory a step frees: `keep` it for the next iteration (the runtime's default) or
     /// `release` it to the system (`--host-memory`).
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -206,6 +206,10 @@ fn runtime_command(
     if let Some(dir) = ctx.trace_dir {
         argv.push(PROFILER_TRACE_FLAG.into());
         argv.push(super::trace_template(dir));
+        if let Some(steps) = ctx.file.profiler_steps {
+            argv.push("--profiler-steps".into());
+            argv.push(steps.to_string());
+        }
     }
     if let Some(h) = f.host_memory {
         argv.push("--host-memory".into());

@@ -914,6 +914,13 @@ fn check_pipedream_keys(loaded: &Loaded) -> Result<(), ConfigError> {
              run, and `deterministic` rules that out; drop one",
         ));
     }
+    if f.profiler_steps.is_some() && f.profiler_trace != Some(true) {
+        return Err(loaded.error_at(
+            "profiler_steps",
+            "`profiler_steps` is how many iterations `profiler_trace` records; add \
+             `profiler_trace: true` or drop it",
+        ));
+    }
     let runtime_keys = [
         ("epochs", f.epochs.is_some()),
         ("epoch_samples", f.epoch_samples.is_some()),

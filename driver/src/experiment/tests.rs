@@ -1406,4 +1406,39 @@ fn each_rank_traces_into_its_container_or_straight_into_the_record() {
         command.contains("exp.yml:3") && command.contains("`profiler_trace` is the runtime's"),
         "{command}"
     );
+    // How many iterations it records: passed on beside the trace, and refused without one or
+    // at 0, at its line.
+    let steps =
+        plan_per_rank("machines: [localhost]\nmodule: mlp\nprofiler_trace: true\nprofiler_steps: 20\n");
+    assert_eq!(flag(&steps.ranks[0].argv, "--profiler-steps"), Some("20"));
+    assert_eq!(
+        flag(&docker.ranks[0].argv, "--profiler-steps"),
+        None,
+        "the runtime's default"
+    );
+    for (text, says) in [
+        ("profiler_steps: 20\n", "add `profiler_trace: true` or drop it"),
+        (
+            "profiler_trace: false\nprofiler_steps: 20\n",
+            "add `profiler_trace: true` or drop it",
+        ),
+        ("profiler_trace: true\nprofiler_steps: 0\n", "nonzero"),
+    ] {
+        let text = format!("machines: [localhost]\nmodule: mlp\n{text}");
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("exp.yml");
+        std::fs::write(&path, &text).unwrap();
+        let err = crate::config::load(&path)
+            .map_err(|e| e.to_string())
+            .and_then(|l| {
+                let o = options(None, ContainerMode::PerRank);
+                resolve(&l, &o, 29500).map(|_| ()).map_err(|e| e.to_string())
+            })
+            .unwrap_err();
+        let line = text.lines().count();
+        assert!(
+            err.contains(&format!("exp.yml:{line}")) && err.contains(says),
+            "{text}: {err}"
+        );
+    }
 }

@@ -251,15 +251,26 @@ impl DockerLauncher {
     /// [`DockerLauncher::remove_all`]; each call is bounded, and a container that does not take
     /// it is removed like any other afterwards.
     pub async fn terminate_all(&self) {
+        self.signal_all("SIGTERM").await
+    }
+
+    /// Kills every container (SIGKILL) without removing it: what its ranks wrote inside (their
+    /// profiler traces) can still be copied out before [`DockerLauncher::remove_all`].
+    pub async fn kill_all(&self) {
+        self.signal_all("SIGKILL").await
+    }
+
+    /// Sends every container `signal`, each call bounded.
+    async fn signal_all(&self, signal: &str) {
         let tracked = self.tracked.lock().expect("tracked lock").clone();
-        let term = bollard::query_parameters::KillContainerOptionsBuilder::new()
-            .signal("SIGTERM")
+        let options = bollard::query_parameters::KillContainerOptionsBuilder::new()
+            .signal(signal)
             .build();
         join_all(tracked.iter().map(|t| {
             let docker = self.hosts[t.host].docker.clone();
-            let term = term.clone();
+            let options = options.clone();
             async move {
-                let call = docker.kill_container(&t.id, Some(term));
+                let call = docker.kill_container(&t.id, Some(options));
                 let _ = tokio::time::timeout(Duration::from_secs(4), call).await;
             }
         }))

@@ -226,6 +226,16 @@ impl Launcher {
         }
     }
 
+    /// Stops every rank after `plan`'s ranks failed: as [`Launcher::stop_all`], except that
+    /// containers whose ranks trace are killed, not removed, so that the traces already written
+    /// in them can be copied out before [`Launcher::finish`] removes them.
+    pub async fn stop_failed(&self, plan: &Experiment) {
+        match self {
+            Launcher::Docker(d) if plan.traces_dir.is_some() => d.kill_all().await,
+            _ => self.stop_all().await,
+        }
+    }
+
     /// Stops every rank (and removes every container) this launcher started.
     pub async fn stop_all(&self) {
         match self {
@@ -332,9 +342,15 @@ pub async fn run_ranks(
         }
     };
     let cause = supervise(plan, &launcher, rx, reporters, signals, watch).await;
-    // Ranks write their traces as they finish: a run stopped early (and maybe started again)
-    // has none to gather.
-    if let (Some(dir), None) = (&plan.traces_dir, &cause) {
+    // Ranks write their traces once they have run the iterations traced, which a run that
+    // failed later has done: its traces are gathered too (but not from a host that was lost,
+    // nor after Ctrl-C, which asks the driver to be done).
+    let gather = match &cause {
+        None => true,
+        Some(StopCause::RankFailed { .. }) => true,
+        Some(_) => false,
+    };
+    if let (Some(dir), true) = (&plan.traces_dir, gather) {
         let copied = match &launcher {
             // Ctrl-C ends the copy (the ranks are done; their containers still go).
             Launcher::Docker(d) => Some(tokio::select! {
@@ -346,7 +362,12 @@ pub async fn run_ranks(
             }),
             Launcher::Process(_) | Launcher::Slurm(_) => None,
         };
-        reporters.report(&Event::TracesGathered(traces::account(plan, dir, copied)));
+        let facts = traces::account(plan, dir, copied);
+        // A failed run that kept none has its failure to tell, not every rank's missing trace
+        // (nor, when it is started again, that of each start).
+        if cause.is_none() || !facts.ranks.is_empty() {
+            reporters.report(&Event::TracesGathered(facts));
+        }
     }
     let cleanup = launcher.finish().await;
     if let Err(LaunchError::ContainersLeft { left, .. }) = &cleanup {
@@ -458,7 +479,7 @@ async fn supervise(
             cause = Some(c.clone());
             deadline = Some(tokio::time::Instant::now() + EXIT_DEADLINE);
             reporters.report(&Event::Stopping(c));
-            launcher.stop_all().await;
+            launcher.stop_failed(plan).await;
         }
         if ended == plan.world_size() {
             break;

@@ -1,5 +1,5 @@
 //! The ranks' profiler traces (`profiler_trace: true`), gathered into the record once the ranks
-//! ended: copied out of each container before it is removed (the engine's archive API, so hosts
+//! ended (all of them well, or some failed after others had written theirs): copied out of each container before it is removed (the engine's archive API, so hosts
 //! need no shared filesystem), or found where local processes and Slurm's tasks wrote them,
 //! straight into the record.
 
@@ -12,7 +12,9 @@ use crate::experiment::{trace_file, Experiment};
 use crate::records::files;
 
 /// Why a rank that left no trace left none, as far as the driver can tell.
-const WROTE_NONE: &str = "the rank wrote none: a rank writes its trace once it has run every iteration";
+const WROTE_NONE: &str =
+    "the rank wrote none: a rank writes its trace once it has run the iterations it records \
+     (`profiler_steps` after the warm-up)";
 
 /// What a container's copy of the trace folder held for its ranks: each rank's trace, or why
 /// there is none.

@@ -553,3 +553,51 @@ pub fn check_traces_kept(h: &Harness, run: &Run) {
     assert!(header.contains("rank-1"), "a column per rank:\n{text}");
     assert!(text.contains("forward") && text.contains("backward"), "{text}");
 }
+
+/// A two-stage pipeline tracing 2 iterations (`profiler_steps: 2`) of many more, whose rank 1
+/// is killed (by `kill`, given the rank's handle in the record) once both ranks said they wrote
+/// their trace: the run fails, and the record still keeps both traces whole, the killed rank's
+/// too (a container's copied out of it before it is removed).
+pub fn a_failed_runs_traces_are_kept(h: &Harness, backend: &str, kill: impl Fn(&str)) {
+    let runtime = runtime();
+    let config = traced(&two_stage_mlp(h, backend));
+    let text = std::fs::read_to_string(&config)
+        .unwrap()
+        .replace("iterations: 3", "iterations: 100000");
+    std::fs::write(&config, format!("{text}profiler_steps: 2\n")).unwrap();
+    let child = h.spawn(&config, &["--runtime", runtime.to_str().unwrap()]);
+    let record = wait_for_record(&h.records(), Duration::from_secs(120));
+    for rank in 0..2 {
+        super::wait_for_text(
+            &record.join(format!("rank-{rank}.log")),
+            "profiler trace in",
+            Duration::from_secs(180),
+        );
+    }
+    let summary = json(&record.join("summary.json"));
+    let handle = summary["ranks"][1]["handle"]
+        .as_str()
+        .expect("rank 1 started")
+        .to_string();
+    kill(&handle);
+    let out = super::wait_with_deadline(child, Duration::from_secs(180));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    let summary = json(&record.join("summary.json"));
+    assert_eq!(summary["status"], "failed", "{summary}");
+    assert_eq!(summary["failure"]["cause"]["kind"], "rank_failed", "{summary}");
+    assert_eq!(summary["traces"]["ranks"], serde_json::json!([0, 1]), "{summary}");
+    assert!(summary["traces"].get("missing").is_none(), "{summary}");
+    assert!(
+        stderr.contains("driver: profiler traces rank-0.json, rank-1.json in"),
+        "{stderr}"
+    );
+    for rank in 0..2 {
+        let events = trace_events(&record.join(format!("traces/rank-{rank}.json")));
+        assert_eq!(
+            trace_steps(&events),
+            ["ProfilerStep#1", "ProfilerStep#2"],
+            "rank {rank}"
+        );
+    }
+}

@@ -775,10 +775,13 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
         Some(path) => {
             let replays_from = config.cuda_graph.then(|| first_replayed(first));
             let from = profiler_trace::first_traced(config.warmup, first, replays_from);
-            Some(ProfilerTrace::create(path, device.is_cuda(), from).map_err(anyhow::Error::msg)?)
+            let steps = config.profiler_steps;
+            Some(ProfilerTrace::create(path, device.is_cuda(), from, steps).map_err(anyhow::Error::msg)?)
         }
         None => None,
     };
+    let said_written =
+        |path: &std::path::Path| eprintln!("runtime: rank {rank}: profiler trace in {}", path.display());
     if let Some(profiler) = profiler.as_mut() {
         profiler.before_iteration(first).map_err(anyhow::Error::msg)?;
     }
@@ -843,20 +846,30 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
             .as_mut()
             .filter(|_| report.iteration + 1 < config.iterations)
         {
-            profiler
+            // The window's last iteration has run: the trace is written now, mid-run.
+            if let Some(path) = profiler
                 .before_iteration(report.iteration + 1)
-                .map_err(anyhow::Error::msg)?;
+                .map_err(anyhow::Error::msg)?
+            {
+                said_written(&path);
+            }
         }
         Ok(())
     })?;
     // A trace that cannot be written fails the run, but only once its summary is out.
-    let traced = profiler.take().map(ProfilerTrace::finish).transpose();
+    let traced = profiler
+        .take()
+        .map(|profiler| {
+            let before = profiler.written();
+            profiler.finish().map(|now| (before, now))
+        })
+        .transpose();
     match &traced {
-        Ok(Some(Some(path))) => eprintln!("runtime: rank {rank}: profiler trace in {}", path.display()),
-        Ok(Some(None)) => eprintln!(
+        Ok(Some((_, Some(path)))) => said_written(path),
+        Ok(Some((false, None))) => eprintln!(
             "runtime: rank {rank}: --profiler-trace: no iteration ran after the warm-up; no trace written"
         ),
-        Ok(None) | Err(_) => {}
+        Ok(Some((true, None)) | None) | Err(_) => {}
     }
 
     // Done: no group waits for this replica any more; rank 0 stays until no replica needs its
