@@ -398,7 +398,8 @@ fn the_benchmark_traces_every_side_and_tabulates_them_per_step() {
     let out = Command::new(python())
         .arg(bench.join("runtime_vs_pytorch.py"))
         .args(["--models", "mlp", "--threads", "1", "--batch-size", "8"])
-        .args(["--warmup", "2", "--trace-steps", "3", "--runtime"])
+        // More steps than the runtime's --profiler-steps default (5): the benchmark asks for them.
+        .args(["--warmup", "2", "--trace-steps", "6", "--runtime"])
         .arg(bin("runtime"))
         .arg("--trace-dir")
         .arg(&traces)
@@ -431,7 +432,7 @@ fn the_benchmark_traces_every_side_and_tabulates_them_per_step() {
     assert_eq!(sides.len(), 2);
     for side in &sides {
         let label = &side["label"];
-        assert_eq!(side["steps"], 3, "{label}: --trace-steps");
+        assert_eq!(side["steps"], 6, "{label}: --trace-steps");
         assert_eq!(side["gpu"], false, "{label}");
         // 5 linear layers (4 hidden and the head), one addmm each per forward.
         assert_eq!(side["by_name"]["aten::addmm"]["count"], 5.0, "{label}");
