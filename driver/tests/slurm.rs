@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 use crate::util::experiments::{
-    trace_events, trace_steps, wait_for_a_checkpoint_of_both_ranks, KILLABLE_AFTER_A_CHECKPOINT,
+    assert_both_ranks_traced_steps_1_and_2, wait_for_a_checkpoint_of_both_ranks, KILLABLE_AFTER_A_CHECKPOINT,
 };
 use crate::util::{
     assert_rank_0_killed_for_memory, interrupt, kill_hard, runtime, wait_for_record, wait_with_deadline,
@@ -189,14 +189,7 @@ fn slurms_tasks_write_their_profiler_traces_into_the_record() {
     let (record, summary) = h.summary();
     assert_eq!(summary["traces"]["dir"], "traces", "{summary}");
     assert_eq!(summary["traces"]["ranks"], serde_json::json!([0, 1]), "{summary}");
-    for rank in 0..2 {
-        let events = trace_events(&record.join(format!("traces/rank-{rank}.json")));
-        assert_eq!(
-            trace_steps(&events),
-            ["ProfilerStep#1", "ProfilerStep#2"],
-            "rank {rank}"
-        );
-    }
+    assert_both_ranks_traced_steps_1_and_2(&record);
     assert_eq!(jobs_left(&record), "");
     h.assert_no_processes();
 }

@@ -29,6 +29,21 @@ fn loaded(dir: &Path, text: &str) -> Loaded {
     crate::config::load(&path).unwrap()
 }
 
+/// Why `text` is refused, whether loading it or resolving it (one container per rank on the
+/// default backend) refuses it.
+fn refusal(text: &str) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("exp.yml");
+    std::fs::write(&path, text).unwrap();
+    crate::config::load(&path)
+        .map_err(|e| e.to_string())
+        .and_then(|l| {
+            let o = options(None, ContainerMode::PerRank);
+            resolve(&l, &o, 29500).map(|_| ()).map_err(|e| e.to_string())
+        })
+        .unwrap_err()
+}
+
 /// `text` resolved with one container per rank on the default backend, which must succeed.
 fn plan_per_rank(text: &str) -> Experiment {
     resolve_text(text, &options(None, ContainerMode::PerRank)).unwrap()
@@ -1320,8 +1335,6 @@ fn an_image_folders_transform_and_loader_threads_reach_every_rank() {
         "the runtime's default"
     );
     assert_eq!(flag(&plan.ranks[0].argv, "--data-workers"), None);
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("exp.yml");
     for (text, line, says) in [
         ("data_workers: 0\n", 3, "nonzero"),
         ("augment: random\n", 3, "`crop-flip`"),
@@ -1331,14 +1344,7 @@ fn an_image_folders_transform_and_loader_threads_reach_every_rank() {
             "`data_workers` is the runtime's",
         ),
     ] {
-        std::fs::write(&path, format!("machines: [localhost]\nmodule: mlp\n{text}")).unwrap();
-        let bad = crate::config::load(&path)
-            .map_err(|e| e.to_string())
-            .and_then(|l| {
-                let o = options(None, ContainerMode::PerRank);
-                resolve(&l, &o, 29500).map(|_| ()).map_err(|e| e.to_string())
-            })
-            .unwrap_err();
+        let bad = refusal(&format!("machines: [localhost]\nmodule: mlp\n{text}"));
         assert!(
             bad.contains(&format!("exp.yml:{line}")) && bad.contains(says),
             "{text}: {bad}"
@@ -1425,16 +1431,7 @@ fn each_rank_traces_into_its_container_or_straight_into_the_record() {
         ("profiler_trace: true\nprofiler_steps: 0\n", "nonzero"),
     ] {
         let text = format!("machines: [localhost]\nmodule: mlp\n{text}");
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("exp.yml");
-        std::fs::write(&path, &text).unwrap();
-        let err = crate::config::load(&path)
-            .map_err(|e| e.to_string())
-            .and_then(|l| {
-                let o = options(None, ContainerMode::PerRank);
-                resolve(&l, &o, 29500).map(|_| ()).map_err(|e| e.to_string())
-            })
-            .unwrap_err();
+        let err = refusal(&text);
         let line = text.lines().count();
         assert!(
             err.contains(&format!("exp.yml:{line}")) && err.contains(says),

@@ -516,13 +516,7 @@ pub fn check_traces_kept(h: &Harness, run: &Run) {
         "{}",
         run.stderr()
     );
-    for rank in 0..2 {
-        let events = trace_events(&dir.join(format!("traces/rank-{rank}.json")));
-        assert_eq!(
-            trace_steps(&events),
-            ["ProfilerStep#1", "ProfilerStep#2"],
-            "rank {rank}"
-        );
+    for (rank, events) in assert_both_ranks_traced_steps_1_and_2(&dir).iter().enumerate() {
         let named = |name: &str| {
             events
                 .iter()
@@ -592,12 +586,21 @@ pub fn a_failed_runs_traces_are_kept(h: &Harness, backend: &str, kill: impl Fn(&
         stderr.contains("driver: profiler traces rank-0.json, rank-1.json in"),
         "{stderr}"
     );
-    for rank in 0..2 {
-        let events = trace_events(&record.join(format!("traces/rank-{rank}.json")));
-        assert_eq!(
-            trace_steps(&events),
-            ["ProfilerStep#1", "ProfilerStep#2"],
-            "rank {rank}"
-        );
-    }
+    assert_both_ranks_traced_steps_1_and_2(&record);
+}
+
+/// Each of the two ranks' traces in `record` holds iterations 1 and 2: the two after the
+/// runtime's one-iteration warm-up. Returns each rank's events.
+pub fn assert_both_ranks_traced_steps_1_and_2(record: &Path) -> Vec<Vec<Value>> {
+    (0..2)
+        .map(|rank| {
+            let events = trace_events(&record.join(format!("traces/rank-{rank}.json")));
+            assert_eq!(
+                trace_steps(&events),
+                ["ProfilerStep#1", "ProfilerStep#2"],
+                "rank {rank}"
+            );
+            events
+        })
+        .collect()
 }
