@@ -112,7 +112,7 @@ async fn port_and_reach(
             master_port(
                 plan.master_port,
                 options.master_port.is_some(),
-                experiment::free_local_port,
+                hosts::pick_master_port,
                 |port| hosts::master_port_free(master, port),
             )
             .await
@@ -222,7 +222,7 @@ pub async fn run_loaded(
     let options = options.clone();
     let port = match options.master_port {
         Some(p) => p,
-        None => experiment::free_local_port().map_err(RunError::Port)?,
+        None => hosts::pick_master_port().map_err(RunError::Port)?,
     };
     let plan = experiment::resolve(&loaded, &options, port)?;
     let mut signals = StopSignals::install().map_err(RunError::Signals)?;

@@ -256,6 +256,29 @@ fn sigint_stops_every_rank_and_records_interrupted() {
     h.assert_no_processes();
 }
 
+/// A driver ended outright (SIGKILL, as the kernel's OOM killer ends it) cannot stop its ranks;
+/// the kernel sends them SIGTERM as it dies, so ranks that print nothing (and so never find their
+/// output gone) do not run on without it.
+#[test]
+fn the_ranks_of_a_driver_killed_outright_end_with_it() {
+    let h = Harness::new("proc-driver-killed");
+    let config = h.config(&format!(
+        "backend: process\nmachines: [localhost, localhost]\ncommand: ['{FAKE_RANK}', --iterations, '1', --hang]\n"
+    ));
+    let mut child = h.spawn(&config, &[]);
+    let record = wait_for_record(&h.records(), Duration::from_secs(20));
+    for rank in 0..2 {
+        wait_for_text(
+            &record.join(format!("rank-{rank}.log")),
+            "hanging",
+            Duration::from_secs(20),
+        );
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    h.assert_no_processes();
+}
+
 #[test]
 fn the_real_runtime_trains_as_a_process() {
     let runtime = runtime();

@@ -350,6 +350,36 @@ fn ctrl_c_cancels_the_job_and_leaves_nothing() {
     h.assert_no_processes();
 }
 
+/// A driver ended outright (SIGKILL, as the kernel's OOM killer ends it) cannot scancel its job;
+/// the kernel sends its srun SIGTERM as it dies, and srun ends the job step and gives the
+/// allocation back, so the job does not hold the nodes until its time limit.
+#[test]
+fn a_driver_killed_outright_leaves_no_job_behind() {
+    runtime();
+    let h = Harness::new("slurm-driver-killed");
+    let config = mlp(&h, 100_000, "");
+    let mut child = h.spawn_with_env(&config, &[], &slurm_env());
+    let record = wait_for_record(&h.records(), Duration::from_secs(60));
+    wait_for_iterations(&record, 4, Duration::from_secs(180));
+    let running = task_pid(&h, 0).expect("task 0's runtime");
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let start = Instant::now();
+    while !jobs_left(&record).is_empty() {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "the job outlived its driver: {}",
+            jobs_left(&record)
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert!(
+        !Path::new(&format!("/proc/{running}")).exists(),
+        "task 0 still runs"
+    );
+    h.assert_no_processes();
+}
+
 #[test]
 fn a_job_still_queued_at_its_deadline_is_cancelled_with_slurms_reason() {
     let h = Harness::new("slurm-queued");

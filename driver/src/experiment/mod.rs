@@ -1300,7 +1300,8 @@ fn this_host_name() -> String {
         .unwrap_or_else(|| "localhost".to_string())
 }
 
-/// Picks a free TCP port on this machine for the master.
+/// A free TCP port on this machine, from the kernel's ephemeral range: for a listener of the
+/// driver's own, such as an SSH forward's local end (a master port is picked below that range).
 pub fn free_local_port() -> std::io::Result<u16> {
     let listener = std::net::TcpListener::bind(("127.0.0.1", 0))?;
     Ok(listener.local_addr()?.port())

@@ -278,11 +278,90 @@ pub async fn master_address(hosts: &[Host]) -> Result<Option<String>, HostError>
     Ok(None)
 }
 
+/// The lowest port the driver picks a master port from: above the ports services are commonly
+/// configured on, and above those a Slurm job's ranks derive from its id (10000-29999), so a
+/// run of processes and a Slurm job on one machine do not meet.
+const MASTER_PORTS_FROM: u16 = 30_000;
+/// How many random ports [`pick_master_port`] tries before it takes any free one.
+const MASTER_PORT_DRAWS: u64 = 64;
+
+/// Picks a master port free on this machine, below the kernel's ephemeral range
+/// (`net.ipv4.ip_local_port_range`, 32768 and up by default). A port in that range that is free
+/// now can be taken at any moment as the local end of some outgoing connection: between this
+/// pick and rank 0's listening, or between one start of the ranks and the next after a failure;
+/// and a rank connecting to it while rank 0 is not listening yet can be handed it as its own end
+/// and connect to itself (TCP's simultaneous open), then wait on a store that is not there. Below
+/// the range only a program that binds the port by number takes it. When the range starts too
+/// low to leave room, any free port is taken.
+pub fn pick_master_port() -> std::io::Result<u16> {
+    let below = ephemeral_ports_start().unwrap_or(32_768);
+    let draw = std::collections::hash_map::RandomState::new();
+    let draw = |n: u64| std::hash::BuildHasher::hash_one(&draw, n);
+    pick_port_in(MASTER_PORTS_FROM..below, draw, |port| {
+        std::net::TcpListener::bind(("0.0.0.0", port)).is_ok()
+    })
+}
+
+/// A port of `range` that `is_free` accepts, drawn at random (`draw(n)` the `n`th draw), or any
+/// free port of this machine's when none of [`MASTER_PORT_DRAWS`] draws is, or the range is under
+/// a thousand ports.
+fn pick_port_in(
+    range: std::ops::Range<u16>,
+    draw: impl Fn(u64) -> u64,
+    is_free: impl Fn(u16) -> bool,
+) -> std::io::Result<u16> {
+    let span = range.len() as u64;
+    if span >= 1000 {
+        let drawn = (0..MASTER_PORT_DRAWS).map(|n| range.start + (draw(n) % span) as u16);
+        if let Some(port) = drawn.into_iter().find(|&port| is_free(port)) {
+            return Ok(port);
+        }
+    }
+    crate::experiment::free_local_port()
+}
+
+/// The first port of the kernel's ephemeral range, where it can be read.
+fn ephemeral_ports_start() -> Option<u16> {
+    let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").ok()?;
+    range.split_whitespace().next()?.parse().ok()
+}
+
 /// Whether the master port is free on the first machine (where rank 0 listens). `None` when it
 /// cannot be told (the check itself failed); the run goes on then.
 pub async fn master_port_free(host: Option<&Host>, port: u16) -> Option<bool> {
     match host.and_then(|h| h._tunnel.as_ref()) {
         None => Some(std::net::TcpListener::bind(("0.0.0.0", port)).is_ok()),
         Some(tunnel) => tunnel.port_free(port).await.ok(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_master_port_is_picked_free_below_the_ephemeral_range() {
+        let below = ephemeral_ports_start().expect("Linux says where its ephemeral range starts");
+        for _ in 0..20 {
+            let port = pick_master_port().unwrap();
+            assert!(
+                (MASTER_PORTS_FROM..below).contains(&port),
+                "{port} (ephemeral from {below})"
+            );
+            std::net::TcpListener::bind(("0.0.0.0", port)).expect("the picked port is free");
+        }
+    }
+
+    #[test]
+    fn a_taken_port_is_drawn_past_and_with_none_free_any_free_port_is_taken() {
+        // Draws land on 20000, 27919, 25838, ...: the first free one is taken.
+        let draws = |n: u64| n * 7919;
+        let picked = |range, is_free: fn(u16) -> bool| pick_port_in(range, draws, is_free).unwrap();
+        assert_eq!(picked(20_000..30_000, |_| true), 20_000);
+        assert_eq!(picked(20_000..30_000, |port| port != 20_000), 27_919);
+        // None free, or too few ports to draw from: the kernel's pick, from its ephemeral range.
+        let ephemeral = ephemeral_ports_start().unwrap();
+        assert!(picked(20_000..30_000, |_| false) >= ephemeral);
+        assert!(picked(20_000..20_500, |_| true) >= ephemeral);
     }
 }

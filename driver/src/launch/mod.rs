@@ -31,6 +31,28 @@ const EXIT_DEADLINE: Duration = Duration::from_secs(15);
 /// iteration they are in and exit (SIGTERM; SIGKILL after it).
 pub const CHECKPOINT_GRACE: Duration = Duration::from_secs(60);
 
+/// Has the process `cmd` starts (a rank, srun) get SIGTERM when the driver dies, as it would if
+/// the driver stopped it: a driver ended outright (SIGKILL, the kernel's OOM killer) leaves no
+/// rank, and no srun holding a Slurm job, running on without it. The kernel sends the signal when
+/// the thread that started the process ends; the driver starts them from its main thread or its
+/// runtime's worker threads, which last as long as it does (never from `spawn_blocking`, whose
+/// threads end when idle).
+fn ends_with_the_driver(cmd: &mut tokio::process::Command) {
+    let driver = nix::unistd::getpid();
+    // SAFETY: between fork and exec this calls only prctl and getppid, which are async-signal-safe,
+    // and allocates nothing.
+    unsafe {
+        cmd.pre_exec(move || {
+            nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGTERM)?;
+            // The driver died before that took hold: no signal would come.
+            if nix::unistd::getppid() != driver {
+                return Err(nix::errno::Errno::ESRCH.into());
+            }
+            Ok(())
+        });
+    }
+}
+
 /// Failures while preparing hosts or starting ranks.
 #[derive(Debug, thiserror::Error)]
 pub enum LaunchError {

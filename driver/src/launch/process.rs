@@ -47,6 +47,7 @@ impl ProcessLauncher {
                 .stderr(Stdio::piped())
                 .process_group(0)
                 .kill_on_drop(true);
+            super::ends_with_the_driver(&mut cmd);
             let mut child = match cmd.spawn() {
                 Ok(c) => c,
                 Err(source) => {

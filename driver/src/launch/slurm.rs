@@ -135,6 +135,7 @@ impl SlurmLauncher {
             .stderr(Stdio::piped())
             .process_group(0)
             .kill_on_drop(true);
+        super::ends_with_the_driver(&mut cmd);
         let mut child = cmd.spawn().map_err(|source| LaunchError::SlurmMissing {
             program: "srun".into(),
             source,

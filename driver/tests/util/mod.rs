@@ -458,7 +458,11 @@ pub fn containers_with_label(label: &str) -> Vec<String> {
         .collect()
 }
 
-/// Waits for a child, killing it past the deadline so a hung driver fails the test.
+/// How long a driver past its deadline has to stop after a Ctrl-C before it is killed.
+const STOP_GRACE: Duration = Duration::from_secs(60);
+
+/// Waits for a child; past the deadline it is interrupted (killed if that does not stop it) and
+/// the test fails.
 pub fn wait_with_deadline(mut child: Child, deadline: Duration) -> Output {
     let start = Instant::now();
     loop {
@@ -466,10 +470,26 @@ pub fn wait_with_deadline(mut child: Child, deadline: Duration) -> Output {
             return child.wait_with_output().expect("output");
         }
         if start.elapsed() > deadline {
-            let _ = child.kill();
+            // Ctrl-C first, so the driver stops its ranks, cancels its Slurm job and writes its
+            // record: a hung run must not leave work behind that holds up the tests after it
+            // (Slurm's one node), and its stderr then says how far it got.
+            let _ = Command::new("kill")
+                .args(["-INT", &child.id().to_string()])
+                .status();
+            let interrupted = Instant::now();
+            while child.try_wait().expect("wait").is_none() && interrupted.elapsed() < STOP_GRACE {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let stopped = match child.try_wait().expect("wait") {
+                Some(_) => "it then stopped on Ctrl-C".to_string(),
+                None => {
+                    let _ = child.kill();
+                    format!("nor within {STOP_GRACE:?} of a Ctrl-C, so it was killed")
+                }
+            };
             let out = child.wait_with_output().expect("output");
             panic!(
-                "driver did not finish within {deadline:?}; stderr:\n{}",
+                "driver did not finish within {deadline:?}; {stopped}; stderr:\n{}",
                 String::from_utf8_lossy(&out.stderr)
             );
         }
