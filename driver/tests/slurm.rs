@@ -18,8 +18,8 @@ use crate::util::experiments::{
     assert_both_ranks_traced_steps_1_and_2, wait_for_a_checkpoint_of_both_ranks, KILLABLE_AFTER_A_CHECKPOINT,
 };
 use crate::util::{
-    assert_rank_0_killed_for_memory, interrupt, kill_hard, runtime, wait_for_record, wait_with_deadline,
-    workspace, Harness,
+    assert_rank_0_killed_for_memory, interrupt, kill_hard, runtime, wait_for_record, wait_for_recorded_run,
+    wait_with_deadline, workspace, Harness,
 };
 
 /// SLURM_CONF of the test cluster, started (idempotently) on first use.
@@ -299,7 +299,7 @@ fn a_killed_task_restarts_as_a_new_job_from_its_checkpoint() {
         .as_u64()
         .expect("the first job");
     kill_hard(&task_pid(&h, 1).expect("task 1's runtime").to_string());
-    let out = wait_with_deadline(child, Duration::from_secs(240));
+    let out = wait_for_recorded_run(child, Duration::from_secs(240), &record);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(0), "{stderr}");
     let (_, summary) = h.summary();

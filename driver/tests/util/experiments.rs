@@ -401,7 +401,7 @@ pub fn a_killed_rank_restarts_from_its_checkpoint(h: &Harness, backend: &str, ki
         .count();
     assert!(killed_at < 30, "rank 1 ran to the end before it could be killed");
     kill(&handle);
-    let out = super::wait_with_deadline(child, Duration::from_secs(180));
+    let out = super::wait_for_recorded_run(child, Duration::from_secs(180), &record);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(0), "{stderr}");
 
@@ -574,7 +574,7 @@ pub fn a_failed_runs_traces_are_kept(h: &Harness, backend: &str, kill: impl Fn(&
         .expect("rank 1 started")
         .to_string();
     kill(&handle);
-    let out = super::wait_with_deadline(child, Duration::from_secs(180));
+    let out = super::wait_for_recorded_run(child, Duration::from_secs(180), &record);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     let summary = json(&record.join("summary.json"));

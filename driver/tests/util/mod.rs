@@ -11,6 +11,7 @@ pub mod experiments;
 pub mod sshd;
 pub mod testbed;
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -463,13 +464,64 @@ const STOP_GRACE: Duration = Duration::from_secs(60);
 
 /// Waits for a child; past the deadline it is interrupted (killed if that does not stop it) and
 /// the test fails.
-pub fn wait_with_deadline(mut child: Child, deadline: Duration) -> Output {
+pub fn wait_with_deadline(child: Child, deadline: Duration) -> Output {
+    wait_or_explain(child, deadline, String::new)
+}
+
+/// [`wait_with_deadline`] for the driver of the run recorded in `record`; past the deadline the
+/// failure also says how far each rank got and when it last reported, so a run that crawls reads
+/// apart from one that hangs.
+pub fn wait_for_recorded_run(child: Child, deadline: Duration, record: &Path) -> Output {
+    wait_or_explain(child, deadline, || progress(record))
+}
+
+/// Each rank's starts and last iteration in the record's metrics.jsonl, and how long ago the
+/// file was last written.
+fn progress(record: &Path) -> String {
+    let metrics = record.join("metrics.jsonl");
+    let mut ranks: BTreeMap<u64, (usize, Option<u64>)> = BTreeMap::new();
+    for line in lines(&metrics) {
+        let Ok(event) = serde_json::from_str::<Value>(&line) else {
+            continue;
+        };
+        let (Some(rank), Some(kind)) = (event["rank"].as_u64(), event["event"].as_str()) else {
+            continue;
+        };
+        let seen = ranks.entry(rank).or_default();
+        match kind {
+            "start" => seen.0 += 1,
+            "iteration" => seen.1 = event["iteration"].as_u64(),
+            _ => {}
+        }
+    }
+    let said: Vec<String> = ranks
+        .iter()
+        .map(|(rank, (starts, last))| match last {
+            Some(i) => format!("rank {rank}: {starts} start(s), last at iteration {i}"),
+            None => format!("rank {rank}: {starts} start(s), no iteration"),
+        })
+        .collect();
+    let quiet = std::fs::metadata(&metrics)
+        .and_then(|m| m.modified())
+        .ok()
+        .and_then(|t| t.elapsed().ok())
+        .map_or("never written".to_string(), |d| {
+            format!("last written {d:.0?} ago")
+        });
+    format!(
+        " (the ranks' progress: {}; metrics.jsonl {quiet})",
+        said.join("; ")
+    )
+}
+
+fn wait_or_explain(mut child: Child, deadline: Duration, explain: impl Fn() -> String) -> Output {
     let start = Instant::now();
     loop {
         if child.try_wait().expect("wait").is_some() {
             return child.wait_with_output().expect("output");
         }
         if start.elapsed() > deadline {
+            let progress = explain();
             // Ctrl-C first, so the driver stops its ranks, cancels its Slurm job and writes its
             // record: a hung run must not leave work behind that holds up the tests after it
             // (Slurm's one node), and its stderr then says how far it got.
@@ -489,7 +541,7 @@ pub fn wait_with_deadline(mut child: Child, deadline: Duration) -> Output {
             };
             let out = child.wait_with_output().expect("output");
             panic!(
-                "driver did not finish within {deadline:?}; {stopped}; stderr:\n{}",
+                "driver did not finish within {deadline:?}{progress}; {stopped}; stderr:\n{}",
                 String::from_utf8_lossy(&out.stderr)
             );
         }
