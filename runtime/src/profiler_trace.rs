@@ -136,14 +136,14 @@ impl ProfilerTrace {
     }
 
     /// Call when the run has ended: writes the trace if it still records (the run ended within
-    /// the window) and returns its file, if it was written now.
-    pub fn finish(mut self) -> Result<Option<PathBuf>, String> {
-        self.write()
-    }
-
-    /// Whether the trace was written.
-    pub fn written(&self) -> bool {
-        self.state == State::Written
+    /// the window), and says what became of it.
+    pub fn finish(mut self) -> Result<Finished, String> {
+        if self.state == State::Written {
+            return Ok(Finished::WrittenEarlier);
+        }
+        Ok(self
+            .write()?
+            .map_or(Finished::NothingTraced, Finished::WrittenNow))
     }
 
     /// Stops recording and writes the trace, if it records.
@@ -162,6 +162,17 @@ impl ProfilerTrace {
         self.state = State::Written;
         Ok(Some(self.path.clone()))
     }
+}
+
+/// What became of a trace when its run ended ([`ProfilerTrace::finish`]).
+#[derive(Debug, PartialEq, Eq)]
+pub enum Finished {
+    /// Written now, into this file: the run ended within the traced iterations.
+    WrittenNow(PathBuf),
+    /// Written during the run, once its iterations had run.
+    WrittenEarlier,
+    /// No iteration ran after the warm-up.
+    NothingTraced,
 }
 
 impl Drop for ProfilerTrace {

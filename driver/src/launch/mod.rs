@@ -367,11 +367,7 @@ pub async fn run_ranks(
     // Ranks write their traces once they have run the iterations traced, which a run that
     // failed later has done: its traces are gathered too (but not from a host that was lost,
     // nor after Ctrl-C, which asks the driver to be done).
-    let gather = match &cause {
-        None => true,
-        Some(StopCause::RankFailed { .. }) => true,
-        Some(_) => false,
-    };
+    let gather = matches!(cause, None | Some(StopCause::RankFailed { .. }));
     if let (Some(dir), true) = (&plan.traces_dir, gather) {
         let copied = match &launcher {
             // Ctrl-C ends the copy (the ranks are done; their containers still go).

@@ -26,7 +26,7 @@ use crate::pipeline::{
     first_replayed, Bundle, Channels, Checkpointing, Executor, Lanes, Links, PartialReduce, Reducer,
     TensorSpec,
 };
-use crate::profiler_trace::{self, ProfilerTrace};
+use crate::profiler_trace::{self, Finished, ProfilerTrace};
 use crate::schedule::{self, Action, Schedule};
 use crate::stage::checkpoint::{self, Identity, Latest};
 use crate::stage::{GradScaler, Optimizer, Stage};
@@ -857,19 +857,13 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
         Ok(())
     })?;
     // A trace that cannot be written fails the run, but only once its summary is out.
-    let traced = profiler
-        .take()
-        .map(|profiler| {
-            let before = profiler.written();
-            profiler.finish().map(|now| (before, now))
-        })
-        .transpose();
+    let traced = profiler.take().map(ProfilerTrace::finish).transpose();
     match &traced {
-        Ok(Some((_, Some(path)))) => said_written(path),
-        Ok(Some((false, None))) => eprintln!(
+        Ok(Some(Finished::WrittenNow(path))) => said_written(path),
+        Ok(Some(Finished::NothingTraced)) => eprintln!(
             "runtime: rank {rank}: --profiler-trace: no iteration ran after the warm-up; no trace written"
         ),
-        Ok(Some((true, None)) | None) | Err(_) => {}
+        Ok(Some(Finished::WrittenEarlier) | None) | Err(_) => {}
     }
 
     // Done: no group waits for this replica any more; rank 0 stays until no replica needs its
