@@ -297,9 +297,7 @@ pub fn pick_master_port() -> std::io::Result<u16> {
     let below = ephemeral_ports_start().unwrap_or(32_768);
     let draw = std::collections::hash_map::RandomState::new();
     let draw = |n: u64| std::hash::BuildHasher::hash_one(&draw, n);
-    pick_port_in(MASTER_PORTS_FROM..below, draw, |port| {
-        std::net::TcpListener::bind(("0.0.0.0", port)).is_ok()
-    })
+    pick_port_in(MASTER_PORTS_FROM..below, draw, free_here)
 }
 
 /// A port of `range` that `is_free` accepts, drawn at random (`draw(n)` the `n`th draw), or any
@@ -312,12 +310,17 @@ fn pick_port_in(
 ) -> std::io::Result<u16> {
     let span = range.len() as u64;
     if span >= 1000 {
-        let drawn = (0..MASTER_PORT_DRAWS).map(|n| range.start + (draw(n) % span) as u16);
-        if let Some(port) = drawn.into_iter().find(|&port| is_free(port)) {
+        let mut drawn = (0..MASTER_PORT_DRAWS).map(|n| range.start + (draw(n) % span) as u16);
+        if let Some(port) = drawn.find(|&port| is_free(port)) {
             return Ok(port);
         }
     }
     crate::experiment::free_local_port()
+}
+
+/// Whether `port` is free on this machine: nothing listens on it on any address.
+fn free_here(port: u16) -> bool {
+    std::net::TcpListener::bind(("0.0.0.0", port)).is_ok()
 }
 
 /// The first port of the kernel's ephemeral range, where it can be read.
@@ -330,7 +333,7 @@ fn ephemeral_ports_start() -> Option<u16> {
 /// cannot be told (the check itself failed); the run goes on then.
 pub async fn master_port_free(host: Option<&Host>, port: u16) -> Option<bool> {
     match host.and_then(|h| h._tunnel.as_ref()) {
-        None => Some(std::net::TcpListener::bind(("0.0.0.0", port)).is_ok()),
+        None => Some(free_here(port)),
         Some(tunnel) => tunnel.port_free(port).await.ok(),
     }
 }

@@ -525,9 +525,7 @@ fn wait_or_explain(mut child: Child, deadline: Duration, explain: impl Fn() -> S
             // Ctrl-C first, so the driver stops its ranks, cancels its Slurm job and writes its
             // record: a hung run must not leave work behind that holds up the tests after it
             // (Slurm's one node), and its stderr then says how far it got.
-            let _ = Command::new("kill")
-                .args(["-INT", &child.id().to_string()])
-                .status();
+            interrupt(&child);
             let interrupted = Instant::now();
             while child.try_wait().expect("wait").is_none() && interrupted.elapsed() < STOP_GRACE {
                 std::thread::sleep(Duration::from_millis(50));
