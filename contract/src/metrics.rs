@@ -101,7 +101,8 @@ pub struct RunConfig {
     #[serde(default)]
     pub cudnn_benchmark: bool,
     /// Where this rank wrote a Chrome trace of PyTorch's profiler (`--profiler-trace`); absent
-    /// when it wrote none. Recording slows a run: its throughput is not one to compare.
+    /// when it wrote none. Recording slows the iterations it records (`profiled` on their
+    /// lines), which the throughput statistics leave out while others remain.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub profiler_trace: Option<PathBuf>,
     /// How many iterations that trace records (`--profiler-steps`): from the first after the
@@ -273,6 +274,11 @@ pub struct Iteration {
     /// written after this iteration (absent when none was).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub checkpointed: bool,
+    /// With `--profiler-trace`: PyTorch's profiler recorded this iteration, or the iteration
+    /// waited on the trace being written (the first after the traced ones), so its time is
+    /// slowed by the profiler; throughput statistics leave it out (absent when neither).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub profiled: bool,
 }
 
 /// One step's group of a partial reduce (`--reduce partial:K`).
@@ -477,6 +483,7 @@ mod tests {
             loss_scale: None,
             step_skipped: None,
             checkpointed: false,
+            profiled: false,
         }
     }
 
@@ -528,16 +535,26 @@ mod tests {
         assert_eq!(Event::parse_line(""), None);
     }
 
-    /// `checkpointed` is on the line only when a checkpoint was written, and reads back either way.
+    /// `checkpointed` and `profiled` are on the line only when true, and read back either way.
     #[test]
-    fn only_an_iteration_that_checkpointed_says_so() {
+    fn only_an_iteration_that_checkpointed_or_was_profiled_says_so() {
         let plain = Event::Iteration(iteration()).to_line();
         assert!(!plain.contains("checkpointed"), "{plain}");
+        assert!(!plain.contains("profiled"), "{plain}");
+        assert_eq!(Event::parse_line(&plain), Some(Event::Iteration(iteration())));
         let mut it = iteration();
         it.checkpointed = true;
-        let event = Event::Iteration(it);
+        let event = Event::Iteration(it.clone());
         let line = event.to_line();
         assert!(line.ends_with(r#","checkpointed":true}"#), "{line}");
+        assert_eq!(Event::parse_line(&line), Some(event));
+        it.profiled = true;
+        let event = Event::Iteration(it);
+        let line = event.to_line();
+        assert!(
+            line.ends_with(r#","checkpointed":true,"profiled":true}"#),
+            "{line}"
+        );
         assert_eq!(Event::parse_line(&line), Some(event));
     }
 

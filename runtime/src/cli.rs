@@ -318,7 +318,8 @@ struct TrainArgs {
     /// --cuda-graph, after the capture) and write its Chrome trace here as soon as they have run:
     /// operators, and on a GPU every kernel, each iteration a `ProfilerStep#N`. `{rank}` in the
     /// path becomes the rank. Open it in Perfetto, or tabulate it with bench/trace_table.py;
-    /// recording slows the iterations it records.
+    /// recording slows the iterations it records and the next, whose lines say `profiled` and
+    /// which the summary's throughput leaves out while others remain.
     #[arg(long, value_name = "FILE")]
     profiler_trace: Option<PathBuf>,
     /// How many iterations --profiler-trace records (fewer if the run ends first) [default: 5]:

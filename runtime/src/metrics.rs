@@ -22,24 +22,37 @@ impl<W: Write> Emitter<W> {
     }
 }
 
-/// Running mean and standard deviation of per-iteration throughput after warm-up.
+/// Mean and standard deviation of per-iteration throughput after warm-up, over the iterations
+/// PyTorch's profiler did not slow when there are any (`--profiler-trace`), else over all.
 #[derive(Debug, Default)]
 pub struct Throughput {
     values: Vec<f64>,
+    profiled: Vec<f64>,
 }
 
 impl Throughput {
-    pub fn push(&mut self, samples_per_sec: f64) {
-        self.values.push(samples_per_sec);
+    /// One iteration's rate; `profiled` when the profiler slowed it.
+    pub fn push(&mut self, samples_per_sec: f64, profiled: bool) {
+        match profiled {
+            false => self.values.push(samples_per_sec),
+            true => self.profiled.push(samples_per_sec),
+        }
+    }
+
+    fn measured(&self) -> &[f64] {
+        match self.values.is_empty() {
+            false => &self.values,
+            true => &self.profiled,
+        }
     }
 
     pub fn mean(&self) -> f64 {
-        stagehand_contract::metrics::mean_and_std(&self.values).0
+        stagehand_contract::metrics::mean_and_std(self.measured()).0
     }
 
     /// Sample standard deviation (0 with fewer than two values).
     pub fn std(&self) -> f64 {
-        stagehand_contract::metrics::mean_and_std(&self.values).1
+        stagehand_contract::metrics::mean_and_std(self.measured()).1
     }
 }
 
@@ -102,8 +115,12 @@ mod tests {
     fn throughput_statistics() {
         let mut t = Throughput::default();
         assert_eq!((t.mean(), t.std()), (0.0, 0.0));
+        // Only profiled iterations so far: they are all there is to measure.
+        t.push(3.0, true);
+        t.push(5.0, true);
+        assert_eq!((t.mean(), t.std()), (4.0, 2f64.sqrt()));
         for v in [10.0, 12.0, 14.0] {
-            t.push(v);
+            t.push(v, false);
         }
         assert_eq!(t.mean(), 12.0);
         assert_eq!(t.std(), 2.0);

@@ -7,8 +7,10 @@
 //! trace of the same model.
 //!
 //! Recording costs time on every operator it records, and writing the trace stalls the rank (and
-//! its peers) between two iterations, so a run that writes a trace is not one to take throughput
-//! from; its `start` event says it wrote one (`config.profiler_trace`, `config.profiler_steps`).
+//! its peers, in the next iteration) between two iterations: those iterations' lines say
+//! `profiled` ([`ProfilerTrace::slows`]), and throughput statistics leave them out while other
+//! iterations remain. The `start` event says a trace is written (`config.profiler_trace`,
+//! `config.profiler_steps`).
 
 use std::ffi::{c_char, c_void, CStr, CString};
 use std::path::{Path, PathBuf};
@@ -135,6 +137,13 @@ impl ProfilerTrace {
         Ok(None)
     }
 
+    /// Whether PyTorch's profiler slows iteration `iteration`: it records it, or, being the first
+    /// after the recorded ones, its ranks wait on a trace being written (each rank writes its own
+    /// between two iterations, and its peers wait for it in the next one).
+    pub fn slows(&self, iteration: u64) -> bool {
+        (self.from..=self.until).contains(&iteration)
+    }
+
     /// Call when the run has ended: writes the trace if it still records (the run ended within
     /// the window), and says what became of it.
     pub fn finish(mut self) -> Result<Finished, String> {
@@ -214,6 +223,15 @@ mod tests {
             .err()
             .unwrap();
         assert!(err.starts_with("--profiler-trace: cannot create"), "{err}");
+    }
+
+    /// The recorded iterations and the one after, which waits on the trace being written.
+    #[test]
+    fn the_recorded_iterations_and_the_one_after_are_slowed() {
+        let dir = tempfile::tempdir().unwrap();
+        let trace = ProfilerTrace::create(dir.path().join("t.json"), false, 2, 3).unwrap();
+        let slowed: Vec<u64> = (0..10).filter(|&i| trace.slows(i)).collect();
+        assert_eq!(slowed, [2, 3, 4, 5]);
     }
 
     #[test]

@@ -273,10 +273,52 @@ fn the_profiler_trace_holds_each_iteration_after_the_warm_up() {
     parts.sort_by(|a, b| a.0.total_cmp(&b.0));
     let parts: Vec<&str> = parts.into_iter().map(|(_, name)| name).collect();
     assert_eq!(parts, ["forward", "backward", "step"].repeat(3));
-    // Without the flag nothing is written and the start event says none.
+    // The recorded iterations' lines say so; with no other after the warm-up, the summary's
+    // throughput is theirs.
+    let profiled = |run: &crate::util::Run| -> Vec<u64> {
+        run.iterations()
+            .iter()
+            .filter(|i| i.profiled)
+            .map(|i| i.iteration)
+            .collect()
+    };
+    let mean_of = |run: &crate::util::Run, measured: std::ops::Range<usize>| {
+        let rates: Vec<f64> = run.iterations()[measured]
+            .iter()
+            .map(|i| i.samples_per_sec)
+            .collect();
+        rates.iter().sum::<f64>() / rates.len() as f64
+    };
+    assert_eq!(profiled(&run), [1, 2, 3]);
+    let mean = mean_of(&run, 1..4);
+    assert!((run.summary().samples_per_sec_mean - mean).abs() < 1e-6 * mean);
+    // Two recorded, and the one after waits on the trace being written: the summary measures
+    // the iterations after those.
+    let two = dir.path().join("two.json");
+    let run = run_ok(
+        &[
+            &mlp[..],
+            &["--iterations", "7", "--warmup", "1", "--profiler-steps", "2"],
+            &["--profiler-trace", two.to_str().unwrap()],
+        ]
+        .concat(),
+    );
+    assert_eq!(
+        trace_steps(&trace_events(&two)),
+        ["ProfilerStep#1", "ProfilerStep#2"]
+    );
+    assert_eq!(profiled(&run), [1, 2, 3]);
+    let mean = mean_of(&run, 4..7);
+    assert!(
+        (run.summary().samples_per_sec_mean - mean).abs() < 1e-6 * mean,
+        "{} is not the mean of iterations 4 to 6, {mean}",
+        run.summary().samples_per_sec_mean
+    );
+    // Without the flag nothing is written, the start event says none, and no line is profiled.
     let plain = run_ok(&SHORT_MLP);
     assert_eq!(plain.start().config.profiler_trace, None);
     assert_eq!(plain.start().config.profiler_steps, None);
+    assert!(profiled(&plain).is_empty());
 
     // A path the run cannot write fails it before it trains.
     let blocker = dir.path().join("a-file");

@@ -141,6 +141,7 @@ fn main() {
             loss_scale: None,
             step_skipped: None,
             checkpointed: false,
+            profiled: false,
         };
         println!("{}", Event::Iteration(it).to_line());
         eprintln!("fake-rank {rank}: iteration {i} done");

@@ -29,7 +29,8 @@ pub struct Throughput {
     /// Sample standard deviation (n - 1) of samples/s over the measured iterations, as the
     /// runtime's summary reports it.
     pub samples_per_sec_std: f64,
-    /// Iterations measured (the first is left out as warm-up when there are several).
+    /// Iterations measured: the first is left out as warm-up, and those PyTorch's profiler
+    /// slowed (`profiled`), when any others remain.
     pub iterations_measured: usize,
 }
 
@@ -53,6 +54,8 @@ pub struct Stats {
     /// With fp16 (iterations that say whether their step was skipped): the skipped ones. Every
     /// rank skips the same steps, so an iteration counts once however many ranks report it.
     skipped: Option<BTreeSet<u64>>,
+    /// Iterations some rank said PyTorch's profiler slowed (`--profiler-trace`).
+    profiled: BTreeSet<u64>,
     /// The first iteration of each start of the ranks after a restart: a warm-up, as the run's
     /// first is.
     restarts_at: BTreeSet<u64>,
@@ -83,6 +86,9 @@ impl Stats {
                         set.insert(it.iteration);
                     }
                 }
+                if it.profiled {
+                    self.profiled.insert(it.iteration);
+                }
                 if self.is_last_stage(it.stage) {
                     let entry = self.per_iteration.entry(it.iteration).or_insert((0.0, 0));
                     entry.0 += it.samples_per_sec;
@@ -106,6 +112,7 @@ impl Stats {
         if let Some(skipped) = &mut self.skipped {
             skipped.split_off(&iteration);
         }
+        self.profiled.split_off(&iteration);
         self.restarts_at.split_off(&iteration);
         self.restarts_at.insert(iteration);
     }
@@ -139,7 +146,8 @@ impl Stats {
     }
 
     /// Mean and spread over complete iterations, leaving out the first, and the first of each
-    /// start after a restart, as warm-up when that leaves any.
+    /// start after a restart, as warm-up when that leaves any, and then the iterations the
+    /// profiler slowed when that leaves any.
     pub fn throughput(&self) -> Option<Throughput> {
         let need = self.last_stage_ranks();
         let complete: Vec<(u64, f64)> = self
@@ -148,16 +156,21 @@ impl Stats {
             .filter(|(_, (_, n))| *n >= need)
             .map(|(&i, (s, n))| (i, s / *n as f64))
             .collect();
-        let warm: Vec<f64> = complete
+        let warm: Vec<(u64, f64)> = complete
             .iter()
             .skip(1)
             .filter(|(i, _)| !self.restarts_at.contains(i))
+            .copied()
+            .collect();
+        let unprofiled: Vec<f64> = warm
+            .iter()
+            .filter(|(i, _)| !self.profiled.contains(i))
             .map(|&(_, rate)| rate)
             .collect();
-        let measured = match warm.is_empty() {
-            false => warm,
-            true => complete.iter().map(|&(_, rate)| rate).collect(),
-        };
+        let measured: Vec<f64> = [unprofiled, warm.iter().map(|&(_, rate)| rate).collect()]
+            .into_iter()
+            .find(|rates| !rates.is_empty())
+            .unwrap_or_else(|| complete.iter().map(|&(_, rate)| rate).collect());
         if measured.is_empty() {
             return None;
         }
@@ -228,6 +241,7 @@ mod tests {
             loss_scale: None,
             step_skipped: None,
             checkpointed: false,
+            profiled: false,
         })
     }
 
@@ -275,6 +289,48 @@ mod tests {
         // Measured: 1 from the first start, 3, 4 and 5 from the second; 0 and 2 warm up.
         assert_eq!(t.iterations_measured, 4, "{t:?}");
         assert!((t.samples_per_sec_mean - 17.5).abs() < 1e-9, "{t:?}");
+    }
+
+    /// Iterations a rank said the profiler slowed are left out of the throughput while others
+    /// remain; a run all of whose measured iterations were profiled still has a throughput.
+    #[test]
+    fn iterations_the_profiler_slowed_are_left_out_while_others_remain() {
+        let profiled = |i: u64, rank: usize, sps: f64| {
+            let Metrics::Iteration(mut line) = it(i, rank, 0, sps) else {
+                unreachable!()
+            };
+            line.profiled = true;
+            Metrics::Iteration(line)
+        };
+        let mut s = Stats::default();
+        s.record(&it(0, 0, 0, 1.0));
+        s.record(&it(0, 1, 0, 1.0));
+        // Iterations 1 and 2 traced, 3 waited on the trace being written; only rank 1 says so
+        // of 3 (rank 0 wrote its trace between its iterations).
+        for i in [1, 2] {
+            s.record(&profiled(i, 0, 4.0));
+            s.record(&profiled(i, 1, 4.0));
+        }
+        s.record(&it(3, 0, 0, 6.0));
+        s.record(&profiled(3, 1, 6.0));
+        let t = s.throughput().unwrap();
+        assert_eq!(
+            t.iterations_measured, 3,
+            "all but the warm-up, none being left: {t:?}"
+        );
+        assert!((t.samples_per_sec_mean - 14.0 / 3.0).abs() < 1e-9, "{t:?}");
+        for (i, sps) in [(4, 10.0), (5, 12.0)] {
+            s.record(&it(i, 0, 0, sps));
+            s.record(&it(i, 1, 0, sps));
+        }
+        let t = s.throughput().unwrap();
+        assert_eq!(t.iterations_measured, 2, "{t:?}");
+        assert!((t.samples_per_sec_mean - 11.0).abs() < 1e-9, "{t:?}");
+        assert_eq!(
+            s.iterations_done(),
+            6,
+            "profiled iterations are done all the same"
+        );
     }
 
     #[test]

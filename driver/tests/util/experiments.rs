@@ -516,6 +516,24 @@ pub fn check_traces_kept(h: &Harness, run: &Run) {
         "{}",
         run.stderr()
     );
+    // Each rank's lines of the traced iterations say the profiler slowed them; none being left
+    // after the warm-up, the record measures them.
+    let mut profiled = BTreeSet::new();
+    for line in lines(&dir.join("metrics.jsonl")) {
+        let event: Value = serde_json::from_str(&line).unwrap();
+        if event["event"] == "iteration" && event["profiled"] == true {
+            profiled.insert((
+                event["rank"].as_u64().unwrap(),
+                event["iteration"].as_u64().unwrap(),
+            ));
+        }
+    }
+    assert_eq!(
+        profiled,
+        BTreeSet::from([(0, 1), (0, 2), (1, 1), (1, 2)]),
+        "(rank, iteration) said profiled"
+    );
+    assert_eq!(summary["throughput"]["iterations_measured"], 2, "{summary}");
     for (rank, events) in assert_both_ranks_traced_steps_1_and_2(&dir).iter().enumerate() {
         let named = |name: &str| {
             events

@@ -790,8 +790,9 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
         let compute_s = report.timing.compute.as_secs_f64();
         let comm_wait_s = report.timing.comm.as_secs_f64();
         let samples_per_sec = batch as f64 / time_s;
+        let profiled = profiler.as_ref().is_some_and(|p| p.slows(report.iteration));
         if report.iteration >= config.warmup {
-            throughput.push(samples_per_sec);
+            throughput.push(samples_per_sec, profiled);
         }
         totals.0 += report.time;
         totals.1 += report.timing.compute;
@@ -841,6 +842,7 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
             loss_scale: report.scaler.map(|s| s.scale),
             step_skipped: report.scaler.map(|s| s.skipped),
             checkpointed: report.checkpointed,
+            profiled,
         }))?;
         if let Some(profiler) = profiler
             .as_mut()
