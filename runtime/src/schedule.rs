@@ -9,7 +9,7 @@
 //! flushes; `0..microbatches` per iteration for GPipe and 1F1B). At stage `s` with replica ranks
 //! `R_s`, microbatch `g` runs on replica `g % |R_s|` (PipeDream's round-robin).
 
-use std::collections::BTreeMap;
+use std::collections::{btree_map, BTreeMap};
 use std::fmt;
 
 use stagehand_contract::StagePlan;
@@ -114,6 +114,125 @@ pub fn validate(plan: &StagePlan, schedule: Schedule, microbatches: usize) -> Re
         }
     }
     Ok(())
+}
+
+/// Iterations a chunk of GPipe's or 1F1B's actions spans ([`RankActions`]).
+pub const CHUNK_ITERATIONS: usize = 64;
+
+/// One rank's actions over a run, handed out a chunk at a time, each chunk drained (every
+/// microbatch it starts ends in it, and it ends with a step), so that what a rank holds of its
+/// schedule is bounded by a chunk and not by the run's length. GPipe and 1F1B flush every
+/// iteration, so one iteration's list repeats with microbatch numbers shifted, `chunk`
+/// iterations a chunk. PipeDream runs one long stream, or, when it checkpoints, one stream per
+/// `segment` iterations (`--checkpoint-every`; the whole run without it), each drained at its
+/// end, so that a checkpoint, written only at those ends, holds no microbatch in flight and no
+/// stashed weights, and a resumed run replays the same streams: a chunk is a segment.
+#[derive(Debug, Clone)]
+pub struct RankActions {
+    microbatches: usize,
+    /// The first iteration of the next chunk.
+    next: usize,
+    /// One past the run's last iteration.
+    end: usize,
+    source: Source,
+}
+
+#[derive(Debug, Clone)]
+enum Source {
+    /// One iteration's list, from microbatch 0, and the iterations of a chunk.
+    Repeat { one: Vec<Action>, chunk: usize },
+    /// The segment's length, and this rank's list for each length of segment the run has (at
+    /// most three: a resumed run's first, the whole ones, the last), from microbatch 0, all
+    /// derived up front so that a plan a segment cannot run fails before training.
+    Segments {
+        segment: usize,
+        by_length: BTreeMap<usize, Vec<Action>>,
+    },
+}
+
+impl RankActions {
+    /// `rank`'s actions from iteration `first` to `iterations` of `plan` under `schedule`, with
+    /// `microbatches` per iteration; `segment` is PipeDream's (the whole run when `None`) and
+    /// `chunk` GPipe's and 1F1B's ([`CHUNK_ITERATIONS`] in a run).
+    pub fn new(
+        plan: &StagePlan,
+        schedule: Schedule,
+        rank: usize,
+        microbatches: usize,
+        (first, iterations): (usize, usize),
+        segment: Option<usize>,
+        chunk: usize,
+    ) -> Result<RankActions, ScheduleError> {
+        let source = match schedule {
+            Schedule::PipeDream => {
+                let segment = segment.unwrap_or(iterations).max(1);
+                // The first segment, the second (whole, or the last), and the last: every
+                // segment between them is whole.
+                let last = iterations.saturating_sub(1) / segment * segment;
+                let second = segment_end(first, segment, iterations);
+                let mut by_length = BTreeMap::new();
+                for start in [first, second, last] {
+                    if start < iterations && start >= first {
+                        let length = segment_end(start, segment, iterations) - start;
+                        if let btree_map::Entry::Vacant(slot) = by_length.entry(length) {
+                            let timeline = timeline(plan, schedule, microbatches * length)?;
+                            slot.insert(timeline.actions[rank].clone());
+                        }
+                    }
+                }
+                Source::Segments { segment, by_length }
+            }
+            Schedule::GPipe | Schedule::OneFOneB => Source::Repeat {
+                one: timeline(plan, schedule, microbatches)?.actions[rank].clone(),
+                chunk: chunk.max(1),
+            },
+        };
+        Ok(RankActions {
+            microbatches,
+            next: first.min(iterations),
+            end: iterations,
+            source,
+        })
+    }
+}
+
+/// Where the segment holding iteration `start` ends: at the next multiple of `segment`, or the
+/// run's end.
+fn segment_end(start: usize, segment: usize, iterations: usize) -> usize {
+    ((start / segment + 1) * segment).min(iterations)
+}
+
+impl Iterator for RankActions {
+    type Item = Vec<Action>;
+
+    /// The next chunk, microbatches numbered globally.
+    fn next(&mut self) -> Option<Vec<Action>> {
+        if self.next >= self.end {
+            return None;
+        }
+        let start = self.next;
+        let m = self.microbatches;
+        let shifted = |list: &[Action], shift: usize| -> Vec<Action> {
+            list.iter()
+                .map(|a| match *a {
+                    Action::Forward(g) => Action::Forward(g + shift),
+                    Action::Backward(g) => Action::Backward(g + shift),
+                    Action::Step => Action::Step,
+                })
+                .collect()
+        };
+        let chunk = match &self.source {
+            Source::Repeat { one, chunk } => {
+                self.next = (start + chunk).min(self.end);
+                (start..self.next).flat_map(|it| shifted(one, it * m)).collect()
+            }
+            Source::Segments { segment, by_length } => {
+                self.next = segment_end(start, *segment, self.end);
+                shifted(&by_length[&(self.next - start)], start * m)
+            }
+        };
+        Some(chunk)
+    }
 }
 
 /// Per-rank state during the simulation.

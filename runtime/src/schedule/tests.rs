@@ -222,3 +222,100 @@ fn plans_that_cannot_run_are_rejected_with_what_to_change() {
         Err(ScheduleError::ZeroDepth { stage: 1 })
     );
 }
+
+/// `list` with every microbatch number moved up by `shift`.
+fn shifted(list: &[Action], shift: usize) -> Vec<Action> {
+    list.iter()
+        .map(|a| match *a {
+            F(g) => F(g + shift),
+            B(g) => B(g + shift),
+            Step => Step,
+        })
+        .collect()
+}
+
+/// GPipe and 1F1B hand out one iteration's list repeated, `chunk` iterations a chunk, from the
+/// iteration a run resumes at.
+#[test]
+fn flushing_schedules_repeat_one_iteration_a_chunk_at_a_time() {
+    let p = plan(&[1, 2], None);
+    for schedule in [Schedule::GPipe, Schedule::OneFOneB] {
+        let one = timeline(&p, schedule, 4).unwrap();
+        for rank in 0..3 {
+            let chunks: Vec<Vec<Action>> = RankActions::new(&p, schedule, rank, 4, (3, 10), None, 3)
+                .unwrap()
+                .collect();
+            let lengths: Vec<usize> = chunks.iter().map(Vec::len).collect();
+            let per = one.actions[rank].len();
+            assert_eq!(
+                lengths,
+                [3 * per, 3 * per, per],
+                "{schedule} rank {rank}: 3, 3 and 1 iterations"
+            );
+            let whole: Vec<Action> = (3..10)
+                .flat_map(|it| shifted(&one.actions[rank], it * 4))
+                .collect();
+            assert_eq!(chunks.concat(), whole, "{schedule} rank {rank}");
+            assert!(
+                chunks.iter().all(|c| c.last() == Some(&Step)),
+                "each chunk ends with a step"
+            );
+        }
+    }
+}
+
+/// PipeDream hands out one drained stream per segment (the first one shorter when a run resumes
+/// mid-segment), the whole run as one without a segment.
+#[test]
+fn pipedream_hands_out_a_drained_stream_per_segment() {
+    let p = plan(&[1, 1, 1], None);
+    let m = 2;
+    for rank in 0..3 {
+        let stream = |from: usize, to: usize| {
+            let t = timeline(&p, Schedule::PipeDream, m * (to - from)).unwrap();
+            shifted(&t.actions[rank], from * m)
+        };
+        let segments: Vec<Vec<Action>> =
+            RankActions::new(&p, Schedule::PipeDream, rank, m, (3, 14), Some(4), 1)
+                .unwrap()
+                .collect();
+        let expected = [stream(3, 4), stream(4, 8), stream(8, 12), stream(12, 14)];
+        assert_eq!(segments, expected, "rank {rank}");
+        let whole: Vec<Vec<Action>> = RankActions::new(&p, Schedule::PipeDream, rank, m, (0, 7), None, 1)
+            .unwrap()
+            .collect();
+        assert_eq!(whole, [stream(0, 7)], "rank {rank}");
+    }
+    let done: Vec<Vec<Action>> = RankActions::new(&p, Schedule::PipeDream, 0, m, (7, 7), Some(4), 1)
+        .unwrap()
+        .collect();
+    assert!(done.is_empty(), "a run resumed at its end has nothing left to do");
+}
+
+/// What a rank holds of its schedule is bounded by a chunk (or a segment), not by the run: a
+/// run of a billion iterations starts at once.
+#[test]
+fn a_long_run_derives_its_actions_as_it_goes() {
+    let p = plan(&[1, 2], None);
+    let iterations = 1_000_000_000;
+    for (schedule, segment) in [(Schedule::OneFOneB, None), (Schedule::PipeDream, Some(5))] {
+        let mut actions =
+            RankActions::new(&p, schedule, 1, 4, (2, iterations), segment, CHUNK_ITERATIONS).unwrap();
+        let first = actions.next().unwrap();
+        let iterations_in = |chunk: &[Action]| {
+            let forwards: Vec<usize> = chunk
+                .iter()
+                .filter_map(|a| match a {
+                    F(g) => Some(g / 4),
+                    _ => None,
+                })
+                .collect();
+            (forwards[0], *forwards.last().unwrap())
+        };
+        let expected = match schedule {
+            Schedule::PipeDream => (2, 4),
+            _ => (2, 2 + CHUNK_ITERATIONS - 1),
+        };
+        assert_eq!(iterations_in(&first), expected, "{schedule}");
+    }
+}

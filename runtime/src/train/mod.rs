@@ -27,7 +27,7 @@ use crate::pipeline::{
     TensorSpec,
 };
 use crate::profiler_trace::{self, Finished, ProfilerTrace};
-use crate::schedule::{self, Action, Schedule};
+use crate::schedule::{self, RankActions, Schedule};
 use crate::stage::checkpoint::{self, Identity, Latest};
 use crate::stage::{GradScaler, Optimizer, Stage};
 
@@ -41,11 +41,7 @@ fn stage_plan(dist: &DistConfig, num_modules: usize) -> anyhow::Result<StagePlan
     }
 }
 
-/// This rank's actions over the whole run. GPipe and 1F1B flush every iteration, so one
-/// iteration's list repeats with microbatch numbers shifted; PipeDream runs one long stream, or,
-/// when it checkpoints, one stream per `segment` iterations (`--checkpoint-every`; the whole run
-/// without it), each drained at its end, so that a checkpoint, written only at those ends, holds
-/// no microbatch in flight and no stashed weights, and a resumed run replays the same streams.
+/// This rank's actions from iteration `first` on, a chunk at a time ([`RankActions`]).
 fn rank_actions(
     plan: &StagePlan,
     dist: &DistConfig,
@@ -53,36 +49,16 @@ fn rank_actions(
     iterations: u64,
     first: u64,
     segment: Option<u64>,
-) -> anyhow::Result<Vec<Action>> {
-    let (iterations, first) = (iterations as usize, first as usize);
-    if dist.schedule == Schedule::PipeDream {
-        let segment = segment.map_or(iterations.max(1), |s| s as usize);
-        let mut actions = Vec::new();
-        let mut start = first;
-        while start < iterations {
-            let end = ((start / segment + 1) * segment).min(iterations);
-            let timeline = schedule::timeline(plan, dist.schedule, microbatches * (end - start))?;
-            let shift = start * microbatches;
-            actions.extend(timeline.actions[dist.rank].iter().map(|a| match *a {
-                Action::Forward(g) => Action::Forward(g + shift),
-                Action::Backward(g) => Action::Backward(g + shift),
-                Action::Step => Action::Step,
-            }));
-            start = end;
-        }
-        return Ok(actions);
-    }
-    let one = schedule::timeline(plan, dist.schedule, microbatches)?;
-    let mine = &one.actions[dist.rank];
-    Ok((first..iterations)
-        .flat_map(|it| {
-            mine.iter().map(move |a| match *a {
-                Action::Forward(g) => Action::Forward(g + it * microbatches),
-                Action::Backward(g) => Action::Backward(g + it * microbatches),
-                Action::Step => Action::Step,
-            })
-        })
-        .collect())
+) -> anyhow::Result<RankActions> {
+    Ok(RankActions::new(
+        plan,
+        dist.schedule,
+        dist.rank,
+        microbatches,
+        (first as usize, iterations as usize),
+        segment.map(|s| s as usize),
+        schedule::CHUNK_ITERATIONS,
+    )?)
 }
 
 /// The iterations done of the checkpoint every rank resumes from: the newest one every rank
@@ -332,7 +308,7 @@ struct Checked {
     model: ModelDef,
     plan: StagePlan,
     microbatches: usize,
-    actions: Vec<Action>,
+    actions: RankActions,
     /// The checkpoint to resume from (`--resume`).
     resume: Option<Latest>,
     identity: Identity,
@@ -785,7 +761,7 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
     if let Some(profiler) = profiler.as_mut() {
         profiler.before_iteration(first).map_err(anyhow::Error::msg)?;
     }
-    executor.run(&actions, |report| {
+    executor.run(actions, |report| {
         let time_s = report.time.as_secs_f64();
         let compute_s = report.timing.compute.as_secs_f64();
         let comm_wait_s = report.timing.comm.as_secs_f64();

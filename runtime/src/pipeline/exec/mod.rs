@@ -597,31 +597,25 @@ impl Executor {
         Ok(())
     }
 
-    /// Runs `actions` (this rank's list over all iterations), calling `report` as each iteration
+    /// Runs `actions` (this rank's over the run, a drained chunk at a time: every microbatch a
+    /// chunk starts ends in it, and it ends with a step), calling `report` as each iteration
     /// completes on this rank.
     pub fn run(
         &mut self,
-        actions: &[Action],
+        actions: impl IntoIterator<Item = Vec<Action>>,
         mut report: impl FnMut(IterationReport) -> anyhow::Result<()>,
     ) -> anyhow::Result<()> {
-        let stash_needed = wire::stash_needed(actions);
-        let last_backwards: HashSet<usize> = last_backwards(actions);
-        // This rank's last local microbatch of each iteration: the iteration ends with the step after its backward.
-        let mut last_of_iteration: HashMap<usize, usize> = HashMap::new();
-        for a in actions {
-            if let Action::Forward(g) = a {
-                last_of_iteration.insert(g / self.microbatches, *g);
-            }
-        }
-        let program = self.route().program(actions);
+        let mut chunks = actions.into_iter().peekable();
         let mut progress = Progress::default();
         if self.cuda_graph {
             let Device::Cuda(index) = self.device else {
                 bail!("--cuda-graph needs a CUDA device");
             };
-            let first = actions.iter().find_map(|a| match a {
-                Action::Forward(g) => Some(g / self.microbatches),
-                _ => None,
+            let first = chunks.peek().and_then(|chunk| {
+                chunk.iter().find_map(|a| match a {
+                    Action::Forward(g) => Some(g / self.microbatches),
+                    _ => None,
+                })
             });
             progress.graph = Some(StepGraph {
                 graph: Graph::new(index).map_err(|e| anyhow::anyhow!("--cuda-graph: {e}"))?,
@@ -640,96 +634,108 @@ impl Executor {
         // The vote of the last iteration's end, still in flight (see `start_stop_vote`).
         let mut vote: Option<StopVote> = None;
         let drains_every_iteration = self.schedule != Schedule::PipeDream || self.num_stages() == 1;
-        for op in program {
-            match op {
-                Op::Recv(transfer) => self.post_recv(&mut progress, transfer)?,
-                Op::Send(transfer) => self.send(&mut progress, transfer)?,
-                Op::Run(Action::Forward(g)) => {
-                    if g.is_multiple_of(self.microbatches) {
-                        self.start_graphed_iteration(&mut progress, g / self.microbatches)?;
-                    }
-                    if !progress.replayed() {
-                        self.forward(&mut progress, g, stash_needed.contains(&g))?;
-                    }
+        for chunk in chunks {
+            let stash_needed = wire::stash_needed(&chunk);
+            let last_backwards: HashSet<usize> = last_backwards(&chunk);
+            // This rank's last local microbatch of each iteration: the iteration ends with the step after its backward.
+            let mut last_of_iteration: HashMap<usize, usize> = HashMap::new();
+            for a in &chunk {
+                if let Action::Forward(g) = a {
+                    last_of_iteration.insert(g / self.microbatches, *g);
                 }
-                Op::Run(Action::Backward(g)) => {
-                    if !progress.replayed() {
-                        self.backward(&mut progress, g, last_backwards.contains(&g))?;
-                    }
-                    let iteration = g / self.microbatches;
-                    // The step that follows belongs to this backward's iteration.
-                    self.optimizer.set_lr(self.lr.at(iteration as u64));
-                    if last_of_iteration[&iteration] == g {
-                        pending_end = Some(iteration);
-                    }
-                }
-                Op::Run(Action::Step) => {
-                    match progress.replayed() {
-                        true => self.optimizer.count_replayed_step(),
-                        false => self.step(&mut progress)?,
-                    }
-                    if let Some(iteration) = pending_end.take() {
-                        self.end_graphed_iteration(&mut progress, iteration)?;
-                        // A checkpointing run stops where any rank was asked to: every rank
-                        // learns it at the same iteration's end.
-                        if self.checkpoint.is_some() {
-                            if let Some(previous) = vote.take() {
-                                stopping |= previous.outcome()?;
-                            }
-                            if !stopping {
-                                vote = Some(self.start_stop_vote()?);
-                            }
+            }
+            let program = self.route().program(&chunk);
+            for op in program {
+                match op {
+                    Op::Recv(transfer) => self.post_recv(&mut progress, transfer)?,
+                    Op::Send(transfer) => self.send(&mut progress, transfer)?,
+                    Op::Run(Action::Forward(g)) => {
+                        if g.is_multiple_of(self.microbatches) {
+                            self.start_graphed_iteration(&mut progress, g / self.microbatches)?;
                         }
-                        let loss = self.take_loss(&mut progress)?;
-                        let time = started.elapsed();
-                        let traces = std::mem::take(&mut progress.traces);
-                        let p2p = self.links.channels.as_ref().map(Channels::take_log);
-                        // The checkpoint is written before the iteration's line, which says so:
-                        // a driver that restarts the ranks resumes only from checkpoints it saw
-                        // written whole.
-                        let done = iteration as u64 + 1;
-                        let (checkpointed, stop) = match &mut self.checkpoint {
-                            Some(c) => {
-                                let due = c.config.due(done, c.total);
-                                let stop = stopping && (drains_every_iteration || due);
-                                if stop || due {
-                                    checkpoint::save(
-                                        &c.config.dir,
-                                        &c.identity,
-                                        done,
-                                        c.kept,
-                                        &self.stage,
-                                        &self.optimizer,
-                                        self.scaler.as_ref(),
-                                    )
-                                    .map_err(anyhow::Error::msg)?;
-                                    c.kept = Some(done);
+                        if !progress.replayed() {
+                            self.forward(&mut progress, g, stash_needed.contains(&g))?;
+                        }
+                    }
+                    Op::Run(Action::Backward(g)) => {
+                        if !progress.replayed() {
+                            self.backward(&mut progress, g, last_backwards.contains(&g))?;
+                        }
+                        let iteration = g / self.microbatches;
+                        // The step that follows belongs to this backward's iteration.
+                        self.optimizer.set_lr(self.lr.at(iteration as u64));
+                        if last_of_iteration[&iteration] == g {
+                            pending_end = Some(iteration);
+                        }
+                    }
+                    Op::Run(Action::Step) => {
+                        match progress.replayed() {
+                            true => self.optimizer.count_replayed_step(),
+                            false => self.step(&mut progress)?,
+                        }
+                        if let Some(iteration) = pending_end.take() {
+                            self.end_graphed_iteration(&mut progress, iteration)?;
+                            // A checkpointing run stops where any rank was asked to: every rank
+                            // learns it at the same iteration's end.
+                            if self.checkpoint.is_some() {
+                                if let Some(previous) = vote.take() {
+                                    stopping |= previous.outcome()?;
                                 }
-                                (stop || due, stop && done < c.total)
+                                if !stopping {
+                                    vote = Some(self.start_stop_vote()?);
+                                }
                             }
-                            None => (false, false),
-                        };
-                        report(IterationReport {
-                            lr: self.lr.at(iteration as u64),
-                            iteration: iteration as u64,
-                            time,
-                            timing: progress.timing,
-                            loss,
-                            traces,
-                            p2p: p2p.filter(|_| self.trace).unwrap_or_default(),
-                            group: progress.group.take(),
-                            scaler: self.scaler.as_ref().map(GradScaler::report),
-                            checkpointed,
-                        })?;
-                        if let (true, Some(c)) = (stop, &self.checkpoint) {
-                            return Err(Stopped {
-                                iterations_done: done,
-                                dir: checkpoint::rank_dir(&c.config.dir, self.rank),
+                            let loss = self.take_loss(&mut progress)?;
+                            let time = started.elapsed();
+                            let traces = std::mem::take(&mut progress.traces);
+                            let p2p = self.links.channels.as_ref().map(Channels::take_log);
+                            // The checkpoint is written before the iteration's line, which says so:
+                            // a driver that restarts the ranks resumes only from checkpoints it saw
+                            // written whole.
+                            let done = iteration as u64 + 1;
+                            let (checkpointed, stop) = match &mut self.checkpoint {
+                                Some(c) => {
+                                    let due = c.config.due(done, c.total);
+                                    let stop = stopping && (drains_every_iteration || due);
+                                    if stop || due {
+                                        checkpoint::save(
+                                            &c.config.dir,
+                                            &c.identity,
+                                            done,
+                                            c.kept,
+                                            &self.stage,
+                                            &self.optimizer,
+                                            self.scaler.as_ref(),
+                                        )
+                                        .map_err(anyhow::Error::msg)?;
+                                        c.kept = Some(done);
+                                    }
+                                    (stop || due, stop && done < c.total)
+                                }
+                                None => (false, false),
+                            };
+                            report(IterationReport {
+                                lr: self.lr.at(iteration as u64),
+                                iteration: iteration as u64,
+                                time,
+                                timing: progress.timing,
+                                loss,
+                                traces,
+                                p2p: p2p.filter(|_| self.trace).unwrap_or_default(),
+                                group: progress.group.take(),
+                                scaler: self.scaler.as_ref().map(GradScaler::report),
+                                checkpointed,
+                            })?;
+                            if let (true, Some(c)) = (stop, &self.checkpoint) {
+                                return Err(Stopped {
+                                    iterations_done: done,
+                                    dir: checkpoint::rank_dir(&c.config.dir, self.rank),
+                                }
+                                .into());
                             }
-                            .into());
+                            progress.timing = Timing::default();
+                            started = Instant::now();
                         }
-                        progress.timing = Timing::default();
-                        started = Instant::now();
                     }
                 }
             }

@@ -9,33 +9,39 @@ use stagehand_contract::{Channel, P2pOp, StagePlan};
 
 use super::*;
 use crate::schedule::tests::plan;
-use crate::schedule::{timeline, validate, Schedule};
+use crate::schedule::{validate, RankActions, Schedule};
 use Action::{Backward as B, Forward as F, Step};
 use Message::{Activation as A, Gradient as G, Target as T};
 
-/// Every rank's actions over `iterations`, as the runtime derives them: GPipe and 1F1B repeat
-/// one iteration's lists with shifted microbatches, PipeDream runs one long stream.
+/// Every rank's actions over `iterations`, as the runtime derives them ([`RankActions`]): GPipe
+/// and 1F1B repeat one iteration's lists with shifted microbatches, PipeDream runs one long
+/// stream; whole, in one chunk.
 fn run_actions(
     p: &StagePlan,
     schedule: Schedule,
     microbatches: usize,
     iterations: usize,
 ) -> Vec<Vec<Action>> {
-    if schedule == Schedule::PipeDream {
-        return timeline(p, schedule, microbatches * iterations).unwrap().actions;
-    }
-    let one = timeline(p, schedule, microbatches).unwrap();
-    one.actions
-        .iter()
-        .map(|mine| {
-            (0..iterations)
-                .flat_map(|it| {
-                    mine.iter().map(move |a| match *a {
-                        F(g) => F(g + it * microbatches),
-                        B(g) => B(g + it * microbatches),
-                        Step => Step,
-                    })
-                })
+    run_chunks(p, schedule, microbatches, iterations, None, iterations)
+        .into_iter()
+        .map(|chunks| chunks.concat())
+        .collect()
+}
+
+/// Every rank's chunks of actions: PipeDream's segments of `segment` iterations, GPipe's and
+/// 1F1B's chunks of `chunk`.
+fn run_chunks(
+    p: &StagePlan,
+    schedule: Schedule,
+    microbatches: usize,
+    iterations: usize,
+    segment: Option<usize>,
+    chunk: usize,
+) -> Vec<Vec<Vec<Action>>> {
+    (0..p.world_size)
+        .map(|rank| {
+            RankActions::new(p, schedule, rank, microbatches, (0, iterations), segment, chunk)
+                .unwrap()
                 .collect()
         })
         .collect()
@@ -365,6 +371,36 @@ fn every_plan_completes_when_operations_match_by_issue_order() {
                 let items = all_items(&p, schedule, microbatches, 2);
                 if let Err(stuck) = run_fifo(&p, &items, Message::channel) {
                     panic!("{name} {schedule} m={microbatches}: {stuck}");
+                }
+            }
+        }
+    }
+}
+
+/// The executor runs a program per chunk (a drained stretch of iterations), so a receive of the
+/// next chunk's first forward is posted only once that chunk starts: every plan still completes,
+/// with chunks of one iteration and PipeDream's segments of one.
+#[test]
+fn every_plan_completes_run_a_chunk_at_a_time() {
+    for (p, name) in plans() {
+        for schedule in SCHEDULES {
+            for microbatches in 1..=4 {
+                if validate(&p, schedule, microbatches).is_err() {
+                    continue;
+                }
+                let chunks = run_chunks(&p, schedule, microbatches, 3, Some(1), 1);
+                let items: Vec<Vec<Item>> = chunks
+                    .iter()
+                    .enumerate()
+                    .map(|(rank, chunks)| {
+                        assert_eq!(chunks.len(), 3, "{name} {schedule}: one chunk an iteration");
+                        let route = Route::new(&p, p.stage_of_rank(rank).id, microbatches);
+                        let program = chunks.iter().flat_map(|c| route.program(c)).collect();
+                        items(&route, program)
+                    })
+                    .collect();
+                if let Err(stuck) = run_fifo(&p, &items, Message::channel) {
+                    panic!("{name} {schedule} m={microbatches}, a chunk an iteration: {stuck}");
                 }
             }
         }
