@@ -48,6 +48,18 @@ pub enum Action {
     Step,
 }
 
+impl Action {
+    /// The same action on the microbatch `by` further on (a later iteration's, or a later
+    /// segment's, of a list derived from microbatch 0).
+    pub fn shifted(self, by: usize) -> Action {
+        match self {
+            Action::Forward(g) => Action::Forward(g + by),
+            Action::Backward(g) => Action::Backward(g + by),
+            Action::Step => Action::Step,
+        }
+    }
+}
+
 /// A plan that cannot be scheduled; the message says what to change.
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum ScheduleError {
@@ -212,23 +224,17 @@ impl Iterator for RankActions {
         }
         let start = self.next;
         let m = self.microbatches;
-        let shifted = |list: &[Action], shift: usize| -> Vec<Action> {
-            list.iter()
-                .map(|a| match *a {
-                    Action::Forward(g) => Action::Forward(g + shift),
-                    Action::Backward(g) => Action::Backward(g + shift),
-                    Action::Step => Action::Step,
-                })
-                .collect()
-        };
         let chunk = match &self.source {
             Source::Repeat { one, chunk } => {
                 self.next = (start + chunk).min(self.end);
-                (start..self.next).flat_map(|it| shifted(one, it * m)).collect()
+                (start..self.next)
+                    .flat_map(|it| one.iter().map(move |a| a.shifted(it * m)))
+                    .collect()
             }
             Source::Segments { segment, by_length } => {
                 self.next = segment_end(start, *segment, self.end);
-                shifted(&by_length[&(self.next - start)], start * m)
+                let list = &by_length[&(self.next - start)];
+                list.iter().map(|a| a.shifted(start * m)).collect()
             }
         };
         Some(chunk)

@@ -225,13 +225,7 @@ fn plans_that_cannot_run_are_rejected_with_what_to_change() {
 
 /// `list` with every microbatch number moved up by `shift`.
 fn shifted(list: &[Action], shift: usize) -> Vec<Action> {
-    list.iter()
-        .map(|a| match *a {
-            F(g) => F(g + shift),
-            B(g) => B(g + shift),
-            Step => Step,
-        })
-        .collect()
+    list.iter().map(|a| a.shifted(shift)).collect()
 }
 
 /// GPipe and 1F1B hand out one iteration's list repeated, `chunk` iterations a chunk, from the

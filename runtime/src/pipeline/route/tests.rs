@@ -113,6 +113,26 @@ fn all_items(p: &StagePlan, schedule: Schedule, microbatches: usize, iterations:
     })
 }
 
+/// Every rank's items for a plan run `iterations` chunks of one iteration each, a program per
+/// chunk.
+fn chunked_items(
+    p: &StagePlan,
+    schedule: Schedule,
+    microbatches: usize,
+    iterations: usize,
+) -> Vec<Vec<Item>> {
+    run_chunks(p, schedule, microbatches, iterations, Some(1), 1)
+        .iter()
+        .enumerate()
+        .map(|(rank, chunks)| {
+            assert_eq!(chunks.len(), iterations, "{schedule}: one chunk an iteration");
+            let route = Route::new(p, p.stage_of_rank(rank).id, microbatches);
+            let program = chunks.iter().flat_map(|c| route.program(c)).collect();
+            items(&route, program)
+        })
+        .collect()
+}
+
 /// Per (channel, sender, receiver): the messages the sender sends and the receiver receives.
 type Sides = BTreeMap<(Channel, usize, usize), (Vec<Message>, Vec<Message>)>;
 
@@ -360,6 +380,9 @@ fn on_every_channel_sends_and_receives_between_two_ranks_come_in_one_order() {
     assert!(checked > 80, "only {checked} combinations were valid");
 }
 
+/// Whole, and as the executor runs it, a program per chunk (a drained stretch of iterations:
+/// a receive of the next chunk's first forward is posted only once that chunk starts), with
+/// chunks of one iteration and PipeDream's segments of one.
 #[test]
 fn every_plan_completes_when_operations_match_by_issue_order() {
     for (p, name) in plans() {
@@ -372,33 +395,7 @@ fn every_plan_completes_when_operations_match_by_issue_order() {
                 if let Err(stuck) = run_fifo(&p, &items, Message::channel) {
                     panic!("{name} {schedule} m={microbatches}: {stuck}");
                 }
-            }
-        }
-    }
-}
-
-/// The executor runs a program per chunk (a drained stretch of iterations), so a receive of the
-/// next chunk's first forward is posted only once that chunk starts: every plan still completes,
-/// with chunks of one iteration and PipeDream's segments of one.
-#[test]
-fn every_plan_completes_run_a_chunk_at_a_time() {
-    for (p, name) in plans() {
-        for schedule in SCHEDULES {
-            for microbatches in 1..=4 {
-                if validate(&p, schedule, microbatches).is_err() {
-                    continue;
-                }
-                let chunks = run_chunks(&p, schedule, microbatches, 3, Some(1), 1);
-                let items: Vec<Vec<Item>> = chunks
-                    .iter()
-                    .enumerate()
-                    .map(|(rank, chunks)| {
-                        assert_eq!(chunks.len(), 3, "{name} {schedule}: one chunk an iteration");
-                        let route = Route::new(&p, p.stage_of_rank(rank).id, microbatches);
-                        let program = chunks.iter().flat_map(|c| route.program(c)).collect();
-                        items(&route, program)
-                    })
-                    .collect();
+                let items = chunked_items(&p, schedule, microbatches, 3);
                 if let Err(stuck) = run_fifo(&p, &items, Message::channel) {
                     panic!("{name} {schedule} m={microbatches}, a chunk an iteration: {stuck}");
                 }
