@@ -1,15 +1,18 @@
 //! Pipeline schedules as per-rank action lists.
 //!
-//! Every rank derives the lists of *all* ranks by simulating the whole pipeline in unit time
-//! steps under the schedule's policy, then runs its own list in order. Since the simulation ran
-//! every list to completion respecting each action's inputs, running them for real with blocking
-//! receives cannot deadlock; a plan that could is rejected before any process talks to another.
+//! Every rank derives its list by simulating the whole pipeline, every rank of it, in unit time
+//! steps under the schedule's policy, then runs its own list in order. Since the simulation runs
+//! every list respecting each action's inputs, running them for real with blocking receives
+//! cannot deadlock. GPipe and 1F1B simulate one iteration before training and repeat it;
+//! PipeDream's stream is simulated as the rank runs it, a chunk ahead ([`RankActions`]), holding
+//! only what is in flight. Plans a schedule cannot run are rejected by [`validate`] before any
+//! process talks to another; a simulation that finds itself stuck is an internal error.
 //!
 //! Microbatches are numbered globally (`0..iterations * microbatches` for PipeDream, which never
 //! flushes; `0..microbatches` per iteration for GPipe and 1F1B). At stage `s` with replica ranks
 //! `R_s`, microbatch `g` runs on replica `g % |R_s|` (PipeDream's round-robin).
 
-use std::collections::{btree_map, BTreeMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::fmt;
 
 use stagehand_contract::StagePlan;
@@ -128,44 +131,87 @@ pub fn validate(plan: &StagePlan, schedule: Schedule, microbatches: usize) -> Re
     Ok(())
 }
 
-/// Iterations a chunk of GPipe's or 1F1B's actions spans ([`RankActions`]).
+/// Iterations a chunk spans ([`RankActions`]): GPipe's and 1F1B's exactly; a PipeDream chunk
+/// holds that many iterations' forwards of the rank (fewer at a segment's end).
 pub const CHUNK_ITERATIONS: usize = 64;
 
-/// One rank's actions over a run, handed out a chunk at a time, each chunk drained (every
-/// microbatch it starts ends in it, and it ends with a step), so that what a rank holds of its
-/// schedule is bounded by a chunk and not by the run's length. GPipe and 1F1B flush every
-/// iteration, so one iteration's list repeats with microbatch numbers shifted, `chunk`
-/// iterations a chunk. PipeDream runs one long stream, or, when it checkpoints, one stream per
-/// `segment` iterations (`--checkpoint-every`; the whole run without it), each drained at its
-/// end, so that a checkpoint, written only at those ends, holds no microbatch in flight and no
-/// stashed weights, and a resumed run replays the same streams: a chunk is a segment.
+/// A stretch of one rank's actions, as the executor runs them.
+///
+/// A chunk ends right after a forward, or where its stream drains (every microbatch it started
+/// ended, and a step came last). So a backward is never parted from the step after it, and
+/// the route's program (`Route::program` in the pipeline) run chunk by chunk issues the same
+/// operations in the same order as over the whole stream: the receives of the next chunk's
+/// first forward, posted as that chunk starts, would have been posted right after this chunk's
+/// last forward.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Chunk {
+    pub actions: Vec<Action>,
+    /// The chunk's forwards whose backward comes after a step of this rank (in this chunk or a
+    /// later one): they keep the weights they ran with for their backward (weight stashing).
+    pub stashed: BTreeSet<usize>,
+}
+
+impl Chunk {
+    /// A chunk of a drained list: every microbatch it starts ends in it.
+    fn drained(actions: Vec<Action>) -> Chunk {
+        let stashed = stashed(&actions);
+        Chunk { actions, stashed }
+    }
+}
+
+/// The forwards of a drained list whose microbatch is open (forward run, backward not yet) at a
+/// step.
+pub fn stashed(actions: &[Action]) -> BTreeSet<usize> {
+    let mut open = BTreeSet::new();
+    let mut stashed = BTreeSet::new();
+    for action in actions {
+        match action {
+            Action::Forward(g) => drop(open.insert(*g)),
+            Action::Backward(g) => drop(open.remove(g)),
+            Action::Step => stashed.extend(open.iter().copied()),
+        }
+    }
+    stashed
+}
+
+/// One rank's actions over a run, handed out a [`Chunk`] at a time as they are derived, so that
+/// what a rank holds of its schedule is bounded by a chunk and not by the run's length.
+///
+/// GPipe and 1F1B flush every iteration, so one iteration's list repeats with microbatch numbers
+/// shifted, `chunk` iterations a chunk. PipeDream runs one long stream, or, when it checkpoints,
+/// one stream per `segment` iterations (`--checkpoint-every`), each drained at its end, so that a
+/// checkpoint, written only at those ends, holds no microbatch in flight and no stashed weights,
+/// and a resumed run replays the same streams. A stream is simulated as it is handed out and cut
+/// into chunks of about `chunk` iterations.
 #[derive(Debug, Clone)]
 pub struct RankActions {
     microbatches: usize,
-    /// The first iteration of the next chunk.
+    /// The first iteration of the next chunk (or segment).
     next: usize,
     /// One past the run's last iteration.
     end: usize,
+    chunk: usize,
     source: Source,
 }
 
 #[derive(Debug, Clone)]
 enum Source {
-    /// One iteration's list, from microbatch 0, and the iterations of a chunk.
-    Repeat { one: Vec<Action>, chunk: usize },
-    /// The segment's length, and this rank's list for each length of segment the run has (at
-    /// most three: a resumed run's first, the whole ones, the last), from microbatch 0, all
-    /// derived up front so that a plan a segment cannot run fails before training.
+    /// One iteration's list, from microbatch 0.
+    Repeat(Vec<Action>),
+    /// PipeDream's stream of the current segment (none before the first and after the last),
+    /// and the segment's length (the whole run when it does not checkpoint).
     Segments {
+        plan: StagePlan,
+        rank: usize,
         segment: usize,
-        by_length: BTreeMap<usize, Vec<Action>>,
+        stream: Option<Box<Stream>>,
     },
 }
 
 impl RankActions {
     /// `rank`'s actions from iteration `first` to `iterations` of `plan` under `schedule`, with
-    /// `microbatches` per iteration; `segment` is PipeDream's (the whole run when `None`) and
-    /// `chunk` GPipe's and 1F1B's ([`CHUNK_ITERATIONS`] in a run).
+    /// `microbatches` per iteration; `segment` is PipeDream's (the whole run when `None`), and
+    /// `chunk` the iterations a chunk spans ([`CHUNK_ITERATIONS`] in a run).
     pub fn new(
         plan: &StagePlan,
         schedule: Schedule,
@@ -176,33 +222,21 @@ impl RankActions {
         chunk: usize,
     ) -> Result<RankActions, ScheduleError> {
         let source = match schedule {
-            Schedule::PipeDream => {
-                let segment = segment.unwrap_or(iterations).max(1);
-                // The first segment, the second (whole, or the last), and the last: every
-                // segment between them is whole.
-                let last = iterations.saturating_sub(1) / segment * segment;
-                let second = segment_end(first, segment, iterations);
-                let mut by_length = BTreeMap::new();
-                for start in [first, second, last] {
-                    if start < iterations && start >= first {
-                        let length = segment_end(start, segment, iterations) - start;
-                        if let btree_map::Entry::Vacant(slot) = by_length.entry(length) {
-                            let timeline = timeline(plan, schedule, microbatches * length)?;
-                            slot.insert(timeline.actions[rank].clone());
-                        }
-                    }
-                }
-                Source::Segments { segment, by_length }
-            }
-            Schedule::GPipe | Schedule::OneFOneB => Source::Repeat {
-                one: timeline(plan, schedule, microbatches)?.actions[rank].clone(),
-                chunk: chunk.max(1),
+            Schedule::PipeDream => Source::Segments {
+                plan: plan.clone(),
+                rank,
+                segment: segment.unwrap_or(iterations).max(1),
+                stream: None,
             },
+            Schedule::GPipe | Schedule::OneFOneB => {
+                Source::Repeat(timeline(plan, schedule, microbatches)?.actions[rank].clone())
+            }
         };
         Ok(RankActions {
             microbatches,
             next: first.min(iterations),
             end: iterations,
+            chunk: chunk.max(1),
             source,
         })
     }
@@ -215,103 +249,261 @@ fn segment_end(start: usize, segment: usize, iterations: usize) -> usize {
 }
 
 impl Iterator for RankActions {
-    type Item = Vec<Action>;
+    type Item = Result<Chunk, ScheduleError>;
 
-    /// The next chunk, microbatches numbered globally.
-    fn next(&mut self) -> Option<Vec<Action>> {
-        if self.next >= self.end {
-            return None;
-        }
-        let start = self.next;
+    /// The next chunk, microbatches numbered globally; an error (and nothing after it) where the
+    /// simulation finds the schedule stuck.
+    fn next(&mut self) -> Option<Self::Item> {
         let m = self.microbatches;
-        let chunk = match &self.source {
-            Source::Repeat { one, chunk } => {
-                self.next = (start + chunk).min(self.end);
-                (start..self.next)
+        match &mut self.source {
+            Source::Repeat(one) => {
+                if self.next >= self.end {
+                    return None;
+                }
+                let start = self.next;
+                self.next = (start + self.chunk).min(self.end);
+                let actions = (start..self.next)
                     .flat_map(|it| one.iter().map(move |a| a.shifted(it * m)))
-                    .collect()
+                    .collect();
+                Some(Ok(Chunk::drained(actions)))
             }
-            Source::Segments { segment, by_length } => {
+            Source::Segments {
+                plan,
+                rank,
+                segment,
+                stream,
+            } => loop {
+                if let Some(s) = stream {
+                    match s.next_chunk() {
+                        Ok(Some(chunk)) => return Some(Ok(chunk)),
+                        Ok(None) => *stream = None,
+                        Err(e) => {
+                            self.next = self.end;
+                            *stream = None;
+                            return Some(Err(e));
+                        }
+                    }
+                }
+                if self.next >= self.end {
+                    return None;
+                }
+                let start = self.next;
                 self.next = segment_end(start, *segment, self.end);
-                let list = &by_length[&(self.next - start)];
-                list.iter().map(|a| a.shifted(start * m)).collect()
+                let simulation = Simulation::new(
+                    plan.clone(),
+                    Schedule::PipeDream,
+                    m * (self.next - start),
+                    &[*rank],
+                );
+                let per_iteration = m / plan.stage_of_rank(*rank).ranks.len();
+                *stream = Some(Box::new(Stream::new(
+                    simulation,
+                    *rank,
+                    start * m,
+                    self.chunk * per_iteration,
+                )));
+            },
+        }
+    }
+}
+
+/// One rank's actions of a drained stream, as its simulation derives them, cut into chunks.
+#[derive(Debug, Clone)]
+struct Stream {
+    simulation: Simulation,
+    rank: usize,
+    /// Added to every microbatch number (the stream's first global microbatch).
+    offset: usize,
+    /// The forwards a chunk holds before it is handed out (at least).
+    target: usize,
+    /// Actions derived and not handed out yet, microbatches not offset.
+    buffer: Vec<Action>,
+    /// The buffer's forwards whose backward has not come yet: where they are in the buffer, and
+    /// whether a step came after them.
+    open: VecDeque<(usize, bool)>,
+    /// One past the buffer's last forward whose backward came (its forwards before are resolved
+    /// too: a rank runs backwards in the order of its forwards), and how many forwards that is.
+    resolved: (usize, usize),
+    /// The resolved forwards that stash.
+    stashed: BTreeSet<usize>,
+}
+
+impl Stream {
+    fn new(simulation: Simulation, rank: usize, offset: usize, target: usize) -> Stream {
+        Stream {
+            simulation,
+            rank,
+            offset,
+            target: target.max(1),
+            buffer: Vec::new(),
+            open: VecDeque::new(),
+            resolved: (0, 0),
+            stashed: BTreeSet::new(),
+        }
+    }
+
+    /// The next chunk, or `None` once the stream has been handed out whole.
+    fn next_chunk(&mut self) -> Result<Option<Chunk>, ScheduleError> {
+        while self.resolved.1 < self.target && !self.simulation.done() {
+            self.simulation.advance()?;
+            for action in self.simulation.take(self.rank) {
+                let at = self.buffer.len();
+                self.buffer.push(action);
+                match action {
+                    Action::Forward(_) => self.open.push_back((at, false)),
+                    Action::Step => self.open.iter_mut().for_each(|(_, stepped)| *stepped = true),
+                    Action::Backward(g) => {
+                        let (at, stepped) = self.open.pop_front().expect("a backward follows its forward");
+                        if stepped {
+                            self.stashed.insert(g + self.offset);
+                        }
+                        self.resolved = (at + 1, self.resolved.1 + 1);
+                    }
+                }
             }
+        }
+        let cut = if self.simulation.done() {
+            self.buffer.len()
+        } else {
+            self.resolved.0
         };
-        Some(chunk)
+        if cut == 0 {
+            return Ok(None);
+        }
+        let offset = self.offset;
+        let actions = self.buffer.drain(..cut).map(|a| a.shifted(offset)).collect();
+        for (at, _) in &mut self.open {
+            *at -= cut;
+        }
+        self.resolved = (0, 0);
+        Ok(Some(Chunk {
+            actions,
+            stashed: std::mem::take(&mut self.stashed),
+        }))
     }
 }
 
 /// Per-rank state during the simulation.
+#[derive(Debug, Clone)]
 struct RankSim {
     stage: usize,
-    /// This rank's microbatches, in order.
-    mine: Vec<usize>,
+    /// This rank's place among its stage's replicas, and their number: it runs microbatches
+    /// `replica`, `replica + replicas`, and so on.
+    replica: usize,
+    replicas: usize,
+    /// How many microbatches it runs.
+    count: usize,
     forwards: usize,
     backwards: usize,
     /// Steps taken (PipeDream steps after each backward).
     steps: usize,
     /// A step is owed after the last backward (PipeDream).
     step_due: bool,
-    actions: Vec<Action>,
+    /// This rank's actions not taken yet, when they are kept.
+    actions: Option<Vec<Action>>,
 }
 
-/// Simulates `schedule` over `microbatches` global microbatches and returns every rank's list.
-/// GPipe and 1F1B lists end with one `Step`; PipeDream lists have a `Step` after every backward.
-pub fn timeline(
-    plan: &StagePlan,
-    schedule: Schedule,
-    microbatches: usize,
-) -> Result<Timeline, ScheduleError> {
-    let stages = plan.stages.len();
-    let mut sims: Vec<RankSim> = (0..plan.world_size)
-        .map(|rank| {
-            let stage = plan.stage_of_rank(rank).id;
-            let mine = (0..microbatches)
-                .filter(|&g| rank_for(plan, stage, g) == rank)
-                .collect();
-            RankSim {
-                stage,
-                mine,
-                forwards: 0,
-                backwards: 0,
-                steps: 0,
-                step_due: false,
-                actions: Vec::new(),
-            }
-        })
-        .collect();
-    // Completion time of each (stage, microbatch) forward and backward.
-    let mut fwd_done: BTreeMap<(usize, usize), usize> = BTreeMap::new();
-    let mut bwd_done: BTreeMap<(usize, usize), usize> = BTreeMap::new();
-    let done = |sims: &[RankSim]| sims.iter().all(|r| r.backwards == r.mine.len() && !r.step_due);
+impl RankSim {
+    /// The microbatch of this rank's `k`-th forward (and backward), if it has that many.
+    fn nth(&self, k: usize) -> Option<usize> {
+        (k < self.count).then(|| self.replica + k * self.replicas)
+    }
+}
 
-    let mut time = 0usize;
-    while !done(&sims) {
+/// The whole pipeline advancing in unit time steps under a schedule's policy, over `microbatches`
+/// global microbatches. It holds what is in flight, not what has been: a finished microbatch's
+/// completion times are dropped once no action can ask for them.
+#[derive(Debug, Clone)]
+struct Simulation {
+    plan: StagePlan,
+    schedule: Schedule,
+    ranks: Vec<RankSim>,
+    /// Completion time of each (stage, microbatch) forward, until that stage's backward of it.
+    fwd_done: HashMap<(usize, usize), usize>,
+    /// Completion time of each (stage, microbatch) backward, until the previous stage's.
+    bwd_done: HashMap<(usize, usize), usize>,
+    time: usize,
+}
+
+impl Simulation {
+    /// A simulation keeping the actions of `kept` ranks.
+    fn new(plan: StagePlan, schedule: Schedule, microbatches: usize, kept: &[usize]) -> Simulation {
+        let ranks = (0..plan.world_size)
+            .map(|rank| {
+                let stage = plan.stage_of_rank(rank);
+                let replicas = stage.ranks.len();
+                let replica = stage
+                    .ranks
+                    .iter()
+                    .position(|&r| r == rank)
+                    .expect("a rank is among its stage's");
+                RankSim {
+                    stage: stage.id,
+                    replica,
+                    replicas,
+                    count: microbatches.saturating_sub(replica).div_ceil(replicas),
+                    forwards: 0,
+                    backwards: 0,
+                    steps: 0,
+                    step_due: false,
+                    actions: kept.contains(&rank).then(Vec::new),
+                }
+            })
+            .collect();
+        Simulation {
+            plan,
+            schedule,
+            ranks,
+            fwd_done: HashMap::new(),
+            bwd_done: HashMap::new(),
+            time: 0,
+        }
+    }
+
+    fn done(&self) -> bool {
+        self.ranks.iter().all(|r| r.backwards == r.count && !r.step_due)
+    }
+
+    /// The actions `rank` took since last asked (none unless it is kept).
+    fn take(&mut self, rank: usize) -> Vec<Action> {
+        self.ranks[rank]
+            .actions
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
+    }
+
+    /// One time step: every rank takes the action its policy picks among those whose inputs
+    /// completed in an earlier step, if any; under PipeDream, a rank that ran a backward steps
+    /// next, with its stage's replicas.
+    fn advance(&mut self) -> Result<(), ScheduleError> {
+        let (plan, schedule, time) = (&self.plan, self.schedule, self.time);
+        let stages = plan.stages.len();
         let mut progressed = false;
         // Ranks owing a PipeDream step wait until every replica of their stage owes the same step.
         let mut step_ready: BTreeMap<(usize, usize), bool> = BTreeMap::new();
-        for r in &sims {
+        for r in &self.ranks {
             let entry = step_ready.entry((r.stage, r.steps)).or_insert(true);
             *entry &= r.step_due;
         }
         let mut finished = Vec::new();
-        for r in sims.iter_mut() {
+        for r in self.ranks.iter_mut() {
             let s = r.stage;
             if r.step_due {
                 if step_ready[&(s, r.steps)] {
-                    r.actions.push(Action::Step);
+                    if let Some(actions) = &mut r.actions {
+                        actions.push(Action::Step);
+                    }
                     r.steps += 1;
                     r.step_due = false;
                     progressed = true;
                 }
                 continue;
             }
-            let next_fwd = r.mine.get(r.forwards).copied();
-            let next_bwd = r
-                .mine
-                .get(r.backwards)
-                .copied()
-                .filter(|_| r.backwards < r.forwards);
+            let next_fwd = r.nth(r.forwards);
+            let next_bwd = r.nth(r.backwards).filter(|_| r.backwards < r.forwards);
+            let fwd_done = &self.fwd_done;
+            let bwd_done = &self.bwd_done;
             let fwd_ready =
                 next_fwd.filter(|&g| s == 0 || fwd_done.get(&(s - 1, g)).is_some_and(|&t| t < time));
             let bwd_ready = next_bwd.filter(|&g| {
@@ -336,41 +528,68 @@ pub fn timeline(
                     }
                 }
             };
-            match choice {
-                Some(Action::Forward(g)) => {
-                    r.forwards += 1;
-                    finished.push((true, s, g));
-                }
-                Some(Action::Backward(g)) => {
+            let Some(action) = choice else { continue };
+            match action {
+                Action::Forward(_) => r.forwards += 1,
+                Action::Backward(_) => {
                     r.backwards += 1;
                     r.step_due = schedule == Schedule::PipeDream;
-                    finished.push((false, s, g));
                 }
-                Some(Action::Step) | None => continue,
+                Action::Step => unreachable!("steps are taken above"),
             }
-            r.actions.push(choice.expect("matched above"));
+            if let Some(actions) = &mut r.actions {
+                actions.push(action);
+            }
+            finished.push((s, action));
             progressed = true;
         }
-        for (forward, s, g) in finished {
-            if forward {
-                fwd_done.insert((s, g), time);
-            } else {
-                bwd_done.insert((s, g), time);
+        for (s, action) in finished {
+            match action {
+                Action::Forward(g) => drop(self.fwd_done.insert((s, g), time)),
+                Action::Backward(g) => {
+                    // Only this backward read its forward's time, and the next stage's backward
+                    // time; only the previous stage's backward will read this one's.
+                    self.fwd_done.remove(&(s, g));
+                    self.bwd_done.remove(&(s + 1, g));
+                    if s > 0 {
+                        self.bwd_done.insert((s, g), time);
+                    }
+                }
+                Action::Step => {}
             }
         }
         if !progressed {
             return Err(ScheduleError::Deadlock { schedule, step: time });
         }
-        time += 1;
+        self.time += 1;
+        Ok(())
     }
-    if schedule != Schedule::PipeDream {
-        for r in &mut sims {
-            r.actions.push(Action::Step);
-        }
+}
+
+/// Simulates `schedule` over `microbatches` global microbatches and returns every rank's list.
+/// GPipe and 1F1B lists end with one `Step`; PipeDream lists have a `Step` after every backward.
+pub fn timeline(
+    plan: &StagePlan,
+    schedule: Schedule,
+    microbatches: usize,
+) -> Result<Timeline, ScheduleError> {
+    let all: Vec<usize> = (0..plan.world_size).collect();
+    let mut simulation = Simulation::new(plan.clone(), schedule, microbatches, &all);
+    while !simulation.done() {
+        simulation.advance()?;
     }
     Ok(Timeline {
         microbatches,
-        actions: sims.into_iter().map(|r| r.actions).collect(),
+        actions: all
+            .iter()
+            .map(|&rank| {
+                let mut actions = simulation.take(rank);
+                if schedule != Schedule::PipeDream {
+                    actions.push(Action::Step);
+                }
+                actions
+            })
+            .collect(),
     })
 }
 

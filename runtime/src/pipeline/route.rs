@@ -82,6 +82,13 @@ impl<'a> Route<'a> {
         rank_for(self.plan, stage, g % self.microbatches)
     }
 
+    /// Whether microbatch `g` is the last of its iteration that its owner at this stage runs:
+    /// replicas take an iteration's microbatches round-robin, so each of the last `replicas`
+    /// ends one replica's share.
+    pub fn ends_iteration(&self, g: usize) -> bool {
+        g % self.microbatches + self.plan.stages[self.stage].ranks.len() >= self.microbatches
+    }
+
     fn is_first(&self) -> bool {
         self.stage == 0
     }

@@ -1,12 +1,8 @@
 //! What crosses stage boundaries: the messages (their tags and channels) and the shape headers
 //! exchanged at start, so receivers allocate buffers of whatever shape the model produces.
 
-use std::collections::HashSet;
-
 use stagehand_contract::{Channel, P2pTensor};
 use tch::{Device, Kind, Tensor};
-
-use crate::schedule::Action;
 
 /// One tensor that crosses a stage boundary.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -207,25 +203,11 @@ fn code_kind(code: i64) -> Option<Kind> {
     })
 }
 
-/// Microbatches whose forward and backward have an optimizer step between them on this rank:
-/// only those need their weights stashed.
-pub fn stash_needed(actions: &[Action]) -> HashSet<usize> {
-    let mut open: HashSet<usize> = HashSet::new();
-    let mut needed = HashSet::new();
-    for action in actions {
-        match action {
-            Action::Forward(g) => drop(open.insert(*g)),
-            Action::Backward(g) => drop(open.remove(g)),
-            Action::Step => needed.extend(open.iter().copied()),
-        }
-    }
-    needed
-}
-
 #[cfg(test)]
 mod tests {
+    use std::collections::HashSet;
+
     use super::*;
-    use Action::{Backward as B, Forward as F, Step};
 
     #[test]
     fn headers_round_trip() {
@@ -268,13 +250,5 @@ mod tests {
         assert_eq!(Message::Header.channel(), Channel::Forward);
         assert_eq!(Message::Target(3).describe(), (P2pTensor::Target, Some(3)));
         assert_eq!(Message::Header.describe(), (P2pTensor::Header, None));
-    }
-
-    #[test]
-    fn only_microbatches_spanning_a_step_are_stashed() {
-        let actions = [F(0), F(1), B(0), Step, F(2), B(1), Step, B(2), Step];
-        assert_eq!(stash_needed(&actions), HashSet::from([1, 2]));
-        let flushing = [F(0), F(1), B(0), B(1), Step];
-        assert!(stash_needed(&flushing).is_empty());
     }
 }

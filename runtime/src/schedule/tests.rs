@@ -2,6 +2,8 @@
 //! microbatch forward then backward once, bounded in-flight work, deadlock freedom) over many
 //! plans, checked by an executor independent of the simulation.
 
+use std::collections::BTreeSet;
+
 use stagehand_contract::{Stage, StagePlan};
 
 use super::*;
@@ -228,6 +230,16 @@ fn shifted(list: &[Action], shift: usize) -> Vec<Action> {
     list.iter().map(|a| a.shifted(shift)).collect()
 }
 
+/// Every chunk of `actions`, which must all derive.
+fn chunks(actions: RankActions) -> Vec<Chunk> {
+    actions.map(Result::unwrap).collect()
+}
+
+/// The actions of every chunk of `actions`.
+fn lists(actions: RankActions) -> Vec<Vec<Action>> {
+    chunks(actions).into_iter().map(|c| c.actions).collect()
+}
+
 /// GPipe and 1F1B hand out one iteration's list repeated, `chunk` iterations a chunk, from the
 /// iteration a run resumes at.
 #[test]
@@ -236,10 +248,8 @@ fn flushing_schedules_repeat_one_iteration_a_chunk_at_a_time() {
     for schedule in [Schedule::GPipe, Schedule::OneFOneB] {
         let one = timeline(&p, schedule, 4).unwrap();
         for rank in 0..3 {
-            let chunks: Vec<Vec<Action>> = RankActions::new(&p, schedule, rank, 4, (3, 10), None, 3)
-                .unwrap()
-                .collect();
-            let lengths: Vec<usize> = chunks.iter().map(Vec::len).collect();
+            let chunks = chunks(RankActions::new(&p, schedule, rank, 4, (3, 10), None, 3).unwrap());
+            let lengths: Vec<usize> = chunks.iter().map(|c| c.actions.len()).collect();
             let per = one.actions[rank].len();
             assert_eq!(
                 lengths,
@@ -249,10 +259,13 @@ fn flushing_schedules_repeat_one_iteration_a_chunk_at_a_time() {
             let whole: Vec<Action> = (3..10)
                 .flat_map(|it| shifted(&one.actions[rank], it * 4))
                 .collect();
-            assert_eq!(chunks.concat(), whole, "{schedule} rank {rank}");
+            let actions: Vec<Action> = chunks.iter().flat_map(|c| c.actions.clone()).collect();
+            assert_eq!(actions, whole, "{schedule} rank {rank}");
             assert!(
-                chunks.iter().all(|c| c.last() == Some(&Step)),
-                "each chunk ends with a step"
+                chunks
+                    .iter()
+                    .all(|c| c.actions.last() == Some(&Step) && c.stashed.is_empty()),
+                "each chunk ends with a step, and no forward spans one"
             );
         }
     }
@@ -264,52 +277,169 @@ fn flushing_schedules_repeat_one_iteration_a_chunk_at_a_time() {
 fn pipedream_hands_out_a_drained_stream_per_segment() {
     let p = plan(&[1, 1, 1], None);
     let m = 2;
+    // Chunks longer than any segment: one chunk a segment.
+    let chunk = 100;
     for rank in 0..3 {
         let stream = |from: usize, to: usize| {
             let t = timeline(&p, Schedule::PipeDream, m * (to - from)).unwrap();
             shifted(&t.actions[rank], from * m)
         };
-        let segments: Vec<Vec<Action>> =
-            RankActions::new(&p, Schedule::PipeDream, rank, m, (3, 14), Some(4), 1)
-                .unwrap()
-                .collect();
+        let segments =
+            lists(RankActions::new(&p, Schedule::PipeDream, rank, m, (3, 14), Some(4), chunk).unwrap());
         let expected = [stream(3, 4), stream(4, 8), stream(8, 12), stream(12, 14)];
         assert_eq!(segments, expected, "rank {rank}");
-        let whole: Vec<Vec<Action>> = RankActions::new(&p, Schedule::PipeDream, rank, m, (0, 7), None, 1)
-            .unwrap()
-            .collect();
+        let whole = lists(RankActions::new(&p, Schedule::PipeDream, rank, m, (0, 7), None, chunk).unwrap());
         assert_eq!(whole, [stream(0, 7)], "rank {rank}");
     }
-    let done: Vec<Vec<Action>> = RankActions::new(&p, Schedule::PipeDream, 0, m, (7, 7), Some(4), 1)
-        .unwrap()
-        .collect();
+    let done = lists(RankActions::new(&p, Schedule::PipeDream, 0, m, (7, 7), Some(4), 1).unwrap());
     assert!(done.is_empty(), "a run resumed at its end has nothing left to do");
 }
 
-/// What a rank holds of its schedule is bounded by a chunk (or a segment), not by the run: a
-/// run of a billion iterations starts at once.
+/// Cut into chunks as the simulation goes, PipeDream's stream is the whole one: each chunk but a
+/// segment's last ends right after a forward and holds at least a chunk's worth of resolved
+/// forwards, and the forwards that stash are those whose backward comes after a step, whichever
+/// chunk it is in.
+#[test]
+fn pipedream_streams_cut_after_a_forward_and_stash_across_chunks() {
+    let plans = [
+        plan(&[1, 1], None),
+        plan(&[1, 1, 1, 1], None),
+        plan(&[2, 1, 2], None),
+        plan(&[3, 1], None),
+        plan(&[1, 1, 1], Some(&[1, 1, 1])),
+        plan(&[2, 1, 1], Some(&[4, 1, 2])),
+    ];
+    for p in &plans {
+        let m = 6;
+        let iterations = 5;
+        let whole = timeline(p, Schedule::PipeDream, m * iterations).unwrap();
+        for rank in 0..p.world_size {
+            let what = format!(
+                "{:?} rank {rank}",
+                p.stages.iter().map(|s| s.ranks.len()).collect::<Vec<_>>()
+            );
+            let per_iteration = m / p.stage_of_rank(rank).ranks.len();
+            for chunk in [1, 2] {
+                let chunks = chunks(
+                    RankActions::new(p, Schedule::PipeDream, rank, m, (0, iterations), None, chunk).unwrap(),
+                );
+                assert!(chunks.len() > 1, "{what}: the stream is cut");
+                let actions: Vec<Action> = chunks.iter().flat_map(|c| c.actions.clone()).collect();
+                assert_eq!(actions, whole.actions[rank], "{what}, chunks of {chunk}");
+                let stashed: BTreeSet<usize> = chunks.iter().flat_map(|c| c.stashed.clone()).collect();
+                assert_eq!(stashed, super::stashed(&whole.actions[rank]), "{what}");
+                for (i, c) in chunks.iter().enumerate() {
+                    let forwards: BTreeSet<usize> = c
+                        .actions
+                        .iter()
+                        .filter_map(|a| if let F(g) = a { Some(*g) } else { None })
+                        .collect();
+                    assert!(
+                        c.stashed.is_subset(&forwards),
+                        "{what}: chunk {i} stashes its own forwards"
+                    );
+                    if i + 1 < chunks.len() {
+                        assert!(
+                            matches!(c.actions.last(), Some(F(_))),
+                            "{what}: chunk {i} ends with a forward"
+                        );
+                        assert!(
+                            forwards.len() >= chunk * per_iteration,
+                            "{what}: chunk {i} is a chunk long"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A simulation holds the completion times of what is in flight, not of the run so far.
+#[test]
+fn a_simulation_holds_only_what_is_in_flight() {
+    for p in [
+        plan(&[1, 1, 1, 1], None),
+        plan(&[2, 1, 2], None),
+        plan(&[2, 1, 1], Some(&[4, 1, 2])),
+    ] {
+        let in_flight: usize = (0..p.world_size).map(|r| depth(&p, p.stage_of_rank(r).id)).sum();
+        let mut simulation = Simulation::new(p.clone(), Schedule::PipeDream, 4000, &[0]);
+        let mut most = 0;
+        while !simulation.done() {
+            simulation.advance().unwrap();
+            most = most.max(simulation.fwd_done.len() + simulation.bwd_done.len());
+        }
+        // A forward's time is kept while its microbatch is in flight at that stage, a backward's
+        // while it is at the previous one.
+        assert!(
+            most <= 2 * in_flight,
+            "{most} completion times held, {in_flight} in flight at most"
+        );
+        assert!(simulation.fwd_done.is_empty() && simulation.bwd_done.is_empty());
+        let mine = 4000 / p.stages[0].ranks.len();
+        assert_eq!(
+            simulation.take(0).len(),
+            3 * mine,
+            "rank 0's forwards, backwards and steps"
+        );
+        assert!(simulation.take(1).is_empty(), "rank 1's actions are not kept");
+    }
+}
+
+/// What a rank holds of its schedule is bounded by a chunk, not by the run: a run of a billion
+/// iterations starts at once.
 #[test]
 fn a_long_run_derives_its_actions_as_it_goes() {
     let p = plan(&[1, 2], None);
     let iterations = 1_000_000_000;
-    for (schedule, segment) in [(Schedule::OneFOneB, None), (Schedule::PipeDream, Some(5))] {
+    for (schedule, segment) in [
+        (Schedule::OneFOneB, None),
+        (Schedule::PipeDream, Some(5)),
+        (Schedule::PipeDream, None),
+    ] {
         let mut actions =
             RankActions::new(&p, schedule, 1, 4, (2, iterations), segment, CHUNK_ITERATIONS).unwrap();
-        let first = actions.next().unwrap();
-        let iterations_in = |chunk: &[Action]| {
-            let forwards: Vec<usize> = chunk
-                .iter()
-                .filter_map(|a| match a {
-                    F(g) => Some(g / 4),
-                    _ => None,
-                })
-                .collect();
-            (forwards[0], *forwards.last().unwrap())
+        let first = actions.next().unwrap().unwrap().actions;
+        let forwards: Vec<usize> = first
+            .iter()
+            .filter_map(|a| match a {
+                F(g) => Some(g / 4),
+                _ => None,
+            })
+            .collect();
+        let span = (forwards[0], *forwards.last().unwrap());
+        // A segment of 5 iterations ends at iteration 5; otherwise a chunk holds 64 iterations'
+        // forwards (PipeDream's cut right after them, once they resolved).
+        let expected = match segment {
+            Some(_) => (2, 4),
+            None => (2, 2 + CHUNK_ITERATIONS - 1),
         };
-        let expected = match schedule {
-            Schedule::PipeDream => (2, 4),
-            _ => (2, 2 + CHUNK_ITERATIONS - 1),
-        };
-        assert_eq!(iterations_in(&first), expected, "{schedule}");
+        assert_eq!(span, expected, "{schedule} {segment:?}");
     }
+}
+
+/// A stream whose simulation gets stuck (here a plan `validate` rejects: replicas of stage 0 run
+/// different numbers of microbatches, so one waits alone for a step its peers never take) hands
+/// out the error and then nothing.
+#[test]
+fn a_stuck_stream_ends_with_its_error() {
+    let p = plan(&[3, 1], None);
+    assert!(validate(&p, Schedule::PipeDream, 4).is_err());
+    let mut actions = RankActions::new(&p, Schedule::PipeDream, 0, 4, (0, 1), None, 1).unwrap();
+    let mut outcomes = Vec::new();
+    for item in actions.by_ref() {
+        outcomes.push(item.map(|c| c.actions.len()));
+    }
+    assert!(
+        matches!(
+            outcomes.last(),
+            Some(Err(ScheduleError::Deadlock {
+                schedule: Schedule::PipeDream,
+                ..
+            }))
+        ),
+        "{outcomes:?}"
+    );
+    assert!(outcomes[..outcomes.len() - 1].iter().all(Result::is_ok));
+    assert!(actions.next().is_none(), "nothing after the error");
 }

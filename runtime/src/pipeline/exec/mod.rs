@@ -16,14 +16,14 @@ use super::channel::Channels;
 use super::partial::{GroupReport, PartialReduce};
 use super::reduce::{last_backwards, ReduceStats, Reducer};
 use super::route::{Op, Route, Transfer};
-use super::wire::{self, header, header_buffer, read_header, Message, TensorSpec};
+use super::wire::{header, header_buffer, read_header, Message, TensorSpec};
 use crate::comm::{ProcessGroup, Work};
 use crate::config::CheckpointConfig;
 use crate::cuda::{DeviceError, Graph};
 use crate::data::Batches;
 use crate::lr::LrSchedule;
 use crate::profiler_trace::Scope;
-use crate::schedule::{Action, Schedule};
+use crate::schedule::{Action, Chunk, Schedule, ScheduleError};
 use crate::signals::{self, Stopped};
 use crate::stage::checkpoint::{self, Identity};
 use crate::stage::{backward_with_grad, GradScaler, Optimizer, ScalerReport, Stage};
@@ -597,12 +597,11 @@ impl Executor {
         Ok(())
     }
 
-    /// Runs `actions` (this rank's over the run, a drained chunk at a time: every microbatch a
-    /// chunk starts ends in it, and it ends with a step), calling `report` as each iteration
-    /// completes on this rank.
+    /// Runs `actions` (this rank's over the run, a [`Chunk`] at a time), calling `report` as
+    /// each iteration completes on this rank.
     pub fn run(
         &mut self,
-        actions: impl IntoIterator<Item = Vec<Action>>,
+        actions: impl IntoIterator<Item = Result<Chunk, ScheduleError>>,
         mut report: impl FnMut(IterationReport) -> anyhow::Result<()>,
     ) -> anyhow::Result<()> {
         let mut chunks = actions.into_iter().peekable();
@@ -612,7 +611,8 @@ impl Executor {
                 bail!("--cuda-graph needs a CUDA device");
             };
             let first = chunks.peek().and_then(|chunk| {
-                chunk.iter().find_map(|a| match a {
+                let chunk = chunk.as_ref().ok()?;
+                chunk.actions.iter().find_map(|a| match a {
                     Action::Forward(g) => Some(g / self.microbatches),
                     _ => None,
                 })
@@ -635,16 +635,9 @@ impl Executor {
         let mut vote: Option<StopVote> = None;
         let drains_every_iteration = self.schedule != Schedule::PipeDream || self.num_stages() == 1;
         for chunk in chunks {
-            let stash_needed = wire::stash_needed(&chunk);
-            let last_backwards: HashSet<usize> = last_backwards(&chunk);
-            // This rank's last local microbatch of each iteration: the iteration ends with the step after its backward.
-            let mut last_of_iteration: HashMap<usize, usize> = HashMap::new();
-            for a in &chunk {
-                if let Action::Forward(g) = a {
-                    last_of_iteration.insert(g / self.microbatches, *g);
-                }
-            }
-            let program = self.route().program(&chunk);
+            let Chunk { actions, stashed } = chunk.context("deriving this rank's schedule")?;
+            let last_backwards: HashSet<usize> = last_backwards(&actions);
+            let program = self.route().program(&actions);
             for op in program {
                 match op {
                     Op::Recv(transfer) => self.post_recv(&mut progress, transfer)?,
@@ -654,7 +647,7 @@ impl Executor {
                             self.start_graphed_iteration(&mut progress, g / self.microbatches)?;
                         }
                         if !progress.replayed() {
-                            self.forward(&mut progress, g, stash_needed.contains(&g))?;
+                            self.forward(&mut progress, g, stashed.contains(&g))?;
                         }
                     }
                     Op::Run(Action::Backward(g)) => {
@@ -664,7 +657,8 @@ impl Executor {
                         let iteration = g / self.microbatches;
                         // The step that follows belongs to this backward's iteration.
                         self.optimizer.set_lr(self.lr.at(iteration as u64));
-                        if last_of_iteration[&iteration] == g {
+                        // The iteration ends with the step after this rank's last microbatch of it.
+                        if self.route().ends_iteration(g) {
                             pending_end = Some(iteration);
                         }
                     }

@@ -28,8 +28,8 @@ fn run_actions(
         .collect()
 }
 
-/// Every rank's chunks of actions: PipeDream's segments of `segment` iterations, GPipe's and
-/// 1F1B's chunks of `chunk`.
+/// Every rank's chunks of actions: GPipe's and 1F1B's of `chunk` iterations, PipeDream's of
+/// about `chunk` (cut from segments of `segment` iterations, or from the whole run).
 fn run_chunks(
     p: &StagePlan,
     schedule: Schedule,
@@ -42,6 +42,7 @@ fn run_chunks(
         .map(|rank| {
             RankActions::new(p, schedule, rank, microbatches, (0, iterations), segment, chunk)
                 .unwrap()
+                .map(|chunk| chunk.unwrap().actions)
                 .collect()
         })
         .collect()
@@ -113,19 +114,19 @@ fn all_items(p: &StagePlan, schedule: Schedule, microbatches: usize, iterations:
     })
 }
 
-/// Every rank's items for a plan run `iterations` chunks of one iteration each, a program per
-/// chunk.
+/// Every rank's items for a plan run a program per chunk of one iteration (PipeDream's cut from
+/// segments of `segment` iterations, or from one stream).
 fn chunked_items(
     p: &StagePlan,
     schedule: Schedule,
     microbatches: usize,
     iterations: usize,
+    segment: Option<usize>,
 ) -> Vec<Vec<Item>> {
-    run_chunks(p, schedule, microbatches, iterations, Some(1), 1)
+    run_chunks(p, schedule, microbatches, iterations, segment, 1)
         .iter()
         .enumerate()
         .map(|(rank, chunks)| {
-            assert_eq!(chunks.len(), iterations, "{schedule}: one chunk an iteration");
             let route = Route::new(p, p.stage_of_rank(rank).id, microbatches);
             let program = chunks.iter().flat_map(|c| route.program(c)).collect();
             items(&route, program)
@@ -325,6 +326,40 @@ fn owners_follow_the_microbatch_index_within_its_iteration() {
 }
 
 #[test]
+fn each_replica_ends_an_iteration_with_its_last_microbatch_of_it() {
+    for (p, name) in plans() {
+        for microbatches in 1..=7 {
+            for stage in &p.stages {
+                if microbatches < stage.ranks.len() {
+                    continue;
+                }
+                let route = Route::new(&p, stage.id, microbatches);
+                for iteration in 0..3 {
+                    let range = iteration * microbatches..(iteration + 1) * microbatches;
+                    for &rank in &stage.ranks {
+                        let mine: Vec<usize> = range
+                            .clone()
+                            .filter(|&g| route.owner(stage.id, g) == rank)
+                            .collect();
+                        let ends: Vec<usize> = mine
+                            .iter()
+                            .copied()
+                            .filter(|&g| route.ends_iteration(g))
+                            .collect();
+                        assert_eq!(
+                            ends,
+                            [*mine.last().unwrap()],
+                            "{name} m={microbatches} stage {} rank {rank}",
+                            stage.id
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
 fn on_every_channel_sends_and_receives_between_two_ranks_come_in_one_order() {
     let mut checked = 0;
     for (p, name) in plans() {
@@ -380,9 +415,9 @@ fn on_every_channel_sends_and_receives_between_two_ranks_come_in_one_order() {
     assert!(checked > 80, "only {checked} combinations were valid");
 }
 
-/// Whole, and as the executor runs it, a program per chunk (a drained stretch of iterations:
-/// a receive of the next chunk's first forward is posted only once that chunk starts), with
-/// chunks of one iteration and PipeDream's segments of one.
+/// Whole, and as the executor runs it, a program per chunk of one iteration: drained chunks
+/// (GPipe's, 1F1B's, PipeDream's segments of one iteration), where a receive of the next chunk's
+/// first forward is posted only once that chunk starts, and PipeDream's stream cut as it goes.
 #[test]
 fn every_plan_completes_when_operations_match_by_issue_order() {
     for (p, name) in plans() {
@@ -395,9 +430,19 @@ fn every_plan_completes_when_operations_match_by_issue_order() {
                 if let Err(stuck) = run_fifo(&p, &items, Message::channel) {
                     panic!("{name} {schedule} m={microbatches}: {stuck}");
                 }
-                let items = chunked_items(&p, schedule, microbatches, 3);
+                let items = chunked_items(&p, schedule, microbatches, 3, Some(1));
                 if let Err(stuck) = run_fifo(&p, &items, Message::channel) {
                     panic!("{name} {schedule} m={microbatches}, a chunk an iteration: {stuck}");
+                }
+                if schedule == Schedule::PipeDream {
+                    // Cut right after a forward, a stream's chunks issue what the whole does.
+                    let chunked = chunked_items(&p, schedule, microbatches, 4, None);
+                    let whole = all_items(&p, schedule, microbatches, 4);
+                    assert_eq!(
+                        format!("{chunked:?}"),
+                        format!("{whole:?}"),
+                        "{name} m={microbatches}: a stream's chunks"
+                    );
                 }
             }
         }
