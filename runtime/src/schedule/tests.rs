@@ -443,3 +443,11 @@ fn a_stuck_stream_ends_with_its_error() {
     assert!(outcomes[..outcomes.len() - 1].iter().all(Result::is_ok));
     assert!(actions.next().is_none(), "nothing after the error");
 }
+
+#[test]
+fn only_microbatches_spanning_a_step_are_stashed() {
+    let actions = [F(0), F(1), B(0), Step, F(2), B(1), Step, B(2), Step];
+    assert_eq!(stashed(&actions), BTreeSet::from([1, 2]));
+    let flushing = [F(0), F(1), B(0), B(1), Step];
+    assert!(stashed(&flushing).is_empty());
+}
