@@ -143,7 +143,7 @@ pub const CHUNK_ITERATIONS: usize = 64;
 /// operations in the same order as over the whole stream: the receives of the next chunk's
 /// first forward, posted as that chunk starts, would have been posted right after this chunk's
 /// last forward.
-#[derive(Debug, Clone, PartialEq, Default)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Chunk {
     pub actions: Vec<Action>,
     /// The chunk's forwards whose backward comes after a step of this rank (in this chunk or a
@@ -161,7 +161,7 @@ impl Chunk {
 
 /// The forwards of a drained list whose microbatch is open (forward run, backward not yet) at a
 /// step.
-pub fn stashed(actions: &[Action]) -> BTreeSet<usize> {
+fn stashed(actions: &[Action]) -> BTreeSet<usize> {
     let mut open = BTreeSet::new();
     let mut stashed = BTreeSet::new();
     for action in actions {
@@ -321,10 +321,12 @@ struct Stream {
     /// The buffer's forwards whose backward has not come yet: where they are in the buffer, and
     /// whether a step came after them.
     open: VecDeque<(usize, bool)>,
-    /// One past the buffer's last forward whose backward came (its forwards before are resolved
-    /// too: a rank runs backwards in the order of its forwards), and how many forwards that is.
-    resolved: (usize, usize),
-    /// The resolved forwards that stash.
+    /// One past the buffer's last forward whose backward came: where the next chunk may end
+    /// (the forwards before it resolved too, as a rank runs backwards in its forwards' order).
+    cut: usize,
+    /// How many forwards the buffer holds before `cut`.
+    resolved: usize,
+    /// The resolved forwards that stash, offset.
     stashed: BTreeSet<usize>,
 }
 
@@ -337,14 +339,20 @@ impl Stream {
             target: target.max(1),
             buffer: Vec::new(),
             open: VecDeque::new(),
-            resolved: (0, 0),
+            cut: 0,
+            resolved: 0,
             stashed: BTreeSet::new(),
         }
     }
 
-    /// The next chunk, or `None` once the stream has been handed out whole.
+    /// The next chunk, or `None` once the stream has been handed out whole. A chunk holds
+    /// `target` resolved forwards, or, once the rank's last backward came, the stream's rest.
     fn next_chunk(&mut self) -> Result<Option<Chunk>, ScheduleError> {
-        while self.resolved.1 < self.target && !self.simulation.done() {
+        loop {
+            let rank = &self.simulation.ranks[self.rank];
+            if rank.finished() || self.resolved >= self.target && rank.backwards < rank.count {
+                break;
+            }
             self.simulation.advance()?;
             for action in self.simulation.take(self.rank) {
                 let at = self.buffer.len();
@@ -357,15 +365,16 @@ impl Stream {
                         if stepped {
                             self.stashed.insert(g + self.offset);
                         }
-                        self.resolved = (at + 1, self.resolved.1 + 1);
+                        self.cut = at + 1;
+                        self.resolved += 1;
                     }
                 }
             }
         }
-        let cut = if self.simulation.done() {
+        let cut = if self.simulation.ranks[self.rank].finished() {
             self.buffer.len()
         } else {
-            self.resolved.0
+            self.cut
         };
         if cut == 0 {
             return Ok(None);
@@ -375,7 +384,7 @@ impl Stream {
         for (at, _) in &mut self.open {
             *at -= cut;
         }
-        self.resolved = (0, 0);
+        (self.cut, self.resolved) = (0, 0);
         Ok(Some(Chunk {
             actions,
             stashed: std::mem::take(&mut self.stashed),
@@ -404,6 +413,11 @@ struct RankSim {
 }
 
 impl RankSim {
+    /// Whether the rank took all its actions.
+    fn finished(&self) -> bool {
+        self.backwards == self.count && !self.step_due
+    }
+
     /// The microbatch of this rank's `k`-th forward (and backward), if it has that many.
     fn nth(&self, k: usize) -> Option<usize> {
         (k < self.count).then(|| self.replica + k * self.replicas)
@@ -461,7 +475,7 @@ impl Simulation {
     }
 
     fn done(&self) -> bool {
-        self.ranks.iter().all(|r| r.backwards == r.count && !r.step_due)
+        self.ranks.iter().all(RankSim::finished)
     }
 
     /// The actions `rank` took since last asked (none unless it is kept).
