@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use serde_json::Value;
 
+use crate::util::experiments::{trace_events, trace_steps};
 use crate::util::testbed::{self, text, Bed};
 use crate::util::{base_image, docker, Harness};
 
@@ -206,6 +207,26 @@ fn the_quickstart_runs_the_runtime_image_built_from_the_workspace() {
     h2.assert_no_containers();
 }
 
+/// Every one of the `ranks` of `h`'s run traced the two iterations after its warm-up on a host of
+/// the bed, and the record holds its trace, copied out of the container there.
+fn assert_traces_copied_out(h: &Harness, run: &crate::util::Run, ranks: usize) {
+    let (dir, summary) = h.summary();
+    let all: Vec<usize> = (0..ranks).collect();
+    assert_eq!(summary["traces"]["ranks"], serde_json::json!(all), "{summary}");
+    assert!(summary["traces"].get("missing").is_none(), "{summary}");
+    let names: Vec<String> = all.iter().map(|r| format!("rank-{r}.json")).collect();
+    let said = format!("driver: profiler traces {} in", names.join(", "));
+    assert!(run.stderr().contains(&said), "{}", run.stderr());
+    for name in &names {
+        let events = trace_events(&dir.join("traces").join(name));
+        assert_eq!(
+            trace_steps(&events),
+            ["ProfilerStep#1", "ProfilerStep#2"],
+            "{name}"
+        );
+    }
+}
+
 /// Puts this machine's base images on `host` as a user moves images without a registry:
 /// `docker save | ssh host docker load`, streamed.
 fn load_bases(host: &str) {
@@ -275,7 +296,9 @@ fn testbed_the_runtime_image_is_built_once_and_sent_to_every_host_that_lacks_it(
     assert!(!has_image(&bed, "th2", BASES[1]));
     no_containers(&bed);
 
-    // A pipeline whose stages sit on three hosts: th3 receives the image, nobody rebuilds.
+    // A pipeline whose stages sit on three hosts: th3 receives the image, nobody rebuilds. Each
+    // rank traces inside its container, and the driver copies every trace out over its host's
+    // engine API into the record.
     let h = Harness::new("tb-img-pipeline");
     std::fs::write(
         h.dir.path().join("mlp_3stage.json"),
@@ -284,13 +307,15 @@ fn testbed_the_runtime_image_is_built_once_and_sent_to_every_host_that_lacks_it(
     .unwrap();
     let exp = h.config(&mlp(
         "th1, th2, th3",
-        "config_file: mlp_3stage.json\nschedule: 1f1b\nmicrobatches: 2\ndistributed_backend: gloo\n",
+        "config_file: mlp_3stage.json\nschedule: 1f1b\nmicrobatches: 2\ndistributed_backend: gloo\n\
+         profiler_trace: true\n",
     ));
     let run = run_image(&h, &exp);
     assert_eq!(run.code(), 0, "{}", run.stderr());
     let (_, summary) = h.summary();
     assert_eq!(summary["status"], "succeeded", "{summary}");
     assert_eq!(summary["stages"].as_array().unwrap().len(), 3, "{summary}");
+    assert_traces_copied_out(&h, &run, 3);
     let facts = hosts(&h);
     for name in ["th1", "th2", "th3"] {
         assert_eq!(host(&facts, name)["image"], tag.as_str(), "{facts:?}");
@@ -303,7 +328,8 @@ fn testbed_the_runtime_image_is_built_once_and_sent_to_every_host_that_lacks_it(
     assert!(host(&facts, "th1")["image_received_from"].is_null(), "{facts:?}");
     no_containers(&bed);
 
-    // A hybrid: stage 0 replicated on th1 and th2, stage 1 on th3.
+    // A hybrid: stage 0 replicated on th1 and th2, stage 1 on th3, its ranks exec'd into one
+    // container a host, whose traces are copied out the same way.
     let h = Harness::new("tb-img-hybrid");
     std::fs::write(
         h.dir.path().join("mlp_hybrid.json"),
@@ -312,12 +338,14 @@ fn testbed_the_runtime_image_is_built_once_and_sent_to_every_host_that_lacks_it(
     .unwrap();
     let exp = h.config(&mlp(
         "th1, th2, th3",
-        "config_file: mlp_hybrid.json\nschedule: gpipe\nmicrobatches: 2\ndistributed_backend: gloo\n",
+        "config_file: mlp_hybrid.json\nschedule: gpipe\nmicrobatches: 2\ndistributed_backend: gloo\n\
+         profiler_trace: true\n",
     ));
-    let run = run_image(&h, &exp);
+    let run = h.run_image_mode(&exp, &["--launch-single-container"], BUILD_DEADLINE);
     assert_eq!(run.code(), 0, "{}", run.stderr());
     let (_, summary) = h.summary();
     assert_eq!(summary["status"], "succeeded", "{summary}");
+    assert_traces_copied_out(&h, &run, 3);
     no_containers(&bed);
 
     // A host that cannot reach the master port is named at preflight; nothing starts.
