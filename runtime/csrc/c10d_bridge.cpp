@@ -23,6 +23,7 @@
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -53,6 +54,20 @@ std::mutex& issue_mutex() {
   static std::mutex mutex;
   return mutex;
 }
+
+// What every call that issues an operation holds: the issue lock, and PyTorch's profiler kept
+// out. Under `--profiler-trace` a backend opens a profiler record ("gloo:recv", "nccl:send", ...)
+// when it issues an operation and closes it when the operation ends, on whatever thread and
+// whenever that is. The runtime posts receives ahead and lets sends and all-reduce buckets run on,
+// so operations issued while the profiler records may end after it stopped and freed what the
+// record points into. A rank died of "malloc(): ... corrupted" right after writing its trace in 2
+// of 60 two-rank runs that stopped tracing mid-run, and all 60 had left "gloo:recv" open. The
+// trace keeps the runtime's own `receive` and `sync` scopes, which time the waits on those
+// operations, and on a GPU CUPTI's kernels.
+struct Issuing {
+  std::lock_guard<std::mutex> lock{issue_mutex()};
+  at::DisableRecordFunctionGuard unrecorded;
+};
 
 void finish_work(sh_pg* pg, std::vector<c10::intrusive_ptr<c10d::Work>> works, sh_work** out) {
   for (const auto& work : works) {
@@ -219,7 +234,7 @@ void sh_pg_free(sh_pg* pg) {
 char* sh_pg_send(sh_pg* pg, const void* tensor, int64_t dst, int64_t tag, sh_work** out) {
   *out = nullptr;
   return guarded([&] {
-    std::lock_guard<std::mutex> issuing(issue_mutex());
+    Issuing issuing;
     std::vector<at::Tensor> tensors{*static_cast<const at::Tensor*>(tensor)};
     finish_work(
         pg, pg->backend->send(tensors, static_cast<int>(dst), static_cast<int>(tag)), out);
@@ -229,7 +244,7 @@ char* sh_pg_send(sh_pg* pg, const void* tensor, int64_t dst, int64_t tag, sh_wor
 char* sh_pg_recv(sh_pg* pg, void* tensor, int64_t src, int64_t tag, sh_work** out) {
   *out = nullptr;
   return guarded([&] {
-    std::lock_guard<std::mutex> issuing(issue_mutex());
+    Issuing issuing;
     std::vector<at::Tensor> tensors{*static_cast<at::Tensor*>(tensor)};
     finish_work(
         pg, pg->backend->recv(tensors, static_cast<int>(src), static_cast<int>(tag)), out);
@@ -242,7 +257,7 @@ char* sh_pg_recv(sh_pg* pg, void* tensor, int64_t src, int64_t tag, sh_work** ou
 char* sh_pg_all_reduce_sum(sh_pg* pg, const void* const* tensors, size_t n, sh_work** out) {
   *out = nullptr;
   return guarded([&] {
-    std::lock_guard<std::mutex> issuing(issue_mutex());
+    Issuing issuing;
     std::vector<std::vector<at::Tensor>> groups;
     for (size_t i = 0; i < n; ++i) {
       const auto& tensor = *static_cast<const at::Tensor*>(tensors[i]);
@@ -278,7 +293,7 @@ char* sh_pg_all_reduce_sum(sh_pg* pg, const void* const* tensors, size_t n, sh_w
 char* sh_pg_barrier(sh_pg* pg, sh_work** out) {
   *out = nullptr;
   return guarded([&] {
-    std::lock_guard<std::mutex> issuing(issue_mutex());
+    Issuing issuing;
     c10d::BarrierOptions opts;
     opts.timeout = pg->timeout;
     finish_work(pg, pg->backend->barrier(opts), out);
