@@ -208,16 +208,10 @@ impl Harness {
     pub fn spawn_ignoring_hangups(&self, config: &Path, args: &[&str]) -> Child {
         use std::os::unix::process::CommandExt;
         let mut cmd = self.command(config, args);
-        // SAFETY: between fork and exec only the async-signal-safe sigaction runs.
+        // SAFETY: between fork and exec only the async-signal-safe sigaction runs; it runs after
+        // `driver_command`'s, so hang-ups end up ignored.
         unsafe {
-            cmd.pre_exec(|| {
-                nix::sys::signal::signal(
-                    nix::sys::signal::Signal::SIGHUP,
-                    nix::sys::signal::SigHandler::SigIgn,
-                )
-                .map(|_| ())
-                .map_err(std::io::Error::from)
-            });
+            cmd.pre_exec(|| set_hangups(nix::sys::signal::SigHandler::SigIgn));
         }
         cmd.spawn().expect("start driver")
     }
@@ -310,8 +304,17 @@ impl Harness {
         self.driver_command(args).spawn().expect("start driver")
     }
 
+    /// The driver with SIGHUP at its default, as a terminal starts it, whatever this test process
+    /// inherited: under `nohup scripts/test` every child would otherwise start with hang-ups
+    /// ignored, and a driver so started rightly runs on through one (the tests that send it
+    /// SIGHUP would fail). [`Harness::spawn_ignoring_hangups`] ignores them again on purpose.
     fn driver_command(&self, args: &[&std::ffi::OsStr]) -> Command {
+        use std::os::unix::process::CommandExt;
         let mut cmd = Command::new(DRIVER);
+        // SAFETY: between fork and exec only the async-signal-safe sigaction runs.
+        unsafe {
+            cmd.pre_exec(|| set_hangups(nix::sys::signal::SigHandler::SigDfl));
+        }
         if !crate::USES_DOCKER {
             // The `local` binary's tests prove on every run that they need no engine.
             cmd.env("DOCKER_HOST", "unix:///nonexistent.sock");
@@ -545,6 +548,14 @@ fn wait_or_explain(mut child: Child, deadline: Duration, explain: impl Fn() -> S
         }
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+/// Sets this process's SIGHUP disposition (in a child between fork and exec).
+fn set_hangups(handler: nix::sys::signal::SigHandler) -> std::io::Result<()> {
+    // SAFETY: SIG_DFL and SIG_IGN install no handler code.
+    unsafe { nix::sys::signal::signal(nix::sys::signal::Signal::SIGHUP, handler) }
+        .map(|_| ())
+        .map_err(std::io::Error::from)
 }
 
 /// Kills process `pid` with SIGKILL, as the kernel's OOM killer would end it.
