@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use serde_json::Value;
 
-use crate::util::experiments::{trace_events, trace_steps};
+use crate::util::experiments::{assert_every_trace_kept, assert_ranks_traced_steps_1_and_2};
 use crate::util::testbed::{self, text, Bed};
 use crate::util::{base_image, docker, Harness};
 
@@ -211,20 +211,8 @@ fn the_quickstart_runs_the_runtime_image_built_from_the_workspace() {
 /// the bed, and the record holds its trace, copied out of the container there.
 fn assert_traces_copied_out(h: &Harness, run: &crate::util::Run, ranks: usize) {
     let (dir, summary) = h.summary();
-    let all: Vec<usize> = (0..ranks).collect();
-    assert_eq!(summary["traces"]["ranks"], serde_json::json!(all), "{summary}");
-    assert!(summary["traces"].get("missing").is_none(), "{summary}");
-    let names: Vec<String> = all.iter().map(|r| format!("rank-{r}.json")).collect();
-    let said = format!("driver: profiler traces {} in", names.join(", "));
-    assert!(run.stderr().contains(&said), "{}", run.stderr());
-    for name in &names {
-        let events = trace_events(&dir.join("traces").join(name));
-        assert_eq!(
-            trace_steps(&events),
-            ["ProfilerStep#1", "ProfilerStep#2"],
-            "{name}"
-        );
-    }
+    assert_every_trace_kept(&summary, &run.stderr(), ranks);
+    assert_ranks_traced_steps_1_and_2(&dir, ranks);
 }
 
 /// Puts this machine's base images on `host` as a user moves images without a registry:

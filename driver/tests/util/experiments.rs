@@ -508,14 +508,7 @@ pub fn check_traces_kept(h: &Harness, run: &Run) {
     assert_eq!(run.code(), 0, "{}", run.stderr());
     let (dir, summary) = h.summary();
     assert_eq!(summary["traces"]["dir"], "traces", "{summary}");
-    assert_eq!(summary["traces"]["ranks"], serde_json::json!([0, 1]), "{summary}");
-    assert!(summary["traces"].get("missing").is_none(), "{summary}");
-    assert!(
-        run.stderr()
-            .contains("driver: profiler traces rank-0.json, rank-1.json in"),
-        "{}",
-        run.stderr()
-    );
+    assert_every_trace_kept(&summary, &run.stderr(), 2);
     // Each rank's lines of the traced iterations say the profiler slowed them; none being left
     // after the warm-up, the record measures them.
     let mut profiled = BTreeSet::new();
@@ -534,7 +527,7 @@ pub fn check_traces_kept(h: &Harness, run: &Run) {
         "(rank, iteration) said profiled"
     );
     assert_eq!(summary["throughput"]["iterations_measured"], 2, "{summary}");
-    for (rank, events) in assert_both_ranks_traced_steps_1_and_2(&dir).iter().enumerate() {
+    for (rank, events) in assert_ranks_traced_steps_1_and_2(&dir, 2).iter().enumerate() {
         let named = |name: &str| {
             events
                 .iter()
@@ -598,19 +591,25 @@ pub fn a_failed_runs_traces_are_kept(h: &Harness, backend: &str, kill: impl Fn(&
     let summary = json(&record.join("summary.json"));
     assert_eq!(summary["status"], "failed", "{summary}");
     assert_eq!(summary["failure"]["cause"]["kind"], "rank_failed", "{summary}");
-    assert_eq!(summary["traces"]["ranks"], serde_json::json!([0, 1]), "{summary}");
-    assert!(summary["traces"].get("missing").is_none(), "{summary}");
-    assert!(
-        stderr.contains("driver: profiler traces rank-0.json, rank-1.json in"),
-        "{stderr}"
-    );
-    assert_both_ranks_traced_steps_1_and_2(&record);
+    assert_every_trace_kept(&summary, &stderr, 2);
+    assert_ranks_traced_steps_1_and_2(&record, 2);
 }
 
-/// Each of the two ranks' traces in `record` holds iterations 1 and 2: the two after the
+/// The run's `summary` lists a trace for each of its first `ranks` ranks and none missing, and the
+/// driver's `stderr` named every one of them.
+pub fn assert_every_trace_kept(summary: &Value, stderr: &str, ranks: usize) {
+    let all: Vec<usize> = (0..ranks).collect();
+    assert_eq!(summary["traces"]["ranks"], serde_json::json!(all), "{summary}");
+    assert!(summary["traces"].get("missing").is_none(), "{summary}");
+    let names: Vec<String> = all.iter().map(|r| format!("rank-{r}.json")).collect();
+    let said = format!("driver: profiler traces {} in", names.join(", "));
+    assert!(stderr.contains(&said), "{stderr}");
+}
+
+/// Each of the first `ranks` ranks' traces in `record` holds iterations 1 and 2: the two after the
 /// runtime's one-iteration warm-up. Returns each rank's events.
-pub fn assert_both_ranks_traced_steps_1_and_2(record: &Path) -> Vec<Vec<Value>> {
-    (0..2)
+pub fn assert_ranks_traced_steps_1_and_2(record: &Path, ranks: usize) -> Vec<Vec<Value>> {
+    (0..ranks)
         .map(|rank| {
             let events = trace_events(&record.join(format!("traces/rank-{rank}.json")));
             assert_eq!(
