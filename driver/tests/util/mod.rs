@@ -468,14 +468,33 @@ const STOP_GRACE: Duration = Duration::from_secs(60);
 /// Waits for a child; past the deadline it is interrupted (killed if that does not stop it) and
 /// the test fails.
 pub fn wait_with_deadline(child: Child, deadline: Duration) -> Output {
-    wait_or_explain(child, deadline, String::new)
+    wait_or_explain(child, |waited| {
+        (waited > deadline).then(|| format!("did not finish within {deadline:?}"))
+    })
 }
 
-/// [`wait_with_deadline`] for the driver of the run recorded in `record`; past the deadline the
-/// failure also says how far each rank got and when it last reported, so a run that crawls reads
-/// apart from one that hangs.
-pub fn wait_for_recorded_run(child: Child, deadline: Duration, record: &Path) -> Output {
-    wait_or_explain(child, deadline, || progress(record))
+/// How long [`wait_for_recorded_run`] waits for a run that keeps reporting.
+const CRAWL_LIMIT: Duration = Duration::from_secs(900);
+
+/// Waits for the driver of the run recorded in `record`, for as long as its ranks keep writing
+/// metrics: it gives up (as [`wait_with_deadline`] does) once `metrics.jsonl` has been quiet for
+/// `quiet`, or after [`CRAWL_LIMIT`]. A run that hangs fails as soon as it goes quiet, while one
+/// that only crawls on a busy machine (a `slowdown:` factor stretches every stall the scheduler
+/// adds to a rank's compute) is let finish. The failure says how far each rank got and when it
+/// last reported.
+pub fn wait_for_recorded_run(child: Child, quiet: Duration, record: &Path) -> Output {
+    let metrics = record.join("metrics.jsonl");
+    wait_or_explain(child, |waited| {
+        let silent = quiet_for(&metrics).map_or(waited, |since| since.min(waited));
+        let why = if silent > quiet {
+            format!("went quiet: no metrics for {quiet:?}")
+        } else if waited > CRAWL_LIMIT {
+            format!("did not finish within {CRAWL_LIMIT:?}")
+        } else {
+            return None;
+        };
+        Some(format!("{why}{}", progress(record)))
+    })
 }
 
 /// Each rank's starts and last iteration in the record's metrics.jsonl, and how long ago the
@@ -504,27 +523,32 @@ fn progress(record: &Path) -> String {
             None => format!("rank {rank}: {starts} start(s), no iteration"),
         })
         .collect();
-    let quiet = std::fs::metadata(&metrics)
-        .and_then(|m| m.modified())
-        .ok()
-        .and_then(|t| t.elapsed().ok())
-        .map_or("never written".to_string(), |d| {
-            format!("last written {d:.0?} ago")
-        });
+    let quiet = quiet_for(&metrics).map_or("never written".to_string(), |d| {
+        format!("last written {d:.0?} ago")
+    });
     format!(
         " (the ranks' progress: {}; metrics.jsonl {quiet})",
         said.join("; ")
     )
 }
 
-fn wait_or_explain(mut child: Child, deadline: Duration, explain: impl Fn() -> String) -> Output {
+/// How long ago `file` was last written; `None` if it was never written.
+fn quiet_for(file: &Path) -> Option<Duration> {
+    std::fs::metadata(file)
+        .and_then(|m| m.modified())
+        .ok()
+        .and_then(|t| t.elapsed().ok())
+}
+
+/// Waits for `child` until `overdue`, given how long it has waited, says why it gives up; then
+/// the child is interrupted (killed if that does not stop it) and the test fails with the reason.
+fn wait_or_explain(mut child: Child, overdue: impl Fn(Duration) -> Option<String>) -> Output {
     let start = Instant::now();
     loop {
         if child.try_wait().expect("wait").is_some() {
             return child.wait_with_output().expect("output");
         }
-        if start.elapsed() > deadline {
-            let progress = explain();
+        if let Some(why) = overdue(start.elapsed()) {
             // Ctrl-C first, so the driver stops its ranks, cancels its Slurm job and writes its
             // record: a hung run must not leave work behind that holds up the tests after it
             // (Slurm's one node), and its stderr then says how far it got.
@@ -542,7 +566,7 @@ fn wait_or_explain(mut child: Child, deadline: Duration, explain: impl Fn() -> S
             };
             let out = child.wait_with_output().expect("output");
             panic!(
-                "driver did not finish within {deadline:?}{progress}; {stopped}; stderr:\n{}",
+                "driver {why}; {stopped}; stderr:\n{}",
                 String::from_utf8_lossy(&out.stderr)
             );
         }
