@@ -472,7 +472,9 @@ impl From<Reduce> for String {
 }
 
 /// One `slowdown:` entry: the rank, or the machine (every rank on it), whose compute takes
-/// `factor` times as long. A rank's own entry wins over its machine's.
+/// `factor` times as long. A rank's own entry wins over its machine's. The rank sleeps `factor - 1`
+/// times what each forward, backward and step took, so on a loaded host the time it spent
+/// waiting for a CPU is stretched as well.
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Slowdown {
