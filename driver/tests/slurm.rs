@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 use crate::util::experiments::{
-    assert_every_trace_kept, assert_ranks_traced_steps_1_and_2, wait_for_a_checkpoint_of_both_ranks,
-    KILLABLE_AFTER_A_CHECKPOINT,
+    assert_every_trace_kept, assert_ranks_traced_steps_1_and_2, assert_restarted_once_from_a_checkpoint,
+    wait_for_a_checkpoint_of_both_ranks, KILLABLE_AFTER_A_CHECKPOINT,
 };
 use crate::util::{
     assert_rank_0_killed_for_memory, interrupt, kill_hard, runtime, wait_for_record, wait_for_recorded_run,
@@ -304,21 +304,7 @@ fn a_killed_task_restarts_as_a_new_job_from_its_checkpoint() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(0), "{stderr}");
     let (_, summary) = h.summary();
-    assert_eq!(summary["status"], "succeeded", "{summary}");
-    assert_eq!(summary["iterations_done"], 30, "{summary}");
-    let restarts = summary["restarts"].as_array().expect("the restart is recorded");
-    assert_eq!(restarts.len(), 1, "{summary}");
-    assert_eq!(
-        restarts[0]["failure"]["cause"]["kind"], "rank_failed",
-        "{summary}"
-    );
-    let resumed = restarts[0]["resume_from"]
-        .as_u64()
-        .expect("resumed from a checkpoint");
-    assert!(
-        resumed >= 5 && resumed.is_multiple_of(5) && resumed < 30,
-        "{summary}"
-    );
+    assert_restarted_once_from_a_checkpoint(&summary, 30);
     let second_job = summary["slurm_job"]["job_id"].as_u64().unwrap();
     assert_ne!(second_job, first_job, "{summary}");
     assert!(

@@ -406,26 +406,13 @@ pub fn a_killed_rank_restarts_from_its_checkpoint(h: &Harness, backend: &str, ki
     assert_eq!(out.status.code(), Some(0), "{stderr}");
 
     let summary = json(&record.join("summary.json"));
-    assert_eq!(summary["status"], "succeeded", "{summary}");
-    assert!(summary["failure"].is_null(), "{summary}");
-    let restarts = summary["restarts"].as_array().expect("the restart is recorded");
-    assert_eq!(restarts.len(), 1, "{summary}");
-    let cause = &restarts[0]["failure"]["cause"];
-    assert_eq!(cause["kind"], "rank_failed", "{summary}");
-    let resumed = restarts[0]["resume_from"]
-        .as_u64()
-        .expect("resumed from a checkpoint");
-    assert!(
-        resumed >= 5 && resumed.is_multiple_of(5) && resumed < 30,
-        "{summary}"
-    );
+    let resumed = assert_restarted_once_from_a_checkpoint(&summary, 30);
     assert!(
         stderr.contains(&format!(
             "starting every rank again, from their checkpoints of {resumed} iterations done; restart 1 of 1"
         )),
         "{stderr}"
     );
-    assert_eq!(summary["iterations_done"], 30, "{summary}");
     for r in summary["ranks"].as_array().unwrap() {
         assert_eq!(r["exit_code"], 0, "the second start's ranks: {r}");
     }
@@ -557,6 +544,27 @@ pub fn check_traces_kept(h: &Harness, run: &Run) {
     let header = text.lines().find(|l| l.contains("rank-0")).unwrap_or_default();
     assert!(header.contains("rank-1"), "a column per rank:\n{text}");
     assert!(text.contains("forward") && text.contains("backward"), "{text}");
+}
+
+/// The run `summary` records succeeded with all its `iterations` after one restart, for a rank
+/// that failed, from a checkpoint (`checkpoint_every: 5`) written before its end; returns the
+/// iteration it resumed from.
+pub fn assert_restarted_once_from_a_checkpoint(summary: &Value, iterations: u64) -> u64 {
+    assert_eq!(summary["status"], "succeeded", "{summary}");
+    assert!(summary["failure"].is_null(), "{summary}");
+    assert_eq!(summary["iterations_done"], iterations, "{summary}");
+    let restarts = summary["restarts"].as_array().expect("the restart is recorded");
+    assert_eq!(restarts.len(), 1, "{summary}");
+    let cause = &restarts[0]["failure"]["cause"];
+    assert_eq!(cause["kind"], "rank_failed", "{summary}");
+    let resumed = restarts[0]["resume_from"]
+        .as_u64()
+        .expect("resumed from a checkpoint");
+    assert!(
+        resumed >= 5 && resumed.is_multiple_of(5) && resumed < iterations,
+        "{summary}"
+    );
+    resumed
 }
 
 /// A two-stage pipeline tracing 2 iterations (`profiler_steps: 2`) of many more, whose rank 1
