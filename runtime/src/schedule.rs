@@ -12,7 +12,7 @@
 //! flushes; `0..microbatches` per iteration for GPipe and 1F1B). At stage `s` with replica ranks
 //! `R_s`, microbatch `g` runs on replica `g % |R_s|` (PipeDream's round-robin).
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::fmt;
 
 use stagehand_contract::StagePlan;
@@ -404,8 +404,6 @@ struct RankSim {
     count: usize,
     forwards: usize,
     backwards: usize,
-    /// Steps taken (PipeDream steps after each backward).
-    steps: usize,
     /// A step is owed after the last backward (PipeDream).
     step_due: bool,
     /// This rank's actions not taken yet, when they are kept.
@@ -437,6 +435,9 @@ struct Simulation {
     /// Completion time of each (stage, microbatch) backward, until the previous stage's.
     bwd_done: HashMap<(usize, usize), usize>,
     time: usize,
+    /// Per rank, whether the PipeDream step it owes may be taken in this time step (refilled by
+    /// each [`advance`](Self::advance), kept to reuse its allocation).
+    step_ready: Vec<bool>,
 }
 
 impl Simulation {
@@ -458,7 +459,6 @@ impl Simulation {
                     count: microbatches.saturating_sub(replica).div_ceil(replicas),
                     forwards: 0,
                     backwards: 0,
-                    steps: 0,
                     step_due: false,
                     actions: kept.contains(&rank).then(Vec::new),
                 }
@@ -471,6 +471,7 @@ impl Simulation {
             fwd_done: HashMap::new(),
             bwd_done: HashMap::new(),
             time: 0,
+            step_ready: Vec::new(),
         }
     }
 
@@ -494,21 +495,23 @@ impl Simulation {
         let (plan, schedule, time) = (&self.plan, self.schedule, self.time);
         let stages = plan.stages.len();
         let mut progressed = false;
-        // Ranks owing a PipeDream step wait until every replica of their stage owes the same step.
-        let mut step_ready: BTreeMap<(usize, usize), bool> = BTreeMap::new();
-        for r in &self.ranks {
-            let entry = step_ready.entry((r.stage, r.steps)).or_insert(true);
-            *entry &= r.step_due;
-        }
+        // A PipeDream step is a collective among a stage's replicas: a rank owing one waits until
+        // every replica owes it too (`validate` gives them equal shares, so they step in lockstep).
+        let ranks = &self.ranks;
+        self.step_ready.clear();
+        self.step_ready.extend(
+            ranks
+                .iter()
+                .map(|r| r.step_due && plan.stages[r.stage].ranks.iter().all(|&q| ranks[q].step_due)),
+        );
         let mut finished = Vec::new();
-        for r in self.ranks.iter_mut() {
+        for (r, &step_ready) in self.ranks.iter_mut().zip(&self.step_ready) {
             let s = r.stage;
             if r.step_due {
-                if step_ready[&(s, r.steps)] {
+                if step_ready {
                     if let Some(actions) = &mut r.actions {
                         actions.push(Action::Step);
                     }
-                    r.steps += 1;
                     r.step_due = false;
                     progressed = true;
                 }
