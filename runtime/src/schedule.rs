@@ -435,9 +435,6 @@ struct Simulation {
     /// Completion time of each (stage, microbatch) backward, until the previous stage's.
     bwd_done: HashMap<(usize, usize), usize>,
     time: usize,
-    /// Per rank, whether the PipeDream step it owes may be taken in this time step (refilled by
-    /// each [`advance`](Self::advance), kept to reuse its allocation).
-    step_ready: Vec<bool>,
 }
 
 impl Simulation {
@@ -471,7 +468,6 @@ impl Simulation {
             fwd_done: HashMap::new(),
             bwd_done: HashMap::new(),
             time: 0,
-            step_ready: Vec::new(),
         }
     }
 
@@ -495,20 +491,18 @@ impl Simulation {
         let (plan, schedule, time) = (&self.plan, self.schedule, self.time);
         let stages = plan.stages.len();
         let mut progressed = false;
-        // A PipeDream step is a collective among a stage's replicas: a rank owing one waits until
-        // every replica owes it too (`validate` gives them equal shares, so they step in lockstep).
-        let ranks = &self.ranks;
-        self.step_ready.clear();
-        self.step_ready.extend(
-            ranks
-                .iter()
-                .map(|r| r.step_due && plan.stages[r.stage].ranks.iter().all(|&q| ranks[q].step_due)),
-        );
+        // A PipeDream step is a collective among a stage's replicas: per stage, whether every
+        // replica owes one (`validate` gives them equal shares, so they step in lockstep).
+        let stage_steps: Vec<bool> = plan
+            .stages
+            .iter()
+            .map(|stage| stage.ranks.iter().all(|&q| self.ranks[q].step_due))
+            .collect();
         let mut finished = Vec::new();
-        for (r, &step_ready) in self.ranks.iter_mut().zip(&self.step_ready) {
+        for r in self.ranks.iter_mut() {
             let s = r.stage;
             if r.step_due {
-                if step_ready {
+                if stage_steps[s] {
                     if let Some(actions) = &mut r.actions {
                         actions.push(Action::Step);
                     }
