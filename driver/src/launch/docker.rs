@@ -611,18 +611,36 @@ async fn exec_refused(
 }
 
 /// How container `id` ended, if it has: its exit code and last log line, as the error of the
-/// ranks that were to run in it. `None` while it runs or when the engine cannot say.
+/// ranks that were to run in it. `None` while it runs, once it is gone, or when the engine
+/// cannot say.
 async fn exited(host: &Host, id: &str) -> Option<LaunchError> {
+    match container_state(host, id).await {
+        ContainerState::Exited(error) => Some(error),
+        ContainerState::Running | ContainerState::Unknown => None,
+    }
+}
+
+/// What the engine says of a container: still running, ended (how), or nothing it can say (it
+/// is gone, or the engine does not answer).
+enum ContainerState {
+    Running,
+    Exited(LaunchError),
+    Unknown,
+}
+
+/// The state of container `id`, with its exit code and last log line once it has ended.
+async fn container_state(host: &Host, id: &str) -> ContainerState {
     let inspected = host
         .docker
         .inspect_container(id, None::<bollard::query_parameters::InspectContainerOptions>);
-    let state = tokio::time::timeout(Duration::from_secs(10), inspected)
+    let Ok(Ok(Some(state))) = tokio::time::timeout(Duration::from_secs(10), inspected)
         .await
-        .ok()?
-        .ok()?
-        .state?;
+        .map(|r| r.map(|c| c.state))
+    else {
+        return ContainerState::Unknown;
+    };
     if state.running != Some(false) {
-        return None;
+        return ContainerState::Running;
     }
     let options = LogsOptionsBuilder::default()
         .stdout(true)
@@ -637,7 +655,7 @@ async fn exited(host: &Host, id: &str) -> Option<LaunchError> {
         }
     };
     let _ = tokio::time::timeout(Duration::from_secs(10), read).await;
-    Some(LaunchError::ContainerExited {
+    ContainerState::Exited(LaunchError::ContainerExited {
         host: host.name.clone(),
         code: state.exit_code.unwrap_or(-1),
         last: last_line(&text).to_string(),
@@ -742,17 +760,19 @@ async fn follow_exec(
     }
     // A rank that could not run (126, 127, or no code) in a container whose guard could not run
     // either (no /bin/sh): that is the reason, whichever way the engine reported the exec
-    // (refused inside, gone). The container may take a moment to be seen stopped.
+    // (refused inside, or gone: the engine drops a container's execs when it stops, so an exec
+    // not found is not only one the driver removed). The container may take a moment to be seen
+    // stopped; one that is gone was removed, and says nothing more.
     if matches!(
         event,
         Event::RankExited {
             exit_code: None | Some(126 | 127),
             ..
-        }
+        } | Event::RankRemoved { .. }
     ) {
         for _ in 0..10 {
-            match exited(&host, &container).await {
-                Some(ended @ LaunchError::ContainerExited { code: 126 | 127, .. }) => {
+            match container_state(&host, &container).await {
+                ContainerState::Exited(ended @ LaunchError::ContainerExited { code: 126 | 127, .. }) => {
                     let _ = tx.send(Event::LineLogged {
                         rank,
                         stream: Stream::Stderr,
@@ -760,8 +780,8 @@ async fn follow_exec(
                     });
                     break;
                 }
-                Some(_) => break,
-                None => tokio::time::sleep(Duration::from_millis(100)).await,
+                ContainerState::Exited(_) | ContainerState::Unknown => break,
+                ContainerState::Running => tokio::time::sleep(Duration::from_millis(100)).await,
             }
         }
     }
@@ -1164,6 +1184,150 @@ mod tests {
             &[]
         ));
         assert!(!wants_cuda(&argv("runtime --devices cpu,cpu"), &[]));
+    }
+
+    /// Removes a test's containers and image from the local engine when dropped, passed or not.
+    struct Leftovers {
+        image: String,
+        containers: Vec<String>,
+    }
+
+    impl Drop for Leftovers {
+        fn drop(&mut self) {
+            for id in &self.containers {
+                let _ = std::process::Command::new("docker")
+                    .args(["rm", "-f", id])
+                    .output();
+            }
+            let _ = std::process::Command::new("docker")
+                .args(["rmi", "-f", &self.image])
+                .output();
+        }
+    }
+
+    /// The local engine as a host of the experiment.
+    async fn local_host() -> Host {
+        let docker = bollard::Docker::connect_with_local_defaults()
+            .unwrap()
+            .negotiate_version()
+            .await
+            .unwrap();
+        let machine = crate::config::Machine {
+            host: "localhost".into(),
+            user: None,
+            port: None,
+            identity_file: None,
+            gpus: Vec::new(),
+            host_key_check: Default::default(),
+            docker_socket: None,
+        };
+        Host {
+            name: "localhost".into(),
+            plan: crate::experiment::HostSpec {
+                name: "localhost".into(),
+                machine,
+                ranks: vec![0, 1],
+                gpus: Vec::new(),
+            },
+            docker,
+            image: String::new(),
+            arch: String::new(),
+            mounts: Vec::new(),
+            copies: Vec::new(),
+            infiniband: false,
+            _tunnel: None,
+        }
+    }
+
+    /// What [`follow_exec`] reports of exec `exec` in `container`, which has no output.
+    async fn followed(host: &Host, container: &str, exec: &str) -> Vec<Event> {
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let output = futures_util::stream::empty::<Result<LogOutput, DockerError>>();
+        follow_exec(host.clone(), container.into(), exec.into(), output, 1, tx).await;
+        let mut events = Vec::new();
+        while let Ok(event) = rx.try_recv() {
+            events.push(event);
+        }
+        events
+    }
+
+    /// The engine drops a container's execs when the container stops, so a rank whose exec is
+    /// gone was not necessarily removed by the driver: in a container that could not run (an
+    /// image without `/bin/sh`) the rank's log says so before its end is reported, whichever
+    /// rank the engine tells first. A container that is gone says nothing more. Against the
+    /// real engine, with an image of one file.
+    #[tokio::test]
+    async fn a_rank_whose_exec_went_with_a_container_that_could_not_run_says_why() {
+        let host = local_host().await;
+        let mut left = Leftovers {
+            image: format!("stagehand-unit-no-shell:{}", std::process::id()),
+            containers: Vec::new(),
+        };
+        let mut tar = tar::Builder::new(Vec::new());
+        let mut header = tar::Header::new_gnu();
+        header.set_size(6);
+        header.set_mode(0o644);
+        header.set_cksum();
+        tar.append_data(&mut header, "hello", &b"hello\n"[..]).unwrap();
+        let options = bollard::query_parameters::CreateImageOptionsBuilder::default()
+            .from_src("-")
+            .repo(&left.image)
+            .build();
+        let tar = bollard::body_full(tar.into_inner().unwrap().into());
+        let mut import = host.docker.create_image(Some(options), Some(tar), None);
+        while let Some(reply) = import.next().await {
+            reply.unwrap();
+        }
+        let body = ContainerCreateBody {
+            image: Some(left.image.clone()),
+            cmd: Some(vec!["/bin/sh".into()]),
+            ..Default::default()
+        };
+        let container = host
+            .docker
+            .create_container(None::<bollard::query_parameters::CreateContainerOptions>, body)
+            .await
+            .unwrap()
+            .id;
+        left.containers.push(container.clone());
+        let refused = host
+            .docker
+            .start_container(
+                &container,
+                None::<bollard::query_parameters::StartContainerOptions>,
+            )
+            .await;
+        assert!(refused.is_err(), "an image without /bin/sh cannot start it");
+
+        let events = followed(&host, &container, "an-exec-the-engine-dropped").await;
+        let [Event::LineLogged {
+            rank: 1,
+            stream: Stream::Stderr,
+            line,
+        }, Event::RankRemoved { rank: 1 }] = events.as_slice()
+        else {
+            panic!("{events:?}");
+        };
+        assert!(
+            line.starts_with(
+                "driver: the container for the ranks on localhost exited with code 127 before they \
+                 could start: a command was not found"
+            ),
+            "{line}"
+        );
+
+        host.docker
+            .remove_container(
+                &container,
+                None::<bollard::query_parameters::RemoveContainerOptions>,
+            )
+            .await
+            .unwrap();
+        let events = followed(&host, &container, "an-exec-the-engine-dropped").await;
+        assert!(
+            matches!(events.as_slice(), [Event::RankRemoved { rank: 1 }]),
+            "{events:?}"
+        );
     }
 }
 
