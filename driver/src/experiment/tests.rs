@@ -545,15 +545,7 @@ fn auto_networks_follow_the_machines() {
             .enumerate()
             .map(|(i, &n)| HostSpec {
                 name: format!("h{i}"),
-                machine: Machine {
-                    host: format!("h{i}"),
-                    user: None,
-                    port: None,
-                    identity_file: None,
-                    gpus: Vec::new(),
-                    host_key_check: Default::default(),
-                    docker_socket: None,
-                },
+                machine: Machine::placeholder(format!("h{i}")),
                 ranks: (0..n).collect(),
                 gpus: Vec::new(),
             })

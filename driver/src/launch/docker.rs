@@ -1212,20 +1212,11 @@ mod tests {
             .negotiate_version()
             .await
             .unwrap();
-        let machine = crate::config::Machine {
-            host: "localhost".into(),
-            user: None,
-            port: None,
-            identity_file: None,
-            gpus: Vec::new(),
-            host_key_check: Default::default(),
-            docker_socket: None,
-        };
         Host {
             name: "localhost".into(),
             plan: crate::experiment::HostSpec {
                 name: "localhost".into(),
-                machine,
+                machine: crate::config::Machine::placeholder("localhost".into()),
                 ranks: vec![0, 1],
                 gpus: Vec::new(),
             },
