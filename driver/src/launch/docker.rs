@@ -600,9 +600,9 @@ async fn exec_refused(
     action: &'static str,
     source: DockerError,
 ) -> LaunchError {
-    match exited(host, container).await {
-        Some(error) => error,
-        None => LaunchError::from(HostError::Docker {
+    match container_state(host, container).await {
+        ContainerState::Exited(error) => error,
+        ContainerState::Running | ContainerState::Unknown => LaunchError::from(HostError::Docker {
             host: host.name.clone(),
             action,
             source,
@@ -610,18 +610,8 @@ async fn exec_refused(
     }
 }
 
-/// How container `id` ended, if it has: its exit code and last log line, as the error of the
-/// ranks that were to run in it. `None` while it runs, once it is gone, or when the engine
-/// cannot say.
-async fn exited(host: &Host, id: &str) -> Option<LaunchError> {
-    match container_state(host, id).await {
-        ContainerState::Exited(error) => Some(error),
-        ContainerState::Running | ContainerState::Unknown => None,
-    }
-}
-
-/// What the engine says of a container: still running, ended (how), or nothing it can say (it
-/// is gone, or the engine does not answer).
+/// What the engine says of a container: still running, ended (how, as the error of the ranks
+/// that were to run in it), or nothing it can say (it is gone, or the engine does not answer).
 enum ContainerState {
     Running,
     Exited(LaunchError),
