@@ -7,7 +7,10 @@ use std::time::Duration;
 
 use serde_json::Value;
 
-use crate::util::experiments::{assert_every_trace_kept, assert_ranks_traced_steps_1_and_2};
+use crate::util::experiments::{
+    a_rank_killed_after_tracing_leaves_every_trace, assert_every_trace_kept,
+    assert_ranks_traced_steps_1_and_2, traced_until_killed,
+};
 use crate::util::testbed::{self, text, Bed};
 use crate::util::{base_image, docker, Harness};
 
@@ -145,6 +148,21 @@ fn mlp(machines: &str, extra: &str) -> String {
          optimizer: sgd\nseed: 0\ndevice: cpu\nthreads: 1\ndata_dir: synthetic\n\
          env: {{OMP_NUM_THREADS: '1'}}\n{extra}"
     )
+}
+
+/// The quickstart's MLP as a traced pipeline of three single-rank stages on th1, th2 and th3,
+/// under 1F1B.
+fn traced_three_host_pipeline(h: &Harness) -> std::path::PathBuf {
+    std::fs::write(
+        h.dir.path().join("mlp_3stage.json"),
+        r#"{"module_to_stage_map": [0,0,1,1,2,2], "stage_to_rank_map": {"0": [0], "1": [1], "2": [2]}}"#,
+    )
+    .unwrap();
+    h.config(&mlp(
+        "th1, th2, th3",
+        "config_file: mlp_3stage.json\nschedule: 1f1b\nmicrobatches: 2\ndistributed_backend: gloo\n\
+         profiler_trace: true\n",
+    ))
 }
 
 /// Holds the test bed's lock: a build of the runtime image takes both cores, so this test's build
@@ -288,16 +306,7 @@ fn testbed_the_runtime_image_is_built_once_and_sent_to_every_host_that_lacks_it(
     // rank traces inside its container, and the driver copies every trace out over its host's
     // engine API into the record.
     let h = Harness::new("tb-img-pipeline");
-    std::fs::write(
-        h.dir.path().join("mlp_3stage.json"),
-        r#"{"module_to_stage_map": [0,0,1,1,2,2], "stage_to_rank_map": {"0": [0], "1": [1], "2": [2]}}"#,
-    )
-    .unwrap();
-    let exp = h.config(&mlp(
-        "th1, th2, th3",
-        "config_file: mlp_3stage.json\nschedule: 1f1b\nmicrobatches: 2\ndistributed_backend: gloo\n\
-         profiler_trace: true\n",
-    ));
+    let exp = traced_three_host_pipeline(&h);
     let run = run_image(&h, &exp);
     assert_eq!(run.code(), 0, "{}", run.stderr());
     let (_, summary) = h.summary();
@@ -334,6 +343,19 @@ fn testbed_the_runtime_image_is_built_once_and_sent_to_every_host_that_lacks_it(
     let (_, summary) = h.summary();
     assert_eq!(summary["status"], "succeeded", "{summary}");
     assert_traces_copied_out(&h, &run, 3);
+    no_containers(&bed);
+
+    // The pipeline again, its rank on th2 killed (its container, over th2's engine) once every
+    // rank wrote its trace: the run fails, and the driver, having stopped the other
+    // hosts' containers, copies each trace out of its stopped container before removing it.
+    let h = Harness::new("tb-img-failed");
+    let exp = traced_until_killed(&traced_three_host_pipeline(&h));
+    let driver = h.spawn_image_mode(&exp, &[]);
+    a_rank_killed_after_tracing_leaves_every_trace(driver, &h.records(), 3, |rank| {
+        assert_eq!(rank["host"], "th2", "{rank}");
+        let container = rank["handle"].as_str().expect("rank 1 started");
+        bed.ssh_ok("th2", &format!("docker kill {container}"));
+    });
     no_containers(&bed);
 
     // A host that cannot reach the master port is named at preflight; nothing starts.

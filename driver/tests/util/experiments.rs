@@ -3,6 +3,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
+use std::process::Child;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
@@ -573,34 +574,51 @@ pub fn assert_restarted_once_from_a_checkpoint(summary: &Value, iterations: u64)
 /// too (a container's copied out of it before it is removed).
 pub fn a_failed_runs_traces_are_kept(h: &Harness, backend: &str, kill: impl Fn(&str)) {
     let runtime = runtime();
-    let config = traced(&two_stage_mlp(h, backend));
-    let text = std::fs::read_to_string(&config)
+    let config = traced_until_killed(&traced(&two_stage_mlp(h, backend)));
+    let child = h.spawn(&config, &["--runtime", runtime.to_str().unwrap()]);
+    a_rank_killed_after_tracing_leaves_every_trace(child, &h.records(), 2, |rank| {
+        kill(rank["handle"].as_str().expect("rank 1 started"))
+    });
+}
+
+/// Makes the traced experiment `config` (`iterations: 3`) run until a rank is killed, its ranks
+/// tracing iterations 1 and 2 only.
+pub fn traced_until_killed(config: &Path) -> PathBuf {
+    let text = std::fs::read_to_string(config)
         .unwrap()
         .replace("iterations: 3", "iterations: 100000");
-    std::fs::write(&config, format!("{text}profiler_steps: 2\n")).unwrap();
-    let child = h.spawn(&config, &["--runtime", runtime.to_str().unwrap()]);
-    let record = wait_for_record(&h.records(), Duration::from_secs(120));
-    for rank in 0..2 {
+    assert!(text.contains("iterations: 100000"), "{text}");
+    std::fs::write(config, format!("{text}profiler_steps: 2\n")).unwrap();
+    config.to_path_buf()
+}
+
+/// Waits until each of the `ranks` ranks of the driver `child` (its record under `records`) has
+/// written its profiler trace, hands rank 1's entry in the summary to `kill`, and checks that the
+/// run failed for a rank (the killed one, or a peer that lost it first) with every rank's trace,
+/// iterations 1 and 2, kept in the record.
+pub fn a_rank_killed_after_tracing_leaves_every_trace(
+    child: Child,
+    records: &Path,
+    ranks: usize,
+    kill: impl Fn(&Value),
+) {
+    let record = wait_for_record(records, Duration::from_secs(120));
+    for rank in 0..ranks {
         super::wait_for_text(
             &record.join(format!("rank-{rank}.log")),
             "profiler trace in",
             Duration::from_secs(180),
         );
     }
-    let summary = json(&record.join("summary.json"));
-    let handle = summary["ranks"][1]["handle"]
-        .as_str()
-        .expect("rank 1 started")
-        .to_string();
-    kill(&handle);
+    kill(&json(&record.join("summary.json"))["ranks"][1]);
     let out = super::wait_for_recorded_run(child, Duration::from_secs(180), &record);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     let summary = json(&record.join("summary.json"));
     assert_eq!(summary["status"], "failed", "{summary}");
     assert_eq!(summary["failure"]["cause"]["kind"], "rank_failed", "{summary}");
-    assert_every_trace_kept(&summary, &stderr, 2);
-    assert_ranks_traced_steps_1_and_2(&record, 2);
+    assert_every_trace_kept(&summary, &stderr, ranks);
+    assert_ranks_traced_steps_1_and_2(&record, ranks);
 }
 
 /// The run's `summary` lists a trace for each of its first `ranks` ranks and none missing, and the

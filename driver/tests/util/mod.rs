@@ -173,16 +173,20 @@ impl Harness {
     /// runtime image built from the workspace's source.
     pub fn run_image_mode(&self, config: &Path, args: &[&str], deadline: Duration) -> Run {
         let start = Instant::now();
-        let child = self
-            .command(config, args)
-            .env_remove("STAGEHAND_RUNTIME")
-            .spawn()
-            .expect("start driver");
-        let output = wait_with_deadline(child, deadline);
+        let output = wait_with_deadline(self.spawn_image_mode(config, args), deadline);
         Run {
             output,
             elapsed: start.elapsed(),
         }
+    }
+
+    /// Starts the driver without `--runtime`, as [`Harness::run_image_mode`] runs it, and
+    /// returns it running.
+    pub fn spawn_image_mode(&self, config: &Path, args: &[&str]) -> Child {
+        self.command(config, args)
+            .env_remove("STAGEHAND_RUNTIME")
+            .spawn()
+            .expect("start driver")
     }
 
     /// Runs the driver to completion with its record under `records`.
