@@ -351,7 +351,7 @@ fn testbed_the_runtime_image_is_built_once_and_sent_to_every_host_that_lacks_it(
     let h = Harness::new("tb-img-failed");
     let exp = traced_until_killed(&traced_three_host_pipeline(&h));
     let driver = h.spawn_image_mode(&exp, &[]);
-    a_rank_killed_after_tracing_leaves_every_trace(driver, &h.records(), 3, |rank| {
+    a_rank_killed_after_tracing_leaves_every_trace(&h, driver, 3, |rank| {
         assert_eq!(rank["host"], "th2", "{rank}");
         let container = rank["handle"].as_str().expect("rank 1 started");
         bed.ssh_ok("th2", &format!("docker kill {container}"));

@@ -1197,26 +1197,25 @@ mod tests {
 
     /// The local engine as a host of the experiment.
     async fn local_host() -> Host {
-        let docker = bollard::Docker::connect_with_local_defaults()
-            .unwrap()
-            .negotiate_version()
+        let plan = crate::experiment::HostSpec {
+            name: "localhost".into(),
+            machine: crate::config::Machine::placeholder("localhost".into()),
+            ranks: vec![0, 1],
+            gpus: Vec::new(),
+        };
+        let (docker, tunnel) = crate::hosts::connect(&plan, &SshOptions::default())
             .await
             .unwrap();
         Host {
-            name: "localhost".into(),
-            plan: crate::experiment::HostSpec {
-                name: "localhost".into(),
-                machine: crate::config::Machine::placeholder("localhost".into()),
-                ranks: vec![0, 1],
-                gpus: Vec::new(),
-            },
+            name: plan.name.clone(),
+            plan,
             docker,
             image: String::new(),
             arch: String::new(),
             mounts: Vec::new(),
             copies: Vec::new(),
             infiniband: false,
-            _tunnel: None,
+            _tunnel: tunnel,
         }
     }
 
@@ -1244,17 +1243,11 @@ mod tests {
             image: format!("stagehand-unit-no-shell:{}", std::process::id()),
             containers: Vec::new(),
         };
-        let mut tar = tar::Builder::new(Vec::new());
-        let mut header = tar::Header::new_gnu();
-        header.set_size(6);
-        header.set_mode(0o644);
-        header.set_cksum();
-        tar.append_data(&mut header, "hello", &b"hello\n"[..]).unwrap();
         let options = bollard::query_parameters::CreateImageOptionsBuilder::default()
             .from_src("-")
             .repo(&left.image)
             .build();
-        let tar = bollard::body_full(tar.into_inner().unwrap().into());
+        let tar = bollard::body_full(lease::file_tar("hello", "hello\n", 0o644).into());
         let mut import = host.docker.create_image(Some(options), Some(tar), None);
         while let Some(reply) = import.next().await {
             reply.unwrap();

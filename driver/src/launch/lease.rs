@@ -150,7 +150,9 @@ pub fn ranks_tar() -> Vec<u8> {
     file_tar(RANKS_FILE, "", 0o666)
 }
 
-fn file_tar(path: &str, content: &str, mode: u32) -> Vec<u8> {
+/// A tar of one file holding `content` with `mode`, at `path` less any leading `/` (relative to
+/// wherever it is unpacked).
+pub(super) fn file_tar(path: &str, content: &str, mode: u32) -> Vec<u8> {
     let mut header = tar::Header::new_gnu();
     header.set_size(content.len() as u64);
     header.set_mode(mode);

@@ -576,7 +576,7 @@ pub fn a_failed_runs_traces_are_kept(h: &Harness, backend: &str, kill: impl Fn(&
     let runtime = runtime();
     let config = traced_until_killed(&traced(&two_stage_mlp(h, backend)));
     let child = h.spawn(&config, &["--runtime", runtime.to_str().unwrap()]);
-    a_rank_killed_after_tracing_leaves_every_trace(child, &h.records(), 2, |rank| {
+    a_rank_killed_after_tracing_leaves_every_trace(h, child, 2, |rank| {
         kill(rank["handle"].as_str().expect("rank 1 started"))
     });
 }
@@ -592,17 +592,17 @@ pub fn traced_until_killed(config: &Path) -> PathBuf {
     config.to_path_buf()
 }
 
-/// Waits until each of the `ranks` ranks of the driver `child` (its record under `records`) has
+/// Waits until each of the `ranks` ranks of `h`'s driver `child` has
 /// written its profiler trace, hands rank 1's entry in the summary to `kill`, and checks that the
 /// run failed for a rank (the killed one, or a peer that lost it first) with every rank's trace,
 /// iterations 1 and 2, kept in the record.
 pub fn a_rank_killed_after_tracing_leaves_every_trace(
+    h: &Harness,
     child: Child,
-    records: &Path,
     ranks: usize,
     kill: impl Fn(&Value),
 ) {
-    let record = wait_for_record(records, Duration::from_secs(120));
+    let record = wait_for_record(&h.records(), Duration::from_secs(120));
     for rank in 0..ranks {
         super::wait_for_text(
             &record.join(format!("rank-{rank}.log")),
