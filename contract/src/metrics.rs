@@ -222,6 +222,11 @@ pub struct Iteration {
     pub stage: usize,
     /// Mean loss over the iteration's samples; only the last stage knows it, others print `null`.
     pub loss: Option<f64>,
+    /// Top-1 accuracy of the training samples' logits against their targets, averaged over the
+    /// iteration's microbatches as `loss` is; only the last stage knows it, others print `null`
+    /// (absent, read as `null`, from runtimes before it).
+    #[serde(default)]
+    pub accuracy: Option<f64>,
     /// The learning rate this iteration's steps used.
     #[serde(default)]
     pub lr: Option<f64>,
@@ -361,6 +366,10 @@ pub struct Summary {
     pub idle_s: f64,
     /// Loss of the last iteration, on the last stage.
     pub final_loss: Option<f64>,
+    /// Top-1 accuracy of the last iteration, on the last stage (absent, read as `null`, from
+    /// runtimes before it).
+    #[serde(default)]
+    pub final_accuracy: Option<f64>,
     /// Peak memory of this rank's device over the run, as in [`Iteration::peak_mem_bytes`].
     pub peak_mem_bytes: Option<u64>,
     /// The host's peak resident set, in bytes (every device).
@@ -465,6 +474,7 @@ mod tests {
             rank: 1,
             stage: 1,
             loss: Some(2.25),
+            accuracy: Some(0.375),
             lr: Some(0.01),
             samples: 32,
             time_s: 0.5,

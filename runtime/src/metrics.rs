@@ -141,6 +141,7 @@ mod tests {
             comm_wait_s: 0.0,
             idle_s: 0.0,
             final_loss: Some(0.5),
+            final_accuracy: Some(0.25),
             peak_mem_bytes: None,
             host_peak_rss_bytes: None,
             gpu_peak_allocated_bytes: None,

@@ -57,6 +57,33 @@ fn last_stage_losses(runs: &[Run]) -> Vec<f64> {
     last.losses()
 }
 
+/// Top-1 accuracies of a split run against one process's, per iteration, from the last stage's
+/// every rank (GPipe and 1F1B: each reports the whole minibatch's). Each is a share of the
+/// minibatch's 16 samples taken from logits that match one process's to float32 rounding; a
+/// sample whose two highest logits are within rounding of each other may go either way, so one
+/// sample's share, 1/16, is allowed and no more. Summing the replicas' shares without dividing,
+/// or dividing by the wrong count, scales the whole figure instead.
+fn assert_accuracies(what: &str, runs: &[Run], reference: &Reference) {
+    let last = runs.iter().map(|r| r.start().stage).max().unwrap();
+    for run in runs.iter().filter(|r| r.start().stage == last) {
+        let ours = run.accuracies();
+        assert_eq!(ours.len(), reference.accuracies.len(), "{what}");
+        for (a, b) in ours.iter().zip(&reference.accuracies) {
+            assert!(
+                (a - b).abs() <= 1.0 / 16.0 + 1e-12,
+                "{what}: accuracies {ours:?} vs {:?}",
+                reference.accuracies
+            );
+        }
+    }
+    for run in runs.iter().filter(|r| r.start().stage != last) {
+        assert!(
+            run.iterations().iter().all(|i| i.accuracy.is_none()),
+            "{what}: only the last stage knows the accuracy"
+        );
+    }
+}
+
 /// Losses of a split run against one process's. Each loss is a mean over the minibatch that
 /// the split computes as a sum of microbatch means, in another order: float32 rounding (about
 /// 1e-7 relative per operation) moves it far less than the 1e-4 relative allowed here, while a
@@ -74,6 +101,7 @@ fn assert_close(what: &str, ours: &[f64], reference: &[f64]) {
 /// One process with the whole model: the reference every split must reproduce.
 struct Reference {
     losses: Vec<f64>,
+    accuracies: Vec<f64>,
     /// `--save-params` of the same arguments with no iteration run.
     initial: std::path::PathBuf,
     /// `--save-params` after training.
@@ -87,9 +115,10 @@ fn reference(base: &[&str], dir: &Path) -> Reference {
     let trained = dir.join("trained");
     let untrained = with_value(base, "--iterations", "0");
     run_ok(&args(&untrained, &["--save-params", initial.to_str().unwrap()]));
-    let losses = run_ok(&args(base, &["--save-params", trained.to_str().unwrap()])).losses();
+    let run = run_ok(&args(base, &["--save-params", trained.to_str().unwrap()]));
     Reference {
-        losses,
+        losses: run.losses(),
+        accuracies: run.accuracies(),
         initial,
         trained,
     }
@@ -161,6 +190,12 @@ fn gpipe_and_1f1b_match_single_process_training_for_every_split() {
         expected[4] < expected[0],
         "the reference learns (iterations 0 and 4 see the same batch): {expected:?}"
     );
+    // Two samples' share or more somewhere, so an accuracy scaled by 2 or more shows.
+    assert!(
+        single.accuracies.iter().any(|&a| a >= 2.0 / 16.0),
+        "the reference classifies some samples: {:?}",
+        single.accuracies
+    );
 
     let two = two_stages(tmp.path());
     let three = write(
@@ -231,6 +266,7 @@ fn gpipe_and_1f1b_match_single_process_training_for_every_split() {
                 assert_eq!(run.start().config.p2p_groups.as_deref(), Some(groups), "{what}");
             }
             assert_close(&what, &last_stage_losses(&runs), expected);
+            assert_accuracies(&what, &runs, &single);
             assert_same_params(&what, &params, &single);
             assert_time_accounted(&what, &runs, 5);
         }
@@ -394,6 +430,7 @@ fn pipedream_with_one_microbatch_in_flight_is_synchronous_training() {
     ];
     let runs = run_ranks(2, &args(&words(MLP), &extra), LIMIT);
     assert_close("pipedream depth 1", &last_stage_losses(&runs), &single.losses);
+    assert_accuracies("pipedream depth 1", &runs, &single);
     assert_same_params("pipedream depth 1", &params, &single);
 }
 

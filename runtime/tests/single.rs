@@ -993,3 +993,55 @@ fn profile_measures_in_the_arithmetic_it_is_given() {
         );
     }
 }
+
+/// Each iteration reports the top-1 accuracy of its training samples: a share of the minibatch
+/// (a whole number of its 16 samples, which double arithmetic divides exactly), near chance for
+/// the untrained model and every sample once it has learnt the synthetic pool's four batches
+/// (images drawn around a prototype per class). Accuracy and loss come from the same logits: a
+/// mean cross-entropy L over 16 samples bounds each sample's by 16 L, so where 16 L < ln 2 every
+/// sample's class has probability above 1/2, the highest, and the accuracy must be 1. The
+/// summary's is the last iteration's.
+#[test]
+fn accuracy_rises_from_chance_to_every_sample_as_the_model_learns() {
+    let run = run_ok(&[
+        "--model",
+        "mlp",
+        "--layers",
+        "2",
+        "--hidden",
+        "64",
+        "--image-size",
+        "8",
+        "--batch-size",
+        "16",
+        "--threads",
+        "1",
+        "--seed",
+        "3",
+        "--lr",
+        "0.05",
+        "--iterations",
+        "40",
+    ]);
+    let (losses, accuracies) = (run.losses(), run.accuracies());
+    for (loss, a) in losses.iter().zip(&accuracies) {
+        assert!((0.0..=1.0).contains(a), "{accuracies:?}");
+        assert_eq!(
+            (a * 16.0).round() / 16.0,
+            *a,
+            "a whole number of samples: {accuracies:?}"
+        );
+        if 16.0 * loss < std::f64::consts::LN_2 {
+            assert_eq!(*a, 1.0, "loss {loss}: {accuracies:?}");
+        }
+    }
+    assert!(
+        accuracies[0] <= 0.5,
+        "the untrained model guesses: {accuracies:?}"
+    );
+    assert!(
+        losses[36..].iter().all(|l| 16.0 * l < std::f64::consts::LN_2),
+        "the pool's batches learnt: {losses:?}"
+    );
+    assert_eq!(run.summary().final_accuracy, Some(accuracies[39]));
+}

@@ -62,6 +62,13 @@ impl Run {
             .map(|i| i.loss.expect("a single process knows its loss"))
             .collect()
     }
+
+    pub fn accuracies(&self) -> Vec<f64> {
+        self.iterations()
+            .iter()
+            .map(|i| i.accuracy.expect("a rank that knows its loss knows its accuracy"))
+            .collect()
+    }
 }
 
 /// Runs `runtime` with `args`; every stdout line must be a metrics event.

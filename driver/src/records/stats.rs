@@ -34,6 +34,28 @@ pub struct Throughput {
     pub iterations_measured: usize,
 }
 
+/// What the last stage's ranks reported of one iteration, summed over the ranks.
+#[derive(Debug, Default, Clone, Copy)]
+struct LastStage {
+    /// Samples/s, and how many ranks reported.
+    rate: f64,
+    ranks: usize,
+    /// Loss and top-1 accuracy, and how many ranks reported each.
+    loss: f64,
+    losses: usize,
+    accuracy: f64,
+    accuracies: usize,
+}
+
+/// How training went by the last complete iteration: its loss and top-1 accuracy, each the
+/// mean of what the last stage's ranks reported (every replica reports the whole minibatch's,
+/// or its own equal share of it).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Fit {
+    pub loss: Option<f64>,
+    pub accuracy: Option<f64>,
+}
+
 #[derive(Debug, Default, Clone, Copy)]
 struct Sums {
     compute: f64,
@@ -47,9 +69,10 @@ pub struct Stats {
     /// Stage of each rank, from its `start` event or its iterations.
     stage_of: BTreeMap<usize, usize>,
     num_stages: Option<usize>,
-    /// Per iteration: samples/s summed over the last stage's ranks, and how many reported. Every
-    /// rank reports the whole minibatch's rate (docs/metrics.md), so the job's rate is the mean.
-    per_iteration: BTreeMap<u64, (f64, usize)>,
+    /// Per iteration: samples/s, loss and accuracy summed over the last stage's ranks, and how
+    /// many reported. Every rank reports the whole minibatch's rate (docs/metrics.md), so the
+    /// job's rate is the mean.
+    per_iteration: BTreeMap<u64, LastStage>,
     sums: BTreeMap<usize, Sums>,
     /// With fp16 (iterations that say whether their step was skipped): the skipped ones. Every
     /// rank skips the same steps, so an iteration counts once however many ranks report it.
@@ -90,9 +113,17 @@ impl Stats {
                     self.profiled.insert(it.iteration);
                 }
                 if self.is_last_stage(it.stage) {
-                    let entry = self.per_iteration.entry(it.iteration).or_insert((0.0, 0));
-                    entry.0 += it.samples_per_sec;
-                    entry.1 += 1;
+                    let entry = self.per_iteration.entry(it.iteration).or_default();
+                    entry.rate += it.samples_per_sec;
+                    entry.ranks += 1;
+                    if let Some(loss) = it.loss.filter(|l| l.is_finite()) {
+                        entry.loss += loss;
+                        entry.losses += 1;
+                    }
+                    if let Some(accuracy) = it.accuracy.filter(|a| a.is_finite()) {
+                        entry.accuracy += accuracy;
+                        entry.accuracies += 1;
+                    }
                 }
             }
             // Per-microbatch tracing (`--trace`) says nothing about throughput or time shares.
@@ -132,7 +163,19 @@ impl Stats {
     /// Iterations every rank of the last stage has finished.
     pub fn iterations_done(&self) -> u64 {
         let need = self.last_stage_ranks();
-        self.per_iteration.values().filter(|(_, n)| *n >= need).count() as u64
+        self.per_iteration.values().filter(|it| it.ranks >= need).count() as u64
+    }
+
+    /// Loss and accuracy of the latest iteration every last-stage rank has reported; `None`
+    /// before the first.
+    pub fn fit(&self) -> Option<Fit> {
+        let need = self.last_stage_ranks();
+        let it = self.per_iteration.values().rev().find(|it| it.ranks >= need)?;
+        let mean = |sum: f64, n: usize| (n > 0).then(|| sum / n as f64);
+        Some(Fit {
+            loss: mean(it.loss, it.losses),
+            accuracy: mean(it.accuracy, it.accuracies),
+        })
     }
 
     /// Samples/s of the latest iteration every last-stage rank has reported.
@@ -141,8 +184,8 @@ impl Stats {
         self.per_iteration
             .values()
             .rev()
-            .find(|(_, n)| *n >= need)
-            .map(|(s, n)| s / *n as f64)
+            .find(|it| it.ranks >= need)
+            .map(|it| it.rate / it.ranks as f64)
     }
 
     /// Mean and spread over complete iterations, leaving out the first, and the first of each
@@ -153,8 +196,8 @@ impl Stats {
         let complete: Vec<(u64, f64)> = self
             .per_iteration
             .iter()
-            .filter(|(_, (_, n))| *n >= need)
-            .map(|(&i, (s, n))| (i, s / *n as f64))
+            .filter(|(_, it)| it.ranks >= need)
+            .map(|(&i, it)| (i, it.rate / it.ranks as f64))
             .collect();
         let warm: Vec<(u64, f64)> = complete
             .iter()
@@ -223,6 +266,7 @@ mod tests {
             rank,
             stage,
             loss: None,
+            accuracy: None,
             lr: None,
             samples: 8,
             time_s: 8.0 / sps,
@@ -260,6 +304,54 @@ mod tests {
         assert!((t.samples_per_sec_std - 8f64.sqrt()).abs() < 1e-9, "{t:?}");
         assert_eq!(s.iterations_done(), 3);
         assert_eq!(s.latest_samples_per_sec(), Some(15.0));
+    }
+
+    /// The record's loss and accuracy are the latest iteration every replica of the last stage
+    /// finished, the mean of theirs (PipeDream's replicas each report their own microbatches'
+    /// share); a runtime that reports no accuracy leaves it unknown, and a non-finite loss is
+    /// not averaged in.
+    #[test]
+    fn the_fit_is_the_latest_complete_iterations_mean_over_the_last_stages_replicas() {
+        let reported = |i: u64, rank: usize, loss: f64, accuracy: Option<f64>| {
+            let Metrics::Iteration(mut line) = it(i, rank, 0, 10.0) else {
+                unreachable!()
+            };
+            line.loss = Some(loss);
+            line.accuracy = accuracy;
+            Metrics::Iteration(line)
+        };
+        let mut s = Stats::default();
+        assert_eq!(s.fit(), None, "nothing finished yet");
+        s.record(&reported(0, 0, 2.0, Some(0.25)));
+        s.record(&reported(0, 1, 1.0, Some(0.5)));
+        s.record(&reported(1, 0, 0.5, Some(0.75)));
+        s.record(&reported(1, 1, 0.25, Some(1.0)));
+        // Rank 1 has not finished iteration 2 yet.
+        s.record(&reported(2, 0, 9.0, Some(0.0)));
+        assert_eq!(
+            s.fit(),
+            Some(Fit {
+                loss: Some(0.375),
+                accuracy: Some(0.875)
+            })
+        );
+        s.record(&reported(2, 1, f64::NAN, None));
+        assert_eq!(
+            s.fit(),
+            Some(Fit {
+                loss: Some(9.0),
+                accuracy: Some(0.0)
+            })
+        );
+        let mut older = Stats::default();
+        older.record(&reported(0, 0, 1.5, None));
+        assert_eq!(
+            older.fit(),
+            Some(Fit {
+                loss: Some(1.5),
+                accuracy: None
+            })
+        );
     }
 
     /// Ranks started again replace what the failed start reported from the iteration they

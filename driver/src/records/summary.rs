@@ -124,6 +124,14 @@ pub struct Summary {
     /// absent in other arithmetics.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub skipped_steps: Option<u64>,
+    /// The loss of the last iteration every last-stage rank finished, the mean over those ranks
+    /// (absent before the first, or from drivers before it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub final_loss: Option<f64>,
+    /// The top-1 accuracy of that iteration's training samples, as `final_loss` (absent too from
+    /// runtimes that do not report it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub final_accuracy: Option<f64>,
     /// Where each stage's time went.
     pub stages: Vec<StageShares>,
     /// How each rank ended.

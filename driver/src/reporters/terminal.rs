@@ -120,6 +120,9 @@ impl TerminalReporter {
                 if *self.loss_rank.get_or_insert(*rank) != *rank {
                     return None;
                 }
+                let accuracy = it
+                    .accuracy
+                    .map_or(String::new(), |a| format!(", accuracy {:.1}%", a * 100.0));
                 let lr = it.lr.map_or(String::new(), |lr| format!(", lr {lr:.3e}"));
                 let scale = it.loss_scale.map_or(String::new(), |s| format!(", loss scale {s}"));
                 let skip = match skipped {
@@ -129,7 +132,7 @@ impl TerminalReporter {
                 Some((
                     Stream::Stderr,
                     format!(
-                        "{} iteration {}: loss {loss:.4}, {:.1} samples/s{lr}{scale}{skip}",
+                        "{} iteration {}: loss {loss:.4}{accuracy}, {:.1} samples/s{lr}{scale}{skip}",
                         self.prefix(*rank),
                         it.iteration + 1,
                         it.samples_per_sec
@@ -453,11 +456,13 @@ mod tests {
             .join("\n")
     }
 
-    /// An iteration's metrics line from `rank`, with a loss when it is the last stage's.
+    /// An iteration's metrics line from `rank`, with a loss and an accuracy when it is the last
+    /// stage's.
     fn iteration(rank: usize, i: u64, loss: Option<f64>) -> Event {
+        let accuracy = if loss.is_some() { "0.625" } else { "null" };
         let loss = loss.map_or("null".to_string(), |l| l.to_string());
         let line = format!(
-            r#"{{"event":"iteration","iteration":{i},"rank":{rank},"stage":{rank},"loss":{loss},"lr":0.01,"samples":8,"time_s":0.1,"samples_per_sec":80.0,"compute_s":0.1,"comm_wait_s":0.0,"idle_s":0.0,"peak_mem_bytes":null}}"#
+            r#"{{"event":"iteration","iteration":{i},"rank":{rank},"stage":{rank},"loss":{loss},"accuracy":{accuracy},"lr":0.01,"samples":8,"time_s":0.1,"samples_per_sec":80.0,"compute_s":0.1,"comm_wait_s":0.0,"idle_s":0.0,"peak_mem_bytes":null}}"#
         );
         metrics(rank, line)
     }
@@ -492,7 +497,7 @@ mod tests {
         // a verbose one as well: every rank's metrics line, which has the loss too.
         assert_eq!(
             shown[0],
-            "[b r1] iteration 2: loss 2.0000, 80.0 samples/s, lr 1.000e-2"
+            "[b r1] iteration 2: loss 2.0000, accuracy 62.5%, 80.0 samples/s, lr 1.000e-2"
         );
         assert_eq!(shown.len(), 4, "{shown:#?}");
         for (line, rank) in shown[1..].iter().zip(["[a r0]", "[b r1]", "[c r2]"]) {
@@ -545,8 +550,8 @@ mod tests {
         assert_eq!(
             shown,
             [
-                "[a r0] iteration 2: loss 2.0000, 80.0 samples/s, lr 1.000e-2, loss scale 32768 (step skipped: fp16 gradients held an inf or a nan)",
-                "[a r0] iteration 4: loss 2.0000, 80.0 samples/s, lr 1.000e-2, loss scale 32768",
+                "[a r0] iteration 2: loss 2.0000, accuracy 62.5%, 80.0 samples/s, lr 1.000e-2, loss scale 32768 (step skipped: fp16 gradients held an inf or a nan)",
+                "[a r0] iteration 4: loss 2.0000, accuracy 62.5%, 80.0 samples/s, lr 1.000e-2, loss scale 32768",
             ]
         );
         let mut quiet = TerminalReporter::new(Verbosity::Quiet, ProgressBar::hidden(), hosts);

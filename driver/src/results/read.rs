@@ -81,6 +81,10 @@ pub struct Row {
     pub predicted: Option<f64>,
     /// Against the baseline row, once chosen.
     pub speedup: Option<f64>,
+    /// Training loss of the last complete iteration (the record's `final_loss`).
+    pub loss: Option<f64>,
+    /// Top-1 accuracy of that iteration's training samples (`final_accuracy`).
+    pub accuracy: Option<f64>,
     /// Mean idle (bubble) share over the stages.
     pub idle_share: Option<f64>,
     /// Mean communication share over the stages.
@@ -151,6 +155,8 @@ impl Row {
             throughput: None,
             predicted: None,
             speedup: None,
+            loss: None,
+            accuracy: None,
             idle_share: None,
             comm_share: None,
             skipped_steps: None,
@@ -278,6 +284,8 @@ pub fn record(dir: &Path) -> Row {
             .zip(batch)
             .map(|(p, b)| f64::from(b) / p.predicted_time_per_iteration_s),
         speedup: None,
+        loss: summary.final_loss,
+        accuracy: summary.final_accuracy,
         idle_share: mean(|s| s.idle_share),
         comm_share: mean(|s| s.comm_share),
         skipped_steps: summary.skipped_steps,

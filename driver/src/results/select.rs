@@ -7,7 +7,7 @@ use super::read::Row;
 use super::ResultsError;
 
 /// The columns' keys, in table order, as `--sort`, `--group-by` and filters name them.
-pub const COLUMN_KEYS: [&str; 14] = [
+pub const COLUMN_KEYS: [&str; 16] = [
     "run",
     "model",
     "layout",
@@ -18,6 +18,8 @@ pub const COLUMN_KEYS: [&str; 14] = [
     "spread",
     "predicted",
     "speedup",
+    "loss",
+    "accuracy",
     "idle",
     "comm",
     "status",
@@ -33,6 +35,8 @@ fn canonical(key: &str) -> &str {
         "throughput" | "samples/s" => "samples_per_sec",
         "idle_share" | "bubble" => "idle",
         "comm_share" => "comm",
+        "final_loss" => "loss",
+        "final_accuracy" | "acc" => "accuracy",
         "point" => "run",
         "predicted_samples_per_sec" => "predicted",
         other => other,
@@ -56,6 +60,8 @@ pub fn value(row: &Row, key: &str) -> Option<String> {
         "spread" => num(row.throughput.as_ref().map(|t| t.samples_per_sec_std)),
         "predicted" => num(row.predicted),
         "speedup" => num(row.speedup),
+        "loss" => num(row.loss),
+        "accuracy" => num(row.accuracy),
         "idle" => num(row.idle_share),
         "comm" => num(row.comm_share),
         "skipped_steps" => row.skipped_steps.map(|n| n.to_string()),
@@ -122,7 +128,7 @@ fn compare(a: &Option<String>, b: &Option<String>) -> Ordering {
     }
 }
 
-/// Sorts by `KEY` (ascending) or `KEY:desc`, stably.
+/// Sorts by `KEY` (ascending) or `KEY:desc`, stably; rows without a value last either way.
 pub fn sort(rows: &mut [Row], spec: &str) -> Result<(), ResultsError> {
     let (key, descending) = match spec.strip_suffix(":desc") {
         Some(key) => (key, true),
@@ -130,8 +136,9 @@ pub fn sort(rows: &mut [Row], spec: &str) -> Result<(), ResultsError> {
     };
     check_key(rows, key)?;
     rows.sort_by(|a, b| {
-        let order = compare(&value(a, key), &value(b, key));
-        if descending {
+        let (a, b) = (value(a, key), value(b, key));
+        let order = compare(&a, &b);
+        if descending && a.is_some() && b.is_some() {
             order.reverse()
         } else {
             order

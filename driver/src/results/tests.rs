@@ -89,6 +89,34 @@ fn unknown_keys_and_baselines_are_errors() {
     );
 }
 
+/// Runs compare by how far they trained as by how fast: `--sort` takes the final loss and
+/// accuracy (under their record names too), numbers as numbers, runs without one last.
+#[test]
+fn runs_sort_by_their_final_loss_and_accuracy() {
+    let order = |sort: &str| {
+        let mut o = options(Format::Csv);
+        o.sort = Some(sort.into());
+        rendered(&o)
+            .lines()
+            .skip(1)
+            .map(|line| line.split(',').nth(2).unwrap().to_string())
+            .collect::<Vec<_>>()
+    };
+    let by_accuracy = order("accuracy:desc");
+    assert_eq!(
+        by_accuracy[..3],
+        ["mlp-p1", "mlp-p0", "vgg16-2pipe"],
+        "{by_accuracy:?}"
+    );
+    assert_eq!(order("final_accuracy:desc")[..3], by_accuracy[..3]);
+    let by_loss = order("final_loss");
+    assert_eq!(
+        by_loss[..4],
+        ["mlp-p1", "mlp-p0", "mlp-auto", "vgg16-2pipe"],
+        "the record without an accuracy still has its loss: {by_loss:?}"
+    );
+}
+
 #[test]
 fn a_filter_on_an_experiment_key_not_in_the_table_works() {
     let mut o = options(Format::Csv);

@@ -57,8 +57,12 @@ pub fn check_pipeline_run(h: &Harness, run: &Run) {
     // summed over every iteration line of its ranks, and which ranks reported for it.
     let mut seconds: BTreeMap<u64, [f64; 3]> = BTreeMap::new();
     let mut ranks: BTreeMap<u64, BTreeSet<u64>> = BTreeMap::new();
+    let mut last_stage_end = None;
     for line in lines(&dir.join("metrics.jsonl")) {
         let event: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{line}: {e}"));
+        if event["event"] == "summary" && event["stage"] == 1 {
+            last_stage_end = Some(event.clone());
+        }
         if event["event"] != "iteration" {
             continue;
         }
@@ -96,6 +100,12 @@ pub fn check_pipeline_run(h: &Harness, run: &Run) {
     }
     assert_eq!(ranks[&0], BTreeSet::from([0]), "rank 0 runs stage 0");
     assert_eq!(ranks[&1], BTreeSet::from([1]), "rank 1 runs stage 1");
+    // The record's loss and accuracy are the last stage's one rank's at its last iteration.
+    let end = last_stage_end.expect("rank 1's summary line");
+    for key in ["final_loss", "final_accuracy"] {
+        assert!(end[key].as_f64().is_some(), "rank 1 reports {key}: {end}");
+        assert_eq!(summary[key], end[key], "{key}");
+    }
     // The second stage cannot start a minibatch before the first stage's activations arrive: some
     // of its time is waiting, whatever the machine's load.
     let waiting = stages[1]["comm_share"].as_f64().unwrap() + stages[1]["idle_share"].as_f64().unwrap();

@@ -72,11 +72,37 @@ impl Loss {
             }
         }
     }
+
+    /// Top-1 accuracy of `output` against `target`: the share of the targets the loss counts
+    /// (all but `ignore_index`) whose class has the highest logit, a tie for it included, as a
+    /// 0-dim `Double` tensor left on the device (0 when the loss counts none). Both losses
+    /// classify along the last dimension, so one rule serves both.
+    ///
+    /// The target's logit is compared with the row's maximum (`amax`) rather than the row's
+    /// `argmax` with the target: the same but for ties, and a tenth of the time on a CPU, where
+    /// `argmax` over a transformer's vocabulary took 3% of a small model's step.
+    pub fn accuracy(self, output: &Tensor, target: &Tensor) -> Result<Tensor, tch::TchError> {
+        let classes = *output.size().last().unwrap_or(&1);
+        let logits = output.f_reshape([-1, classes])?;
+        let target = target.f_reshape([-1])?;
+        let counted = target.f_ne(IGNORE_INDEX)?;
+        // An ignored target reads class 0's logit, and is not counted.
+        let picked = target.f_clamp_min(0)?.f_unsqueeze(1)?;
+        let theirs = logits.f_gather(1, &picked, false)?.f_squeeze_dim(1)?;
+        let highest = logits.f_amax([-1].as_slice(), false)?;
+        let correct = theirs.f_eq_tensor(&highest)?.f_logical_and(&counted)?;
+        correct
+            .f_sum(Kind::Double)?
+            .f_div(&counted.f_sum(Kind::Double)?.f_clamp_min(1.0)?)
+    }
 }
+
+/// The target that `cross_entropy` leaves out (torch's default `ignore_index`).
+const IGNORE_INDEX: i64 = -100;
 
 /// torch's `cross_entropy` (what `torch.nn.functional.cross_entropy` calls), mean over samples.
 fn cross_entropy(logits: &Tensor, target: &Tensor) -> Result<Tensor, tch::TchError> {
-    logits.f_cross_entropy_loss(target, None::<Tensor>, tch::Reduction::Mean, -100, 0.0)
+    logits.f_cross_entropy_loss(target, None::<Tensor>, tch::Reduction::Mean, IGNORE_INDEX, 0.0)
 }
 
 /// Builds one module under a var-store path.

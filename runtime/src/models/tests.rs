@@ -244,3 +244,45 @@ fn sparse_mlp_hands_on_coo_activations_and_computes_what_the_masked_dense_networ
         );
     }
 }
+
+/// Top-1 accuracy counts the targets whose class has the highest logit, or shares it, over the
+/// targets the loss counts (not -100), for class logits and per-token logits alike. The shares are ratios of small integers, which double division
+/// gives exactly, so they are compared exactly.
+#[test]
+fn accuracy_is_the_share_of_counted_targets_whose_class_has_the_highest_logit() {
+    let logits = Tensor::from_slice(&[
+        0.1f32, 2.0, -1.0, // class 1
+        3.0, 3.0, 0.0, // a tie of 0 and 1: either is right
+        0.0, 0.0, 5.0, // class 2
+        1.0, 0.0, 0.0, // class 0
+    ])
+    .reshape([4, 3]);
+    let accuracy = |loss: Loss, logits: &Tensor, target: &[i64], shape: &[i64]| {
+        let target = Tensor::from_slice(target).reshape(shape);
+        let value = loss.accuracy(logits, &target).unwrap();
+        assert_eq!((value.kind(), value.dim()), (Kind::Double, 0));
+        value.double_value(&[])
+    };
+    let classes = |target: &[i64]| accuracy(Loss::CrossEntropy, &logits, target, &[4]);
+    assert_eq!(classes(&[1, 0, 2, 0]), 1.0);
+    assert_eq!(
+        classes(&[1, 1, 2, 2]),
+        0.75,
+        "a share of the highest logit is right"
+    );
+    assert_eq!(classes(&[1, 2, 2, 2]), 0.5);
+    assert_eq!(classes(&[0, 2, 1, 1]), 0.0);
+    assert_eq!(
+        classes(&[1, -100, 0, 0]),
+        2.0 / 3.0,
+        "an ignored target is not counted"
+    );
+    assert_eq!(classes(&[-100, -100, -100, -100]), 0.0, "none counted");
+
+    // The same logits as two sequences of two tokens over a vocabulary of three.
+    let tokens = logits.reshape([2, 2, 3]);
+    let per_token = |target: &[i64]| accuracy(Loss::TokenCrossEntropy, &tokens, target, &[2, 2]);
+    assert_eq!(per_token(&[1, 0, 2, 0]), 1.0);
+    assert_eq!(per_token(&[1, 0, 0, -100]), 2.0 / 3.0);
+    assert_eq!(per_token(&[-100, 2, 2, 1]), 1.0 / 3.0);
+}

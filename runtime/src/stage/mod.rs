@@ -167,6 +167,14 @@ impl Stage {
         self.loss.map(|loss| loss.compute(output, &target))
     }
 
+    /// The top-1 accuracy of `output` against `target` (`Loss::accuracy`), on `output`'s device;
+    /// `None` if this stage does not end the model.
+    pub fn accuracy(&self, output: &Tensor, target: &Tensor) -> Option<Result<Tensor, tch::TchError>> {
+        let target = target.to_device(output.device());
+        self.loss
+            .map(|loss| tch::no_grad(|| loss.accuracy(output, &target)))
+    }
+
     fn autocast(&self, device: Device) -> amp::Autocast {
         // Entering autocast only sets thread-local flags; it fails only on an unknown dtype code.
         amp::Autocast::enter(self.precision, device).expect("autocast to a known dtype")

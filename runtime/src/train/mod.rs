@@ -745,6 +745,7 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
     let mut throughput = Throughput::default();
     let mut totals = (Duration::ZERO, Duration::ZERO, Duration::ZERO);
     let mut last_loss = None;
+    let mut last_accuracy = None;
     let mut skipped_steps = 0u64;
     let (rank, stage_id, batch) = (dist.rank, my_stage.id, config.batch_size);
     let mut profiler = match config.profiler_trace.clone() {
@@ -774,6 +775,7 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
         totals.1 += report.timing.compute;
         totals.2 += report.timing.comm;
         last_loss = report.loss.or(last_loss);
+        last_accuracy = report.accuracy.or(last_accuracy);
         skipped_steps += report.scaler.map_or(0, |s| u64::from(s.skipped));
         for op in report.p2p {
             out.emit(&Event::P2p(op))?;
@@ -787,6 +789,7 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
             rank,
             stage: stage_id,
             loss: report.loss,
+            accuracy: report.accuracy,
             lr: Some(report.lr),
             samples: batch as u64,
             time_s,
@@ -883,6 +886,7 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
         comm_wait_s: comm,
         idle_s: (time - compute - comm).max(0.0),
         final_loss: last_loss,
+        final_accuracy: last_accuracy,
         peak_mem_bytes: memory.peak,
         host_peak_rss_bytes: memory.host_peak_rss,
         gpu_peak_allocated_bytes: memory.gpu_peak_allocated,
@@ -890,10 +894,11 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
         skipped_steps: (config.precision == Precision::Fp16).then_some(skipped_steps),
     };
     eprintln!(
-        "runtime: rank {rank} done: {:.1} samples/s (std {:.1}), final loss {}",
+        "runtime: rank {rank} done: {:.1} samples/s (std {:.1}), final loss {}, accuracy {}",
         summary.samples_per_sec_mean,
         summary.samples_per_sec_std,
-        last_loss.map_or("-".to_string(), |l| format!("{l:.4}"))
+        last_loss.map_or("-".to_string(), |l| format!("{l:.4}")),
+        last_accuracy.map_or("-".to_string(), |a| format!("{:.1}%", a * 100.0))
     );
     out.emit(&Event::Summary(summary))?;
     traced.map_err(anyhow::Error::msg)?;

@@ -54,6 +54,8 @@ impl RecordReporter {
             iterations_done: 0,
             throughput: None,
             skipped_steps: None,
+            final_loss: None,
+            final_accuracy: None,
             stages: Vec::new(),
             ranks: plan
                 .ranks
@@ -131,6 +133,9 @@ impl RecordReporter {
         self.summary.iterations_done = self.stats.iterations_done();
         self.summary.throughput = self.stats.throughput();
         self.summary.skipped_steps = self.stats.skipped_steps();
+        let fit = self.stats.fit();
+        self.summary.final_loss = fit.and_then(|f| f.loss);
+        self.summary.final_accuracy = fit.and_then(|f| f.accuracy);
         self.summary.stages = self.stats.stage_shares();
         self.last_write = Instant::now();
         files::write_json(&self.record.dir.join("summary.json"), &self.summary)

@@ -7,7 +7,7 @@ use crate::results::read::Row;
 /// `--format csv`.
 pub struct CsvExport;
 
-const HEADER: [&str; 18] = [
+const HEADER: [&str; 20] = [
     "group",
     "run",
     "name",
@@ -22,6 +22,8 @@ const HEADER: [&str; 18] = [
     "samples_per_sec_std",
     "predicted_samples_per_sec",
     "speedup",
+    "loss",
+    "accuracy",
     "idle_share",
     "comm_share",
     "status",
@@ -57,6 +59,8 @@ fn fields(group: &str, row: &Row) -> Vec<String> {
         opt(row.throughput.as_ref().map(|t| t.samples_per_sec_std.to_string())),
         opt(row.predicted.map(|v| v.to_string())),
         opt(row.speedup.map(|v| v.to_string())),
+        opt(row.loss.map(|v| v.to_string())),
+        opt(row.accuracy.map(|v| v.to_string())),
         opt(row.idle_share.map(|v| v.to_string())),
         opt(row.comm_share.map(|v| v.to_string())),
         row.status.as_str().to_string(),

@@ -32,7 +32,7 @@ pub fn exporter(format: Format) -> Box<dyn Export> {
 }
 
 /// Column headers for people, in order; `note` is the last.
-const HEADERS: [&str; 13] = [
+const HEADERS: [&str; 15] = [
     "run",
     "model",
     "stages x replicas",
@@ -42,6 +42,8 @@ const HEADERS: [&str; 13] = [
     "samples/s",
     "predicted",
     "speedup",
+    "loss",
+    "accuracy",
     "idle",
     "comm",
     "status",
@@ -64,6 +66,8 @@ fn cells(row: &Row) -> Vec<String> {
         }),
         row.predicted.map_or_else(dash, |p| format!("{p:.1}")),
         row.speedup.map_or_else(dash, |s| format!("{s:.2}x")),
+        row.loss.map_or_else(dash, |l| format!("{l:.4}")),
+        pct(row.accuracy),
         pct(row.idle_share),
         pct(row.comm_share),
         row.status.as_str().to_string(),

@@ -29,13 +29,14 @@ pub(super) enum GraphPhase {
 }
 
 /// A training iteration captured in a CUDA graph: its inputs and targets are copied into `inputs`
-/// and `targets` before each replay, which leaves the microbatches' losses in `losses`.
+/// and `targets` before each replay, which leaves the microbatches' losses and accuracies in
+/// `tallies`.
 pub(super) struct StepGraph {
     pub(super) graph: Graph,
     pub(super) phase: GraphPhase,
     pub(super) inputs: Option<Tensor>,
     pub(super) targets: Option<Tensor>,
-    pub(super) losses: Vec<Tensor>,
+    pub(super) tallies: Vec<Tensor>,
     /// The first iteration of this run (a resumed run starts later).
     pub(super) first: usize,
 }
@@ -93,7 +94,7 @@ impl Executor {
     }
 
     /// Replays the graph as `iteration`: reseeded as an eager iteration is, timed as compute; its
-    /// losses are the iteration's.
+    /// losses and accuracies are the iteration's.
     pub(super) fn replay(&mut self, progress: &mut Progress, iteration: usize) -> anyhow::Result<()> {
         let graph = progress.graph.as_mut().expect("replaying a graph");
         tch::manual_seed(iteration_seed(self.seed, self.rank, iteration));
@@ -105,7 +106,7 @@ impl Executor {
             || graph.graph.replay(),
         )
         .map_err(|e| anyhow::anyhow!("--cuda-graph: replaying iteration {iteration}: {e}"))?;
-        progress.losses = graph.losses.iter().map(Tensor::shallow_clone).collect();
+        progress.tallies = graph.tallies.iter().map(Tensor::shallow_clone).collect();
         graph.phase = GraphPhase::Replayed;
         Ok(())
     }
@@ -128,8 +129,8 @@ impl Executor {
             .graph
             .end_capture()
             .map_err(|e| anyhow::anyhow!("--cuda-graph: {e}"))?;
-        // The losses the capture left are where each replay writes them.
-        graph.losses = std::mem::take(&mut progress.losses);
+        // The tallies the capture left are where each replay writes them.
+        graph.tallies = std::mem::take(&mut progress.tallies);
         self.replay(progress, iteration)
     }
 }

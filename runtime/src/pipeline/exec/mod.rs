@@ -75,6 +75,8 @@ pub struct IterationReport {
     pub timing: Timing,
     /// Mean loss over the minibatch (last stage only).
     pub loss: Option<f64>,
+    /// Top-1 accuracy over the minibatch, averaged as the loss is (last stage only).
+    pub accuracy: Option<f64>,
     /// The learning rate of the iteration's steps.
     pub lr: f64,
     /// With tracing on, the weights each finished microbatch used.
@@ -88,6 +90,13 @@ pub struct IterationReport {
     pub scaler: Option<ScalerReport>,
     /// A whole checkpoint of the iterations done so far was written after this iteration.
     pub checkpointed: bool,
+}
+
+/// An iteration's mean loss and top-1 accuracy on the last stage.
+#[derive(Debug, Clone, Copy)]
+struct Tally {
+    loss: f64,
+    accuracy: f64,
 }
 
 /// A microbatch between its forward and its backward.
@@ -204,7 +213,9 @@ struct Progress {
     /// The minibatch the first stage is slicing: (index, inputs, targets).
     batch: Option<(usize, Tensor, Tensor)>,
     timing: Timing,
-    losses: Vec<Tensor>,
+    /// Each finished microbatch's loss and top-1 accuracy, a `[2]` `Double` tensor on the
+    /// device (the last stage's; read once, at the iteration's end).
+    tallies: Vec<Tensor>,
     traces: Vec<Trace>,
     /// Receives posted ahead of the action that takes them, with their transfer (a compressed
     /// message's payload is received from the same peer once its header is in).
@@ -304,7 +315,7 @@ impl Executor {
             Schedule::GPipe | Schedule::OneFOneB => 1.0 / self.microbatches as f64,
         };
         let devices = self.timed_devices(progress);
-        let (output, loss) = timed(
+        let (output, tally) = timed(
             c"forward",
             &devices,
             self.slowdown,
@@ -314,18 +325,24 @@ impl Executor {
                 match self.stage.loss(&out, &target) {
                     Some(loss) => {
                         let loss = loss.context("computing the loss")?;
+                        let accuracy = self
+                            .stage
+                            .accuracy(&out, &target)
+                            .expect("a stage with a loss has an accuracy")
+                            .context("computing the accuracy")?;
                         let backward = match &self.scaler {
                             Some(scaler) => scaler.scale_loss(&(&loss * scale)),
                             None => &loss * scale,
                         };
-                        Ok((backward, Some(loss.detach())))
+                        let tally = Tensor::stack(&[loss.detach().to_kind(Kind::Double), accuracy], 0);
+                        Ok((backward, Some(tally)))
                     }
                     None => Ok((out, None)),
                 }
             },
         )?;
-        if let Some(loss) = loss {
-            progress.losses.push(loss);
+        if let Some(tally) = tally {
+            progress.tallies.push(tally);
         } else {
             progress
                 .outbox
@@ -448,8 +465,8 @@ impl Executor {
     /// stretch it. A single process has no peers and, unslowed, nothing to stretch: its actions
     /// are queued back to back as PyTorch's are, with no wait for the device between them (which
     /// would leave the GPU idle while the next action's first kernels are launched), and the
-    /// iteration's one wait, for its loss, is booked as compute ([`Self::take_loss`]). On a CPU
-    /// nothing changes: its kernels run as they are called.
+    /// iteration's one wait, for its loss and accuracy, is booked as compute
+    /// ([`Self::take_tally`]). On a CPU nothing changes: its kernels run as they are called.
     fn waits_after_each_action(&self) -> bool {
         everyone(&self.links).is_some() || self.slowdown > 1.0
     }
@@ -622,7 +639,7 @@ impl Executor {
                 phase: GraphPhase::Eager,
                 inputs: None,
                 targets: None,
-                losses: Vec::new(),
+                tallies: Vec::new(),
                 first: first.unwrap_or(0),
             });
         }
@@ -679,7 +696,7 @@ impl Executor {
                                     vote = Some(self.start_stop_vote()?);
                                 }
                             }
-                            let loss = self.take_loss(&mut progress)?;
+                            let tally = self.take_tally(&mut progress)?;
                             let time = started.elapsed();
                             let traces = std::mem::take(&mut progress.traces);
                             let p2p = self.links.channels.as_ref().map(Channels::take_log);
@@ -713,7 +730,8 @@ impl Executor {
                                 iteration: iteration as u64,
                                 time,
                                 timing: progress.timing,
-                                loss,
+                                loss: tally.map(|t| t.loss),
+                                accuracy: tally.map(|t| t.accuracy),
                                 traces,
                                 p2p: p2p.filter(|_| self.trace).unwrap_or_default(),
                                 group: progress.group.take(),
@@ -759,19 +777,20 @@ impl Executor {
         Ok(StopVote { flag, work })
     }
 
-    /// The mean loss of the iteration's microbatches on this rank (summed over the replicas of
-    /// the last stage for GPipe and 1F1B, so every replica reports the whole minibatch's loss).
-    fn take_loss(&self, progress: &mut Progress) -> anyhow::Result<Option<f64>> {
+    /// The mean loss and accuracy of the iteration's microbatches on this rank (summed over the
+    /// replicas of the last stage for GPipe and 1F1B, so every replica reports the whole
+    /// minibatch's).
+    fn take_tally(&self, progress: &mut Progress) -> anyhow::Result<Option<Tally>> {
         if !self.is_last() {
             return Ok(None);
         }
-        let losses = std::mem::take(&mut progress.losses);
-        let total = Tensor::stack(&losses, 0).sum(Kind::Double).reshape([1]);
-        let mut count = losses.len() as f64;
+        let tallies = std::mem::take(&mut progress.tallies);
+        let total = Tensor::stack(&tallies, 0).sum_dim_intlist(0, false, Kind::Double);
+        let mut count = tallies.len() as f64;
         // PipeDream's replicas, and a partial reduce's, each report their own microbatches'.
         let own = self.schedule == Schedule::PipeDream || self.partial.is_some();
         if let (Some(group), false) = (&self.links.replicas, own) {
-            // Waiting for the other replicas' losses is communication, as the gradients' is.
+            // Waiting for the other replicas' figures is communication, as the gradients' is.
             let started = Instant::now();
             group.all_reduce_sum(std::slice::from_ref(&total))?.wait()?;
             progress.timing.comm += started.elapsed();
@@ -780,16 +799,20 @@ impl Executor {
         let started = Instant::now();
         // The iteration's queued kernels end here; a fault of the device's shows here too.
         let total = total
-            .f_double_value(&[0])
+            .f_to_device(Device::Cpu)
+            .and_then(|t| Ok((t.f_double_value(&[0])?, t.f_double_value(&[1])?)))
             .map_err(|e| anyhow::anyhow!("the device failed running the iteration: {e}"))?;
         if !self.waits_after_each_action() {
             progress.timing.compute += started.elapsed();
         }
-        let loss = total / count;
+        let loss = total.0 / count;
         if !loss.is_finite() {
             bail!("loss became {loss}; lower --lr");
         }
-        Ok(Some(loss))
+        Ok(Some(Tally {
+            loss,
+            accuracy: total.1 / count,
+        }))
     }
 }
 
