@@ -1003,26 +1003,12 @@ fn profile_measures_in_the_arithmetic_it_is_given() {
 /// summary's is the last iteration's.
 #[test]
 fn accuracy_rises_from_chance_to_every_sample_as_the_model_learns() {
-    let run = run_ok(&[
-        "--model",
-        "mlp",
-        "--layers",
-        "2",
-        "--hidden",
-        "64",
-        "--image-size",
-        "8",
-        "--batch-size",
-        "16",
-        "--threads",
-        "1",
-        "--seed",
-        "3",
-        "--lr",
-        "0.05",
-        "--iterations",
-        "40",
-    ]);
+    let mlp = "--model mlp --layers 2 --hidden 64 --image-size 8 --batch-size 16 --threads 1 --seed 3";
+    let args: Vec<&str> = mlp
+        .split_whitespace()
+        .chain(["--lr", "0.05", "--iterations", "40"])
+        .collect();
+    let run = run_ok(&args);
     let (losses, accuracies) = (run.losses(), run.accuracies());
     for (loss, a) in losses.iter().zip(&accuracies) {
         assert!((0.0..=1.0).contains(a), "{accuracies:?}");
