@@ -40,11 +40,29 @@ struct LastStage {
     /// Samples/s, and how many ranks reported.
     rate: f64,
     ranks: usize,
-    /// Loss and top-1 accuracy, and how many ranks reported each.
-    loss: f64,
-    losses: usize,
-    accuracy: f64,
-    accuracies: usize,
+    /// Loss and top-1 accuracy over the ranks that reported a finite one.
+    loss: Mean,
+    accuracy: Mean,
+}
+
+/// A mean over the finite values given.
+#[derive(Debug, Default, Clone, Copy)]
+struct Mean {
+    sum: f64,
+    count: usize,
+}
+
+impl Mean {
+    fn add(&mut self, value: Option<f64>) {
+        if let Some(value) = value.filter(|v| v.is_finite()) {
+            self.sum += value;
+            self.count += 1;
+        }
+    }
+
+    fn value(&self) -> Option<f64> {
+        (self.count > 0).then(|| self.sum / self.count as f64)
+    }
 }
 
 /// How training went by the last complete iteration: its loss and top-1 accuracy, each the
@@ -116,14 +134,8 @@ impl Stats {
                     let entry = self.per_iteration.entry(it.iteration).or_default();
                     entry.rate += it.samples_per_sec;
                     entry.ranks += 1;
-                    if let Some(loss) = it.loss.filter(|l| l.is_finite()) {
-                        entry.loss += loss;
-                        entry.losses += 1;
-                    }
-                    if let Some(accuracy) = it.accuracy.filter(|a| a.is_finite()) {
-                        entry.accuracy += accuracy;
-                        entry.accuracies += 1;
-                    }
+                    entry.loss.add(it.loss);
+                    entry.accuracy.add(it.accuracy);
                 }
             }
             // Per-microbatch tracing (`--trace`) says nothing about throughput or time shares.
@@ -171,10 +183,9 @@ impl Stats {
     pub fn fit(&self) -> Option<Fit> {
         let need = self.last_stage_ranks();
         let it = self.per_iteration.values().rev().find(|it| it.ranks >= need)?;
-        let mean = |sum: f64, n: usize| (n > 0).then(|| sum / n as f64);
         Some(Fit {
-            loss: mean(it.loss, it.losses),
-            accuracy: mean(it.accuracy, it.accuracies),
+            loss: it.loss.value(),
+            accuracy: it.accuracy.value(),
         })
     }
 

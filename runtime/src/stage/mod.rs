@@ -157,26 +157,38 @@ impl Stage {
 
     /// The loss of `output` against `target`; `None` if this stage does not end the model.
     pub fn loss(&self, output: &Tensor, target: &Tensor) -> Option<Result<Tensor, tch::TchError>> {
-        let device = output.device();
-        let _autocast = self.autocast(device);
-        let target = if target.device() == device {
-            target.shallow_clone()
-        } else {
-            target.to_device(device)
-        };
-        self.loss.map(|loss| loss.compute(output, &target))
+        let loss = self.loss?;
+        let _autocast = self.autocast(output.device());
+        Some(loss.compute(output, &on_device_of(output, target)))
     }
 
-    /// The top-1 accuracy of `output` against `target` (`Loss::accuracy`), on `output`'s device;
-    /// `None` if this stage does not end the model.
-    pub fn accuracy(&self, output: &Tensor, target: &Tensor) -> Option<Result<Tensor, tch::TchError>> {
-        let target = target.to_device(output.device());
-        self.loss
-            .map(|loss| tch::no_grad(|| loss.accuracy(output, &target)))
+    /// The loss of `output` against `target`, as [`Self::loss`], and its top-1 accuracy
+    /// (`Loss::accuracy`, outside autograd), with `target` moved to `output`'s device once for
+    /// both; `None` if this stage does not end the model.
+    pub fn loss_and_accuracy(
+        &self,
+        output: &Tensor,
+        target: &Tensor,
+    ) -> Option<Result<(Tensor, Tensor), tch::TchError>> {
+        let loss = self.loss?;
+        let target = on_device_of(output, target);
+        let value = {
+            let _autocast = self.autocast(output.device());
+            loss.compute(output, &target)
+        };
+        Some(value.and_then(|value| Ok((value, tch::no_grad(|| loss.accuracy(output, &target))?))))
     }
 
     fn autocast(&self, device: Device) -> amp::Autocast {
         // Entering autocast only sets thread-local flags; it fails only on an unknown dtype code.
         amp::Autocast::enter(self.precision, device).expect("autocast to a known dtype")
+    }
+}
+
+/// `target` on `output`'s device (itself when it is there already).
+fn on_device_of(output: &Tensor, target: &Tensor) -> Tensor {
+    match output.device() {
+        device if device == target.device() => target.shallow_clone(),
+        device => target.to_device(device),
     }
 }

@@ -322,14 +322,9 @@ impl Executor {
             &mut progress.timing,
             || -> anyhow::Result<(Tensor, Option<Tensor>)> {
                 let out = self.stage.forward(&input, true);
-                match self.stage.loss(&out, &target) {
-                    Some(loss) => {
-                        let loss = loss.context("computing the loss")?;
-                        let accuracy = self
-                            .stage
-                            .accuracy(&out, &target)
-                            .expect("a stage with a loss has an accuracy")
-                            .context("computing the accuracy")?;
+                match self.stage.loss_and_accuracy(&out, &target) {
+                    Some(computed) => {
+                        let (loss, accuracy) = computed.context("computing the loss")?;
                         let backward = match &self.scaler {
                             Some(scaler) => scaler.scale_loss(&(&loss * scale)),
                             None => &loss * scale,
