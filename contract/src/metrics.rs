@@ -227,6 +227,12 @@ pub struct Iteration {
     /// (absent, read as `null`, from runtimes before it).
     #[serde(default)]
     pub accuracy: Option<f64>,
+    /// Top-5 accuracy, as `accuracy`: the share of targets whose class is among the five highest
+    /// logits. Class logits only (the image models and the MLP); the transformer's per-token
+    /// figure is top-1 alone, and it prints `null` (absent, read as `null`, from runtimes before
+    /// it).
+    #[serde(default)]
+    pub accuracy_top5: Option<f64>,
     /// The learning rate this iteration's steps used.
     #[serde(default)]
     pub lr: Option<f64>,
@@ -370,6 +376,9 @@ pub struct Summary {
     /// runtimes before it).
     #[serde(default)]
     pub final_accuracy: Option<f64>,
+    /// Top-5 accuracy of the last iteration, as [`Iteration::accuracy_top5`].
+    #[serde(default)]
+    pub final_accuracy_top5: Option<f64>,
     /// Peak memory of this rank's device over the run, as in [`Iteration::peak_mem_bytes`].
     pub peak_mem_bytes: Option<u64>,
     /// The host's peak resident set, in bytes (every device).
@@ -475,6 +484,7 @@ mod tests {
             stage: 1,
             loss: Some(2.25),
             accuracy: Some(0.375),
+            accuracy_top5: Some(0.75),
             lr: Some(0.01),
             samples: 32,
             time_s: 0.5,

@@ -142,6 +142,7 @@ mod tests {
             idle_s: 0.0,
             final_loss: Some(0.5),
             final_accuracy: Some(0.25),
+            final_accuracy_top5: Some(0.75),
             peak_mem_bytes: None,
             host_peak_rss_bytes: None,
             gpu_peak_allocated_bytes: None,

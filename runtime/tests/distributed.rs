@@ -57,28 +57,37 @@ fn last_stage_losses(runs: &[Run]) -> Vec<f64> {
     last.losses()
 }
 
-/// Top-1 accuracies of a split run against one process's, per iteration, from the last stage's
-/// every rank (GPipe and 1F1B: each reports the whole minibatch's). Each is a share of the
-/// minibatch's 16 samples taken from logits that match one process's to float32 rounding; a
-/// sample whose two highest logits are within rounding of each other may go either way, so one
-/// sample's share, 1/16, is allowed and no more. Summing the replicas' shares without dividing,
-/// or dividing by the wrong count, scales the whole figure instead.
+/// Top-1 and top-5 accuracies of a split run against one process's, per iteration, from the
+/// last stage's every rank (GPipe and 1F1B: each reports the whole minibatch's). Each is a share
+/// of the minibatch's 16 samples taken from logits that match one process's to float32 rounding;
+/// a sample whose target's logit is within rounding of the one it must beat may go either way,
+/// so one sample's share, 1/16, is allowed and no more. Summing the replicas' shares without
+/// dividing, or dividing by the wrong count, scales the whole figure instead.
 fn assert_accuracies(what: &str, runs: &[Run], reference: &Reference) {
     let last = runs.iter().map(|r| r.start().stage).max().unwrap();
     for run in runs.iter().filter(|r| r.start().stage == last) {
-        let ours = run.accuracies();
-        assert_eq!(ours.len(), reference.accuracies.len(), "{what}");
-        for (a, b) in ours.iter().zip(&reference.accuracies) {
-            assert!(
-                (a - b).abs() <= 1.0 / 16.0 + 1e-12,
-                "{what}: accuracies {ours:?} vs {:?}",
-                reference.accuracies
-            );
+        for (k, ours, theirs) in [
+            (1, run.accuracies(), &reference.accuracies),
+            (
+                5,
+                run.top5_accuracies(),
+                &reference.top5.iter().flatten().copied().collect(),
+            ),
+        ] {
+            assert_eq!(ours.len(), theirs.len(), "{what}");
+            for (a, b) in ours.iter().zip(theirs) {
+                assert!(
+                    (a - b).abs() <= 1.0 / 16.0 + 1e-12,
+                    "{what}: top-{k} accuracies {ours:?} vs {theirs:?}"
+                );
+            }
         }
     }
     for run in runs.iter().filter(|r| r.start().stage != last) {
         assert!(
-            run.iterations().iter().all(|i| i.accuracy.is_none()),
+            run.iterations()
+                .iter()
+                .all(|i| i.accuracy.is_none() && i.accuracy_top5.is_none()),
             "{what}: only the last stage knows the accuracy"
         );
     }
@@ -102,6 +111,8 @@ fn assert_close(what: &str, ours: &[f64], reference: &[f64]) {
 struct Reference {
     losses: Vec<f64>,
     accuracies: Vec<f64>,
+    /// Top-5 accuracies, of a model with class logits.
+    top5: Vec<Option<f64>>,
     /// `--save-params` of the same arguments with no iteration run.
     initial: std::path::PathBuf,
     /// `--save-params` after training.
@@ -119,6 +130,7 @@ fn reference(base: &[&str], dir: &Path) -> Reference {
     Reference {
         losses: run.losses(),
         accuracies: run.accuracies(),
+        top5: run.iterations().iter().map(|i| i.accuracy_top5).collect(),
         initial,
         trained,
     }

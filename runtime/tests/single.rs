@@ -39,6 +39,17 @@ fn assert_learns_at(image_size: &str, batch_size: &str, iterations: usize, model
     let last: f64 = losses[iterations - 4..].iter().sum::<f64>() / 4.0;
     assert!(last < first, "{model_args:?}: loss did not fall: {losses:?}");
     assert!(losses.iter().all(|l| l.is_finite()));
+    // Class logits report top-5 beside top-1, at least as high; the transformer's tokens top-1
+    // alone.
+    let classifies_images = !model_args.contains(&"transformer");
+    for i in run.iterations() {
+        let top1 = i.accuracy.expect("a single process knows its accuracy");
+        match (i.accuracy_top5, classifies_images) {
+            (Some(top5), true) => assert!(top1 <= top5, "{model_args:?}: {i:?}"),
+            (None, false) => {}
+            (top5, _) => panic!("{model_args:?}: top-5 {top5:?} reported for the wrong model"),
+        }
+    }
 }
 
 #[test]
@@ -994,13 +1005,14 @@ fn profile_measures_in_the_arithmetic_it_is_given() {
     }
 }
 
-/// Each iteration reports the top-1 accuracy of its training samples: a share of the minibatch
-/// (a whole number of its 16 samples, which double arithmetic divides exactly), near chance for
-/// the untrained model and every sample once it has learnt the synthetic pool's four batches
-/// (images drawn around a prototype per class). Accuracy and loss come from the same logits: a
-/// mean cross-entropy L over 16 samples bounds each sample's by 16 L, so where 16 L < ln 2 every
-/// sample's class has probability above 1/2, the highest, and the accuracy must be 1. The
-/// summary's is the last iteration's.
+/// Each iteration reports the top-1 and top-5 accuracies of its training samples: shares of the
+/// minibatch (whole numbers of its 16 samples, which double arithmetic divides exactly), near
+/// chance for the untrained model and every sample once it has learnt the synthetic pool's four
+/// batches (images drawn around a prototype per class). Accuracy and loss come from the same
+/// logits: a mean cross-entropy L over 16 samples bounds each sample's by 16 L, so where 16 L <
+/// ln 2 every sample's class has probability above 1/2, the highest, and both accuracies must be
+/// 1. A sample in the top 1 is in the top 5, and over five classes every sample is. The
+/// summary's are the last iteration's.
 #[test]
 fn accuracy_rises_from_chance_to_every_sample_as_the_model_learns() {
     let mlp = "--model mlp --layers 2 --hidden 64 --image-size 8 --batch-size 16 --threads 1 --seed 3";
@@ -1009,16 +1021,19 @@ fn accuracy_rises_from_chance_to_every_sample_as_the_model_learns() {
         .chain(["--lr", "0.05", "--iterations", "40"])
         .collect();
     let run = run_ok(&args);
-    let (losses, accuracies) = (run.losses(), run.accuracies());
-    for (loss, a) in losses.iter().zip(&accuracies) {
-        assert!((0.0..=1.0).contains(a), "{accuracies:?}");
-        assert_eq!(
-            (a * 16.0).round() / 16.0,
-            *a,
-            "a whole number of samples: {accuracies:?}"
-        );
+    let (losses, accuracies, top5) = (run.losses(), run.accuracies(), run.top5_accuracies());
+    for ((loss, a), a5) in losses.iter().zip(&accuracies).zip(&top5) {
+        for share in [a, a5] {
+            assert!((0.0..=1.0).contains(share), "{accuracies:?} {top5:?}");
+            assert_eq!(
+                (share * 16.0).round() / 16.0,
+                *share,
+                "a whole number of samples: {accuracies:?} {top5:?}"
+            );
+        }
+        assert!(a <= a5, "top-1 {accuracies:?} against top-5 {top5:?}");
         if 16.0 * loss < std::f64::consts::LN_2 {
-            assert_eq!(*a, 1.0, "loss {loss}: {accuracies:?}");
+            assert_eq!((*a, *a5), (1.0, 1.0), "loss {loss}: {accuracies:?} {top5:?}");
         }
     }
     assert!(
@@ -1030,4 +1045,15 @@ fn accuracy_rises_from_chance_to_every_sample_as_the_model_learns() {
         "the pool's batches learnt: {losses:?}"
     );
     assert_eq!(run.summary().final_accuracy, Some(accuracies[39]));
+    assert_eq!(run.summary().final_accuracy_top5, Some(top5[39]));
+
+    // Over five classes every target is in the top five, untrained or not, while the untrained
+    // model misses some sample's top-1: the two figures are not one.
+    let five: Vec<&str> = mlp
+        .split_whitespace()
+        .chain(["--num-classes", "5", "--lr", "0.05", "--iterations", "3"])
+        .collect();
+    let run = run_ok(&five);
+    assert_eq!(run.top5_accuracies(), [1.0; 3]);
+    assert!(run.accuracies()[0] < 1.0, "{:?}", run.accuracies());
 }

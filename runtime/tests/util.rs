@@ -69,6 +69,14 @@ impl Run {
             .map(|i| i.accuracy.expect("a rank that knows its loss knows its accuracy"))
             .collect()
     }
+
+    /// Top-5 accuracies, of a model with class logits.
+    pub fn top5_accuracies(&self) -> Vec<f64> {
+        self.iterations()
+            .iter()
+            .map(|i| i.accuracy_top5.expect("class logits report top-5 beside top-1"))
+            .collect()
+    }
 }
 
 /// Runs `runtime` with `args`; every stdout line must be a metrics event.

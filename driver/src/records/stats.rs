@@ -40,9 +40,10 @@ struct LastStage {
     /// Samples/s, and how many ranks reported.
     rate: f64,
     ranks: usize,
-    /// Loss and top-1 accuracy over the ranks that reported a finite one.
+    /// Loss, top-1 and top-5 accuracy over the ranks that reported a finite one.
     loss: Mean,
     accuracy: Mean,
+    accuracy_top5: Mean,
 }
 
 /// A mean over the finite values given.
@@ -65,13 +66,14 @@ impl Mean {
     }
 }
 
-/// How training went by the last complete iteration: its loss and top-1 accuracy, each the
-/// mean of what the last stage's ranks reported (every replica reports the whole minibatch's,
-/// or its own equal share of it).
+/// How training went by the last complete iteration: its loss and top-1 and top-5 accuracy,
+/// each the mean of what the last stage's ranks reported (every replica reports the whole
+/// minibatch's, or its own equal share of it).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Fit {
     pub loss: Option<f64>,
     pub accuracy: Option<f64>,
+    pub accuracy_top5: Option<f64>,
 }
 
 #[derive(Debug, Default, Clone, Copy)]
@@ -136,6 +138,7 @@ impl Stats {
                     entry.ranks += 1;
                     entry.loss.add(it.loss);
                     entry.accuracy.add(it.accuracy);
+                    entry.accuracy_top5.add(it.accuracy_top5);
                 }
             }
             // Per-microbatch tracing (`--trace`) says nothing about throughput or time shares.
@@ -178,7 +181,7 @@ impl Stats {
         self.per_iteration.values().filter(|it| it.ranks >= need).count() as u64
     }
 
-    /// Loss and accuracy of the latest iteration every last-stage rank has reported; `None`
+    /// Loss and accuracies of the latest iteration every last-stage rank has reported; `None`
     /// before the first.
     pub fn fit(&self) -> Option<Fit> {
         let need = self.last_stage_ranks();
@@ -186,6 +189,7 @@ impl Stats {
         Some(Fit {
             loss: it.loss.value(),
             accuracy: it.accuracy.value(),
+            accuracy_top5: it.accuracy_top5.value(),
         })
     }
 
@@ -278,6 +282,7 @@ mod tests {
             stage,
             loss: None,
             accuracy: None,
+            accuracy_top5: None,
             lr: None,
             samples: 8,
             time_s: 8.0 / sps,
@@ -317,52 +322,45 @@ mod tests {
         assert_eq!(s.latest_samples_per_sec(), Some(15.0));
     }
 
-    /// The record's loss and accuracy are the latest iteration every replica of the last stage
-    /// finished, the mean of theirs (PipeDream's replicas each report their own microbatches'
-    /// share); a runtime that reports no accuracy leaves it unknown, and a non-finite loss is
-    /// not averaged in.
+    /// The record's loss and accuracies are the latest iteration every replica of the last
+    /// stage finished, the mean of theirs (PipeDream's replicas each report their own
+    /// microbatches' share); a runtime that reports no accuracy (or no top-5, for token logits)
+    /// leaves it unknown, and a non-finite loss is not averaged in.
     #[test]
     fn the_fit_is_the_latest_complete_iterations_mean_over_the_last_stages_replicas() {
-        let reported = |i: u64, rank: usize, loss: f64, accuracy: Option<f64>| {
+        let reported = |i: u64, rank: usize, loss: f64, top1: Option<f64>, top5: Option<f64>| {
             let Metrics::Iteration(mut line) = it(i, rank, 0, 10.0) else {
                 unreachable!()
             };
             line.loss = Some(loss);
-            line.accuracy = accuracy;
+            line.accuracy = top1;
+            line.accuracy_top5 = top5;
             Metrics::Iteration(line)
+        };
+        let fit = |loss, accuracy, accuracy_top5| {
+            Some(Fit {
+                loss: Some(loss),
+                accuracy,
+                accuracy_top5,
+            })
         };
         let mut s = Stats::default();
         assert_eq!(s.fit(), None, "nothing finished yet");
-        s.record(&reported(0, 0, 2.0, Some(0.25)));
-        s.record(&reported(0, 1, 1.0, Some(0.5)));
-        s.record(&reported(1, 0, 0.5, Some(0.75)));
-        s.record(&reported(1, 1, 0.25, Some(1.0)));
+        s.record(&reported(0, 0, 2.0, Some(0.25), Some(0.5)));
+        s.record(&reported(0, 1, 1.0, Some(0.5), Some(0.5)));
+        s.record(&reported(1, 0, 0.5, Some(0.75), Some(0.75)));
+        s.record(&reported(1, 1, 0.25, Some(1.0), Some(1.0)));
         // Rank 1 has not finished iteration 2 yet.
-        s.record(&reported(2, 0, 9.0, Some(0.0)));
-        assert_eq!(
-            s.fit(),
-            Some(Fit {
-                loss: Some(0.375),
-                accuracy: Some(0.875)
-            })
-        );
-        s.record(&reported(2, 1, f64::NAN, None));
-        assert_eq!(
-            s.fit(),
-            Some(Fit {
-                loss: Some(9.0),
-                accuracy: Some(0.0)
-            })
-        );
+        s.record(&reported(2, 0, 9.0, Some(0.0), Some(0.25)));
+        assert_eq!(s.fit(), fit(0.375, Some(0.875), Some(0.875)));
+        s.record(&reported(2, 1, f64::NAN, None, None));
+        assert_eq!(s.fit(), fit(9.0, Some(0.0), Some(0.25)));
         let mut older = Stats::default();
-        older.record(&reported(0, 0, 1.5, None));
-        assert_eq!(
-            older.fit(),
-            Some(Fit {
-                loss: Some(1.5),
-                accuracy: None
-            })
-        );
+        older.record(&reported(0, 0, 1.5, None, None));
+        assert_eq!(older.fit(), fit(1.5, None, None));
+        let mut tokens = Stats::default();
+        tokens.record(&reported(0, 0, 1.5, Some(0.5), None));
+        assert_eq!(tokens.fit(), fit(1.5, Some(0.5), None));
     }
 
     /// Ranks started again replace what the failed start reported from the iteration they

@@ -132,6 +132,10 @@ pub struct Summary {
     /// runtimes that do not report it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub final_accuracy: Option<f64>,
+    /// The top-5 accuracy, as `final_accuracy`, of models with class logits (absent for the
+    /// transformer, whose tokens report top-1 alone).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub final_accuracy_top5: Option<f64>,
     /// Where each stage's time went.
     pub stages: Vec<StageShares>,
     /// How each rank ended.

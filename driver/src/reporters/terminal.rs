@@ -120,9 +120,12 @@ impl TerminalReporter {
                 if *self.loss_rank.get_or_insert(*rank) != *rank {
                     return None;
                 }
+                let top5 = it
+                    .accuracy_top5
+                    .map_or(String::new(), |a| format!(" (top-5 {:.1}%)", a * 100.0));
                 let accuracy = it
                     .accuracy
-                    .map_or(String::new(), |a| format!(", accuracy {:.1}%", a * 100.0));
+                    .map_or(String::new(), |a| format!(", accuracy {:.1}%{top5}", a * 100.0));
                 let lr = it.lr.map_or(String::new(), |lr| format!(", lr {lr:.3e}"));
                 let scale = it.loss_scale.map_or(String::new(), |s| format!(", loss scale {s}"));
                 let skip = match skipped {
@@ -456,13 +459,17 @@ mod tests {
             .join("\n")
     }
 
-    /// An iteration's metrics line from `rank`, with a loss and an accuracy when it is the last
+    /// An iteration's metrics line from `rank`, with a loss and accuracies when it is the last
     /// stage's.
     fn iteration(rank: usize, i: u64, loss: Option<f64>) -> Event {
-        let accuracy = if loss.is_some() { "0.625" } else { "null" };
+        let (accuracy, top5) = if loss.is_some() {
+            ("0.625", "0.875")
+        } else {
+            ("null", "null")
+        };
         let loss = loss.map_or("null".to_string(), |l| l.to_string());
         let line = format!(
-            r#"{{"event":"iteration","iteration":{i},"rank":{rank},"stage":{rank},"loss":{loss},"accuracy":{accuracy},"lr":0.01,"samples":8,"time_s":0.1,"samples_per_sec":80.0,"compute_s":0.1,"comm_wait_s":0.0,"idle_s":0.0,"peak_mem_bytes":null}}"#
+            r#"{{"event":"iteration","iteration":{i},"rank":{rank},"stage":{rank},"loss":{loss},"accuracy":{accuracy},"accuracy_top5":{top5},"lr":0.01,"samples":8,"time_s":0.1,"samples_per_sec":80.0,"compute_s":0.1,"comm_wait_s":0.0,"idle_s":0.0,"peak_mem_bytes":null}}"#
         );
         metrics(rank, line)
     }
@@ -497,7 +504,7 @@ mod tests {
         // a verbose one as well: every rank's metrics line, which has the loss too.
         assert_eq!(
             shown[0],
-            "[b r1] iteration 2: loss 2.0000, accuracy 62.5%, 80.0 samples/s, lr 1.000e-2"
+            "[b r1] iteration 2: loss 2.0000, accuracy 62.5% (top-5 87.5%), 80.0 samples/s, lr 1.000e-2"
         );
         assert_eq!(shown.len(), 4, "{shown:#?}");
         for (line, rank) in shown[1..].iter().zip(["[a r0]", "[b r1]", "[c r2]"]) {
@@ -550,8 +557,8 @@ mod tests {
         assert_eq!(
             shown,
             [
-                "[a r0] iteration 2: loss 2.0000, accuracy 62.5%, 80.0 samples/s, lr 1.000e-2, loss scale 32768 (step skipped: fp16 gradients held an inf or a nan)",
-                "[a r0] iteration 4: loss 2.0000, accuracy 62.5%, 80.0 samples/s, lr 1.000e-2, loss scale 32768",
+                "[a r0] iteration 2: loss 2.0000, accuracy 62.5% (top-5 87.5%), 80.0 samples/s, lr 1.000e-2, loss scale 32768 (step skipped: fp16 gradients held an inf or a nan)",
+                "[a r0] iteration 4: loss 2.0000, accuracy 62.5% (top-5 87.5%), 80.0 samples/s, lr 1.000e-2, loss scale 32768",
             ]
         );
         let mut quiet = TerminalReporter::new(Verbosity::Quiet, ProgressBar::hidden(), hosts);

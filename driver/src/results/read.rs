@@ -85,6 +85,8 @@ pub struct Row {
     pub loss: Option<f64>,
     /// Top-1 accuracy of that iteration's training samples (`final_accuracy`).
     pub accuracy: Option<f64>,
+    /// Top-5 accuracy, of models with class logits (`final_accuracy_top5`).
+    pub top5: Option<f64>,
     /// Mean idle (bubble) share over the stages.
     pub idle_share: Option<f64>,
     /// Mean communication share over the stages.
@@ -157,6 +159,7 @@ impl Row {
             speedup: None,
             loss: None,
             accuracy: None,
+            top5: None,
             idle_share: None,
             comm_share: None,
             skipped_steps: None,
@@ -286,6 +289,7 @@ pub fn record(dir: &Path) -> Row {
         speedup: None,
         loss: summary.final_loss,
         accuracy: summary.final_accuracy,
+        top5: summary.final_accuracy_top5,
         idle_share: mean(|s| s.idle_share),
         comm_share: mean(|s| s.comm_share),
         skipped_steps: summary.skipped_steps,

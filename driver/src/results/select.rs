@@ -7,7 +7,7 @@ use super::read::Row;
 use super::ResultsError;
 
 /// The columns' keys, in table order, as `--sort`, `--group-by` and filters name them.
-pub const COLUMN_KEYS: [&str; 16] = [
+pub const COLUMN_KEYS: [&str; 17] = [
     "run",
     "model",
     "layout",
@@ -20,6 +20,7 @@ pub const COLUMN_KEYS: [&str; 16] = [
     "speedup",
     "loss",
     "accuracy",
+    "top5",
     "idle",
     "comm",
     "status",
@@ -37,6 +38,7 @@ fn canonical(key: &str) -> &str {
         "comm_share" => "comm",
         "final_loss" => "loss",
         "final_accuracy" | "acc" => "accuracy",
+        "final_accuracy_top5" | "accuracy_top5" | "top-5" => "top5",
         "point" => "run",
         "predicted_samples_per_sec" => "predicted",
         other => other,
@@ -62,6 +64,7 @@ pub fn value(row: &Row, key: &str) -> Option<String> {
         "speedup" => num(row.speedup),
         "loss" => num(row.loss),
         "accuracy" => num(row.accuracy),
+        "top5" => num(row.top5),
         "idle" => num(row.idle_share),
         "comm" => num(row.comm_share),
         "skipped_steps" => row.skipped_steps.map(|n| n.to_string()),

@@ -90,7 +90,7 @@ fn unknown_keys_and_baselines_are_errors() {
 }
 
 /// Runs compare by how far they trained as by how fast: `--sort` takes the final loss and
-/// accuracy (under their record names too), numbers as numbers, runs without one last.
+/// accuracies (under their record names too), numbers as numbers, runs without one last.
 #[test]
 fn runs_sort_by_their_final_loss_and_accuracy() {
     let order = |sort: &str| {
@@ -109,6 +109,10 @@ fn runs_sort_by_their_final_loss_and_accuracy() {
         "{by_accuracy:?}"
     );
     assert_eq!(order("final_accuracy:desc")[..3], by_accuracy[..3]);
+    // The sweep's two runs rank the other way round by top-5.
+    let by_top5 = order("top5:desc");
+    assert_eq!(by_top5[..3], ["mlp-p0", "mlp-p1", "vgg16-2pipe"], "{by_top5:?}");
+    assert_eq!(order("final_accuracy_top5:desc")[..3], by_top5[..3]);
     let by_loss = order("final_loss");
     assert_eq!(
         by_loss[..4],

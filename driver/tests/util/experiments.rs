@@ -100,9 +100,9 @@ pub fn check_pipeline_run(h: &Harness, run: &Run) {
     }
     assert_eq!(ranks[&0], BTreeSet::from([0]), "rank 0 runs stage 0");
     assert_eq!(ranks[&1], BTreeSet::from([1]), "rank 1 runs stage 1");
-    // The record's loss and accuracy are the last stage's one rank's at its last iteration.
+    // The record's loss and accuracies are the last stage's one rank's at its last iteration.
     let end = last_stage_end.expect("rank 1's summary line");
-    for key in ["final_loss", "final_accuracy"] {
+    for key in ["final_loss", "final_accuracy", "final_accuracy_top5"] {
         assert!(end[key].as_f64().is_some(), "rank 1 reports {key}: {end}");
         assert_eq!(summary[key], end[key], "{key}");
     }

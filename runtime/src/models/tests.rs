@@ -246,8 +246,9 @@ fn sparse_mlp_hands_on_coo_activations_and_computes_what_the_masked_dense_networ
 }
 
 /// Top-1 accuracy counts the targets whose class has the highest logit, or shares it, over the
-/// targets the loss counts (not -100), for class logits and per-token logits alike. The shares are ratios of small integers, which double division
-/// gives exactly, so they are compared exactly.
+/// targets the loss counts (not -100), for class logits and per-token logits alike; class logits
+/// also count the targets with fewer than five logits above theirs (top-5). The shares are
+/// ratios of small integers, which double division gives exactly, so they are compared exactly.
 #[test]
 fn accuracy_is_the_share_of_counted_targets_whose_class_has_the_highest_logit() {
     let logits = Tensor::from_slice(&[
@@ -260,29 +261,58 @@ fn accuracy_is_the_share_of_counted_targets_whose_class_has_the_highest_logit() 
     let accuracy = |loss: Loss, logits: &Tensor, target: &[i64], shape: &[i64]| {
         let target = Tensor::from_slice(target).reshape(shape);
         let value = loss.accuracy(logits, &target).unwrap();
-        assert_eq!((value.kind(), value.dim()), (Kind::Double, 0));
-        value.double_value(&[])
+        assert_eq!(value.kind(), Kind::Double);
+        Vec::<f64>::try_from(&value).unwrap()
     };
+    // Three classes: every target is in the top five.
     let classes = |target: &[i64]| accuracy(Loss::CrossEntropy, &logits, target, &[4]);
-    assert_eq!(classes(&[1, 0, 2, 0]), 1.0);
+    assert_eq!(classes(&[1, 0, 2, 0]), [1.0, 1.0]);
     assert_eq!(
         classes(&[1, 1, 2, 2]),
-        0.75,
+        [0.75, 1.0],
         "a share of the highest logit is right"
     );
-    assert_eq!(classes(&[1, 2, 2, 2]), 0.5);
-    assert_eq!(classes(&[0, 2, 1, 1]), 0.0);
+    assert_eq!(classes(&[1, 2, 2, 2]), [0.5, 1.0]);
+    assert_eq!(classes(&[0, 2, 1, 1]), [0.0, 1.0]);
     assert_eq!(
         classes(&[1, -100, 0, 0]),
-        2.0 / 3.0,
+        [2.0 / 3.0, 1.0],
         "an ignored target is not counted"
     );
-    assert_eq!(classes(&[-100, -100, -100, -100]), 0.0, "none counted");
+    assert_eq!(classes(&[-100, -100, -100, -100]), [0.0, 0.0], "none counted");
 
-    // The same logits as two sequences of two tokens over a vocabulary of three.
+    // Seven classes: what counts is how many logits are above the target's (0 for top-1, at most
+    // 4 for top-5).
+    let ranked = Tensor::from_slice(&[
+        6.0f32, 5.0, 4.0, 3.0, 2.0, 1.0, 0.0, // class c has c above it
+        0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, // class c has 6 - c above it
+        6.0, 5.0, 4.0, 3.0, 2.0, 2.0, 0.0, // classes 4 and 5 tie for the fifth place
+    ])
+    .reshape([3, 7]);
+    let top = |target: &[i64]| accuracy(Loss::CrossEntropy, &ranked, target, &[3]);
+    assert_eq!(top(&[0, 6, 0]), [1.0, 1.0]);
+    assert_eq!(
+        top(&[4, 2, 1]),
+        [0.0, 1.0],
+        "4, 4 and 1 logits above: in the top five"
+    );
+    assert_eq!(
+        top(&[5, 1, 2]),
+        [0.0, 1.0 / 3.0],
+        "5, 5 and 2 above: only the last is in"
+    );
+    assert_eq!(
+        top(&[0, 0, 5]),
+        [1.0 / 3.0, 2.0 / 3.0],
+        "a tie for fifth place is in"
+    );
+    assert_eq!(top(&[6, 0, 6]), [0.0, 0.0], "six above is out");
+    assert_eq!(top(&[3, -100, 5]), [0.0, 1.0], "an ignored target is not counted");
+
+    // The same three-class logits as two sequences of two tokens: top-1 alone.
     let tokens = logits.reshape([2, 2, 3]);
     let per_token = |target: &[i64]| accuracy(Loss::TokenCrossEntropy, &tokens, target, &[2, 2]);
-    assert_eq!(per_token(&[1, 0, 2, 0]), 1.0);
-    assert_eq!(per_token(&[1, 0, 0, -100]), 2.0 / 3.0);
-    assert_eq!(per_token(&[-100, 2, 2, 1]), 1.0 / 3.0);
+    assert_eq!(per_token(&[1, 0, 2, 0]), [1.0]);
+    assert_eq!(per_token(&[1, 0, 0, -100]), [2.0 / 3.0]);
+    assert_eq!(per_token(&[-100, 2, 2, 1]), [1.0 / 3.0]);
 }

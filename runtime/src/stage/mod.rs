@@ -162,7 +162,7 @@ impl Stage {
         Some(loss.compute(output, &on_device_of(output, target)))
     }
 
-    /// The loss of `output` against `target`, as [`Self::loss`], and its top-1 accuracy
+    /// The loss of `output` against `target`, as [`Self::loss`], and its accuracies
     /// (`Loss::accuracy`, outside autograd), with `target` moved to `output`'s device once for
     /// both; `None` if this stage does not end the model.
     pub fn loss_and_accuracy(

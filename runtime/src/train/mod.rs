@@ -746,6 +746,7 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
     let mut totals = (Duration::ZERO, Duration::ZERO, Duration::ZERO);
     let mut last_loss = None;
     let mut last_accuracy = None;
+    let mut last_accuracy_top5 = None;
     let mut skipped_steps = 0u64;
     let (rank, stage_id, batch) = (dist.rank, my_stage.id, config.batch_size);
     let mut profiler = match config.profiler_trace.clone() {
@@ -776,6 +777,7 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
         totals.2 += report.timing.comm;
         last_loss = report.loss.or(last_loss);
         last_accuracy = report.accuracy.or(last_accuracy);
+        last_accuracy_top5 = report.accuracy_top5.or(last_accuracy_top5);
         skipped_steps += report.scaler.map_or(0, |s| u64::from(s.skipped));
         for op in report.p2p {
             out.emit(&Event::P2p(op))?;
@@ -790,6 +792,7 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
             stage: stage_id,
             loss: report.loss,
             accuracy: report.accuracy,
+            accuracy_top5: report.accuracy_top5,
             lr: Some(report.lr),
             samples: batch as u64,
             time_s,
@@ -887,18 +890,21 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
         idle_s: (time - compute - comm).max(0.0),
         final_loss: last_loss,
         final_accuracy: last_accuracy,
+        final_accuracy_top5: last_accuracy_top5,
         peak_mem_bytes: memory.peak,
         host_peak_rss_bytes: memory.host_peak_rss,
         gpu_peak_allocated_bytes: memory.gpu_peak_allocated,
         gpu_peak_reserved_bytes: memory.gpu_peak_reserved,
         skipped_steps: (config.precision == Precision::Fp16).then_some(skipped_steps),
     };
+    let percent = |share: f64| format!("{:.1}%", share * 100.0);
     eprintln!(
-        "runtime: rank {rank} done: {:.1} samples/s (std {:.1}), final loss {}, accuracy {}",
+        "runtime: rank {rank} done: {:.1} samples/s (std {:.1}), final loss {}, accuracy {}{}",
         summary.samples_per_sec_mean,
         summary.samples_per_sec_std,
         last_loss.map_or("-".to_string(), |l| format!("{l:.4}")),
-        last_accuracy.map_or("-".to_string(), |a| format!("{:.1}%", a * 100.0))
+        last_accuracy.map_or("-".to_string(), percent),
+        last_accuracy_top5.map_or(String::new(), |a| format!(" (top-5 {})", percent(a)))
     );
     out.emit(&Event::Summary(summary))?;
     traced.map_err(anyhow::Error::msg)?;

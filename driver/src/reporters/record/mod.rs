@@ -56,6 +56,7 @@ impl RecordReporter {
             skipped_steps: None,
             final_loss: None,
             final_accuracy: None,
+            final_accuracy_top5: None,
             stages: Vec::new(),
             ranks: plan
                 .ranks
@@ -136,6 +137,7 @@ impl RecordReporter {
         let fit = self.stats.fit();
         self.summary.final_loss = fit.and_then(|f| f.loss);
         self.summary.final_accuracy = fit.and_then(|f| f.accuracy);
+        self.summary.final_accuracy_top5 = fit.and_then(|f| f.accuracy_top5);
         self.summary.stages = self.stats.stage_shares();
         self.last_write = Instant::now();
         files::write_json(&self.record.dir.join("summary.json"), &self.summary)

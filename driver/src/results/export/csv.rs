@@ -7,7 +7,7 @@ use crate::results::read::Row;
 /// `--format csv`.
 pub struct CsvExport;
 
-const HEADER: [&str; 20] = [
+const HEADER: [&str; 21] = [
     "group",
     "run",
     "name",
@@ -24,6 +24,7 @@ const HEADER: [&str; 20] = [
     "speedup",
     "loss",
     "accuracy",
+    "accuracy_top5",
     "idle_share",
     "comm_share",
     "status",
@@ -61,6 +62,7 @@ fn fields(group: &str, row: &Row) -> Vec<String> {
         opt(row.speedup.map(|v| v.to_string())),
         opt(row.loss.map(|v| v.to_string())),
         opt(row.accuracy.map(|v| v.to_string())),
+        opt(row.top5.map(|v| v.to_string())),
         opt(row.idle_share.map(|v| v.to_string())),
         opt(row.comm_share.map(|v| v.to_string())),
         row.status.as_str().to_string(),

@@ -32,7 +32,7 @@ pub fn exporter(format: Format) -> Box<dyn Export> {
 }
 
 /// Column headers for people, in order; `note` is the last.
-const HEADERS: [&str; 15] = [
+const HEADERS: [&str; 16] = [
     "run",
     "model",
     "stages x replicas",
@@ -44,6 +44,7 @@ const HEADERS: [&str; 15] = [
     "speedup",
     "loss",
     "accuracy",
+    "top-5",
     "idle",
     "comm",
     "status",
@@ -68,6 +69,7 @@ fn cells(row: &Row) -> Vec<String> {
         row.speedup.map_or_else(dash, |s| format!("{s:.2}x")),
         row.loss.map_or_else(dash, |l| format!("{l:.4}")),
         pct(row.accuracy),
+        pct(row.top5),
         pct(row.idle_share),
         pct(row.comm_share),
         row.status.as_str().to_string(),

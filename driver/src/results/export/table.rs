@@ -11,7 +11,7 @@ pub struct TableExport {
 }
 
 /// Columns aligned right (numbers).
-const RIGHT: [usize; 9] = [4, 5, 6, 7, 8, 9, 10, 11, 12];
+const RIGHT: [usize; 10] = [4, 5, 6, 7, 8, 9, 10, 11, 12, 13];
 
 impl Export for TableExport {
     fn render(&self, rows: &Groups) -> String {

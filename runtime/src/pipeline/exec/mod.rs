@@ -77,6 +77,8 @@ pub struct IterationReport {
     pub loss: Option<f64>,
     /// Top-1 accuracy over the minibatch, averaged as the loss is (last stage only).
     pub accuracy: Option<f64>,
+    /// Top-5 accuracy, as `accuracy` (class logits only: [`crate::models::Loss::accuracy`]).
+    pub accuracy_top5: Option<f64>,
     /// The learning rate of the iteration's steps.
     pub lr: f64,
     /// With tracing on, the weights each finished microbatch used.
@@ -92,11 +94,12 @@ pub struct IterationReport {
     pub checkpointed: bool,
 }
 
-/// An iteration's mean loss and top-1 accuracy on the last stage.
+/// An iteration's mean loss and accuracies on the last stage.
 #[derive(Debug, Clone, Copy)]
 struct Tally {
     loss: f64,
     accuracy: f64,
+    accuracy_top5: Option<f64>,
 }
 
 /// A microbatch between its forward and its backward.
@@ -213,8 +216,9 @@ struct Progress {
     /// The minibatch the first stage is slicing: (index, inputs, targets).
     batch: Option<(usize, Tensor, Tensor)>,
     timing: Timing,
-    /// Each finished microbatch's loss and top-1 accuracy, a `[2]` `Double` tensor on the
-    /// device (the last stage's; read once, at the iteration's end).
+    /// Each finished microbatch's loss and accuracies (`[loss, top-1]`, or `[loss, top-1,
+    /// top-5]` for class logits), a `Double` tensor on the device (the last stage's; read once,
+    /// at the iteration's end).
     tallies: Vec<Tensor>,
     traces: Vec<Trace>,
     /// Receives posted ahead of the action that takes them, with their transfer (a compressed
@@ -329,7 +333,8 @@ impl Executor {
                             Some(scaler) => scaler.scale_loss(&(&loss * scale)),
                             None => &loss * scale,
                         };
-                        let tally = Tensor::stack(&[loss.detach().to_kind(Kind::Double), accuracy], 0);
+                        let loss_value = loss.detach().to_kind(Kind::Double).reshape([1]);
+                        let tally = Tensor::cat(&[loss_value, accuracy], 0);
                         Ok((backward, Some(tally)))
                     }
                     None => Ok((out, None)),
@@ -727,6 +732,7 @@ impl Executor {
                                 timing: progress.timing,
                                 loss: tally.map(|t| t.loss),
                                 accuracy: tally.map(|t| t.accuracy),
+                                accuracy_top5: tally.and_then(|t| t.accuracy_top5),
                                 traces,
                                 p2p: p2p.filter(|_| self.trace).unwrap_or_default(),
                                 group: progress.group.take(),
@@ -772,7 +778,7 @@ impl Executor {
         Ok(StopVote { flag, work })
     }
 
-    /// The mean loss and accuracy of the iteration's microbatches on this rank (summed over the
+    /// The mean loss and accuracies of the iteration's microbatches on this rank (summed over the
     /// replicas of the last stage for GPipe and 1F1B, so every replica reports the whole
     /// minibatch's).
     fn take_tally(&self, progress: &mut Progress) -> anyhow::Result<Option<Tally>> {
@@ -795,18 +801,20 @@ impl Executor {
         // The iteration's queued kernels end here; a fault of the device's shows here too.
         let total = total
             .f_to_device(Device::Cpu)
-            .and_then(|t| Ok((t.f_double_value(&[0])?, t.f_double_value(&[1])?)))
+            .and_then(|t| Vec::<f64>::try_from(&t))
             .map_err(|e| anyhow::anyhow!("the device failed running the iteration: {e}"))?;
         if !self.waits_after_each_action() {
             progress.timing.compute += started.elapsed();
         }
-        let loss = total.0 / count;
+        let mean = |i: usize| total.get(i).map(|sum| sum / count);
+        let loss = mean(0).context("internal error: an empty tally")?;
         if !loss.is_finite() {
             bail!("loss became {loss}; lower --lr");
         }
         Ok(Some(Tally {
             loss,
-            accuracy: total.1 / count,
+            accuracy: mean(1).context("internal error: a tally without an accuracy")?,
+            accuracy_top5: mean(2),
         }))
     }
 }
