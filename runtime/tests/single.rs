@@ -1011,7 +1011,7 @@ fn profile_measures_in_the_arithmetic_it_is_given() {
 /// batches (images drawn around a prototype per class). Accuracy and loss come from the same
 /// logits: a mean cross-entropy L over 16 samples bounds each sample's by 16 L, so where 16 L <
 /// ln 2 every sample's class has probability above 1/2, the highest, and both accuracies must be
-/// 1. A sample in the top 1 is in the top 5, and over five classes every sample is. The
+/// 100%. A sample in the top 1 is in the top 5, and over five classes every sample is. The
 /// summary's are the last iteration's.
 #[test]
 fn accuracy_rises_from_chance_to_every_sample_as_the_model_learns() {
