@@ -23,7 +23,7 @@ use crate::host_memory;
 use crate::metrics::{Emitter, Memory, Throughput};
 use crate::models::{InputKind, ModelDef};
 use crate::pipeline::{
-    first_replayed, Bundle, Channels, Checkpointing, Executor, Lanes, Links, PartialReduce, Reducer,
+    first_replayed, Bundle, Channels, Checkpointing, Executor, Lanes, Links, PartialReduce, Reducer, Tally,
     TensorSpec,
 };
 use crate::profiler_trace::{self, Finished, ProfilerTrace};
@@ -744,9 +744,7 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
 
     let mut throughput = Throughput::default();
     let mut totals = (Duration::ZERO, Duration::ZERO, Duration::ZERO);
-    let mut last_loss = None;
-    let mut last_accuracy = None;
-    let mut last_accuracy_top5 = None;
+    let mut last_tally: Option<Tally> = None;
     let mut skipped_steps = 0u64;
     let (rank, stage_id, batch) = (dist.rank, my_stage.id, config.batch_size);
     let mut profiler = match config.profiler_trace.clone() {
@@ -775,9 +773,7 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
         totals.0 += report.time;
         totals.1 += report.timing.compute;
         totals.2 += report.timing.comm;
-        last_loss = report.loss.or(last_loss);
-        last_accuracy = report.accuracy.or(last_accuracy);
-        last_accuracy_top5 = report.accuracy_top5.or(last_accuracy_top5);
+        last_tally = report.tally.or(last_tally);
         skipped_steps += report.scaler.map_or(0, |s| u64::from(s.skipped));
         for op in report.p2p {
             out.emit(&Event::P2p(op))?;
@@ -790,9 +786,9 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
             iteration: report.iteration,
             rank,
             stage: stage_id,
-            loss: report.loss,
-            accuracy: report.accuracy,
-            accuracy_top5: report.accuracy_top5,
+            loss: report.tally.map(|t| t.loss),
+            accuracy: report.tally.map(|t| t.accuracy),
+            accuracy_top5: report.tally.and_then(|t| t.accuracy_top5),
             lr: Some(report.lr),
             samples: batch as u64,
             time_s,
@@ -888,9 +884,9 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
         compute_s: compute,
         comm_wait_s: comm,
         idle_s: (time - compute - comm).max(0.0),
-        final_loss: last_loss,
-        final_accuracy: last_accuracy,
-        final_accuracy_top5: last_accuracy_top5,
+        final_loss: last_tally.map(|t| t.loss),
+        final_accuracy: last_tally.map(|t| t.accuracy),
+        final_accuracy_top5: last_tally.and_then(|t| t.accuracy_top5),
         peak_mem_bytes: memory.peak,
         host_peak_rss_bytes: memory.host_peak_rss,
         gpu_peak_allocated_bytes: memory.gpu_peak_allocated,
@@ -902,9 +898,11 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
         "runtime: rank {rank} done: {:.1} samples/s (std {:.1}), final loss {}, accuracy {}{}",
         summary.samples_per_sec_mean,
         summary.samples_per_sec_std,
-        last_loss.map_or("-".to_string(), |l| format!("{l:.4}")),
-        last_accuracy.map_or("-".to_string(), percent),
-        last_accuracy_top5.map_or(String::new(), |a| format!(" (top-5 {})", percent(a)))
+        last_tally.map_or("-".to_string(), |t| format!("{:.4}", t.loss)),
+        last_tally.map_or("-".to_string(), |t| percent(t.accuracy)),
+        last_tally
+            .and_then(|t| t.accuracy_top5)
+            .map_or(String::new(), |a| format!(" (top-5 {})", percent(a)))
     );
     out.emit(&Event::Summary(summary))?;
     traced.map_err(anyhow::Error::msg)?;

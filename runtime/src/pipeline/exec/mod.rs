@@ -73,12 +73,8 @@ pub struct IterationReport {
     pub iteration: u64,
     pub time: Duration,
     pub timing: Timing,
-    /// Mean loss over the minibatch (last stage only).
-    pub loss: Option<f64>,
-    /// Top-1 accuracy over the minibatch, averaged as the loss is (last stage only).
-    pub accuracy: Option<f64>,
-    /// Top-5 accuracy, as `accuracy` (class logits only: [`crate::models::Loss::accuracy`]).
-    pub accuracy_top5: Option<f64>,
+    /// Loss and accuracies over the minibatch (last stage only).
+    pub tally: Option<Tally>,
     /// The learning rate of the iteration's steps.
     pub lr: f64,
     /// With tracing on, the weights each finished microbatch used.
@@ -96,10 +92,12 @@ pub struct IterationReport {
 
 /// An iteration's mean loss and accuracies on the last stage.
 #[derive(Debug, Clone, Copy)]
-struct Tally {
-    loss: f64,
-    accuracy: f64,
-    accuracy_top5: Option<f64>,
+pub struct Tally {
+    pub loss: f64,
+    /// Top-1 accuracy, averaged as the loss is.
+    pub accuracy: f64,
+    /// Top-5 accuracy, as `accuracy` (class logits only: [`crate::models::Loss::accuracy`]).
+    pub accuracy_top5: Option<f64>,
 }
 
 /// A microbatch between its forward and its backward.
@@ -730,9 +728,7 @@ impl Executor {
                                 iteration: iteration as u64,
                                 time,
                                 timing: progress.timing,
-                                loss: tally.map(|t| t.loss),
-                                accuracy: tally.map(|t| t.accuracy),
-                                accuracy_top5: tally.and_then(|t| t.accuracy_top5),
+                                tally,
                                 traces,
                                 p2p: p2p.filter(|_| self.trace).unwrap_or_default(),
                                 group: progress.group.take(),
