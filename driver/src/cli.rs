@@ -7,7 +7,7 @@ use clap::{ArgAction, Args, Parser, Subcommand, ValueEnum};
 
 use crate::options::{default_torch_venv, Backend, ContainerMode, Options, Progress, Verbosity};
 use crate::partition::{PartitionOptions, PlanRequest};
-use crate::results::{Format, LossX, ResultsOptions};
+use crate::results::{CurveX, Format, ResultsOptions};
 use crate::sweep::{SweepOptions, SweepSource};
 
 /// Runs stagehand experiments: ranks of the runtime (or any torchrun-style program) on Docker
@@ -109,6 +109,7 @@ struct SweepArgs {
 }
 
 #[derive(Debug, Args)]
+#[command(group(clap::ArgGroup::new("curves").multiple(true)))]
 struct ResultsArgs {
     /// Record folders, sweep folders or folders of them (default `experiments/`), and `KEY=VALUE`
     /// filters (e.g. `schedule=1f1b`).
@@ -143,21 +144,27 @@ struct ResultsArgs {
 
     /// Also writes an SVG plot of every record's training loss (the last stage's), a line per
     /// record, to compare how runs converge.
-    #[arg(long = "plot-loss", value_name = "FILE.svg")]
+    #[arg(long = "plot-loss", value_name = "FILE.svg", group = "curves")]
     plot_loss: Option<PathBuf>,
 
-    /// The loss plot's x axis: iterations, or seconds of training.
+    /// Also writes an SVG plot of every record's training accuracy (the last stage's): top-1 a
+    /// solid line per record, top-5 a dashed one where the model reports it.
+    #[arg(long = "plot-accuracy", value_name = "FILE.svg", group = "curves")]
+    plot_accuracy: Option<PathBuf>,
+
+    /// The x axis of the loss and accuracy plots: iterations, or seconds of training.
     #[arg(
-        long = "loss-x",
+        long = "curve-x",
+        visible_alias = "loss-x",
         value_enum,
         default_value = "iteration",
-        requires = "plot_loss"
+        requires = "curves"
     )]
-    loss_x: LossXArg,
+    curve_x: CurveXArg,
 }
 
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
-enum LossXArg {
+enum CurveXArg {
     Iteration,
     Seconds,
 }
@@ -444,9 +451,10 @@ impl ResultsArgs {
             plot: self.plot,
             plot_x: self.plot_x,
             plot_loss: self.plot_loss,
-            loss_x: match self.loss_x {
-                LossXArg::Iteration => LossX::Iteration,
-                LossXArg::Seconds => LossX::Seconds,
+            plot_accuracy: self.plot_accuracy,
+            curve_x: match self.curve_x {
+                CurveXArg::Iteration => CurveX::Iteration,
+                CurveXArg::Seconds => CurveX::Seconds,
             },
         }
     }
@@ -692,6 +700,37 @@ mod tests {
             panic!("not results")
         };
         assert_eq!(r.paths, vec![PathBuf::from("experiments")]);
+    }
+
+    #[test]
+    fn loss_and_accuracy_plots_share_one_x_axis_that_needs_either() {
+        let Task::Results(r) = task(&[
+            "results",
+            "--plot-loss",
+            "l.svg",
+            "--plot-accuracy",
+            "a.svg",
+            "--curve-x",
+            "seconds",
+        ]) else {
+            panic!("not results")
+        };
+        assert_eq!(r.plot_loss, Some(PathBuf::from("l.svg")));
+        assert_eq!(r.plot_accuracy, Some(PathBuf::from("a.svg")));
+        assert_eq!(r.curve_x, CurveX::Seconds);
+        // The flag's name from before the accuracy plot, with the accuracy plot alone.
+        let Task::Results(r) = task(&["results", "--plot-accuracy", "a.svg", "--loss-x", "seconds"]) else {
+            panic!("not results")
+        };
+        assert_eq!((r.plot_loss, r.curve_x), (None, CurveX::Seconds));
+        let Task::Results(r) = task(&["results", "--plot-loss", "l.svg"]) else {
+            panic!("not results")
+        };
+        assert_eq!((r.plot_accuracy, r.curve_x), (None, CurveX::Iteration));
+        assert!(
+            Cli::try_parse_from(["driver", "results", "--curve-x", "seconds"]).is_err(),
+            "an x axis without a curve plot"
+        );
     }
 
     #[test]

@@ -253,9 +253,10 @@ fn each_point_of_a_sweep_checkpoints_into_its_own_folder() {
 
 /// `driver results --plot-loss` over a sweep of real runtimes draws each point's training loss,
 /// a line per point with a vertex per iteration, labelled as the point, against iterations or
-/// seconds of training; a record without losses is refused with what is missing.
+/// seconds of training; `--plot-accuracy`, in the same call, each point's top-1 accuracy the same
+/// way and its top-5 dashed beside it; a record without losses is refused with what is missing.
 #[test]
-fn a_sweeps_loss_curves_are_plotted_a_line_per_point() {
+fn a_sweeps_loss_and_accuracy_curves_are_plotted_a_line_per_point() {
     let runtime = runtime();
     let h = Harness::new("sw-loss");
     let config = h.config(
@@ -272,29 +273,10 @@ fn a_sweeps_loss_curves_are_plotted_a_line_per_point() {
     );
     assert_eq!(run.code(), 0, "{}", run.stderr());
     let dir = h.sweep_dir();
-    for x in ["iteration", "seconds"] {
-        let svg = h.dir.path().join(format!("loss-{x}.svg"));
-        let plotted = h.driver(
-            &[
-                "results".as_ref(),
-                dir.as_os_str(),
-                "--plot-loss".as_ref(),
-                svg.as_os_str(),
-                "--loss-x".as_ref(),
-                x.as_ref(),
-            ],
-            Duration::from_secs(30),
-        );
-        assert_eq!(plotted.code(), 0, "{}", plotted.stderr());
-        assert!(
-            plotted.stderr().contains("loss plot written to"),
-            "{}",
-            plotted.stderr()
-        );
-        let text = std::fs::read_to_string(&svg).unwrap();
-        // Each curve is one polyline through its 6 iterations (a legend's sample line has 2).
-        let curves = text
-            .split("<polyline")
+    // Each curve drawn solid is one polyline through its 6 iterations (a legend's sample line,
+    // and a dash of a dashed curve, have 2).
+    let solid_curves = |text: &str| {
+        text.split("<polyline")
             .skip(1)
             .filter(|p| {
                 let points = p
@@ -306,17 +288,54 @@ fn a_sweeps_loss_curves_are_plotted_a_line_per_point() {
                     .unwrap();
                 points.split_whitespace().count() == 6
             })
-            .count();
-        assert_eq!(curves, 2, "{x}: {text}");
-        for label in ["lr=0.001", "lr=0.05"] {
-            assert!(text.contains(label), "{x}: no {label} in {text}");
+            .count()
+    };
+    for (x, flag) in [("iteration", "--curve-x"), ("seconds", "--loss-x")] {
+        let svg = h.dir.path().join(format!("loss-{x}.svg"));
+        let accuracy_svg = h.dir.path().join(format!("accuracy-{x}.svg"));
+        let plotted = h.driver(
+            &[
+                "results".as_ref(),
+                dir.as_os_str(),
+                "--plot-loss".as_ref(),
+                svg.as_os_str(),
+                "--plot-accuracy".as_ref(),
+                accuracy_svg.as_os_str(),
+                flag.as_ref(),
+                x.as_ref(),
+            ],
+            Duration::from_secs(30),
+        );
+        assert_eq!(plotted.code(), 0, "{}", plotted.stderr());
+        for written in ["loss plot written to", "accuracy plot written to"] {
+            assert!(plotted.stderr().contains(written), "{}", plotted.stderr());
         }
         let desc = if x == "iteration" {
             "iteration"
         } else {
             "seconds of training"
         };
+        let text = std::fs::read_to_string(&svg).unwrap();
+        assert_eq!(solid_curves(&text), 2, "{x}: {text}");
+        for label in ["lr=0.001", "lr=0.05"] {
+            assert!(text.contains(label), "{x}: no {label} in {text}");
+        }
         assert!(text.contains(&format!("training loss against {desc}")), "{text}");
+        // The mlp has class logits: top-1 solid, top-5 dashed, for each point.
+        let text = std::fs::read_to_string(&accuracy_svg).unwrap();
+        assert_eq!(solid_curves(&text), 2, "{x}: {text}");
+        for label in [
+            "lr=0.001 top-1",
+            "lr=0.05 top-1",
+            "lr=0.001 top-5",
+            "lr=0.05 top-5",
+        ] {
+            assert!(text.contains(label), "{x}: no {label} in {text}");
+        }
+        assert!(
+            text.contains(&format!("training accuracy against {desc}")),
+            "{text}"
+        );
     }
     // A program that prints no metrics has no loss.
     let fake = h.config("backend: process\nmachines: [localhost]\ncommand: [/bin/true]\n");
@@ -341,6 +360,21 @@ fn a_sweeps_loss_curves_are_plotted_a_line_per_point() {
     );
     assert!(
         refused.stderr().contains("no record has a loss to plot"),
+        "{}",
+        refused.stderr()
+    );
+    let refused = h.driver(
+        &[
+            "results".as_ref(),
+            records.as_os_str(),
+            "--plot-accuracy".as_ref(),
+            svg.as_os_str(),
+        ],
+        Duration::from_secs(30),
+    );
+    assert_eq!(refused.code(), 5, "{}", refused.stderr());
+    assert!(
+        refused.stderr().contains("no record has an accuracy to plot"),
         "{}",
         refused.stderr()
     );

@@ -9,7 +9,7 @@ mod select;
 
 use std::path::{Path, PathBuf};
 
-pub use self::plot::{LossX, PlotError};
+pub use self::plot::{CurveX, PlotError};
 pub use self::read::record_succeeded;
 
 /// Output formats.
@@ -46,12 +46,14 @@ pub struct ResultsOptions {
     pub plot_x: Option<String>,
     /// Where to write an SVG plot of every record's loss curve, if anywhere.
     pub plot_loss: Option<PathBuf>,
-    /// What the loss plot's x axis counts.
-    pub loss_x: LossX,
+    /// Where to write an SVG plot of every record's accuracy curves, if anywhere.
+    pub plot_accuracy: Option<PathBuf>,
+    /// What the loss and accuracy plots' x axis counts.
+    pub curve_x: CurveX,
 }
 
 impl ResultsOptions {
-    /// `paths` in `format`, unsorted, ungrouped, unfiltered, without baseline or plot.
+    /// `paths` in `format`, unsorted, ungrouped, unfiltered, without baseline or plots.
     pub fn plain(paths: Vec<PathBuf>, format: Format) -> ResultsOptions {
         ResultsOptions {
             paths,
@@ -63,7 +65,8 @@ impl ResultsOptions {
             plot: None,
             plot_x: None,
             plot_loss: None,
-            loss_x: LossX::Iteration,
+            plot_accuracy: None,
+            curve_x: CurveX::Iteration,
         }
     }
 }
@@ -145,8 +148,12 @@ pub fn run(options: &ResultsOptions) -> Result<(), ResultsError> {
         stderr_line!("driver: plot written to {}", path.display());
     }
     if let Some(path) = &options.plot_loss {
-        plot::losses(&rows, options.loss_x, path)?;
+        plot::losses(&rows, options.curve_x, path)?;
         stderr_line!("driver: loss plot written to {}", path.display());
+    }
+    if let Some(path) = &options.plot_accuracy {
+        plot::accuracies(&rows, options.curve_x, path)?;
+        stderr_line!("driver: accuracy plot written to {}", path.display());
     }
     Ok(())
 }

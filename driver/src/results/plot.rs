@@ -1,7 +1,7 @@
 //! SVG plots with plotters: throughput against one key, a line per value of the other keys (a
 //! sweep's plot); for one record, each stage's compute, communication and idle time per
-//! iteration as stacked bars; and every record's training loss against iterations or seconds
-//! (`--plot-loss`), to compare how runs converge.
+//! iteration as stacked bars; and every record's training loss (`--plot-loss`) or accuracy
+//! (`--plot-accuracy`) against iterations or seconds, to compare how runs converge.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -25,6 +25,11 @@ pub enum PlotError {
         "no record has a loss to plot (the last stage's `loss` on its iteration lines in metrics.jsonl)"
     )]
     NoLoss,
+    #[error(
+        "no record has an accuracy to plot (the last stage's `accuracy` on its iteration lines in \
+         metrics.jsonl; runtimes from before it report none)"
+    )]
+    NoAccuracy,
     #[error("cannot draw {}: {message}", path.display())]
     Draw { path: PathBuf, message: String },
 }
@@ -237,9 +242,9 @@ pub fn stages(row: &Row, path: &Path) -> Result<(), PlotError> {
     legend_and_present(&mut chart, &root, SeriesLabelPosition::UpperRight, path)
 }
 
-/// What the loss plot's x axis counts.
+/// What the x axis of a training-curve plot (`--plot-loss`, `--plot-accuracy`) counts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum LossX {
+pub enum CurveX {
     /// Iterations (optimizer steps).
     #[default]
     Iteration,
@@ -248,78 +253,190 @@ pub enum LossX {
     Seconds,
 }
 
-/// One point of a loss curve.
+impl CurveX {
+    /// The axis' description.
+    fn desc(self) -> &'static str {
+        match self {
+            CurveX::Iteration => "iteration",
+            CurveX::Seconds => "seconds of training",
+        }
+    }
+
+    fn of(self, p: &CurvePoint) -> f64 {
+        match self {
+            CurveX::Iteration => p.iteration as f64,
+            CurveX::Seconds => p.seconds,
+        }
+    }
+}
+
+/// What the last stage reports on its iteration lines that a training curve follows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Metric {
+    Loss,
+    /// Top-1 accuracy.
+    Accuracy,
+    AccuracyTop5,
+}
+
+impl Metric {
+    fn of(self, it: &stagehand_contract::Iteration) -> Option<f64> {
+        match self {
+            Metric::Loss => it.loss,
+            Metric::Accuracy => it.accuracy,
+            Metric::AccuracyTop5 => it.accuracy_top5,
+        }
+    }
+}
+
+/// One point of a training curve.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct LossPoint {
+pub struct CurvePoint {
     pub iteration: u64,
     /// Seconds of training up to the end of this iteration.
     pub seconds: f64,
-    /// The mean of the loss the last stage's ranks reported for it.
-    pub loss: f64,
+    /// The mean of what the last stage's ranks reported for it.
+    pub value: f64,
 }
 
-/// A record's loss per iteration from its `metrics.jsonl`: for each iteration, the mean of the
-/// losses its last-stage ranks reported (data-parallel replicas each report their own share's),
+/// A training curve: a point per iteration, in order.
+pub type Curve = Vec<CurvePoint>;
+
+/// A record's `metric` per iteration from its `metrics.jsonl`: for each iteration, the mean of
+/// what its last-stage ranks reported (data-parallel replicas each report their own share's),
 /// each rank's last report counting (a restarted run reports resumed iterations again); `None`
-/// when no iteration has a loss.
-pub fn loss_curve(dir: &Path) -> Option<Vec<LossPoint>> {
-    // iteration -> rank -> (loss, seconds)
+/// when no iteration has the metric.
+pub fn curve(dir: &Path, metric: Metric) -> Option<Curve> {
+    // iteration -> rank -> (value, seconds)
     let mut reports: BTreeMap<u64, BTreeMap<usize, (f64, f64)>> = BTreeMap::new();
     for it in iterations(dir)? {
-        if let Some(loss) = it.loss.filter(|l| l.is_finite()) {
+        if let Some(value) = metric.of(&it).filter(|v| v.is_finite()) {
             reports
                 .entry(it.iteration)
                 .or_default()
-                .insert(it.rank, (loss, it.time_s));
+                .insert(it.rank, (value, it.time_s));
         }
     }
     let mut seconds = 0.0;
-    let points: Vec<LossPoint> = reports
+    let points: Curve = reports
         .into_iter()
         .map(|(iteration, ranks)| {
             let n = ranks.len() as f64;
             seconds += ranks.values().map(|(_, t)| t).sum::<f64>() / n;
-            LossPoint {
+            CurvePoint {
                 iteration,
                 seconds,
-                loss: ranks.values().map(|(l, _)| l).sum::<f64>() / n,
+                value: ranks.values().map(|(v, _)| v).sum::<f64>() / n,
             }
         })
         .collect();
     (!points.is_empty()).then_some(points)
 }
 
-/// Every row's loss curve against `x`, a line per row (labelled as its row, with its record
-/// folder where labels repeat); rows without losses are left out.
-pub fn losses(rows: &[Row], x: LossX, path: &Path) -> Result<(), PlotError> {
-    let curves: Vec<(&Row, Vec<LossPoint>)> = rows
+/// The legend label of each row: its table label, with its record folder where labels repeat.
+fn row_labels(rows: &[&Row]) -> Vec<String> {
+    let labels: Vec<String> = rows.iter().map(|r| r.label()).collect();
+    labels
         .iter()
-        .filter_map(|r| loss_curve(&r.dir).map(|c| (r, c)))
-        .collect();
-    if curves.is_empty() {
-        return Err(PlotError::NoLoss);
-    }
-    let labels: Vec<String> = curves.iter().map(|(r, _)| r.label()).collect();
-    let labels: Vec<String> = labels
-        .iter()
-        .zip(&curves)
+        .zip(rows)
         .map(
-            |(label, (row, _))| match labels.iter().filter(|l| *l == label).count() {
+            |(label, row)| match labels.iter().filter(|l| *l == label).count() {
                 1 => label.clone(),
                 _ => format!("{label} ({})", super::read::folder_name(&row.dir)),
             },
         )
-        .collect();
-    let at = |p: &LossPoint| match x {
-        LossX::Iteration => p.iteration as f64,
-        LossX::Seconds => p.seconds,
+        .collect()
+}
+
+/// A line of a curve plot, its points already in the chart's coordinates.
+struct Line {
+    label: String,
+    points: Vec<(f64, f64)>,
+    color: RGBAColor,
+    dashed: bool,
+}
+
+/// How a curve plot's axes read.
+struct Axes<'a> {
+    caption: String,
+    x: CurveX,
+    x_end: f64,
+    y: std::ops::Range<f64>,
+    y_desc: &'a str,
+    y_label: &'a dyn Fn(&f64) -> String,
+    legend: SeriesLabelPosition,
+}
+
+/// Draws `lines` on `axes` and writes the plot to `path`.
+fn draw_lines(path: &Path, axes: Axes, lines: Vec<Line>) -> Result<(), PlotError> {
+    // At least one iteration wide; in seconds, as long as the longest run, however short.
+    let x_end = match axes.x {
+        CurveX::Iteration => axes.x_end.max(1.0),
+        CurveX::Seconds if axes.x_end > 0.0 => axes.x_end,
+        CurveX::Seconds => 1.0,
     };
-    let points = curves.iter().flat_map(|(_, c)| c.iter());
+    let fail = draw_error(path);
+    let root = SVGBackend::new(path, SIZE).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| fail(e.to_string()))?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(axes.caption, ("sans-serif", 22))
+        .margin(16)
+        .x_label_area_size(44)
+        .y_label_area_size(70)
+        .build_cartesian_2d(0.0f64..x_end, axes.y)
+        .map_err(|e| fail(e.to_string()))?;
+    let x_label = |v: &f64| match axes.x {
+        CurveX::Iteration => format!("{v:.0}"),
+        CurveX::Seconds => loss_text(*v),
+    };
+    chart
+        .configure_mesh()
+        .x_desc(axes.x.desc())
+        .x_label_formatter(&x_label)
+        .y_desc(axes.y_desc)
+        .y_label_formatter(axes.y_label)
+        .draw()
+        .map_err(|e| fail(e.to_string()))?;
+    for line in lines {
+        let style = line.color.stroke_width(2);
+        let drawn = match line.dashed {
+            false => chart.draw_series(LineSeries::new(line.points, style)),
+            true => chart.draw_series(DashedLineSeries::new(line.points, DASH, DASH, style)),
+        };
+        drawn
+            .map_err(|e| fail(e.to_string()))?
+            .label(line.label)
+            .legend(move |(x, y)| {
+                // The sample line in two pieces, end to end for a solid line, apart for a dashed one.
+                let piece = |from: i32, to: i32| PathElement::new(vec![(from, 0), (to, 0)], style);
+                let (first, second) = match line.dashed {
+                    false => ((0, 9), (9, 18)),
+                    true => ((0, 7), (11, 18)),
+                };
+                EmptyElement::at((x, y)) + piece(first.0, first.1) + piece(second.0, second.1)
+            });
+    }
+    legend_and_present(&mut chart, &root, axes.legend, path)
+}
+
+/// Length of a dashed line's dashes and of the gaps between them, in pixels.
+const DASH: u32 = 6;
+
+/// Every row's loss curve against `x`, a line per row (labelled as its row, with its record
+/// folder where labels repeat); rows without losses are left out.
+pub fn losses(rows: &[Row], x: CurveX, path: &Path) -> Result<(), PlotError> {
+    let curves: Vec<(&Row, Curve)> = rows
+        .iter()
+        .filter_map(|r| curve(&r.dir, Metric::Loss).map(|c| (r, c)))
+        .collect();
+    if curves.is_empty() {
+        return Err(PlotError::NoLoss);
+    }
     let (mut x_end, mut low, mut high) = (0.0f64, f64::INFINITY, f64::NEG_INFINITY);
-    for p in points {
-        x_end = x_end.max(at(p));
-        low = low.min(p.loss);
-        high = high.max(p.loss);
+    for p in curves.iter().flat_map(|(_, c)| c.iter()) {
+        x_end = x_end.max(x.of(p));
+        low = low.min(p.value);
+        high = high.max(p.value);
     }
     // Losses over orders of magnitude (a run that diverged beside ones that did not) are drawn
     // on a log scale, so that every curve stays readable: the y axis holds log10 of the loss.
@@ -327,47 +444,89 @@ pub fn losses(rows: &[Row], x: LossX, path: &Path) -> Result<(), PlotError> {
     let y = |loss: f64| if log { loss.log10() } else { loss };
     let (low, high) = (y(low), y(high));
     let pad = ((high - low) * 0.05).max(1e-6);
-
-    let fail = draw_error(path);
-    let root = SVGBackend::new(path, SIZE).into_drawing_area();
-    root.fill(&WHITE).map_err(|e| fail(e.to_string()))?;
-    let x_desc = match x {
-        LossX::Iteration => "iteration",
-        LossX::Seconds => "seconds of training",
-    };
-    let mut chart = ChartBuilder::on(&root)
-        .caption(format!("training loss against {x_desc}"), ("sans-serif", 22))
-        .margin(16)
-        .x_label_area_size(44)
-        .y_label_area_size(70)
-        .build_cartesian_2d(0.0f64..x_end.max(1.0), (low - pad)..(high + pad))
-        .map_err(|e| fail(e.to_string()))?;
     let y_label = |v: &f64| match log {
         true => loss_text(10f64.powf(*v)),
         false => loss_text(*v),
     };
-    let x_label = |v: &f64| match x {
-        LossX::Iteration => format!("{v:.0}"),
-        LossX::Seconds => loss_text(*v),
+    let labels = row_labels(&curves.iter().map(|(r, _)| *r).collect::<Vec<_>>());
+    let lines = curves
+        .iter()
+        .zip(labels)
+        .enumerate()
+        .map(|(i, ((_, curve), label))| Line {
+            label,
+            points: curve.iter().map(|p| (x.of(p), y(p.value))).collect(),
+            color: Palette99::pick(i).to_rgba(),
+            dashed: false,
+        })
+        .collect();
+    let axes = Axes {
+        caption: format!("training loss against {}", x.desc()),
+        x,
+        x_end,
+        y: (low - pad)..(high + pad),
+        y_desc: if log { "loss (log scale)" } else { "loss" },
+        y_label: &y_label,
+        legend: SeriesLabelPosition::UpperRight,
     };
-    chart
-        .configure_mesh()
-        .x_desc(x_desc)
-        .x_label_formatter(&x_label)
-        .y_desc(if log { "loss (log scale)" } else { "loss" })
-        .y_label_formatter(&y_label)
-        .draw()
-        .map_err(|e| fail(e.to_string()))?;
-    for (i, ((_, curve), label)) in curves.iter().zip(labels).enumerate() {
-        let color = Palette99::pick(i).to_rgba();
-        let series: Vec<(f64, f64)> = curve.iter().map(|p| (at(p), y(p.loss))).collect();
-        chart
-            .draw_series(LineSeries::new(series, color.stroke_width(2)))
-            .map_err(|e| fail(e.to_string()))?
-            .label(label)
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2)));
+    draw_lines(path, axes, lines)
+}
+
+/// Every row's training accuracy against `x`: top-1 a solid line per row (labelled as its row,
+/// with its record folder where labels repeat), top-5 a dashed one in the same colour where the
+/// row reports it; on a fixed 0-100% scale, so plots compare. Rows without accuracies are left
+/// out.
+pub fn accuracies(rows: &[Row], x: CurveX, path: &Path) -> Result<(), PlotError> {
+    // (row, top-1, top-5)
+    let curves: Vec<(&Row, Curve, Option<Curve>)> = rows
+        .iter()
+        .filter_map(|r| {
+            let top1 = curve(&r.dir, Metric::Accuracy)?;
+            Some((r, top1, curve(&r.dir, Metric::AccuracyTop5)))
+        })
+        .collect();
+    if curves.is_empty() {
+        return Err(PlotError::NoAccuracy);
     }
-    legend_and_present(&mut chart, &root, SeriesLabelPosition::UpperRight, path)
+    let x_end = curves
+        .iter()
+        .flat_map(|(_, top1, top5)| top1.iter().chain(top5.iter().flatten()))
+        .map(|p| x.of(p))
+        .fold(0.0f64, f64::max);
+    let labels = row_labels(&curves.iter().map(|(r, ..)| *r).collect::<Vec<_>>());
+    let points = |c: &[CurvePoint]| c.iter().map(|p| (x.of(p), p.value)).collect();
+    let mut lines = Vec::new();
+    for (i, ((_, top1, top5), label)) in curves.iter().zip(labels).enumerate() {
+        let color = Palette99::pick(i).to_rgba();
+        lines.push(Line {
+            label: match top5 {
+                Some(_) => format!("{label} top-1"),
+                None => label.clone(),
+            },
+            points: points(top1),
+            color,
+            dashed: false,
+        });
+        if let Some(top5) = top5 {
+            lines.push(Line {
+                label: format!("{label} top-5"),
+                points: points(top5),
+                color,
+                dashed: true,
+            });
+        }
+    }
+    let y_label = |v: &f64| format!("{:.0}%", v * 100.0);
+    let axes = Axes {
+        caption: format!("training accuracy against {}", x.desc()),
+        x,
+        x_end,
+        y: -0.02..1.02,
+        y_desc: "accuracy",
+        y_label: &y_label,
+        legend: SeriesLabelPosition::LowerRight,
+    };
+    draw_lines(path, axes, lines)
 }
 
 /// Draws the series' legend at `position` and writes the plot to `path`.

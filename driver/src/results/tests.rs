@@ -248,11 +248,20 @@ fn a_loss_curve_averages_replicas_and_takes_each_iterations_last_report() {
         "not a metrics line".to_string(),
     ];
     std::fs::write(dir.path().join("metrics.jsonl"), lines.join("\n")).unwrap();
-    let curve = plot::loss_curve(dir.path()).unwrap();
-    let got: Vec<(u64, f64, f64)> = curve.iter().map(|p| (p.iteration, p.seconds, p.loss)).collect();
+    let curve = plot::curve(dir.path(), plot::Metric::Loss).unwrap();
+    let got: Vec<(u64, f64, f64)> = curve.iter().map(|p| (p.iteration, p.seconds, p.value)).collect();
     assert_eq!(got, [(0, 1.0, 3.0), (1, 2.0, 1.5), (2, 4.0, 1.0)]);
+    assert_eq!(
+        plot::curve(dir.path(), plot::Metric::Accuracy),
+        None,
+        "lines without an accuracy"
+    );
     std::fs::write(dir.path().join("metrics.jsonl"), line(0, 0, None, 0.5)).unwrap();
-    assert_eq!(plot::loss_curve(dir.path()), None, "no loss, no curve");
+    assert_eq!(
+        plot::curve(dir.path(), plot::Metric::Loss),
+        None,
+        "no loss, no curve"
+    );
 }
 
 /// Losses that span orders of magnitude (a run that diverged beside one that converged) go on a
@@ -279,15 +288,131 @@ fn a_loss_plot_goes_to_a_log_scale_only_when_losses_span_orders_of_magnitude() {
     let calm = record("20261127T000000Z_mlp", &[2.3, 1.9, 1.2]);
     let wild = record("20261127T000100Z_mlp", &[2.3, 40.0, 3.0e6]);
     let svg = dir.path().join("loss.svg");
-    plot::losses(&[calm.clone(), wild], plot::LossX::Iteration, &svg).unwrap();
+    plot::losses(&[calm.clone(), wild], plot::CurveX::Iteration, &svg).unwrap();
     let text = std::fs::read_to_string(&svg).unwrap();
     assert!(text.contains("loss (log scale)"), "{text}");
     assert!(text.contains("3.00e6") || text.contains("1.00e6"), "{text}");
     for folder in ["mlp (20261127T000000Z_mlp)", "mlp (20261127T000100Z_mlp)"] {
         assert!(text.contains(folder), "{folder}: {text}");
     }
-    plot::losses(&[calm], plot::LossX::Seconds, &svg).unwrap();
+    plot::losses(&[calm], plot::CurveX::Seconds, &svg).unwrap();
     let text = std::fs::read_to_string(&svg).unwrap();
     assert!(!text.contains("log scale") && text.contains("\nloss\n"), "{text}");
     assert!(text.contains("seconds of training"), "{text}");
+}
+
+/// A record's metrics.jsonl whose last-stage lines carry these top-1 and top-5 accuracies, an
+/// iteration each, with a loss of 1.
+fn accuracy_record(dir: &Path, name: &str, accuracies: &[(f64, Option<f64>)]) -> read::Row {
+    let path = dir.join(name);
+    std::fs::create_dir(&path).unwrap();
+    let lines: Vec<String> = accuracies
+        .iter()
+        .enumerate()
+        .map(|(i, (top1, top5))| {
+            let top5 = top5.map_or("null".to_string(), |a| a.to_string());
+            format!(
+                r#"{{"event":"iteration","iteration":{i},"rank":0,"stage":0,"loss":1.0,"accuracy":{top1},"accuracy_top5":{top5},"samples":8,"time_s":0.5,"samples_per_sec":16.0,"compute_s":0.5,"comm_wait_s":0.0,"idle_s":0.0,"peak_mem_bytes":null}}"#
+            )
+        })
+        .collect();
+    std::fs::write(path.join("metrics.jsonl"), lines.join("\n")).unwrap();
+    read::Row::empty(&path, "mlp".into(), read::RowStatus::Succeeded, None)
+}
+
+/// The accuracy plot: top-1 a solid line per record through every iteration; top-5 a dashed
+/// line in the same colour where the record reports it (a transformer's does not), each labelled
+/// as its row and which accuracy it is; a percent scale; records with no accuracy (a runtime's
+/// from before it) are left out, and with none at all the plot is refused.
+#[test]
+fn an_accuracy_plot_draws_top1_solid_and_top5_dashed_where_reported() {
+    let dir = tempfile::tempdir().unwrap();
+    let image = accuracy_record(
+        dir.path(),
+        "20261127T000000Z_mlp",
+        &[
+            (0.125, Some(0.5)),
+            (0.5, Some(0.875)),
+            (0.75, Some(1.0)),
+            (0.625, Some(0.875)),
+            (0.875, Some(1.0)),
+        ],
+    );
+    let tokens = accuracy_record(
+        dir.path(),
+        "20261127T000100Z_mlp",
+        &[(0.0, None), (0.25, None), (0.5, None), (0.25, None), (0.5, None)],
+    );
+    let old = old_row(dir.path());
+    std::fs::create_dir(&old.dir).unwrap();
+    std::fs::write(
+        old.dir.join("metrics.jsonl"),
+        r#"{"event":"iteration","iteration":0,"rank":0,"stage":0,"loss":2.0,"samples":8,"time_s":0.5,"samples_per_sec":16.0,"compute_s":0.5,"comm_wait_s":0.0,"idle_s":0.0,"peak_mem_bytes":null}"#,
+    )
+    .unwrap();
+
+    let top5 = plot::curve(image.dir.as_path(), plot::Metric::AccuracyTop5).unwrap();
+    assert_eq!(
+        top5.iter().map(|p| p.value).collect::<Vec<_>>(),
+        [0.5, 0.875, 1.0, 0.875, 1.0]
+    );
+    assert_eq!(plot::curve(&tokens.dir, plot::Metric::AccuracyTop5), None);
+
+    let svg = dir.path().join("accuracy.svg");
+    plot::accuracies(&[image, tokens, old], plot::CurveX::Seconds, &svg).unwrap();
+    let text = std::fs::read_to_string(&svg).unwrap();
+    assert!(
+        text.contains("training accuracy against seconds of training"),
+        "{text}"
+    );
+    assert!(
+        text.contains("100%") && text.contains("50%"),
+        "a percent scale: {text}"
+    );
+    for label in [
+        "mlp (20261127T000000Z_mlp) top-1",
+        "mlp (20261127T000000Z_mlp) top-5",
+        "\nmlp (20261127T000100Z_mlp)\n",
+    ] {
+        assert!(text.contains(label), "{label}: {text}");
+    }
+    assert!(!text.contains("20261127T000100Z_mlp) top-"), "{text}");
+    assert!(
+        !text.contains("\nold\n"),
+        "a record without accuracies is left out: {text}"
+    );
+    // Solid lines are one polyline through every iteration: the two top-1 curves. The dashed
+    // top-5 is drawn in dashes of two points each (three where one turns a corner).
+    let polylines: Vec<usize> = text
+        .split("<polyline")
+        .skip(1)
+        .map(|p| {
+            let points = p
+                .split("points=\"")
+                .nth(1)
+                .unwrap_or("")
+                .split('"')
+                .next()
+                .unwrap();
+            points.split_whitespace().count()
+        })
+        .collect();
+    assert_eq!(polylines.iter().filter(|&&n| n == 5).count(), 2, "{polylines:?}");
+    assert!(
+        polylines.iter().filter(|&&n| n == 2).count() > 4,
+        "top-5's dashes and the legend's samples: {polylines:?}"
+    );
+
+    let none = plot::accuracies(&[old_row(dir.path())], plot::CurveX::Iteration, &svg);
+    assert!(matches!(none, Err(plot::PlotError::NoAccuracy)), "{none:?}");
+}
+
+/// The row of a record whose runtime reported no accuracy.
+fn old_row(dir: &Path) -> read::Row {
+    read::Row::empty(
+        &dir.join("20261127T000200Z_mlp"),
+        "old".into(),
+        read::RowStatus::Succeeded,
+        None,
+    )
 }
