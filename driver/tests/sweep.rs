@@ -58,6 +58,11 @@ fn a_failed_point_is_recorded_the_sweep_goes_on_and_the_table_shows_it() {
         "the sweep went on"
     );
     assert_eq!(point_records(&dir).len(), 3, "every point has its record");
+    // The fake rank reports a loss and accuracies: the sweep drew its curves beside throughput.
+    for name in ["sweep.svg", "loss.svg", "accuracy.svg"] {
+        assert!(dir.join(name).is_file(), "{name}");
+    }
+    assert!(!run.stderr().contains("warning: no plot"), "{}", run.stderr());
     let failed = run
         .stdout()
         .lines()
@@ -290,6 +295,15 @@ fn a_sweeps_loss_and_accuracy_curves_are_plotted_a_line_per_point() {
             })
             .count()
     };
+    // The sweep drew both against iterations itself.
+    for (name, what) in [("loss.svg", "loss"), ("accuracy.svg", "accuracy")] {
+        let text = std::fs::read_to_string(dir.join(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(solid_curves(&text), 2, "{name}: {text}");
+        assert!(
+            text.contains(&format!("training {what} against iteration")),
+            "{text}"
+        );
+    }
     for (x, flag) in [("iteration", "--curve-x"), ("seconds", "--loss-x")] {
         let svg = h.dir.path().join(format!("loss-{x}.svg"));
         let accuracy_svg = h.dir.path().join(format!("accuracy-{x}.svg"));
@@ -337,7 +351,37 @@ fn a_sweeps_loss_and_accuracy_curves_are_plotted_a_line_per_point() {
             "{text}"
         );
     }
-    // A program that prints no metrics has no loss.
+    // A program that prints no metrics has no loss: a sweep of it draws no curves, and says
+    // nothing of them (the throughput plot it cannot draw is a warning, as it was).
+    let quiet =
+        h.config("backend: process\nmachines: [localhost]\nsweep:\n  command: [[/bin/true], [/bin/echo]]\n");
+    let quiet_records = h.dir.path().join("quiet-records");
+    let swept = h.driver(
+        &[
+            "sweep".as_ref(),
+            "-c".as_ref(),
+            quiet.as_os_str(),
+            "--output-dir".as_ref(),
+            quiet_records.as_os_str(),
+            "-q".as_ref(),
+        ],
+        Duration::from_secs(60),
+    );
+    assert_eq!(swept.code(), 0, "{}", swept.stderr());
+    let quiet_dir = std::fs::read_dir(&quiet_records)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    assert!(quiet_dir.join("sweep.json").is_file(), "{}", quiet_dir.display());
+    for name in ["loss.svg", "accuracy.svg"] {
+        assert!(
+            !quiet_dir.join(name).exists(),
+            "{name} of a sweep without metrics"
+        );
+    }
+    assert!(!swept.stderr().contains("no record has"), "{}", swept.stderr());
     let fake = h.config("backend: process\nmachines: [localhost]\ncommand: [/bin/true]\n");
     let records = h.dir.path().join("fake-records");
     let run = h.run_into(&fake, &records, &[]);

@@ -1,6 +1,6 @@
 //! `driver sweep`: one experiment per point of a configuration grid, each a record folder inside
 //! one sweep folder with `sweep.json` (the index, rewritten after every point), `sweep.svg` (the
-//! plot) and `config.given.yml`. A failing point is recorded and the sweep goes on; `--resume`
+//! throughput plot), `loss.svg` and `accuracy.svg` (the training curves) and `config.given.yml`. A failing point is recorded and the sweep goes on; `--resume`
 //! runs only the points without a succeeded record.
 
 pub mod grid;
@@ -173,7 +173,7 @@ pub async fn run(options: SweepOptions) -> Result<i32, SweepError> {
     }
     bar.finish_and_clear();
 
-    write_plot(&dir);
+    write_plots(&dir);
     print_table(&dir);
     let failed = index
         .points
@@ -306,13 +306,18 @@ fn succeeded(dir: &Path, entry: &PointEntry) -> bool {
             .is_some_and(|r| results::record_succeeded(&dir.join(r)))
 }
 
-/// Writes `sweep.svg`; a plot that cannot be drawn is a warning, the records are what matter.
-fn write_plot(dir: &Path) {
-    if let Err(e) = results::plot_sweep(dir, &dir.join("sweep.svg")) {
+/// Writes `sweep.svg`, and `loss.svg` and `accuracy.svg` where the records report those; a plot
+/// that cannot be drawn is a warning, the records are what matter.
+fn write_plots(dir: &Path) {
+    let drawn = [
+        results::plot_sweep(dir, &dir.join("sweep.svg")),
+        results::plot_sweep_curves(dir).map(drop),
+    ];
+    for e in drawn.iter().filter_map(|d| d.as_ref().err()) {
         stderr_line!(
             "warning: no plot in {}: {}",
             dir.display(),
-            crate::error::error_chain(&e)
+            crate::error::error_chain(e)
         );
     }
 }
