@@ -169,23 +169,20 @@ pub fn plot_sweep(dir: &Path, path: &Path) -> Result<(), PlotError> {
 }
 
 /// Writes a sweep folder's training curves against iterations, `loss.svg` and `accuracy.svg`,
-/// each where the points' records report that figure; returns the files written.
-pub fn plot_sweep_curves(dir: &Path) -> Result<Vec<PathBuf>, PlotError> {
+/// each where the points' records report that figure.
+pub fn plot_sweep_curves(dir: &Path) -> Result<(), PlotError> {
     type Draw = fn(&[read::Row], CurveX, &Path) -> Result<(), PlotError>;
     let rows = read::sweep(dir);
-    let mut written = Vec::new();
     for (name, draw) in [
         ("loss.svg", plot::losses as Draw),
         ("accuracy.svg", plot::accuracies),
     ] {
-        let path = dir.join(name);
-        match draw(&rows, CurveX::Iteration, &path) {
-            Ok(()) => written.push(path),
-            Err(PlotError::NoLoss | PlotError::NoAccuracy) => {}
+        match draw(&rows, CurveX::Iteration, &dir.join(name)) {
+            Ok(()) | Err(PlotError::NoLoss | PlotError::NoAccuracy) => {}
             Err(e) => return Err(e),
         }
     }
-    Ok(written)
+    Ok(())
 }
 
 #[cfg(test)]

@@ -307,10 +307,15 @@ pub type Curve = Vec<CurvePoint>;
 /// each rank's last report counting (a restarted run reports resumed iterations again); `None`
 /// when no iteration has the metric.
 pub fn curve(dir: &Path, metric: Metric) -> Option<Curve> {
+    curve_of(&iterations(dir)?, metric)
+}
+
+/// [`curve`] from a record's iteration lines already read.
+fn curve_of(iterations: &[stagehand_contract::Iteration], metric: Metric) -> Option<Curve> {
     // iteration -> rank -> (value, seconds)
     let mut reports: BTreeMap<u64, BTreeMap<usize, (f64, f64)>> = BTreeMap::new();
-    for it in iterations(dir)? {
-        if let Some(value) = metric.of(&it).filter(|v| v.is_finite()) {
+    for it in iterations {
+        if let Some(value) = metric.of(it).filter(|v| v.is_finite()) {
             reports
                 .entry(it.iteration)
                 .or_default()
@@ -481,8 +486,10 @@ pub fn accuracies(rows: &[Row], x: CurveX, path: &Path) -> Result<(), PlotError>
     let curves: Vec<(&Row, Curve, Option<Curve>)> = rows
         .iter()
         .filter_map(|r| {
-            let top1 = curve(&r.dir, Metric::Accuracy)?;
-            Some((r, top1, curve(&r.dir, Metric::AccuracyTop5)))
+            // Each record's lines are read once for both curves.
+            let lines = iterations(&r.dir)?;
+            let top1 = curve_of(&lines, Metric::Accuracy)?;
+            Some((r, top1, curve_of(&lines, Metric::AccuracyTop5)))
         })
         .collect();
     if curves.is_empty() {

@@ -311,7 +311,7 @@ fn succeeded(dir: &Path, entry: &PointEntry) -> bool {
 fn write_plots(dir: &Path) {
     let drawn = [
         results::plot_sweep(dir, &dir.join("sweep.svg")),
-        results::plot_sweep_curves(dir).map(drop),
+        results::plot_sweep_curves(dir),
     ];
     for e in drawn.iter().filter_map(|d| d.as_ref().err()) {
         stderr_line!(
