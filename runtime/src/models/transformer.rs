@@ -41,7 +41,12 @@ pub fn modules(o: &ModelOptions) -> (Vec<ModuleDef>, Loss, InputKind) {
         let norm = layer_norm(&transform / "LayerNorm", hidden);
         let decoder = linear_normal(&pred / "decoder", hidden, vocab, INIT_STD, false);
         let bias = pred.var("bias", &[vocab], Init::Const(0.0));
-        nn::func_t(move |xs, _| xs.apply(&dense).gelu("none").apply(&norm).apply(&decoder) + &bias)
+        nn::func_t(move |xs, _| {
+            xs.apply(&dense)
+                .gelu("none")
+                .apply(&norm)
+                .linear(&decoder.ws, Some(&bias))
+        })
     }));
     (
         modules,
