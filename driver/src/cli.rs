@@ -7,7 +7,7 @@ use clap::{ArgAction, Args, Parser, Subcommand, ValueEnum};
 
 use crate::options::{default_torch_venv, Backend, ContainerMode, Options, Progress, Verbosity};
 use crate::partition::{PartitionOptions, PlanRequest};
-use crate::results::{CurveX, Format, ResultsOptions};
+use crate::results::{CurveX, Format, ResultsOptions, Smoothing};
 use crate::sweep::{SweepOptions, SweepSource};
 
 /// Runs stagehand experiments: ranks of the runtime (or any torchrun-style program) on Docker
@@ -161,6 +161,26 @@ struct ResultsArgs {
         requires = "curves"
     )]
     curve_x: CurveXArg,
+
+    /// Smooths the loss and accuracy plots' lines as TensorBoard does: the weight of a debiased
+    /// moving average, from 0 (raw values) up to, not including, 1; the raw values are drawn
+    /// faint beneath.
+    #[arg(
+        long,
+        value_name = "WEIGHT",
+        default_value = "0",
+        value_parser = parse_smoothing,
+        allow_negative_numbers = true,
+        requires = "curves"
+    )]
+    smooth: Smoothing,
+}
+
+fn parse_smoothing(text: &str) -> Result<Smoothing, String> {
+    let weight: f64 = text
+        .parse()
+        .map_err(|_| format!("`{text}` is not a number; give a weight from 0 up to, not including, 1"))?;
+    Smoothing::new(weight)
 }
 
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
@@ -456,6 +476,7 @@ impl ResultsArgs {
                 CurveXArg::Iteration => CurveX::Iteration,
                 CurveXArg::Seconds => CurveX::Seconds,
             },
+            smoothing: self.smooth,
         }
     }
 }
@@ -730,6 +751,33 @@ mod tests {
         assert!(
             Cli::try_parse_from(["driver", "results", "--curve-x", "seconds"]).is_err(),
             "an x axis without a curve plot"
+        );
+    }
+
+    #[test]
+    fn curve_smoothing_is_a_weight_below_one_for_a_curve_plot() {
+        let Task::Results(r) = task(&["results", "--plot-loss", "l.svg", "--smooth", "0.6"]) else {
+            panic!("not results")
+        };
+        assert_eq!(r.smoothing.weight(), 0.6);
+        let Task::Results(r) = task(&["results", "--plot-accuracy", "a.svg"]) else {
+            panic!("not results")
+        };
+        assert_eq!(r.smoothing, Smoothing::NONE, "raw values by default");
+        for (weight, says) in [
+            ("1", "not including, 1"),
+            ("-0.1", "not a smoothing weight"),
+            ("x", "not a number"),
+        ] {
+            let error =
+                Cli::try_parse_from(["driver", "results", "--plot-loss", "l.svg", "--smooth", weight])
+                    .expect_err(weight)
+                    .to_string();
+            assert!(error.contains(says), "{weight}: {error}");
+        }
+        assert!(
+            Cli::try_parse_from(["driver", "results", "--smooth", "0.6"]).is_err(),
+            "smoothing without a curve plot"
         );
     }
 

@@ -259,7 +259,8 @@ fn each_point_of_a_sweep_checkpoints_into_its_own_folder() {
 /// `driver results --plot-loss` over a sweep of real runtimes draws each point's training loss,
 /// a line per point with a vertex per iteration, labelled as the point, against iterations or
 /// seconds of training; `--plot-accuracy`, in the same call, each point's top-1 accuracy the same
-/// way and its top-5 dashed beside it; a record without losses is refused with what is missing.
+/// way and its top-5 dashed beside it; `--smooth` draws each smoothed over its raw values; a
+/// record without losses is refused with what is missing.
 #[test]
 fn a_sweeps_loss_and_accuracy_curves_are_plotted_a_line_per_point() {
     let runtime = runtime();
@@ -351,6 +352,36 @@ fn a_sweeps_loss_and_accuracy_curves_are_plotted_a_line_per_point() {
             "{text}"
         );
     }
+    // Smoothed: each point's line over its raw values, both through the 6 iterations.
+    let smoothed_svg = h.dir.path().join("loss-smoothed.svg");
+    let smoothed = |weight: &str| {
+        h.driver(
+            &[
+                "results".as_ref(),
+                dir.as_os_str(),
+                "--plot-loss".as_ref(),
+                smoothed_svg.as_os_str(),
+                "--smooth".as_ref(),
+                weight.as_ref(),
+            ],
+            Duration::from_secs(30),
+        )
+    };
+    let plotted = smoothed("0.6");
+    assert_eq!(plotted.code(), 0, "{}", plotted.stderr());
+    let text = std::fs::read_to_string(&smoothed_svg).unwrap();
+    assert!(
+        text.contains("training loss against iteration, smoothed (0.6)"),
+        "{text}"
+    );
+    assert_eq!(solid_curves(&text), 4, "2 raw and 2 smoothed: {text}");
+    let refused = smoothed("1");
+    assert_eq!(refused.code(), 2, "{}", refused.stderr());
+    assert!(
+        refused.stderr().contains("not a smoothing weight"),
+        "{}",
+        refused.stderr()
+    );
     // A program that prints no metrics has no loss: a sweep of it draws no curves, and says
     // nothing of them (the throughput plot it cannot draw is a warning, as it was).
     let quiet =

@@ -9,7 +9,7 @@ mod select;
 
 use std::path::{Path, PathBuf};
 
-pub use self::plot::{CurveX, PlotError};
+pub use self::plot::{CurveX, PlotError, Smoothing};
 pub use self::read::record_succeeded;
 
 /// Output formats.
@@ -50,6 +50,8 @@ pub struct ResultsOptions {
     pub plot_accuracy: Option<PathBuf>,
     /// What the loss and accuracy plots' x axis counts.
     pub curve_x: CurveX,
+    /// How much the loss and accuracy plots smooth their lines.
+    pub smoothing: Smoothing,
 }
 
 impl ResultsOptions {
@@ -67,6 +69,7 @@ impl ResultsOptions {
             plot_loss: None,
             plot_accuracy: None,
             curve_x: CurveX::Iteration,
+            smoothing: Smoothing::NONE,
         }
     }
 }
@@ -148,11 +151,11 @@ pub fn run(options: &ResultsOptions) -> Result<(), ResultsError> {
         stderr_line!("driver: plot written to {}", path.display());
     }
     if let Some(path) = &options.plot_loss {
-        plot::losses(&rows, options.curve_x, path)?;
+        plot::losses(&rows, options.curve_x, options.smoothing, path)?;
         stderr_line!("driver: loss plot written to {}", path.display());
     }
     if let Some(path) = &options.plot_accuracy {
-        plot::accuracies(&rows, options.curve_x, path)?;
+        plot::accuracies(&rows, options.curve_x, options.smoothing, path)?;
         stderr_line!("driver: accuracy plot written to {}", path.display());
     }
     Ok(())
@@ -169,15 +172,15 @@ pub fn plot_sweep(dir: &Path, path: &Path) -> Result<(), PlotError> {
 }
 
 /// Writes a sweep folder's training curves against iterations, `loss.svg` and `accuracy.svg`,
-/// each where the points' records report that figure.
+/// each where the points' records report that figure, unsmoothed.
 pub fn plot_sweep_curves(dir: &Path) -> Result<(), PlotError> {
-    type Draw = fn(&[read::Row], CurveX, &Path) -> Result<(), PlotError>;
+    type Draw = fn(&[read::Row], CurveX, Smoothing, &Path) -> Result<(), PlotError>;
     let rows = read::sweep(dir);
     for (name, draw) in [
         ("loss.svg", plot::losses as Draw),
         ("accuracy.svg", plot::accuracies),
     ] {
-        match draw(&rows, CurveX::Iteration, &dir.join(name)) {
+        match draw(&rows, CurveX::Iteration, Smoothing::NONE, &dir.join(name)) {
             Ok(()) | Err(PlotError::NoLoss | PlotError::NoAccuracy) => {}
             Err(e) => return Err(e),
         }

@@ -1,7 +1,8 @@
 //! SVG plots with plotters: throughput against one key, a line per value of the other keys (a
 //! sweep's plot); for one record, each stage's compute, communication and idle time per
 //! iteration as stacked bars; and every record's training loss (`--plot-loss`) or accuracy
-//! (`--plot-accuracy`) against iterations or seconds, to compare how runs converge.
+//! (`--plot-accuracy`) against iterations or seconds, to compare how runs converge, raw or
+//! smoothed (`--smooth`).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -289,6 +290,59 @@ impl Metric {
     }
 }
 
+/// How much a training-curve plot smooths its lines (`--smooth`): the weight of an exponential
+/// moving average, debiased as TensorBoard's smoothing slider is, so that the line starts at the
+/// first value rather than rising from zero. 0 draws the raw values alone; above it each line is
+/// drawn smoothed, over its raw values drawn faint.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Smoothing(f64);
+
+impl Smoothing {
+    /// No smoothing: the raw values.
+    pub const NONE: Smoothing = Smoothing(0.0);
+
+    /// A smoothing weight, which must be at least 0 and below 1 (at 1 the line would never
+    /// leave its first value).
+    pub fn new(weight: f64) -> Result<Smoothing, String> {
+        match (0.0..1.0).contains(&weight) {
+            true => Ok(Smoothing(weight)),
+            false => Err(format!(
+                "{weight} is not a smoothing weight: give one from 0 (raw values) up to, not \
+                 including, 1 (TensorBoard's default is 0.6)"
+            )),
+        }
+    }
+
+    /// The moving average's weight.
+    pub fn weight(self) -> f64 {
+        self.0
+    }
+
+    /// `values` smoothed: each the debiased moving average of the values up to it,
+    /// `(w * last + (1 - w) * v) / (1 - w^n)` for the n-th value with `last` starting at 0.
+    pub fn apply(self, values: &[f64]) -> Vec<f64> {
+        let w = self.0;
+        let mut last = 0.0;
+        let mut debias = 1.0;
+        values
+            .iter()
+            .map(|v| {
+                last = w * last + (1.0 - w) * v;
+                debias *= w;
+                last / (1.0 - debias)
+            })
+            .collect()
+    }
+
+    /// The caption's note of the smoothing, empty for none.
+    fn note(self) -> String {
+        match self == Smoothing::NONE {
+            true => String::new(),
+            false => format!(", smoothed ({})", self.weight()),
+        }
+    }
+}
+
 /// One point of a training curve.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct CurvePoint {
@@ -357,9 +411,43 @@ fn row_labels(rows: &[&Row]) -> Vec<String> {
 struct Line {
     label: String,
     points: Vec<(f64, f64)>,
+    /// The raw values where `points` are smoothed, drawn faint beneath; empty where not.
+    raw: Vec<(f64, f64)>,
     color: RGBAColor,
     dashed: bool,
 }
+
+impl Line {
+    /// The line of `curve` against `x`, its values through `y` into the chart's coordinates,
+    /// smoothed by `smoothing` (in values, before `y`, as TensorBoard smooths a log-scale plot).
+    fn of(
+        curve: &[CurvePoint],
+        x: CurveX,
+        y: impl Fn(f64) -> f64,
+        smoothing: Smoothing,
+        label: String,
+        color: RGBAColor,
+        dashed: bool,
+    ) -> Line {
+        let xs = curve.iter().map(|p| x.of(p));
+        let values: Vec<f64> = curve.iter().map(|p| p.value).collect();
+        let at = |values: &[f64]| xs.clone().zip(values.iter().map(|&v| y(v))).collect();
+        let (points, raw) = match smoothing == Smoothing::NONE {
+            true => (at(&values), Vec::new()),
+            false => (at(&smoothing.apply(&values)), at(&values)),
+        };
+        Line {
+            label,
+            points,
+            raw,
+            color,
+            dashed,
+        }
+    }
+}
+
+/// How faint a smoothed line's raw values are drawn (the alpha of its colour).
+const RAW_ALPHA: f64 = 0.25;
 
 /// How a curve plot's axes read.
 struct Axes<'a> {
@@ -402,6 +490,16 @@ fn draw_lines(path: &Path, axes: Axes, lines: Vec<Line>) -> Result<(), PlotError
         .y_label_formatter(axes.y_label)
         .draw()
         .map_err(|e| fail(e.to_string()))?;
+    // Raw values beneath every smoothed line, so that no row's raw values hide another's line.
+    for line in &lines {
+        let raw = line.color.mix(RAW_ALPHA).stroke_width(1);
+        let points = line.raw.iter().copied();
+        match line.dashed {
+            false => chart.draw_series(LineSeries::new(points, raw)),
+            true => chart.draw_series(DashedLineSeries::new(points, DASH, DASH, raw)),
+        }
+        .map_err(|e| fail(e.to_string()))?;
+    }
     for line in lines {
         let style = line.color.stroke_width(2);
         let drawn = match line.dashed {
@@ -428,8 +526,8 @@ fn draw_lines(path: &Path, axes: Axes, lines: Vec<Line>) -> Result<(), PlotError
 const DASH: u32 = 6;
 
 /// Every row's loss curve against `x`, a line per row (labelled as its row, with its record
-/// folder where labels repeat); rows without losses are left out.
-pub fn losses(rows: &[Row], x: CurveX, path: &Path) -> Result<(), PlotError> {
+/// folder where labels repeat), smoothed by `smoothing`; rows without losses are left out.
+pub fn losses(rows: &[Row], x: CurveX, smoothing: Smoothing, path: &Path) -> Result<(), PlotError> {
     let curves: Vec<(&Row, Curve)> = rows
         .iter()
         .filter_map(|r| curve(&r.dir, Metric::Loss).map(|c| (r, c)))
@@ -458,15 +556,12 @@ pub fn losses(rows: &[Row], x: CurveX, path: &Path) -> Result<(), PlotError> {
         .iter()
         .zip(labels)
         .enumerate()
-        .map(|(i, ((_, curve), label))| Line {
-            label,
-            points: curve.iter().map(|p| (x.of(p), y(p.value))).collect(),
-            color: Palette99::pick(i).to_rgba(),
-            dashed: false,
+        .map(|(i, ((_, curve), label))| {
+            Line::of(curve, x, y, smoothing, label, Palette99::pick(i).to_rgba(), false)
         })
         .collect();
     let axes = Axes {
-        caption: format!("training loss against {}", x.desc()),
+        caption: format!("training loss against {}{}", x.desc(), smoothing.note()),
         x,
         x_end,
         y: (low - pad)..(high + pad),
@@ -479,9 +574,9 @@ pub fn losses(rows: &[Row], x: CurveX, path: &Path) -> Result<(), PlotError> {
 
 /// Every row's training accuracy against `x`: top-1 a solid line per row (labelled as its row,
 /// with its record folder where labels repeat), top-5 a dashed one in the same colour where the
-/// row reports it; on a fixed 0-100% scale, so plots compare. Rows without accuracies are left
-/// out.
-pub fn accuracies(rows: &[Row], x: CurveX, path: &Path) -> Result<(), PlotError> {
+/// row reports it; on a fixed 0-100% scale, so plots compare; smoothed by `smoothing`. Rows
+/// without accuracies are left out.
+pub fn accuracies(rows: &[Row], x: CurveX, smoothing: Smoothing, path: &Path) -> Result<(), PlotError> {
     // (row, top-1, top-5)
     let curves: Vec<(&Row, Curve, Option<Curve>)> = rows
         .iter()
@@ -501,31 +596,24 @@ pub fn accuracies(rows: &[Row], x: CurveX, path: &Path) -> Result<(), PlotError>
         .map(|p| x.of(p))
         .fold(0.0f64, f64::max);
     let labels = row_labels(&curves.iter().map(|(r, ..)| *r).collect::<Vec<_>>());
-    let points = |c: &[CurvePoint]| c.iter().map(|p| (x.of(p), p.value)).collect();
+    let line = |c: &[CurvePoint], label: String, color: RGBAColor, dashed: bool| {
+        Line::of(c, x, |v| v, smoothing, label, color, dashed)
+    };
     let mut lines = Vec::new();
     for (i, ((_, top1, top5), label)) in curves.iter().zip(labels).enumerate() {
         let color = Palette99::pick(i).to_rgba();
-        lines.push(Line {
-            label: match top5 {
-                Some(_) => format!("{label} top-1"),
-                None => label.clone(),
-            },
-            points: points(top1),
-            color,
-            dashed: false,
-        });
+        let top1_label = match top5 {
+            Some(_) => format!("{label} top-1"),
+            None => label.clone(),
+        };
+        lines.push(line(top1, top1_label, color, false));
         if let Some(top5) = top5 {
-            lines.push(Line {
-                label: format!("{label} top-5"),
-                points: points(top5),
-                color,
-                dashed: true,
-            });
+            lines.push(line(top5, format!("{label} top-5"), color, true));
         }
     }
     let y_label = |v: &f64| format!("{:.0}%", v * 100.0);
     let axes = Axes {
-        caption: format!("training accuracy against {}", x.desc()),
+        caption: format!("training accuracy against {}{}", x.desc(), smoothing.note()),
         x,
         x_end,
         y: -0.02..1.02,

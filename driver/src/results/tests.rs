@@ -288,17 +288,129 @@ fn a_loss_plot_goes_to_a_log_scale_only_when_losses_span_orders_of_magnitude() {
     let calm = record("20261127T000000Z_mlp", &[2.3, 1.9, 1.2]);
     let wild = record("20261127T000100Z_mlp", &[2.3, 40.0, 3.0e6]);
     let svg = dir.path().join("loss.svg");
-    plot::losses(&[calm.clone(), wild], plot::CurveX::Iteration, &svg).unwrap();
+    plot::losses(
+        &[calm.clone(), wild],
+        plot::CurveX::Iteration,
+        plot::Smoothing::NONE,
+        &svg,
+    )
+    .unwrap();
     let text = std::fs::read_to_string(&svg).unwrap();
     assert!(text.contains("loss (log scale)"), "{text}");
     assert!(text.contains("3.00e6") || text.contains("1.00e6"), "{text}");
     for folder in ["mlp (20261127T000000Z_mlp)", "mlp (20261127T000100Z_mlp)"] {
         assert!(text.contains(folder), "{folder}: {text}");
     }
-    plot::losses(&[calm], plot::CurveX::Seconds, &svg).unwrap();
+    plot::losses(&[calm], plot::CurveX::Seconds, plot::Smoothing::NONE, &svg).unwrap();
     let text = std::fs::read_to_string(&svg).unwrap();
     assert!(!text.contains("log scale") && text.contains("\nloss\n"), "{text}");
     assert!(text.contains("seconds of training"), "{text}");
+}
+
+#[test]
+fn smoothing_is_a_debiased_moving_average_that_starts_at_the_first_value() {
+    let half = plot::Smoothing::new(0.5).unwrap();
+    // (0.5 * 0 + 0.5 * 2) / (1 - 0.5), then (0.5 * 1 + 0.5 * 4) / (1 - 0.25).
+    assert_eq!(half.apply(&[2.0, 4.0]), [2.0, 2.5 / 0.75]);
+    assert_eq!(plot::Smoothing::NONE.apply(&[3.0, 1.0, 2.0]), [3.0, 1.0, 2.0]);
+    // A constant stays put: each of 50 steps rounds once or twice, so within 50 * 2 ulps.
+    let steady = plot::Smoothing::new(0.9).unwrap().apply(&[0.7; 50]);
+    for v in steady {
+        assert!((v - 0.7).abs() <= 100.0 * f64::EPSILON * 0.7, "{v}");
+    }
+    assert!(plot::Smoothing::new(1.0).is_err() && plot::Smoothing::new(-0.5).is_err());
+    assert!(plot::Smoothing::new(f64::NAN).is_err());
+}
+
+/// The `points` of every polyline in `svg` whose attributes contain `with`.
+fn polylines(svg: &str, with: &str) -> Vec<String> {
+    svg.split("<polyline")
+        .skip(1)
+        .filter(|p| p.split("/>").next().unwrap().contains(with))
+        .filter_map(|p| Some(p.split("points=\"").nth(1)?.split('"').next()?.to_string()))
+        .collect()
+}
+
+/// The spread of a polyline's y coordinates, in pixels.
+fn y_spread(points: &str) -> f64 {
+    let ys: Vec<f64> = points
+        .split_whitespace()
+        .map(|xy| xy.split(',').nth(1).unwrap().parse().unwrap())
+        .collect();
+    ys.iter().cloned().fold(f64::MIN, f64::max) - ys.iter().cloned().fold(f64::MAX, f64::min)
+}
+
+#[test]
+fn a_smoothed_curve_plot_draws_the_smoothed_line_over_its_raw_values_drawn_faint() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("20261127T000000Z_mlp");
+    std::fs::create_dir(&path).unwrap();
+    let lines: Vec<String> = [4.0, 1.0, 3.0, 0.5, 2.0, 0.25]
+        .iter()
+        .enumerate()
+        .map(|(i, loss)| {
+            let top1 = 0.125 * (i % 3) as f64;
+            format!(
+                r#"{{"event":"iteration","iteration":{i},"rank":0,"stage":0,"loss":{loss},"accuracy":{top1},"samples":8,"time_s":0.5,"samples_per_sec":16.0,"compute_s":0.5,"comm_wait_s":0.0,"idle_s":0.0,"peak_mem_bytes":null}}"#
+            )
+        })
+        .collect();
+    std::fs::write(path.join("metrics.jsonl"), lines.join("\n")).unwrap();
+    let row = read::Row::empty(&path, "mlp".into(), read::RowStatus::Succeeded, None);
+    let svg = dir.path().join("plot.svg");
+    let six_points = |p: &String| p.split_whitespace().count() == 6;
+    type Draw = fn(&[read::Row], plot::CurveX, plot::Smoothing, &Path) -> Result<(), plot::PlotError>;
+    for (draw, what) in [(plot::losses as Draw, "loss"), (plot::accuracies, "accuracy")] {
+        draw(
+            std::slice::from_ref(&row),
+            plot::CurveX::Iteration,
+            plot::Smoothing::NONE,
+            &svg,
+        )
+        .unwrap();
+        let raw_text = std::fs::read_to_string(&svg).unwrap();
+        assert!(
+            !raw_text.contains("smoothed") && !raw_text.contains("opacity=\"0.25\""),
+            "{raw_text}"
+        );
+        let raw: Vec<String> = polylines(&raw_text, "").into_iter().filter(six_points).collect();
+        assert_eq!(
+            raw.len(),
+            1,
+            "{what}: one line through the 6 iterations: {raw_text}"
+        );
+
+        let smoothing = plot::Smoothing::new(0.6).unwrap();
+        draw(
+            std::slice::from_ref(&row),
+            plot::CurveX::Iteration,
+            smoothing,
+            &svg,
+        )
+        .unwrap();
+        let text = std::fs::read_to_string(&svg).unwrap();
+        assert!(
+            text.contains(&format!("training {what} against iteration, smoothed (0.6)")),
+            "{text}"
+        );
+        // The raw values, as the unsmoothed plot drew them (the y axis spans them either way),
+        // now faint; over them the smoothed line, flatter.
+        assert_eq!(polylines(&text, "opacity=\"0.25\""), raw, "{what}: {text}");
+        let solid: Vec<String> = polylines(&text, "stroke-width=\"2\"")
+            .into_iter()
+            .filter(six_points)
+            .collect();
+        assert_eq!(solid.len(), 1, "{what}: {text}");
+        assert!(
+            y_spread(&solid[0]) < y_spread(&raw[0]),
+            "{what}: smoothed {} against raw {}",
+            solid[0],
+            raw[0]
+        );
+        // Both start at the first value: the average is debiased.
+        let first = |points: &str| points.split_whitespace().next().unwrap().to_string();
+        assert_eq!(first(&solid[0]), first(&raw[0]), "{what}");
+    }
 }
 
 /// A record's metrics.jsonl whose last-stage lines carry these top-1 and top-5 accuracies, an
@@ -359,7 +471,13 @@ fn an_accuracy_plot_draws_top1_solid_and_top5_dashed_where_reported() {
     assert_eq!(plot::curve(&tokens.dir, plot::Metric::AccuracyTop5), None);
 
     let svg = dir.path().join("accuracy.svg");
-    plot::accuracies(&[image, tokens, old], plot::CurveX::Seconds, &svg).unwrap();
+    plot::accuracies(
+        &[image, tokens, old],
+        plot::CurveX::Seconds,
+        plot::Smoothing::NONE,
+        &svg,
+    )
+    .unwrap();
     let text = std::fs::read_to_string(&svg).unwrap();
     assert!(
         text.contains("training accuracy against seconds of training"),
@@ -403,7 +521,12 @@ fn an_accuracy_plot_draws_top1_solid_and_top5_dashed_where_reported() {
         "top-5's dashes and the legend's samples: {polylines:?}"
     );
 
-    let none = plot::accuracies(&[old_row(dir.path())], plot::CurveX::Iteration, &svg);
+    let none = plot::accuracies(
+        &[old_row(dir.path())],
+        plot::CurveX::Iteration,
+        plot::Smoothing::NONE,
+        &svg,
+    );
     assert!(matches!(none, Err(plot::PlotError::NoAccuracy)), "{none:?}");
 }
 
