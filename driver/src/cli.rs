@@ -7,7 +7,7 @@ use clap::{ArgAction, Args, Parser, Subcommand, ValueEnum};
 
 use crate::options::{default_torch_venv, Backend, ContainerMode, Options, Progress, Verbosity};
 use crate::partition::{PartitionOptions, PlanRequest};
-use crate::results::{CurveX, Format, ResultsOptions, Smoothing};
+use crate::results::{CurveX, Format, ResultsOptions, Smoothing, Target};
 use crate::sweep::{SweepOptions, SweepSource};
 
 /// Runs stagehand experiments: ranks of the runtime (or any torchrun-style program) on Docker
@@ -110,6 +110,11 @@ struct SweepArgs {
 
 #[derive(Debug, Args)]
 #[command(group(clap::ArgGroup::new("curves").multiple(true)))]
+#[command(group(
+    clap::ArgGroup::new("curve_readers")
+        .multiple(true)
+        .args(["plot_loss", "plot_accuracy", "time_to"])
+))]
 struct ResultsArgs {
     /// Record folders, sweep folders or folders of them (default `experiments/`), and `KEY=VALUE`
     /// filters (e.g. `schedule=1f1b`).
@@ -164,16 +169,22 @@ struct ResultsArgs {
 
     /// Smooths the loss and accuracy plots' lines as TensorBoard does: the weight of a debiased
     /// moving average, from 0 (raw values) up to, not including, 1; the raw values are drawn
-    /// faint beneath.
+    /// faint beneath. --time-to then reads the smoothed curves.
     #[arg(
         long,
         value_name = "WEIGHT",
         default_value = "0",
         value_parser = parse_smoothing,
         allow_negative_numbers = true,
-        requires = "curves"
+        requires = "curve_readers"
     )]
     smooth: Smoothing,
+
+    /// Adds a column: when each record's training curve first reached TARGET, in seconds of
+    /// training and iterations (PipeDream's time to accuracy): `accuracy=90%`, `top5=0.99` (at
+    /// or above) or `loss=0.5` (at or below). `--sort time_to` ranks the runs by it.
+    #[arg(long = "time-to", value_name = "METRIC=TARGET", value_parser = Target::parse)]
+    time_to: Option<Target>,
 }
 
 fn parse_smoothing(text: &str) -> Result<Smoothing, String> {
@@ -477,6 +488,7 @@ impl ResultsArgs {
                 CurveXArg::Seconds => CurveX::Seconds,
             },
             smoothing: self.smooth,
+            time_to: self.time_to,
         }
     }
 }
@@ -779,6 +791,18 @@ mod tests {
             Cli::try_parse_from(["driver", "results", "--smooth", "0.6"]).is_err(),
             "smoothing without a curve plot"
         );
+        // The time to a target reads a curve too, smoothed or not, with no plot.
+        let Task::Results(r) = task(&["results", "--time-to", "accuracy=90%", "--smooth", "0.6"]) else {
+            panic!("not results")
+        };
+        assert_eq!(
+            (r.time_to.map(|t| t.value), r.smoothing.weight()),
+            (Some(0.9), 0.6)
+        );
+        let error = Cli::try_parse_from(["driver", "results", "--time-to", "accuracy=90"])
+            .expect_err("a percentage without %")
+            .to_string();
+        assert!(error.contains("or a percentage (90%)"), "{error}");
     }
 
     #[test]

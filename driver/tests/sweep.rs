@@ -259,8 +259,9 @@ fn each_point_of_a_sweep_checkpoints_into_its_own_folder() {
 /// `driver results --plot-loss` over a sweep of real runtimes draws each point's training loss,
 /// a line per point with a vertex per iteration, labelled as the point, against iterations or
 /// seconds of training; `--plot-accuracy`, in the same call, each point's top-1 accuracy the same
-/// way and its top-5 dashed beside it; `--smooth` draws each smoothed over its raw values; a
-/// record without losses is refused with what is missing.
+/// way and its top-5 dashed beside it; `--smooth` draws each smoothed over its raw values;
+/// `--time-to` says when each point's loss reached a target; a record without losses is refused
+/// with what is missing.
 #[test]
 fn a_sweeps_loss_and_accuracy_curves_are_plotted_a_line_per_point() {
     let runtime = runtime();
@@ -381,6 +382,26 @@ fn a_sweeps_loss_and_accuracy_curves_are_plotted_a_line_per_point() {
         refused.stderr().contains("not a smoothing weight"),
         "{}",
         refused.stderr()
+    );
+    // Every point's first loss is below 1000: each reached it at its first iteration.
+    let timed = h.driver(
+        &[
+            "results".as_ref(),
+            dir.as_os_str(),
+            "--time-to".as_ref(),
+            "loss=1000".as_ref(),
+            "--sort".as_ref(),
+            "time_to".as_ref(),
+        ],
+        Duration::from_secs(30),
+    );
+    assert_eq!(timed.code(), 0, "{}", timed.stderr());
+    assert!(timed.stdout().contains("to loss ≤ 1000"), "{}", timed.stdout());
+    assert_eq!(
+        timed.stdout().matches(" s, it 0 ").count(),
+        2,
+        "{}",
+        timed.stdout()
     );
     // A program that prints no metrics has no loss: a sweep of it draws no curves, and says
     // nothing of them (the throughput plot it cannot draw is a warning, as it was).

@@ -2,6 +2,7 @@
 //! into rows (`read`), filters, sorts and groups them (`select`), and renders a table, Markdown,
 //! CSV or JSON (`export`) or an SVG plot (`plot`).
 
+mod curves;
 mod export;
 mod plot;
 mod read;
@@ -9,7 +10,8 @@ mod select;
 
 use std::path::{Path, PathBuf};
 
-pub use self::plot::{CurveX, PlotError, Smoothing};
+pub use self::curves::{Smoothing, Target};
+pub use self::plot::{CurveX, PlotError};
 pub use self::read::record_succeeded;
 
 /// Output formats.
@@ -50,8 +52,10 @@ pub struct ResultsOptions {
     pub plot_accuracy: Option<PathBuf>,
     /// What the loss and accuracy plots' x axis counts.
     pub curve_x: CurveX,
-    /// How much the loss and accuracy plots smooth their lines.
+    /// How much the loss and accuracy plots smooth their lines, and the curve `time_to` reads.
     pub smoothing: Smoothing,
+    /// A figure each record's training curve is to reach: a column says when it did.
+    pub time_to: Option<Target>,
 }
 
 impl ResultsOptions {
@@ -70,6 +74,7 @@ impl ResultsOptions {
             plot_accuracy: None,
             curve_x: CurveX::Iteration,
             smoothing: Smoothing::NONE,
+            time_to: None,
         }
     }
 }
@@ -110,10 +115,15 @@ impl ResultsError {
     }
 }
 
-/// Rows after filters, sort and baseline, split into groups.
+/// Rows after filters, times to the target, sort and baseline, split into groups.
 fn select(options: &ResultsOptions) -> Result<Vec<(String, Vec<read::Row>)>, ResultsError> {
     let rows = read::collect(&options.paths)?;
     let mut rows = select::filter(rows, &options.filters)?;
+    if let Some(target) = options.time_to {
+        for row in rows.iter_mut().filter(|r| r.id.is_some()) {
+            row.time_to = curves::time_to(&row.dir, target, options.smoothing);
+        }
+    }
     if let Some(key) = &options.sort {
         select::sort(&mut rows, key)?;
     }
@@ -129,6 +139,7 @@ pub fn render(options: &ResultsOptions) -> Result<String, ResultsError> {
     let groups = select(options)?;
     let view = export::Groups {
         key: options.group_by.as_deref(),
+        time_to: options.time_to,
         groups: &groups,
     };
     Ok(export::exporter(options.format).render(&view))
@@ -139,6 +150,7 @@ pub fn run(options: &ResultsOptions) -> Result<(), ResultsError> {
     let groups = select(options)?;
     let view = export::Groups {
         key: options.group_by.as_deref(),
+        time_to: options.time_to,
         groups: &groups,
     };
     stdout_text!("{}", export::exporter(options.format).render(&view));

@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use plotters::coord::Shift;
 use plotters::prelude::*;
 
+use super::curves::{curve, curve_of, iterations, Curve, CurvePoint, Metric, Smoothing};
 use super::read::Row;
 use super::select::value;
 
@@ -145,20 +146,6 @@ pub fn throughput(rows: &[Row], x: Option<&str>, path: &Path) -> Result<(), Plot
     legend_and_present(&mut chart, &root, SeriesLabelPosition::LowerRight, path)
 }
 
-/// The iteration lines of a record's `metrics.jsonl`, in order; `None` when it has no such file.
-fn iterations(dir: &Path) -> Option<Vec<stagehand_contract::Iteration>> {
-    let text = std::fs::read_to_string(dir.join("metrics.jsonl")).ok()?;
-    let events = text.lines().filter_map(stagehand_contract::Event::parse_line);
-    Some(
-        events
-            .filter_map(|event| match event {
-                stagehand_contract::Event::Iteration(it) => Some(it),
-                _ => None,
-            })
-            .collect(),
-    )
-}
-
 /// Seconds per iteration each stage spent computing, waiting on communication and idle,
 /// averaged over the stage's ranks, from the record's `metrics.jsonl`.
 pub fn stage_times(dir: &Path) -> Result<Vec<(usize, [f64; 3])>, PlotError> {
@@ -269,127 +256,6 @@ impl CurveX {
             CurveX::Seconds => p.seconds,
         }
     }
-}
-
-/// What the last stage reports on its iteration lines that a training curve follows.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Metric {
-    Loss,
-    /// Top-1 accuracy.
-    Accuracy,
-    AccuracyTop5,
-}
-
-impl Metric {
-    fn of(self, it: &stagehand_contract::Iteration) -> Option<f64> {
-        match self {
-            Metric::Loss => it.loss,
-            Metric::Accuracy => it.accuracy,
-            Metric::AccuracyTop5 => it.accuracy_top5,
-        }
-    }
-}
-
-/// How much a training-curve plot smooths its lines (`--smooth`): the weight of an exponential
-/// moving average, debiased as TensorBoard's smoothing slider is, so that the line starts at the
-/// first value rather than rising from zero. 0 draws the raw values alone; above it each line is
-/// drawn smoothed, over its raw values drawn faint.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
-pub struct Smoothing(f64);
-
-impl Smoothing {
-    /// No smoothing: the raw values.
-    pub const NONE: Smoothing = Smoothing(0.0);
-
-    /// A smoothing weight, which must be at least 0 and below 1 (at 1 the line would never
-    /// leave its first value).
-    pub fn new(weight: f64) -> Result<Smoothing, String> {
-        match (0.0..1.0).contains(&weight) {
-            true => Ok(Smoothing(weight)),
-            false => Err(format!(
-                "{weight} is not a smoothing weight: give one from 0 (raw values) up to, not \
-                 including, 1 (TensorBoard's default is 0.6)"
-            )),
-        }
-    }
-
-    /// The moving average's weight.
-    pub fn weight(self) -> f64 {
-        self.0
-    }
-
-    /// `values` smoothed: each the debiased moving average of the values up to it,
-    /// `(w * last + (1 - w) * v) / (1 - w^n)` for the n-th value with `last` starting at 0.
-    pub fn apply(self, values: &[f64]) -> Vec<f64> {
-        let w = self.0;
-        let mut last = 0.0;
-        let mut debias = 1.0;
-        values
-            .iter()
-            .map(|v| {
-                last = w * last + (1.0 - w) * v;
-                debias *= w;
-                last / (1.0 - debias)
-            })
-            .collect()
-    }
-
-    /// The caption's note of the smoothing, empty for none.
-    fn note(self) -> String {
-        match self == Smoothing::NONE {
-            true => String::new(),
-            false => format!(", smoothed ({})", self.weight()),
-        }
-    }
-}
-
-/// One point of a training curve.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct CurvePoint {
-    pub iteration: u64,
-    /// Seconds of training up to the end of this iteration.
-    pub seconds: f64,
-    /// The mean of what the last stage's ranks reported for it.
-    pub value: f64,
-}
-
-/// A training curve: a point per iteration, in order.
-pub type Curve = Vec<CurvePoint>;
-
-/// A record's `metric` per iteration from its `metrics.jsonl`: for each iteration, the mean of
-/// what its last-stage ranks reported (data-parallel replicas each report their own share's),
-/// each rank's last report counting (a restarted run reports resumed iterations again); `None`
-/// when no iteration has the metric.
-pub fn curve(dir: &Path, metric: Metric) -> Option<Curve> {
-    curve_of(&iterations(dir)?, metric)
-}
-
-/// [`curve`] from a record's iteration lines already read.
-fn curve_of(iterations: &[stagehand_contract::Iteration], metric: Metric) -> Option<Curve> {
-    // iteration -> rank -> (value, seconds)
-    let mut reports: BTreeMap<u64, BTreeMap<usize, (f64, f64)>> = BTreeMap::new();
-    for it in iterations {
-        if let Some(value) = metric.of(it).filter(|v| v.is_finite()) {
-            reports
-                .entry(it.iteration)
-                .or_default()
-                .insert(it.rank, (value, it.time_s));
-        }
-    }
-    let mut seconds = 0.0;
-    let points: Curve = reports
-        .into_iter()
-        .map(|(iteration, ranks)| {
-            let n = ranks.len() as f64;
-            seconds += ranks.values().map(|(_, t)| t).sum::<f64>() / n;
-            CurvePoint {
-                iteration,
-                seconds,
-                value: ranks.values().map(|(v, _)| v).sum::<f64>() / n,
-            }
-        })
-        .collect();
-    (!points.is_empty()).then_some(points)
 }
 
 /// The legend label of each row: its table label, with its record folder where labels repeat.

@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use super::curves::TimeTo;
 use super::ResultsError;
 use crate::events::{command_note, memory_note, Status, StopCause};
 use crate::records::index::{self, Index, PointEntry, PointStatus, INDEX_FILE};
@@ -87,6 +88,8 @@ pub struct Row {
     pub accuracy: Option<f64>,
     /// Top-5 accuracy, of models with class logits (`final_accuracy_top5`).
     pub top5: Option<f64>,
+    /// When the training curve reached `--time-to`'s target, once asked.
+    pub time_to: Option<TimeTo>,
     /// Mean idle (bubble) share over the stages.
     pub idle_share: Option<f64>,
     /// Mean communication share over the stages.
@@ -160,6 +163,7 @@ impl Row {
             loss: None,
             accuracy: None,
             top5: None,
+            time_to: None,
             idle_share: None,
             comm_share: None,
             skipped_steps: None,
@@ -290,6 +294,7 @@ pub fn record(dir: &Path) -> Row {
         loss: summary.final_loss,
         accuracy: summary.final_accuracy,
         top5: summary.final_accuracy_top5,
+        time_to: None,
         idle_share: mean(|s| s.idle_share),
         comm_share: mean(|s| s.comm_share),
         skipped_steps: summary.skipped_steps,

@@ -7,7 +7,7 @@ use super::read::Row;
 use super::ResultsError;
 
 /// The columns' keys, in table order, as `--sort`, `--group-by` and filters name them.
-pub const COLUMN_KEYS: [&str; 17] = [
+pub const COLUMN_KEYS: [&str; 18] = [
     "run",
     "model",
     "layout",
@@ -21,6 +21,7 @@ pub const COLUMN_KEYS: [&str; 17] = [
     "loss",
     "accuracy",
     "top5",
+    "time_to",
     "idle",
     "comm",
     "status",
@@ -65,6 +66,7 @@ pub fn value(row: &Row, key: &str) -> Option<String> {
         "loss" => num(row.loss),
         "accuracy" => num(row.accuracy),
         "top5" => num(row.top5),
+        "time_to" => num(row.time_to.and_then(|t| t.seconds())),
         "idle" => num(row.idle_share),
         "comm" => num(row.comm_share),
         "skipped_steps" => row.skipped_steps.map(|n| n.to_string()),

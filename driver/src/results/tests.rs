@@ -248,17 +248,17 @@ fn a_loss_curve_averages_replicas_and_takes_each_iterations_last_report() {
         "not a metrics line".to_string(),
     ];
     std::fs::write(dir.path().join("metrics.jsonl"), lines.join("\n")).unwrap();
-    let curve = plot::curve(dir.path(), plot::Metric::Loss).unwrap();
+    let curve = curves::curve(dir.path(), curves::Metric::Loss).unwrap();
     let got: Vec<(u64, f64, f64)> = curve.iter().map(|p| (p.iteration, p.seconds, p.value)).collect();
     assert_eq!(got, [(0, 1.0, 3.0), (1, 2.0, 1.5), (2, 4.0, 1.0)]);
     assert_eq!(
-        plot::curve(dir.path(), plot::Metric::Accuracy),
+        curves::curve(dir.path(), curves::Metric::Accuracy),
         None,
         "lines without an accuracy"
     );
     std::fs::write(dir.path().join("metrics.jsonl"), line(0, 0, None, 0.5)).unwrap();
     assert_eq!(
-        plot::curve(dir.path(), plot::Metric::Loss),
+        curves::curve(dir.path(), curves::Metric::Loss),
         None,
         "no loss, no curve"
     );
@@ -291,7 +291,7 @@ fn a_loss_plot_goes_to_a_log_scale_only_when_losses_span_orders_of_magnitude() {
     plot::losses(
         &[calm.clone(), wild],
         plot::CurveX::Iteration,
-        plot::Smoothing::NONE,
+        curves::Smoothing::NONE,
         &svg,
     )
     .unwrap();
@@ -301,7 +301,7 @@ fn a_loss_plot_goes_to_a_log_scale_only_when_losses_span_orders_of_magnitude() {
     for folder in ["mlp (20261127T000000Z_mlp)", "mlp (20261127T000100Z_mlp)"] {
         assert!(text.contains(folder), "{folder}: {text}");
     }
-    plot::losses(&[calm], plot::CurveX::Seconds, plot::Smoothing::NONE, &svg).unwrap();
+    plot::losses(&[calm], plot::CurveX::Seconds, curves::Smoothing::NONE, &svg).unwrap();
     let text = std::fs::read_to_string(&svg).unwrap();
     assert!(!text.contains("log scale") && text.contains("\nloss\n"), "{text}");
     assert!(text.contains("seconds of training"), "{text}");
@@ -309,17 +309,17 @@ fn a_loss_plot_goes_to_a_log_scale_only_when_losses_span_orders_of_magnitude() {
 
 #[test]
 fn smoothing_is_a_debiased_moving_average_that_starts_at_the_first_value() {
-    let half = plot::Smoothing::new(0.5).unwrap();
+    let half = curves::Smoothing::new(0.5).unwrap();
     // (0.5 * 0 + 0.5 * 2) / (1 - 0.5), then (0.5 * 1 + 0.5 * 4) / (1 - 0.25).
     assert_eq!(half.apply(&[2.0, 4.0]), [2.0, 2.5 / 0.75]);
-    assert_eq!(plot::Smoothing::NONE.apply(&[3.0, 1.0, 2.0]), [3.0, 1.0, 2.0]);
+    assert_eq!(curves::Smoothing::NONE.apply(&[3.0, 1.0, 2.0]), [3.0, 1.0, 2.0]);
     // A constant stays put: each of 50 steps rounds once or twice, so within 50 * 2 ulps.
-    let steady = plot::Smoothing::new(0.9).unwrap().apply(&[0.7; 50]);
+    let steady = curves::Smoothing::new(0.9).unwrap().apply(&[0.7; 50]);
     for v in steady {
         assert!((v - 0.7).abs() <= 100.0 * f64::EPSILON * 0.7, "{v}");
     }
-    assert!(plot::Smoothing::new(1.0).is_err() && plot::Smoothing::new(-0.5).is_err());
-    assert!(plot::Smoothing::new(f64::NAN).is_err());
+    assert!(curves::Smoothing::new(1.0).is_err() && curves::Smoothing::new(-0.5).is_err());
+    assert!(curves::Smoothing::new(f64::NAN).is_err());
 }
 
 /// The `points` of every polyline in `svg` whose attributes contain `with`.
@@ -359,12 +359,12 @@ fn a_smoothed_curve_plot_draws_the_smoothed_line_over_its_raw_values_drawn_faint
     let row = read::Row::empty(&path, "mlp".into(), read::RowStatus::Succeeded, None);
     let svg = dir.path().join("plot.svg");
     let six_points = |p: &String| p.split_whitespace().count() == 6;
-    type Draw = fn(&[read::Row], plot::CurveX, plot::Smoothing, &Path) -> Result<(), plot::PlotError>;
+    type Draw = fn(&[read::Row], plot::CurveX, curves::Smoothing, &Path) -> Result<(), plot::PlotError>;
     for (draw, what) in [(plot::losses as Draw, "loss"), (plot::accuracies, "accuracy")] {
         draw(
             std::slice::from_ref(&row),
             plot::CurveX::Iteration,
-            plot::Smoothing::NONE,
+            curves::Smoothing::NONE,
             &svg,
         )
         .unwrap();
@@ -380,7 +380,7 @@ fn a_smoothed_curve_plot_draws_the_smoothed_line_over_its_raw_values_drawn_faint
             "{what}: one line through the 6 iterations: {raw_text}"
         );
 
-        let smoothing = plot::Smoothing::new(0.6).unwrap();
+        let smoothing = curves::Smoothing::new(0.6).unwrap();
         draw(
             std::slice::from_ref(&row),
             plot::CurveX::Iteration,
@@ -463,18 +463,18 @@ fn an_accuracy_plot_draws_top1_solid_and_top5_dashed_where_reported() {
     )
     .unwrap();
 
-    let top5 = plot::curve(image.dir.as_path(), plot::Metric::AccuracyTop5).unwrap();
+    let top5 = curves::curve(image.dir.as_path(), curves::Metric::AccuracyTop5).unwrap();
     assert_eq!(
         top5.iter().map(|p| p.value).collect::<Vec<_>>(),
         [0.5, 0.875, 1.0, 0.875, 1.0]
     );
-    assert_eq!(plot::curve(&tokens.dir, plot::Metric::AccuracyTop5), None);
+    assert_eq!(curves::curve(&tokens.dir, curves::Metric::AccuracyTop5), None);
 
     let svg = dir.path().join("accuracy.svg");
     plot::accuracies(
         &[image, tokens, old],
         plot::CurveX::Seconds,
-        plot::Smoothing::NONE,
+        curves::Smoothing::NONE,
         &svg,
     )
     .unwrap();
@@ -524,7 +524,7 @@ fn an_accuracy_plot_draws_top1_solid_and_top5_dashed_where_reported() {
     let none = plot::accuracies(
         &[old_row(dir.path())],
         plot::CurveX::Iteration,
-        plot::Smoothing::NONE,
+        curves::Smoothing::NONE,
         &svg,
     );
     assert!(matches!(none, Err(plot::PlotError::NoAccuracy)), "{none:?}");
@@ -538,4 +538,153 @@ fn old_row(dir: &Path) -> read::Row {
         read::RowStatus::Succeeded,
         None,
     )
+}
+
+/// A copy of the vgg16 fixture record as `dir/name` whose last stage reported these losses and
+/// top-1 accuracies (and no top-5), an iteration of 0.5 s each.
+fn trained_record(dir: &Path, name: &str, points: &[(f64, f64)]) -> PathBuf {
+    let from = fixtures().join("20261122T090000Z_vgg16-2pipe");
+    let to = dir.join(name);
+    std::fs::create_dir(&to).unwrap();
+    for file in ["summary.json", "config.resolved.json", "config.given.yml"] {
+        std::fs::copy(from.join(file), to.join(file)).unwrap();
+    }
+    let lines: Vec<String> = points
+        .iter()
+        .enumerate()
+        .map(|(i, (loss, top1))| {
+            format!(
+                r#"{{"event":"iteration","iteration":{i},"rank":1,"stage":1,"loss":{loss},"accuracy":{top1},"samples":64,"time_s":0.5,"samples_per_sec":128.0,"compute_s":0.4,"comm_wait_s":0.05,"idle_s":0.05,"peak_mem_bytes":null}}"#
+            )
+        })
+        .collect();
+    std::fs::write(to.join("metrics.jsonl"), lines.join("\n")).unwrap();
+    to
+}
+
+/// Reaches 90% top-1 at iteration 1, raw; smoothed by 0.6 only at iteration 4 (0.2, 0.669,
+/// 0.812, 0.876, 0.908); a loss of 0.5 or less at iteration 3.
+const LATE: [(f64, f64); 6] = [
+    (2.3, 0.2),
+    (1.9, 0.95),
+    (1.2, 0.95),
+    (0.4, 0.95),
+    (0.45, 0.95),
+    (0.3, 0.95),
+];
+
+#[test]
+fn the_time_to_a_target_is_the_first_iteration_whose_curve_reaches_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let late = trained_record(dir.path(), "20261129T000000Z_late", &LATE);
+    let target = |t: &str| Target::parse(t).unwrap();
+    let raw = Smoothing::NONE;
+    let reached = |iteration, seconds| Some(curves::TimeTo::Reached { iteration, seconds });
+    // Seconds of training: the iterations' 0.5 s each, up to and including the one that reached.
+    assert_eq!(
+        curves::time_to(&late, target("accuracy=90%"), raw),
+        reached(1, 1.0)
+    );
+    assert_eq!(
+        curves::time_to(&late, target("accuracy=0.9"), Smoothing::new(0.6).unwrap()),
+        reached(4, 2.5),
+        "the smoothed curve reaches it later"
+    );
+    assert_eq!(curves::time_to(&late, target("loss=0.5"), raw), reached(3, 2.0));
+    assert_eq!(
+        curves::time_to(&late, target("acc=99%"), raw),
+        Some(curves::TimeTo::NotReached { iterations: 6 })
+    );
+    assert_eq!(
+        curves::time_to(&late, target("top5=0.5"), raw),
+        None,
+        "no top-5 reported"
+    );
+}
+
+#[test]
+fn a_target_is_a_metric_and_a_figure_it_can_reach() {
+    let parsed = |t: &str| Target::parse(t).map(|t| (t.metric, t.value));
+    assert_eq!(parsed("accuracy=90%"), Ok((curves::Metric::Accuracy, 0.9)));
+    assert_eq!(parsed("top-1=0.75"), Ok((curves::Metric::Accuracy, 0.75)));
+    assert_eq!(parsed("top5=99.5%"), Ok((curves::Metric::AccuracyTop5, 0.995)));
+    assert_eq!(parsed("loss=0.25"), Ok((curves::Metric::Loss, 0.25)));
+    assert_eq!(
+        Target::parse("accuracy=90%").unwrap().header(),
+        "to accuracy ≥ 90%"
+    );
+    assert_eq!(Target::parse("loss=0.25").unwrap().header(), "to loss ≤ 0.25");
+    for (text, says) in [
+        ("accuracy", "is not METRIC=TARGET"),
+        ("speed=3", "unknown metric `speed`"),
+        (
+            "accuracy=90",
+            "a fraction above 0 and up to 1 (0.9) or a percentage (90%)",
+        ),
+        ("accuracy=0%", "a fraction above 0"),
+        ("loss=-1", "give a positive loss"),
+        ("loss=50%", "give a positive loss"),
+        (
+            "loss=low",
+            "`low` is not a number; give a target such as loss=0.5",
+        ),
+    ] {
+        let error = Target::parse(text).expect_err(text);
+        assert!(error.contains(says), "{text}: {error}");
+    }
+}
+
+/// `--time-to` adds a column to every format, which `--sort time_to` ranks by, runs that never
+/// reached the target last; without it no format changes.
+#[test]
+fn a_time_to_column_ranks_runs_by_when_they_reached_the_target() {
+    let dir = tempfile::tempdir().unwrap();
+    trained_record(dir.path(), "20261129T000000Z_late", &LATE);
+    trained_record(dir.path(), "20261129T000100Z_early", &[(2.0, 0.92), (1.0, 0.96)]);
+    trained_record(dir.path(), "20261129T000200Z_never", &[(2.3, 0.1), (2.2, 0.2)]);
+    let request = |format| {
+        let mut o = ResultsOptions::plain(vec![dir.path().to_path_buf()], format);
+        o.time_to = Some(Target::parse("accuracy=90%").unwrap());
+        o.sort = Some("time_to".into());
+        o
+    };
+    let table = render(&request(Format::Table)).unwrap();
+    assert!(table.contains("to accuracy ≥ 90%"), "{table}");
+    let at = |cell: &str| table.find(cell).unwrap_or_else(|| panic!("no {cell}: {table}"));
+    assert!(
+        at("0.50 s, it 0") < at("1.00 s, it 1") && at("1.00 s, it 1") < at("not in 2 its"),
+        "{table}"
+    );
+
+    let csv = render(&request(Format::Csv)).unwrap();
+    let lines: Vec<&str> = csv.lines().collect();
+    assert!(
+        lines[0].contains(",accuracy_top5,time_to_s,time_to_iteration,time_to_reached,idle_share,"),
+        "{csv}"
+    );
+    assert!(lines[1].contains(",0.5,0,true,"), "{csv}");
+    assert!(lines[2].contains(",1,1,true,"), "{csv}");
+    assert!(lines[3].contains(",,,false,"), "{csv}");
+
+    let json: serde_json::Value = serde_json::from_str(&render(&request(Format::Json)).unwrap()).unwrap();
+    assert_eq!(
+        json[0]["time_to"],
+        serde_json::json!({"metric": "accuracy", "target": 0.9, "reached": true, "seconds": 0.5,
+                           "iteration": 0, "iterations_run": null})
+    );
+    assert_eq!(json[2]["time_to"]["reached"], false);
+    assert_eq!(json[2]["time_to"]["iterations_run"], 2);
+
+    let plain = ResultsOptions::plain(vec![dir.path().to_path_buf()], Format::Json);
+    let json: serde_json::Value = serde_json::from_str(&render(&plain).unwrap()).unwrap();
+    assert!(json[0].get("time_to").is_none(), "{json}");
+    let table = render(&ResultsOptions::plain(
+        vec![dir.path().to_path_buf()],
+        Format::Table,
+    ))
+    .unwrap();
+    assert!(
+        !table.contains("to accuracy") && !table.contains(" its"),
+        "{table}"
+    );
 }

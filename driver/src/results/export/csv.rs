@@ -2,6 +2,7 @@
 //! asks.
 
 use super::{Export, Groups};
+use crate::results::curves::TimeTo;
 use crate::results::read::Row;
 
 /// `--format csv`.
@@ -39,10 +40,16 @@ fn quote(field: &str) -> String {
     }
 }
 
-fn fields(group: &str, row: &Row) -> Vec<String> {
+/// The columns after `accuracy_top5` where a time to a target was asked for.
+const TIME_TO: [&str; 3] = ["time_to_s", "time_to_iteration", "time_to_reached"];
+
+/// Where [`TIME_TO`] go: after `accuracy_top5`.
+const TIME_TO_AT: usize = 17;
+
+fn fields(group: &str, row: &Row, time_to: bool) -> Vec<String> {
     let opt = |x: Option<String>| x.unwrap_or_default();
     let replicas: Vec<String> = row.replicas.iter().map(usize::to_string).collect();
-    vec![
+    let mut fields = vec![
         group.to_string(),
         row.label(),
         row.name.clone(),
@@ -67,15 +74,34 @@ fn fields(group: &str, row: &Row) -> Vec<String> {
         opt(row.comm_share.map(|v| v.to_string())),
         row.status.as_str().to_string(),
         opt(row.note.clone()),
-    ]
+    ];
+    if time_to {
+        let (seconds, iteration, reached) = match row.time_to {
+            Some(TimeTo::Reached { iteration, seconds }) => {
+                (seconds.to_string(), iteration.to_string(), "true")
+            }
+            Some(TimeTo::NotReached { .. }) => (String::new(), String::new(), "false"),
+            None => (String::new(), String::new(), ""),
+        };
+        let at = TIME_TO_AT;
+        fields.splice(at..at, [seconds, iteration, reached.to_string()]);
+    }
+    fields
 }
 
 impl Export for CsvExport {
     fn render(&self, rows: &Groups) -> String {
-        let mut out = HEADER.join(",") + "\n";
+        let mut header = HEADER.to_vec();
+        if rows.time_to.is_some() {
+            header.splice(TIME_TO_AT..TIME_TO_AT, TIME_TO);
+        }
+        let mut out = header.join(",") + "\n";
         for (group, members) in rows.groups {
             for row in members {
-                let line: Vec<String> = fields(group, row).iter().map(|f| quote(f)).collect();
+                let line: Vec<String> = fields(group, row, rows.time_to.is_some())
+                    .iter()
+                    .map(|f| quote(f))
+                    .collect();
                 out.push_str(&line.join(","));
                 out.push('\n');
             }

@@ -3,6 +3,7 @@
 use serde::Serialize;
 
 use super::{Export, Groups};
+use crate::results::curves::{Target, TimeTo};
 use crate::results::read::Row;
 
 /// `--format json`.
@@ -31,6 +32,9 @@ struct JsonRow<'a> {
     loss: Option<f64>,
     accuracy: Option<f64>,
     accuracy_top5: Option<f64>,
+    /// Only where a time to a target was asked for; `null` for a record without the curve.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    time_to: Option<Option<JsonTimeTo>>,
     idle_share: Option<f64>,
     comm_share: Option<f64>,
     skipped_steps: Option<u64>,
@@ -40,7 +44,35 @@ struct JsonRow<'a> {
     dir: String,
 }
 
-fn json_row<'a>(group: Option<&'a str>, row: &'a Row) -> JsonRow<'a> {
+/// When a record's curve reached the target.
+#[derive(Serialize)]
+struct JsonTimeTo {
+    metric: &'static str,
+    target: f64,
+    reached: bool,
+    /// Seconds of training to the first iteration that reached it; `null` if none did.
+    seconds: Option<f64>,
+    iteration: Option<u64>,
+    /// Iterations the record reported.
+    iterations_run: Option<usize>,
+}
+
+fn json_time_to(target: Target, time_to: TimeTo) -> JsonTimeTo {
+    let (reached, seconds, iteration, iterations_run) = match time_to {
+        TimeTo::Reached { iteration, seconds } => (true, Some(seconds), Some(iteration), None),
+        TimeTo::NotReached { iterations } => (false, None, None, Some(iterations)),
+    };
+    JsonTimeTo {
+        metric: target.metric.name(),
+        target: target.value,
+        reached,
+        seconds,
+        iteration,
+        iterations_run,
+    }
+}
+
+fn json_row<'a>(group: Option<&'a str>, row: &'a Row, time_to: Option<Target>) -> JsonRow<'a> {
     JsonRow {
         group,
         run: row.label(),
@@ -62,6 +94,7 @@ fn json_row<'a>(group: Option<&'a str>, row: &'a Row) -> JsonRow<'a> {
         loss: row.loss,
         accuracy: row.accuracy,
         accuracy_top5: row.top5,
+        time_to: time_to.map(|target| row.time_to.map(|t| json_time_to(target, t))),
         idle_share: row.idle_share,
         comm_share: row.comm_share,
         skipped_steps: row.skipped_steps,
@@ -80,7 +113,7 @@ impl Export for JsonExport {
             .flat_map(|(g, members)| {
                 members
                     .iter()
-                    .map(move |r| json_row(rows.key.map(|_| g.as_str()), r))
+                    .map(move |r| json_row(rows.key.map(|_| g.as_str()), r, rows.time_to))
             })
             .collect();
         serde_json::to_string_pretty(&all).expect("rows serialize") + "\n"

@@ -4,6 +4,7 @@ mod csv;
 mod json;
 mod table;
 
+use super::curves::{Target, TimeTo};
 use super::read::Row;
 use super::Format;
 
@@ -11,6 +12,8 @@ use super::Format;
 pub struct Groups<'a> {
     /// The `--group-by` key.
     pub key: Option<&'a str>,
+    /// The `--time-to` target, whose column the rows then have.
+    pub time_to: Option<Target>,
     /// Each group's value and rows.
     pub groups: &'a [(String, Vec<Row>)],
 }
@@ -31,7 +34,20 @@ pub fn exporter(format: Format) -> Box<dyn Export> {
     }
 }
 
-/// Column headers for people, in order; `note` is the last.
+/// Column headers for people, in order, with the time to `time_to`'s target after the
+/// accuracies when there is one; `note` is the last.
+fn headers(time_to: Option<Target>) -> Vec<String> {
+    let mut headers: Vec<String> = HEADERS.iter().map(|h| h.to_string()).collect();
+    if let Some(target) = time_to {
+        headers.insert(TIME_TO_COLUMN, target.header());
+    }
+    headers
+}
+
+/// Where the time to a target goes among the columns: after the top-5 accuracy.
+const TIME_TO_COLUMN: usize = 12;
+
+/// The columns without a time to a target.
 const HEADERS: [&str; 16] = [
     "run",
     "model",
@@ -51,11 +67,12 @@ const HEADERS: [&str; 16] = [
     "note",
 ];
 
-/// A row's cells for people: numbers rounded, shares as percentages, `-` for unknown.
-fn cells(row: &Row) -> Vec<String> {
+/// A row's cells for people (with the time to the target when `time_to`): numbers rounded,
+/// shares as percentages, `-` for unknown.
+fn cells(row: &Row, time_to: bool) -> Vec<String> {
     let dash = || "-".to_string();
     let pct = |x: Option<f64>| x.map_or_else(dash, |v| format!("{:.1}%", v * 100.0));
-    vec![
+    let mut cells = vec![
         row.label(),
         row.model_cell().unwrap_or_else(dash),
         row.layout().unwrap_or_else(dash),
@@ -74,5 +91,26 @@ fn cells(row: &Row) -> Vec<String> {
         pct(row.comm_share),
         row.status.as_str().to_string(),
         row.note.clone().unwrap_or_default(),
-    ]
+    ];
+    if time_to {
+        cells.insert(TIME_TO_COLUMN, row.time_to.map_or_else(dash, time_to_text));
+    }
+    cells
+}
+
+/// When a run reached the target: `12.3 s, it 140`, or `not in 200 its`.
+fn time_to_text(time_to: TimeTo) -> String {
+    match time_to {
+        TimeTo::Reached { iteration, seconds } => format!("{} s, it {iteration}", seconds_text(seconds)),
+        TimeTo::NotReached { iterations } => format!("not in {iterations} its"),
+    }
+}
+
+/// Seconds to three significant digits, or whole above a hundred.
+fn seconds_text(seconds: f64) -> String {
+    match seconds {
+        s if s < 10.0 => format!("{s:.2}"),
+        s if s < 100.0 => format!("{s:.1}"),
+        s => format!("{s:.0}"),
+    }
 }

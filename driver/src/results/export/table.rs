@@ -2,7 +2,7 @@
 
 use comfy_table::{presets, CellAlignment, ContentArrangement, Table};
 
-use super::{cells, Export, Groups, HEADERS};
+use super::{cells, headers, Export, Groups};
 
 /// `--format table` or `--format markdown`.
 pub struct TableExport {
@@ -10,18 +10,21 @@ pub struct TableExport {
     pub markdown: bool,
 }
 
-/// Columns aligned right (numbers).
-const RIGHT: [usize; 10] = [4, 5, 6, 7, 8, 9, 10, 11, 12, 13];
+/// The columns aligned right (numbers): from microbatches to comm.
+const NUMBERS: std::ops::RangeInclusive<usize> = 4..=13;
 
 impl Export for TableExport {
     fn render(&self, rows: &Groups) -> String {
         let mut out = String::new();
+        let headers = headers(rows.time_to);
         let with_note = rows.groups.iter().flat_map(|(_, r)| r).any(|r| r.note.is_some());
         let width = if with_note {
-            HEADERS.len()
+            headers.len()
         } else {
-            HEADERS.len() - 1
+            headers.len() - 1
         };
+        // One more number where the time to a target is a column.
+        let numbers = *NUMBERS.start()..=NUMBERS.end() + usize::from(rows.time_to.is_some());
         for (i, (value, members)) in rows.groups.iter().enumerate() {
             if let Some(key) = rows.key {
                 if i > 0 {
@@ -40,13 +43,13 @@ impl Export for TableExport {
                     presets::UTF8_FULL_CONDENSED
                 })
                 .set_content_arrangement(ContentArrangement::Disabled)
-                .set_header(&HEADERS[..width]);
+                .set_header(&headers[..width]);
             for row in members {
-                let mut c = cells(row);
+                let mut c = cells(row, rows.time_to.is_some());
                 c.truncate(width);
                 table.add_row(c);
             }
-            for i in RIGHT {
+            for i in numbers.clone() {
                 if let Some(column) = table.column_mut(i) {
                     column.set_cell_alignment(CellAlignment::Right);
                 }

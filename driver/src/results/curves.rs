@@ -1,0 +1,273 @@
+//! Training curves from records' `metrics.jsonl`: each iteration's loss or accuracy as the last
+//! stage's ranks reported it ([`curve`]), smoothed as TensorBoard smooths ([`Smoothing`]), and
+//! when a curve first reached a figure (`--time-to`, [`time_to`]), PipeDream's time to accuracy.
+//! The plots draw them (`plot`); the table shows the time to a target.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+/// The iteration lines of a record's `metrics.jsonl`, in order; `None` when it has no such file.
+pub(super) fn iterations(dir: &Path) -> Option<Vec<stagehand_contract::Iteration>> {
+    let text = std::fs::read_to_string(dir.join("metrics.jsonl")).ok()?;
+    let events = text.lines().filter_map(stagehand_contract::Event::parse_line);
+    Some(
+        events
+            .filter_map(|event| match event {
+                stagehand_contract::Event::Iteration(it) => Some(it),
+                _ => None,
+            })
+            .collect(),
+    )
+}
+
+/// What the last stage reports on its iteration lines that a training curve follows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Metric {
+    Loss,
+    /// Top-1 accuracy.
+    Accuracy,
+    AccuracyTop5,
+}
+
+impl Metric {
+    /// The metric as the command line names it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Metric::Loss => "loss",
+            Metric::Accuracy => "accuracy",
+            Metric::AccuracyTop5 => "top5",
+        }
+    }
+
+    fn example(self) -> &'static str {
+        match self {
+            Metric::Loss => "loss=0.5",
+            Metric::Accuracy => "accuracy=90%",
+            Metric::AccuracyTop5 => "top5=99%",
+        }
+    }
+
+    fn of(self, it: &stagehand_contract::Iteration) -> Option<f64> {
+        match self {
+            Metric::Loss => it.loss,
+            Metric::Accuracy => it.accuracy,
+            Metric::AccuracyTop5 => it.accuracy_top5,
+        }
+    }
+}
+
+/// How much a training-curve plot smooths its lines (`--smooth`): the weight of an exponential
+/// moving average, debiased as TensorBoard's smoothing slider is, so that the line starts at the
+/// first value rather than rising from zero. 0 draws the raw values alone; above it each line is
+/// drawn smoothed, over its raw values drawn faint, and `--time-to` reads the smoothed curve.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Smoothing(f64);
+
+impl Smoothing {
+    /// No smoothing: the raw values.
+    pub const NONE: Smoothing = Smoothing(0.0);
+
+    /// A smoothing weight, which must be at least 0 and below 1 (at 1 the line would never
+    /// leave its first value).
+    pub fn new(weight: f64) -> Result<Smoothing, String> {
+        match (0.0..1.0).contains(&weight) {
+            true => Ok(Smoothing(weight)),
+            false => Err(format!(
+                "{weight} is not a smoothing weight: give one from 0 (raw values) up to, not \
+                 including, 1 (TensorBoard's default is 0.6)"
+            )),
+        }
+    }
+
+    /// The moving average's weight.
+    pub fn weight(self) -> f64 {
+        self.0
+    }
+
+    /// `values` smoothed: each the debiased moving average of the values up to it,
+    /// `(w * last + (1 - w) * v) / (1 - w^n)` for the n-th value with `last` starting at 0.
+    pub fn apply(self, values: &[f64]) -> Vec<f64> {
+        let w = self.0;
+        let mut last = 0.0;
+        let mut debias = 1.0;
+        values
+            .iter()
+            .map(|v| {
+                last = w * last + (1.0 - w) * v;
+                debias *= w;
+                last / (1.0 - debias)
+            })
+            .collect()
+    }
+
+    /// The caption's note of the smoothing, empty for none.
+    pub(super) fn note(self) -> String {
+        match self == Smoothing::NONE {
+            true => String::new(),
+            false => format!(", smoothed ({})", self.weight()),
+        }
+    }
+}
+
+/// One point of a training curve.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CurvePoint {
+    pub iteration: u64,
+    /// Seconds of training up to the end of this iteration.
+    pub seconds: f64,
+    /// The mean of what the last stage's ranks reported for it.
+    pub value: f64,
+}
+
+/// A training curve: a point per iteration, in order.
+pub type Curve = Vec<CurvePoint>;
+
+/// A record's `metric` per iteration from its `metrics.jsonl`: for each iteration, the mean of
+/// what its last-stage ranks reported (data-parallel replicas each report their own share's),
+/// each rank's last report counting (a restarted run reports resumed iterations again); `None`
+/// when no iteration has the metric.
+pub fn curve(dir: &Path, metric: Metric) -> Option<Curve> {
+    curve_of(&iterations(dir)?, metric)
+}
+
+/// [`curve`] from a record's iteration lines already read.
+pub(super) fn curve_of(iterations: &[stagehand_contract::Iteration], metric: Metric) -> Option<Curve> {
+    // iteration -> rank -> (value, seconds)
+    let mut reports: BTreeMap<u64, BTreeMap<usize, (f64, f64)>> = BTreeMap::new();
+    for it in iterations {
+        if let Some(value) = metric.of(it).filter(|v| v.is_finite()) {
+            reports
+                .entry(it.iteration)
+                .or_default()
+                .insert(it.rank, (value, it.time_s));
+        }
+    }
+    let mut seconds = 0.0;
+    let points: Curve = reports
+        .into_iter()
+        .map(|(iteration, ranks)| {
+            let n = ranks.len() as f64;
+            seconds += ranks.values().map(|(_, t)| t).sum::<f64>() / n;
+            CurvePoint {
+                iteration,
+                seconds,
+                value: ranks.values().map(|(v, _)| v).sum::<f64>() / n,
+            }
+        })
+        .collect();
+    (!points.is_empty()).then_some(points)
+}
+
+/// `--time-to METRIC=TARGET`: a figure each run's training curve is to reach (a loss at or
+/// below, an accuracy at or above it).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Target {
+    pub metric: Metric,
+    /// A loss, or an accuracy as a fraction.
+    pub value: f64,
+}
+
+impl Target {
+    /// `loss=0.5`, `accuracy=0.9` or `accuracy=90%`, `top5=99%`; errors say what to give.
+    pub fn parse(text: &str) -> Result<Target, String> {
+        let Some((name, value)) = text.split_once('=') else {
+            return Err(format!(
+                "`{text}` is not METRIC=TARGET; give one such as accuracy=90% or loss=0.5"
+            ));
+        };
+        let metric = match name.trim() {
+            "loss" => Metric::Loss,
+            "accuracy" | "acc" | "top1" | "top-1" => Metric::Accuracy,
+            "top5" | "top-5" | "accuracy_top5" => Metric::AccuracyTop5,
+            other => {
+                return Err(format!(
+                    "unknown metric `{other}`; use loss, accuracy (top-1) or top5"
+                ))
+            }
+        };
+        let value = value.trim();
+        let (number, percent) = match value.strip_suffix('%') {
+            Some(number) => (number, true),
+            None => (value, false),
+        };
+        let number: f64 = number.trim().parse().map_err(|_| {
+            format!(
+                "`{value}` is not a number; give a target such as {}",
+                metric.example()
+            )
+        })?;
+        let value = if percent { number / 100.0 } else { number };
+        let fits = match metric {
+            Metric::Loss => !percent && value.is_finite() && value > 0.0,
+            Metric::Accuracy | Metric::AccuracyTop5 => value > 0.0 && value <= 1.0,
+        };
+        match fits {
+            true => Ok(Target { metric, value }),
+            false => Err(format!(
+                "{} is not a target for {}: {}",
+                text.trim(),
+                metric.name(),
+                match metric {
+                    Metric::Loss => "give a positive loss, such as loss=0.5",
+                    _ => "give a fraction above 0 and up to 1 (0.9) or a percentage (90%)",
+                }
+            )),
+        }
+    }
+
+    /// Whether `value` is as good as the target or better.
+    fn reached_by(self, value: f64) -> bool {
+        match self.metric {
+            Metric::Loss => value <= self.value,
+            Metric::Accuracy | Metric::AccuracyTop5 => value >= self.value,
+        }
+    }
+
+    /// The table's column header: `to accuracy ≥ 90%`, `to loss ≤ 0.5`.
+    pub fn header(self) -> String {
+        match self.metric {
+            Metric::Loss => format!("to loss ≤ {}", self.value),
+            metric => format!("to {} ≥ {}%", metric.name(), self.value * 100.0),
+        }
+    }
+}
+
+/// When a run's curve first reached a [`Target`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum TimeTo {
+    /// At this iteration, after this many seconds of training (the iterations' own times).
+    Reached { iteration: u64, seconds: f64 },
+    /// Not in any of the iterations the run reported.
+    NotReached { iterations: usize },
+}
+
+impl TimeTo {
+    /// The seconds of training it took, when it was reached.
+    pub fn seconds(self) -> Option<f64> {
+        match self {
+            TimeTo::Reached { seconds, .. } => Some(seconds),
+            TimeTo::NotReached { .. } => None,
+        }
+    }
+}
+
+/// When the record's curve of the target's metric, smoothed by `smoothing`, first reached the
+/// target; `None` when the record reports no such curve.
+pub fn time_to(dir: &Path, target: Target, smoothing: Smoothing) -> Option<TimeTo> {
+    let curve = curve(dir, target.metric)?;
+    let values: Vec<f64> = curve.iter().map(|p| p.value).collect();
+    let reached = smoothing
+        .apply(&values)
+        .into_iter()
+        .zip(&curve)
+        .find(|(value, _)| target.reached_by(*value));
+    Some(match reached {
+        Some((_, point)) => TimeTo::Reached {
+            iteration: point.iteration,
+            seconds: point.seconds,
+        },
+        None => TimeTo::NotReached {
+            iterations: curve.len(),
+        },
+    })
+}
