@@ -44,7 +44,12 @@ fn quote(field: &str) -> String {
 const TIME_TO: [&str; 3] = ["time_to_s", "time_to_iteration", "time_to_reached"];
 
 /// Where [`TIME_TO`] go: after `accuracy_top5`.
-const TIME_TO_AT: usize = 17;
+fn time_to_at() -> usize {
+    1 + HEADER
+        .iter()
+        .position(|h| *h == "accuracy_top5")
+        .expect("an accuracy_top5 column")
+}
 
 fn fields(group: &str, row: &Row, time_to: bool) -> Vec<String> {
     let opt = |x: Option<String>| x.unwrap_or_default();
@@ -83,7 +88,7 @@ fn fields(group: &str, row: &Row, time_to: bool) -> Vec<String> {
             Some(TimeTo::NotReached { .. }) => (String::new(), String::new(), "false"),
             None => (String::new(), String::new(), ""),
         };
-        let at = TIME_TO_AT;
+        let at = time_to_at();
         fields.splice(at..at, [seconds, iteration, reached.to_string()]);
     }
     fields
@@ -93,7 +98,7 @@ impl Export for CsvExport {
     fn render(&self, rows: &Groups) -> String {
         let mut header = HEADER.to_vec();
         if rows.time_to.is_some() {
-            header.splice(TIME_TO_AT..TIME_TO_AT, TIME_TO);
+            header.splice(time_to_at()..time_to_at(), TIME_TO);
         }
         let mut out = header.join(",") + "\n";
         for (group, members) in rows.groups {

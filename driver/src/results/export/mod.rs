@@ -39,13 +39,18 @@ pub fn exporter(format: Format) -> Box<dyn Export> {
 fn headers(time_to: Option<Target>) -> Vec<String> {
     let mut headers: Vec<String> = HEADERS.iter().map(|h| h.to_string()).collect();
     if let Some(target) = time_to {
-        headers.insert(TIME_TO_COLUMN, target.header());
+        headers.insert(time_to_column(), target.header());
     }
     headers
 }
 
 /// Where the time to a target goes among the columns: after the top-5 accuracy.
-const TIME_TO_COLUMN: usize = 12;
+fn time_to_column() -> usize {
+    1 + HEADERS
+        .iter()
+        .position(|h| *h == "top-5")
+        .expect("a top-5 column")
+}
 
 /// The columns without a time to a target.
 const HEADERS: [&str; 16] = [
@@ -93,7 +98,7 @@ fn cells(row: &Row, time_to: bool) -> Vec<String> {
         row.note.clone().unwrap_or_default(),
     ];
     if time_to {
-        cells.insert(TIME_TO_COLUMN, row.time_to.map_or_else(dash, time_to_text));
+        cells.insert(time_to_column(), row.time_to.map_or_else(dash, time_to_text));
     }
     cells
 }
@@ -106,7 +111,7 @@ fn time_to_text(time_to: TimeTo) -> String {
     }
 }
 
-/// Seconds to three significant digits, or whole above a hundred.
+/// Seconds with two decimals under 10, one under 100, and none above.
 fn seconds_text(seconds: f64) -> String {
     match seconds {
         s if s < 10.0 => format!("{s:.2}"),
