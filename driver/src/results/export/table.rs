@@ -10,8 +10,9 @@ pub struct TableExport {
     pub markdown: bool,
 }
 
-/// The columns aligned right (numbers): from microbatches to comm.
-const NUMBERS: std::ops::RangeInclusive<usize> = 4..=13;
+/// The columns aligned right, numbers all: from the first to the last of these, which the time
+/// to a target falls between.
+const NUMBERS: (&str, &str) = ("microbatches", "comm");
 
 impl Export for TableExport {
     fn render(&self, rows: &Groups) -> String {
@@ -23,8 +24,13 @@ impl Export for TableExport {
         } else {
             headers.len() - 1
         };
-        // One more number where the time to a target is a column.
-        let numbers = *NUMBERS.start()..=NUMBERS.end() + usize::from(rows.time_to.is_some());
+        let column = |name: &str| {
+            headers
+                .iter()
+                .position(|h| h == name)
+                .expect("a column of HEADERS")
+        };
+        let numbers = column(NUMBERS.0)..=column(NUMBERS.1);
         for (i, (value, members)) in rows.groups.iter().enumerate() {
             if let Some(key) = rows.key {
                 if i > 0 {
