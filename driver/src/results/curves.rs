@@ -227,7 +227,22 @@ impl Target {
     pub fn header(self) -> String {
         match self.metric {
             Metric::Loss => format!("to loss ≤ {}", self.value),
-            metric => format!("to {} ≥ {}%", metric.name(), self.value * 100.0),
+            // As a percentage the fraction is rounded (29% is 0.29, which times 100 is
+            // 28.999999999999996).
+            metric => format!("to {} ≥ {}%", metric.name(), figure_text(self.value * 100.0)),
+        }
+    }
+}
+
+/// A figure as text (an axis label, a target): at most 4 decimals, trailing zeros dropped, in
+/// scientific notation when large or small.
+pub(super) fn figure_text(v: f64) -> String {
+    match v.abs() {
+        0.0 => "0".to_string(),
+        a if !(1e-3..1e4).contains(&a) => format!("{v:.2e}"),
+        _ => {
+            let text = format!("{v:.4}");
+            text.trim_end_matches('0').trim_end_matches('.').to_string()
         }
     }
 }

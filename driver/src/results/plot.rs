@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use plotters::coord::Shift;
 use plotters::prelude::*;
 
-use super::curves::{curve, curve_of, iterations, Curve, CurvePoint, Metric, Smoothing};
+use super::curves::{curve, curve_of, figure_text, iterations, Curve, CurvePoint, Metric, Smoothing};
 use super::read::Row;
 use super::select::value;
 
@@ -346,7 +346,7 @@ fn draw_lines(path: &Path, axes: Axes, lines: Vec<Line>) -> Result<(), PlotError
         .map_err(|e| fail(e.to_string()))?;
     let x_label = |v: &f64| match axes.x {
         CurveX::Iteration => format!("{v:.0}"),
-        CurveX::Seconds => loss_text(*v),
+        CurveX::Seconds => figure_text(*v),
     };
     chart
         .configure_mesh()
@@ -414,8 +414,8 @@ pub fn losses(rows: &[Row], x: CurveX, smoothing: Smoothing, path: &Path) -> Res
     let (low, high) = (y(low), y(high));
     let pad = ((high - low) * 0.05).max(1e-6);
     let y_label = |v: &f64| match log {
-        true => loss_text(10f64.powf(*v)),
-        false => loss_text(*v),
+        true => figure_text(10f64.powf(*v)),
+        false => figure_text(*v),
     };
     let labels = row_labels(&curves.iter().map(|(r, _)| *r).collect::<Vec<_>>());
     let lines = curves
@@ -510,15 +510,3 @@ fn legend_and_present<'a, CT: CoordTranslate>(
 
 /// How far apart the largest and smallest loss must be for a log scale.
 const LOG_SCALE_SPAN: f64 = 100.0;
-
-/// A loss as an axis label: 4 significant digits, in scientific notation when large or small.
-fn loss_text(v: f64) -> String {
-    match v.abs() {
-        0.0 => "0".to_string(),
-        a if !(1e-3..1e4).contains(&a) => format!("{v:.2e}"),
-        _ => {
-            let text = format!("{v:.4}");
-            text.trim_end_matches('0').trim_end_matches('.').to_string()
-        }
-    }
-}

@@ -614,6 +614,9 @@ fn a_target_is_a_metric_and_a_figure_it_can_reach() {
         "to accuracy ≥ 90%"
     );
     assert_eq!(Target::parse("loss=0.25").unwrap().header(), "to loss ≤ 0.25");
+    // 0.29 * 100 is 28.999999999999996 in binary floating point: the header says what was typed.
+    assert_eq!(Target::parse("acc=29%").unwrap().header(), "to accuracy ≥ 29%");
+    assert_eq!(Target::parse("top5=0.995").unwrap().header(), "to top5 ≥ 99.5%");
     for (text, says) in [
         ("accuracy", "is not METRIC=TARGET"),
         ("speed=3", "unknown metric `speed`"),
