@@ -12,7 +12,7 @@ pub mod stage_config;
 
 pub use metrics::{
     Channel, Event, Iteration, P2p, P2pOp, P2pTensor, PartialGroup, ReduceMetrics, RunConfig, Start, Summary,
-    Trace, SCHEMA_VERSION,
+    Trace, ValidationFigures, SCHEMA_VERSION,
 };
 pub use profile::{ModuleProfile, Profile, PROFILE_VERSION};
 pub use stage_config::{Stage, StageConfig, StageConfigError, StagePlan};

@@ -24,6 +24,9 @@ pub enum Event {
     Iteration(Iteration),
     /// Printed once, after the last iteration.
     Summary(Summary),
+    /// With `--validate-every`: a pass over the held-out split, after every that many iterations
+    /// and after the last (last stage only).
+    Validation(Validation),
     /// With `--trace`: the weights one microbatch's forward and backward used on one rank.
     Trace(Trace),
     /// With `--trace`: one point-to-point operation a rank issued, in issue order.
@@ -146,6 +149,14 @@ pub struct RunConfig {
     /// Iterations per epoch, when the learning rate depends on it.
     #[serde(default)]
     pub epoch_iterations: Option<u64>,
+    /// A validation pass ran after every this many iterations and after the last
+    /// (`--validate-every`); absent when none ran.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub validate_every: Option<u64>,
+    /// Minibatches of the held-out split each validation pass ran (`--validation-batches`, or
+    /// as many whole ones as the split holds).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub validation_batches: Option<u64>,
 }
 
 fn all() -> String {
@@ -393,6 +404,42 @@ pub struct Summary {
     /// With `--precision fp16`: steps the gradient scaler skipped over the run.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub skipped_steps: Option<u64>,
+    /// With `--validate-every`: the last validation pass's figures, on the last stage.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub validation: Option<ValidationFigures>,
+}
+
+/// The `validation` event (only with `runtime --validate-every`): the model, as it stood after
+/// iteration `iteration`, run forward over the held-out split (`test_batch.bin` beside CIFAR-10's
+/// training files, an image folder's `val/`, synthetic data drawn apart from the training
+/// pool), with dropout off and batch normalisation on its running statistics. Printed by every
+/// rank of the last stage, each with the whole pass's figures.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Validation {
+    /// The training iteration the pass followed (index from 0).
+    pub iteration: u64,
+    /// This process's rank.
+    pub rank: usize,
+    /// The pipeline stage this rank runs (the last).
+    pub stage: usize,
+    #[serde(flatten)]
+    pub figures: ValidationFigures,
+    /// Wall-clock seconds of the pass (not counted in any iteration's `time_s`).
+    pub time_s: f64,
+}
+
+/// What one validation pass measured over its samples.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct ValidationFigures {
+    /// Mean loss over the pass's samples.
+    pub loss: f64,
+    /// Top-1 accuracy over the pass's samples.
+    pub accuracy: f64,
+    /// Top-5 accuracy, for class logits (as [`Iteration::accuracy_top5`]).
+    #[serde(default)]
+    pub accuracy_top5: Option<f64>,
+    /// Samples the pass ran.
+    pub samples: u64,
 }
 
 /// The `trace` event (only with `runtime --trace`): which weights a microbatch's forward and
@@ -546,6 +593,29 @@ mod tests {
                 ..
             }))
         ));
+    }
+
+    /// A validation line carries its figures flat beside the iteration it followed.
+    #[test]
+    fn validation_events_round_trip_with_their_figures_flat() {
+        let event = Event::Validation(Validation {
+            iteration: 9,
+            rank: 1,
+            stage: 1,
+            figures: ValidationFigures {
+                loss: 0.5,
+                accuracy: 0.75,
+                accuracy_top5: None,
+                samples: 64,
+            },
+            time_s: 0.25,
+        });
+        let line = event.to_line();
+        assert_eq!(
+            line,
+            r#"{"event":"validation","iteration":9,"rank":1,"stage":1,"loss":0.5,"accuracy":0.75,"accuracy_top5":null,"samples":64,"time_s":0.25}"#
+        );
+        assert_eq!(Event::parse_line(&line), Some(event));
     }
 
     #[test]

@@ -11,7 +11,7 @@ use stagehand_contract::StageConfig;
 use crate::config::{
     Backend, CheckpointConfig, Command, ConfigError, DeviceSpec, DistConfig, ForwardConfig, ModelChoice,
     ModulesConfig, OptimizerKind, P2pConfig, P2pGroups, PartialOptions, Precision, ProfileConfig,
-    ReachConfig, ReduceOptions, Resume, TrainConfig, DEFAULT_FP16_INIT_SCALE,
+    ReachConfig, ReduceOptions, Resume, TrainConfig, ValidationConfig, DEFAULT_FP16_INIT_SCALE,
 };
 use crate::data::{Augment, DataSpec};
 use crate::host_memory;
@@ -347,6 +347,17 @@ struct TrainArgs {
         requires = "checkpoint_dir"
     )]
     resume: Option<ResumeArg>,
+    /// Run the model forward over the held-out split after every N iterations and after the
+    /// last (CIFAR-10's test_batch.bin, an image folder's val/ beside its train/, synthetic
+    /// samples apart from the training pool), dropout off and batch norm on its running
+    /// statistics: a `validation` line on the last stage with the loss and accuracies. A
+    /// pipeline drains there (PipeDream's too, as at --checkpoint-every).
+    #[arg(long, value_name = "N")]
+    validate_every: Option<u64>,
+    /// Minibatches of --batch-size each validation pass runs [default: all the held-out split
+    /// holds; 4 with synthetic data].
+    #[arg(long, value_name = "N", requires = "validate_every")]
+    validation_batches: Option<u64>,
     #[command(flatten)]
     dist: DistArgs,
 }
@@ -808,10 +819,39 @@ impl TrainArgs {
                 });
             }
         }
+        let validation = self
+            .validate_every
+            .map(|every| -> Result<ValidationConfig, ConfigError> {
+                let refusal = if self.cuda_graph {
+                    Some("--cuda-graph replays a captured training step; drop --cuda-graph")
+                } else if dist.reduce.partial.is_some() {
+                    Some(
+                        "--reduce partial:K lets replicas step apart, and a pass needs every one at \
+                         the same weights; use --reduce all",
+                    )
+                } else {
+                    None
+                };
+                if let Some(why) = refusal {
+                    return Err(ConfigError::Invalid {
+                        flag: "--validate-every",
+                        reason: format!("not with {why}"),
+                    });
+                }
+                Ok(ValidationConfig {
+                    every: positive("--validate-every", every as usize)? as u64,
+                    batches: self
+                        .validation_batches
+                        .map(|n| positive("--validation-batches", n as usize).map(|n| n as u64))
+                        .transpose()?,
+                })
+            })
+            .transpose()?;
         let profiler_trace = self
             .profiler_trace
             .map(|template| crate::profiler_trace::path_for_rank(&template, dist.rank));
         Ok(TrainConfig {
+            validation,
             dist,
             model,
             batch_size,

@@ -316,6 +316,17 @@ pub struct TrainConfig {
     pub profiler_steps: u64,
     /// Where to checkpoint, how often, and whether to resume from there.
     pub checkpoint: Option<CheckpointConfig>,
+    /// Validation passes over the held-out split (`--validate-every`).
+    pub validation: Option<ValidationConfig>,
+}
+
+/// `--validate-every` and `--validation-batches`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ValidationConfig {
+    /// A pass after every this many iterations, and after the last.
+    pub every: u64,
+    /// Minibatches a pass runs; `None`: all the held-out split holds.
+    pub batches: Option<u64>,
 }
 
 /// `--checkpoint-dir`, `--checkpoint-every` and `--resume`.
@@ -501,6 +512,8 @@ impl TrainConfig {
                 .lr_schedule
                 .varies()
                 .then_some(self.lr_schedule.epoch_iterations),
+            validate_every: self.validation.map(|v| v.every),
+            validation_batches: None,
         }
     }
 }

@@ -148,6 +148,7 @@ mod tests {
             gpu_peak_allocated_bytes: None,
             gpu_peak_reserved_bytes: None,
             skipped_steps: None,
+            validation: None,
         };
         Emitter::new(&mut buf)
             .emit(&Event::Summary(summary.clone()))

@@ -178,11 +178,13 @@ fn stashed(actions: &[Action]) -> BTreeSet<usize> {
 /// what a rank holds of its schedule is bounded by a chunk and not by the run's length.
 ///
 /// GPipe and 1F1B flush every iteration, so one iteration's list repeats with microbatch numbers
-/// shifted, `chunk` iterations a chunk. PipeDream runs one long stream, or, when it checkpoints,
-/// one stream per `segment` iterations (`--checkpoint-every`), each drained at its end, so that a
+/// shifted, `chunk` iterations a chunk (and a chunk ends at each multiple of `segment`). PipeDream
+/// runs one long stream, or, when it checkpoints or validates, one stream per `segment`
+/// iterations (`--checkpoint-every`, `--validate-every`), each drained at its end, so that a
 /// checkpoint, written only at those ends, holds no microbatch in flight and no stashed weights,
 /// and a resumed run replays the same streams. A stream is simulated as it is handed out and cut
-/// into chunks of about `chunk` iterations.
+/// into chunks of about `chunk` iterations. Either way a segment's end is a chunk's: nothing of
+/// the next iteration is received ahead across it, so a validation pass can run there.
 #[derive(Debug, Clone)]
 pub struct RankActions {
     microbatches: usize,
@@ -196,8 +198,8 @@ pub struct RankActions {
 
 #[derive(Debug, Clone)]
 enum Source {
-    /// One iteration's list, from microbatch 0.
-    Repeat(Vec<Action>),
+    /// One iteration's list, from microbatch 0, and where chunks must end (multiples of it).
+    Repeat(Vec<Action>, Option<usize>),
     /// PipeDream's stream of the current segment (none before the first and after the last),
     /// and the segment's length (the whole run when it does not checkpoint).
     Segments {
@@ -210,8 +212,9 @@ enum Source {
 
 impl RankActions {
     /// `rank`'s actions from iteration `first` to `iterations` of `plan` under `schedule`, with
-    /// `microbatches` per iteration; `segment` is PipeDream's (the whole run when `None`), and
-    /// `chunk` the iterations a chunk spans ([`CHUNK_ITERATIONS`] in a run).
+    /// `microbatches` per iteration; `segment` the iterations between drained ends (PipeDream's
+    /// streams; the whole run when `None`), and `chunk` the iterations a chunk spans
+    /// ([`CHUNK_ITERATIONS`] in a run).
     pub fn new(
         plan: &StagePlan,
         schedule: Schedule,
@@ -229,7 +232,8 @@ impl RankActions {
                 stream: None,
             },
             Schedule::GPipe | Schedule::OneFOneB => {
-                Source::Repeat(timeline(plan, schedule, microbatches)?.actions[rank].clone())
+                let one = timeline(plan, schedule, microbatches)?.actions[rank].clone();
+                Source::Repeat(one, segment.map(|s| s.max(1)))
             }
         };
         Ok(RankActions {
@@ -256,12 +260,15 @@ impl Iterator for RankActions {
     fn next(&mut self) -> Option<Self::Item> {
         let m = self.microbatches;
         match &mut self.source {
-            Source::Repeat(one) => {
+            Source::Repeat(one, segment) => {
                 if self.next >= self.end {
                     return None;
                 }
                 let start = self.next;
                 self.next = (start + self.chunk).min(self.end);
+                if let Some(segment) = *segment {
+                    self.next = self.next.min(segment_end(start, segment, self.end));
+                }
                 let actions = (start..self.next)
                     .flat_map(|it| one.iter().map(move |a| a.shifted(it * m)))
                     .collect();

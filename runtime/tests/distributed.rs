@@ -10,7 +10,7 @@ use crate::util::{
     free_port, read_params, run_ok, run_ranks, runtime, trace_events, trace_steps, write_image_folder, Run,
 };
 
-const LIMIT: Duration = Duration::from_secs(120);
+pub(crate) const LIMIT: Duration = Duration::from_secs(120);
 
 /// A small MLP (modules layers.0..3, head, loss), without --iterations and --lr.
 const MLP_BASE: &str =
@@ -18,13 +18,13 @@ const MLP_BASE: &str =
 
 /// The MLP for 5 iterations at lr 0.05: the synthetic data cycles through a pool of 4 batches,
 /// so the fifth iteration sees the first one's batch again and their losses show learning.
-const MLP: &str = "--model mlp --layers 4 --hidden 64 --image-size 8 --batch-size 16 --threads 1 --seed 3 --iterations 5 --lr 0.05";
+pub(crate) const MLP: &str = "--model mlp --layers 4 --hidden 64 --image-size 8 --batch-size 16 --threads 1 --seed 3 --iterations 5 --lr 0.05";
 
-fn words(text: &str) -> Vec<&str> {
+pub(crate) fn words(text: &str) -> Vec<&str> {
     text.split_whitespace().collect()
 }
 
-fn write(dir: &Path, name: &str, json: &str) -> String {
+pub(crate) fn write(dir: &Path, name: &str, json: &str) -> String {
     let path = dir.join(name);
     std::fs::write(&path, json).unwrap();
     path.to_str().unwrap().to_string()
@@ -40,7 +40,7 @@ fn two_stages(dir: &Path) -> String {
     )
 }
 
-fn args<'a>(base: &[&'a str], extra: &[&'a str]) -> Vec<&'a str> {
+pub(crate) fn args<'a>(base: &[&'a str], extra: &[&'a str]) -> Vec<&'a str> {
     base.iter().chain(extra).copied().collect()
 }
 
@@ -97,7 +97,7 @@ fn assert_accuracies(what: &str, runs: &[Run], reference: &Reference) {
 /// the split computes as a sum of microbatch means, in another order: float32 rounding (about
 /// 1e-7 relative per operation) moves it far less than the 1e-4 relative allowed here, while a
 /// lost, doubled or misrouted microbatch moves it by a whole microbatch's share.
-fn assert_close(what: &str, ours: &[f64], reference: &[f64]) {
+pub(crate) fn assert_close(what: &str, ours: &[f64], reference: &[f64]) {
     assert_eq!(ours.len(), reference.len(), "{what}");
     for (a, b) in ours.iter().zip(reference) {
         assert!(
@@ -137,7 +137,7 @@ fn reference(base: &[&str], dir: &Path) -> Reference {
 }
 
 /// `base` with `flag`'s value replaced.
-fn with_value<'a>(base: &[&'a str], flag: &str, value: &'a str) -> Vec<&'a str> {
+pub(crate) fn with_value<'a>(base: &[&'a str], flag: &str, value: &'a str) -> Vec<&'a str> {
     let mut out = base.to_vec();
     let at = out.iter().position(|w| *w == flag).expect("the flag is there");
     out[at + 1] = value;

@@ -15,3 +15,4 @@ mod precision;
 mod reduce;
 mod single;
 mod util;
+mod validation;

@@ -108,6 +108,8 @@ fn main() {
             lr_policy: "constant".into(),
             lr_warmup_epochs: 0,
             epoch_iterations: None,
+            validate_every: None,
+            validation_batches: None,
         },
     };
     println!("{}", Event::Start(start).to_line());
@@ -173,6 +175,7 @@ fn main() {
         gpu_peak_allocated_bytes: None,
         gpu_peak_reserved_bytes: None,
         skipped_steps: None,
+        validation: None,
     };
     println!("{}", Event::Summary(summary).to_line());
 }

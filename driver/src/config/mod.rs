@@ -103,6 +103,14 @@ pub struct ExperimentFile {
     /// Checkpoint every N iterations as well as after the last (`--checkpoint-every`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub checkpoint_every: Option<u64>,
+    /// Run the model over the held-out split after every N iterations and after the last
+    /// (`--validate-every`); the record keeps each pass's figures.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub validate_every: Option<u64>,
+    /// Minibatches each validation pass runs (`--validation-batches`; default: all the held-out
+    /// split holds).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub validation_batches: Option<u64>,
     /// Start from the latest checkpoint in `checkpoint_dir`: `true` (`--resume`: it must be
     /// there), `false`, or `auto` (`--resume=auto`: from it if there is one, else afresh).
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -185,6 +185,12 @@ fn runtime_command(
     if let Some(n) = f.checkpoint_every {
         flag("checkpoint-every", n.to_string());
     }
+    if let Some(n) = f.validate_every {
+        flag("validate-every", n.to_string());
+    }
+    if let Some(n) = f.validation_batches {
+        flag("validation-batches", n.to_string());
+    }
     if let Some(flag) = f.resume.and_then(Resume::as_flag) {
         argv.push(flag.into());
     }

@@ -893,6 +893,13 @@ fn check_pipedream_keys(loaded: &Loaded) -> Result<(), ConfigError> {
     if let (None, Some((key, _))) = (&f.checkpoint_dir, needs_dir.iter().find(|(_, given)| *given)) {
         return Err(loaded.error_at(key, format!("`{key}` needs a `checkpoint_dir`")));
     }
+    if f.validation_batches.is_some() && f.validate_every.is_none() {
+        return Err(loaded.error_at(
+            "validation_batches",
+            "`validation_batches` sizes the passes `validate_every` runs; add `validate_every: N` \
+             or drop it",
+        ));
+    }
     if f.sync_every.is_some() && !matches!(f.reduce, Some(crate::config::Reduce::Partial(_))) {
         return Err(loaded.error_at(
             "sync_every",

@@ -1115,6 +1115,34 @@ fn a_restart_resumes_every_rank_from_its_checkpoint_and_the_flag_overrides_the_f
     );
 }
 
+/// `validate_every` and `validation_batches` reach every rank as the runtime's flags; a size
+/// without the passes it sizes is refused where it is written.
+#[test]
+fn validation_passes_reach_every_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = options(None, ContainerMode::PerRank);
+    let text = "machines: [localhost, localhost]\nmodule: mlp\nvalidate_every: 5\nvalidation_batches: 2\n";
+    let plan = resolve(&loaded(dir.path(), text), &o, 29500).unwrap();
+    for rank in &plan.ranks {
+        assert_eq!(flag(&rank.argv, "--validate-every"), Some("5"));
+        assert_eq!(flag(&rank.argv, "--validation-batches"), Some("2"));
+    }
+    let plain = resolve(
+        &loaded(dir.path(), "machines: [localhost]\nmodule: mlp\n"),
+        &o,
+        29500,
+    )
+    .unwrap();
+    assert!(!plain.ranks[0].argv.iter().any(|a| a.starts_with("--validat")));
+    let e = resolve_text("machines: [localhost]\nvalidation_batches: 2\n", &o)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("exp.yml:2:1") && e.contains("add `validate_every: N`"),
+        "{e}"
+    );
+}
+
 #[test]
 fn a_checkpoint_folder_reaches_every_rank_and_outlives_its_containers() {
     let dir = tempfile::tempdir().unwrap();

@@ -4,7 +4,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
-use stagehand_contract::Event as Metrics;
+use stagehand_contract::{Event as Metrics, ValidationFigures};
 
 /// Per-stage sums of where time went.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -104,6 +104,9 @@ pub struct Stats {
     restarts_at: BTreeSet<u64>,
     /// The ranks were started again and no iteration of theirs has arrived yet.
     restarting: bool,
+    /// Validation passes (`validate_every`), by the iteration they followed: every rank of the
+    /// last stage reports the whole pass's figures, so the first report of a pass is kept.
+    validation: BTreeMap<u64, ValidationFigures>,
 }
 
 impl Stats {
@@ -141,6 +144,9 @@ impl Stats {
                     entry.accuracy_top5.add(it.accuracy_top5);
                 }
             }
+            Metrics::Validation(v) => {
+                self.validation.entry(v.iteration).or_insert(v.figures);
+            }
             // Per-microbatch tracing (`--trace`) says nothing about throughput or time shares.
             Metrics::Summary(_) | Metrics::Trace(_) | Metrics::P2p(_) => {}
         }
@@ -159,6 +165,9 @@ impl Stats {
             skipped.split_off(&iteration);
         }
         self.profiled.split_off(&iteration);
+        // A pass after iteration `iteration - 1` ran once its iteration was done: a resumed
+        // run that starts at `iteration` repeats none of them.
+        self.validation.split_off(&iteration);
         self.restarts_at.split_off(&iteration);
         self.restarts_at.insert(iteration);
     }
@@ -191,6 +200,11 @@ impl Stats {
             accuracy: it.accuracy.value(),
             accuracy_top5: it.accuracy_top5.value(),
         })
+    }
+
+    /// The latest validation pass: the iteration it followed and what it measured.
+    pub fn validation(&self) -> Option<(u64, ValidationFigures)> {
+        self.validation.last_key_value().map(|(&it, &v)| (it, v))
     }
 
     /// Samples/s of the latest iteration every last-stage rank has reported.
@@ -495,5 +509,43 @@ mod tests {
         assert_eq!(shares.len(), 1);
         assert!((shares[0].compute_share - 0.6).abs() < 1e-9);
         assert!((shares[0].comm_share + shares[0].idle_share - 0.4).abs() < 1e-9);
+    }
+
+    /// The latest pass is the record's; a restart that resumes at an iteration drops the passes
+    /// that followed it or later, which the resumed run makes again.
+    #[test]
+    fn the_latest_validation_pass_is_kept_and_a_restart_drops_those_it_runs_again() {
+        let pass = |iteration: u64, rank: usize, accuracy: f64| {
+            Metrics::Validation(stagehand_contract::metrics::Validation {
+                iteration,
+                rank,
+                stage: 0,
+                figures: ValidationFigures {
+                    loss: 1.0 - accuracy,
+                    accuracy,
+                    accuracy_top5: None,
+                    samples: 64,
+                },
+                time_s: 0.1,
+            })
+        };
+        let mut s = Stats::default();
+        assert_eq!(s.validation(), None);
+        for event in [
+            it(0, 0, 0, 10.0),
+            it(1, 0, 0, 10.0),
+            pass(1, 0, 0.5),
+            pass(1, 1, 0.5),
+        ] {
+            s.record(&event);
+        }
+        for event in [it(2, 0, 0, 10.0), it(3, 0, 0, 10.0), pass(3, 0, 0.75)] {
+            s.record(&event);
+        }
+        assert_eq!(s.validation().map(|(i, v)| (i, v.accuracy)), Some((3, 0.75)));
+        // Resumed from the checkpoint of 2 iterations done: iteration 3's pass comes again.
+        s.restarted();
+        s.record(&it(2, 0, 0, 10.0));
+        assert_eq!(s.validation().map(|(i, v)| (i, v.accuracy)), Some((1, 0.5)));
     }
 }

@@ -2,6 +2,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use stagehand_contract::ValidationFigures;
+
 use super::stats::{StageShares, Throughput};
 use super::{read_versioned, VersionedError};
 use crate::events::{LeftContainer, PlanFacts, SlurmJob, Status, StopCause, TracesFacts};
@@ -95,6 +97,16 @@ pub struct Restart {
     pub resume_from: Option<u64>,
 }
 
+/// A validation pass, as the record keeps its last.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct LastValidation {
+    /// The training iteration the pass followed (from 0).
+    pub iteration: u64,
+    /// Loss, top-1 and top-5 accuracy over the pass's samples, and how many.
+    #[serde(flatten)]
+    pub figures: ValidationFigures,
+}
+
 /// The whole file.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Summary {
@@ -136,6 +148,10 @@ pub struct Summary {
     /// transformer, whose tokens report top-1 alone).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub final_accuracy_top5: Option<f64>,
+    /// The last validation pass (`validate_every`): the iteration it followed and what it
+    /// measured on the held-out split (absent without passes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub validation: Option<LastValidation>,
     /// Where each stage's time went.
     pub stages: Vec<StageShares>,
     /// How each rank ended.

@@ -137,22 +137,14 @@ fn select(options: &ResultsOptions) -> Result<Vec<(String, Vec<read::Row>)>, Res
 /// The rendered output for `options`.
 pub fn render(options: &ResultsOptions) -> Result<String, ResultsError> {
     let groups = select(options)?;
-    let view = export::Groups {
-        key: options.group_by.as_deref(),
-        time_to: options.time_to,
-        groups: &groups,
-    };
+    let view = export::Groups::new(options.group_by.as_deref(), options.time_to, &groups);
     Ok(export::exporter(options.format).render(&view))
 }
 
 /// Runs `driver results`: prints the output and writes the plot, if asked.
 pub fn run(options: &ResultsOptions) -> Result<(), ResultsError> {
     let groups = select(options)?;
-    let view = export::Groups {
-        key: options.group_by.as_deref(),
-        time_to: options.time_to,
-        groups: &groups,
-    };
+    let view = export::Groups::new(options.group_by.as_deref(), options.time_to, &groups);
     stdout_text!("{}", export::exporter(options.format).render(&view));
     let rows: Vec<read::Row> = groups.into_iter().flat_map(|(_, r)| r).collect();
     if let Some(path) = &options.plot {

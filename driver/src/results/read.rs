@@ -9,7 +9,7 @@ use super::ResultsError;
 use crate::events::{command_note, memory_note, Status, StopCause};
 use crate::records::index::{self, Index, PointEntry, PointStatus, INDEX_FILE};
 use crate::records::stats::{StageShares, Throughput};
-use crate::records::summary::{read_summary, Summary};
+use crate::records::summary::{read_summary, LastValidation, Summary};
 use crate::records::{read_resolved, ResolvedRank};
 
 /// Where a row's run stands.
@@ -90,6 +90,8 @@ pub struct Row {
     pub top5: Option<f64>,
     /// When the training curve reached `--time-to`'s target, once asked.
     pub time_to: Option<TimeTo>,
+    /// The last validation pass over the held-out split (`validate_every`).
+    pub validation: Option<LastValidation>,
     /// Mean idle (bubble) share over the stages.
     pub idle_share: Option<f64>,
     /// Mean communication share over the stages.
@@ -163,6 +165,7 @@ impl Row {
             loss: None,
             accuracy: None,
             top5: None,
+            validation: None,
             time_to: None,
             idle_share: None,
             comm_share: None,
@@ -294,6 +297,7 @@ pub fn record(dir: &Path) -> Row {
         loss: summary.final_loss,
         accuracy: summary.final_accuracy,
         top5: summary.final_accuracy_top5,
+        validation: summary.validation,
         time_to: None,
         idle_share: mean(|s| s.idle_share),
         comm_share: mean(|s| s.comm_share),

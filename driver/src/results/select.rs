@@ -7,7 +7,7 @@ use super::read::Row;
 use super::ResultsError;
 
 /// The columns' keys, in table order, as `--sort`, `--group-by` and filters name them.
-pub const COLUMN_KEYS: [&str; 18] = [
+pub const COLUMN_KEYS: [&str; 20] = [
     "run",
     "model",
     "layout",
@@ -22,6 +22,8 @@ pub const COLUMN_KEYS: [&str; 18] = [
     "accuracy",
     "top5",
     "time_to",
+    "val_loss",
+    "val_accuracy",
     "idle",
     "comm",
     "status",
@@ -41,6 +43,8 @@ fn canonical(key: &str) -> &str {
         "final_accuracy" | "acc" => "accuracy",
         "final_accuracy_top5" | "accuracy_top5" | "top-5" => "top5",
         "point" => "run",
+        "validation_loss" | "val loss" => "val_loss",
+        "validation_accuracy" | "val top-1" | "val_acc" => "val_accuracy",
         "predicted_samples_per_sec" => "predicted",
         other => other,
     }
@@ -67,6 +71,8 @@ pub fn value(row: &Row, key: &str) -> Option<String> {
         "accuracy" => num(row.accuracy),
         "top5" => num(row.top5),
         "time_to" => num(row.time_to.and_then(|t| t.seconds())),
+        "val_loss" => num(row.validation.map(|v| v.figures.loss)),
+        "val_accuracy" => num(row.validation.map(|v| v.figures.accuracy)),
         "idle" => num(row.idle_share),
         "comm" => num(row.comm_share),
         "skipped_steps" => row.skipped_steps.map(|n| n.to_string()),

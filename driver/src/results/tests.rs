@@ -691,3 +691,74 @@ fn a_time_to_column_ranks_runs_by_when_they_reached_the_target() {
         "{table}"
     );
 }
+
+/// A copy of [`trained_record`] whose summary keeps a last validation pass of these figures.
+fn validated_record(dir: &Path, name: &str, loss: f64, accuracy: f64) -> PathBuf {
+    let to = trained_record(dir, name, &[(2.0, 0.5), (1.0, 0.6)]);
+    let path = to.join("summary.json");
+    let mut summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    summary["validation"] = serde_json::json!({"iteration": 1, "loss": loss, "accuracy": accuracy,
+                                               "accuracy_top5": null, "samples": 640});
+    std::fs::write(&path, summary.to_string()).unwrap();
+    to
+}
+
+/// The last validation pass's loss and top-1 join every format where some record has one (the
+/// others show `-`, or empty cells), `--sort val_accuracy` ranks by it, and records without
+/// passes change no format.
+#[test]
+fn validation_columns_show_each_records_last_pass() {
+    let dir = tempfile::tempdir().unwrap();
+    validated_record(dir.path(), "20261129T000000Z_worse", 1.25, 0.8);
+    validated_record(dir.path(), "20261129T000100Z_better", 0.75, 0.9);
+    trained_record(dir.path(), "20261129T000200Z_unvalidated", &[(2.0, 0.5)]);
+    let request = |format| {
+        let mut o = ResultsOptions::plain(vec![dir.path().to_path_buf()], format);
+        o.sort = Some("val_accuracy:desc".into());
+        o
+    };
+    let table = render(&request(Format::Table)).unwrap();
+    let header = table.lines().nth(1).unwrap();
+    let at = |cell: &str| header.find(cell).unwrap_or_else(|| panic!("no {cell}: {table}"));
+    assert!(at("top-5") < at("val loss") && at("val loss") < at("val top-1") && at("val top-1") < at("idle"));
+    // The records share their name: each row's validation cells tell them apart.
+    let column = header.split('┆').position(|c| c.trim() == "val loss").unwrap();
+    let cells = |line: &str| -> Vec<String> {
+        line.split('┆')
+            .skip(column)
+            .take(2)
+            .map(|c| c.trim().to_string())
+            .collect()
+    };
+    let rows: Vec<Vec<String>> = table
+        .lines()
+        .filter(|l| l.contains("succeeded"))
+        .map(cells)
+        .collect();
+    assert_eq!(
+        rows,
+        [["0.7500", "90.0%"], ["1.2500", "80.0%"], ["-", "-"]],
+        "{table}"
+    );
+
+    let csv = render(&request(Format::Csv)).unwrap();
+    let lines: Vec<&str> = csv.lines().collect();
+    assert!(
+        lines[0].contains(",accuracy_top5,validation_iteration,validation_loss,validation_accuracy,validation_accuracy_top5,validation_samples,idle_share,"),
+        "{csv}"
+    );
+    assert!(lines[1].contains(",1,0.75,0.9,,640,"), "{csv}");
+    assert!(lines[3].contains(",,,,,,"), "{csv}");
+
+    let json: serde_json::Value = serde_json::from_str(&render(&request(Format::Json)).unwrap()).unwrap();
+    assert_eq!(json[0]["validation"]["accuracy"], 0.9);
+    assert_eq!(json[0]["validation"]["iteration"], 1);
+    assert!(json[2].get("validation").is_none(), "{json}");
+
+    let without = tempfile::tempdir().unwrap();
+    trained_record(without.path(), "20261129T000200Z_unvalidated", &[(2.0, 0.5)]);
+    let plain = |format| ResultsOptions::plain(vec![without.path().to_path_buf()], format);
+    assert!(!render(&plain(Format::Table)).unwrap().contains("val "));
+    assert!(!render(&plain(Format::Csv)).unwrap().contains("validation"));
+}

@@ -28,6 +28,29 @@ fn train_files(dir: &Path) -> Vec<PathBuf> {
         .collect()
 }
 
+/// CIFAR-10's held-out split: `test_batch.bin` beside the training files.
+fn test_files(dir: &Path) -> Vec<PathBuf> {
+    Some(dir.join("test_batch.bin"))
+        .filter(|p| p.is_file())
+        .into_iter()
+        .collect()
+}
+
+/// The held-out images in `dir`'s `test_batch.bin`, from its size alone.
+pub fn test_count(dir: &Path) -> Result<u64, DataError> {
+    let file = dir.join("test_batch.bin");
+    let bytes = std::fs::metadata(&file)
+        .map_err(|_| {
+            DataError::malformed(
+                dir,
+                "no test_batch.bin in this folder: a validation pass over CIFAR-10 reads its test \
+                 split there",
+            )
+        })?
+        .len();
+    Ok(bytes / RECORD as u64)
+}
+
 /// The training images in `dir`'s files, from their sizes alone.
 pub fn count(dir: &Path) -> Result<u64, DataError> {
     let files = train_files(dir);
@@ -62,7 +85,32 @@ pub struct Cifar10 {
 }
 
 impl Cifar10 {
+    /// The training split: `data_batch_1.bin` to `data_batch_5.bin`, those that exist.
     pub fn open(dir: &Path, request: BatchRequest) -> Result<Cifar10, DataError> {
+        Cifar10::open_files(
+            dir,
+            train_files(dir),
+            "no data_batch_1.bin ... data_batch_5.bin in this folder",
+            request,
+        )
+    }
+
+    /// The held-out split: `test_batch.bin`.
+    pub fn open_test(dir: &Path, request: BatchRequest) -> Result<Cifar10, DataError> {
+        Cifar10::open_files(
+            dir,
+            test_files(dir),
+            "no test_batch.bin in this folder: a validation pass over CIFAR-10 reads its test split there",
+            request,
+        )
+    }
+
+    fn open_files(
+        dir: &Path,
+        files: Vec<PathBuf>,
+        missing: &str,
+        request: BatchRequest,
+    ) -> Result<Cifar10, DataError> {
         let InputKind::Image { size, .. } = request.input else {
             return Err(DataError::WrongKind {
                 what: "CIFAR-10",
@@ -75,12 +123,8 @@ impl Cifar10 {
                 "expected a folder of CIFAR-10 binary files (data_batch_1.bin ...)",
             ));
         }
-        let files = train_files(dir);
         if files.is_empty() {
-            return Err(DataError::malformed(
-                dir,
-                "no data_batch_1.bin ... data_batch_5.bin in this folder",
-            ));
+            return Err(DataError::malformed(dir, missing));
         }
         let mut bytes = Vec::new();
         for file in &files {

@@ -79,6 +79,45 @@ pub fn training_split(dir: &Path) -> PathBuf {
     }
 }
 
+/// The held-out split of the training split `train`: its sibling `val/` (or `validation/`) in
+/// a folder split as ImageNet's is, with the same class folders (class indices come from their
+/// sorted names, so a missing one would relabel the rest).
+pub fn validation_split(train: &Path) -> Result<PathBuf, DataError> {
+    let sibling = train
+        .parent()
+        .filter(|_| train.file_name().is_some_and(|n| n == "train"))
+        .and_then(|parent| {
+            ["val", "validation"]
+                .iter()
+                .map(|name| parent.join(name))
+                .find(|dir| dir.is_dir())
+        });
+    let Some(val) = sibling else {
+        return Err(DataError::malformed(
+            train,
+            "no validation split: a validation pass over an image folder reads the `val/` beside \
+             its `train/` (give the folder that holds both, split as ImageNet's is)",
+        ));
+    };
+    let names = |dir: &Path| -> Result<Vec<std::ffi::OsString>, DataError> {
+        Ok(class_dirs(dir)?
+            .iter()
+            .filter_map(|d| d.file_name().map(|n| n.to_os_string()))
+            .collect())
+    };
+    if names(&val)? != names(train)? {
+        return Err(DataError::malformed(
+            &val,
+            format!(
+                "its class folders are not those of {}: the classes' indices come from their \
+                 sorted names, so both splits need the same ones",
+                train.display()
+            ),
+        ));
+    }
+    Ok(val)
+}
+
 /// The images in `dir`'s class folders. The listing is kept for [`ImageFolder::open`] of the
 /// same folder to take, so a run that counts its epoch walks the tree once (ImageNet's is a
 /// million files, seconds to list on a network filesystem).

@@ -13,7 +13,7 @@ mod wire;
 
 pub use bundle::Bundle;
 pub use channel::{Channels, Lanes};
-pub use exec::{first_replayed, Checkpointing, Executor, Links, Tally};
+pub use exec::{first_replayed, Checkpointing, Executor, Links, OpenSplit, Report, Tally, Validation};
 pub use partial::{outlast, PartialReduce};
 pub use reduce::Reducer;
 pub use sparse::coo_wire_bytes;

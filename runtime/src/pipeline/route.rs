@@ -78,7 +78,7 @@ impl<'a> Route<'a> {
     /// within each iteration (the schedule is derived for one iteration and repeated), so the
     /// owner follows `g`'s index in its iteration, not its global number: the two differ when
     /// the microbatches are not a multiple of the replica count.
-    fn owner(&self, stage: usize, g: usize) -> usize {
+    pub fn owner(&self, stage: usize, g: usize) -> usize {
         rank_for(self.plan, stage, g % self.microbatches)
     }
 
@@ -165,6 +165,26 @@ impl<'a> Route<'a> {
                 post(&mut ops, Some(&Action::Backward(g)));
                 post(&mut ops, forwards.next());
             }
+        }
+        ops
+    }
+
+    /// The operations of a forward-only pass (validation) over this rank's microbatches
+    /// `forwards`, in increasing order: as [`Self::program`]'s forwards, each next forward's
+    /// receives posted right after a forward, with no gradient to wait for. Messages flow one
+    /// way, so no wait closes a cycle.
+    pub fn forward_program(&self, forwards: &[usize]) -> Vec<Op> {
+        let mut ops: Vec<Op> = Vec::new();
+        let post = |ops: &mut Vec<Op>, g: Option<&usize>| {
+            if let Some(&g) = g {
+                ops.extend(self.receives(Action::Forward(g)).into_iter().map(Op::Recv));
+            }
+        };
+        post(&mut ops, forwards.first());
+        for (i, &g) in forwards.iter().enumerate() {
+            ops.push(Op::Run(Action::Forward(g)));
+            ops.extend(self.sends(Action::Forward(g)).into_iter().map(Op::Send));
+            post(&mut ops, forwards.get(i + 1));
         }
         ops
     }

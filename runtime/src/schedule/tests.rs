@@ -271,6 +271,20 @@ fn flushing_schedules_repeat_one_iteration_a_chunk_at_a_time() {
     }
 }
 
+/// With a segment (`--validate-every`, `--checkpoint-every`), a flushing schedule's chunks also
+/// end at each of its multiples, where a validation pass runs with nothing received ahead.
+#[test]
+fn flushing_schedules_end_a_chunk_at_each_segment_end() {
+    let p = plan(&[1, 2], None);
+    for schedule in [Schedule::GPipe, Schedule::OneFOneB] {
+        let per = timeline(&p, schedule, 4).unwrap().actions[0].len();
+        let chunks = chunks(RankActions::new(&p, schedule, 0, 4, (3, 13), Some(4), 3).unwrap());
+        let iterations: Vec<usize> = chunks.iter().map(|c| c.actions.len() / per).collect();
+        // 3 to 4 (a segment ends at 4), 4 to 7, 7 to 8, 8 to 11, 11 to 12, 12 to 13.
+        assert_eq!(iterations, [1, 3, 1, 3, 1, 1], "{schedule}");
+    }
+}
+
 /// PipeDream hands out one drained stream per segment (the first one shorter when a run resumes
 /// mid-segment), the whole run as one without a segment.
 #[test]

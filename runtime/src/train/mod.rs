@@ -9,7 +9,8 @@ use std::time::Duration;
 
 use anyhow::{bail, ensure, Context};
 use stagehand_contract::{
-    Channel, Event, Iteration, PartialGroup, ReduceMetrics, StagePlan, Start, Summary, SCHEMA_VERSION,
+    Channel, Event, Iteration, PartialGroup, ReduceMetrics, RunConfig, StagePlan, Start, Summary,
+    ValidationFigures, SCHEMA_VERSION,
 };
 use tch::Kind;
 
@@ -23,8 +24,8 @@ use crate::host_memory;
 use crate::metrics::{Emitter, Memory, Throughput};
 use crate::models::{InputKind, ModelDef};
 use crate::pipeline::{
-    first_replayed, Bundle, Channels, Checkpointing, Executor, Lanes, Links, PartialReduce, Reducer, Tally,
-    TensorSpec,
+    first_replayed, Bundle, Channels, Checkpointing, Executor, Lanes, Links, OpenSplit, PartialReduce,
+    Reducer, Report, Tally, TensorSpec, Validation,
 };
 use crate::profiler_trace::{self, Finished, ProfilerTrace};
 use crate::schedule::{self, RankActions, Schedule};
@@ -59,6 +60,24 @@ fn rank_actions(
         segment.map(|s| s as usize),
         schedule::CHUNK_ITERATIONS,
     )?)
+}
+
+/// The iterations between the ends where every rank's pipeline is drained (its chunks end
+/// there, and PipeDream's streams): each `--checkpoint-every` and `--validate-every` is one of
+/// them. `None`: only the run's end.
+fn segment(config: &TrainConfig) -> Option<u64> {
+    let gcd = |mut a: u64, mut b: u64| {
+        while b != 0 {
+            (a, b) = (b, a % b);
+        }
+        a
+    };
+    let checkpoint = config.checkpoint.as_ref().and_then(|c| c.every);
+    let validation = config.validation.map(|v| v.every);
+    match (checkpoint, validation) {
+        (Some(c), Some(v)) => Some(gcd(c, v)),
+        (c, v) => c.or(v),
+    }
 }
 
 /// The iterations done of the checkpoint every rank resumes from: the newest one every rank
@@ -114,6 +133,30 @@ fn agree_on_resume(
             )
         }
     }
+}
+
+/// The minibatches of a validation pass, which only the first stage can count (its ranks hold
+/// the data, the others may not): every rank learns the count of the first stage's first rank
+/// (`counted`, `None` elsewhere), a sum over a group spanning them all to which only it adds.
+fn agree_on_validation_batches(
+    links: &Links,
+    plan: &StagePlan,
+    rank: usize,
+    counted: Option<u64>,
+    device: tch::Device,
+) -> anyhow::Result<u64> {
+    let everyone = links
+        .channels
+        .as_ref()
+        .map(Channels::everyone)
+        .or(links.replicas.as_ref());
+    let mine = counted.filter(|_| plan.stages[0].ranks.first() == Some(&rank));
+    let Some(group) = everyone else {
+        return mine.context("internal error: a single process's validation pass was not counted");
+    };
+    let sum = tch::Tensor::from_slice(&[mine.unwrap_or(0) as f64]).to_device(device);
+    group.all_reduce_sum(std::slice::from_ref(&sum))?.wait()?;
+    Ok(sum.to_device(tch::Device::Cpu).double_value(&[0]) as u64)
 }
 
 /// Where the ranks resume (`--resume`): the iterations done of the checkpoint every rank
@@ -403,8 +446,14 @@ fn check_plan(config: &TrainConfig) -> anyhow::Result<Checked> {
             config.iterations
         );
     }
-    let segment = config.checkpoint.as_ref().and_then(|c| c.every);
-    let actions = rank_actions(&plan, dist, microbatches, config.iterations, first, segment)?;
+    let actions = rank_actions(
+        &plan,
+        dist,
+        microbatches,
+        config.iterations,
+        first,
+        segment(config),
+    )?;
     Ok(Checked {
         model,
         plan,
@@ -597,21 +646,29 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
     if config.checkpoint.is_some() {
         crate::signals::catch_term().map_err(anyhow::Error::msg)?;
     }
-    let mut data = if my_stage.id == 0 {
-        // Every first-stage replica reads the same minibatches and takes its own microbatches.
-        let request = BatchRequest {
-            input: model.input,
-            batch_size: config.batch_size,
-            seed: config.seed,
-            shard: Shard::WHOLE,
-            device,
-            augment: config.augment,
-            workers: config.data_workers,
-            rows: own_rows(&plan, dist.rank, microbatches, micro_size as usize),
-        };
-        Some(data::open(&config.data, request)?)
-    } else {
-        None
+    // Every first-stage replica reads the same minibatches and takes its own microbatches.
+    let request = (my_stage.id == 0).then(|| BatchRequest {
+        input: model.input,
+        batch_size: config.batch_size,
+        seed: config.seed,
+        shard: Shard::WHOLE,
+        device,
+        augment: config.augment,
+        workers: config.data_workers,
+        rows: own_rows(&plan, dist.rank, microbatches, micro_size as usize),
+    });
+    let mut data = request
+        .clone()
+        .map(|request| data::open(&config.data, request))
+        .transpose()?;
+    // The held-out split is found (and counted) before talking to any other rank.
+    let validation_counted = match (&config.validation, &request) {
+        (Some(v), Some(_)) => Some(data::validation_batches(
+            &config.data,
+            config.batch_size,
+            v.batches,
+        )?),
+        _ => None,
     };
     let (links, store) = connect(dist, &plan, config.device)?;
     // Iterations done of the checkpoint every rank resumes from (0 when starting afresh).
@@ -627,14 +684,33 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
             None => {}
         }
         if first != latest_done {
-            let segment = c.every;
-            actions = rank_actions(&plan, dist, microbatches, config.iterations, first, segment)?;
+            actions = rank_actions(
+                &plan,
+                dist,
+                microbatches,
+                config.iterations,
+                first,
+                segment(config),
+            )?;
         }
     }
     if let Some(stream) = &mut data {
         // The minibatches the resumed iterations already took.
         stream.skip(first)?;
     }
+    let validation = match config.validation {
+        Some(v) => Some(Validation {
+            every: v.every,
+            total: config_iterations,
+            batches: agree_on_validation_batches(&links, &plan, dist.rank, validation_counted, device)?,
+            open: request.map(|request| -> OpenSplit {
+                let spec = config.data.clone();
+                Box::new(move || data::open_validation(&spec, request.clone()))
+            }),
+        }),
+        None => None,
+    };
+    let validation_batches = validation.as_ref().map(|v| v.batches);
     let reducer = links
         .replicas
         .as_ref()
@@ -704,6 +780,7 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
         sparse: dist.sparse,
         seed: config.seed,
         cuda_graph: config.cuda_graph,
+        validation,
         input_spec: None,
         output_spec: None,
         target_spec: None,
@@ -721,12 +798,15 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
         first_module: my_stage.modules.start,
         end_module: my_stage.modules.end,
         stage_params: executor.stage.num_params(),
-        config: config.to_run_config(
-            tch::get_num_threads() as usize,
-            microbatches,
-            plan.stages.len(),
-            host_memory,
-        ),
+        config: RunConfig {
+            validation_batches,
+            ..config.to_run_config(
+                tch::get_num_threads() as usize,
+                microbatches,
+                plan.stages.len(),
+                host_memory,
+            )
+        },
     }))?;
     eprintln!(
         "runtime: rank {} of {}: stage {} of {} (modules {}..{}) of {} on {}, {} microbatches of {}",
@@ -742,6 +822,7 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
         micro_size
     );
 
+    let percent = |share: f64| format!("{:.1}%", share * 100.0);
     let mut throughput = Throughput::default();
     let mut totals = (Duration::ZERO, Duration::ZERO, Duration::ZERO);
     let mut last_tally: Option<Tally> = None;
@@ -761,7 +842,43 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
     if let Some(profiler) = profiler.as_mut() {
         profiler.before_iteration(first).map_err(anyhow::Error::msg)?;
     }
+    let mut last_validation: Option<ValidationFigures> = None;
     executor.run(actions, |report| {
+        let report = match report {
+            Report::Iteration(report) => *report,
+            Report::Validation(pass) => {
+                let Some(tally) = pass.tally else {
+                    return Ok(());
+                };
+                let figures = ValidationFigures {
+                    loss: tally.loss,
+                    accuracy: tally.accuracy,
+                    accuracy_top5: tally.accuracy_top5,
+                    samples: pass.samples,
+                };
+                let time_s = pass.time.as_secs_f64();
+                eprintln!(
+                    "runtime: rank {rank}: validation after iteration {}: loss {:.4}, accuracy {}{} \
+                     over {} samples in {time_s:.1} s",
+                    pass.iteration,
+                    tally.loss,
+                    percent(tally.accuracy),
+                    tally
+                        .accuracy_top5
+                        .map_or(String::new(), |a| format!(" (top-5 {})", percent(a))),
+                    pass.samples,
+                );
+                last_validation = Some(figures);
+                out.emit(&Event::Validation(stagehand_contract::metrics::Validation {
+                    iteration: pass.iteration,
+                    rank,
+                    stage: stage_id,
+                    figures,
+                    time_s,
+                }))?;
+                return Ok(());
+            }
+        };
         let time_s = report.time.as_secs_f64();
         let compute_s = report.timing.compute.as_secs_f64();
         let comm_wait_s = report.timing.comm.as_secs_f64();
@@ -892,8 +1009,8 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
         gpu_peak_allocated_bytes: memory.gpu_peak_allocated,
         gpu_peak_reserved_bytes: memory.gpu_peak_reserved,
         skipped_steps: (config.precision == Precision::Fp16).then_some(skipped_steps),
+        validation: last_validation,
     };
-    let percent = |share: f64| format!("{:.1}%", share * 100.0);
     eprintln!(
         "runtime: rank {rank} done: {:.1} samples/s (std {:.1}), final loss {}, accuracy {}{}",
         summary.samples_per_sec_mean,

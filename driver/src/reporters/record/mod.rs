@@ -14,7 +14,9 @@ use super::Reporter;
 use crate::events::{Event, HostFacts, SlurmEvent, SlurmJob, Status, StopCause, TracesFacts};
 use crate::experiment::Experiment;
 use crate::records::stats::Stats;
-use crate::records::summary::{Failure, RankOutcome, RankState, Restart, Summary, FORMAT_VERSION};
+use crate::records::summary::{
+    Failure, LastValidation, RankOutcome, RankState, Restart, Summary, FORMAT_VERSION,
+};
 use crate::records::{files, Record, RecordError};
 
 /// Lines kept per rank for the failure report.
@@ -57,6 +59,7 @@ impl RecordReporter {
             final_loss: None,
             final_accuracy: None,
             final_accuracy_top5: None,
+            validation: None,
             stages: Vec::new(),
             ranks: plan
                 .ranks
@@ -138,6 +141,10 @@ impl RecordReporter {
         self.summary.final_loss = fit.and_then(|f| f.loss);
         self.summary.final_accuracy = fit.and_then(|f| f.accuracy);
         self.summary.final_accuracy_top5 = fit.and_then(|f| f.accuracy_top5);
+        self.summary.validation = self
+            .stats
+            .validation()
+            .map(|(iteration, figures)| LastValidation { iteration, figures });
         self.summary.stages = self.stats.stage_shares();
         self.last_write = Instant::now();
         files::write_json(&self.record.dir.join("summary.json"), &self.summary)

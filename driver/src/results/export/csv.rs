@@ -43,6 +43,15 @@ fn quote(field: &str) -> String {
 /// The columns after `accuracy_top5` where a time to a target was asked for.
 const TIME_TO: [&str; 3] = ["time_to_s", "time_to_iteration", "time_to_reached"];
 
+/// The columns after those where some row has a validation pass: the last pass's.
+const VALIDATION: [&str; 5] = [
+    "validation_iteration",
+    "validation_loss",
+    "validation_accuracy",
+    "validation_accuracy_top5",
+    "validation_samples",
+];
+
 /// Where [`TIME_TO`] go: after `accuracy_top5`.
 fn time_to_at() -> usize {
     1 + HEADER
@@ -51,7 +60,7 @@ fn time_to_at() -> usize {
         .expect("an accuracy_top5 column")
 }
 
-fn fields(group: &str, row: &Row, time_to: bool) -> Vec<String> {
+fn fields(group: &str, row: &Row, time_to: bool, validation: bool) -> Vec<String> {
     let opt = |x: Option<String>| x.unwrap_or_default();
     let replicas: Vec<String> = row.replicas.iter().map(usize::to_string).collect();
     let mut fields = vec![
@@ -91,19 +100,36 @@ fn fields(group: &str, row: &Row, time_to: bool) -> Vec<String> {
         let at = time_to_at();
         fields.splice(at..at, [seconds, iteration, reached.to_string()]);
     }
+    if validation {
+        let v = row.validation;
+        let at = time_to_at() + if time_to { TIME_TO.len() } else { 0 };
+        let cells = [
+            opt(v.map(|v| v.iteration.to_string())),
+            opt(v.map(|v| v.figures.loss.to_string())),
+            opt(v.map(|v| v.figures.accuracy.to_string())),
+            opt(v.and_then(|v| v.figures.accuracy_top5).map(|a| a.to_string())),
+            opt(v.map(|v| v.figures.samples.to_string())),
+        ];
+        fields.splice(at..at, cells);
+    }
     fields
 }
 
 impl Export for CsvExport {
     fn render(&self, rows: &Groups) -> String {
         let mut header = HEADER.to_vec();
+        let mut at = time_to_at();
         if rows.time_to.is_some() {
-            header.splice(time_to_at()..time_to_at(), TIME_TO);
+            header.splice(at..at, TIME_TO);
+            at += TIME_TO.len();
+        }
+        if rows.validation {
+            header.splice(at..at, VALIDATION);
         }
         let mut out = header.join(",") + "\n";
         for (group, members) in rows.groups {
             for row in members {
-                let line: Vec<String> = fields(group, row, rows.time_to.is_some())
+                let line: Vec<String> = fields(group, row, rows.time_to.is_some(), rows.validation)
                     .iter()
                     .map(|f| quote(f))
                     .collect();

@@ -3,6 +3,7 @@
 use serde::Serialize;
 
 use super::{Export, Groups};
+use crate::records::summary::LastValidation;
 use crate::results::curves::{Target, TimeTo};
 use crate::results::read::Row;
 
@@ -35,6 +36,9 @@ struct JsonRow<'a> {
     /// Only where a time to a target was asked for; `null` for a record without the curve.
     #[serde(skip_serializing_if = "Option::is_none")]
     time_to: Option<Option<JsonTimeTo>>,
+    /// Only for a record with a validation pass: the last one's iteration and figures.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    validation: Option<LastValidation>,
     idle_share: Option<f64>,
     comm_share: Option<f64>,
     skipped_steps: Option<u64>,
@@ -95,6 +99,7 @@ fn json_row<'a>(group: Option<&'a str>, row: &'a Row, time_to: Option<Target>) -
         accuracy: row.accuracy,
         accuracy_top5: row.top5,
         time_to: time_to.map(|target| row.time_to.map(|t| json_time_to(target, t))),
+        validation: row.validation,
         idle_share: row.idle_share,
         comm_share: row.comm_share,
         skipped_steps: row.skipped_steps,

@@ -14,8 +14,41 @@ pub struct Groups<'a> {
     pub key: Option<&'a str>,
     /// The `--time-to` target, whose column the rows then have.
     pub time_to: Option<Target>,
+    /// Some row has a validation pass: the rows then have its columns.
+    pub validation: bool,
     /// Each group's value and rows.
     pub groups: &'a [(String, Vec<Row>)],
+}
+
+impl<'a> Groups<'a> {
+    /// The groups' view, with the validation columns where some row has a pass.
+    pub fn new(key: Option<&'a str>, time_to: Option<Target>, groups: &'a [(String, Vec<Row>)]) -> Self {
+        let validation = groups
+            .iter()
+            .flat_map(|(_, rows)| rows)
+            .any(|r| r.validation.is_some());
+        Groups {
+            key,
+            time_to,
+            validation,
+            groups,
+        }
+    }
+
+    /// The optional columns these rows have.
+    fn extra(&self) -> Extra {
+        Extra {
+            time_to: self.time_to,
+            validation: self.validation,
+        }
+    }
+}
+
+/// The columns a table has only when asked for or when some row has them.
+#[derive(Debug, Clone, Copy)]
+struct Extra {
+    time_to: Option<Target>,
+    validation: bool,
 }
 
 /// One output format.
@@ -34,18 +67,27 @@ pub fn exporter(format: Format) -> Box<dyn Export> {
     }
 }
 
-/// Column headers for people, in order, with the time to `time_to`'s target after the
-/// accuracies when there is one; `note` is the last.
-fn headers(time_to: Option<Target>) -> Vec<String> {
+/// Column headers for people, in order, with the time to the target after the accuracies when
+/// there is one, then the last validation pass's loss and top-1 when some row has one; `note` is
+/// the last.
+fn headers(extra: Extra) -> Vec<String> {
     let mut headers: Vec<String> = HEADERS.iter().map(|h| h.to_string()).collect();
-    if let Some(target) = time_to {
-        headers.insert(time_to_column(), target.header());
+    let mut at = extra_column();
+    if let Some(target) = extra.time_to {
+        headers.insert(at, target.header());
+        at += 1;
+    }
+    if extra.validation {
+        headers.splice(at..at, VALIDATION.map(String::from));
     }
     headers
 }
 
-/// Where the time to a target goes among the columns: after the top-5 accuracy.
-fn time_to_column() -> usize {
+/// The validation columns' headers.
+const VALIDATION: [&str; 2] = ["val loss", "val top-1"];
+
+/// Where the optional columns go: after the top-5 accuracy.
+fn extra_column() -> usize {
     1 + HEADERS
         .iter()
         .position(|h| *h == "top-5")
@@ -72,9 +114,9 @@ const HEADERS: [&str; 16] = [
     "note",
 ];
 
-/// A row's cells for people (with the time to the target when `time_to`): numbers rounded,
-/// shares as percentages, `-` for unknown.
-fn cells(row: &Row, time_to: bool) -> Vec<String> {
+/// A row's cells for people (with `extra`'s columns): numbers rounded, shares as percentages,
+/// `-` for unknown.
+fn cells(row: &Row, extra: Extra) -> Vec<String> {
     let dash = || "-".to_string();
     let pct = |x: Option<f64>| x.map_or_else(dash, |v| format!("{:.1}%", v * 100.0));
     let mut cells = vec![
@@ -97,8 +139,15 @@ fn cells(row: &Row, time_to: bool) -> Vec<String> {
         row.status.as_str().to_string(),
         row.note.clone().unwrap_or_default(),
     ];
-    if time_to {
-        cells.insert(time_to_column(), row.time_to.map_or_else(dash, time_to_text));
+    let mut at = extra_column();
+    if extra.time_to.is_some() {
+        cells.insert(at, row.time_to.map_or_else(dash, time_to_text));
+        at += 1;
+    }
+    if extra.validation {
+        let figures = row.validation.map(|v| v.figures);
+        let loss = figures.map_or_else(dash, |f| format!("{:.4}", f.loss));
+        cells.splice(at..at, [loss, pct(figures.map(|f| f.accuracy))]);
     }
     cells
 }

@@ -30,8 +30,10 @@ use crate::stage::{backward_with_grad, GradScaler, Optimizer, ScalerReport, Stag
 
 mod graph;
 mod transfer;
+mod validate;
 
 pub use graph::first_replayed;
+pub use validate::{OpenSplit, Validation, ValidationReport};
 
 use graph::{GraphPhase, StepGraph};
 
@@ -88,6 +90,15 @@ pub struct IterationReport {
     pub scaler: Option<ScalerReport>,
     /// A whole checkpoint of the iterations done so far was written after this iteration.
     pub checkpointed: bool,
+}
+
+/// What [`Executor::run`] hands its caller as the run goes.
+#[derive(Debug)]
+pub enum Report {
+    /// An iteration finished on this rank (boxed: a pass's report is a fraction of its size).
+    Iteration(Box<IterationReport>),
+    /// A validation pass finished on this rank.
+    Validation(ValidationReport),
 }
 
 /// An iteration's mean loss and accuracies on the last stage.
@@ -154,6 +165,8 @@ pub struct Executor {
     /// iterations, one iteration's work is captured in a CUDA graph and every later iteration
     /// replays it (one process, one GPU).
     pub cuda_graph: bool,
+    /// `--validate-every`: when passes over the held-out split run.
+    pub validation: Option<Validation>,
     /// Shapes crossing into and out of this stage, learned at start.
     pub input_spec: Option<TensorSpec>,
     pub output_spec: Option<TensorSpec>,
@@ -613,11 +626,13 @@ impl Executor {
     }
 
     /// Runs `actions` (this rank's over the run, a [`Chunk`] at a time), calling `report` as
-    /// each iteration completes on this rank.
+    /// each iteration, and each validation pass, completes on this rank. A pass runs after a
+    /// chunk whose last iteration is due one: chunks end at every multiple of
+    /// `--validate-every` ([`crate::schedule::RankActions`]), where nothing is in flight.
     pub fn run(
         &mut self,
         actions: impl IntoIterator<Item = Result<Chunk, ScheduleError>>,
-        mut report: impl FnMut(IterationReport) -> anyhow::Result<()>,
+        mut report: impl FnMut(Report) -> anyhow::Result<()>,
     ) -> anyhow::Result<()> {
         let mut chunks = actions.into_iter().peekable();
         let mut progress = Progress::default();
@@ -649,6 +664,8 @@ impl Executor {
         // The vote of the last iteration's end, still in flight (see `start_stop_vote`).
         let mut vote: Option<StopVote> = None;
         let drains_every_iteration = self.schedule != Schedule::PipeDream || self.num_stages() == 1;
+        // The last iteration this rank ended in the current chunk.
+        let mut ended: Option<usize> = None;
         for chunk in chunks {
             let Chunk { actions, stashed } = chunk.context("deriving this rank's schedule")?;
             let last_backwards: HashSet<usize> = last_backwards(&actions);
@@ -683,6 +700,7 @@ impl Executor {
                             false => self.step(&mut progress)?,
                         }
                         if let Some(iteration) = pending_end.take() {
+                            ended = Some(iteration);
                             self.end_graphed_iteration(&mut progress, iteration)?;
                             // A checkpointing run stops where any rank was asked to: every rank
                             // learns it at the same iteration's end.
@@ -723,7 +741,7 @@ impl Executor {
                                 }
                                 None => (false, false),
                             };
-                            report(IterationReport {
+                            report(Report::Iteration(Box::new(IterationReport {
                                 lr: self.lr.at(iteration as u64),
                                 iteration: iteration as u64,
                                 time,
@@ -734,7 +752,7 @@ impl Executor {
                                 group: progress.group.take(),
                                 scaler: self.scaler.as_ref().map(GradScaler::report),
                                 checkpointed,
-                            })?;
+                            })))?;
                             if let (true, Some(c)) = (stop, &self.checkpoint) {
                                 return Err(Stopped {
                                     iterations_done: done,
@@ -747,6 +765,15 @@ impl Executor {
                         }
                     }
                 }
+            }
+            let due = |it: &usize| self.validation.as_ref().is_some_and(|v| v.due(*it as u64 + 1));
+            if let Some(iteration) = ended.take().filter(due) {
+                if let Some(message) = progress.posted.keys().next() {
+                    bail!("internal error: the receive of {message:?} is posted across a validation pass");
+                }
+                report(Report::Validation(self.validate(iteration as u64)?))?;
+                // The pass is no part of the next iteration's time.
+                started = Instant::now();
             }
         }
         if let Some(message) = progress.posted.keys().next() {

@@ -515,3 +515,46 @@ fn the_model_catches_a_receive_order_that_differs_from_the_send_order() {
         "{err}"
     );
 }
+
+/// A validation pass after every chunk (`--validate-every 1`: a chunk an iteration, PipeDream's
+/// segments drained at each): [`Route::forward_program`] over each rank's own microbatches of
+/// two minibatches, then the wait for its sends and the last stage's sum over its replicas. The
+/// whole run completes with NCCL's matching on every plan, schedule and microbatch count. (The
+/// passes' microbatches are numbered from a multiple of the iteration's far past training's
+/// here, where the model keeps every message it matched; the executor keeps a pass's apart.)
+#[test]
+fn validation_passes_between_chunks_complete_when_operations_match_by_issue_order() {
+    for (p, name) in plans() {
+        for schedule in SCHEDULES {
+            for microbatches in 1..=6 {
+                if validate(&p, schedule, microbatches).is_err() {
+                    continue;
+                }
+                let chunks = run_chunks(&p, schedule, microbatches, 3, Some(1), 1);
+                let items: Vec<Vec<Item>> = chunks
+                    .iter()
+                    .enumerate()
+                    .map(|(rank, chunks)| {
+                        let stage = p.stage_of_rank(rank).id;
+                        let route = Route::new(&p, stage, microbatches);
+                        let mut program = Vec::new();
+                        for (pass, chunk) in chunks.iter().enumerate() {
+                            program.extend(route.program(chunk));
+                            let first = (pass + 1) * 1000 * microbatches;
+                            let mine: Vec<usize> = (first..first + 2 * microbatches)
+                                .filter(|&g| route.owner(stage, g) == rank)
+                                .collect();
+                            assert!(!mine.is_empty(), "{name}: every rank runs some of a pass");
+                            program.extend(route.forward_program(&mine));
+                            program.push(Op::Run(Step));
+                        }
+                        items(&route, program)
+                    })
+                    .collect();
+                if let Err(stuck) = run_fifo(&p, &items, Message::channel) {
+                    panic!("{name} {schedule} m={microbatches}, a pass after each chunk: {stuck}");
+                }
+            }
+        }
+    }
+}

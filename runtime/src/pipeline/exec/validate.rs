@@ -1,0 +1,162 @@
+//! A validation pass: the model, as it stands where every rank's pipeline is drained, run forward
+//! over the held-out split (no gradients, dropout off, batch norm on its running statistics).
+//! The split's minibatches are cut into microbatches as training's are and take the same route:
+//! the same replica of each stage runs microbatch `g` as in training (round-robin within each
+//! minibatch), activations and targets cross stages in the same messages and order, and the last
+//! stage's replicas sum what they measured.
+
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use tch::{Device, Kind, Tensor};
+
+use super::{Executor, Progress, Tally};
+use crate::data::{Batches, DataError};
+use crate::pipeline::route::Op;
+use crate::pipeline::wire::Message;
+use crate::profiler_trace::Scope;
+use crate::schedule::Action;
+
+/// Opens the held-out split afresh, at its start (the first stage's).
+pub type OpenSplit = Box<dyn Fn() -> Result<Box<dyn Batches>, DataError> + Send>;
+
+/// When validation passes run and over what.
+pub struct Validation {
+    /// After every this many iterations, and after the last.
+    pub every: u64,
+    /// The run's iterations.
+    pub total: u64,
+    /// Minibatches a pass runs (every rank agrees on it).
+    pub batches: u64,
+    /// The first stage's way to the held-out split; `None` on other stages.
+    pub open: Option<OpenSplit>,
+}
+
+impl Validation {
+    /// Whether a pass follows once `done` iterations are done.
+    pub fn due(&self, done: u64) -> bool {
+        done > 0 && (done == self.total || done.is_multiple_of(self.every))
+    }
+}
+
+/// What a pass measured (the figures on the last stage only).
+#[derive(Debug)]
+pub struct ValidationReport {
+    /// The training iteration the pass followed.
+    pub iteration: u64,
+    /// Mean loss and accuracies over the pass's samples (last stage only).
+    pub tally: Option<Tally>,
+    /// Samples the pass ran through the whole model.
+    pub samples: u64,
+    pub time: Duration,
+}
+
+impl Executor {
+    /// Runs a validation pass after iteration `iteration`, every rank of the plan at once. The
+    /// caller runs it where nothing of training is in flight (at the end of a chunk that ends a
+    /// segment), so the pass's messages are the only ones on the channels.
+    pub(super) fn validate(&mut self, iteration: u64) -> anyhow::Result<ValidationReport> {
+        let started = Instant::now();
+        let validation = self
+            .validation
+            .as_ref()
+            .expect("a pass runs only with --validate-every");
+        let (batches, m) = (validation.batches as usize, self.microbatches);
+        let mut data = match &validation.open {
+            Some(open) => Some(open().context("--validate-every")?),
+            None => None,
+        };
+        let route = self.route();
+        let mine: Vec<usize> = (0..batches * m)
+            .filter(|&g| route.owner(self.stage_id, g) == self.rank)
+            .collect();
+        let program = route.forward_program(&mine);
+        let mut progress = Progress::default();
+        let mut batch: Option<(usize, Tensor, Tensor)> = None;
+        let mut tallies: Vec<Tensor> = Vec::new();
+        let _scope = Scope::enter(c"validation");
+        for op in program {
+            match op {
+                Op::Recv(transfer) => self.post_recv(&mut progress, transfer)?,
+                Op::Send(transfer) => self.send(&mut progress, transfer)?,
+                Op::Run(Action::Forward(g)) => {
+                    let (input, target) = match data.as_mut() {
+                        Some(data) => {
+                            if batch.as_ref().is_none_or(|(i, _, _)| *i != g / m) {
+                                let (x, y) = data.next_batch().context("--validate-every")?;
+                                batch = Some((g / m, x, y));
+                            }
+                            let (_, x, y) = batch.as_ref().expect("just loaded");
+                            let start = (g % m) as i64 * self.micro_size;
+                            (
+                                x.narrow(0, start, self.micro_size),
+                                y.narrow(0, start, self.micro_size),
+                            )
+                        }
+                        None => (
+                            self.take(&mut progress, Message::Activation(g))?,
+                            self.take(&mut progress, Message::Target(g))?,
+                        ),
+                    };
+                    let output = tch::no_grad(|| self.stage.forward(&input, false));
+                    match self.stage.loss_and_accuracy(&output, &target) {
+                        Some(computed) => {
+                            let (loss, accuracy) = computed.context("computing the validation loss")?;
+                            let loss = loss.detach().to_kind(Kind::Double).reshape([1]);
+                            tallies.push(Tensor::cat(&[loss, accuracy], 0));
+                        }
+                        None => {
+                            progress.outbox.insert(Message::Activation(g), output);
+                            progress.outbox.insert(Message::Target(g), target);
+                        }
+                    }
+                }
+                Op::Run(action) => {
+                    anyhow::bail!("internal error: a validation pass runs forwards only, not {action:?}")
+                }
+            }
+        }
+        for work in progress.sends.drain(..) {
+            work.wait()?;
+        }
+        let tally = match self.is_last() {
+            true => Some(self.validation_tally(&tallies)?),
+            false => None,
+        };
+        let samples = (batches * m) as u64 * self.micro_size as u64;
+        Ok(ValidationReport {
+            iteration,
+            tally,
+            samples,
+            time: started.elapsed(),
+        })
+    }
+
+    /// The pass's mean loss and accuracies over every microbatch, the last stage's replicas'
+    /// summed (each ran its own microbatches).
+    fn validation_tally(&self, tallies: &[Tensor]) -> anyhow::Result<Tally> {
+        let width = tallies.first().map_or(2, |t| t.size()[0]);
+        let mut total = match tallies.is_empty() {
+            true => Tensor::zeros([width], (Kind::Double, self.device)),
+            false => Tensor::stack(tallies, 0)
+                .sum_dim_intlist(0, false, Kind::Double)
+                .to_device(self.device),
+        };
+        // The count rides along: the replicas' shares of a pass differ when its microbatches
+        // are not a multiple of them.
+        let count = Tensor::from_slice(&[tallies.len() as f64]).to_device(self.device);
+        total = Tensor::cat(&[total, count], 0);
+        if let Some(group) = &self.links.replicas {
+            group.all_reduce_sum(std::slice::from_ref(&total))?.wait()?;
+        }
+        let total = Vec::<f64>::try_from(&total.to_device(Device::Cpu))
+            .map_err(|e| anyhow::anyhow!("the device failed running the validation pass: {e}"))?;
+        let (count, sums) = total.split_last().context("internal error: an empty tally")?;
+        let mean = |i: usize| sums.get(i).map(|sum| sum / count);
+        Ok(Tally {
+            loss: mean(0).context("internal error: a validation pass without a loss")?,
+            accuracy: mean(1).context("internal error: a validation pass without an accuracy")?,
+            accuracy_top5: mean(2),
+        })
+    }
+}
