@@ -180,9 +180,11 @@ struct ResultsArgs {
     )]
     smooth: Smoothing,
 
-    /// Adds a column: when each record's training curve first reached TARGET, in seconds of
-    /// training and iterations (PipeDream's time to accuracy): `accuracy=90%`, `top5=0.99` (at
-    /// or above) or `loss=0.5` (at or below). `--sort time_to` ranks the runs by it.
+    /// Adds a column: when each record's curve first reached TARGET, in seconds of training and
+    /// iterations (PipeDream's time to accuracy): `accuracy=90%`, `top5=0.99` (at or above) or
+    /// `loss=0.5` (at or below) on the training samples, or `val_accuracy=90%`, `val_top5`,
+    /// `val_loss` on the validation passes (`validate_every`). `--sort time_to` ranks the runs
+    /// by it.
     #[arg(long = "time-to", value_name = "METRIC=TARGET", value_parser = Target::parse)]
     time_to: Option<Target>,
 }

@@ -383,3 +383,31 @@ fn a_pass_that_cannot_run_is_refused() {
         );
     }
 }
+
+/// A run resumed where a pass was due runs that pass before training (a rank stopped by SIGTERM
+/// writes its checkpoint, and stops, before the pass of its iteration): the figures the run never
+/// stopped measured there, bit for bit (the same weights, data and operations in one thread), and
+/// then the passes still to come.
+#[test]
+fn a_resumed_run_makes_the_pass_due_where_it_resumes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = tmp.path().join("ckpt");
+    let base = args(&words(MLP), &["--validate-every", "2"]);
+    let whole = run_ok(&crate::distributed::with_value(&base, "--iterations", "6"));
+    let stopped = args(
+        &crate::distributed::with_value(&base, "--iterations", "4"),
+        &["--checkpoint-dir", ckpt.to_str().unwrap()],
+    );
+    run_ok(&stopped);
+    let resumed = run_ok(&args(
+        &crate::distributed::with_value(&stopped, "--iterations", "6"),
+        &["--resume"],
+    ));
+    let whole = passes(&whole);
+    let resumed = passes(&resumed);
+    assert_eq!(whole.iter().map(|p| p.iteration).collect::<Vec<_>>(), [1, 3, 5]);
+    assert_eq!(resumed.iter().map(|p| p.iteration).collect::<Vec<_>>(), [3, 5]);
+    for (ours, theirs) in resumed.iter().zip(&whole[1..]) {
+        assert_eq!(ours.figures, theirs.figures);
+    }
+}

@@ -6,27 +6,45 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-/// The iteration lines of a record's `metrics.jsonl`, in order; `None` when it has no such file.
-pub(super) fn iterations(dir: &Path) -> Option<Vec<stagehand_contract::Iteration>> {
+/// The metrics lines of a record's `metrics.jsonl`, in order; `None` when it has no such file.
+fn events(dir: &Path) -> Option<Vec<stagehand_contract::Event>> {
     let text = std::fs::read_to_string(dir.join("metrics.jsonl")).ok()?;
-    let events = text.lines().filter_map(stagehand_contract::Event::parse_line);
     Some(
-        events
-            .filter_map(|event| match event {
-                stagehand_contract::Event::Iteration(it) => Some(it),
-                _ => None,
-            })
+        text.lines()
+            .filter_map(stagehand_contract::Event::parse_line)
             .collect(),
     )
 }
 
-/// What the last stage reports on its iteration lines that a training curve follows.
+/// The iteration lines of a record's `metrics.jsonl`, in order; `None` when it has no such file.
+pub(super) fn iterations(dir: &Path) -> Option<Vec<stagehand_contract::Iteration>> {
+    Some(iterations_of(events(dir)?))
+}
+
+fn iterations_of(events: Vec<stagehand_contract::Event>) -> Vec<stagehand_contract::Iteration> {
+    events
+        .into_iter()
+        .filter_map(|event| match event {
+            stagehand_contract::Event::Iteration(it) => Some(it),
+            _ => None,
+        })
+        .collect()
+}
+
+/// What the last stage reports that a curve follows: on its iteration lines (the training
+/// samples'), or on its validation lines (`validate_every`: the held-out split's, a point per
+/// pass).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Metric {
     Loss,
     /// Top-1 accuracy.
     Accuracy,
     AccuracyTop5,
+    /// The validation passes' loss.
+    ValLoss,
+    /// The validation passes' top-1 accuracy.
+    ValAccuracy,
+    ValAccuracyTop5,
 }
 
 impl Metric {
@@ -36,6 +54,9 @@ impl Metric {
             Metric::Loss => "loss",
             Metric::Accuracy => "accuracy",
             Metric::AccuracyTop5 => "top5",
+            Metric::ValLoss => "val_loss",
+            Metric::ValAccuracy => "val_accuracy",
+            Metric::ValAccuracyTop5 => "val_top5",
         }
     }
 
@@ -44,7 +65,23 @@ impl Metric {
             Metric::Loss => "loss=0.5",
             Metric::Accuracy => "accuracy=90%",
             Metric::AccuracyTop5 => "top5=99%",
+            Metric::ValLoss => "val_loss=0.5",
+            Metric::ValAccuracy => "val_accuracy=90%",
+            Metric::ValAccuracyTop5 => "val_top5=99%",
         }
+    }
+
+    /// Whether the validation passes report it (rather than the iterations).
+    fn of_validation(self) -> bool {
+        matches!(
+            self,
+            Metric::ValLoss | Metric::ValAccuracy | Metric::ValAccuracyTop5
+        )
+    }
+
+    /// Whether reaching it means coming down to it (a loss) rather than up.
+    fn falls(self) -> bool {
+        matches!(self, Metric::Loss | Metric::ValLoss)
     }
 
     fn of(self, it: &stagehand_contract::Iteration) -> Option<f64> {
@@ -52,6 +89,17 @@ impl Metric {
             Metric::Loss => it.loss,
             Metric::Accuracy => it.accuracy,
             Metric::AccuracyTop5 => it.accuracy_top5,
+            Metric::ValLoss | Metric::ValAccuracy | Metric::ValAccuracyTop5 => None,
+        }
+    }
+
+    /// Its figure of a validation pass; `None` for a training metric.
+    fn of_pass(self, figures: &stagehand_contract::ValidationFigures) -> Option<f64> {
+        match self {
+            Metric::ValLoss => Some(figures.loss),
+            Metric::ValAccuracy => Some(figures.accuracy),
+            Metric::ValAccuracyTop5 => figures.accuracy_top5,
+            Metric::Loss | Metric::Accuracy | Metric::AccuracyTop5 => None,
         }
     }
 }
@@ -125,9 +173,49 @@ pub type Curve = Vec<CurvePoint>;
 /// A record's `metric` per iteration from its `metrics.jsonl`: for each iteration, the mean of
 /// what its last-stage ranks reported (data-parallel replicas each report their own share's),
 /// each rank's last report counting (a restarted run reports resumed iterations again); `None`
-/// when no iteration has the metric.
+/// when no iteration has the metric. A validation metric has a point per pass instead
+/// ([`validation_curve`]).
 pub fn curve(dir: &Path, metric: Metric) -> Option<Curve> {
-    curve_of(&iterations(dir)?, metric)
+    let events = events(dir)?;
+    match metric.of_validation() {
+        true => validation_curve(events, metric),
+        false => curve_of(&iterations_of(events), metric),
+    }
+}
+
+/// A validation metric's curve: a point per pass, at the iteration it followed and the seconds
+/// of training up to the end of that iteration (the loss curve's; a pass's own time is no
+/// training). Every last-stage rank reports the whole pass's figures; a restarted run's later
+/// report of a pass replaces the earlier.
+fn validation_curve(events: Vec<stagehand_contract::Event>, metric: Metric) -> Option<Curve> {
+    let mut passes: BTreeMap<u64, f64> = BTreeMap::new();
+    let mut lines = Vec::new();
+    for event in events {
+        match event {
+            stagehand_contract::Event::Validation(v) => {
+                if let Some(value) = metric.of_pass(&v.figures).filter(|v| v.is_finite()) {
+                    passes.insert(v.iteration, value);
+                }
+            }
+            stagehand_contract::Event::Iteration(it) => lines.push(it),
+            _ => {}
+        }
+    }
+    let seconds: BTreeMap<u64, f64> = curve_of(&lines, Metric::Loss)?
+        .into_iter()
+        .map(|p| (p.iteration, p.seconds))
+        .collect();
+    let points: Curve = passes
+        .into_iter()
+        .filter_map(|(iteration, value)| {
+            Some(CurvePoint {
+                iteration,
+                seconds: *seconds.get(&iteration)?,
+                value,
+            })
+        })
+        .collect();
+    (!points.is_empty()).then_some(points)
 }
 
 /// [`curve`] from a record's iteration lines already read.
@@ -179,9 +267,13 @@ impl Target {
             "loss" => Metric::Loss,
             "accuracy" | "acc" | "top1" | "top-1" => Metric::Accuracy,
             "top5" | "top-5" | "accuracy_top5" => Metric::AccuracyTop5,
+            "val_loss" | "validation_loss" => Metric::ValLoss,
+            "val_accuracy" | "val_acc" | "val_top1" | "validation_accuracy" => Metric::ValAccuracy,
+            "val_top5" | "validation_accuracy_top5" => Metric::ValAccuracyTop5,
             other => {
                 return Err(format!(
-                    "unknown metric `{other}`; use loss, accuracy (top-1) or top5"
+                    "unknown metric `{other}`; use loss, accuracy (top-1) or top5 (the training \
+                     samples'), or val_loss, val_accuracy or val_top5 (the validation passes')"
                 ))
             }
         };
@@ -197,9 +289,9 @@ impl Target {
             )
         })?;
         let value = if percent { number / 100.0 } else { number };
-        let fits = match metric {
-            Metric::Loss => !percent && value.is_finite() && value > 0.0,
-            Metric::Accuracy | Metric::AccuracyTop5 => value > 0.0 && value <= 1.0,
+        let fits = match metric.falls() {
+            true => !percent && value.is_finite() && value > 0.0,
+            false => value > 0.0 && value <= 1.0,
         };
         match fits {
             true => Ok(Target { metric, value }),
@@ -207,9 +299,9 @@ impl Target {
                 "{} is not a target for {}: {}",
                 text.trim(),
                 metric.name(),
-                match metric {
-                    Metric::Loss => "give a positive loss, such as loss=0.5",
-                    _ => "give a fraction above 0 and up to 1 (0.9) or a percentage (90%)",
+                match metric.falls() {
+                    true => "give a positive loss, such as loss=0.5",
+                    false => "give a fraction above 0 and up to 1 (0.9) or a percentage (90%)",
                 }
             )),
         }
@@ -217,16 +309,16 @@ impl Target {
 
     /// Whether `value` is as good as the target or better.
     fn reached_by(self, value: f64) -> bool {
-        match self.metric {
-            Metric::Loss => value <= self.value,
-            Metric::Accuracy | Metric::AccuracyTop5 => value >= self.value,
+        match self.metric.falls() {
+            true => value <= self.value,
+            false => value >= self.value,
         }
     }
 
     /// The table's column header: `to accuracy ≥ 90%`, `to loss ≤ 0.5`.
     pub fn header(self) -> String {
         match self.metric {
-            Metric::Loss => format!("to loss ≤ {}", self.value),
+            metric if metric.falls() => format!("to {} ≤ {}", metric.name(), self.value),
             // As a percentage the fraction is rounded (29% is 0.29, which times 100 is
             // 28.999999999999996).
             metric => format!("to {} ≥ {}%", metric.name(), figure_text(self.value * 100.0)),

@@ -762,3 +762,58 @@ fn validation_columns_show_each_records_last_pass() {
     assert!(!render(&plain(Format::Table)).unwrap().contains("val "));
     assert!(!render(&plain(Format::Csv)).unwrap().contains("validation"));
 }
+
+/// A validation metric's time to a target is read on the passes, a point each, at the seconds
+/// of training up to the iteration the pass followed; a record without passes has no such curve.
+#[test]
+fn the_time_to_a_validation_target_is_read_on_the_passes() {
+    let dir = tempfile::tempdir().unwrap();
+    let late = trained_record(dir.path(), "20261129T000000Z_late", &LATE);
+    let passes = [(1, 1.5, 0.6), (3, 0.6, 0.92), (5, 0.4, 0.95)];
+    let mut text = std::fs::read_to_string(late.join("metrics.jsonl")).unwrap();
+    for (iteration, loss, accuracy) in passes {
+        // Both ranks of a replicated last stage report each pass, the same figures.
+        for rank in [1, 2] {
+            text.push_str(&format!(
+                "\n{{\"event\":\"validation\",\"iteration\":{iteration},\"rank\":{rank},\"stage\":1,\"loss\":{loss},\"accuracy\":{accuracy},\"accuracy_top5\":null,\"samples\":64,\"time_s\":9.0}}"
+            ));
+        }
+    }
+    std::fs::write(late.join("metrics.jsonl"), text).unwrap();
+    let target = |t: &str| Target::parse(t).unwrap();
+    let raw = Smoothing::NONE;
+    let reached = |iteration, seconds| Some(curves::TimeTo::Reached { iteration, seconds });
+    // The training curve reaches 90% at iteration 1; the held-out one only at iteration 3's
+    // pass, after 2 s of training (the passes' own 9 s are no training).
+    assert_eq!(
+        curves::time_to(&late, target("accuracy=90%"), raw),
+        reached(1, 1.0)
+    );
+    assert_eq!(
+        curves::time_to(&late, target("val_accuracy=90%"), raw),
+        reached(3, 2.0)
+    );
+    assert_eq!(
+        curves::time_to(&late, target("val_loss=0.5"), raw),
+        reached(5, 3.0)
+    );
+    assert_eq!(
+        curves::time_to(&late, target("val_acc=99%"), raw),
+        Some(curves::TimeTo::NotReached { iterations: 3 }),
+        "three passes, none of them there"
+    );
+    assert_eq!(
+        curves::time_to(&late, target("val_top5=0.5"), raw),
+        None,
+        "no top-5 reported"
+    );
+    let plain = trained_record(dir.path(), "20261129T000100Z_plain", &LATE);
+    assert_eq!(curves::time_to(&plain, target("val_accuracy=90%"), raw), None);
+    assert_eq!(target("val_accuracy=0.9").header(), "to val_accuracy ≥ 90%");
+    assert_eq!(target("val_loss=0.5").header(), "to val_loss ≤ 0.5");
+    let unknown = Target::parse("val_speed=3").unwrap_err();
+    assert!(
+        unknown.contains("val_loss, val_accuracy or val_top5"),
+        "{unknown}"
+    );
+}

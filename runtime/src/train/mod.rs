@@ -703,6 +703,8 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
             every: v.every,
             total: config_iterations,
             batches: agree_on_validation_batches(&links, &plan, dist.rank, validation_counted, device)?,
+            at_start: (first > 0 && first < config_iterations && (first.is_multiple_of(v.every)))
+                .then(|| first - 1),
             open: request.map(|request| -> OpenSplit {
                 let spec = config.data.clone();
                 Box::new(move || data::open_validation(&spec, request.clone()))

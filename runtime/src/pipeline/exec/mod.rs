@@ -666,6 +666,10 @@ impl Executor {
         let drains_every_iteration = self.schedule != Schedule::PipeDream || self.num_stages() == 1;
         // The last iteration this rank ended in the current chunk.
         let mut ended: Option<usize> = None;
+        if let Some(iteration) = self.validation.as_ref().and_then(|v| v.at_start) {
+            report(Report::Validation(self.validate(iteration)?))?;
+            started = Instant::now();
+        }
         for chunk in chunks {
             let Chunk { actions, stashed } = chunk.context("deriving this rank's schedule")?;
             let last_backwards: HashSet<usize> = last_backwards(&actions);

@@ -30,6 +30,9 @@ pub struct Validation {
     pub batches: u64,
     /// The first stage's way to the held-out split; `None` on other stages.
     pub open: Option<OpenSplit>,
+    /// A run resumed where a pass was due: the iteration that pass follows, run before any
+    /// training (a rank stopped by SIGTERM writes its checkpoint and stops before the pass).
+    pub at_start: Option<u64>,
 }
 
 impl Validation {
