@@ -102,6 +102,7 @@ fn every_split_and_schedule_validates_as_one_process() {
     assert!(last.figures.loss < reference[0].figures.loss, "{reference:?}");
     assert_ne!(Some(last.figures.loss), single.iterations().last().unwrap().loss);
     assert_eq!(single.summary().validation, Some(last.figures));
+    assert_eq!(single.losses(), run_ok(&args(&words(MLP), &every[2..])).losses());
     assert_eq!(single.start().config.validate_every, Some(2));
     assert_eq!(single.start().config.validation_batches, Some(4));
 
@@ -410,4 +411,23 @@ fn a_resumed_run_makes_the_pass_due_where_it_resumes() {
     for (ours, theirs) in resumed.iter().zip(&whole[1..]) {
         assert_eq!(ours.figures, theirs.figures);
     }
+}
+
+/// A pass changes nothing: a resnet50 trains to the same losses, bit for bit, with a pass after
+/// every iteration as without any, and its last pass measures what a lone pass at the end does
+/// (batch norm's running statistics, which a pass reads, are not updated by the passes before).
+#[test]
+fn a_pass_leaves_training_and_later_passes_as_they_were() {
+    let resnet = "--model resnet50 --image-size 32 --batch-size 4 --threads 1 --iterations 3";
+    let every = |n: &str| {
+        run_ok(&args(
+            &words(resnet),
+            &["--validate-every", n, "--validation-batches", "1"],
+        ))
+    };
+    let (each, last) = (every("1"), every("3"));
+    assert_eq!(passes(&each).len(), 3);
+    assert_eq!(passes(&last).len(), 1);
+    assert_eq!(each.losses(), run_ok(&words(resnet)).losses());
+    assert_eq!(passes(&each)[2].figures, passes(&last)[0].figures);
 }
