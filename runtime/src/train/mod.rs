@@ -91,11 +91,7 @@ fn agree_on_resume(
     afresh: bool,
     device: tch::Device,
 ) -> anyhow::Result<u64> {
-    let everyone = links
-        .channels
-        .as_ref()
-        .map(Channels::everyone)
-        .or(links.replicas.as_ref());
+    let everyone = links.everyone();
     let Some(group) = everyone else {
         return Ok(mine.map_or(0, |latest| latest.iterations_done));
     };
@@ -145,11 +141,7 @@ fn agree_on_validation_batches(
     counted: Option<u64>,
     device: tch::Device,
 ) -> anyhow::Result<u64> {
-    let everyone = links
-        .channels
-        .as_ref()
-        .map(Channels::everyone)
-        .or(links.replicas.as_ref());
+    let everyone = links.everyone();
     let mine = counted.filter(|_| plan.stages[0].ranks.first() == Some(&rank));
     let Some(group) = everyone else {
         return mine.context("internal error: a single process's validation pass was not counted");

@@ -48,6 +48,17 @@ pub struct Links {
     pub bundle: Option<Bundle>,
 }
 
+impl Links {
+    /// A group spanning every rank: the forward channel's, or the replicas' of a single stage
+    /// (none in a single process).
+    pub fn everyone(&self) -> Option<&ProcessGroup> {
+        self.channels
+            .as_ref()
+            .map(Channels::everyone)
+            .or(self.replicas.as_ref())
+    }
+}
+
 /// Where time went during one iteration.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct Timing {
@@ -182,15 +193,6 @@ fn iteration_seed(seed: u64, rank: usize, iteration: usize) -> i64 {
     (mixed & (i64::MAX as u64)) as i64
 }
 
-/// A group spanning every rank: the forward channel's, or the replicas' of a single stage (none
-/// in a single process).
-fn everyone(links: &Links) -> Option<&ProcessGroup> {
-    links
-        .channels
-        .as_ref()
-        .map(Channels::everyone)
-        .or(links.replicas.as_ref())
-}
 
 /// A vote on stopping (SIGTERM on some rank), possibly still in flight.
 struct StopVote {
@@ -479,7 +481,7 @@ impl Executor {
     /// iteration's one wait, for its loss and accuracy, is booked as compute
     /// ([`Self::take_tally`]). On a CPU nothing changes: its kernels run as they are called.
     fn waits_after_each_action(&self) -> bool {
-        everyone(&self.links).is_some() || self.slowdown > 1.0
+        self.links.everyone().is_some() || self.slowdown > 1.0
     }
 
     /// Sum of the first parameter's current values (weights as the next kernel will see them).
@@ -527,7 +529,7 @@ impl Executor {
                 scaler.unscale(&grads).map_err(anyhow::Error::msg)?;
                 // Every rank skips the same steps with the same scale: sum the inf/nan flags over
                 // all ranks (the forward channel spans them; a single stage's replicas are all).
-                let everyone = everyone(&self.links);
+                let everyone = self.links.everyone();
                 if let Some(group) = everyone {
                     group
                         .all_reduce_sum(std::slice::from_ref(scaler.found_inf()))?
@@ -797,7 +799,7 @@ impl Executor {
     /// iteration, so all stop together.
     fn start_stop_vote(&self) -> anyhow::Result<StopVote> {
         let mine = f32::from(u8::from(signals::term_requested()));
-        let everyone = everyone(&self.links);
+        let everyone = self.links.everyone();
         let flag = Tensor::from_slice(&[mine]).to_device(self.device);
         let work = everyone
             .map(|group| group.all_reduce_sum(std::slice::from_ref(&flag)))
