@@ -42,22 +42,21 @@ fn stage_plan(dist: &DistConfig, num_modules: usize) -> anyhow::Result<StagePlan
     }
 }
 
-/// This rank's actions from iteration `first` on, a chunk at a time ([`RankActions`]).
+/// This rank's actions from iteration `first` on, a chunk at a time ([`RankActions`]), drained
+/// at the end of every [`segment`].
 fn rank_actions(
     plan: &StagePlan,
-    dist: &DistConfig,
+    config: &TrainConfig,
     microbatches: usize,
-    iterations: u64,
     first: u64,
-    segment: Option<u64>,
 ) -> anyhow::Result<RankActions> {
     Ok(RankActions::new(
         plan,
-        dist.schedule,
-        dist.rank,
+        config.dist.schedule,
+        config.dist.rank,
         microbatches,
-        (first as usize, iterations as usize),
-        segment.map(|s| s as usize),
+        (first as usize, config.iterations as usize),
+        segment(config).map(|s| s as usize),
         schedule::CHUNK_ITERATIONS,
     )?)
 }
@@ -438,14 +437,7 @@ fn check_plan(config: &TrainConfig) -> anyhow::Result<Checked> {
             config.iterations
         );
     }
-    let actions = rank_actions(
-        &plan,
-        dist,
-        microbatches,
-        config.iterations,
-        first,
-        segment(config),
-    )?;
+    let actions = rank_actions(&plan, config, microbatches, first)?;
     Ok(Checked {
         model,
         plan,
@@ -676,14 +668,7 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
             None => {}
         }
         if first != latest_done {
-            actions = rank_actions(
-                &plan,
-                dist,
-                microbatches,
-                config.iterations,
-                first,
-                segment(config),
-            )?;
+            actions = rank_actions(&plan, config, microbatches, first)?;
         }
     }
     if let Some(stream) = &mut data {

@@ -193,7 +193,6 @@ fn iteration_seed(seed: u64, rank: usize, iteration: usize) -> i64 {
     (mixed & (i64::MAX as u64)) as i64
 }
 
-
 /// A vote on stopping (SIGTERM on some rank), possibly still in flight.
 struct StopVote {
     flag: Tensor,
@@ -793,7 +792,7 @@ impl Executor {
     }
 
     /// Starts the vote on stopping at this iteration's end: a sum of every rank's SIGTERM flag
-    /// over a group that spans them all ([`everyone`]). It completes in the background and is
+    /// over a group that spans them all ([`Links::everyone`]). It completes in the background and is
     /// read at the next iteration's end, so no rank waits on it while a peer waits on this rank's
     /// sends (PipeDream's stages run iterations apart); every rank reads the same sum at the same
     /// iteration, so all stop together.
