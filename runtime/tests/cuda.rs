@@ -347,6 +347,54 @@ fn gpu_a_gloo_pipeline_on_one_gpu_stages_through_host_memory() {
     }
 }
 
+/// A validation pass on the GPU measures what it measures on the CPU, and a two-stage pipeline
+/// of ranks on the GPU (over Gloo, through host memory) what one process there does: the pass's
+/// tallies are summed on the device and read once.
+#[test]
+fn gpu_a_validation_pass_measures_what_the_cpu_and_one_process_do() {
+    let Some(_) = gpus("gpu_a_validation_pass_measures_what_the_cpu_and_one_process_do") else {
+        return;
+    };
+    let base = "--model mlp --layers 4 --hidden 64 --image-size 8 --batch-size 16 --iterations 2 \
+                --lr 0.05 --seed 3 --validate-every 1 --microbatches 4";
+    let passes = |run: &crate::util::Run| -> Vec<f64> {
+        run.events
+            .iter()
+            .filter_map(|e| match e {
+                stagehand_contract::Event::Validation(v) => Some(v.figures.loss),
+                _ => None,
+            })
+            .collect()
+    };
+    let on = |device: &str| run_ok(&[&words(base)[..], &["--device", device]].concat());
+    let (cpu, cuda) = (passes(&on("cpu")), passes(&on("cuda:0")));
+    assert_eq!(cpu.len(), 2);
+    for (a, b) in cpu.iter().zip(&cuda) {
+        // As the first loss's: float32 matmuls on both, rounded differently, after two steps.
+        assert!((a - b).abs() <= 1e-3 * a.abs(), "cpu {cpu:?} vs cuda {cuda:?}");
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let config = tmp.path().join("two.json");
+    std::fs::write(
+        &config,
+        r#"{"module_to_stage_map": [0,0,0,1,1,1], "stage_to_rank_map": {"0": [0], "1": [1]}}"#,
+    )
+    .unwrap();
+    let mut args = words(base);
+    args.extend(["--device", "cuda:0", "--backend", "gloo", "--stage-config"]);
+    args.push(config.to_str().unwrap());
+    let runs = run_ranks(2, &args, std::time::Duration::from_secs(120));
+    for run in &runs {
+        assert!(run.output.status.success(), "{}", run.stderr());
+    }
+    let piped = passes(runs.iter().max_by_key(|r| r.start().stage).unwrap());
+    assert_eq!(piped.len(), cuda.len());
+    for (a, b) in piped.iter().zip(&cuda) {
+        // float32 on one device, summed in another order: far inside 1e-4 relative.
+        assert!((a - b).abs() <= 1e-4 * b.abs(), "{piped:?} vs {cuda:?}");
+    }
+}
+
 /// Replicas on one GPU, over Gloo: the all-reduce started from CUDA autograd's hooks during the
 /// backward (`--overlap-reduce on`, the default on GPUs), in buckets of one tensor and of all,
 /// trains exactly as the all-reduce after the backward (reduce.rs says why bit for bit).
