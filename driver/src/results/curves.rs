@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 /// The metrics lines of a record's `metrics.jsonl`, in order; `None` when it has no such file.
-fn events(dir: &Path) -> Option<Vec<stagehand_contract::Event>> {
+pub(super) fn events(dir: &Path) -> Option<Vec<stagehand_contract::Event>> {
     let text = std::fs::read_to_string(dir.join("metrics.jsonl")).ok()?;
     Some(
         text.lines()
@@ -29,6 +29,14 @@ fn iterations_of(events: Vec<stagehand_contract::Event>) -> Vec<stagehand_contra
             _ => None,
         })
         .collect()
+}
+
+/// [`curve`] from a record's metrics lines already read.
+pub(super) fn curve_in(events: &[stagehand_contract::Event], metric: Metric) -> Option<Curve> {
+    match metric.of_validation() {
+        true => validation_curve(events, metric),
+        false => curve_of(&iterations_of(events.to_vec()), metric),
+    }
 }
 
 /// What the last stage reports that a curve follows: on its iteration lines (the training
@@ -176,18 +184,14 @@ pub type Curve = Vec<CurvePoint>;
 /// when no iteration has the metric. A validation metric has a point per pass instead
 /// ([`validation_curve`]).
 pub fn curve(dir: &Path, metric: Metric) -> Option<Curve> {
-    let events = events(dir)?;
-    match metric.of_validation() {
-        true => validation_curve(events, metric),
-        false => curve_of(&iterations_of(events), metric),
-    }
+    curve_in(&events(dir)?, metric)
 }
 
 /// A validation metric's curve: a point per pass, at the iteration it followed and the seconds
 /// of training up to the end of that iteration (the loss curve's; a pass's own time is no
 /// training). Every last-stage rank reports the whole pass's figures; a restarted run's later
 /// report of a pass replaces the earlier.
-fn validation_curve(events: Vec<stagehand_contract::Event>, metric: Metric) -> Option<Curve> {
+fn validation_curve(events: &[stagehand_contract::Event], metric: Metric) -> Option<Curve> {
     let mut passes: BTreeMap<u64, f64> = BTreeMap::new();
     let mut lines = Vec::new();
     for event in events {
@@ -197,7 +201,7 @@ fn validation_curve(events: Vec<stagehand_contract::Event>, metric: Metric) -> O
                     passes.insert(v.iteration, value);
                 }
             }
-            stagehand_contract::Event::Iteration(it) => lines.push(it),
+            stagehand_contract::Event::Iteration(it) => lines.push(it.clone()),
             _ => {}
         }
     }
@@ -359,9 +363,15 @@ impl TimeTo {
 }
 
 /// When the record's curve of the target's metric, smoothed by `smoothing`, first reached the
-/// target; `None` when the record reports no such curve.
+/// target; `None` when the record reports no such curve. A validation metric's passes are read
+/// as they are: each is already a mean over the held-out split, not one minibatch's luck, and
+/// the plots draw them unsmoothed.
 pub fn time_to(dir: &Path, target: Target, smoothing: Smoothing) -> Option<TimeTo> {
     let curve = curve(dir, target.metric)?;
+    let smoothing = match target.metric.of_validation() {
+        true => Smoothing::NONE,
+        false => smoothing,
+    };
     let values: Vec<f64> = curve.iter().map(|p| p.value).collect();
     let reached = smoothing
         .apply(&values)

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use plotters::coord::Shift;
 use plotters::prelude::*;
 
-use super::curves::{curve, curve_of, figure_text, iterations, Curve, CurvePoint, Metric, Smoothing};
+use super::curves::{curve, curve_in, events, figure_text, iterations, Curve, CurvePoint, Metric, Smoothing};
 use super::read::Row;
 use super::select::value;
 
@@ -281,6 +281,8 @@ struct Line {
     raw: Vec<(f64, f64)>,
     color: RGBAColor,
     dashed: bool,
+    /// Each point marked with a dot (a validation curve's passes, few and far apart).
+    marked: bool,
 }
 
 impl Line {
@@ -308,9 +310,13 @@ impl Line {
             raw,
             color,
             dashed,
+            marked: false,
         }
     }
 }
+
+/// The radius of a marked line's dots, in pixels.
+const MARK: i32 = 4;
 
 /// How faint a smoothed line's raw values are drawn (the alpha of its colour).
 const RAW_ALPHA: f64 = 0.25;
@@ -368,6 +374,14 @@ fn draw_lines(path: &Path, axes: Axes, lines: Vec<Line>) -> Result<(), PlotError
     }
     for line in lines {
         let style = line.color.stroke_width(2);
+        if line.marked {
+            let dots = line
+                .points
+                .iter()
+                .map(|&p| Circle::new(p, MARK, line.color.filled()));
+            chart.draw_series(dots).map_err(|e| fail(e.to_string()))?;
+        }
+        let marked = line.marked;
         let drawn = match line.dashed {
             false => chart.draw_series(LineSeries::new(line.points, style)),
             true => chart.draw_series(DashedLineSeries::new(line.points, DASH, DASH, style)),
@@ -382,7 +396,10 @@ fn draw_lines(path: &Path, axes: Axes, lines: Vec<Line>) -> Result<(), PlotError
                     false => ((0, 9), (9, 18)),
                     true => ((0, 7), (11, 18)),
                 };
-                EmptyElement::at((x, y)) + piece(first.0, first.1) + piece(second.0, second.1)
+                let sample = EmptyElement::at((x, y)) + piece(first.0, first.1) + piece(second.0, second.1);
+                // A marked line's sample carries a dot at its middle.
+                let dot = Circle::new((9, 0), if marked { MARK } else { 0 }, style.color.filled());
+                sample + dot
             });
     }
     legend_and_present(&mut chart, &root, axes.legend, path)
@@ -440,17 +457,20 @@ pub fn losses(rows: &[Row], x: CurveX, smoothing: Smoothing, path: &Path) -> Res
 
 /// Every row's training accuracy against `x`: top-1 a solid line per row (labelled as its row,
 /// with its record folder where labels repeat), top-5 a dashed one in the same colour where the
-/// row reports it; on a fixed 0-100% scale, so plots compare; smoothed by `smoothing`. Rows
-/// without accuracies are left out.
+/// row reports it, and where it ran validation passes their top-1 as a line through a dot per
+/// pass, in the same colour; on a fixed 0-100% scale, so plots compare; the training curves
+/// smoothed by `smoothing` (a few passes are not). Rows without accuracies are left out.
 pub fn accuracies(rows: &[Row], x: CurveX, smoothing: Smoothing, path: &Path) -> Result<(), PlotError> {
-    // (row, top-1, top-5)
-    let curves: Vec<(&Row, Curve, Option<Curve>)> = rows
+    // (row, top-1, top-5, validation top-1)
+    type Curves<'r> = (&'r Row, Curve, Option<Curve>, Option<Curve>);
+    let curves: Vec<Curves> = rows
         .iter()
         .filter_map(|r| {
-            // Each record's lines are read once for both curves.
-            let lines = iterations(&r.dir)?;
-            let top1 = curve_of(&lines, Metric::Accuracy)?;
-            Some((r, top1, curve_of(&lines, Metric::AccuracyTop5)))
+            // Each record's lines are read once for all its curves.
+            let lines = events(&r.dir)?;
+            let top1 = curve_in(&lines, Metric::Accuracy)?;
+            let top5 = curve_in(&lines, Metric::AccuracyTop5);
+            Some((r, top1, top5, curve_in(&lines, Metric::ValAccuracy)))
         })
         .collect();
     if curves.is_empty() {
@@ -458,7 +478,7 @@ pub fn accuracies(rows: &[Row], x: CurveX, smoothing: Smoothing, path: &Path) ->
     }
     let x_end = curves
         .iter()
-        .flat_map(|(_, top1, top5)| top1.iter().chain(top5.iter().flatten()))
+        .flat_map(|(_, top1, top5, _)| top1.iter().chain(top5.iter().flatten()))
         .map(|p| x.of(p))
         .fold(0.0f64, f64::max);
     let labels = row_labels(&curves.iter().map(|(r, ..)| *r).collect::<Vec<_>>());
@@ -466,20 +486,36 @@ pub fn accuracies(rows: &[Row], x: CurveX, smoothing: Smoothing, path: &Path) ->
         Line::of(c, x, |v| v, smoothing, label, color, dashed)
     };
     let mut lines = Vec::new();
-    for (i, ((_, top1, top5), label)) in curves.iter().zip(labels).enumerate() {
+    for (i, ((_, top1, top5, validation), label)) in curves.iter().zip(labels).enumerate() {
         let color = Palette99::pick(i).to_rgba();
-        let top1_label = match top5 {
-            Some(_) => format!("{label} top-1"),
-            None => label.clone(),
+        let top1_label = match (top5, validation) {
+            (None, None) => label.clone(),
+            _ => format!("{label} top-1"),
         };
         lines.push(line(top1, top1_label, color, false));
         if let Some(top5) = top5 {
             lines.push(line(top5, format!("{label} top-5"), color, true));
         }
+        if let Some(validation) = validation {
+            let label = format!("{label} validation top-1");
+            let passes = Line::of(validation, x, |v| v, Smoothing::NONE, label, color, false);
+            lines.push(Line {
+                marked: true,
+                ..passes
+            });
+        }
     }
     let y_label = |v: &f64| format!("{:.0}%", v * 100.0);
     let axes = Axes {
-        caption: format!("training accuracy against {}{}", x.desc(), smoothing.note()),
+        caption: format!(
+            "{} accuracy against {}{}",
+            match curves.iter().any(|(.., validation)| validation.is_some()) {
+                true => "training and validation",
+                false => "training",
+            },
+            x.desc(),
+            smoothing.note()
+        ),
         x,
         x_end,
         y: -0.02..1.02,

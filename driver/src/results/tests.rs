@@ -797,6 +797,12 @@ fn the_time_to_a_validation_target_is_read_on_the_passes() {
         curves::time_to(&late, target("val_loss=0.5"), raw),
         reached(5, 3.0)
     );
+    // Passes are read unsmoothed (smoothed at 0.6, 0.6 then 0.92 would be 0.795 at iteration 3).
+    let smoothed = Smoothing::new(0.6).unwrap();
+    assert_eq!(
+        curves::time_to(&late, target("val_accuracy=90%"), smoothed),
+        reached(3, 2.0)
+    );
     assert_eq!(
         curves::time_to(&late, target("val_acc=99%"), raw),
         Some(curves::TimeTo::NotReached { iterations: 3 }),
@@ -816,4 +822,63 @@ fn the_time_to_a_validation_target_is_read_on_the_passes() {
         unknown.contains("val_loss, val_accuracy or val_top5"),
         "{unknown}"
     );
+}
+
+/// A record that ran validation passes has their top-1 on the accuracy plot: a line through a
+/// dot per pass, in its row's colour, at the passes' iterations (not smoothed when the training
+/// curves are), labelled as the validation's; a record without passes draws no dot.
+#[test]
+fn an_accuracy_plot_draws_the_validation_passes_as_dotted_points() {
+    let dir = tempfile::tempdir().unwrap();
+    let five = [
+        (0.125, None),
+        (0.5, None),
+        (0.75, None),
+        (0.625, None),
+        (0.875, None),
+    ];
+    let validated = accuracy_record(dir.path(), "20261129T000000Z_mlp", &five);
+    let mut text = std::fs::read_to_string(validated.dir.join("metrics.jsonl")).unwrap();
+    for (iteration, accuracy) in [(1, 0.25), (3, 0.5), (4, 0.625)] {
+        text.push_str(&format!(
+            "\n{{\"event\":\"validation\",\"iteration\":{iteration},\"rank\":0,\"stage\":0,\"loss\":1.0,\"accuracy\":{accuracy},\"accuracy_top5\":null,\"samples\":64,\"time_s\":1.0}}"
+        ));
+    }
+    std::fs::write(validated.dir.join("metrics.jsonl"), text).unwrap();
+    let plain = accuracy_record(dir.path(), "20261129T000100Z_mlp", &five);
+    let svg = dir.path().join("accuracy.svg");
+    let smoothed = curves::Smoothing::new(0.6).unwrap();
+    plot::accuracies(&[validated, plain], plot::CurveX::Iteration, smoothed, &svg).unwrap();
+    let text = std::fs::read_to_string(&svg).unwrap();
+    assert!(
+        text.contains("training and validation accuracy against iteration, smoothed (0.6)"),
+        "{text}"
+    );
+    assert!(
+        text.contains("mlp (20261129T000000Z_mlp) validation top-1"),
+        "{text}"
+    );
+    assert!(text.contains("mlp (20261129T000000Z_mlp) top-1"), "{text}");
+    assert!(text.contains("\nmlp (20261129T000100Z_mlp)\n"), "{text}");
+    assert!(!text.contains("20261129T000100Z_mlp) validation"), "{text}");
+    // A dot per pass, and one on the legend's sample.
+    let marked = text
+        .split("<circle")
+        .skip(1)
+        .filter(|c| c.contains("r=\"4\""))
+        .count();
+    assert_eq!(marked, 4, "{text}");
+    // The passes' line runs through their raw values, 0.25 to 0.625, half the spread of the
+    // training top-1's raw values, 0.125 to 0.875, drawn faint (smoothed at 0.6 the passes
+    // would spread 0.26, about a third, instead).
+    let passes = polylines(&text, "stroke-width=\"2\"")
+        .into_iter()
+        .find(|p| p.split_whitespace().count() == 3)
+        .unwrap_or_else(|| panic!("no three-point line: {text}"));
+    let raw = polylines(&text, "stroke-width=\"1\"")
+        .into_iter()
+        .find(|p| p.split_whitespace().count() == 5)
+        .unwrap_or_else(|| panic!("no faint raw line: {text}"));
+    let ratio = y_spread(&passes) / y_spread(&raw);
+    assert!((ratio - 0.5).abs() < 0.02, "{ratio}: {passes} against {raw}");
 }
