@@ -307,6 +307,53 @@ fn the_real_runtime_trains_as_a_process() {
     h.assert_no_processes();
 }
 
+/// Validation passes on two data-parallel ranks, end to end: the ranks' validation lines reach
+/// the record's `metrics.jsonl`, its summary keeps the last pass, and `driver results` shows it
+/// and reads the time to a validation target from the passes.
+#[test]
+fn validation_passes_reach_the_record_and_the_results() {
+    let runtime = runtime();
+    let h = Harness::new("proc-validation");
+    let config = h.config(
+        "backend: process\nmachines: [localhost, localhost]\nmodule: mlp\nbatch_size: 16\n\
+         iterations: 4\nthreads: 1\nvalidate_every: 2\nvalidation_batches: 2\n",
+    );
+    let run = h.run(&config, &["--runtime", runtime.to_str().unwrap()]);
+    assert_eq!(run.code(), 0, "{}", run.stderr());
+    let (dir, summary) = h.summary();
+    let metrics = lines(&dir.join("metrics.jsonl"));
+    let passes: Vec<serde_json::Value> = metrics
+        .iter()
+        .filter(|l| l.contains(r#""event":"validation""#))
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    // After iterations 2 and 4 done, from both ranks (data parallelism: both are the last stage).
+    assert_eq!(passes.len(), 4, "{metrics:?}");
+    assert!(passes.iter().all(|p| p["samples"] == 32), "{passes:?}");
+    let last = &summary["validation"];
+    assert_eq!(last["iteration"], 3, "{summary}");
+    assert_eq!(last["samples"], 32, "{summary}");
+    assert_eq!(last["accuracy"], passes[3]["accuracy"], "{summary}");
+    let shown = h.driver(
+        &[
+            "results".as_ref(),
+            "--format".as_ref(),
+            "json".as_ref(),
+            "--time-to".as_ref(),
+            "val_loss=1000".as_ref(),
+            h.records().as_os_str(),
+        ],
+        Duration::from_secs(60),
+    );
+    assert_eq!(shown.code(), 0, "{}", shown.stderr());
+    let rows: serde_json::Value = serde_json::from_str(&shown.stdout()).unwrap();
+    assert_eq!(rows[0]["validation"]["loss"], last["loss"], "{rows}");
+    // Any loss is below 1000: reached at the first pass, after iteration 1.
+    assert_eq!(rows[0]["time_to"]["iteration"], 1, "{rows}");
+    assert_eq!(rows[0]["time_to"]["metric"], "val_loss", "{rows}");
+    h.assert_no_processes();
+}
+
 /// fp16 runs whose gradient scaler skipped steps say so: the summary counts each skipped
 /// iteration once (both replicas skip it), and `driver results` shows it beside the throughput,
 /// which alone would not tell that the run trained on none of its steps.
