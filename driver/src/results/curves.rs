@@ -18,14 +18,15 @@ pub(super) fn events(dir: &Path) -> Option<Vec<stagehand_contract::Event>> {
 
 /// The iteration lines of a record's `metrics.jsonl`, in order; `None` when it has no such file.
 pub(super) fn iterations(dir: &Path) -> Option<Vec<stagehand_contract::Iteration>> {
-    Some(iterations_of(events(dir)?))
+    Some(iterations_of(&events(dir)?))
 }
 
-fn iterations_of(events: Vec<stagehand_contract::Event>) -> Vec<stagehand_contract::Iteration> {
+/// The iteration lines among `events`, in order.
+fn iterations_of(events: &[stagehand_contract::Event]) -> Vec<stagehand_contract::Iteration> {
     events
-        .into_iter()
+        .iter()
         .filter_map(|event| match event {
-            stagehand_contract::Event::Iteration(it) => Some(it),
+            stagehand_contract::Event::Iteration(it) => Some(it.clone()),
             _ => None,
         })
         .collect()
@@ -35,7 +36,7 @@ fn iterations_of(events: Vec<stagehand_contract::Event>) -> Vec<stagehand_contra
 pub(super) fn curve_in(events: &[stagehand_contract::Event], metric: Metric) -> Option<Curve> {
     match metric.of_validation() {
         true => validation_curve(events, metric),
-        false => curve_of(&iterations_of(events.to_vec()), metric),
+        false => curve_of(&iterations_of(events), metric),
     }
 }
 
@@ -193,19 +194,14 @@ pub fn curve(dir: &Path, metric: Metric) -> Option<Curve> {
 /// report of a pass replaces the earlier.
 fn validation_curve(events: &[stagehand_contract::Event], metric: Metric) -> Option<Curve> {
     let mut passes: BTreeMap<u64, f64> = BTreeMap::new();
-    let mut lines = Vec::new();
     for event in events {
-        match event {
-            stagehand_contract::Event::Validation(v) => {
-                if let Some(value) = metric.of_pass(&v.figures).filter(|v| v.is_finite()) {
-                    passes.insert(v.iteration, value);
-                }
+        if let stagehand_contract::Event::Validation(v) = event {
+            if let Some(value) = metric.of_pass(&v.figures).filter(|v| v.is_finite()) {
+                passes.insert(v.iteration, value);
             }
-            stagehand_contract::Event::Iteration(it) => lines.push(it.clone()),
-            _ => {}
         }
     }
-    let seconds: BTreeMap<u64, f64> = curve_of(&lines, Metric::Loss)?
+    let seconds: BTreeMap<u64, f64> = curve_of(&iterations_of(events), Metric::Loss)?
         .into_iter()
         .map(|p| (p.iteration, p.seconds))
         .collect();
@@ -223,7 +219,7 @@ fn validation_curve(events: &[stagehand_contract::Event], metric: Metric) -> Opt
 }
 
 /// [`curve`] from a record's iteration lines already read.
-pub(super) fn curve_of(iterations: &[stagehand_contract::Iteration], metric: Metric) -> Option<Curve> {
+fn curve_of(iterations: &[stagehand_contract::Iteration], metric: Metric) -> Option<Curve> {
     // iteration -> rank -> (value, seconds)
     let mut reports: BTreeMap<u64, BTreeMap<usize, (f64, f64)>> = BTreeMap::new();
     for it in iterations {

@@ -1,7 +1,7 @@
 //! CSV: one header line, one line per row, plain numbers (shares as fractions), quoted as RFC 4180
 //! asks.
 
-use super::{Export, Groups};
+use super::{Export, Extra, Groups};
 use crate::results::curves::TimeTo;
 use crate::results::read::Row;
 
@@ -60,7 +60,8 @@ fn time_to_at() -> usize {
         .expect("an accuracy_top5 column")
 }
 
-fn fields(group: &str, row: &Row, time_to: bool, validation: bool) -> Vec<String> {
+fn fields(group: &str, row: &Row, extra: Extra) -> Vec<String> {
+    let (time_to, validation) = (extra.time_to.is_some(), extra.validation);
     let opt = |x: Option<String>| x.unwrap_or_default();
     let replicas: Vec<String> = row.replicas.iter().map(usize::to_string).collect();
     let mut fields = vec![
@@ -119,20 +120,17 @@ impl Export for CsvExport {
     fn render(&self, rows: &Groups) -> String {
         let mut header = HEADER.to_vec();
         let mut at = time_to_at();
-        if rows.time_to.is_some() {
+        if rows.extra.time_to.is_some() {
             header.splice(at..at, TIME_TO);
             at += TIME_TO.len();
         }
-        if rows.validation {
+        if rows.extra.validation {
             header.splice(at..at, VALIDATION);
         }
         let mut out = header.join(",") + "\n";
         for (group, members) in rows.groups {
             for row in members {
-                let line: Vec<String> = fields(group, row, rows.time_to.is_some(), rows.validation)
-                    .iter()
-                    .map(|f| quote(f))
-                    .collect();
+                let line: Vec<String> = fields(group, row, rows.extra).iter().map(|f| quote(f)).collect();
                 out.push_str(&line.join(","));
                 out.push('\n');
             }

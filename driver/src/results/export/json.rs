@@ -118,7 +118,7 @@ impl Export for JsonExport {
             .flat_map(|(g, members)| {
                 members
                     .iter()
-                    .map(move |r| json_row(rows.key.map(|_| g.as_str()), r, rows.time_to))
+                    .map(move |r| json_row(rows.key.map(|_| g.as_str()), r, rows.extra.time_to))
             })
             .collect();
         serde_json::to_string_pretty(&all).expect("rows serialize") + "\n"

@@ -12,10 +12,8 @@ use super::Format;
 pub struct Groups<'a> {
     /// The `--group-by` key.
     pub key: Option<&'a str>,
-    /// The `--time-to` target, whose column the rows then have.
-    pub time_to: Option<Target>,
-    /// Some row has a validation pass: the rows then have its columns.
-    pub validation: bool,
+    /// The optional columns these rows have.
+    pub extra: Extra,
     /// Each group's value and rows.
     pub groups: &'a [(String, Vec<Row>)],
 }
@@ -29,26 +27,19 @@ impl<'a> Groups<'a> {
             .any(|r| r.validation.is_some());
         Groups {
             key,
-            time_to,
-            validation,
+            extra: Extra { time_to, validation },
             groups,
-        }
-    }
-
-    /// The optional columns these rows have.
-    fn extra(&self) -> Extra {
-        Extra {
-            time_to: self.time_to,
-            validation: self.validation,
         }
     }
 }
 
 /// The columns a table has only when asked for or when some row has them.
 #[derive(Debug, Clone, Copy)]
-struct Extra {
-    time_to: Option<Target>,
-    validation: bool,
+pub struct Extra {
+    /// The `--time-to` target, whose column the rows then have.
+    pub time_to: Option<Target>,
+    /// Some row has a validation pass: the rows then have its columns.
+    pub validation: bool,
 }
 
 /// One output format.

@@ -17,7 +17,7 @@ const NUMBERS: (&str, &str) = ("microbatches", "comm");
 impl Export for TableExport {
     fn render(&self, rows: &Groups) -> String {
         let mut out = String::new();
-        let headers = headers(rows.extra());
+        let headers = headers(rows.extra);
         let with_note = rows.groups.iter().flat_map(|(_, r)| r).any(|r| r.note.is_some());
         let width = if with_note {
             headers.len()
@@ -51,7 +51,7 @@ impl Export for TableExport {
                 .set_content_arrangement(ContentArrangement::Disabled)
                 .set_header(&headers[..width]);
             for row in members {
-                let mut c = cells(row, rows.extra());
+                let mut c = cells(row, rows.extra);
                 c.truncate(width);
                 table.add_row(c);
             }
