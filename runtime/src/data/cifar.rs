@@ -36,35 +36,50 @@ fn test_files(dir: &Path) -> Vec<PathBuf> {
         .collect()
 }
 
-/// The held-out images in `dir`'s `test_batch.bin`, from its size alone.
-pub fn test_count(dir: &Path) -> Result<u64, DataError> {
-    let file = dir.join("test_batch.bin");
-    let bytes = std::fs::metadata(&file)
-        .map_err(|_| {
-            DataError::malformed(
-                dir,
-                "no test_batch.bin in this folder: a validation pass over CIFAR-10 reads its test \
-                 split there",
-            )
-        })?
-        .len();
-    Ok(bytes / RECORD as u64)
+/// One of CIFAR-10's splits: its files in a folder, and what to say when there are none.
+struct Split {
+    files: fn(&Path) -> Vec<PathBuf>,
+    missing: &'static str,
+}
+
+const TRAIN: Split = Split {
+    files: train_files,
+    missing: "no data_batch_1.bin ... data_batch_5.bin in this folder",
+};
+
+const TEST: Split = Split {
+    files: test_files,
+    missing: "no test_batch.bin in this folder: a validation pass over CIFAR-10 reads its test split there",
+};
+
+impl Split {
+    /// The split's files in `dir`, at least one.
+    fn files_in(&self, dir: &Path) -> Result<Vec<PathBuf>, DataError> {
+        let files = (self.files)(dir);
+        match files.is_empty() {
+            true => Err(DataError::malformed(dir, self.missing)),
+            false => Ok(files),
+        }
+    }
+
+    /// The split's images in `dir`, from its files' sizes alone.
+    fn count(&self, dir: &Path) -> Result<u64, DataError> {
+        let mut records = 0;
+        for file in self.files_in(dir)? {
+            records += std::fs::metadata(&file).map_err(DataError::io(&file))?.len() / RECORD as u64;
+        }
+        Ok(records)
+    }
 }
 
 /// The training images in `dir`'s files, from their sizes alone.
 pub fn count(dir: &Path) -> Result<u64, DataError> {
-    let files = train_files(dir);
-    if files.is_empty() {
-        return Err(DataError::malformed(
-            dir,
-            "no data_batch_1.bin ... data_batch_5.bin in this folder",
-        ));
-    }
-    let mut records = 0;
-    for file in files {
-        records += std::fs::metadata(&file).map_err(DataError::io(&file))?.len() / RECORD as u64;
-    }
-    Ok(records)
+    TRAIN.count(dir)
+}
+
+/// The held-out images in `dir`'s `test_batch.bin`, from its size alone.
+pub fn test_count(dir: &Path) -> Result<u64, DataError> {
+    TEST.count(dir)
 }
 
 /// Whether `dir` holds CIFAR-10 binary training files.
@@ -87,30 +102,15 @@ pub struct Cifar10 {
 impl Cifar10 {
     /// The training split: `data_batch_1.bin` to `data_batch_5.bin`, those that exist.
     pub fn open(dir: &Path, request: BatchRequest) -> Result<Cifar10, DataError> {
-        Cifar10::open_files(
-            dir,
-            train_files(dir),
-            "no data_batch_1.bin ... data_batch_5.bin in this folder",
-            request,
-        )
+        Cifar10::open_split(dir, TRAIN, request)
     }
 
     /// The held-out split: `test_batch.bin`.
     pub fn open_test(dir: &Path, request: BatchRequest) -> Result<Cifar10, DataError> {
-        Cifar10::open_files(
-            dir,
-            test_files(dir),
-            "no test_batch.bin in this folder: a validation pass over CIFAR-10 reads its test split there",
-            request,
-        )
+        Cifar10::open_split(dir, TEST, request)
     }
 
-    fn open_files(
-        dir: &Path,
-        files: Vec<PathBuf>,
-        missing: &str,
-        request: BatchRequest,
-    ) -> Result<Cifar10, DataError> {
+    fn open_split(dir: &Path, split: Split, request: BatchRequest) -> Result<Cifar10, DataError> {
         let InputKind::Image { size, .. } = request.input else {
             return Err(DataError::WrongKind {
                 what: "CIFAR-10",
@@ -123,9 +123,7 @@ impl Cifar10 {
                 "expected a folder of CIFAR-10 binary files (data_batch_1.bin ...)",
             ));
         }
-        if files.is_empty() {
-            return Err(DataError::malformed(dir, missing));
-        }
+        let files = split.files_in(dir)?;
         let mut bytes = Vec::new();
         for file in &files {
             let content = std::fs::read(file).map_err(DataError::io(file))?;

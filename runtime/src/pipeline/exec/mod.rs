@@ -286,28 +286,8 @@ impl Executor {
 
     /// The first stage's inputs and targets of global microbatch `g`.
     fn microbatch(&mut self, progress: &mut Progress, g: usize) -> anyhow::Result<(Tensor, Tensor)> {
-        let index = g / self.microbatches;
-        if progress.batch.as_ref().is_none_or(|(i, _, _)| *i != index) {
-            let data = self.data.as_mut().expect("the first stage has data");
-            let (x, y) = data.next_batch()?;
-            progress.batch = Some((index, x, y));
-        }
-        let (_, x, y) = progress.batch.as_ref().expect("just loaded");
-        let start = (g % self.microbatches) as i64 * self.micro_size;
-        let loaded = self.data.as_ref().and_then(|d| d.rows()).is_none_or(|rows| {
-            let wanted = start as usize..(start + self.micro_size) as usize;
-            rows.iter()
-                .any(|r| r.start <= wanted.start && wanted.end <= r.end)
-        });
-        ensure!(
-            loaded,
-            "internal error: microbatch {g} takes rows {start}.. of its minibatch, which this \
-             rank's data stream was told it would not use"
-        );
-        Ok((
-            x.narrow(0, start, self.micro_size),
-            y.narrow(0, start, self.micro_size),
-        ))
+        let data = self.data.as_deref_mut().expect("the first stage has data");
+        slice_microbatch(data, &mut progress.batch, g, self.microbatches, self.micro_size)
     }
 
     fn forward(&mut self, progress: &mut Progress, g: usize, stash: bool) -> anyhow::Result<()> {
@@ -345,9 +325,7 @@ impl Executor {
                             Some(scaler) => scaler.scale_loss(&(&loss * scale)),
                             None => &loss * scale,
                         };
-                        let loss_value = loss.detach().to_kind(Kind::Double).reshape([1]);
-                        let tally = Tensor::cat(&[loss_value, accuracy], 0);
-                        Ok((backward, Some(tally)))
+                        Ok((backward, Some(tally_of(&loss, accuracy))))
                     }
                     None => Ok((out, None)),
                 }
@@ -845,6 +823,43 @@ impl Executor {
             accuracy_top5: mean(2),
         }))
     }
+}
+
+/// Microbatch `g` (of `microbatches` of `micro_size` samples a minibatch) from `data`, whose
+/// minibatch being sliced is kept in `batch` (its index, inputs and targets): the next one is
+/// taken when `g` starts another.
+fn slice_microbatch(
+    data: &mut dyn Batches,
+    batch: &mut Option<(usize, Tensor, Tensor)>,
+    g: usize,
+    microbatches: usize,
+    micro_size: i64,
+) -> anyhow::Result<(Tensor, Tensor)> {
+    let index = g / microbatches;
+    if batch.as_ref().is_none_or(|(i, _, _)| *i != index) {
+        let (x, y) = data.next_batch()?;
+        *batch = Some((index, x, y));
+    }
+    let (_, x, y) = batch.as_ref().expect("just loaded");
+    let start = (g % microbatches) as i64 * micro_size;
+    let loaded = data.rows().is_none_or(|rows| {
+        let wanted = start as usize..(start + micro_size) as usize;
+        rows.iter()
+            .any(|r| r.start <= wanted.start && wanted.end <= r.end)
+    });
+    ensure!(
+        loaded,
+        "internal error: microbatch {g} takes rows {start}.. of its minibatch, which this \
+         rank's data stream was told it would not use"
+    );
+    Ok((x.narrow(0, start, micro_size), y.narrow(0, start, micro_size)))
+}
+
+/// A microbatch's tally: its loss and its accuracies (`[top-1]` or `[top-1, top-5]`), one
+/// `Double` tensor on the device, summed over microbatches and read once.
+fn tally_of(loss: &Tensor, accuracy: Tensor) -> Tensor {
+    let loss = loss.detach().to_kind(Kind::Double).reshape([1]);
+    Tensor::cat(&[loss, accuracy], 0)
 }
 
 /// Runs `f`, the iteration's `part` (`forward`, `backward`, `step`: a scope of that name in a

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use tch::{Device, Kind, Tensor};
 
-use super::{Executor, Progress, Tally};
+use super::{slice_microbatch, tally_of, Executor, Progress, Tally};
 use crate::data::{Batches, DataError};
 use crate::pipeline::route::Op;
 use crate::pipeline::wire::Message;
@@ -83,19 +83,9 @@ impl Executor {
                 Op::Recv(transfer) => self.post_recv(&mut progress, transfer)?,
                 Op::Send(transfer) => self.send(&mut progress, transfer)?,
                 Op::Run(Action::Forward(g)) => {
-                    let (input, target) = match data.as_mut() {
-                        Some(data) => {
-                            if batch.as_ref().is_none_or(|(i, _, _)| *i != g / m) {
-                                let (x, y) = data.next_batch().context("--validate-every")?;
-                                batch = Some((g / m, x, y));
-                            }
-                            let (_, x, y) = batch.as_ref().expect("just loaded");
-                            let start = (g % m) as i64 * self.micro_size;
-                            (
-                                x.narrow(0, start, self.micro_size),
-                                y.narrow(0, start, self.micro_size),
-                            )
-                        }
+                    let (input, target) = match data.as_deref_mut() {
+                        Some(data) => slice_microbatch(data, &mut batch, g, m, self.micro_size)
+                            .context("--validate-every")?,
                         None => (
                             self.take(&mut progress, Message::Activation(g))?,
                             self.take(&mut progress, Message::Target(g))?,
@@ -105,8 +95,7 @@ impl Executor {
                     match self.stage.loss_and_accuracy(&output, &target) {
                         Some(computed) => {
                             let (loss, accuracy) = computed.context("computing the validation loss")?;
-                            let loss = loss.detach().to_kind(Kind::Double).reshape([1]);
-                            tallies.push(Tensor::cat(&[loss, accuracy], 0));
+                            tallies.push(tally_of(&loss, accuracy));
                         }
                         None => {
                             progress.outbox.insert(Message::Activation(g), output);
