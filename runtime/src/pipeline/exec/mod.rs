@@ -122,6 +122,19 @@ pub struct Tally {
     pub accuracy_top5: Option<f64>,
 }
 
+impl Tally {
+    /// The means of microbatch tallies summed into `sums` (`[loss, top-1]` or `[loss, top-1,
+    /// top-5]`, as [`tally_of`] makes them) over `count` microbatches.
+    fn mean_of(sums: &[f64], count: f64) -> anyhow::Result<Tally> {
+        let mean = |i: usize| sums.get(i).map(|sum| sum / count);
+        Ok(Tally {
+            loss: mean(0).context("internal error: an empty tally")?,
+            accuracy: mean(1).context("internal error: a tally without an accuracy")?,
+            accuracy_top5: mean(2),
+        })
+    }
+}
+
 /// A microbatch between its forward and its backward.
 struct InFlight {
     /// The stage's input, which needs a gradient to send back (stages after the first).
@@ -812,16 +825,11 @@ impl Executor {
         if !self.waits_after_each_action() {
             progress.timing.compute += started.elapsed();
         }
-        let mean = |i: usize| total.get(i).map(|sum| sum / count);
-        let loss = mean(0).context("internal error: an empty tally")?;
-        if !loss.is_finite() {
-            bail!("loss became {loss}; lower --lr");
+        let tally = Tally::mean_of(&total, count)?;
+        if !tally.loss.is_finite() {
+            bail!("loss became {}; lower --lr", tally.loss);
         }
-        Ok(Some(Tally {
-            loss,
-            accuracy: mean(1).context("internal error: a tally without an accuracy")?,
-            accuracy_top5: mean(2),
-        }))
+        Ok(Some(tally))
     }
 }
 

@@ -127,28 +127,20 @@ impl Executor {
     /// The pass's mean loss and accuracies over every microbatch, the last stage's replicas'
     /// summed (each ran its own microbatches).
     fn validation_tally(&self, tallies: &[Tensor]) -> anyhow::Result<Tally> {
-        let width = tallies.first().map_or(2, |t| t.size()[0]);
-        let mut total = match tallies.is_empty() {
-            true => Tensor::zeros([width], (Kind::Double, self.device)),
-            false => Tensor::stack(tallies, 0)
-                .sum_dim_intlist(0, false, Kind::Double)
-                .to_device(self.device),
-        };
+        // Every replica runs some of each minibatch's microbatches (there are at least as many).
+        let total = Tensor::stack(tallies, 0)
+            .sum_dim_intlist(0, false, Kind::Double)
+            .to_device(self.device);
         // The count rides along: the replicas' shares of a pass differ when its microbatches
         // are not a multiple of them.
         let count = Tensor::from_slice(&[tallies.len() as f64]).to_device(self.device);
-        total = Tensor::cat(&[total, count], 0);
+        let total = Tensor::cat(&[total, count], 0);
         if let Some(group) = &self.links.replicas {
             group.all_reduce_sum(std::slice::from_ref(&total))?.wait()?;
         }
         let total = Vec::<f64>::try_from(&total.to_device(Device::Cpu))
             .map_err(|e| anyhow::anyhow!("the device failed running the validation pass: {e}"))?;
         let (count, sums) = total.split_last().context("internal error: an empty tally")?;
-        let mean = |i: usize| sums.get(i).map(|sum| sum / count);
-        Ok(Tally {
-            loss: mean(0).context("internal error: a validation pass without a loss")?,
-            accuracy: mean(1).context("internal error: a validation pass without an accuracy")?,
-            accuracy_top5: mean(2),
-        })
+        Tally::mean_of(sums, *count)
     }
 }
