@@ -195,56 +195,75 @@ pub fn open(spec: &DataSpec, request: BatchRequest) -> Result<Box<dyn Batches>, 
     }
 }
 
-/// The held-out split of `spec` (a validation pass's data), as a stream of batches in a fixed
-/// order, the same each time it is opened: CIFAR-10's `test_batch.bin`, an image folder's `val/`
-/// beside its `train/`, or synthetic samples drawn apart from the training pool. Images are
-/// transformed as for evaluation (`--augment none`), whatever the training's augmentation.
-pub fn open_validation(spec: &DataSpec, request: BatchRequest) -> Result<Box<dyn Batches>, DataError> {
-    let request = BatchRequest {
-        augment: Augment::None,
-        ..request
-    };
-    match spec {
-        DataSpec::Synthetic => Ok(Box::new(synthetic::Synthetic::held_out(request))),
-        DataSpec::Cifar10(dir) => Ok(Box::new(cifar::Cifar10::open_test(dir, request)?)),
-        DataSpec::ImageFolder(dir) => Ok(Box::new(image_folder::ImageFolder::open(
-            &image_folder::validation_split(dir)?,
-            request,
-        )?)),
+/// The held-out split of a dataset, found once (an image folder's `val/` and its classes checked
+/// at start, not at each pass): where a validation pass reads.
+#[derive(Debug, Clone)]
+pub enum HeldOut {
+    /// Samples of the same classes or rule, drawn apart from the training pool.
+    Synthetic,
+    /// The folder whose `test_batch.bin` holds CIFAR-10's test split.
+    Cifar10(PathBuf),
+    /// An image folder's `val/` beside its `train/`, with the same class folders.
+    ImageFolder(PathBuf),
+}
+
+impl DataSpec {
+    /// The held-out split beside this training data: CIFAR-10's `test_batch.bin`, an image
+    /// folder's `val/` beside its `train/`, or synthetic samples drawn apart from the pool.
+    pub fn held_out(&self) -> Result<HeldOut, DataError> {
+        Ok(match self {
+            DataSpec::Synthetic => HeldOut::Synthetic,
+            DataSpec::Cifar10(dir) => HeldOut::Cifar10(dir.clone()),
+            DataSpec::ImageFolder(dir) => HeldOut::ImageFolder(image_folder::validation_split(dir)?),
+        })
     }
 }
 
-/// Whole minibatches of `batch_size` in a validation pass over `spec`'s held-out split: `asked`
-/// when given (no more than the split holds), else all the split holds (synthetic data, which has
-/// no size, [`synthetic::HELD_OUT_BATCHES`]).
-pub fn validation_batches(spec: &DataSpec, batch_size: usize, asked: Option<u64>) -> Result<u64, DataError> {
-    let (samples, path) = match spec {
-        DataSpec::Synthetic => return Ok(asked.unwrap_or(synthetic::HELD_OUT_BATCHES)),
-        DataSpec::Cifar10(dir) => (cifar::test_count(dir)?, dir.clone()),
-        DataSpec::ImageFolder(dir) => {
-            let val = image_folder::validation_split(dir)?;
-            (image_folder::count(&val)?, val)
+impl HeldOut {
+    /// The split as a stream of batches in a fixed order, the same each time it is opened.
+    /// Images are transformed as for evaluation (`--augment none`), whatever the training's
+    /// augmentation.
+    pub fn open(&self, request: BatchRequest) -> Result<Box<dyn Batches>, DataError> {
+        let request = BatchRequest {
+            augment: Augment::None,
+            ..request
+        };
+        match self {
+            HeldOut::Synthetic => Ok(Box::new(synthetic::Synthetic::held_out(request))),
+            HeldOut::Cifar10(dir) => Ok(Box::new(cifar::Cifar10::open_test(dir, request)?)),
+            HeldOut::ImageFolder(val) => Ok(Box::new(image_folder::ImageFolder::open(val, request)?)),
         }
-    };
-    let whole = samples / batch_size as u64;
-    match asked {
-        Some(n) if n > whole => Err(DataError::malformed(
-            &path,
-            format!(
-                "--validation-batches {n} of --batch-size {batch_size} asks for {} samples, but the \
-                 held-out split has {samples}: give at most {whole}",
-                n * batch_size as u64
-            ),
-        )),
-        Some(n) => Ok(n),
-        None if whole == 0 => Err(DataError::malformed(
-            &path,
-            format!(
-                "the held-out split has {samples} samples, fewer than one minibatch of \
-                 --batch-size {batch_size}"
-            ),
-        )),
-        None => Ok(whole),
+    }
+
+    /// Whole minibatches of `batch_size` in a validation pass: `asked` when given (no more than
+    /// the split holds), else all the split holds (synthetic data, which has no size,
+    /// [`synthetic::HELD_OUT_BATCHES`]).
+    pub fn batches(&self, batch_size: usize, asked: Option<u64>) -> Result<u64, DataError> {
+        let (samples, path) = match self {
+            HeldOut::Synthetic => return Ok(asked.unwrap_or(synthetic::HELD_OUT_BATCHES)),
+            HeldOut::Cifar10(dir) => (cifar::test_count(dir)?, dir),
+            HeldOut::ImageFolder(val) => (image_folder::count(val)?, val),
+        };
+        let whole = samples / batch_size as u64;
+        match asked {
+            Some(n) if n > whole => Err(DataError::malformed(
+                path,
+                format!(
+                    "--validation-batches {n} of --batch-size {batch_size} asks for {} samples, but \
+                     the held-out split has {samples}: give at most {whole}",
+                    n * batch_size as u64
+                ),
+            )),
+            Some(n) => Ok(n),
+            None if whole == 0 => Err(DataError::malformed(
+                path,
+                format!(
+                    "the held-out split has {samples} samples, fewer than one minibatch of \
+                     --batch-size {batch_size}"
+                ),
+            )),
+            None => Ok(whole),
+        }
     }
 }
 

@@ -646,12 +646,12 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
         .map(|request| data::open(&config.data, request))
         .transpose()?;
     // The held-out split is found (and counted) before talking to any other rank.
-    let validation_counted = match (&config.validation, &request) {
-        (Some(v), Some(_)) => Some(data::validation_batches(
-            &config.data,
-            config.batch_size,
-            v.batches,
-        )?),
+    let held_out = match (&config.validation, &request) {
+        (Some(v), Some(_)) => {
+            let split = config.data.held_out()?;
+            let batches = split.batches(config.batch_size, v.batches)?;
+            Some((split, batches))
+        }
         _ => None,
     };
     let (links, store) = connect(dist, &plan, config.device)?;
@@ -676,17 +676,20 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
         stream.skip(first)?;
     }
     let validation = match config.validation {
-        Some(v) => Some(Validation {
-            every: v.every,
-            total: config_iterations,
-            batches: agree_on_validation_batches(&links, &plan, dist.rank, validation_counted, device)?,
-            at_start: (first > 0 && first < config_iterations && (first.is_multiple_of(v.every)))
-                .then(|| first - 1),
-            open: request.map(|request| -> OpenSplit {
-                let spec = config.data.clone();
-                Box::new(move || data::open_validation(&spec, request.clone()))
-            }),
-        }),
+        Some(v) => {
+            let counted = held_out.as_ref().map(|(_, batches)| *batches);
+            let mut validation = Validation {
+                every: v.every,
+                total: config_iterations,
+                batches: agree_on_validation_batches(&links, &plan, dist.rank, counted, device)?,
+                at_start: None,
+                open: held_out.zip(request).map(|((split, _), request)| -> OpenSplit {
+                    Box::new(move || split.open(request.clone()))
+                }),
+            };
+            validation.at_start = (validation.due(first) && first < config_iterations).then(|| first - 1);
+            Some(validation)
+        }
         None => None,
     };
     let validation_batches = validation.as_ref().map(|v| v.batches);
