@@ -310,28 +310,17 @@ fn gpu_profile_measures_every_module_on_the_gpu() {
 
 /// GPUs that talk through the CPU: two stages on one GPU over Gloo, whose tensors cross through
 /// pinned host buffers, train as the same model in one process does.
-/// The mlp's two stages of three modules, one rank each, written into `dir`; its path.
-fn two_stages(dir: &Path) -> PathBuf {
-    let config = dir.join("two.json");
-    std::fs::write(
-        &config,
-        r#"{"module_to_stage_map": [0,0,0,1,1,1], "stage_to_rank_map": {"0": [0], "1": [1]}}"#,
-    )
-    .unwrap();
-    config
-}
-
 #[test]
 fn gpu_a_gloo_pipeline_on_one_gpu_stages_through_host_memory() {
     let Some(_) = gpus("gpu_a_gloo_pipeline_on_one_gpu_stages_through_host_memory") else {
         return;
     };
     let tmp = tempfile::tempdir().unwrap();
-    let config = two_stages(tmp.path());
+    let config = crate::util::two_stages(tmp.path());
     let base = "--model mlp --layers 4 --hidden 64 --image-size 8 --batch-size 16 --iterations 5 --lr 0.05 --seed 3 --device cuda:0";
     let single = run_ok(&base.split_whitespace().collect::<Vec<_>>()).losses();
     let mut args: Vec<&str> = base.split_whitespace().collect();
-    let config = config.to_str().unwrap();
+    let config = config.as_str();
     args.extend([
         "--backend",
         "gloo",
@@ -380,10 +369,10 @@ fn gpu_a_validation_pass_measures_what_the_cpu_and_one_process_do() {
         assert!((a - b).abs() <= 1e-3 * a.abs(), "cpu {cpu:?} vs cuda {cuda:?}");
     }
     let tmp = tempfile::tempdir().unwrap();
-    let config = two_stages(tmp.path());
+    let config = crate::util::two_stages(tmp.path());
     let mut args = words(base);
     args.extend(["--device", "cuda:0", "--backend", "gloo", "--stage-config"]);
-    args.push(config.to_str().unwrap());
+    args.push(&config);
     let runs = run_ranks(2, &args, std::time::Duration::from_secs(120));
     for run in &runs {
         assert!(run.output.status.success(), "{}", run.stderr());

@@ -7,7 +7,8 @@ use std::time::{Duration, Instant};
 use stagehand_contract::Event;
 
 use crate::util::{
-    free_port, read_params, run_ok, run_ranks, runtime, trace_events, trace_steps, write_image_folder, Run,
+    free_port, read_params, run_ok, run_ranks, runtime, trace_events, trace_steps, two_stages,
+    write_image_folder, Run,
 };
 
 pub(crate) const LIMIT: Duration = Duration::from_secs(120);
@@ -28,16 +29,6 @@ pub(crate) fn write(dir: &Path, name: &str, json: &str) -> String {
     let path = dir.join(name);
     std::fs::write(&path, json).unwrap();
     path.to_str().unwrap().to_string()
-}
-
-/// The stage config of two stages, the mlp's first three modules and its last three, one rank
-/// each, written into `dir`; its path.
-fn two_stages(dir: &Path) -> String {
-    write(
-        dir,
-        "two.json",
-        r#"{"module_to_stage_map": [0,0,0,1,1,1], "stage_to_rank_map": {"0": [0], "1": [1]}}"#,
-    )
 }
 
 pub(crate) fn args<'a>(base: &[&'a str], extra: &[&'a str]) -> Vec<&'a str> {

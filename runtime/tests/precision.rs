@@ -1,7 +1,6 @@
 //! `--precision` and `--channels-last`: PyTorch's autocast in one process and across stages, the
 //! fp16 gradient scaler, and the channels_last layout.
 
-use std::path::Path;
 use std::time::Duration;
 
 use stagehand_contract::{Event, P2pOp, P2pTensor};
@@ -18,16 +17,6 @@ fn args<'a>(base: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
     base.split_whitespace().chain(extra.iter().copied()).collect()
 }
 
-fn write_two_stages(dir: &Path) -> String {
-    let path = dir.join("two.json");
-    std::fs::write(
-        &path,
-        r#"{"module_to_stage_map": [0,0,0,1,1,1], "stage_to_rank_map": {"0": [0], "1": [1]}}"#,
-    )
-    .unwrap();
-    path.to_str().unwrap().to_string()
-}
-
 /// The MLP on two stages of one rank each, 4 microbatches, in `precision`.
 fn two_stages(precision: &str, schedule: &str, extra: &[&str]) -> Vec<Run> {
     two_stages_of(MLP, precision, schedule, extra)
@@ -36,7 +25,7 @@ fn two_stages(precision: &str, schedule: &str, extra: &[&str]) -> Vec<Run> {
 /// `base` (the MLP's arguments) on two stages, as [`two_stages`].
 fn two_stages_of(base: &str, precision: &str, schedule: &str, extra: &[&str]) -> Vec<Run> {
     let tmp = tempfile::tempdir().unwrap();
-    let config = write_two_stages(tmp.path());
+    let config = crate::util::two_stages(tmp.path());
     let mut flags = vec!["--precision", precision, "--stage-config", config.as_str()];
     flags.extend(["--schedule", schedule, "--microbatches", "4"]);
     flags.extend(extra);
@@ -156,7 +145,7 @@ fn fp16_trains_with_its_gradient_scaler_in_one_process_and_a_pipeline() {
 
     // PipeDream steps stages at different times, so they cannot agree on skipped steps.
     let tmp = tempfile::tempdir().unwrap();
-    let config = write_two_stages(tmp.path());
+    let config = crate::util::two_stages(tmp.path());
     let extra = [
         "--precision",
         "fp16",

@@ -135,6 +135,18 @@ pub fn write_image_folder(dir: &Path, classes: usize, per_class: usize) {
     }
 }
 
+/// The stage config of two stages, the mlp's first three modules and its last three, one rank
+/// each, written into `dir`; its path.
+pub fn two_stages(dir: &Path) -> String {
+    let path = dir.join("two.json");
+    std::fs::write(
+        &path,
+        r#"{"module_to_stage_map": [0,0,0,1,1,1], "stage_to_rank_map": {"0": [0], "1": [1]}}"#,
+    )
+    .unwrap();
+    path.to_str().unwrap().to_string()
+}
+
 /// A loopback port nobody listens on right now.
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")

@@ -7,7 +7,7 @@ use stagehand_contract::metrics::Validation;
 use stagehand_contract::Event;
 
 use crate::distributed::{args, assert_close, words, write, LIMIT, MLP};
-use crate::util::{run, run_ok, run_ranks, write_cifar, write_image_folder, Run};
+use crate::util::{run, run_ok, run_ranks, two_stages, write_cifar, write_image_folder, Run};
 
 /// Samples in a pass of the MLP's arguments: the 4 synthetic minibatches of 16.
 const PASS_SAMPLES: u64 = 64;
@@ -107,10 +107,7 @@ fn every_split_and_schedule_validates_as_one_process() {
     assert_eq!(single.start().config.validation_batches, Some(4));
 
     let config = |name: &str, json: &str| write(tmp.path(), name, json);
-    let two = config(
-        "two.json",
-        r#"{"module_to_stage_map": [0,0,0,1,1,1], "stage_to_rank_map": {"0": [0], "1": [1]}}"#,
-    );
+    let two = two_stages(tmp.path());
     let three = config(
         "three.json",
         r#"{"module_to_stage_map": [0,0,1,1,2,2], "stage_to_rank_map": {"0": [0], "1": [1], "2": [2]}}"#,
