@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use stagehand_contract::Event;
 
 use crate::util::{
-    free_port, read_params, run_ok, run_ranks, runtime, trace_events, trace_steps, two_stages,
+    free_port, read_params, run_ok, run_ranks, runtime, trace_events, trace_steps, two_stages, words,
     write_image_folder, Run,
 };
 
@@ -20,10 +20,6 @@ const MLP_BASE: &str =
 /// The MLP for 5 iterations at lr 0.05: the synthetic data cycles through a pool of 4 batches,
 /// so the fifth iteration sees the first one's batch again and their losses show learning.
 pub(crate) const MLP: &str = "--model mlp --layers 4 --hidden 64 --image-size 8 --batch-size 16 --threads 1 --seed 3 --iterations 5 --lr 0.05";
-
-pub(crate) fn words(text: &str) -> Vec<&str> {
-    text.split_whitespace().collect()
-}
 
 pub(crate) fn write(dir: &Path, name: &str, json: &str) -> String {
     let path = dir.join(name);

@@ -6,8 +6,8 @@ use std::path::Path;
 use stagehand_contract::metrics::Validation;
 use stagehand_contract::Event;
 
-use crate::distributed::{args, assert_close, words, write, LIMIT, MLP};
-use crate::util::{run, run_ok, run_ranks, two_stages, write_cifar, write_image_folder, Run};
+use crate::distributed::{args, assert_close, write, LIMIT, MLP};
+use crate::util::{run, run_ok, run_ranks, two_stages, words, write_cifar, write_image_folder, Run};
 
 /// Samples in a pass of the MLP's arguments: the 4 synthetic minibatches of 16.
 const PASS_SAMPLES: u64 = 64;
