@@ -136,16 +136,19 @@ fn select(options: &ResultsOptions) -> Result<Vec<(String, Vec<read::Row>)>, Res
 
 /// The rendered output for `options`.
 pub fn render(options: &ResultsOptions) -> Result<String, ResultsError> {
-    let groups = select(options)?;
-    let view = export::Groups::new(options.group_by.as_deref(), options.time_to, &groups);
-    Ok(export::exporter(options.format).render(&view))
+    Ok(rendered(options, &select(options)?))
+}
+
+/// `groups`, selected for `options`, in its format.
+fn rendered(options: &ResultsOptions, groups: &[(String, Vec<read::Row>)]) -> String {
+    let view = export::Groups::new(options.group_by.as_deref(), options.time_to, groups);
+    export::exporter(options.format).render(&view)
 }
 
 /// Runs `driver results`: prints the output and writes the plot, if asked.
 pub fn run(options: &ResultsOptions) -> Result<(), ResultsError> {
     let groups = select(options)?;
-    let view = export::Groups::new(options.group_by.as_deref(), options.time_to, &groups);
-    stdout_text!("{}", export::exporter(options.format).render(&view));
+    stdout_text!("{}", rendered(options, &groups));
     let rows: Vec<read::Row> = groups.into_iter().flat_map(|(_, r)| r).collect();
     if let Some(path) = &options.plot {
         match rows.as_slice() {
