@@ -46,6 +46,8 @@ LAUNCH_CATEGORIES = {"cuda_runtime", "cuda_driver"}
 PARTS = ("forward", "backward", "receive", "sync", "step", "replay")
 CPU_CATEGORIES = {"cpu_op"}
 STEP = re.compile(r"^ProfilerStep#(\d+)$")
+# The category of the GPU timeline's copies of annotated scopes, steps among them.
+GPU_STEP_CATEGORY = "gpu_user_annotation"
 
 # Kinds of work by name, the first rule that matches (lower-cased names). Kernel names are the
 # libraries' own; this is a reading aid, the per-name table is exact.
@@ -71,7 +73,9 @@ class TraceError(Exception):
 
 
 def kind_of(name):
-    lower = name.lower()
+    # ATen's elementwise kernels for same-dtype operands are `gpu_kernel_impl_nocast<...>`: that
+    # "cast" is not a cast (a broadcast bias add is one of them).
+    lower = name.lower().replace("_nocast", "")
     for kind, needles in KINDS:
         if any(n in lower for n in needles):
             return kind
@@ -178,7 +182,9 @@ def read(label, path):
     if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
         raise TraceError(f"{path} is not a Chrome trace (no traceEvents list)")
     events = [e for e in data["traceEvents"] if isinstance(e, dict) and e.get("ph") == "X" and "dur" in e]
-    steps = [e for e in events if STEP.match(str(e.get("name", "")))]
+    # On a GPU, Kineto mirrors each step's scope on the GPU's timeline (`gpu_user_annotation`, a
+    # span of microseconds where the step's first kernel ran): a step is the host's scope alone.
+    steps = [e for e in events if STEP.match(str(e.get("name", ""))) and e.get("cat") != GPU_STEP_CATEGORY]
     if not steps:
         raise TraceError(f"{path} has no ProfilerStep#N scope; trace with "
                          "`runtime --profiler-trace` or `pytorch_eager.py --profiler-trace`")

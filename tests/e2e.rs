@@ -465,6 +465,67 @@ fn the_benchmark_traces_every_side_and_tabulates_them_per_step() {
     assert!(why.contains("no ProfilerStep#N scope"), "{why}");
 }
 
+/// A GPU trace as Kineto writes it (seen on an H200): each `ProfilerStep#N` scope of the host is
+/// mirrored on the GPU's timeline as a `gpu_user_annotation` of a few microseconds. The steps are
+/// the host's scopes alone, so the step's wall time is the host's and each kernel counts in the
+/// step that launched it; and ATen's `gpu_kernel_impl_nocast` kernels (a broadcast add here) are
+/// elementwise work, not casts.
+#[test]
+fn the_trace_table_takes_a_gpu_traces_steps_from_the_host() {
+    let dir = tempfile::tempdir().unwrap();
+    let add = "void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<\
+               at::native::CUDAFunctor_add<c10::BFloat16> >(at::TensorIteratorBase&, \
+               at::native::CUDAFunctor_add<c10::BFloat16> const&)::{lambda(int)#1}>(int, \
+               at::native::CUDAFunctor_add<c10::BFloat16> const&)";
+    let copy = "void at::native::vectorized_elementwise_kernel<8, \
+                at::native::bfloat16_copy_kernel_cuda(at::TensorIteratorBase&)>";
+    let mut events = Vec::new();
+    for step in 0..3u32 {
+        let start = f64::from(step) * 10_000.0;
+        let (add_id, copy_id) = (2 * step + 1, 2 * step + 2);
+        events.extend([
+            serde_json::json!({"ph": "X", "cat": "user_annotation", "name": format!("ProfilerStep#{}", step + 1),
+                "ts": start, "dur": 10_000.0}),
+            serde_json::json!({"ph": "X", "cat": "gpu_user_annotation", "name": format!("ProfilerStep#{}", step + 1),
+                "ts": start + 500.0, "dur": 8.0}),
+            serde_json::json!({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel",
+                "ts": start + 100.0, "dur": 5.0, "args": {"correlation": add_id}}),
+            serde_json::json!({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel",
+                "ts": start + 200.0, "dur": 5.0, "args": {"correlation": copy_id}}),
+            serde_json::json!({"ph": "X", "cat": "kernel", "name": add,
+                "ts": start + 500.0, "dur": 3_000.0, "args": {"correlation": add_id}}),
+            serde_json::json!({"ph": "X", "cat": "kernel", "name": copy,
+                "ts": start + 3_500.0, "dur": 1_000.0, "args": {"correlation": copy_id}}),
+        ]);
+    }
+    let trace = dir.path().join("gpu.json");
+    std::fs::write(&trace, serde_json::json!({"traceEvents": events}).to_string()).unwrap();
+    let json = dir.path().join("table.json");
+    let out = Command::new(python())
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("../bench/trace_table.py"))
+        .arg(format!("runtime={}", trace.display()))
+        .arg("--json")
+        .arg(&json)
+        .output()
+        .unwrap();
+    ok(out, "trace_table.py on a GPU trace");
+    let sides: Vec<serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let side = &sides[0];
+    assert_eq!(side["gpu"], true);
+    assert_eq!(side["steps"], 3);
+    assert_eq!(
+        side["step_ms"],
+        serde_json::json!([10.0, 10.0, 10.0]),
+        "the host's scopes only"
+    );
+    // Both kernels of each step, 3 + 1 ms back to back, in the step that launched them.
+    assert_eq!(side["busy_ms"], 4.0);
+    assert_eq!(side["count"], 2.0);
+    assert_eq!(side["by_kind"]["elementwise"], 3.0, "{}", side["by_kind"]);
+    assert_eq!(side["by_kind"]["copy / cast"], 1.0, "{}", side["by_kind"]);
+}
+
 /// bench/trace_table.py on GPU activity, on a trace made by hand so that every figure is known:
 /// two steps, each a forward, backward and step scope on the host launching one kernel each (a
 /// kernel runs after its launch, the step's last after the step's scope has ended: it is still

@@ -286,7 +286,8 @@ pub fn trace_steps(events: &[serde_json::Value]) -> Vec<String> {
         .iter()
         .filter_map(|e| {
             let name = e["name"].as_str()?;
-            name.starts_with("ProfilerStep#")
+            // On a GPU, Kineto mirrors each step's scope on the GPU's timeline: not a step.
+            (name.starts_with("ProfilerStep#") && e["cat"] != "gpu_user_annotation")
                 .then(|| (e["ts"].as_f64().unwrap(), name.to_string()))
         })
         .collect();
