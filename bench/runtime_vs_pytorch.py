@@ -295,6 +295,9 @@ def parse_args():
     p.add_argument("--reference-malloc", choices=["default", "keep"], default="default",
                    help="the PyTorch references on glibc's default malloc settings, or on those "
                         "the runtime's --host-memory keep makes [default: default]")
+    p.add_argument("--fused-kernels", action="store_true",
+                   help="the runtime's sides with --fused-kernels (its own CUDA kernels for vgg16's bias, "
+                        "ReLU and pools; bench/fusion_probe.py times them alone) [default: off]")
     p.add_argument("--cudnn-benchmark", action="store_true",
                    help="every side with cuDNN's benchmark on (runtime --cudnn-benchmark, "
                         "torch.backends.cudnn.benchmark = True) [default: off, libtorch's default]")
@@ -344,6 +347,8 @@ def parse_args():
     if not args.runtime.is_file():
         p.error(f"no runtime binary at {args.runtime}: build it (scripts/setup.sh), or set "
                 "STAGEHAND_RUNTIME or --runtime")
+    if args.fused_kernels and not args.device.startswith("cuda"):
+        p.error("--fused-kernels runs CUDA kernels: use --device cuda")
     return args
 
 
@@ -359,7 +364,8 @@ def runtime_sides(args):
             name = ("graph" if graph and len(graphs) > 1 else "runtime") + ("_release" if released else "")
             label = ("graph" if graph else "eager") + ("+rel" if released else "")
             flags = (["--cuda-graph"] if graph else []) + (
-                ["--host-memory", "release"] if memory == "release" else [])
+                ["--host-memory", "release"] if memory == "release" else []) + (
+                ["--fused-kernels"] if args.fused_kernels else [])
             sides.append((name, label, flags))
     return sides
 
@@ -429,7 +435,7 @@ def cases_of(args, device_name, results):
             row = dict(model=model, **s, threads=args.threads, device=args.device, device_name=device_name,
                        mode=mode.name, precision=mode.precision, channels_last=mode.channels_last,
                        cuda_graph=args.cuda_graph, host_memory=args.host_memory,
-                       cudnn_benchmark=args.cudnn_benchmark,
+                       cudnn_benchmark=args.cudnn_benchmark, fused_kernels=args.fused_kernels,
                        reference_malloc=args.reference_malloc,
                        momentum=MOMENTUM, rounds=args.rounds, iterations=args.iterations,
                        warmup=args.warmup, params=params, rounds_done=0, deadline_s=args.deadline,

@@ -8,7 +8,9 @@
 //!   pool), `csrc/determinism.cpp` (`--deterministic`) and `csrc/profiler.cpp` (`--profiler-trace`:
 //!   PyTorch's profiler, Kineto, which libtorch_cpu holds) are linked into the binary. They need
 //!   libtorch_cpu and c10 only. Gloo's own headers come from Debian's `libgloo-dev`.
-//! - `csrc/cuda_bridge.cpp` (NCCL groups, the current device, the caching allocator's figures) is
+//! - `csrc/cuda_bridge.cpp` (NCCL groups, the current device, the caching allocator's figures)
+//!   and `csrc/fusions.cpp` (the fused kernels of `csrc/kernels/fusions.cu`, whose source it
+//!   embeds, through `OUT_DIR/fusions_source.h`, for NVRTC to compile at run time) are
 //!   linked as a shared object against libtorch_cuda, c10_cuda, cudart and NCCL, and embedded in
 //!   the binary (`OUT_DIR/libstagehand_cuda.so`, cfg `cuda_bridge`). The binary itself never links
 //!   a CUDA library: src/cuda/ loads libtorch_cuda and this object at run time, so the same
@@ -35,6 +37,8 @@ fn main() {
     println!("cargo:rerun-if-changed=csrc/determinism.cpp");
     println!("cargo:rerun-if-changed=csrc/profiler.cpp");
     println!("cargo:rerun-if-changed=csrc/cuda_bridge.cpp");
+    println!("cargo:rerun-if-changed=csrc/fusions.cpp");
+    println!("cargo:rerun-if-changed=csrc/kernels/fusions.cu");
     println!("cargo::rustc-check-cfg=cfg(cuda_bridge)");
     let lib_dir = PathBuf::from(
         std::env::var("DEP_TCH_LIBTORCH_LIB")
@@ -86,7 +90,8 @@ fn cxx_build(lib_dir: &Path) -> cc::Build {
     build
 }
 
-/// Compiles and links `csrc/cuda_bridge.cpp` into `OUT_DIR/libstagehand_cuda.so`, or says why
+/// Compiles and links `csrc/cuda_bridge.cpp` and `csrc/fusions.cpp` into
+/// `OUT_DIR/libstagehand_cuda.so`, or says why
 /// it cannot be built against this torch.
 fn cuda_bridge(lib_dir: &Path, out_dir: &Path) -> Result<(), String> {
     if !lib_dir.join("libtorch_cuda.so").exists() {
@@ -114,6 +119,19 @@ fn cuda_bridge(lib_dir: &Path, out_dir: &Path) -> Result<(), String> {
             .flag("-isystem")
             .flag(dir.to_str().expect("a UTF-8 CUDA path"));
     }
+    // The kernels' source, for fusions.cpp to hand NVRTC at run time.
+    let source = std::fs::read_to_string("csrc/kernels/fusions.cu")
+        .map_err(|e| format!("cannot read csrc/kernels/fusions.cu: {e}"))?;
+    assert!(
+        !source.contains(")fusions\""),
+        "fusions.cu holds the raw string's delimiter"
+    );
+    std::fs::write(
+        out_dir.join("fusions_source.h"),
+        format!("static const char FUSIONS_SOURCE[] = R\"fusions({source})fusions\";\n"),
+    )
+    .map_err(|e| format!("cannot write fusions_source.h: {e}"))?;
+    build.include(out_dir);
     let output = out_dir.join("libstagehand_cuda.so");
     let mut command: Command = build.get_compiler().to_command();
     command
@@ -123,6 +141,7 @@ fn cuda_bridge(lib_dir: &Path, out_dir: &Path) -> Result<(), String> {
         .arg("-o")
         .arg(&output)
         .arg("csrc/cuda_bridge.cpp")
+        .arg("csrc/fusions.cpp")
         .arg(format!("-L{}", lib_dir.display()));
     for dir in &lib_dirs {
         command.arg(format!("-L{}", dir.display()));
@@ -136,6 +155,7 @@ fn cuda_bridge(lib_dir: &Path, out_dir: &Path) -> Result<(), String> {
         "-lc10",
         "-l:libcudart.so.13",
         "-l:libnccl.so.2",
+        "-ldl",
         "-Wl,--as-needed",
     ]);
     let status = command
@@ -143,7 +163,7 @@ fn cuda_bridge(lib_dir: &Path, out_dir: &Path) -> Result<(), String> {
         .map_err(|e| format!("could not run the C++ compiler: {e}"))?;
     if !status.success() {
         // A compile error in our own source must fail the build, not silently drop CUDA.
-        panic!("compiling csrc/cuda_bridge.cpp failed ({status}); see the compiler's output above");
+        panic!("compiling the CUDA bridge (csrc/cuda_bridge.cpp, csrc/fusions.cpp) failed ({status}); see the compiler's output above");
     }
     Ok(())
 }

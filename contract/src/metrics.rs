@@ -103,6 +103,9 @@ pub struct RunConfig {
     /// cuDNN picked convolution algorithms by timing them (`--cudnn-benchmark`).
     #[serde(default)]
     pub cudnn_benchmark: bool,
+    /// The runtime's own fused CUDA kernels ran where the layers suited them (`--fused-kernels`).
+    #[serde(default)]
+    pub fused_kernels: bool,
     /// Where this rank wrote a Chrome trace of PyTorch's profiler (`--profiler-trace`); absent
     /// when it wrote none. Recording slows the iterations it records (`profiled` on their
     /// lines), which the throughput statistics leave out while others remain.

@@ -303,6 +303,12 @@ struct TrainArgs {
     /// --deterministic.
     #[arg(long, conflicts_with = "deterministic")]
     cudnn_benchmark: bool,
+    /// The runtime's own CUDA kernels where vgg16's layers suit them (bf16, channels_last): a
+    /// convolution's bias and ReLU in one pass each way, and 2x2 max pooling that keeps a byte
+    /// per window. The same values as ATen's kernels, but for the bias gradients' summing
+    /// order. Needs --device cuda; not with --deterministic.
+    #[arg(long, conflicts_with = "deterministic")]
+    fused_kernels: bool,
     #[command(flatten)]
     host_memory: HostMemoryArgs,
     /// Leading iterations left out of the summary's throughput.
@@ -735,6 +741,12 @@ impl TrainArgs {
         if self.cuda_graph {
             check_cuda_graph(self.trace, &dist, &devices)?;
         }
+        if self.fused_kernels && !devices.iter().all(|d| matches!(d, DeviceSpec::Cuda(_))) {
+            return Err(ConfigError::Invalid {
+                flag: "--fused-kernels",
+                reason: "runs CUDA kernels; use --device cuda, or drop --fused-kernels".into(),
+            });
+        }
         let profiler_steps = self.profiler_steps.unwrap_or(DEFAULT_PROFILER_STEPS);
         if profiler_steps == 0 {
             return Err(ConfigError::Invalid {
@@ -873,6 +885,7 @@ impl TrainArgs {
             cuda_graph: self.cuda_graph,
             deterministic: self.deterministic,
             cudnn_benchmark: self.cudnn_benchmark,
+            fused_kernels: self.fused_kernels,
             host_memory: self.host_memory.into(),
             warmup: self.warmup,
             save_params: self.save_params,
@@ -1401,6 +1414,42 @@ mod tests {
         assert!(err.starts_with("--device: not with --cuda-graph:"), "{err}");
         let err = check(&["--model", "mlp", "--devices", "cuda:0,cuda:1", "--cuda-graph"]).unwrap_err();
         assert!(err.contains("use --device cuda (one device)"), "{err}");
+    }
+
+    #[test]
+    fn fused_kernels_need_a_gpu_and_no_determinism() {
+        let err = check(&["--model", "vgg16", "--fused-kernels"]).unwrap_err();
+        assert_eq!(
+            err,
+            "--fused-kernels: runs CUDA kernels; use --device cuda, or drop --fused-kernels"
+        );
+        let argv = [
+            "runtime",
+            "--model",
+            "vgg16",
+            "--device",
+            "cuda",
+            "--fused-kernels",
+            "--deterministic",
+        ];
+        let err = Cli::try_parse_from(argv).unwrap_err().to_string();
+        assert!(
+            err.contains("--fused-kernels") && err.contains("--deterministic"),
+            "{err}"
+        );
+        // Accepted on a GPU.
+        let argv = [
+            "runtime",
+            "--model",
+            "vgg16",
+            "--device",
+            "cuda",
+            "--fused-kernels",
+        ];
+        let Ok(Command::Train(config)) = Cli::try_parse_from(argv).unwrap().into_command() else {
+            panic!("not a training run");
+        };
+        assert!(config.fused_kernels);
     }
 
     #[test]

@@ -300,6 +300,8 @@ pub struct TrainConfig {
     pub deterministic: bool,
     /// cuDNN picks convolution algorithms by timing them (`--cudnn-benchmark`).
     pub cudnn_benchmark: bool,
+    /// The runtime's own fused CUDA kernels where the layers suit them (`--fused-kernels`).
+    pub fused_kernels: bool,
     /// What becomes of host memory a step frees.
     pub host_memory: host_memory::Policy,
     /// Leading iterations left out of the summary's throughput.
@@ -487,6 +489,7 @@ impl TrainConfig {
             cuda_graph: self.cuda_graph,
             deterministic: self.deterministic,
             cudnn_benchmark: self.cudnn_benchmark,
+            fused_kernels: self.fused_kernels,
             profiler_trace: self.profiler_trace.clone(),
             profiler_steps: self.profiler_trace.is_some().then_some(self.profiler_steps),
             host_memory: host_memory.to_string(),

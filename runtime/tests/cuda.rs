@@ -617,6 +617,84 @@ fn gpu_cudnn_benchmark_trains_with_the_convolutions_it_times() {
     );
 }
 
+/// `--fused-kernels` on a GPU: vgg16 in bf16 + channels_last runs the runtime's own kernels
+/// (csrc/kernels/fusions.cu) for its convolutions' bias and ReLU and its pools, forward and
+/// backward, instead of ATen's, and trains as with ATen's. The kernels compute ATen's values bit
+/// for bit but for the bias gradients, sums in another order (bench/fusion_probe.py checks each
+/// kernel so on a GPU); bf16 rounds at 2^-8 relative, so the losses of a few iterations stay
+/// within 2^-6 of ATen's run, where a misplaced bias, channel or pooling window would move them
+/// far more. The same holds with the step replayed from a CUDA graph.
+#[test]
+fn gpu_the_fused_kernels_train_vgg16_as_atens_kernels_do() {
+    let Some(_) = gpus("gpu_the_fused_kernels_train_vgg16_as_atens_kernels_do") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let args = words(
+        "--model vgg16 --image-size 32 --num-classes 10 --batch-size 8 --iterations 4 --lr 0.01 \
+         --seed 7 --device cuda --precision bf16 --channels-last --warmup 1",
+    );
+    let aten = run_ok(&args);
+    assert!(!aten.start().config.fused_kernels);
+    let trace = dir.path().join("fused.json");
+    let mut fused_args = args.clone();
+    fused_args.extend(["--fused-kernels", "--profiler-trace", trace.to_str().unwrap()]);
+    let fused = run_ok(&fused_args);
+    assert!(fused.start().config.fused_kernels);
+    assert!(
+        !fused.stderr().contains("fused kernels are off"),
+        "the kernels did not load: {}",
+        fused.stderr()
+    );
+    let close = |a: &[f64], b: &[f64], what: &str| {
+        assert_eq!(a.len(), b.len(), "{what}");
+        for (x, y) in a.iter().zip(b) {
+            assert!(
+                x.is_finite() && (x - y).abs() <= 2f64.powi(-6) * y.abs(),
+                "{what}: {a:?} against {b:?}"
+            );
+        }
+    };
+    close(&fused.losses(), &aten.losses(), "fused against ATen");
+
+    // The traced iterations ran the fused kernels, and ATen's pooling not at all.
+    let events = trace_events(&trace);
+    let kernels: Vec<&str> = events
+        .iter()
+        .filter(|e| e["cat"] == "kernel")
+        .map(|e| e["name"].as_str().unwrap())
+        .collect();
+    for name in ["bias_relu", "relu_bias_backward", "pool_forward", "pool_backward"] {
+        assert!(
+            kernels.contains(&name),
+            "no {name} kernel in {} kernels",
+            kernels.len()
+        );
+    }
+    assert!(
+        !kernels.iter().any(|k| k.contains("max_pool")),
+        "ATen's pooling ran: {:?}",
+        kernels
+            .iter()
+            .filter(|k| k.contains("max_pool"))
+            .collect::<Vec<_>>()
+    );
+
+    let mut graphed_args = args.clone();
+    graphed_args.extend(["--fused-kernels", "--cuda-graph"]);
+    let graphed = run_ok(&graphed_args);
+    assert!(
+        graphed.stderr().contains("captured in a CUDA graph"),
+        "{}",
+        graphed.stderr()
+    );
+    close(
+        &graphed.losses(),
+        &aten.losses(),
+        "fused and graphed against ATen",
+    );
+}
+
 /// `--profiler-trace` on a GPU records the GPU's side as well (CUPTI through Kineto): every
 /// traced iteration launches its kernels, each convolution's at least, and they are in the trace;
 /// under `--cuda-graph` it records the replays, one graph launch per iteration after the capture.

@@ -95,6 +95,7 @@ fn main() {
             cuda_graph: false,
             deterministic: false,
             cudnn_benchmark: false,
+            fused_kernels: false,
             profiler_trace: None,
             profiler_steps: None,
             host_memory: "keep".into(),

@@ -186,6 +186,10 @@ pub struct ExperimentFile {
     /// `deterministic`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cudnn_benchmark: Option<bool>,
+    /// The runtime's own fused CUDA kernels where vgg16's layers suit them (`--fused-kernels`;
+    /// GPUs only, not with `deterministic`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fused_kernels: Option<bool>,
     /// Each rank records PyTorch's profiler over a few iterations after the warm-up
     /// (`--profiler-trace`), and the record keeps every rank's trace in `traces/`.
     #[serde(default, skip_serializing_if = "Option::is_none")]

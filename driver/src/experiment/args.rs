@@ -209,6 +209,9 @@ fn runtime_command(
     if f.cudnn_benchmark == Some(true) {
         argv.push("--cudnn-benchmark".into());
     }
+    if f.fused_kernels == Some(true) {
+        argv.push("--fused-kernels".into());
+    }
     if let Some(dir) = ctx.trace_dir {
         argv.push(PROFILER_TRACE_FLAG.into());
         argv.push(super::trace_template(dir));

@@ -921,6 +921,13 @@ fn check_pipedream_keys(loaded: &Loaded) -> Result<(), ConfigError> {
              run, and `deterministic` rules that out; drop one",
         ));
     }
+    if f.deterministic == Some(true) && f.fused_kernels == Some(true) {
+        return Err(loaded.error_at(
+            "fused_kernels",
+            "the fused kernels sum bias gradients with atomic adds, in no fixed order, and \
+             `deterministic` rules that out; drop one",
+        ));
+    }
     if f.profiler_steps.is_some() && f.profiler_trace != Some(true) {
         return Err(loaded.error_at(
             "profiler_steps",
@@ -939,6 +946,7 @@ fn check_pipedream_keys(loaded: &Loaded) -> Result<(), ConfigError> {
         ("data_workers", f.data_workers.is_some()),
         ("deterministic", f.deterministic == Some(true)),
         ("cudnn_benchmark", f.cudnn_benchmark == Some(true)),
+        ("fused_kernels", f.fused_kernels == Some(true)),
         ("profiler_trace", f.profiler_trace == Some(true)),
     ];
     if let (Some(_), Some((key, _))) = (&f.command, runtime_keys.iter().find(|(_, given)| *given)) {

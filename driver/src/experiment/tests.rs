@@ -1310,6 +1310,36 @@ fn deterministic_reaches_every_rank_and_is_refused_with_a_command() {
 }
 
 #[test]
+fn fused_kernels_reach_every_rank_and_are_refused_beside_deterministic() {
+    let plan = plan_per_rank("machines: [localhost, localhost]\nmodule: vgg16\nfused_kernels: true\n");
+    for rank in &plan.ranks {
+        assert!(
+            rank.argv.iter().any(|a| a == "--fused-kernels"),
+            "{:?}",
+            rank.argv
+        );
+    }
+    let plan = plan_per_rank("machines: [localhost]\nmodule: vgg16\n");
+    assert!(!plan.ranks[0].argv.iter().any(|a| a == "--fused-kernels"));
+    let refuse = |text: &str| {
+        resolve_text(text, &options(None, ContainerMode::PerRank))
+            .map(|_| ())
+            .unwrap_err()
+            .to_string()
+    };
+    let both = refuse("machines: [localhost]\nmodule: vgg16\ndeterministic: true\nfused_kernels: true\n");
+    assert!(
+        both.contains("exp.yml:4") && both.contains("`deterministic` rules that out"),
+        "{both}"
+    );
+    let command = refuse("machines: [localhost]\ncommand: [python, train.py]\nfused_kernels: true\n");
+    assert!(
+        command.contains("exp.yml:3") && command.contains("`fused_kernels` is the runtime's"),
+        "{command}"
+    );
+}
+
+#[test]
 fn cudnn_benchmark_reaches_every_rank_and_is_refused_beside_deterministic() {
     let plan = plan_per_rank("machines: [localhost, localhost]\nmodule: vgg16\ncudnn_benchmark: true\n");
     for rank in &plan.ranks {

@@ -47,6 +47,9 @@ pub(super) fn load() -> Result<Cuda, String> {
                 graph_end: resolve(bridge, "shc_graph_end")?,
                 graph_replay: resolve(bridge, "shc_graph_replay")?,
                 graph_free: resolve(bridge, "shc_graph_free")?,
+                conv_bias_relu: resolve(bridge, "shc_conv_bias_relu")?,
+                max_pool2x2: resolve(bridge, "shc_max_pool2x2")?,
+                fusions_compile: resolve(bridge, "shc_fusions_compile")?,
             }
         };
         let cuda = Cuda::from_api(api);

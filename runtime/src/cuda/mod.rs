@@ -2,7 +2,7 @@
 //! asks for CUDA, [`cuda`] loads libtorch_cuda from the folder libtorch_cpu was loaded from
 //! (its start-up code registers CUDA with libtorch, as `import torch` does) and then the
 //! embedded CUDA half of the bridge (`csrc/cuda_bridge.cpp`: NCCL groups, the current device,
-//! the caching allocator's figures, CUDA graphs).
+//! the caching allocator's figures, CUDA graphs; `csrc/fusions.cpp`: the fused kernels).
 //!
 //! So one binary serves every machine: with the full torch wheel and a GPU it trains on CUDA
 //! over NCCL; where libtorch_cuda or one of its libraries (cuBLAS, cuDNN, NCCL ...) is missing,
@@ -12,6 +12,7 @@
 //! to "is there CUDA" on first use. `main` loads it first for every command that names a CUDA
 //! device or NCCL, and `runtime info`.
 
+pub mod fusions;
 mod graph;
 mod load;
 
@@ -47,6 +48,11 @@ pub(crate) struct Api {
     pub graph_end: graph::GraphOp,
     pub graph_replay: graph::GraphOp,
     pub graph_free: graph::GraphFree,
+    pub conv_bias_relu: fusions::ConvBiasRelu,
+    pub max_pool2x2: fusions::MaxPool,
+    /// Only the tests compile the kernels ahead of their first use.
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub fusions_compile: fusions::Compile,
 }
 
 /// CUDA support, loaded and usable in this process.

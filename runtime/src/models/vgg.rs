@@ -13,6 +13,7 @@ use tch::Tensor;
 
 use super::layers::{batch_norm2d, conv2d, dropout, linear_normal};
 use super::{InputKind, Loss, ModelOptions, ModuleDef};
+use crate::cuda::fusions;
 
 /// Standard deviation of torchvision's VGG classifier weights.
 const LINEAR_STD: f64 = 0.01;
@@ -69,7 +70,7 @@ pub fn vgg16(o: &ModelOptions, batch_norm: bool) -> (Vec<ModuleDef>, Loss, Input
             }
             None => {
                 modules.push(ModuleDef::new(format!("features.{index}"), |_p: &nn::Path| {
-                    nn::func_t(|xs, _| xs.max_pool2d([2, 2], [2, 2], [0, 0], [1, 1], false))
+                    nn::func_t(|xs, _| fusions::max_pool2x2(xs))
                 }));
                 index += 1;
             }
@@ -111,17 +112,20 @@ pub fn vgg16(o: &ModelOptions, batch_norm: bool) -> (Vec<ModuleDef>, Loss, Input
     )
 }
 
+/// The 3x3 convolutions' stride and padding (the output keeps the input's size).
+const STRIDE: i64 = 1;
+const PADDING: i64 = 1;
+
 fn conv_block(p: &nn::Path, index: usize, c_in: i64, c_out: i64, batch_norm: bool) -> impl ModuleT {
     let features = p / "features";
-    let conv = conv2d(&features / index, c_in, c_out, 3, 1, 1, true);
+    let conv = conv2d(&features / index, c_in, c_out, 3, STRIDE, PADDING, true);
     let bn = batch_norm.then(|| batch_norm2d(&features / (index + 1), c_out));
-    nn::func_t(move |xs, train| {
-        let ys = xs.apply(&conv);
-        let mut ys = match &bn {
-            Some(bn) => ys.apply_t(bn, train),
-            None => ys,
-        };
-        ys.relu_()
+    nn::func_t(move |xs, train| match &bn {
+        Some(bn) => xs.apply(&conv).apply_t(bn, train).relu_(),
+        None => {
+            let bias = conv.bs.as_ref().expect("vgg's convolutions have a bias");
+            fusions::conv_bias_relu(xs, &conv.ws, bias, STRIDE, PADDING)
+        }
     })
 }
 

@@ -569,6 +569,9 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
     if config.cudnn_benchmark {
         crate::determinism::benchmark_cudnn().map_err(anyhow::Error::msg)?;
     }
+    if config.fused_kernels {
+        crate::cuda::fusions::enable();
+    }
     let host_memory = host_memory::apply(config.host_memory);
     if let Some(threads) = config.threads {
         tch::set_num_threads(threads as i32);

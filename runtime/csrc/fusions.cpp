@@ -1,0 +1,382 @@
+// The runtime's fused kernels (csrc/kernels/fusions.cu) as autograd operations, part of the CUDA
+// bridge (libstagehand_cuda.so): a convolution followed by its bias and ReLU, and 2x2 max pooling,
+// each running one hand-written kernel per pass where ATen runs two or three, wherever the
+// tensors suit them (CUDA, bfloat16, channels_last, channels a multiple of 8) and falling back to
+// ATen's own operations, with the same results, wherever they do not.
+//
+// The kernels are compiled once per device, on first use, with NVRTC, and loaded and launched
+// through the CUDA driver: both libraries are opened with dlopen (NVRTC from the folder that holds
+// the CUDA runtime libtorch loaded), so the bridge links neither. A device whose compile or load
+// failed falls back to ATen for good, and says why once on stderr.
+//
+// Every entry point keeps bridge.hpp's rule: nullptr on success or a malloc'd message.
+
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <cstdio>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include "bridge.hpp"
+// FUSIONS_SOURCE: csrc/kernels/fusions.cu as a string (written by build.rs).
+#include "fusions_source.h"
+
+namespace {
+
+// The few NVRTC and driver entry points used, by their C signatures (handles as void*, results as
+// int: nvrtcResult and CUresult are enums whose success is 0).
+struct Nvrtc {
+  int (*create)(void** prog, const char* src, const char* name, int n, const char* const* headers,
+                const char* const* include_names) = nullptr;
+  int (*compile)(void* prog, int n, const char* const* options) = nullptr;
+  int (*log_size)(void* prog, size_t* size) = nullptr;
+  int (*log)(void* prog, char* log) = nullptr;
+  int (*cubin_size)(void* prog, size_t* size) = nullptr;
+  int (*cubin)(void* prog, char* cubin) = nullptr;
+  int (*destroy)(void** prog) = nullptr;
+  const char* (*error)(int result) = nullptr;
+};
+
+struct Driver {
+  int (*load)(void** module, const void* image) = nullptr;
+  int (*function)(void** function, void* module, const char* name) = nullptr;
+  int (*launch)(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                unsigned shared, void* stream, void** params, void** extra) = nullptr;
+  int (*error)(int result, const char** text) = nullptr;
+};
+
+template <typename F>
+void bind(void* library, const char* name, F& slot, const std::string& from) {
+  slot = reinterpret_cast<F>(dlsym(library, name));
+  TORCH_CHECK(slot != nullptr, from, " has no ", name);
+}
+
+// The folder of the loaded CUDA runtime (libcudart): NVRTC's libraries sit beside it in the
+// nvidia wheels torch depends on, and in a CUDA toolkit's lib64.
+std::string cudart_folder() {
+  Dl_info info{};
+  TORCH_CHECK(dladdr(reinterpret_cast<void*>(&cudaGetDevice), &info) != 0 && info.dli_fname != nullptr,
+              "cannot tell where the CUDA runtime library is");
+  std::string path(info.dli_fname);
+  auto slash = path.rfind('/');
+  return slash == std::string::npos ? std::string(".") : path.substr(0, slash);
+}
+
+// Opens `name` from `folder` (or, failing that, wherever the loader finds it).
+void* open_library(const std::string& folder, const std::string& name) {
+  void* handle = dlopen((folder + "/" + name).c_str(), RTLD_NOW | RTLD_GLOBAL);
+  if (handle == nullptr) {
+    handle = dlopen(name.c_str(), RTLD_NOW | RTLD_GLOBAL);
+  }
+  TORCH_CHECK(handle != nullptr, "cannot load ", name, " (looked in ", folder, " and the loader's path): ",
+              dlerror());
+  return handle;
+}
+
+const Nvrtc& nvrtc() {
+  static const Nvrtc api = [] {
+    Nvrtc n;
+    auto folder = cudart_folder();
+    // NVRTC opens its builtins by name; loaded first, by path, they are found.
+    open_library(folder, "libnvrtc-builtins.so.13.0");
+    void* library = open_library(folder, "libnvrtc.so.13");
+    const std::string from = "libnvrtc.so.13";
+    bind(library, "nvrtcCreateProgram", n.create, from);
+    bind(library, "nvrtcCompileProgram", n.compile, from);
+    bind(library, "nvrtcGetProgramLogSize", n.log_size, from);
+    bind(library, "nvrtcGetProgramLog", n.log, from);
+    bind(library, "nvrtcGetCUBINSize", n.cubin_size, from);
+    bind(library, "nvrtcGetCUBIN", n.cubin, from);
+    bind(library, "nvrtcDestroyProgram", n.destroy, from);
+    bind(library, "nvrtcGetErrorString", n.error, from);
+    return n;
+  }();
+  return api;
+}
+
+const Driver& driver() {
+  static const Driver api = [] {
+    Driver d;
+    void* library = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+    TORCH_CHECK(library != nullptr, "cannot load the NVIDIA driver's libcuda.so.1: ", dlerror());
+    const std::string from = "libcuda.so.1";
+    bind(library, "cuModuleLoadData", d.load, from);
+    bind(library, "cuModuleGetFunction", d.function, from);
+    bind(library, "cuLaunchKernel", d.launch, from);
+    bind(library, "cuGetErrorString", d.error, from);
+    return d;
+  }();
+  return api;
+}
+
+// fusions.cu compiled to machine code for compute capability `arch` (90 for sm_90).
+std::string compile(int arch) {
+  const auto& n = nvrtc();
+  void* prog = nullptr;
+  int result = n.create(&prog, FUSIONS_SOURCE, "fusions.cu", 0, nullptr, nullptr);
+  TORCH_CHECK(result == 0, "nvrtcCreateProgram: ", n.error(result));
+  std::string arch_option = "--gpu-architecture=sm_" + std::to_string(arch);
+  std::array<const char*, 2> options{"--std=c++17", arch_option.c_str()};
+  result = n.compile(prog, static_cast<int>(options.size()), options.data());
+  std::string cubin;
+  if (result == 0) {
+    size_t size = 0;
+    n.cubin_size(prog, &size);
+    cubin.resize(size);
+    n.cubin(prog, cubin.data());
+  }
+  size_t log_size = 0;
+  n.log_size(prog, &log_size);
+  std::string log(log_size, '\0');
+  n.log(prog, log.data());
+  n.destroy(&prog);
+  TORCH_CHECK(result == 0, "compiling csrc/kernels/fusions.cu for sm_", arch, ": ", n.error(result), "\n", log);
+  return cubin;
+}
+
+// The kernels, loaded on one device.
+struct Kernels {
+  void* bias_relu = nullptr;
+  void* relu_bias_backward = nullptr;
+  void* pool_forward = nullptr;
+  void* pool_backward = nullptr;
+  unsigned blocks = 0;  // the most blocks a launch takes: 8 per multiprocessor
+};
+
+constexpr unsigned kThreads = 256;
+
+void check_driver(int result, const char* what) {
+  if (result != 0) {
+    const char* text = nullptr;
+    driver().error(result, &text);
+    TORCH_CHECK(false, what, ": ", text != nullptr ? text : "unknown CUDA driver error");
+  }
+}
+
+// The device's kernels, compiled and loaded on first use; nullptr where that failed (said once).
+const Kernels* kernels(c10::DeviceIndex device) {
+  static std::mutex lock;
+  static std::unordered_map<int, std::unique_ptr<Kernels>> loaded;
+  std::lock_guard<std::mutex> guard(lock);
+  auto found = loaded.find(device);
+  if (found != loaded.end()) {
+    return found->second.get();
+  }
+  std::unique_ptr<Kernels> k;
+  try {
+    c10::cuda::CUDAGuard on(device);
+    const auto* props = at::cuda::getDeviceProperties(device);
+    auto cubin = compile(props->major * 10 + props->minor);
+    // The runtime API made the device's primary context current; the module loads into it.
+    void* module = nullptr;
+    check_driver(driver().load(&module, cubin.data()), "loading the fused kernels");
+    auto made = std::make_unique<Kernels>();
+    check_driver(driver().function(&made->bias_relu, module, "bias_relu"), "bias_relu");
+    check_driver(driver().function(&made->relu_bias_backward, module, "relu_bias_backward"), "relu_bias_backward");
+    check_driver(driver().function(&made->pool_forward, module, "pool_forward"), "pool_forward");
+    check_driver(driver().function(&made->pool_backward, module, "pool_backward"), "pool_backward");
+    made->blocks = static_cast<unsigned>(props->multiProcessorCount) * 8;
+    k = std::move(made);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "runtime: the fused kernels are off on cuda:%d, ATen's kernels run instead: %s\n",
+                 static_cast<int>(device), e.what());
+  }
+  auto* result = k.get();
+  loaded.emplace(device, std::move(k));
+  return result;
+}
+
+// Launches `kernel` on the current stream with kThreads a block, over `work` items (one a thread
+// until the grid runs out, then striding): no more blocks than the work fills, at most the
+// device's grid.
+void launch(void* kernel, const Kernels& k, int64_t work, unsigned shared, std::vector<void*> params,
+            const char* what) {
+  auto wanted = (work + kThreads - 1) / kThreads;
+  auto blocks = static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(k.blocks, wanted)));
+  auto stream = at::cuda::getCurrentCUDAStream();
+  check_driver(driver().launch(kernel, blocks, 1, 1, kThreads, 1, 1, shared, stream.stream(), params.data(), nullptr),
+               what);
+}
+
+bool aligned(const at::Tensor& t) {
+  return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+}
+
+// Whether the kernels can take `t`: bfloat16 on a GPU, channels_last and dense, channels a
+// multiple of 8, 16-byte aligned.
+bool suits(const at::Tensor& t) {
+  return t.is_cuda() && t.scalar_type() == at::kBFloat16 && t.dim() == 4 && t.size(1) % 8 == 0 &&
+      t.size(1) / 8 <= static_cast<int64_t>(kThreads) && kThreads % (t.size(1) / 8) == 0 &&
+      t.is_contiguous(at::MemoryFormat::ChannelsLast) && aligned(t) && t.numel() > 0;
+}
+
+// relu(conv + bias[c]) and its backward: ReLU's and the bias's gradient in one pass. The
+// convolution's own backward (ATen's) gives the rest.
+struct BiasRelu : torch::autograd::Function<BiasRelu> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& conv, const at::Tensor& bias) {
+    const auto* k = kernels(static_cast<c10::DeviceIndex>(conv.get_device()));
+    auto out = at::empty_like(conv, at::MemoryFormat::ChannelsLast);
+    auto b = bias.contiguous();
+    int64_t n8 = conv.numel() / 8;
+    int c8 = static_cast<int>(conv.size(1) / 8);
+    void* x_ptr = conv.data_ptr();
+    void* b_ptr = b.data_ptr();
+    void* y_ptr = out.data_ptr();
+    launch(k->bias_relu, *k, n8, 0, {&x_ptr, &b_ptr, &y_ptr, &n8, &c8}, "bias_relu");
+    ctx->save_for_backward({out});
+    ctx->saved_data["bias_dtype"] = static_cast<int64_t>(bias.scalar_type());
+    return out;
+  }
+
+  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
+                                               torch::autograd::tensor_list grads) {
+    auto y = ctx->get_saved_variables()[0];
+    auto bias_dtype = static_cast<at::ScalarType>(ctx->saved_data["bias_dtype"].toInt());
+    if (!grads[0].defined()) {
+      return {at::Tensor(), at::Tensor()};
+    }
+    auto gy = grads[0].to(y.scalar_type()).contiguous(at::MemoryFormat::ChannelsLast);
+    const auto* k = kernels(static_cast<c10::DeviceIndex>(y.get_device()));
+    auto g = at::empty_like(y, at::MemoryFormat::ChannelsLast);
+    auto db = at::zeros({y.size(1)}, y.options().dtype(at::kFloat));
+    int64_t rows = y.numel() / y.size(1);
+    int c8 = static_cast<int>(y.size(1) / 8);
+    void* gy_ptr = gy.data_ptr();
+    void* y_ptr = y.data_ptr();
+    void* g_ptr = g.data_ptr();
+    void* db_ptr = db.data_ptr();
+    auto shared = static_cast<unsigned>(y.size(1) * sizeof(float));
+    launch(k->relu_bias_backward, *k, rows * c8, shared, {&gy_ptr, &y_ptr, &g_ptr, &db_ptr, &rows, &c8},
+           "relu_bias_backward");
+    return {g, db.to(bias_dtype)};
+  }
+};
+
+// 2x2 max pooling with stride 2 that keeps which of each window's four won, a byte per output.
+struct MaxPool2x2 : torch::autograd::Function<MaxPool2x2> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x) {
+    const auto* k = kernels(static_cast<c10::DeviceIndex>(x.get_device()));
+    auto n = x.size(0), c = x.size(1), oh = x.size(2) / 2, ow = x.size(3) / 2;
+    auto y = at::empty({n, c, oh, ow}, x.options(), at::MemoryFormat::ChannelsLast);
+    auto win = at::empty({n, oh, ow, c}, x.options().dtype(at::kByte));
+    int64_t outs8 = y.numel() / 8;
+    int ow_ = static_cast<int>(ow);
+    int c8 = static_cast<int>(c / 8);
+    void* x_ptr = x.data_ptr();
+    void* y_ptr = y.data_ptr();
+    void* win_ptr = win.data_ptr();
+    launch(k->pool_forward, *k, outs8, 0, {&x_ptr, &y_ptr, &win_ptr, &outs8, &ow_, &c8}, "pool_forward");
+    ctx->saved_data["win"] = win;
+    ctx->saved_data["sizes"] = x.sizes().vec();
+    return y;
+  }
+
+  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
+                                               torch::autograd::tensor_list grads) {
+    if (!grads[0].defined()) {
+      return {at::Tensor()};
+    }
+    auto win = ctx->saved_data["win"].toTensor();
+    auto sizes = ctx->saved_data["sizes"].toIntVector();
+    auto gy = grads[0].to(at::kBFloat16).contiguous(at::MemoryFormat::ChannelsLast);
+    const auto* k = kernels(static_cast<c10::DeviceIndex>(gy.get_device()));
+    auto gx = at::empty(sizes, gy.options(), at::MemoryFormat::ChannelsLast);
+    int64_t outs8 = gy.numel() / 8;
+    int ow = static_cast<int>(gy.size(3));
+    int c8 = static_cast<int>(gy.size(1) / 8);
+    void* gy_ptr = gy.data_ptr();
+    void* win_ptr = win.data_ptr();
+    void* gx_ptr = gx.data_ptr();
+    launch(k->pool_backward, *k, outs8, 0, {&gy_ptr, &win_ptr, &gx_ptr, &outs8, &ow, &c8}, "pool_backward");
+    return {gx};
+  }
+};
+
+// The autocast dtype for `x`'s device, if autocast is on there.
+std::optional<at::ScalarType> autocast_dtype(const at::Tensor& x) {
+  auto type = x.device().type();
+  if (!at::autocast::is_autocast_enabled(type)) {
+    return std::nullopt;
+  }
+  return at::autocast::get_autocast_dtype(type);
+}
+
+bool usable(const at::Tensor& t) {
+  return suits(t) && !at::globalContext().deterministicAlgorithms() &&
+      kernels(static_cast<c10::DeviceIndex>(t.get_device())) != nullptr;
+}
+
+at::Tensor conv_bias_relu(at::Tensor x, at::Tensor weight, at::Tensor bias, at::IntArrayRef stride,
+                          at::IntArrayRef padding) {
+  // The casts conv2d's autocast policy makes (lower precision), through autocast's own cache.
+  if (auto dtype = autocast_dtype(x)) {
+    auto type = x.device().type();
+    x = at::autocast::cached_cast(*dtype, x, type);
+    weight = at::autocast::cached_cast(*dtype, weight, type);
+    bias = at::autocast::cached_cast(*dtype, bias, type);
+  }
+  if (!x.is_cuda() || x.scalar_type() != at::kBFloat16 || bias.scalar_type() != at::kBFloat16 ||
+      at::globalContext().deterministicAlgorithms()) {
+    return at::conv2d(x, weight, bias, stride, padding).relu_();
+  }
+  auto conv = at::conv2d(x, weight, std::nullopt, stride, padding);
+  if (!usable(conv)) {
+    // What ATen's convolution does with a bias (added after the convolution), then the ReLU.
+    return conv.add_(bias.view({1, -1, 1, 1})).relu_();
+  }
+  return BiasRelu::apply(conv, bias);
+}
+
+at::Tensor max_pool2x2(const at::Tensor& x) {
+  if (usable(x) && x.size(2) % 2 == 0 && x.size(3) % 2 == 0) {
+    return MaxPool2x2::apply(x);
+  }
+  return at::max_pool2d(x, {2, 2}, {2, 2}, {0, 0}, {1, 1}, false);
+}
+
+}  // namespace
+
+extern "C" {
+
+// relu(conv2d(x, weight, bias)) with a 3x3-style `stride` and `padding` (one value for both
+// dimensions), fused where the tensors suit; a new tensor handle in `out`.
+char* shc_conv_bias_relu(const void* x, const void* weight, const void* bias, int64_t stride, int64_t padding,
+                         void** out) {
+  *out = nullptr;
+  return sh::guarded([&] {
+    auto y = conv_bias_relu(*static_cast<const at::Tensor*>(x), *static_cast<const at::Tensor*>(weight),
+                            *static_cast<const at::Tensor*>(bias), {stride, stride}, {padding, padding});
+    *out = new at::Tensor(std::move(y));
+  });
+}
+
+// max_pool2d(x, 2, 2), fused where the tensor suits; a new tensor handle in `out`.
+char* shc_max_pool2x2(const void* x, void** out) {
+  *out = nullptr;
+  return sh::guarded([&] {
+    *out = new at::Tensor(max_pool2x2(*static_cast<const at::Tensor*>(x)));
+  });
+}
+
+// Compiles the fused kernels for compute capability `arch` (no GPU needed) and gives the size of
+// the machine code in `bytes`: what the first use on a device does before loading it.
+char* shc_fusions_compile(int64_t arch, size_t* bytes) {
+  *bytes = 0;
+  return sh::guarded([&] { *bytes = compile(static_cast<int>(arch)).size(); });
+}
+
+}  // extern "C"

@@ -1,0 +1,147 @@
+// The runtime's hand-written CUDA kernels for what lies between vgg16's convolutions (bf16,
+// channels_last: a tensor [n, c, h, w] laid out as [n, h, w, c], 8 channels in 16 bytes), compiled
+// at run time with NVRTC (csrc/fusions.cpp) and timed against ATen by bench/fusion_probe.py.
+// Each does one pass over memory where ATen takes two or three kernels:
+//   bias_relu           the convolution's bias and the ReLU (ATen: add_ of the broadcast bias, relu_)
+//   relu_bias_backward  ReLU's backward and the bias gradient (threshold_backward, then sum)
+//   pool_forward        2x2 max pool, stride 2, keeping a byte per output (which of the window won)
+//                       where ATen keeps an int64 index
+//   pool_backward       its backward from those bytes (ATen zero-fills, then scatters by index)
+// No header is included: NVRTC compiles this alone. Every kernel's grid strides over its work;
+// the launches' shapes are fusions.cpp's.
+typedef unsigned short bf16;
+typedef unsigned long long ptr;
+
+__device__ __forceinline__ float to_float(bf16 h) { return __uint_as_float(((unsigned int)h) << 16); }
+
+// Round to nearest even, as c10::BFloat16's conversion does (NaN kept quiet).
+__device__ __forceinline__ bf16 to_bf16(float f) {
+  unsigned int u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (bf16)(u >> 16);
+}
+
+// ReLU as clamp_min(x, 0): NaN stays NaN.
+__device__ __forceinline__ float relu(float x) { return (x != x || x > 0.f) ? x : 0.f; }
+
+// y[m, c] = relu(x[m, c] + bias[c]) (y may be x), 8 channels (16 bytes) a thread; c8 = channels / 8.
+extern "C" __global__ void bias_relu(ptr x_, ptr bias_, ptr y_, long long n8, int c8) {
+  const uint4* x = (const uint4*)x_;
+  uint4* y = (uint4*)y_;
+  const uint4* bias = (const uint4*)bias_;
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n8;
+       i += (long long)gridDim.x * blockDim.x) {
+    uint4 v = x[i];
+    uint4 b = bias[i % c8];
+    bf16* vs = (bf16*)&v;
+    const bf16* bs = (const bf16*)&b;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) vs[k] = to_bf16(relu(to_float(vs[k]) + to_float(bs[k])));
+    y[i] = v;
+  }
+}
+
+// Adds a thread's 8 channel sums into the block's, then the block's into db (float[channels]).
+__device__ __forceinline__ void add_channel_sums(float* part, const float* acc, int cg, int channels, float* db) {
+#pragma unroll
+  for (int k = 0; k < 8; ++k) atomicAdd(&part[cg * 8 + k], acc[k]);
+  __syncthreads();
+  for (int i = threadIdx.x; i < channels; i += blockDim.x) atomicAdd(&db[i], part[i]);
+}
+
+// g = gy where y > 0 (threshold_backward of ReLU's output y), db[c] += sum over rows of g; rows
+// of m, 8 channels a thread; blockDim.x a multiple of c8; db zeroed by the caller.
+extern "C" __global__ void relu_bias_backward(ptr gy_, ptr y_, ptr g_, ptr db_, long long m, int c8) {
+  extern __shared__ float part[];
+  const uint4* gy = (const uint4*)gy_;
+  const uint4* y = (const uint4*)y_;
+  uint4* g = (uint4*)g_;
+  for (int i = threadIdx.x; i < c8 * 8; i += blockDim.x) part[i] = 0.f;
+  __syncthreads();
+  const int cg = threadIdx.x % c8, rows = blockDim.x / c8;
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  for (long long r = blockIdx.x * (long long)rows + threadIdx.x / c8; r < m; r += (long long)gridDim.x * rows) {
+    long long i = r * c8 + cg;
+    uint4 a = gy[i], b = y[i], o;
+    const bf16* as = (const bf16*)&a;
+    const bf16* bs = (const bf16*)&b;
+    bf16* os = (bf16*)&o;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      bf16 v = (to_float(bs[k]) <= 0.f) ? (bf16)0 : as[k];
+      os[k] = v;
+      acc[k] += to_float(v);
+    }
+    g[i] = o;
+  }
+  add_channel_sums(part, acc, cg, c8 * 8, (float*)db_);
+}
+
+// 2x2 max pool, stride 2, channels_last x[n, h, w, c] -> y[n, h/2, w/2, c], and which of the
+// window's four won (0..3, row-major), a byte per output. The first maximum wins and a NaN wins,
+// as ATen's kernel decides.
+extern "C" __global__ void pool_forward(ptr x_, ptr y_, ptr win_, long long outs8, int ow, int c8) {
+  const uint4* x = (const uint4*)x_;
+  uint4* y = (uint4*)y_;
+  uint2* win = (uint2*)win_;
+  const long long row = 2LL * ow * c8;  // one input row, in 8-channel groups
+  for (long long o = blockIdx.x * (long long)blockDim.x + threadIdx.x; o < outs8;
+       o += (long long)gridDim.x * blockDim.x) {
+    long long cg = o % c8, p = o / c8, j = p % ow, nh = p / ow;  // nh = n * (h / 2) + i
+    long long base = nh * 2 * row + 2 * j * c8 + cg;
+    uint4 v[4] = {x[base], x[base + c8], x[base + row], x[base + row + c8]};
+    uint4 out;
+    uint2 w;
+    bf16* os = (bf16*)&out;
+    unsigned char* ws = (unsigned char*)&w;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      bf16 kept = ((const bf16*)&v[0])[k];
+      float best = to_float(kept);
+      int at = 0;
+#pragma unroll
+      for (int q = 1; q < 4; ++q) {
+        bf16 h = ((const bf16*)&v[q])[k];
+        float f = to_float(h);
+        if (f > best || f != f) {  // ATen's test: a later NaN wins too
+          best = f;
+          kept = h;
+          at = q;
+        }
+      }
+      os[k] = kept;
+      ws[k] = (unsigned char)at;
+    }
+    y[o] = out;
+    win[o] = w;
+  }
+}
+
+// The pool's backward: gx at each window's winner is gy, 0 at the other three (the windows do not
+// overlap, so ATen's float accumulation of one term rounds back to gy). outs8 = n * oh * ow * c8.
+extern "C" __global__ void pool_backward(ptr gy_, ptr win_, ptr gx_, long long outs8, int ow, int c8) {
+  const uint4* gy = (const uint4*)gy_;
+  const uint2* win = (const uint2*)win_;
+  uint4* gx = (uint4*)gx_;
+  const long long row = 2LL * ow * c8;
+  for (long long o = blockIdx.x * (long long)blockDim.x + threadIdx.x; o < outs8;
+       o += (long long)gridDim.x * blockDim.x) {
+    long long cg = o % c8, p = o / c8, j = p % ow, nh = p / ow;
+    long long base = nh * 2 * row + 2 * j * c8 + cg;
+    uint4 a = gy[o];
+    uint2 w = win[o];
+    const bf16* as = (const bf16*)&a;
+    const unsigned char* ws = (const unsigned char*)&w;
+    uint4 out[4];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+#pragma unroll
+      for (int q = 0; q < 4; ++q) ((bf16*)&out[q])[k] = (ws[k] == q) ? as[k] : (bf16)0;
+    }
+    gx[base] = out[0];
+    gx[base + c8] = out[1];
+    gx[base + row] = out[2];
+    gx[base + row + c8] = out[3];
+  }
+}
