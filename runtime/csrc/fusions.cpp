@@ -224,6 +224,13 @@ bool suits(const at::Tensor& t) {
       t.is_contiguous(at::MemoryFormat::ChannelsLast) && aligned(t) && t.numel() > 0;
 }
 
+// An incoming gradient as the kernels read it: channels_last, dense and 16-byte aligned (a copy
+// where it is not).
+at::Tensor dense(const at::Tensor& t) {
+  auto d = t.contiguous(at::MemoryFormat::ChannelsLast);
+  return aligned(d) ? d : d.clone(at::MemoryFormat::ChannelsLast);
+}
+
 // relu(conv + bias[c]) and its backward: ReLU's and the bias's gradient in one pass. The
 // convolution's own backward (ATen's) gives the rest.
 struct BiasRelu : torch::autograd::Function<BiasRelu> {
@@ -231,6 +238,9 @@ struct BiasRelu : torch::autograd::Function<BiasRelu> {
     const auto* k = kernels(static_cast<c10::DeviceIndex>(conv.get_device()));
     auto out = at::empty_like(conv, at::MemoryFormat::ChannelsLast);
     auto b = bias.contiguous();
+    if (!aligned(b)) {
+      b = b.clone();  // read 16 bytes at a time: a view at an odd offset would not do
+    }
     int64_t n8 = conv.numel() / 8;
     int c8 = static_cast<int>(conv.size(1) / 8);
     void* x_ptr = conv.data_ptr();
@@ -249,7 +259,7 @@ struct BiasRelu : torch::autograd::Function<BiasRelu> {
     if (!grads[0].defined()) {
       return {at::Tensor(), at::Tensor()};
     }
-    auto gy = grads[0].to(y.scalar_type()).contiguous(at::MemoryFormat::ChannelsLast);
+    auto gy = dense(grads[0].to(y.scalar_type()));
     const auto* k = kernels(static_cast<c10::DeviceIndex>(y.get_device()));
     auto g = at::empty_like(y, at::MemoryFormat::ChannelsLast);
     auto db = at::zeros({y.size(1)}, y.options().dtype(at::kFloat));
@@ -292,7 +302,7 @@ struct MaxPool2x2 : torch::autograd::Function<MaxPool2x2> {
     }
     auto win = ctx->saved_data["win"].toTensor();
     auto sizes = ctx->saved_data["sizes"].toIntVector();
-    auto gy = grads[0].to(at::kBFloat16).contiguous(at::MemoryFormat::ChannelsLast);
+    auto gy = dense(grads[0].to(at::kBFloat16));
     const auto* k = kernels(static_cast<c10::DeviceIndex>(gy.get_device()));
     auto gx = at::empty(sizes, gy.options(), at::MemoryFormat::ChannelsLast);
     int64_t outs8 = gy.numel() / 8;

@@ -1423,30 +1423,23 @@ mod tests {
             err,
             "--fused-kernels: runs CUDA kernels; use --device cuda, or drop --fused-kernels"
         );
-        let argv = [
-            "runtime",
-            "--model",
-            "vgg16",
-            "--device",
-            "cuda",
-            "--fused-kernels",
-            "--deterministic",
-        ];
-        let err = Cli::try_parse_from(argv).unwrap_err().to_string();
+        let on_gpu = |extra: &[&str]| {
+            let argv = [
+                "runtime",
+                "--model",
+                "vgg16",
+                "--device",
+                "cuda",
+                "--fused-kernels",
+            ];
+            Cli::try_parse_from(argv.iter().chain(extra))
+        };
+        let err = on_gpu(&["--deterministic"]).unwrap_err().to_string();
         assert!(
             err.contains("--fused-kernels") && err.contains("--deterministic"),
             "{err}"
         );
-        // Accepted on a GPU.
-        let argv = [
-            "runtime",
-            "--model",
-            "vgg16",
-            "--device",
-            "cuda",
-            "--fused-kernels",
-        ];
-        let Ok(Command::Train(config)) = Cli::try_parse_from(argv).unwrap().into_command() else {
+        let Ok(Command::Train(config)) = on_gpu(&[]).unwrap().into_command() else {
             panic!("not a training run");
         };
         assert!(config.fused_kernels);

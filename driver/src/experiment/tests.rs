@@ -1309,64 +1309,48 @@ fn deterministic_reaches_every_rank_and_is_refused_with_a_command() {
     );
 }
 
-#[test]
-fn fused_kernels_reach_every_rank_and_are_refused_beside_deterministic() {
-    let plan = plan_per_rank("machines: [localhost, localhost]\nmodule: vgg16\nfused_kernels: true\n");
+/// A runtime switch the YAML turns on with `key: true`: `flag` on every rank's command line and
+/// on none without it; refused beside `deterministic` (at the key's line, saying why) and beside
+/// `command:` (the ranks are not the runtime).
+fn a_switch_reaches_every_rank_and_is_refused_beside_deterministic(key: &str, flag: &str) {
+    let plan = plan_per_rank(&format!(
+        "machines: [localhost, localhost]\nmodule: vgg16\n{key}: true\n"
+    ));
     for rank in &plan.ranks {
-        assert!(
-            rank.argv.iter().any(|a| a == "--fused-kernels"),
-            "{:?}",
-            rank.argv
-        );
+        assert!(rank.argv.iter().any(|a| a == flag), "{:?}", rank.argv);
     }
     let plan = plan_per_rank("machines: [localhost]\nmodule: vgg16\n");
-    assert!(!plan.ranks[0].argv.iter().any(|a| a == "--fused-kernels"));
+    assert!(!plan.ranks[0].argv.iter().any(|a| a == flag));
     let refuse = |text: &str| {
         resolve_text(text, &options(None, ContainerMode::PerRank))
             .map(|_| ())
             .unwrap_err()
             .to_string()
     };
-    let both = refuse("machines: [localhost]\nmodule: vgg16\ndeterministic: true\nfused_kernels: true\n");
+    let both = refuse(&format!(
+        "machines: [localhost]\nmodule: vgg16\ndeterministic: true\n{key}: true\n"
+    ));
     assert!(
         both.contains("exp.yml:4") && both.contains("`deterministic` rules that out"),
         "{both}"
     );
-    let command = refuse("machines: [localhost]\ncommand: [python, train.py]\nfused_kernels: true\n");
+    let command = refuse(&format!(
+        "machines: [localhost]\ncommand: [python, train.py]\n{key}: true\n"
+    ));
     assert!(
-        command.contains("exp.yml:3") && command.contains("`fused_kernels` is the runtime's"),
+        command.contains("exp.yml:3") && command.contains(&format!("`{key}` is the runtime's")),
         "{command}"
     );
 }
 
 #[test]
+fn fused_kernels_reach_every_rank_and_are_refused_beside_deterministic() {
+    a_switch_reaches_every_rank_and_is_refused_beside_deterministic("fused_kernels", "--fused-kernels");
+}
+
+#[test]
 fn cudnn_benchmark_reaches_every_rank_and_is_refused_beside_deterministic() {
-    let plan = plan_per_rank("machines: [localhost, localhost]\nmodule: vgg16\ncudnn_benchmark: true\n");
-    for rank in &plan.ranks {
-        assert!(
-            rank.argv.iter().any(|a| a == "--cudnn-benchmark"),
-            "{:?}",
-            rank.argv
-        );
-    }
-    let plan = plan_per_rank("machines: [localhost]\nmodule: vgg16\n");
-    assert!(!plan.ranks[0].argv.iter().any(|a| a == "--cudnn-benchmark"));
-    let refuse = |text: &str| {
-        resolve_text(text, &options(None, ContainerMode::PerRank))
-            .map(|_| ())
-            .unwrap_err()
-            .to_string()
-    };
-    let both = refuse("machines: [localhost]\nmodule: vgg16\ndeterministic: true\ncudnn_benchmark: true\n");
-    assert!(
-        both.contains("exp.yml:4") && both.contains("`deterministic` rules that out"),
-        "{both}"
-    );
-    let command = refuse("machines: [localhost]\ncommand: [python, train.py]\ncudnn_benchmark: true\n");
-    assert!(
-        command.contains("exp.yml:3") && command.contains("`cudnn_benchmark` is the runtime's"),
-        "{command}"
-    );
+    a_switch_reaches_every_rank_and_is_refused_beside_deterministic("cudnn_benchmark", "--cudnn-benchmark");
 }
 
 #[test]
