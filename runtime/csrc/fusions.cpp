@@ -200,6 +200,11 @@ const Kernels* kernels(c10::DeviceIndex device) {
   return result;
 }
 
+// The kernels of the device that holds `t`.
+const Kernels* kernels_of(const at::Tensor& t) {
+  return kernels(static_cast<c10::DeviceIndex>(t.get_device()));
+}
+
 // Launches `kernel` on the current stream with kThreads a block, over `work` items (one a thread
 // until the grid runs out, then striding): no more blocks than the work fills, at most the
 // device's grid.
@@ -235,7 +240,7 @@ at::Tensor dense(const at::Tensor& t) {
 // convolution's own backward (ATen's) gives the rest.
 struct BiasRelu : torch::autograd::Function<BiasRelu> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& conv, const at::Tensor& bias) {
-    const auto* k = kernels(static_cast<c10::DeviceIndex>(conv.get_device()));
+    const auto* k = kernels_of(conv);
     auto out = at::empty_like(conv, at::MemoryFormat::ChannelsLast);
     auto b = bias.contiguous();
     if (!aligned(b)) {
@@ -260,7 +265,7 @@ struct BiasRelu : torch::autograd::Function<BiasRelu> {
       return {at::Tensor(), at::Tensor()};
     }
     auto gy = dense(grads[0].to(y.scalar_type()));
-    const auto* k = kernels(static_cast<c10::DeviceIndex>(y.get_device()));
+    const auto* k = kernels_of(y);
     auto g = at::empty_like(y, at::MemoryFormat::ChannelsLast);
     auto db = at::zeros({y.size(1)}, y.options().dtype(at::kFloat));
     int64_t rows = y.numel() / y.size(1);
@@ -279,7 +284,7 @@ struct BiasRelu : torch::autograd::Function<BiasRelu> {
 // 2x2 max pooling with stride 2 that keeps which of each window's four won, a byte per output.
 struct MaxPool2x2 : torch::autograd::Function<MaxPool2x2> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x) {
-    const auto* k = kernels(static_cast<c10::DeviceIndex>(x.get_device()));
+    const auto* k = kernels_of(x);
     auto n = x.size(0), c = x.size(1), oh = x.size(2) / 2, ow = x.size(3) / 2;
     auto y = at::empty({n, c, oh, ow}, x.options(), at::MemoryFormat::ChannelsLast);
     auto win = at::empty({n, oh, ow, c}, x.options().dtype(at::kByte));
@@ -303,7 +308,7 @@ struct MaxPool2x2 : torch::autograd::Function<MaxPool2x2> {
     auto win = ctx->saved_data["win"].toTensor();
     auto sizes = ctx->saved_data["sizes"].toIntVector();
     auto gy = dense(grads[0].to(at::kBFloat16));
-    const auto* k = kernels(static_cast<c10::DeviceIndex>(gy.get_device()));
+    const auto* k = kernels_of(gy);
     auto gx = at::empty(sizes, gy.options(), at::MemoryFormat::ChannelsLast);
     int64_t outs8 = gy.numel() / 8;
     int ow = static_cast<int>(gy.size(3));
@@ -327,7 +332,7 @@ std::optional<at::ScalarType> autocast_dtype(const at::Tensor& x) {
 
 bool usable(const at::Tensor& t) {
   return suits(t) && !at::globalContext().deterministicAlgorithms() &&
-      kernels(static_cast<c10::DeviceIndex>(t.get_device())) != nullptr;
+      kernels_of(t) != nullptr;
 }
 
 at::Tensor conv_bias_relu(at::Tensor x, at::Tensor weight, at::Tensor bias, at::IntArrayRef stride,
