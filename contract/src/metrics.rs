@@ -489,6 +489,10 @@ pub struct P2p {
     /// The element type that travels (`float32`, `bfloat16`, `float16`, `int64`, ...).
     #[serde(default)]
     pub dtype: String,
+    /// For an operation of a validation pass: the iteration the pass followed (its
+    /// `validation` line's); absent for training's. A pass numbers its microbatches from 0.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub validation: Option<u64>,
 }
 
 /// Which way a point-to-point operation goes.
@@ -571,7 +575,7 @@ mod tests {
 
     #[test]
     fn p2p_events_name_their_op_channel_and_tensor_in_lowercase() {
-        let event = Event::P2p(P2p {
+        let op = P2p {
             rank: 2,
             op: P2pOp::Recv,
             peer: 1,
@@ -580,7 +584,9 @@ mod tests {
             tensor: P2pTensor::Gradient,
             microbatch: Some(5),
             dtype: "bfloat16".into(),
-        });
+            validation: None,
+        };
+        let event = Event::P2p(op.clone());
         let line = event.to_line();
         assert_eq!(
             line,
@@ -593,9 +599,18 @@ mod tests {
             Some(Event::P2p(P2p {
                 tensor: P2pTensor::Header,
                 microbatch: None,
+                validation: None,
                 ..
             }))
         ));
+        // A validation pass's operation names the iteration the pass followed.
+        let pass = Event::P2p(P2p {
+            validation: Some(9),
+            ..op
+        });
+        let line = pass.to_line();
+        assert!(line.ends_with(r#""dtype":"bfloat16","validation":9}"#), "{line}");
+        assert_eq!(Event::parse_line(&line), Some(pass));
     }
 
     /// A validation line carries its figures flat beside the iteration it followed.

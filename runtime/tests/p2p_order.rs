@@ -16,8 +16,9 @@ const LIMIT: Duration = Duration::from_secs(120);
 const MLP: &str =
     "--model mlp --layers 4 --hidden 64 --image-size 8 --threads 1 --seed 3 --iterations 2 --trace";
 
-/// What a message is: its kind and microbatch.
-type Content = (P2pTensor, Option<u64>);
+/// What a message is: the validation pass it belongs to (the iteration the pass followed;
+/// `None` for training's), its kind and its microbatch.
+type Content = (Option<u64>, P2pTensor, Option<u64>);
 
 /// One rank's operations with one peer on one channel, as (op, content), in issue order.
 type Lane = Vec<(P2pOp, Content)>;
@@ -45,6 +46,7 @@ fn lanes(what: &str, runs: &[Run]) -> BTreeMap<(Channel, usize, usize), Lane> {
                 seq,
                 tensor,
                 microbatch,
+                validation,
                 ..
             }) = *event
             else {
@@ -65,7 +67,7 @@ fn lanes(what: &str, runs: &[Run]) -> BTreeMap<(Channel, usize, usize), Lane> {
             lanes
                 .entry((channel, rank, peer))
                 .or_default()
-                .push((op, (tensor, microbatch)));
+                .push((op, (validation, tensor, microbatch)));
         }
     }
     lanes
@@ -93,8 +95,10 @@ fn directions(what: &str, lanes: &BTreeMap<(Channel, usize, usize), Lane>) -> Pa
 }
 
 /// Runs one process per rank of `stage_config` with `args`; checks the pairing on every channel
-/// and that each stage boundary carried every microbatch's activation, target and gradient once.
-fn check(what: &str, stage_config: &str, args: &str, microbatches: u64) {
+/// and that each stage boundary carried every microbatch's activation, target and gradient once,
+/// and each validation pass in `passes` (by the iteration it followed) the activations and
+/// targets of its own `microbatches` (numbered from 0), and no gradient.
+fn check(what: &str, stage_config: &str, args: &str, microbatches: u64, passes: &[u64]) {
     let tmp = tempfile::tempdir().unwrap();
     let path = tmp.path().join("stages.json");
     std::fs::write(&path, stage_config).unwrap();
@@ -126,12 +130,19 @@ fn check(what: &str, stage_config: &str, args: &str, microbatches: u64) {
             contents.sort();
             contents
         };
-        let mut forward: Vec<Content> = vec![(P2pTensor::Header, None); up.len() * down.len()];
-        forward.extend(
-            (0..total).flat_map(|g| [(P2pTensor::Activation, Some(g)), (P2pTensor::Target, Some(g))]),
-        );
+        let carried = |pass: Option<u64>, g: u64| {
+            [
+                (pass, P2pTensor::Activation, Some(g)),
+                (pass, P2pTensor::Target, Some(g)),
+            ]
+        };
+        let mut forward: Vec<Content> = vec![(None, P2pTensor::Header, None); up.len() * down.len()];
+        forward.extend((0..total).flat_map(|g| carried(None, g)));
+        for &pass in passes {
+            forward.extend((0..microbatches).flat_map(|g| carried(Some(pass), g)));
+        }
         forward.sort();
-        let backward: Vec<Content> = (0..total).map(|g| (P2pTensor::Gradient, Some(g))).collect();
+        let backward: Vec<Content> = (0..total).map(|g| (None, P2pTensor::Gradient, Some(g))).collect();
         assert_eq!(
             across(Channel::Forward, up, down),
             forward,
@@ -167,7 +178,7 @@ fn every_schedule_sends_in_the_order_its_peers_receive_on_2_3_and_4_stages() {
         for (name, config) in [("2 stages", TWO), ("3 stages", THREE), ("4 stages", FOUR)] {
             let what = format!("{schedule}, {name}");
             let args = format!("--schedule {schedule} --microbatches 4 --batch-size 16");
-            check(&what, config, &args, 4);
+            check(&what, config, &args, 4, &[]);
         }
     }
 }
@@ -179,8 +190,34 @@ fn replicated_stages_send_in_the_order_their_peers_receive() {
     // when receives were posted only one action ahead.
     for schedule in ["gpipe", "1f1b"] {
         let args = format!("--schedule {schedule} --microbatches 4 --batch-size 16");
-        check(&format!("{schedule}, stage 0 on 3 replicas"), THREE_ONE, &args, 4);
+        check(
+            &format!("{schedule}, stage 0 on 3 replicas"),
+            THREE_ONE,
+            &args,
+            4,
+            &[],
+        );
     }
     let args = "--schedule pipedream --microbatches 6 --batch-size 24";
-    check("pipedream, stage 0 on 3 replicas", THREE_ONE, args, 6);
+    check("pipedream, stage 0 on 3 replicas", THREE_ONE, args, 6, &[]);
+}
+
+/// A validation pass after every iteration sends its own activations and targets between the
+/// iterations, each operation marked with the pass: the iterations' operations stay exactly the
+/// schedule's, each pass's are its own microbatches', and the sequence numbers run on through
+/// both, pairing sends with receives as NCCL does.
+#[test]
+fn validation_passes_transfers_are_marked_as_theirs_and_the_iterations_stay_the_schedules() {
+    for (schedule, stages, config) in [("1f1b", "2 stages", TWO), ("pipedream", "3 stages", THREE)] {
+        let args = format!(
+            "--schedule {schedule} --microbatches 4 --batch-size 16 --validate-every 1 --validation-batches 1"
+        );
+        check(
+            &format!("{schedule}, {stages}, validating"),
+            config,
+            &args,
+            4,
+            &[0, 1],
+        );
+    }
 }

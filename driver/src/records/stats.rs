@@ -468,6 +468,7 @@ mod tests {
             tensor: stagehand_contract::P2pTensor::Activation,
             microbatch: Some(0),
             dtype: "float32".into(),
+            validation: None,
         });
         let (mut plain, mut traced) = (Stats::default(), Stats::default());
         for i in 0..3 {

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use plotters::coord::Shift;
 use plotters::prelude::*;
 
-use super::curves::{curve, curve_in, events, figure_text, iterations, Curve, CurvePoint, Metric, Smoothing};
+use super::curves::{curve_in, events, figure_text, iterations, Curve, CurvePoint, Metric, Smoothing};
 use super::read::Row;
 use super::select::value;
 
@@ -409,17 +409,28 @@ fn draw_lines(path: &Path, axes: Axes, lines: Vec<Line>) -> Result<(), PlotError
 const DASH: u32 = 6;
 
 /// Every row's loss curve against `x`, a line per row (labelled as its row, with its record
-/// folder where labels repeat), smoothed by `smoothing`; rows without losses are left out.
+/// folder where labels repeat), smoothed by `smoothing`; where a row ran validation passes, their
+/// loss as a line through a dot per pass in the same colour (not smoothed: each is already a mean
+/// over the held-out split); rows without losses are left out.
 pub fn losses(rows: &[Row], x: CurveX, smoothing: Smoothing, path: &Path) -> Result<(), PlotError> {
-    let curves: Vec<(&Row, Curve)> = rows
+    // (row, training loss, validation loss)
+    let curves: Vec<(&Row, Curve, Option<Curve>)> = rows
         .iter()
-        .filter_map(|r| curve(&r.dir, Metric::Loss).map(|c| (r, c)))
+        .filter_map(|r| {
+            // Each record's lines are read once for both curves.
+            let lines = events(&r.dir)?;
+            let training = curve_in(&lines, Metric::Loss)?;
+            Some((r, training, curve_in(&lines, Metric::ValLoss)))
+        })
         .collect();
     if curves.is_empty() {
         return Err(PlotError::NoLoss);
     }
     let (mut x_end, mut low, mut high) = (0.0f64, f64::INFINITY, f64::NEG_INFINITY);
-    for p in curves.iter().flat_map(|(_, c)| c.iter()) {
+    let every_point = curves
+        .iter()
+        .flat_map(|(_, training, validation)| training.iter().chain(validation.iter().flatten()));
+    for p in every_point {
         x_end = x_end.max(x.of(p));
         low = low.min(p.value);
         high = high.max(p.value);
@@ -434,17 +445,34 @@ pub fn losses(rows: &[Row], x: CurveX, smoothing: Smoothing, path: &Path) -> Res
         true => figure_text(10f64.powf(*v)),
         false => figure_text(*v),
     };
-    let labels = row_labels(&curves.iter().map(|(r, _)| *r).collect::<Vec<_>>());
-    let lines = curves
-        .iter()
-        .zip(labels)
-        .enumerate()
-        .map(|(i, ((_, curve), label))| {
-            Line::of(curve, x, y, smoothing, label, Palette99::pick(i).to_rgba(), false)
-        })
-        .collect();
+    let labels = row_labels(&curves.iter().map(|(r, ..)| *r).collect::<Vec<_>>());
+    let mut lines = Vec::new();
+    for (i, ((_, training, validation), label)) in curves.iter().zip(labels).enumerate() {
+        let color = Palette99::pick(i).to_rgba();
+        let training_label = match validation {
+            None => label.clone(),
+            Some(_) => format!("{label} training"),
+        };
+        lines.push(Line::of(training, x, y, smoothing, training_label, color, false));
+        if let Some(validation) = validation {
+            let label = format!("{label} validation");
+            let passes = Line::of(validation, x, y, Smoothing::NONE, label, color, false);
+            lines.push(Line {
+                marked: true,
+                ..passes
+            });
+        }
+    }
     let axes = Axes {
-        caption: format!("training loss against {}{}", x.desc(), smoothing.note()),
+        caption: format!(
+            "{} loss against {}{}",
+            match curves.iter().any(|(.., validation)| validation.is_some()) {
+                true => "training and validation",
+                false => "training",
+            },
+            x.desc(),
+            smoothing.note()
+        ),
         x,
         x_end,
         y: (low - pad)..(high + pad),

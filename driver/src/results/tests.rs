@@ -824,6 +824,73 @@ fn the_time_to_a_validation_target_is_read_on_the_passes() {
     );
 }
 
+/// A record that ran validation passes has their loss on the loss plot: a line through a dot per
+/// pass in its row's colour, through the passes' raw values (not smoothed when the training
+/// curve is), labelled as the validation's beside the row's training line; the y axis reaches
+/// the passes' losses where they lie above every training loss; a record without passes draws
+/// no dot and keeps its plain label.
+#[test]
+fn a_loss_plot_draws_the_validation_passes_as_dotted_points() {
+    let dir = tempfile::tempdir().unwrap();
+    let record = |name: &str| {
+        let path = dir.path().join(name);
+        std::fs::create_dir(&path).unwrap();
+        let lines: Vec<String> = [2.0, 1.5, 1.0, 0.75, 0.5]
+            .iter()
+            .enumerate()
+            .map(|(i, loss)| {
+                format!(
+                    r#"{{"event":"iteration","iteration":{i},"rank":0,"stage":0,"loss":{loss},"samples":8,"time_s":0.5,"samples_per_sec":16.0,"compute_s":0.5,"comm_wait_s":0.0,"idle_s":0.0,"peak_mem_bytes":null}}"#
+                )
+            })
+            .collect();
+        std::fs::write(path.join("metrics.jsonl"), lines.join("\n")).unwrap();
+        read::Row::empty(&path, "mlp".into(), read::RowStatus::Succeeded, None)
+    };
+    let validated = record("20261130T000000Z_mlp");
+    let mut text = std::fs::read_to_string(validated.dir.join("metrics.jsonl")).unwrap();
+    for (iteration, loss) in [(1, 3.5), (3, 2.0), (4, 1.25)] {
+        text.push_str(&format!(
+            "\n{{\"event\":\"validation\",\"iteration\":{iteration},\"rank\":0,\"stage\":0,\"loss\":{loss},\"accuracy\":0.5,\"accuracy_top5\":null,\"samples\":64,\"time_s\":1.0}}"
+        ));
+    }
+    std::fs::write(validated.dir.join("metrics.jsonl"), text).unwrap();
+    let plain = record("20261130T000100Z_mlp");
+    let svg = dir.path().join("loss.svg");
+    let smoothed = curves::Smoothing::new(0.6).unwrap();
+    plot::losses(&[validated, plain], plot::CurveX::Iteration, smoothed, &svg).unwrap();
+    let text = std::fs::read_to_string(&svg).unwrap();
+    assert!(
+        text.contains("training and validation loss against iteration, smoothed (0.6)"),
+        "{text}"
+    );
+    assert!(text.contains("mlp (20261130T000000Z_mlp) validation"), "{text}");
+    assert!(text.contains("mlp (20261130T000000Z_mlp) training"), "{text}");
+    assert!(text.contains("\nmlp (20261130T000100Z_mlp)\n"), "{text}");
+    assert!(!text.contains("20261130T000100Z_mlp) validation"), "{text}");
+    // The axis reaches the highest pass, 3.5, above every training loss (2.0 at most).
+    assert!(text.contains("\n3.5\n"), "{text}");
+    // A dot per pass, and one on the legend's sample.
+    let marked = text
+        .split("<circle")
+        .skip(1)
+        .filter(|c| c.contains("r=\"4\""))
+        .count();
+    assert_eq!(marked, 4, "{text}");
+    // The passes' line runs through their raw values, 3.5 to 1.25, one and a half times the
+    // spread of the training loss's raw values, 2.0 to 0.5.
+    let passes = polylines(&text, "stroke-width=\"2\"")
+        .into_iter()
+        .find(|p| p.split_whitespace().count() == 3)
+        .unwrap_or_else(|| panic!("no three-point line: {text}"));
+    let raw = polylines(&text, "stroke-width=\"1\"")
+        .into_iter()
+        .find(|p| p.split_whitespace().count() == 5)
+        .unwrap_or_else(|| panic!("no faint raw line: {text}"));
+    let ratio = y_spread(&passes) / y_spread(&raw);
+    assert!((ratio - 1.5).abs() < 0.03, "{ratio}: {passes} against {raw}");
+}
+
 /// A record that ran validation passes has their top-1 on the accuracy plot: a line through a
 /// dot per pass, in its row's colour, at the passes' iterations (not smoothed when the training
 /// curves are), labelled as the validation's; a record without passes draws no dot.

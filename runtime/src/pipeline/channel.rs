@@ -130,6 +130,7 @@ impl Channels {
             tensor,
             microbatch,
             dtype: dtype_name(kind).to_string(),
+            validation: None,
         });
     }
 

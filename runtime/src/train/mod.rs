@@ -832,6 +832,9 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
         let report = match report {
             Report::Iteration(report) => *report,
             Report::Validation(pass) => {
+                for op in pass.p2p {
+                    out.emit(&Event::P2p(op))?;
+                }
                 let Some(tally) = pass.tally else {
                     return Ok(());
                 };

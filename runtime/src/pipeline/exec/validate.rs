@@ -8,6 +8,7 @@
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use stagehand_contract::P2p;
 use tch::{Device, Kind, Tensor};
 
 use super::{slice_microbatch, tally_of, Executor, Progress, Tally};
@@ -52,6 +53,8 @@ pub struct ValidationReport {
     /// Samples the pass ran through the whole model.
     pub samples: u64,
     pub time: Duration,
+    /// The pass's point-to-point operations, in issue order (with `--trace`; else empty).
+    pub p2p: Vec<P2p>,
 }
 
 impl Executor {
@@ -111,6 +114,22 @@ impl Executor {
         for work in progress.sends.drain(..) {
             work.wait()?;
         }
+        // The pass's transfers are its own `--trace` events, not the next iteration's.
+        let p2p = match &self.links.channels {
+            Some(channels) if self.trace => channels
+                .take_log()
+                .into_iter()
+                .map(|op| P2p {
+                    validation: Some(iteration),
+                    ..op
+                })
+                .collect(),
+            Some(channels) => {
+                channels.take_log();
+                Vec::new()
+            }
+            None => Vec::new(),
+        };
         let tally = match self.is_last() {
             true => Some(self.validation_tally(&tallies)?),
             false => None,
@@ -121,6 +140,7 @@ impl Executor {
             tally,
             samples,
             time: started.elapsed(),
+            p2p,
         })
     }
 
