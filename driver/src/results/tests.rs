@@ -264,27 +264,30 @@ fn a_loss_curve_averages_replicas_and_takes_each_iterations_last_report() {
     );
 }
 
+/// A record folder `name` in `dir` whose iterations reported `losses`, one each, as its row.
+fn loss_record(dir: &Path, name: &str, losses: &[f64]) -> read::Row {
+    let path = dir.join(name);
+    std::fs::create_dir(&path).unwrap();
+    let lines: Vec<String> = losses
+        .iter()
+        .enumerate()
+        .map(|(i, loss)| {
+            format!(
+                r#"{{"event":"iteration","iteration":{i},"rank":0,"stage":0,"loss":{loss},"samples":8,"time_s":0.5,"samples_per_sec":16.0,"compute_s":0.5,"comm_wait_s":0.0,"idle_s":0.0,"peak_mem_bytes":null}}"#
+            )
+        })
+        .collect();
+    std::fs::write(path.join("metrics.jsonl"), lines.join("\n")).unwrap();
+    read::Row::empty(&path, "mlp".into(), read::RowStatus::Succeeded, None)
+}
+
 /// Losses that span orders of magnitude (a run that diverged beside one that converged) go on a
 /// log scale with readable labels; close ones on a plain scale. Rows whose labels repeat are told
 /// apart by their record folders.
 #[test]
 fn a_loss_plot_goes_to_a_log_scale_only_when_losses_span_orders_of_magnitude() {
     let dir = tempfile::tempdir().unwrap();
-    let record = |name: &str, losses: &[f64]| {
-        let path = dir.path().join(name);
-        std::fs::create_dir(&path).unwrap();
-        let lines: Vec<String> = losses
-            .iter()
-            .enumerate()
-            .map(|(i, loss)| {
-                format!(
-                    r#"{{"event":"iteration","iteration":{i},"rank":0,"stage":0,"loss":{loss},"samples":8,"time_s":0.5,"samples_per_sec":16.0,"compute_s":0.5,"comm_wait_s":0.0,"idle_s":0.0,"peak_mem_bytes":null}}"#
-                )
-            })
-            .collect();
-        std::fs::write(path.join("metrics.jsonl"), lines.join("\n")).unwrap();
-        read::Row::empty(&path, "mlp".into(), read::RowStatus::Succeeded, None)
-    };
+    let record = |name: &str, losses: &[f64]| loss_record(dir.path(), name, losses);
     let calm = record("20261127T000000Z_mlp", &[2.3, 1.9, 1.2]);
     let wild = record("20261127T000100Z_mlp", &[2.3, 40.0, 3.0e6]);
     let svg = dir.path().join("loss.svg");
@@ -832,29 +835,9 @@ fn the_time_to_a_validation_target_is_read_on_the_passes() {
 #[test]
 fn a_loss_plot_draws_the_validation_passes_as_dotted_points() {
     let dir = tempfile::tempdir().unwrap();
-    let record = |name: &str| {
-        let path = dir.path().join(name);
-        std::fs::create_dir(&path).unwrap();
-        let lines: Vec<String> = [2.0, 1.5, 1.0, 0.75, 0.5]
-            .iter()
-            .enumerate()
-            .map(|(i, loss)| {
-                format!(
-                    r#"{{"event":"iteration","iteration":{i},"rank":0,"stage":0,"loss":{loss},"samples":8,"time_s":0.5,"samples_per_sec":16.0,"compute_s":0.5,"comm_wait_s":0.0,"idle_s":0.0,"peak_mem_bytes":null}}"#
-                )
-            })
-            .collect();
-        std::fs::write(path.join("metrics.jsonl"), lines.join("\n")).unwrap();
-        read::Row::empty(&path, "mlp".into(), read::RowStatus::Succeeded, None)
-    };
+    let record = |name: &str| loss_record(dir.path(), name, &[2.0, 1.5, 1.0, 0.75, 0.5]);
     let validated = record("20261130T000000Z_mlp");
-    let mut text = std::fs::read_to_string(validated.dir.join("metrics.jsonl")).unwrap();
-    for (iteration, loss) in [(1, 3.5), (3, 2.0), (4, 1.25)] {
-        text.push_str(&format!(
-            "\n{{\"event\":\"validation\",\"iteration\":{iteration},\"rank\":0,\"stage\":0,\"loss\":{loss},\"accuracy\":0.5,\"accuracy_top5\":null,\"samples\":64,\"time_s\":1.0}}"
-        ));
-    }
-    std::fs::write(validated.dir.join("metrics.jsonl"), text).unwrap();
+    add_validation_passes(&validated, &[(1, 3.5, 0.5), (3, 2.0, 0.5), (4, 1.25, 0.5)]);
     let plain = record("20261130T000100Z_mlp");
     let svg = dir.path().join("loss.svg");
     let smoothed = curves::Smoothing::new(0.6).unwrap();
@@ -870,25 +853,43 @@ fn a_loss_plot_draws_the_validation_passes_as_dotted_points() {
     assert!(!text.contains("20261130T000100Z_mlp) validation"), "{text}");
     // The axis reaches the highest pass, 3.5, above every training loss (2.0 at most).
     assert!(text.contains("\n3.5\n"), "{text}");
-    // A dot per pass, and one on the legend's sample.
-    let marked = text
+    // The passes' line runs through their raw values, 3.5 to 1.25, one and a half times the
+    // spread of the training loss's raw values, 2.0 to 0.5.
+    let ratio = three_passes_against_five_raw_values(&text);
+    assert!((ratio - 1.5).abs() < 0.03, "{ratio}: {text}");
+}
+
+/// Appends a `validation` line per (iteration, loss, top-1) to `row`'s metrics.
+fn add_validation_passes(row: &read::Row, passes: &[(u64, f64, f64)]) {
+    let path = row.dir.join("metrics.jsonl");
+    let mut text = std::fs::read_to_string(&path).unwrap();
+    for (iteration, loss, accuracy) in passes {
+        text.push_str(&format!(
+            "\n{{\"event\":\"validation\",\"iteration\":{iteration},\"rank\":0,\"stage\":0,\"loss\":{loss},\"accuracy\":{accuracy},\"accuracy_top5\":null,\"samples\":64,\"time_s\":1.0}}"
+        ));
+    }
+    std::fs::write(path, text).unwrap();
+}
+
+/// Of a curve plot with one record's three validation passes and five iterations drawn smoothed:
+/// asserts a dot per pass and one on the legend's sample, and returns the spread of the passes'
+/// line over that of the iterations' faint raw line.
+fn three_passes_against_five_raw_values(svg: &str) -> f64 {
+    let marked = svg
         .split("<circle")
         .skip(1)
         .filter(|c| c.contains("r=\"4\""))
         .count();
-    assert_eq!(marked, 4, "{text}");
-    // The passes' line runs through their raw values, 3.5 to 1.25, one and a half times the
-    // spread of the training loss's raw values, 2.0 to 0.5.
-    let passes = polylines(&text, "stroke-width=\"2\"")
+    assert_eq!(marked, 4, "{svg}");
+    let passes = polylines(svg, "stroke-width=\"2\"")
         .into_iter()
         .find(|p| p.split_whitespace().count() == 3)
-        .unwrap_or_else(|| panic!("no three-point line: {text}"));
-    let raw = polylines(&text, "stroke-width=\"1\"")
+        .unwrap_or_else(|| panic!("no three-point line: {svg}"));
+    let raw = polylines(svg, "stroke-width=\"1\"")
         .into_iter()
         .find(|p| p.split_whitespace().count() == 5)
-        .unwrap_or_else(|| panic!("no faint raw line: {text}"));
-    let ratio = y_spread(&passes) / y_spread(&raw);
-    assert!((ratio - 1.5).abs() < 0.03, "{ratio}: {passes} against {raw}");
+        .unwrap_or_else(|| panic!("no faint raw line: {svg}"));
+    y_spread(&passes) / y_spread(&raw)
 }
 
 /// A record that ran validation passes has their top-1 on the accuracy plot: a line through a
@@ -905,13 +906,7 @@ fn an_accuracy_plot_draws_the_validation_passes_as_dotted_points() {
         (0.875, None),
     ];
     let validated = accuracy_record(dir.path(), "20261129T000000Z_mlp", &five);
-    let mut text = std::fs::read_to_string(validated.dir.join("metrics.jsonl")).unwrap();
-    for (iteration, accuracy) in [(1, 0.25), (3, 0.5), (4, 0.625)] {
-        text.push_str(&format!(
-            "\n{{\"event\":\"validation\",\"iteration\":{iteration},\"rank\":0,\"stage\":0,\"loss\":1.0,\"accuracy\":{accuracy},\"accuracy_top5\":null,\"samples\":64,\"time_s\":1.0}}"
-        ));
-    }
-    std::fs::write(validated.dir.join("metrics.jsonl"), text).unwrap();
+    add_validation_passes(&validated, &[(1, 1.0, 0.25), (3, 1.0, 0.5), (4, 1.0, 0.625)]);
     let plain = accuracy_record(dir.path(), "20261129T000100Z_mlp", &five);
     let svg = dir.path().join("accuracy.svg");
     let smoothed = curves::Smoothing::new(0.6).unwrap();
@@ -928,24 +923,9 @@ fn an_accuracy_plot_draws_the_validation_passes_as_dotted_points() {
     assert!(text.contains("mlp (20261129T000000Z_mlp) top-1"), "{text}");
     assert!(text.contains("\nmlp (20261129T000100Z_mlp)\n"), "{text}");
     assert!(!text.contains("20261129T000100Z_mlp) validation"), "{text}");
-    // A dot per pass, and one on the legend's sample.
-    let marked = text
-        .split("<circle")
-        .skip(1)
-        .filter(|c| c.contains("r=\"4\""))
-        .count();
-    assert_eq!(marked, 4, "{text}");
     // The passes' line runs through their raw values, 0.25 to 0.625, half the spread of the
     // training top-1's raw values, 0.125 to 0.875, drawn faint (smoothed at 0.6 the passes
     // would spread 0.26, about a third, instead).
-    let passes = polylines(&text, "stroke-width=\"2\"")
-        .into_iter()
-        .find(|p| p.split_whitespace().count() == 3)
-        .unwrap_or_else(|| panic!("no three-point line: {text}"));
-    let raw = polylines(&text, "stroke-width=\"1\"")
-        .into_iter()
-        .find(|p| p.split_whitespace().count() == 5)
-        .unwrap_or_else(|| panic!("no faint raw line: {text}"));
-    let ratio = y_spread(&passes) / y_spread(&raw);
-    assert!((ratio - 0.5).abs() < 0.02, "{ratio}: {passes} against {raw}");
+    let ratio = three_passes_against_five_raw_values(&text);
+    assert!((ratio - 0.5).abs() < 0.02, "{ratio}: {text}");
 }
