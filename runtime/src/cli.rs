@@ -834,20 +834,14 @@ impl TrainArgs {
         let validation = self
             .validate_every
             .map(|every| -> Result<ValidationConfig, ConfigError> {
-                let refusal = if self.cuda_graph {
-                    Some("--cuda-graph replays a captured training step; drop --cuda-graph")
-                } else if dist.reduce.partial.is_some() {
-                    Some(
-                        "--reduce partial:K lets replicas step apart, and a pass needs every one at \
-                         the same weights; use --reduce all",
-                    )
-                } else {
-                    None
-                };
-                if let Some(why) = refusal {
+                // With --cuda-graph a pass runs eagerly between replays, on the weights the
+                // replays update in place.
+                if dist.reduce.partial.is_some() {
                     return Err(ConfigError::Invalid {
                         flag: "--validate-every",
-                        reason: format!("not with {why}"),
+                        reason: "not with --reduce partial:K: it lets replicas step apart, and a pass \
+                                 needs every one at the same weights; use --reduce all"
+                            .into(),
                     });
                 }
                 Ok(ValidationConfig {
@@ -1393,6 +1387,8 @@ mod tests {
         graphed(&["--lr-policy", "polynomial", "--lr-warmup-epochs", "1"]).unwrap();
         // fp16's gradient scaler skips steps on the device.
         graphed(&["--precision", "fp16"]).unwrap();
+        // Validation passes run eagerly between the replays.
+        graphed(&["--validate-every", "2", "--validation-batches", "1"]).unwrap();
         let refusals: [(&[&str], &str); 3] = [
             (&["--world-size", "2", "--backend", "nccl"], "--world-size"),
             (&["--trace"], "--trace"),
