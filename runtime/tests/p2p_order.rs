@@ -221,3 +221,54 @@ fn validation_passes_transfers_are_marked_as_theirs_and_the_iterations_stay_the_
         );
     }
 }
+
+/// A run resumed where a pass is due makes that pass before training: the shape headers its
+/// start sent stay unmarked, printed before the pass's own operations, which are marked.
+#[test]
+fn a_pass_that_starts_a_resumed_run_leaves_the_shape_headers_unmarked() {
+    let tmp = tempfile::tempdir().unwrap();
+    let config = crate::util::two_stages(tmp.path());
+    let ckpt = tmp.path().join("ckpt");
+    let mut args: Vec<&str> = MLP.split_whitespace().collect();
+    args.extend([
+        "--schedule",
+        "1f1b",
+        "--microbatches",
+        "4",
+        "--batch-size",
+        "16",
+        "--validate-every",
+        "2",
+        "--validation-batches",
+        "1",
+        "--stage-config",
+        &config,
+        "--checkpoint-dir",
+        ckpt.to_str().unwrap(),
+    ]);
+    crate::util::run_ranks_ok(2, &args, LIMIT, "the first 2 iterations");
+    let resumed = crate::distributed::with_value(&args, "--iterations", "4");
+    let resumed = [&resumed[..], &["--resume"]].concat();
+    let runs = crate::util::run_ranks_ok(2, &resumed, LIMIT, "resumed to 4");
+    for (rank, run) in runs.iter().enumerate() {
+        let ops: Vec<&P2p> = run
+            .events
+            .iter()
+            .filter_map(|e| match e {
+                Event::P2p(op) => Some(op),
+                _ => None,
+            })
+            .collect();
+        let header = ops
+            .iter()
+            .position(|op| op.tensor == P2pTensor::Header)
+            .unwrap_or_else(|| panic!("rank {rank}: no shape header: {ops:?}"));
+        assert_eq!(ops[header].validation, None, "rank {rank}: {ops:?}");
+        // The pass after iteration 1 (of the run resumed at 2) comes first, then iteration 3's.
+        assert_eq!(ops[header + 1].validation, Some(1), "rank {rank}: {ops:?}");
+        assert!(
+            ops.iter().any(|op| op.validation == Some(3)),
+            "rank {rank}: {ops:?}"
+        );
+    }
+}

@@ -8,7 +8,7 @@
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use stagehand_contract::P2p;
+use stagehand_contract::{P2p, P2pTensor};
 use tch::{Device, Kind, Tensor};
 
 use super::{slice_microbatch, tally_of, Executor, Progress, Tally};
@@ -114,13 +114,14 @@ impl Executor {
         for work in progress.sends.drain(..) {
             work.wait()?;
         }
-        // The pass's transfers are its own `--trace` events, not the next iteration's.
+        // The pass's transfers are its own `--trace` events, not the next iteration's. A pass
+        // that starts a resumed run also takes the start's shape headers, which stay unmarked.
         let p2p = match &self.links.channels {
             Some(channels) if self.trace => channels
                 .take_log()
                 .into_iter()
                 .map(|op| P2p {
-                    validation: Some(iteration),
+                    validation: (op.tensor != P2pTensor::Header).then_some(iteration),
                     ..op
                 })
                 .collect(),
