@@ -313,6 +313,29 @@ impl Line {
             marked: false,
         }
     }
+
+    /// The line of a record's validation passes: a dot on each, never smoothed (each pass is
+    /// already a mean over the held-out split).
+    fn passes(
+        curve: &[CurvePoint],
+        x: CurveX,
+        y: impl Fn(f64) -> f64,
+        label: String,
+        color: RGBAColor,
+    ) -> Line {
+        Line {
+            marked: true,
+            ..Line::of(curve, x, y, Smoothing::NONE, label, color, false)
+        }
+    }
+}
+
+/// What a curve plot's caption says it shows: its validation passes too where any row has some.
+fn curves_shown(any_validation: bool) -> &'static str {
+    match any_validation {
+        true => "training and validation",
+        false => "training",
+    }
 }
 
 /// The radius of a marked line's dots, in pixels.
@@ -455,21 +478,19 @@ pub fn losses(rows: &[Row], x: CurveX, smoothing: Smoothing, path: &Path) -> Res
         };
         lines.push(Line::of(training, x, y, smoothing, training_label, color, false));
         if let Some(validation) = validation {
-            let label = format!("{label} validation");
-            let passes = Line::of(validation, x, y, Smoothing::NONE, label, color, false);
-            lines.push(Line {
-                marked: true,
-                ..passes
-            });
+            lines.push(Line::passes(
+                validation,
+                x,
+                y,
+                format!("{label} validation"),
+                color,
+            ));
         }
     }
     let axes = Axes {
         caption: format!(
             "{} loss against {}{}",
-            match curves.iter().any(|(.., validation)| validation.is_some()) {
-                true => "training and validation",
-                false => "training",
-            },
+            curves_shown(curves.iter().any(|(.., validation)| validation.is_some())),
             x.desc(),
             smoothing.note()
         ),
@@ -526,21 +547,14 @@ pub fn accuracies(rows: &[Row], x: CurveX, smoothing: Smoothing, path: &Path) ->
         }
         if let Some(validation) = validation {
             let label = format!("{label} validation top-1");
-            let passes = Line::of(validation, x, |v| v, Smoothing::NONE, label, color, false);
-            lines.push(Line {
-                marked: true,
-                ..passes
-            });
+            lines.push(Line::passes(validation, x, |v| v, label, color));
         }
     }
     let y_label = |v: &f64| format!("{:.0}%", v * 100.0);
     let axes = Axes {
         caption: format!(
             "{} accuracy against {}{}",
-            match curves.iter().any(|(.., validation)| validation.is_some()) {
-                true => "training and validation",
-                false => "training",
-            },
+            curves_shown(curves.iter().any(|(.., validation)| validation.is_some())),
             x.desc(),
             smoothing.note()
         ),

@@ -13,6 +13,7 @@ use tch::{Device, Kind, Tensor};
 
 use super::{slice_microbatch, tally_of, Executor, Progress, Tally};
 use crate::data::{Batches, DataError};
+use crate::pipeline::channel::Channels;
 use crate::pipeline::route::Op;
 use crate::pipeline::wire::Message;
 use crate::profiler_trace::Scope;
@@ -116,21 +117,16 @@ impl Executor {
         }
         // The pass's transfers are its own `--trace` events, not the next iteration's. A pass
         // that starts a resumed run also takes the start's shape headers, which stay unmarked.
-        let p2p = match &self.links.channels {
-            Some(channels) if self.trace => channels
-                .take_log()
-                .into_iter()
-                .map(|op| P2p {
-                    validation: (op.tensor != P2pTensor::Header).then_some(iteration),
-                    ..op
-                })
-                .collect(),
-            Some(channels) => {
-                channels.take_log();
-                Vec::new()
-            }
-            None => Vec::new(),
-        };
+        let log = self.links.channels.as_ref().map(Channels::take_log);
+        let p2p = log
+            .filter(|_| self.trace)
+            .unwrap_or_default()
+            .into_iter()
+            .map(|op| P2p {
+                validation: (op.tensor != P2pTensor::Header).then_some(iteration),
+                ..op
+            })
+            .collect();
         let tally = match self.is_last() {
             true => Some(self.validation_tally(&tallies)?),
             false => None,
