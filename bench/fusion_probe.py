@@ -14,8 +14,11 @@ what the runtime runs there with ATen's kernels against what it runs with its ow
   pass; ATen: `threshold_backward`, then `sum` over all but the channels.
 - `pool_forward` (5): 2x2 max pooling with stride 2 that keeps a byte per output (which of the
   window's four won) instead of ATen's int64 index; ATen: `max_pool2d_with_indices`.
-- `pool + relu_bias_backward` (5): the pool's backward from those bytes, then the ReLU's and the
-  bias's before it; ATen: `max_pool2d_with_indices_backward`, `threshold_backward`, `sum`.
+- `pool_relu_bias_backward` (5): the pool's backward from those bytes, the ReLU's and the bias's
+  before it, in one pass (what the runtime runs where a pool follows its fused bias and ReLU, as
+  everywhere in vgg16); ATen: `max_pool2d_with_indices_backward`, `threshold_backward`, `sum`.
+- `pool_backward + relu_bias_backward` (5, not in the total): the same work as two kernels, what
+  the runtime runs where the pool's input is not the fused ReLU's output as it came.
 
 Each kernel's results are checked against ATen's first: the activations and input gradients bit
 for bit (one rounding of the same float sum, and the ReLU commutes with rounding), the bias
@@ -67,7 +70,7 @@ def main():
     aten = torch.ops.aten
     module = cupy.RawModule(code=KERNELS_PATH.read_text(), options=("--std=c++17",))
     kernel = {name: module.get_function(name) for name in
-              ("bias_relu", "relu_bias_backward", "pool_forward", "pool_backward")}
+              ("bias_relu", "relu_bias_backward", "pool_forward", "pool_backward", "pool_relu_bias_backward")}
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     grid = sms * 8
     # PyTorch's current stream, so CUDA events on it time the kernels (as they ran on the H200 of
@@ -115,10 +118,11 @@ def main():
 
     results = {}
 
-    def record(kind, layers, aten_ms, fused_ms):
-        results[kind] = {"layers": layers, "aten_ms": aten_ms, "fused_ms": fused_ms, "ratio": aten_ms / fused_ms}
-        print(f"{kind:24s} {layers:2d} layers  ATen {aten_ms:6.3f} ms  fused {fused_ms:6.3f} ms  "
-              f"({aten_ms / fused_ms:.2f}x)", flush=True)
+    def record(kind, layers, aten_ms, fused_ms, in_step=True):
+        results[kind] = {"layers": layers, "aten_ms": aten_ms, "fused_ms": fused_ms, "ratio": aten_ms / fused_ms,
+                         "in_step": in_step}
+        print(f"{kind:36s} {layers:2d} layers  ATen {aten_ms:6.3f} ms  fused {fused_ms:6.3f} ms  "
+              f"({aten_ms / fused_ms:.2f}x){'' if in_step else '  (not in the total)'}", flush=True)
 
     # Forward: bias and ReLU after each convolution. ATen's run in place on the convolution's
     # output (a copy of it each time, whose time is taken off); the kernel writes a new tensor.
@@ -175,9 +179,10 @@ def main():
     record("relu_bias_backward", len(cases), timed(aten_relu_bias_backward), timed(fused_relu_bias_backward))
     del cases
 
-    # The pools, forward and backward, then the backward of the ReLU and bias before them: the
-    # runtime's modules, so two kernels of its own (pool_backward, relu_bias_backward) where ATen
-    # runs three (the pool's backward, threshold_backward, sum).
+    # The pools, forward and backward, with the backward of the ReLU and bias before them: one
+    # kernel (pool_relu_bias_backward) where the pool's input is the fused ReLU's output, as in
+    # vgg16, and two (pool_backward, relu_bias_backward) where it is not; ATen runs three (the
+    # pool's backward, threshold_backward, sum).
     cases = []
     for c, side, pooled in LAYERS:
         if not pooled:
@@ -190,13 +195,21 @@ def main():
         y_ref, idx = aten.max_pool2d_with_indices(x, [2, 2], [2, 2])
         assert torch.equal(y, y_ref), f"pool_forward differs from ATen at {c}x{side}"
         gy = randn(n, c, oh, oh)
+        gx_ref = aten.max_pool2d_with_indices_backward(gy, x, [2, 2], [2, 2], [0, 0], [1, 1], False, idx)
+        g_ref = aten.threshold_backward(gx_ref, x, 0)
+        # One kernel, from the pooled values alone.
+        g1 = torch.empty_like(x)
+        db1 = torch.zeros(c, device="cuda")
+        launch("pool_relu_bias_backward", grid, c * 4, ptr(gy), ptr(y), ptr(win), ptr(g1), ptr(db1),
+               Long(y.numel() // c), oh, c // 8)
+        assert torch.equal(g1, g_ref), f"pool_relu_bias_backward's gradient differs from ATen's at {c}x{side}"
+        close_sums(db1, g_ref.sum((0, 2, 3)), g_ref, f"pool_relu_bias_backward at {c}x{side}")
+        # Two kernels.
         gx, g = torch.empty_like(x), torch.empty_like(x)
         db = torch.zeros(c, device="cuda")
         launch("pool_backward", grid, 0, ptr(gy), ptr(win), ptr(gx), Long(y.numel() // 8), oh, c // 8)
-        gx_ref = aten.max_pool2d_with_indices_backward(gy, x, [2, 2], [2, 2], [0, 0], [1, 1], False, idx)
         assert torch.equal(gx, gx_ref), f"pool_backward differs from ATen at {c}x{side}"
         launch("relu_bias_backward", grid, c * 4, ptr(gx), ptr(x), ptr(g), ptr(db), Long(x.numel() // c), c // 8)
-        g_ref = aten.threshold_backward(gx_ref, x, 0)
         assert torch.equal(g, g_ref), f"relu_bias_backward after the pool differs from ATen at {c}x{side}"
         close_sums(db, g_ref.sum((0, 2, 3)), g_ref, f"the bias gradient before the pool at {c}x{side}")
         cases.append((x, y, win, idx, gy, gx, g, db))
@@ -214,7 +227,13 @@ def main():
             gx_ = aten.max_pool2d_with_indices_backward(gy, x, [2, 2], [2, 2], [0, 0], [1, 1], False, idx)
             aten.threshold_backward(gx_, x, 0).sum((0, 2, 3))
 
-    def fused_pool_backward():
+    def fused_pool_relu_bias_backward():
+        for x, y, win, idx, gy, gx, g, db in cases:
+            db.zero_()
+            launch("pool_relu_bias_backward", grid, db.numel() * 4, ptr(gy), ptr(y), ptr(win), ptr(g), ptr(db),
+                   Long(y.numel() // db.numel()), y.size(3), db.numel() // 8)
+
+    def fused_pool_backward_then_relu():
         for x, y, win, idx, gy, gx, g, db in cases:
             launch("pool_backward", grid, 0, ptr(gy), ptr(win), ptr(gx), Long(y.numel() // 8), y.size(3), y.size(1) // 8)
             db.zero_()
@@ -222,10 +241,14 @@ def main():
                    Long(x.numel() // db.numel()), db.numel() // 8)
 
     record("pool_forward", len(cases), timed(aten_pool_forward), timed(fused_pool_forward))
-    record("pool + relu_bias_backward", len(cases), timed(aten_pool_backward), timed(fused_pool_backward))
-    aten_ms = sum(r["aten_ms"] for r in results.values())
-    fused_ms = sum(r["fused_ms"] for r in results.values())
-    print(f"{'all':24s}            ATen {aten_ms:6.3f} ms  fused {fused_ms:6.3f} ms  "
+    aten_backward = timed(aten_pool_backward)
+    record("pool_relu_bias_backward", len(cases), aten_backward, timed(fused_pool_relu_bias_backward))
+    record("pool_backward + relu_bias_backward", len(cases), aten_backward, timed(fused_pool_backward_then_relu),
+           in_step=False)
+    step = [r for r in results.values() if r["in_step"]]
+    aten_ms = sum(r["aten_ms"] for r in step)
+    fused_ms = sum(r["fused_ms"] for r in step)
+    print(f"{'all':36s}            ATen {aten_ms:6.3f} ms  fused {fused_ms:6.3f} ms  "
           f"(saves {aten_ms - fused_ms:.3f} ms a step; {torch.cuda.get_device_name(0)}, batch {n})", flush=True)
     if args.json:
         with open(args.json, "w") as f:

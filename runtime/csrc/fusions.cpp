@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cstring>
 #include <cstdint>
 #include <cstdio>
 #include <exception>
@@ -30,6 +31,8 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/saved_variable.h>
 
 #include "bridge.hpp"
 // FUSIONS_SOURCE: csrc/kernels/fusions.cu as a string (written by build.rs).
@@ -154,8 +157,31 @@ struct Kernels {
   void* relu_bias_backward = nullptr;
   void* pool_forward = nullptr;
   void* pool_backward = nullptr;
+  void* pool_relu_bias_backward = nullptr;
   unsigned blocks = 0;  // the most blocks a launch takes: 8 per multiprocessor
 };
+
+// Every kernel of fusions.cu, by name, and where Kernels keeps it once loaded.
+constexpr std::array<std::pair<const char*, void* Kernels::*>, 5> kKernels{{
+    {"bias_relu", &Kernels::bias_relu},
+    {"relu_bias_backward", &Kernels::relu_bias_backward},
+    {"pool_forward", &Kernels::pool_forward},
+    {"pool_backward", &Kernels::pool_backward},
+    {"pool_relu_bias_backward", &Kernels::pool_relu_bias_backward},
+}};
+
+// fusions.cu compiled for `arch`, holding every kernel of kKernels (a name the source misspelt,
+// or left C++-mangled, would only fail at load time on a GPU).
+std::string compile_all(int arch) {
+  auto cubin = compile(arch);
+  for (const auto& [name, slot] : kKernels) {
+    // The symbol table's strings end, and follow another's end, with a NUL.
+    std::string symbol = std::string(1, '\0') + name + '\0';
+    TORCH_CHECK(cubin.find(symbol) != std::string::npos, "csrc/kernels/fusions.cu compiled for sm_", arch,
+                " has no kernel ", name);
+  }
+  return cubin;
+}
 
 constexpr unsigned kThreads = 256;
 
@@ -180,15 +206,14 @@ const Kernels* kernels(c10::DeviceIndex device) {
   try {
     c10::cuda::CUDAGuard on(device);
     const auto* props = at::cuda::getDeviceProperties(device);
-    auto cubin = compile(props->major * 10 + props->minor);
+    auto cubin = compile_all(props->major * 10 + props->minor);
     // The runtime API made the device's primary context current; the module loads into it.
     void* module = nullptr;
     check_driver(driver().load(&module, cubin.data()), "loading the fused kernels");
     auto made = std::make_unique<Kernels>();
-    check_driver(driver().function(&made->bias_relu, module, "bias_relu"), "bias_relu");
-    check_driver(driver().function(&made->relu_bias_backward, module, "relu_bias_backward"), "relu_bias_backward");
-    check_driver(driver().function(&made->pool_forward, module, "pool_forward"), "pool_forward");
-    check_driver(driver().function(&made->pool_backward, module, "pool_backward"), "pool_backward");
+    for (const auto& [name, slot] : kKernels) {
+      check_driver(driver().function(&(made.get()->*slot), module, name), name);
+    }
     made->blocks = static_cast<unsigned>(props->multiProcessorCount) * 8;
     k = std::move(made);
   } catch (const std::exception& e) {
@@ -208,14 +233,21 @@ const Kernels* kernels_of(const at::Tensor& t) {
 // Launches `kernel` on the current stream with kThreads a block, over `work` items (one a thread
 // until the grid runs out, then striding): no more blocks than the work fills, at most the
 // device's grid.
-void launch(void* kernel, const Kernels& k, int64_t work, unsigned shared, std::vector<void*> params,
+void launch(void* Kernels::*kernel, const at::Tensor& on, int64_t work, unsigned shared, std::vector<void*> params,
             const char* what) {
+  const Kernels& k = *kernels_of(on);
   auto wanted = (work + kThreads - 1) / kThreads;
   auto blocks = static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(k.blocks, wanted)));
   auto stream = at::cuda::getCurrentCUDAStream();
-  check_driver(driver().launch(kernel, blocks, 1, 1, kThreads, 1, 1, shared, stream.stream(), params.data(), nullptr),
-               what);
+  check_driver(
+      driver().launch(k.*kernel, blocks, 1, 1, kThreads, 1, 1, shared, stream.stream(), params.data(), nullptr),
+      what);
 }
+
+// Whether this thread's CPU tensors stand in for a GPU's (shc_fusions_cpu_stand_in, for tests):
+// the same autograd operations and the same choices of when to use them, with each kernel's
+// work done by ATen's operations (`reference` below) instead.
+thread_local bool cpu_stand_in = false;
 
 bool aligned(const at::Tensor& t) {
   return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
@@ -224,8 +256,8 @@ bool aligned(const at::Tensor& t) {
 // Whether the kernels can take `t`: bfloat16 on a GPU, channels_last and dense, channels a
 // multiple of 8, 16-byte aligned.
 bool suits(const at::Tensor& t) {
-  return t.is_cuda() && t.scalar_type() == at::kBFloat16 && t.dim() == 4 && t.size(1) % 8 == 0 &&
-      t.size(1) / 8 <= static_cast<int64_t>(kThreads) && kThreads % (t.size(1) / 8) == 0 &&
+  return (t.is_cuda() || (cpu_stand_in && t.is_cpu())) && t.scalar_type() == at::kBFloat16 && t.dim() == 4 &&
+      t.size(1) % 8 == 0 && t.size(1) / 8 <= static_cast<int64_t>(kThreads) && kThreads % (t.size(1) / 8) == 0 &&
       t.is_contiguous(at::MemoryFormat::ChannelsLast) && aligned(t) && t.numel() > 0;
 }
 
@@ -236,22 +268,139 @@ at::Tensor dense(const at::Tensor& t) {
   return aligned(d) ? d : d.clone(at::MemoryFormat::ChannelsLast);
 }
 
+// What each kernel computes, in ATen's operations on the CPU: the stand-in's work. Window
+// positions are as the kernels number them, 0..3 row-major in the 2x2 window.
+namespace reference {
+
+// win [n, oh, ow, c] as a [n, c, oh, ow] view, compared with `q`.
+at::Tensor won(const at::Tensor& win, int64_t q) {
+  return win.permute({0, 3, 1, 2}).eq(q);
+}
+
+// out[:, :, i, j] of each window's position q is `pooled` where q won, 0 elsewhere.
+void scatter(const at::Tensor& pooled, const at::Tensor& win, const at::Tensor& out) {
+  for (int64_t q = 0; q < 4; ++q) {
+    out.slice(2, q / 2, std::nullopt, 2)
+        .slice(3, q % 2, std::nullopt, 2)
+        .copy_(at::where(won(win, q), pooled, at::zeros_like(pooled)));
+  }
+}
+
+void bias_relu(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& y) {
+  y.copy_(x.add(bias.view({1, -1, 1, 1})).relu_());
+}
+
+void relu_bias_backward(const at::Tensor& gy, const at::Tensor& y, const at::Tensor& g, const at::Tensor& db) {
+  g.copy_(at::threshold_backward(gy, y, 0));
+  db.add_(g.to(at::kFloat).sum({0, 2, 3}));
+}
+
+void pool_forward(const at::Tensor& x, const at::Tensor& y, const at::Tensor& win) {
+  auto [pooled, index] = at::max_pool2d_with_indices(x, {2, 2}, {2, 2});
+  y.copy_(pooled);
+  auto w = x.size(3);
+  auto q = index.div(w, "floor").remainder(2).mul(2).add(index.remainder(w).remainder(2));
+  win.copy_(q.permute({0, 2, 3, 1}));
+}
+
+void pool_backward(const at::Tensor& gy, const at::Tensor& win, const at::Tensor& gx) {
+  scatter(gy, win, gx);
+}
+
+void pool_relu_bias_backward(const at::Tensor& gy, const at::Tensor& y, const at::Tensor& win, const at::Tensor& g,
+                             const at::Tensor& db) {
+  auto v = at::threshold_backward(gy, y, 0);
+  db.add_(v.to(at::kFloat).sum({0, 2, 3}));
+  scatter(v, win, g);
+}
+
+}  // namespace reference
+
+// The kernels' launches, or on the CPU their reference: each writes into tensors it is given.
+
+void bias_relu(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& y) {
+  if (x.is_cpu()) {
+    return reference::bias_relu(x, bias, y);
+  }
+  int64_t n8 = x.numel() / 8;
+  int c8 = static_cast<int>(x.size(1) / 8);
+  void* x_ptr = x.data_ptr();
+  void* b_ptr = bias.data_ptr();
+  void* y_ptr = y.data_ptr();
+  launch(&Kernels::bias_relu, x, n8, 0, {&x_ptr, &b_ptr, &y_ptr, &n8, &c8}, "bias_relu");
+}
+
+// db: float [channels], zeroed.
+void relu_bias_backward(const at::Tensor& gy, const at::Tensor& y, const at::Tensor& g, const at::Tensor& db) {
+  if (y.is_cpu()) {
+    return reference::relu_bias_backward(gy, y, g, db);
+  }
+  int64_t rows = y.numel() / y.size(1);
+  int c8 = static_cast<int>(y.size(1) / 8);
+  void* gy_ptr = gy.data_ptr();
+  void* y_ptr = y.data_ptr();
+  void* g_ptr = g.data_ptr();
+  void* db_ptr = db.data_ptr();
+  auto shared = static_cast<unsigned>(y.size(1) * sizeof(float));
+  launch(&Kernels::relu_bias_backward, y, rows * c8, shared, {&gy_ptr, &y_ptr, &g_ptr, &db_ptr, &rows, &c8},
+         "relu_bias_backward");
+}
+
+void pool_forward(const at::Tensor& x, const at::Tensor& y, const at::Tensor& win) {
+  if (x.is_cpu()) {
+    return reference::pool_forward(x, y, win);
+  }
+  int64_t outs8 = y.numel() / 8;
+  int ow = static_cast<int>(y.size(3));
+  int c8 = static_cast<int>(y.size(1) / 8);
+  void* x_ptr = x.data_ptr();
+  void* y_ptr = y.data_ptr();
+  void* win_ptr = win.data_ptr();
+  launch(&Kernels::pool_forward, x, outs8, 0, {&x_ptr, &y_ptr, &win_ptr, &outs8, &ow, &c8}, "pool_forward");
+}
+
+void pool_backward(const at::Tensor& gy, const at::Tensor& win, const at::Tensor& gx) {
+  if (gy.is_cpu()) {
+    return reference::pool_backward(gy, win, gx);
+  }
+  int64_t outs8 = gy.numel() / 8;
+  int ow = static_cast<int>(gy.size(3));
+  int c8 = static_cast<int>(gy.size(1) / 8);
+  void* gy_ptr = gy.data_ptr();
+  void* win_ptr = win.data_ptr();
+  void* gx_ptr = gx.data_ptr();
+  launch(&Kernels::pool_backward, gy, outs8, 0, {&gy_ptr, &win_ptr, &gx_ptr, &outs8, &ow, &c8}, "pool_backward");
+}
+
+// gy and y: the pool's output's gradient and the pool's output; db: float [channels], zeroed.
+void pool_relu_bias_backward(const at::Tensor& gy, const at::Tensor& y, const at::Tensor& win, const at::Tensor& g,
+                             const at::Tensor& db) {
+  if (y.is_cpu()) {
+    return reference::pool_relu_bias_backward(gy, y, win, g, db);
+  }
+  int64_t outs = y.numel() / y.size(1);
+  int ow = static_cast<int>(y.size(3));
+  int c8 = static_cast<int>(y.size(1) / 8);
+  void* gy_ptr = gy.data_ptr();
+  void* y_ptr = y.data_ptr();
+  void* win_ptr = win.data_ptr();
+  void* g_ptr = g.data_ptr();
+  void* db_ptr = db.data_ptr();
+  auto shared = static_cast<unsigned>(y.size(1) * sizeof(float));
+  launch(&Kernels::pool_relu_bias_backward, y, outs * c8, shared,
+         {&gy_ptr, &y_ptr, &win_ptr, &g_ptr, &db_ptr, &outs, &ow, &c8}, "pool_relu_bias_backward");
+}
+
 // relu(conv + bias[c]) and its backward: ReLU's and the bias's gradient in one pass. The
 // convolution's own backward (ATen's) gives the rest.
 struct BiasRelu : torch::autograd::Function<BiasRelu> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& conv, const at::Tensor& bias) {
-    const auto* k = kernels_of(conv);
     auto out = at::empty_like(conv, at::MemoryFormat::ChannelsLast);
     auto b = bias.contiguous();
     if (!aligned(b)) {
       b = b.clone();  // read 16 bytes at a time: a view at an odd offset would not do
     }
-    int64_t n8 = conv.numel() / 8;
-    int c8 = static_cast<int>(conv.size(1) / 8);
-    void* x_ptr = conv.data_ptr();
-    void* b_ptr = b.data_ptr();
-    void* y_ptr = out.data_ptr();
-    launch(k->bias_relu, *k, n8, 0, {&x_ptr, &b_ptr, &y_ptr, &n8, &c8}, "bias_relu");
+    bias_relu(conv, b, out);
     ctx->save_for_backward({out});
     ctx->saved_data["bias_dtype"] = static_cast<int64_t>(bias.scalar_type());
     return out;
@@ -265,18 +414,9 @@ struct BiasRelu : torch::autograd::Function<BiasRelu> {
       return {at::Tensor(), at::Tensor()};
     }
     auto gy = dense(grads[0].to(y.scalar_type()));
-    const auto* k = kernels_of(y);
     auto g = at::empty_like(y, at::MemoryFormat::ChannelsLast);
     auto db = at::zeros({y.size(1)}, y.options().dtype(at::kFloat));
-    int64_t rows = y.numel() / y.size(1);
-    int c8 = static_cast<int>(y.size(1) / 8);
-    void* gy_ptr = gy.data_ptr();
-    void* y_ptr = y.data_ptr();
-    void* g_ptr = g.data_ptr();
-    void* db_ptr = db.data_ptr();
-    auto shared = static_cast<unsigned>(y.size(1) * sizeof(float));
-    launch(k->relu_bias_backward, *k, rows * c8, shared, {&gy_ptr, &y_ptr, &g_ptr, &db_ptr, &rows, &c8},
-           "relu_bias_backward");
+    relu_bias_backward(gy, y, g, db);
     return {g, db.to(bias_dtype)};
   }
 };
@@ -284,17 +424,10 @@ struct BiasRelu : torch::autograd::Function<BiasRelu> {
 // 2x2 max pooling with stride 2 that keeps which of each window's four won, a byte per output.
 struct MaxPool2x2 : torch::autograd::Function<MaxPool2x2> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x) {
-    const auto* k = kernels_of(x);
     auto n = x.size(0), c = x.size(1), oh = x.size(2) / 2, ow = x.size(3) / 2;
     auto y = at::empty({n, c, oh, ow}, x.options(), at::MemoryFormat::ChannelsLast);
     auto win = at::empty({n, oh, ow, c}, x.options().dtype(at::kByte));
-    int64_t outs8 = y.numel() / 8;
-    int ow_ = static_cast<int>(ow);
-    int c8 = static_cast<int>(c / 8);
-    void* x_ptr = x.data_ptr();
-    void* y_ptr = y.data_ptr();
-    void* win_ptr = win.data_ptr();
-    launch(k->pool_forward, *k, outs8, 0, {&x_ptr, &y_ptr, &win_ptr, &outs8, &ow_, &c8}, "pool_forward");
+    pool_forward(x, y, win);
     ctx->saved_data["win"] = win;
     ctx->saved_data["sizes"] = x.sizes().vec();
     return y;
@@ -308,18 +441,74 @@ struct MaxPool2x2 : torch::autograd::Function<MaxPool2x2> {
     auto win = ctx->saved_data["win"].toTensor();
     auto sizes = ctx->saved_data["sizes"].toIntVector();
     auto gy = dense(grads[0].to(at::kBFloat16));
-    const auto* k = kernels_of(gy);
     auto gx = at::empty(sizes, gy.options(), at::MemoryFormat::ChannelsLast);
-    int64_t outs8 = gy.numel() / 8;
-    int ow = static_cast<int>(gy.size(3));
-    int c8 = static_cast<int>(gy.size(1) / 8);
-    void* gy_ptr = gy.data_ptr();
-    void* win_ptr = win.data_ptr();
-    void* gx_ptr = gx.data_ptr();
-    launch(k->pool_backward, *k, outs8, 0, {&gy_ptr, &win_ptr, &gx_ptr, &outs8, &ow, &c8}, "pool_backward");
+    pool_backward(gy, win, gx);
     return {gx};
   }
 };
+
+// The backward of a 2x2 max pool over BiasRelu's output, straight to that BiasRelu's inputs (the
+// convolution's output and the bias): the pool's, the ReLU's and the bias's backward in one
+// kernel, where BiasRelu's own backward would read the pool's full-size gradient and BiasRelu's
+// full-size output again. The pool's output decides the ReLU's mask (each window's winner is the
+// only place the pool's gradient reaches, and there the pool's output is the ReLU's), so
+// BiasRelu's output need not be kept for the backward at all.
+struct PoolReluBiasBackward : torch::autograd::Node {
+  torch::autograd::SavedVariable pooled;  // the pool's output
+  at::Tensor win;
+  std::vector<int64_t> sizes;  // of BiasRelu's output, the pool's input
+  at::ScalarType bias_dtype = at::kBFloat16;
+
+  std::string name() const override {
+    return "PoolReluBiasBackward";
+  }
+
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    TORCH_CHECK(win.defined(), "PoolReluBiasBackward ran twice (its saved tensors are freed after the first)");
+    if (!grads[0].defined()) {
+      return {at::Tensor(), at::Tensor()};
+    }
+    auto y = pooled.unpack(shared_from_this());
+    auto gy = dense(grads[0].to(y.scalar_type()));
+    auto g = at::empty(sizes, y.options(), at::MemoryFormat::ChannelsLast);
+    auto db = at::zeros({y.size(1)}, y.options().dtype(at::kFloat));
+    pool_relu_bias_backward(gy, y, win, g, db);
+    return {g, db.to(bias_dtype)};
+  }
+
+  void release_variables() override {
+    pooled.reset_data();
+    win.reset();
+  }
+};
+
+// max_pool2x2 of `x` with PoolReluBiasBackward as its backward, when `x` is BiasRelu's output as
+// it came (not changed in place since) and a gradient is being recorded; nothing otherwise.
+std::optional<at::Tensor> pool_over_bias_relu(const at::Tensor& x) {
+  if (!torch::autograd::GradMode::is_enabled() || x.output_nr() != 0) {
+    return std::nullopt;
+  }
+  auto* bias_relu = dynamic_cast<torch::autograd::CppNode<BiasRelu>*>(x.grad_fn().get());
+  if (bias_relu == nullptr) {
+    return std::nullopt;
+  }
+  auto n = x.size(0), c = x.size(1), oh = x.size(2) / 2, ow = x.size(3) / 2;
+  auto y = at::empty({n, c, oh, ow}, x.options(), at::MemoryFormat::ChannelsLast);
+  auto win = at::empty({n, oh, ow, c}, x.options().dtype(at::kByte));
+  {
+    at::NoGradGuard no_grad;
+    pool_forward(x.detach(), y, win);
+  }
+  auto node = std::shared_ptr<PoolReluBiasBackward>(new PoolReluBiasBackward(), torch::autograd::deleteNode);
+  // BiasRelu's own edges: to the convolution's output and to the bias.
+  node->set_next_edges(torch::autograd::edge_list(bias_relu->next_edges()));
+  node->win = win;
+  node->sizes = x.sizes().vec();
+  node->bias_dtype = static_cast<at::ScalarType>(bias_relu->ctx_.saved_data["bias_dtype"].toInt());
+  torch::autograd::set_history(y, node);
+  node->pooled = torch::autograd::SavedVariable(y, /*is_output=*/true);
+  return y;
+}
 
 // The autocast dtype for `x`'s device, if autocast is on there.
 std::optional<at::ScalarType> autocast_dtype(const at::Tensor& x) {
@@ -331,8 +520,7 @@ std::optional<at::ScalarType> autocast_dtype(const at::Tensor& x) {
 }
 
 bool usable(const at::Tensor& t) {
-  return suits(t) && !at::globalContext().deterministicAlgorithms() &&
-      kernels_of(t) != nullptr;
+  return suits(t) && !at::globalContext().deterministicAlgorithms() && (t.is_cpu() || kernels_of(t) != nullptr);
 }
 
 at::Tensor conv_bias_relu(at::Tensor x, at::Tensor weight, at::Tensor bias, at::IntArrayRef stride,
@@ -344,7 +532,8 @@ at::Tensor conv_bias_relu(at::Tensor x, at::Tensor weight, at::Tensor bias, at::
     weight = at::autocast::cached_cast(*dtype, weight, type);
     bias = at::autocast::cached_cast(*dtype, bias, type);
   }
-  if (!x.is_cuda() || x.scalar_type() != at::kBFloat16 || bias.scalar_type() != at::kBFloat16 ||
+  if (!(x.is_cuda() || (cpu_stand_in && x.is_cpu())) || x.scalar_type() != at::kBFloat16 ||
+      bias.scalar_type() != at::kBFloat16 ||
       at::globalContext().deterministicAlgorithms()) {
     return at::conv2d(x, weight, bias, stride, padding).relu_();
   }
@@ -358,6 +547,9 @@ at::Tensor conv_bias_relu(at::Tensor x, at::Tensor weight, at::Tensor bias, at::
 
 at::Tensor max_pool2x2(const at::Tensor& x) {
   if (usable(x) && x.size(2) % 2 == 0 && x.size(3) % 2 == 0) {
+    if (auto pooled = pool_over_bias_relu(x)) {
+      return *pooled;
+    }
     return MaxPool2x2::apply(x);
   }
   return at::max_pool2d(x, {2, 2}, {2, 2}, {0, 0}, {1, 1}, false);
@@ -391,7 +583,27 @@ char* shc_max_pool2x2(const void* x, void** out) {
 // the machine code in `bytes`: what the first use on a device does before loading it.
 char* shc_fusions_compile(int64_t arch, size_t* bytes) {
   *bytes = 0;
-  return sh::guarded([&] { *bytes = compile(static_cast<int>(arch)).size(); });
+  return sh::guarded([&] { *bytes = compile_all(static_cast<int>(arch)).size(); });
+}
+
+// Whether this thread's CPU tensors in bfloat16 and channels_last take the fused operations, their
+// kernels' work done by ATen's operations: tests of the autograd operations without a GPU.
+void shc_fusions_cpu_stand_in(int on) {
+  cpu_stand_in = on != 0;
+}
+
+// The name of the autograd node that made `t` ("" for a leaf or a tensor made without a
+// gradient), NUL-terminated in `name`: what the tests ask of which backward a fused operation
+// chose.
+char* shc_grad_fn_name(const void* t, char* name, size_t len) {
+  return sh::guarded([&] {
+    TORCH_CHECK(len > 0, "no room for a name");
+    const auto& fn = static_cast<const at::Tensor*>(t)->grad_fn();
+    std::string text = fn ? fn->name() : std::string();
+    size_t n = std::min(text.size(), len - 1);
+    std::memcpy(name, text.data(), n);
+    name[n] = '\0';
+  });
 }
 
 }  // extern "C"

@@ -7,6 +7,10 @@
 //   pool_forward        2x2 max pool, stride 2, keeping a byte per output (which of the window won)
 //                       where ATen keeps an int64 index
 //   pool_backward       its backward from those bytes (ATen zero-fills, then scatters by index)
+//   pool_relu_bias_backward
+//                       the pool's backward when its input is bias_relu's output: the pool's,
+//                       the ReLU's and the bias's backward in one pass (ATen: the pool's
+//                       backward, threshold_backward, sum)
 // No header is included: NVRTC compiles this alone. Every kernel's grid strides over its work;
 // the launches' shapes are fusions.cpp's.
 typedef unsigned short bf16;
@@ -144,4 +148,47 @@ extern "C" __global__ void pool_backward(ptr gy_, ptr win_, ptr gx_, long long o
     gx[base + row] = out[2];
     gx[base + row + c8] = out[3];
   }
+}
+
+// The backward of a 2x2 pool (stride 2) over relu(conv + bias), through the ReLU to the
+// convolution's output, and the bias gradient: g at each window's winner is gy where the pooled
+// value y (the winner's own value) is > 0, and 0 at the other three; db[c] += the sum of g. The
+// pool's input itself is not read: the winner's value decides the ReLU's mask, as
+// threshold_backward decides it from the same value. Threads take (output, 8-channel group)
+// pairs; blockDim.x a multiple of c8; outs = n * oh * ow; db zeroed by the caller.
+extern "C" __global__ void pool_relu_bias_backward(ptr gy_, ptr y_, ptr win_, ptr g_, ptr db_, long long outs,
+                                                   int ow, int c8) {
+  extern __shared__ float part[];
+  const uint4* gy = (const uint4*)gy_;
+  const uint4* y = (const uint4*)y_;
+  const uint2* win = (const uint2*)win_;
+  uint4* g = (uint4*)g_;
+  for (int i = threadIdx.x; i < c8 * 8; i += blockDim.x) part[i] = 0.f;
+  __syncthreads();
+  const int cg = threadIdx.x % c8, per_block = blockDim.x / c8;
+  const long long row = 2LL * ow * c8;  // one input row, in 8-channel groups
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  for (long long p = blockIdx.x * (long long)per_block + threadIdx.x / c8; p < outs;
+       p += (long long)gridDim.x * per_block) {
+    long long o = p * c8 + cg, j = p % ow, nh = p / ow;  // nh = n * (h / 2) + i
+    long long base = nh * 2 * row + 2 * j * c8 + cg;
+    uint4 a = gy[o], b = y[o];
+    uint2 w = win[o];
+    const bf16* as = (const bf16*)&a;
+    const bf16* bs = (const bf16*)&b;
+    const unsigned char* ws = (const unsigned char*)&w;
+    uint4 out[4];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      bf16 v = (to_float(bs[k]) <= 0.f) ? (bf16)0 : as[k];
+      acc[k] += to_float(v);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) ((bf16*)&out[q])[k] = (ws[k] == q) ? v : (bf16)0;
+    }
+    g[base] = out[0];
+    g[base + c8] = out[1];
+    g[base + row] = out[2];
+    g[base + row + c8] = out[3];
+  }
+  add_channel_sums(part, acc, cg, c8 * 8, (float*)db_);
 }

@@ -1,6 +1,7 @@
 //! The runtime's fused CUDA kernels (`csrc/kernels/fusions.cu`, run by `csrc/fusions.cpp`): a
 //! convolution's bias and ReLU in one pass, and 2x2 max pooling that keeps a byte per window
-//! instead of an int64 index, forward and backward. `--fused-kernels` turns them on; the models
+//! instead of an int64 index, forward and backward; a pool over a fused bias and ReLU takes one
+//! backward through all three. `--fused-kernels` turns them on; the models
 //! call [`conv_bias_relu`] and [`max_pool2x2`], which run ATen's own operations wherever the
 //! kernels are off or the tensors do not suit them (not CUDA, not bfloat16, not channels_last).
 //!
@@ -8,7 +9,7 @@
 //! sum in another order (`bench/fusion_probe.py` checks both on a GPU and times them against
 //! ATen).
 
-use std::ffi::c_char;
+use std::ffi::{c_char, c_int};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use tch::Tensor;
@@ -27,6 +28,8 @@ pub(super) type ConvBiasRelu = unsafe extern "C" fn(
 ) -> *mut c_char;
 pub(super) type MaxPool = unsafe extern "C" fn(*const C_tensor, *mut *mut C_tensor) -> *mut c_char;
 pub(super) type Compile = unsafe extern "C" fn(i64, *mut usize) -> *mut c_char;
+pub(super) type CpuStandIn = unsafe extern "C" fn(c_int);
+pub(super) type GradFnName = unsafe extern "C" fn(*const C_tensor, *mut c_char, usize) -> *mut c_char;
 
 static ENABLED: AtomicBool = AtomicBool::new(false);
 
@@ -35,12 +38,39 @@ pub fn enable() {
     ENABLED.store(true, Ordering::Relaxed);
 }
 
-/// The bridge, when the fused kernels are on and `xs` is on a GPU.
+/// The bridge, when the fused kernels are on and `xs` is on a GPU (or, in tests, when this
+/// thread's CPU stands in for one).
 fn bridge(xs: &Tensor) -> Option<&'static super::Api> {
-    if !ENABLED.load(Ordering::Relaxed) || !xs.device().is_cuda() {
+    let wanted = if xs.device().is_cuda() {
+        ENABLED.load(Ordering::Relaxed)
+    } else {
+        stand_in::on()
+    };
+    if !wanted {
         return None;
     }
     cuda().ok().map(super::Cuda::api)
+}
+
+/// Whether this thread's CPU tensors take the fused operations: never outside the tests.
+#[cfg(not(test))]
+mod stand_in {
+    pub fn on() -> bool {
+        false
+    }
+}
+
+#[cfg(test)]
+mod stand_in {
+    use std::cell::Cell;
+
+    thread_local! {
+        pub static ON: Cell<bool> = const { Cell::new(false) };
+    }
+
+    pub fn on() -> bool {
+        ON.with(Cell::get)
+    }
 }
 
 /// A tensor the bridge made, or a panic with its message, as tch's own operations fail.
@@ -110,12 +140,51 @@ impl super::Cuda {
     }
 }
 
+/// This thread's CPU standing in for a GPU (see [`super::Cuda::cpu_stand_in`]) until dropped.
+#[cfg(test)]
+pub struct StandIn(&'static super::Api);
+
+#[cfg(test)]
+impl Drop for StandIn {
+    fn drop(&mut self) {
+        // SAFETY: a plain call through a loaded bridge.
+        unsafe { (self.0.fusions_cpu_stand_in)(0) };
+        stand_in::ON.with(|on| on.set(false));
+    }
+}
+
+#[cfg(test)]
+impl super::Cuda {
+    /// Lets this thread's CPU tensors take the fused operations, their kernels' work done by
+    /// ATen's operations: the autograd operations, and when each is chosen, tested without a GPU.
+    pub fn cpu_stand_in(&'static self) -> StandIn {
+        // SAFETY: a plain call through a loaded bridge.
+        unsafe { (self.api().fusions_cpu_stand_in)(1) };
+        stand_in::ON.with(|on| on.set(true));
+        StandIn(self.api())
+    }
+
+    /// The name of the autograd node that made `xs` (empty for a leaf).
+    pub fn grad_fn_name(&self, xs: &Tensor) -> String {
+        let mut buffer = [0 as c_char; 256];
+        // SAFETY: a live tensor handle, read only; the buffer outlives the call and its length
+        // is passed.
+        check(unsafe { (self.api().grad_fn_name)(xs.as_ptr(), buffer.as_mut_ptr(), buffer.len()) })
+            .expect("the autograd node's name");
+        // SAFETY: the bridge NUL-terminates within the buffer.
+        unsafe { std::ffi::CStr::from_ptr(buffer.as_ptr()) }
+            .to_string_lossy()
+            .into_owned()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     /// The kernels' source compiles with the NVRTC beside the CUDA runtime libtorch loaded, for
-    /// the GPUs the runtime meets (A100, H100/H200), as it does on first use there; no GPU needed.
+    /// the GPUs the runtime meets (A100, H100/H200), as it does on first use there, into machine
+    /// code that holds every kernel the bridge loads by name; no GPU needed.
     #[test]
     fn the_fused_kernels_compile_for_ampere_and_hopper() {
         let Ok(cuda) = cuda() else {
@@ -132,5 +201,166 @@ mod tests {
         }
         let err = cuda.compile_fusions(1).unwrap_err();
         assert!(err.contains("sm_1"), "{err}");
+    }
+
+    use tch::{Device, Kind};
+
+    /// A bf16 tensor of `shape` (channels_last when 4-D) from seeded normals times `scale`.
+    fn bf16(shape: &[i64], scale: f64) -> Tensor {
+        let t = (Tensor::randn(shape, (Kind::Float, Device::Cpu)) * scale).to_kind(Kind::BFloat16);
+        match shape.len() {
+            4 => t.permute([0, 2, 3, 1]).contiguous().permute([0, 3, 1, 2]),
+            _ => t,
+        }
+    }
+
+    /// One side's leaves (input, weight, bias), each a copy of `of`'s, requiring gradients.
+    fn leaves(of: &[&Tensor; 3]) -> [Tensor; 3] {
+        of.map(|t| t.detach().copy().set_requires_grad(true))
+    }
+
+    /// `relu(conv2d(x, w) + b)` as ATen's own operations, the bias added after the convolution
+    /// as the fused path adds it.
+    fn aten_conv_bias_relu([x, w, b]: &[Tensor; 3]) -> Tensor {
+        (x.conv2d(w, None::<&Tensor>, [1, 1], [1, 1], [1, 1], 1) + b.view([1, -1, 1, 1])).relu()
+    }
+
+    fn aten_pool(y: &Tensor) -> Tensor {
+        y.max_pool2d([2, 2], [2, 2], [0, 0], [1, 1], false)
+    }
+
+    /// `sum(p * k)` in float: its gradient reaches `p` as `k` rounded to p's bf16.
+    fn weighted(p: &Tensor, k: &Tensor) -> Tensor {
+        (p.to_kind(Kind::Float) * k).sum(Kind::Float)
+    }
+
+    /// The fused side's gradients are ATen's: the input's and the weight's bit for bit (the
+    /// convolution's backward gets the same gradient on both sides), the bias's, float sums of
+    /// bf16 terms in another order, each rounded to bf16, within 2^-7 of `terms`, the sum of
+    /// its terms' magnitudes per channel.
+    fn same_gradients(ours: &[Tensor; 3], aten: &[Tensor; 3], terms: &Tensor, what: &str) {
+        for (i, name) in [(0, "input"), (1, "weight")] {
+            assert!(
+                ours[i].grad().equal(&aten[i].grad()),
+                "{what}: the {name}'s gradient differs from ATen's"
+            );
+        }
+        let off = (ours[2].grad().to_kind(Kind::Float) - aten[2].grad().to_kind(Kind::Float)).abs();
+        let bound = terms * 2f64.powi(-7);
+        assert!(
+            bool::try_from(off.le_tensor(&bound).all()).unwrap(),
+            "{what}: the bias's gradient is off by {off:?} against a bound of {bound:?}"
+        );
+        assert!(
+            bool::try_from(aten[2].grad().abs().sum(Kind::Float).gt(0.0)).unwrap(),
+            "{what}: a bias gradient of zero proves nothing"
+        );
+    }
+
+    /// A 2x2 pool over the fused bias and ReLU (vgg16's last convolution of each block) takes
+    /// one backward through the pool, the ReLU and the bias (`PoolReluBiasBackward`, one kernel
+    /// on a GPU) instead of the pool's and then BiasRelu's, with ATen's values: the pooled
+    /// activations bit for bit, and the gradients as [`same_gradients`] says. Half the bias is
+    /// negative enough that many windows pool zeros, whose gradient the ReLU stops.
+    ///
+    /// Also, where BiasRelu's output has a second use, its own backward takes that use's
+    /// gradient and the two reach the convolution summed, as ATen's one backward does; an
+    /// output changed in place after BiasRelu pools with the plain fused pool; a pool without
+    /// a gradient records nothing. The CPU stands in for the GPU (ATen's operations do each
+    /// kernel's work): what is tested is the autograd operations and when each is chosen.
+    #[test]
+    fn a_pool_over_the_fused_bias_and_relu_takes_one_backward_with_atens_values() {
+        let Ok(cuda) = cuda() else {
+            eprintln!(
+                "SKIPPED a_pool_over_the_fused_bias_and_relu_takes_one_backward_with_atens_values: \
+                 no CUDA bridge in this build"
+            );
+            return;
+        };
+        tch::manual_seed(3);
+        let x = bf16(&[2, 8, 8, 8], 1.0);
+        let w = bf16(&[16, 8, 3, 3], 0.2);
+        let b = bf16(&[16], 1.0)
+            - Tensor::from_slice(&[0.0f32, 2.0])
+                .repeat([8])
+                .to_kind(Kind::BFloat16);
+        let k = Tensor::randn([2, 16, 4, 4], (Kind::Float, Device::Cpu));
+        let k2 = Tensor::randn([2, 16, 8, 8], (Kind::Float, Device::Cpu));
+        // Each pooled gradient reaches one place; the magnitudes of k rounded to bf16 bound the
+        // bias gradient's terms.
+        let mag = |k: &Tensor| {
+            k.to_kind(Kind::BFloat16)
+                .to_kind(Kind::Float)
+                .abs()
+                .sum_dim_intlist([0i64, 2, 3].as_slice(), false, Kind::Float)
+        };
+
+        // One use: the pool.
+        let aten = leaves(&[&x, &w, &b]);
+        let aten_p = aten_pool(&aten_conv_bias_relu(&aten));
+        weighted(&aten_p, &k).backward();
+        let ours = leaves(&[&x, &w, &b]);
+        let ours_p = {
+            let _cpu = cuda.cpu_stand_in();
+            let y = conv_bias_relu(&ours[0], &ours[1], &ours[2], 1, 1);
+            assert!(
+                cuda.grad_fn_name(&y).contains("BiasRelu"),
+                "{}",
+                cuda.grad_fn_name(&y)
+            );
+            max_pool2x2(&y)
+        };
+        assert_eq!(cuda.grad_fn_name(&ours_p), "PoolReluBiasBackward");
+        assert!(ours_p.equal(&aten_p), "the pooled activations differ from ATen's");
+        let zeros = i64::try_from(aten_p.eq(0.0).sum(Kind::Int64)).unwrap();
+        assert!(zeros > 0 && zeros < aten_p.numel() as i64, "{zeros} zeros pooled");
+        weighted(&ours_p, &k).backward();
+        same_gradients(&ours, &aten, &mag(&k), "one use");
+
+        // Two uses: the pool, and a weighted sum of BiasRelu's output itself.
+        let aten = leaves(&[&x, &w, &b]);
+        let aten_y = aten_conv_bias_relu(&aten);
+        (weighted(&aten_pool(&aten_y), &k) + weighted(&aten_y, &k2)).backward();
+        let ours = leaves(&[&x, &w, &b]);
+        let (ours_y, ours_p) = {
+            let _cpu = cuda.cpu_stand_in();
+            let y = conv_bias_relu(&ours[0], &ours[1], &ours[2], 1, 1);
+            let p = max_pool2x2(&y);
+            (y, p)
+        };
+        assert_eq!(cuda.grad_fn_name(&ours_p), "PoolReluBiasBackward");
+        (weighted(&ours_p, &k) + weighted(&ours_y, &k2)).backward();
+        same_gradients(&ours, &aten, &(mag(&k) + mag(&k2)), "two uses");
+
+        // Not BiasRelu's output as it came (here doubled): the plain fused pool, and BiasRelu's
+        // own backward after it, with ATen's values.
+        let aten = leaves(&[&x, &w, &b]);
+        let aten_p = aten_pool(&(aten_conv_bias_relu(&aten) * 2.0));
+        weighted(&aten_p, &k).backward();
+        let ours = leaves(&[&x, &w, &b]);
+        let ours_p = {
+            let _cpu = cuda.cpu_stand_in();
+            max_pool2x2(&(conv_bias_relu(&ours[0], &ours[1], &ours[2], 1, 1) * 2.0))
+        };
+        let name = cuda.grad_fn_name(&ours_p);
+        assert!(name.contains("MaxPool2x2"), "{name}");
+        assert!(
+            ours_p.equal(&aten_p),
+            "doubled: the pooled activations differ from ATen's"
+        );
+        weighted(&ours_p, &k).backward();
+        same_gradients(&ours, &aten, &(mag(&k) * 2.0), "doubled");
+
+        // Without a gradient: the same values, nothing recorded.
+        let ours_p = tch::no_grad(|| {
+            let _cpu = cuda.cpu_stand_in();
+            max_pool2x2(&conv_bias_relu(&x, &w, &b, 1, 1))
+        });
+        assert_eq!(cuda.grad_fn_name(&ours_p), "");
+        assert!(ours_p.equal(&tch::no_grad(|| aten_pool(&aten_conv_bias_relu(&[
+            x.copy(),
+            w.copy(),
+            b.copy()
+        ])))));
     }
 }

@@ -50,6 +50,8 @@ pub(super) fn load() -> Result<Cuda, String> {
                 conv_bias_relu: resolve(bridge, "shc_conv_bias_relu")?,
                 max_pool2x2: resolve(bridge, "shc_max_pool2x2")?,
                 fusions_compile: resolve(bridge, "shc_fusions_compile")?,
+                fusions_cpu_stand_in: resolve(bridge, "shc_fusions_cpu_stand_in")?,
+                grad_fn_name: resolve(bridge, "shc_grad_fn_name")?,
             }
         };
         let cuda = Cuda::from_api(api);

@@ -50,9 +50,14 @@ pub(crate) struct Api {
     pub graph_free: graph::GraphFree,
     pub conv_bias_relu: fusions::ConvBiasRelu,
     pub max_pool2x2: fusions::MaxPool,
-    /// Only the tests compile the kernels ahead of their first use.
+    /// Only the tests compile the kernels ahead of their first use, let the CPU stand in for a
+    /// GPU, or ask which autograd node made a tensor.
     #[cfg_attr(not(test), allow(dead_code))]
     pub fusions_compile: fusions::Compile,
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub fusions_cpu_stand_in: fusions::CpuStandIn,
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub grad_fn_name: fusions::GradFnName,
 }
 
 /// CUDA support, loaded and usable in this process.
