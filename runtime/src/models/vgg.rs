@@ -161,4 +161,99 @@ mod tests {
         assert_eq!(pooled.size(), [2, 512 * 49]);
         assert!(pooled.equal(&small.adaptive_avg_pool2d([7, 7]).flatten(1, -1)));
     }
+
+    /// vgg16's first block (two convolutions, then a pool) as a training stage runs it with
+    /// `--fused-kernels`, in bf16 autocast over float32 parameters and channels_last, the CPU
+    /// standing in for the GPU (ATen's operations doing each kernel's work): the pool takes the
+    /// one backward through the ReLU and the bias before it, and every parameter gets what ATen's
+    /// operations give in the GPU's arithmetic (each bias added after its convolution). The
+    /// pooled activations and the weights' gradients bit for bit; the biases', float sums of
+    /// bf16 terms in another order, within 2^-7 of their terms' magnitudes.
+    #[test]
+    fn vgg16s_first_block_trains_through_the_fused_operations_as_atens_do() {
+        use crate::config::Precision;
+        use crate::models::{ModelDef, ModelOptions};
+        use crate::stage::Stage;
+
+        let Ok(cuda) = crate::cuda::cuda() else {
+            eprintln!(
+                "SKIPPED vgg16s_first_block_trains_through_the_fused_operations_as_atens_do: \
+                 no CUDA bridge in this build"
+            );
+            return;
+        };
+        let options = ModelOptions {
+            num_classes: 10,
+            image_size: 16,
+            layers: 0,
+            hidden: 0,
+            heads: 0,
+            seq_len: 0,
+            vocab_size: 0,
+            dropout: 0.0,
+            active_units: 0,
+        };
+        let model = ModelDef::named("vgg16", &options).unwrap();
+        assert_eq!(model.module_name(2), "features.4");
+        let mut stage = Stage::build(&model, 0..3, 5, Device::Cpu);
+        stage.set_arithmetic(Precision::Bf16, true).unwrap();
+        let x = Tensor::randn([2, 3, 16, 16], (Kind::Float, Device::Cpu));
+        let k = Tensor::randn([2, 64, 8, 8], (Kind::Float, Device::Cpu));
+        let out = {
+            let _cpu = cuda.cpu_stand_in();
+            stage.forward(&x, true)
+        };
+        assert_eq!(cuda.grad_fn_name(&out), "PoolReluBiasBackward");
+        (out.to_kind(Kind::Float) * &k).sum(Kind::Float).backward();
+
+        // ATen's operations on copies of the same (channels_last) parameters, cast to bf16 as
+        // autocast casts them, on the input in channels_last as the stage lays it out.
+        let vars: std::collections::HashMap<String, Tensor> = stage.variables().into_iter().collect();
+        let names = [
+            "features.0.weight",
+            "features.0.bias",
+            "features.2.weight",
+            "features.2.bias",
+        ];
+        let [w0, b0, w2, b2] = names.map(|name| vars[name].detach().copy().set_requires_grad(true));
+        let bf16 = |t: &Tensor| t.to_kind(Kind::BFloat16);
+        let conv = |xs: &Tensor, w: &Tensor| xs.conv2d(&bf16(w), None::<&Tensor>, [1, 1], [1, 1], [1, 1], 1);
+        let bias_relu = |c: &Tensor, b: &Tensor| (c + bf16(b).view([1, -1, 1, 1])).relu();
+        let x_cl = bf16(&x.permute([0, 2, 3, 1]).contiguous().permute([0, 3, 1, 2]));
+        let c0 = conv(&x_cl, &w0);
+        let c2 = conv(&bias_relu(&c0, &b0), &w2);
+        let pooled = bias_relu(&c2, &b2).max_pool2d([2, 2], [2, 2], [0, 0], [1, 1], false);
+        assert!(pooled.equal(&out), "the pooled activations differ from ATen's");
+        let loss = (pooled.to_kind(Kind::Float) * &k).sum(Kind::Float);
+        // The convolutions' outputs' gradients: the bias gradients' terms.
+        let terms = Tensor::run_backward(&[&loss], &[&c0, &c2], true, false);
+        loss.backward();
+
+        for (name, aten) in names.iter().zip([&w0, &b0, &w2, &b2]) {
+            let ours = vars[*name].grad();
+            assert!(ours.defined() && aten.grad().defined(), "{name}: no gradient");
+            if name.ends_with("weight") {
+                assert!(
+                    ours.equal(&aten.grad()),
+                    "{name}: the gradient differs from ATen's"
+                );
+            } else {
+                let g = &terms[usize::from(*name == "features.2.bias")];
+                let bound =
+                    g.to_kind(Kind::Float)
+                        .abs()
+                        .sum_dim_intlist([0i64, 2, 3].as_slice(), false, Kind::Float)
+                        * 2f64.powi(-7);
+                let off = (&ours - aten.grad()).abs();
+                assert!(
+                    bool::try_from(off.le_tensor(&bound).all()).unwrap(),
+                    "{name}: off by {off:?} against a bound of {bound:?}"
+                );
+                assert!(
+                    bool::try_from(aten.grad().abs().sum(Kind::Float).gt(0.0)).unwrap(),
+                    "{name}: a gradient of zero proves nothing"
+                );
+            }
+        }
+    }
 }
