@@ -1,8 +1,10 @@
 // The runtime's fused kernels (csrc/kernels/fusions.cu) as autograd operations, part of the CUDA
 // bridge (libstagehand_cuda.so): a convolution followed by its bias and ReLU, and 2x2 max pooling,
-// each running one hand-written kernel per pass where ATen runs two or three, wherever the
-// tensors suit them (CUDA, bfloat16, channels_last, channels a multiple of 8) and falling back to
-// ATen's own operations, with the same results, wherever they do not.
+// each running one hand-written kernel per pass where ATen runs two or three (and a pool over
+// the fused bias and ReLU one kernel back through all three), wherever the tensors suit them
+// (CUDA, bfloat16, channels_last, channels a multiple of 8) and falling back to ATen's own
+// operations, with the same results, wherever they do not. Tests let the CPU stand in for a GPU
+// (`reference` below does each kernel's work with ATen's operations).
 //
 // The kernels are compiled once per device, on first use, with NVRTC, and loaded and launched
 // through the CUDA driver: both libraries are opened with dlopen (NVRTC from the folder that holds
