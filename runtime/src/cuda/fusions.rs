@@ -140,9 +140,10 @@ impl super::Cuda {
     }
 }
 
-/// This thread's CPU standing in for a GPU (see [`super::Cuda::cpu_stand_in`]) until dropped.
+/// This thread's CPU standing in for a GPU (see [`super::Cuda::cpu_stand_in`]) until dropped;
+/// the flags are the thread's, so the guard stays on it (`!Send`).
 #[cfg(test)]
-pub struct StandIn(&'static super::Api);
+pub struct StandIn(&'static super::Api, std::marker::PhantomData<*const ()>);
 
 #[cfg(test)]
 impl Drop for StandIn {
@@ -161,7 +162,7 @@ impl super::Cuda {
         // SAFETY: a plain call through a loaded bridge.
         unsafe { (self.api().fusions_cpu_stand_in)(1) };
         stand_in::ON.with(|on| on.set(true));
-        StandIn(self.api())
+        StandIn(self.api(), std::marker::PhantomData)
     }
 
     /// The name of the autograd node that made `xs` (empty for a leaf).
