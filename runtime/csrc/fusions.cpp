@@ -348,17 +348,23 @@ void relu_bias_backward(const at::Tensor& gy, const at::Tensor& y, const at::Ten
          "relu_bias_backward");
 }
 
-void pool_forward(const at::Tensor& x, const at::Tensor& y, const at::Tensor& win) {
+// x pooled, and which of each window's four won: a byte per output, [n, oh, ow, c].
+std::pair<at::Tensor, at::Tensor> pool_forward(const at::Tensor& x) {
+  auto n = x.size(0), c = x.size(1), oh = x.size(2) / 2, ow = x.size(3) / 2;
+  auto y = at::empty({n, c, oh, ow}, x.options(), at::MemoryFormat::ChannelsLast);
+  auto win = at::empty({n, oh, ow, c}, x.options().dtype(at::kByte));
   if (x.is_cpu()) {
-    return reference::pool_forward(x, y, win);
+    reference::pool_forward(x, y, win);
+    return {y, win};
   }
   int64_t outs8 = y.numel() / 8;
-  int ow = static_cast<int>(y.size(3));
-  int c8 = static_cast<int>(y.size(1) / 8);
+  int ow_ = static_cast<int>(ow);
+  int c8 = static_cast<int>(c / 8);
   void* x_ptr = x.data_ptr();
   void* y_ptr = y.data_ptr();
   void* win_ptr = win.data_ptr();
-  launch(&Kernels::pool_forward, x, outs8, 0, {&x_ptr, &y_ptr, &win_ptr, &outs8, &ow, &c8}, "pool_forward");
+  launch(&Kernels::pool_forward, x, outs8, 0, {&x_ptr, &y_ptr, &win_ptr, &outs8, &ow_, &c8}, "pool_forward");
+  return {y, win};
 }
 
 void pool_backward(const at::Tensor& gy, const at::Tensor& win, const at::Tensor& gx) {
@@ -426,10 +432,7 @@ struct BiasRelu : torch::autograd::Function<BiasRelu> {
 // 2x2 max pooling with stride 2 that keeps which of each window's four won, a byte per output.
 struct MaxPool2x2 : torch::autograd::Function<MaxPool2x2> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x) {
-    auto n = x.size(0), c = x.size(1), oh = x.size(2) / 2, ow = x.size(3) / 2;
-    auto y = at::empty({n, c, oh, ow}, x.options(), at::MemoryFormat::ChannelsLast);
-    auto win = at::empty({n, oh, ow, c}, x.options().dtype(at::kByte));
-    pool_forward(x, y, win);
+    auto [y, win] = pool_forward(x);
     ctx->saved_data["win"] = win;
     ctx->saved_data["sizes"] = x.sizes().vec();
     return y;
@@ -494,13 +497,8 @@ std::optional<at::Tensor> pool_over_bias_relu(const at::Tensor& x) {
   if (bias_relu == nullptr) {
     return std::nullopt;
   }
-  auto n = x.size(0), c = x.size(1), oh = x.size(2) / 2, ow = x.size(3) / 2;
-  auto y = at::empty({n, c, oh, ow}, x.options(), at::MemoryFormat::ChannelsLast);
-  auto win = at::empty({n, oh, ow, c}, x.options().dtype(at::kByte));
-  {
-    at::NoGradGuard no_grad;
-    pool_forward(x.detach(), y, win);
-  }
+  // Detached: the pool's forward records nothing; the node below is its backward.
+  auto [y, win] = pool_forward(x.detach());
   auto node = std::shared_ptr<PoolReluBiasBackward>(new PoolReluBiasBackward(), torch::autograd::deleteNode);
   // BiasRelu's own edges: to the convolution's output and to the bias.
   node->set_next_edges(torch::autograd::edge_list(bias_relu->next_edges()));

@@ -179,6 +179,33 @@ impl super::Cuda {
     }
 }
 
+/// Per channel of `terms` ([n, c, h, w]), the sum of their magnitudes in float: what bounds a
+/// bias gradient summed from them.
+#[cfg(test)]
+pub(crate) fn channel_magnitudes(terms: &Tensor) -> Tensor {
+    terms
+        .to_kind(tch::Kind::Float)
+        .abs()
+        .sum_dim_intlist([0i64, 2, 3].as_slice(), false, tch::Kind::Float)
+}
+
+/// A bias gradient the fused operations summed against ATen's: float sums of the same bf16 terms
+/// in another order, each rounded to bf16, so within 2^-7 of `magnitudes` (the terms'
+/// [`channel_magnitudes`]); and ATen's not zero, which would prove nothing.
+#[cfg(test)]
+pub(crate) fn assert_bias_gradient_close(ours: &Tensor, aten: &Tensor, magnitudes: &Tensor, what: &str) {
+    let off = (ours.to_kind(tch::Kind::Float) - aten.to_kind(tch::Kind::Float)).abs();
+    let bound = magnitudes * 2f64.powi(-7);
+    assert!(
+        bool::try_from(off.le_tensor(&bound).all()).unwrap(),
+        "{what}: the bias gradient is off by {off:?} against a bound of {bound:?}"
+    );
+    assert!(
+        bool::try_from(aten.abs().sum(tch::Kind::Float).gt(0.0)).unwrap(),
+        "{what}: a bias gradient of zero proves nothing"
+    );
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -246,16 +273,7 @@ mod tests {
                 "{what}: the {name}'s gradient differs from ATen's"
             );
         }
-        let off = (ours[2].grad().to_kind(Kind::Float) - aten[2].grad().to_kind(Kind::Float)).abs();
-        let bound = terms * 2f64.powi(-7);
-        assert!(
-            bool::try_from(off.le_tensor(&bound).all()).unwrap(),
-            "{what}: the bias's gradient is off by {off:?} against a bound of {bound:?}"
-        );
-        assert!(
-            bool::try_from(aten[2].grad().abs().sum(Kind::Float).gt(0.0)).unwrap(),
-            "{what}: a bias gradient of zero proves nothing"
-        );
+        assert_bias_gradient_close(&ours[2].grad(), &aten[2].grad(), terms, what);
     }
 
     /// A 2x2 pool over the fused bias and ReLU (vgg16's last convolution of each block) takes
@@ -289,12 +307,7 @@ mod tests {
         let k2 = Tensor::randn([2, 16, 8, 8], (Kind::Float, Device::Cpu));
         // Each pooled gradient reaches one place; the magnitudes of k rounded to bf16 bound the
         // bias gradient's terms.
-        let mag = |k: &Tensor| {
-            k.to_kind(Kind::BFloat16)
-                .to_kind(Kind::Float)
-                .abs()
-                .sum_dim_intlist([0i64, 2, 3].as_slice(), false, Kind::Float)
-        };
+        let mag = |k: &Tensor| channel_magnitudes(&k.to_kind(Kind::BFloat16));
 
         // One use: the pool.
         let aten = leaves(&[&x, &w, &b]);
