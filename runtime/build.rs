@@ -10,7 +10,8 @@
 //!   libtorch_cpu and c10 only. Gloo's own headers come from Debian's `libgloo-dev`.
 //! - `csrc/cuda_bridge.cpp` (NCCL groups, the current device, the caching allocator's figures)
 //!   and `csrc/fusions.cpp` (the fused kernels of `csrc/kernels/fusions.cu`, whose source it
-//!   embeds, through `OUT_DIR/fusions_source.h`, for NVRTC to compile at run time) are
+//!   embeds, through `OUT_DIR/fusions_source.h`, for NVRTC to compile at run time), with
+//!   `csrc/fusions_cpu.cpp` (the same kernels compiled as C++, for the tests' CPU stand-in), are
 //!   linked as a shared object against libtorch_cuda, c10_cuda, cudart and NCCL, and embedded in
 //!   the binary (`OUT_DIR/libstagehand_cuda.so`, cfg `cuda_bridge`). The binary itself never links
 //!   a CUDA library: src/cuda/ loads libtorch_cuda and this object at run time, so the same
@@ -39,6 +40,8 @@ fn main() {
     println!("cargo:rerun-if-changed=csrc/cuda_bridge.cpp");
     println!("cargo:rerun-if-changed=csrc/fusions.cpp");
     println!("cargo:rerun-if-changed=csrc/kernels/fusions.cu");
+    println!("cargo:rerun-if-changed=csrc/fusions_cpu.cpp");
+    println!("cargo:rerun-if-changed=csrc/fusions_cpu.hpp");
     println!("cargo::rustc-check-cfg=cfg(cuda_bridge)");
     let lib_dir = PathBuf::from(
         std::env::var("DEP_TCH_LIBTORCH_LIB")
@@ -90,7 +93,7 @@ fn cxx_build(lib_dir: &Path) -> cc::Build {
     build
 }
 
-/// Compiles and links `csrc/cuda_bridge.cpp` and `csrc/fusions.cpp` into
+/// Compiles and links `csrc/cuda_bridge.cpp`, `csrc/fusions.cpp` and `csrc/fusions_cpu.cpp` into
 /// `OUT_DIR/libstagehand_cuda.so`, or says why
 /// it cannot be built against this torch.
 fn cuda_bridge(lib_dir: &Path, out_dir: &Path) -> Result<(), String> {
@@ -142,6 +145,11 @@ fn cuda_bridge(lib_dir: &Path, out_dir: &Path) -> Result<(), String> {
         .arg(&output)
         .arg("csrc/cuda_bridge.cpp")
         .arg("csrc/fusions.cpp")
+        .arg("csrc/fusions_cpu.cpp")
+        // fusions_cpu.cpp compiles the kernels as C++, `#pragma unroll` and all.
+        .arg("-Wno-unknown-pragmas")
+        // A symbol left undefined fails here, not when the runtime loads the bridge.
+        .arg("-Wl,-z,defs")
         .arg(format!("-L{}", lib_dir.display()));
     for dir in &lib_dirs {
         command.arg(format!("-L{}", dir.display()));

@@ -3,8 +3,8 @@
 // each running one hand-written kernel per pass where ATen runs two or three (and a pool over
 // the fused bias and ReLU one kernel back through all three), wherever the tensors suit them
 // (CUDA, bfloat16, channels_last, channels a multiple of 8) and falling back to ATen's own
-// operations, with the same results, wherever they do not. Tests let the CPU stand in for a GPU
-// (`reference` below does each kernel's work with ATen's operations).
+// operations, with the same results, wherever they do not. Tests let the CPU stand in for a GPU:
+// the same kernels, compiled as C++, run there with the launches a GPU gets (fusions_cpu.cpp).
 //
 // The kernels are compiled once per device, on first use, with NVRTC, and loaded and launched
 // through the CUDA driver: both libraries are opened with dlopen (NVRTC from the folder that holds
@@ -37,6 +37,7 @@
 #include <torch/csrc/autograd/saved_variable.h>
 
 #include "bridge.hpp"
+#include "fusions_cpu.hpp"
 // FUSIONS_SOURCE: csrc/kernels/fusions.cu as a string (written by build.rs).
 #include "fusions_source.h"
 
@@ -232,23 +233,9 @@ const Kernels* kernels_of(const at::Tensor& t) {
   return kernels(static_cast<c10::DeviceIndex>(t.get_device()));
 }
 
-// Launches `kernel` on the current stream with kThreads a block, over `work` items (one a thread
-// until the grid runs out, then striding): no more blocks than the work fills, at most the
-// device's grid.
-void launch(void* Kernels::*kernel, const at::Tensor& on, int64_t work, unsigned shared, std::vector<void*> params,
-            const char* what) {
-  const Kernels& k = *kernels_of(on);
-  auto wanted = (work + kThreads - 1) / kThreads;
-  auto blocks = static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(k.blocks, wanted)));
-  auto stream = at::cuda::getCurrentCUDAStream();
-  check_driver(
-      driver().launch(k.*kernel, blocks, 1, 1, kThreads, 1, 1, shared, stream.stream(), params.data(), nullptr),
-      what);
-}
-
 // Whether this thread's CPU tensors stand in for a GPU's (shc_fusions_cpu_stand_in, for tests):
-// the same autograd operations and the same choices of when to use them, with each kernel's
-// work done by ATen's operations (`reference` below) instead.
+// the same autograd operations, the same choices of when to use them and the same kernels with
+// the same launches, run on this thread (fusions_cpu.cpp) instead of a GPU.
 thread_local bool cpu_stand_in = false;
 
 bool aligned(const at::Tensor& t) {
@@ -270,73 +257,54 @@ at::Tensor dense(const at::Tensor& t) {
   return aligned(d) ? d : d.clone(at::MemoryFormat::ChannelsLast);
 }
 
-// What each kernel computes, in ATen's operations on the CPU: the stand-in's work. Window
-// positions are as the kernels number them, 0..3 row-major in the 2x2 window.
-namespace reference {
-
-// win [n, oh, ow, c] as a [n, c, oh, ow] view, compared with `q`.
-at::Tensor won(const at::Tensor& win, int64_t q) {
-  return win.permute({0, 3, 1, 2}).eq(q);
-}
-
-// out[:, :, i, j] of each window's position q is `pooled` where q won, 0 elsewhere.
-void scatter(const at::Tensor& pooled, const at::Tensor& win, const at::Tensor& out) {
-  for (int64_t q = 0; q < 4; ++q) {
-    out.slice(2, q / 2, std::nullopt, 2)
-        .slice(3, q % 2, std::nullopt, 2)
-        .copy_(at::where(won(win, q), pooled, at::zeros_like(pooled)));
+// The name `kernel` is loaded by.
+const char* name_of(void* Kernels::*kernel) {
+  for (const auto& [name, slot] : kKernels) {
+    if (slot == kernel) {
+      return name;
+    }
   }
+  TORCH_CHECK(false, "a kernel missing from kKernels");
 }
+
+// The stand-in's grid: two blocks at most, so that the tests' tensors take several passes of
+// each kernel's grid-stride loop.
+constexpr unsigned kStandInBlocks = 2;
+
+// Launches `kernel` with kThreads a block, over `work` items (one a thread until the grid runs
+// out, then striding): no more blocks than the work fills, at most the device's grid. On a GPU
+// on the current stream; for the CPU stand-in, on this thread (fusions_cpu.cpp).
+void launch(void* Kernels::*kernel, const at::Tensor& on, int64_t work, unsigned shared, std::vector<void*> params) {
+  const char* name = name_of(kernel);
+  auto grid = [work](unsigned most) {
+    auto wanted = (work + kThreads - 1) / kThreads;
+    return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(most, wanted)));
+  };
+  if (on.is_cpu()) {
+    return sh::cpu_kernels::launch(name, grid(kStandInBlocks), kThreads, shared, params.data());
+  }
+  const Kernels* k = kernels_of(on);
+  TORCH_CHECK(k != nullptr, name, ": the fused kernels are off on this device");
+  auto blocks = grid(k->blocks);
+  auto stream = at::cuda::getCurrentCUDAStream();
+  check_driver(
+      driver().launch(k->*kernel, blocks, 1, 1, kThreads, 1, 1, shared, stream.stream(), params.data(), nullptr),
+      name);
+}
+
+// The kernels' launches: each writes into tensors it is given.
 
 void bias_relu(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& y) {
-  y.copy_(x.add(bias.view({1, -1, 1, 1})).relu_());
-}
-
-void relu_bias_backward(const at::Tensor& gy, const at::Tensor& y, const at::Tensor& g, const at::Tensor& db) {
-  g.copy_(at::threshold_backward(gy, y, 0));
-  db.add_(g.to(at::kFloat).sum({0, 2, 3}));
-}
-
-void pool_forward(const at::Tensor& x, const at::Tensor& y, const at::Tensor& win) {
-  auto [pooled, index] = at::max_pool2d_with_indices(x, {2, 2}, {2, 2});
-  y.copy_(pooled);
-  auto w = x.size(3);
-  auto q = index.div(w, "floor").remainder(2).mul(2).add(index.remainder(w).remainder(2));
-  win.copy_(q.permute({0, 2, 3, 1}));
-}
-
-void pool_backward(const at::Tensor& gy, const at::Tensor& win, const at::Tensor& gx) {
-  scatter(gy, win, gx);
-}
-
-void pool_relu_bias_backward(const at::Tensor& gy, const at::Tensor& y, const at::Tensor& win, const at::Tensor& g,
-                             const at::Tensor& db) {
-  auto v = at::threshold_backward(gy, y, 0);
-  db.add_(v.to(at::kFloat).sum({0, 2, 3}));
-  scatter(v, win, g);
-}
-
-}  // namespace reference
-
-// The kernels' launches, or on the CPU their reference: each writes into tensors it is given.
-
-void bias_relu(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& y) {
-  if (x.is_cpu()) {
-    return reference::bias_relu(x, bias, y);
-  }
   int64_t n8 = x.numel() / 8;
   int c8 = static_cast<int>(x.size(1) / 8);
   void* x_ptr = x.data_ptr();
   void* b_ptr = bias.data_ptr();
   void* y_ptr = y.data_ptr();
-  launch(&Kernels::bias_relu, x, n8, 0, {&x_ptr, &b_ptr, &y_ptr, &n8, &c8}, "bias_relu");
+  launch(&Kernels::bias_relu, x, n8, 0, {&x_ptr, &b_ptr, &y_ptr, &n8, &c8});
 }
 
 // db: float [channels], zeroed.
 void relu_bias_backward(const at::Tensor& gy, const at::Tensor& y, const at::Tensor& g, const at::Tensor& db) {
-  if (y.is_cpu()) {
-    return reference::relu_bias_backward(gy, y, g, db);
-  }
   int64_t rows = y.numel() / y.size(1);
   int c8 = static_cast<int>(y.size(1) / 8);
   void* gy_ptr = gy.data_ptr();
@@ -344,8 +312,7 @@ void relu_bias_backward(const at::Tensor& gy, const at::Tensor& y, const at::Ten
   void* g_ptr = g.data_ptr();
   void* db_ptr = db.data_ptr();
   auto shared = static_cast<unsigned>(y.size(1) * sizeof(float));
-  launch(&Kernels::relu_bias_backward, y, rows * c8, shared, {&gy_ptr, &y_ptr, &g_ptr, &db_ptr, &rows, &c8},
-         "relu_bias_backward");
+  launch(&Kernels::relu_bias_backward, y, rows * c8, shared, {&gy_ptr, &y_ptr, &g_ptr, &db_ptr, &rows, &c8});
 }
 
 // x pooled, and which of each window's four won: a byte per output, [n, oh, ow, c].
@@ -353,39 +320,29 @@ std::pair<at::Tensor, at::Tensor> pool_forward(const at::Tensor& x) {
   auto n = x.size(0), c = x.size(1), oh = x.size(2) / 2, ow = x.size(3) / 2;
   auto y = at::empty({n, c, oh, ow}, x.options(), at::MemoryFormat::ChannelsLast);
   auto win = at::empty({n, oh, ow, c}, x.options().dtype(at::kByte));
-  if (x.is_cpu()) {
-    reference::pool_forward(x, y, win);
-    return {y, win};
-  }
   int64_t outs8 = y.numel() / 8;
   int ow_ = static_cast<int>(ow);
   int c8 = static_cast<int>(c / 8);
   void* x_ptr = x.data_ptr();
   void* y_ptr = y.data_ptr();
   void* win_ptr = win.data_ptr();
-  launch(&Kernels::pool_forward, x, outs8, 0, {&x_ptr, &y_ptr, &win_ptr, &outs8, &ow_, &c8}, "pool_forward");
+  launch(&Kernels::pool_forward, x, outs8, 0, {&x_ptr, &y_ptr, &win_ptr, &outs8, &ow_, &c8});
   return {y, win};
 }
 
 void pool_backward(const at::Tensor& gy, const at::Tensor& win, const at::Tensor& gx) {
-  if (gy.is_cpu()) {
-    return reference::pool_backward(gy, win, gx);
-  }
   int64_t outs8 = gy.numel() / 8;
   int ow = static_cast<int>(gy.size(3));
   int c8 = static_cast<int>(gy.size(1) / 8);
   void* gy_ptr = gy.data_ptr();
   void* win_ptr = win.data_ptr();
   void* gx_ptr = gx.data_ptr();
-  launch(&Kernels::pool_backward, gy, outs8, 0, {&gy_ptr, &win_ptr, &gx_ptr, &outs8, &ow, &c8}, "pool_backward");
+  launch(&Kernels::pool_backward, gy, outs8, 0, {&gy_ptr, &win_ptr, &gx_ptr, &outs8, &ow, &c8});
 }
 
 // gy and y: the pool's output's gradient and the pool's output; db: float [channels], zeroed.
 void pool_relu_bias_backward(const at::Tensor& gy, const at::Tensor& y, const at::Tensor& win, const at::Tensor& g,
                              const at::Tensor& db) {
-  if (y.is_cpu()) {
-    return reference::pool_relu_bias_backward(gy, y, win, g, db);
-  }
   int64_t outs = y.numel() / y.size(1);
   int ow = static_cast<int>(y.size(3));
   int c8 = static_cast<int>(y.size(1) / 8);
@@ -396,7 +353,7 @@ void pool_relu_bias_backward(const at::Tensor& gy, const at::Tensor& y, const at
   void* db_ptr = db.data_ptr();
   auto shared = static_cast<unsigned>(y.size(1) * sizeof(float));
   launch(&Kernels::pool_relu_bias_backward, y, outs * c8, shared,
-         {&gy_ptr, &y_ptr, &win_ptr, &g_ptr, &db_ptr, &outs, &ow, &c8}, "pool_relu_bias_backward");
+         {&gy_ptr, &y_ptr, &win_ptr, &g_ptr, &db_ptr, &outs, &ow, &c8});
 }
 
 // relu(conv + bias[c]) and its backward: ReLU's and the bias's gradient in one pass. The
@@ -587,7 +544,8 @@ char* shc_fusions_compile(int64_t arch, size_t* bytes) {
 }
 
 // Whether this thread's CPU tensors in bfloat16 and channels_last take the fused operations, their
-// kernels' work done by ATen's operations: tests of the autograd operations without a GPU.
+// kernels run on the CPU (fusions_cpu.cpp): tests of the kernels and the autograd operations
+// without a GPU.
 void shc_fusions_cpu_stand_in(int on) {
   cpu_stand_in = on != 0;
 }

@@ -156,8 +156,9 @@ impl Drop for StandIn {
 
 #[cfg(test)]
 impl super::Cuda {
-    /// Lets this thread's CPU tensors take the fused operations, their kernels' work done by
-    /// ATen's operations: the autograd operations, and when each is chosen, tested without a GPU.
+    /// Lets this thread's CPU tensors take the fused operations, and their kernels run on this
+    /// thread with the launches a GPU gets (`csrc/fusions_cpu.cpp`): the kernels, their launch
+    /// shapes, the autograd operations and when each is chosen, tested without a GPU.
     pub fn cpu_stand_in(&'static self) -> StandIn {
         // SAFETY: a plain call through a loaded bridge.
         unsafe { (self.api().fusions_cpu_stand_in)(1) };
@@ -276,6 +277,60 @@ mod tests {
         assert_bias_gradient_close(&ours[2].grad(), &aten[2].grad(), terms, what);
     }
 
+    /// The fused pool picks, in every window, the value ATen's pool picks and sends the gradient
+    /// where ATen's sends it, where that choice is hardest: windows with ties (the first maximum
+    /// wins) and with NaNs (a NaN wins, a later one over an earlier). The input is small
+    /// integers, so most windows tie, and one value in fifty a NaN; the kernels run on the CPU,
+    /// two blocks at a time, so both of the pool's grid-stride loops take several passes.
+    #[test]
+    fn the_fused_pool_picks_atens_winner_among_ties_and_nans() {
+        let Ok(cuda) = cuda() else {
+            eprintln!(
+                "SKIPPED the_fused_pool_picks_atens_winner_among_ties_and_nans: no CUDA bridge in \
+                 this build"
+            );
+            return;
+        };
+        tch::manual_seed(5);
+        let shape = [2i64, 16, 32, 32];
+        let values = Tensor::randint(4, shape, (Kind::Float, Device::Cpu));
+        let nans = Tensor::rand(shape, (Kind::Float, Device::Cpu)).lt(0.02);
+        let x = values
+            .masked_fill(&nans, f64::NAN)
+            .to_kind(Kind::BFloat16)
+            .permute([0, 2, 3, 1])
+            .contiguous()
+            .permute([0, 3, 1, 2]);
+        let k = Tensor::randn([2, 16, 16, 16], (Kind::Float, Device::Cpu));
+
+        let aten_x = x.copy().set_requires_grad(true);
+        let aten_p = aten_pool(&aten_x);
+        let ours_x = x.copy().set_requires_grad(true);
+        let ours_p = {
+            let _cpu = cuda.cpu_stand_in();
+            max_pool2x2(&ours_x)
+        };
+        let name = cuda.grad_fn_name(&ours_p);
+        assert!(name.contains("MaxPool2x2"), "{name}");
+        let pooled_nans = i64::try_from(aten_p.isnan().sum(Kind::Int64)).unwrap();
+        assert!(pooled_nans > 0, "no NaN was pooled: nothing tested");
+        assert!(
+            ours_p.isnan().equal(&aten_p.isnan()),
+            "the pooled NaNs are not where ATen's are"
+        );
+        let numbers = |p: &Tensor| p.nan_to_num(0.0, 0.0, 0.0);
+        assert!(
+            numbers(&ours_p).equal(&numbers(&aten_p)),
+            "the pooled values differ from ATen's"
+        );
+        weighted(&aten_p, &k).backward();
+        weighted(&ours_p, &k).backward();
+        assert!(
+            ours_x.grad().equal(&aten_x.grad()),
+            "the gradient does not reach the places ATen's reaches"
+        );
+    }
+
     /// A 2x2 pool over the fused bias and ReLU (vgg16's last convolution of each block) takes
     /// one backward through the pool, the ReLU and the bias (`PoolReluBiasBackward`, one kernel
     /// on a GPU) instead of the pool's and then BiasRelu's, with ATen's values: the pooled
@@ -285,8 +340,9 @@ mod tests {
     /// Also, where BiasRelu's output has a second use, its own backward takes that use's
     /// gradient and the two reach the convolution summed, as ATen's one backward does; an
     /// output changed in place after BiasRelu pools with the plain fused pool; a pool without
-    /// a gradient records nothing. The CPU stands in for the GPU (ATen's operations do each
-    /// kernel's work): what is tested is the autograd operations and when each is chosen.
+    /// a gradient records nothing. The CPU stands in for the GPU: the kernels themselves run
+    /// there, two blocks at a time, so every kernel's grid-stride loop takes several passes
+    /// over these tensors.
     #[test]
     fn a_pool_over_the_fused_bias_and_relu_takes_one_backward_with_atens_values() {
         let Ok(cuda) = cuda() else {
@@ -297,14 +353,14 @@ mod tests {
             return;
         };
         tch::manual_seed(3);
-        let x = bf16(&[2, 8, 8, 8], 1.0);
+        let x = bf16(&[2, 8, 32, 32], 1.0);
         let w = bf16(&[16, 8, 3, 3], 0.2);
         let b = bf16(&[16], 1.0)
             - Tensor::from_slice(&[0.0f32, 2.0])
                 .repeat([8])
                 .to_kind(Kind::BFloat16);
-        let k = Tensor::randn([2, 16, 4, 4], (Kind::Float, Device::Cpu));
-        let k2 = Tensor::randn([2, 16, 8, 8], (Kind::Float, Device::Cpu));
+        let k = Tensor::randn([2, 16, 16, 16], (Kind::Float, Device::Cpu));
+        let k2 = Tensor::randn([2, 16, 32, 32], (Kind::Float, Device::Cpu));
         // Each pooled gradient reaches one place; the magnitudes of k rounded to bf16 bound the
         // bias gradient's terms.
         let mag = |k: &Tensor| channel_magnitudes(&k.to_kind(Kind::BFloat16));

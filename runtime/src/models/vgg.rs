@@ -164,7 +164,7 @@ mod tests {
 
     /// vgg16's first block (two convolutions, then a pool) as a training stage runs it with
     /// `--fused-kernels`, in bf16 autocast over float32 parameters and channels_last, the CPU
-    /// standing in for the GPU (ATen's operations doing each kernel's work): the pool takes the
+    /// standing in for the GPU (the kernels themselves run there): the pool takes the
     /// one backward through the ReLU and the bias before it, and every parameter gets what ATen's
     /// operations give in the GPU's arithmetic (each bias added after its convolution). The
     /// pooled activations and the weights' gradients bit for bit; the biases', float sums of
