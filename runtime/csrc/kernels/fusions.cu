@@ -29,6 +29,42 @@ __device__ __forceinline__ bf16 to_bf16(float f) {
 // ReLU as clamp_min(x, 0): NaN stays NaN.
 __device__ __forceinline__ float relu(float x) { return (x != x || x > 0.f) ? x : 0.f; }
 
+// ReLU's backward from its output y: g where y > 0, else 0 (threshold_backward).
+__device__ __forceinline__ bf16 relu_backward(bf16 g, bf16 y) { return (to_float(y) <= 0.f) ? (bf16)0 : g; }
+
+// Zeroes the block's per-channel sums (shared, float[channels]) before any thread adds to them.
+__device__ __forceinline__ void zero_channel_sums(float* part, int channels) {
+  for (int i = threadIdx.x; i < channels; i += blockDim.x) part[i] = 0.f;
+  __syncthreads();
+}
+
+// One input row of a 2x2 pool's channels_last input, in 8-channel groups (c8 a pixel, ow
+// outputs a row).
+__device__ __forceinline__ long long input_row(int ow, int c8) { return 2LL * ow * c8; }
+
+// Where output p's 2x2 window starts in that input, for the channel group cg; the window's four
+// are base, base + c8, base + row and base + row + c8.
+__device__ __forceinline__ long long window_base(long long p, long long row, int ow, int c8, long long cg) {
+  long long j = p % ow, nh = p / ow;  // nh = n * (h / 2) + i
+  return nh * 2 * row + 2 * j * c8 + cg;
+}
+
+// A window's gradient: v[k] at the winner of channel k (ws[k], 0..3 row-major), 0 at the other
+// three.
+__device__ __forceinline__ void scatter_window(uint4* g, long long base, long long row, int c8, const bf16* v,
+                                               const unsigned char* ws) {
+  uint4 out[4];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) ((bf16*)&out[q])[k] = (ws[k] == q) ? v[k] : (bf16)0;
+  }
+  g[base] = out[0];
+  g[base + c8] = out[1];
+  g[base + row] = out[2];
+  g[base + row + c8] = out[3];
+}
+
 // y[m, c] = relu(x[m, c] + bias[c]) (y may be x), 8 channels (16 bytes) a thread; c8 = channels / 8.
 extern "C" __global__ void bias_relu(ptr x_, ptr bias_, ptr y_, long long n8, int c8) {
   const uint4* x = (const uint4*)x_;
@@ -61,8 +97,7 @@ extern "C" __global__ void relu_bias_backward(ptr gy_, ptr y_, ptr g_, ptr db_, 
   const uint4* gy = (const uint4*)gy_;
   const uint4* y = (const uint4*)y_;
   uint4* g = (uint4*)g_;
-  for (int i = threadIdx.x; i < c8 * 8; i += blockDim.x) part[i] = 0.f;
-  __syncthreads();
+  zero_channel_sums(part, c8 * 8);
   const int cg = threadIdx.x % c8, rows = blockDim.x / c8;
   float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   for (long long r = blockIdx.x * (long long)rows + threadIdx.x / c8; r < m; r += (long long)gridDim.x * rows) {
@@ -73,7 +108,7 @@ extern "C" __global__ void relu_bias_backward(ptr gy_, ptr y_, ptr g_, ptr db_, 
     bf16* os = (bf16*)&o;
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
-      bf16 v = (to_float(bs[k]) <= 0.f) ? (bf16)0 : as[k];
+      bf16 v = relu_backward(as[k], bs[k]);
       os[k] = v;
       acc[k] += to_float(v);
     }
@@ -89,11 +124,10 @@ extern "C" __global__ void pool_forward(ptr x_, ptr y_, ptr win_, long long outs
   const uint4* x = (const uint4*)x_;
   uint4* y = (uint4*)y_;
   uint2* win = (uint2*)win_;
-  const long long row = 2LL * ow * c8;  // one input row, in 8-channel groups
+  const long long row = input_row(ow, c8);
   for (long long o = blockIdx.x * (long long)blockDim.x + threadIdx.x; o < outs8;
        o += (long long)gridDim.x * blockDim.x) {
-    long long cg = o % c8, p = o / c8, j = p % ow, nh = p / ow;  // nh = n * (h / 2) + i
-    long long base = nh * 2 * row + 2 * j * c8 + cg;
+    long long base = window_base(o / c8, row, ow, c8, o % c8);
     uint4 v[4] = {x[base], x[base + c8], x[base + row], x[base + row + c8]};
     uint4 out;
     uint2 w;
@@ -128,25 +162,12 @@ extern "C" __global__ void pool_backward(ptr gy_, ptr win_, ptr gx_, long long o
   const uint4* gy = (const uint4*)gy_;
   const uint2* win = (const uint2*)win_;
   uint4* gx = (uint4*)gx_;
-  const long long row = 2LL * ow * c8;
+  const long long row = input_row(ow, c8);
   for (long long o = blockIdx.x * (long long)blockDim.x + threadIdx.x; o < outs8;
        o += (long long)gridDim.x * blockDim.x) {
-    long long cg = o % c8, p = o / c8, j = p % ow, nh = p / ow;
-    long long base = nh * 2 * row + 2 * j * c8 + cg;
     uint4 a = gy[o];
     uint2 w = win[o];
-    const bf16* as = (const bf16*)&a;
-    const unsigned char* ws = (const unsigned char*)&w;
-    uint4 out[4];
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-#pragma unroll
-      for (int q = 0; q < 4; ++q) ((bf16*)&out[q])[k] = (ws[k] == q) ? as[k] : (bf16)0;
-    }
-    gx[base] = out[0];
-    gx[base + c8] = out[1];
-    gx[base + row] = out[2];
-    gx[base + row + c8] = out[3];
+    scatter_window(gx, window_base(o / c8, row, ow, c8, o % c8), row, c8, (const bf16*)&a, (const unsigned char*)&w);
   }
 }
 
@@ -163,32 +184,24 @@ extern "C" __global__ void pool_relu_bias_backward(ptr gy_, ptr y_, ptr win_, pt
   const uint4* y = (const uint4*)y_;
   const uint2* win = (const uint2*)win_;
   uint4* g = (uint4*)g_;
-  for (int i = threadIdx.x; i < c8 * 8; i += blockDim.x) part[i] = 0.f;
-  __syncthreads();
+  zero_channel_sums(part, c8 * 8);
   const int cg = threadIdx.x % c8, per_block = blockDim.x / c8;
-  const long long row = 2LL * ow * c8;  // one input row, in 8-channel groups
+  const long long row = input_row(ow, c8);
   float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   for (long long p = blockIdx.x * (long long)per_block + threadIdx.x / c8; p < outs;
        p += (long long)gridDim.x * per_block) {
-    long long o = p * c8 + cg, j = p % ow, nh = p / ow;  // nh = n * (h / 2) + i
-    long long base = nh * 2 * row + 2 * j * c8 + cg;
+    long long o = p * c8 + cg;
     uint4 a = gy[o], b = y[o];
     uint2 w = win[o];
     const bf16* as = (const bf16*)&a;
     const bf16* bs = (const bf16*)&b;
-    const unsigned char* ws = (const unsigned char*)&w;
-    uint4 out[4];
+    bf16 v[8];
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
-      bf16 v = (to_float(bs[k]) <= 0.f) ? (bf16)0 : as[k];
-      acc[k] += to_float(v);
-#pragma unroll
-      for (int q = 0; q < 4; ++q) ((bf16*)&out[q])[k] = (ws[k] == q) ? v : (bf16)0;
+      v[k] = relu_backward(as[k], bs[k]);
+      acc[k] += to_float(v[k]);
     }
-    g[base] = out[0];
-    g[base + c8] = out[1];
-    g[base + row] = out[2];
-    g[base + row + c8] = out[3];
+    scatter_window(g, window_base(p, row, ow, c8, cg), row, c8, v, (const unsigned char*)&w);
   }
   add_channel_sums(part, acc, cg, c8 * 8, (float*)db_);
 }
