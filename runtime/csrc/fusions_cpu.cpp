@@ -55,7 +55,8 @@ inline unsigned __float_as_uint(float f) {
   return u;
 }
 
-// One of a block's threads runs at a time, so an atomic add is a plain one.
+// One thread runs at a time (a block's in turn, the blocks one after another), so an atomic add
+// is a plain one.
 inline float atomicAdd(float* at, float value) {
   float old = *at;
   *at = old + value;
@@ -201,9 +202,9 @@ void launch(const char* name, unsigned blocks, unsigned threads, unsigned shared
   if (kernel == nullptr) {
     throw std::runtime_error(std::string("the CPU stand-in has no kernel ") + name);
   }
-  if (blocks == 0 || threads == 0) {
-    throw std::runtime_error(std::string(name) + ": an empty launch (" + std::to_string(blocks) + " blocks of " +
-                             std::to_string(threads) + " threads)");
+  if (blocks == 0 || threads == 0 || threads > kMaxThreads) {
+    throw std::runtime_error(std::string(name) + ": " + std::to_string(blocks) + " blocks of " + std::to_string(threads) +
+                             " threads, where a GPU takes 1 block or more of 1 to " + std::to_string(kMaxThreads));
   }
   if (shared > kMaxShared) {
     throw std::runtime_error(std::string(name) + ": " + std::to_string(shared) + " bytes of shared memory, over " +

@@ -18,11 +18,14 @@ namespace sh::cpu_kernels {
 // The shared memory a block may take: CUDA's default limit without an opt-in, 48 KiB.
 constexpr unsigned kMaxShared = 48 * 1024;
 
+// The threads a block may have, as on every GPU since compute capability 2.0.
+constexpr unsigned kMaxThreads = 1024;
+
 // Runs fusions.cu's kernel `name` over `blocks` blocks of `threads` threads each, with `shared`
 // bytes of dynamic shared memory, its parameters given as cuLaunchKernel takes them (a pointer
-// to each). Throws std::runtime_error naming what is wrong: an unknown kernel, more shared
-// memory than kMaxShared, a barrier that some of a block's threads reached after others had
-// returned, or shared memory written past `shared` bytes.
+// to each). Throws std::runtime_error naming what is wrong: an unknown kernel, a grid or block
+// a GPU would refuse, more shared memory than kMaxShared, a barrier that some of a block's
+// threads reached after others had returned, or shared memory written past `shared` bytes.
 void launch(const char* name, unsigned blocks, unsigned threads, unsigned shared, void** params);
 
 }  // namespace sh::cpu_kernels
