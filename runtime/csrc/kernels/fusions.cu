@@ -12,7 +12,9 @@
 //                       the ReLU's and the bias's backward in one pass (ATen: the pool's
 //                       backward, threshold_backward, sum)
 // No header is included: NVRTC compiles this alone. Every kernel's grid strides over its work;
-// the launches' shapes are fusions.cpp's.
+// the launches' shapes are fusions.cpp's. The tests compile this file as C++ too and run it on
+// the CPU (csrc/fusions_cpu.cpp, which defines what CUDA gives a kernel): a kernel added here
+// goes in its table as well as fusions.cpp's, and shared memory is the one array `part`.
 typedef unsigned short bf16;
 typedef unsigned long long ptr;
 

@@ -234,11 +234,16 @@ mod tests {
 
     use tch::{Device, Kind};
 
+    /// `t` ([n, c, h, w]) laid out channels_last, as the kernels read it.
+    fn channels_last(t: &Tensor) -> Tensor {
+        t.permute([0, 2, 3, 1]).contiguous().permute([0, 3, 1, 2])
+    }
+
     /// A bf16 tensor of `shape` (channels_last when 4-D) from seeded normals times `scale`.
     fn bf16(shape: &[i64], scale: f64) -> Tensor {
         let t = (Tensor::randn(shape, (Kind::Float, Device::Cpu)) * scale).to_kind(Kind::BFloat16);
         match shape.len() {
-            4 => t.permute([0, 2, 3, 1]).contiguous().permute([0, 3, 1, 2]),
+            4 => channels_last(&t),
             _ => t,
         }
     }
@@ -295,12 +300,7 @@ mod tests {
         let shape = [2i64, 16, 32, 32];
         let values = Tensor::randint(4, shape, (Kind::Float, Device::Cpu));
         let nans = Tensor::rand(shape, (Kind::Float, Device::Cpu)).lt(0.02);
-        let x = values
-            .masked_fill(&nans, f64::NAN)
-            .to_kind(Kind::BFloat16)
-            .permute([0, 2, 3, 1])
-            .contiguous()
-            .permute([0, 3, 1, 2]);
+        let x = channels_last(&values.masked_fill(&nans, f64::NAN).to_kind(Kind::BFloat16));
         let k = Tensor::randn([2, 16, 16, 16], (Kind::Float, Device::Cpu));
 
         let aten_x = x.copy().set_requires_grad(true);
