@@ -8,12 +8,18 @@ probe runs, for every convolution and pool of vgg16 at batch 64 and 224x224 (bf1
 what the runtime runs there with ATen's kernels against what it runs with its own
 (runtime/csrc/kernels/fusions.cu, compiled here by CuPy's NVRTC as the runtime compiles it):
 
-- `bias_relu` (13 per step): the convolution's bias add and the ReLU; ATen: `add_` of the
-  broadcast bias, then `relu_`.
+- `bias_relu` (8 per step): the convolution's bias add and the ReLU where no pool follows;
+  ATen: `add_` of the broadcast bias, then `relu_`.
+- `bias_relu_pool` (5): the bias add, the ReLU and the 2x2 pool after them in one pass, the
+  full-size activation never written (what the runtime runs where a block's last convolution and
+  its pool are in one stage); ATen: `add_`, `relu_`, `max_pool2d_with_indices`.
+- `bias_relu + pool_forward` (5, not in the total): the same work as two kernels, what the
+  runtime runs where a stage ends between the convolution and its pool.
 - `relu_bias_backward` (8): ReLU's backward and the bias gradient (the per-channel sum) in one
   pass; ATen: `threshold_backward`, then `sum` over all but the channels.
-- `pool_forward` (5): 2x2 max pooling with stride 2 that keeps a byte per output (which of the
-  window's four won) instead of ATen's int64 index; ATen: `max_pool2d_with_indices`.
+- `pool_forward` (5, not in the total: `bias_relu_pool` does its work): 2x2 max pooling with
+  stride 2 that keeps a byte per output (which of the window's four won) instead of ATen's int64
+  index; ATen: `max_pool2d_with_indices`.
 - `pool_relu_bias_backward` (5): the pool's backward from those bytes, the ReLU's and the bias's
   before it, in one pass (what the runtime runs where a pool follows its fused bias and ReLU, as
   everywhere in vgg16); ATen: `max_pool2d_with_indices_backward`, `threshold_backward`, `sum`.
@@ -70,7 +76,8 @@ def main():
     aten = torch.ops.aten
     module = cupy.RawModule(code=KERNELS_PATH.read_text(), options=("--std=c++17",))
     kernel = {name: module.get_function(name) for name in
-              ("bias_relu", "relu_bias_backward", "pool_forward", "pool_backward", "pool_relu_bias_backward")}
+              ("bias_relu", "relu_bias_backward", "pool_forward", "pool_backward", "pool_relu_bias_backward",
+               "bias_relu_pool")}
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     grid = sms * 8
     # PyTorch's current stream, so CUDA events on it time the kernels (as they ran on the H200 of
@@ -124,31 +131,63 @@ def main():
         print(f"{kind:36s} {layers:2d} layers  ATen {aten_ms:6.3f} ms  fused {fused_ms:6.3f} ms  "
               f"({aten_ms / fused_ms:.2f}x){'' if in_step else '  (not in the total)'}", flush=True)
 
-    # Forward: bias and ReLU after each convolution. ATen's run in place on the convolution's
-    # output (a copy of it each time, whose time is taken off); the kernel writes a new tensor.
+    # Forward: bias and ReLU after each convolution, and the pool after those a pool follows.
+    # ATen's run in place on the convolution's output (a copy of it each time, whose time is taken
+    # off); the kernels write new tensors.
     cases = []
-    for c, side, _ in LAYERS:
+    for c, side, pooled in LAYERS:
         conv = randn(n, c, side, side)
         bias = randn(c)
         ours = torch.empty_like(conv)
         launch("bias_relu", grid, 0, ptr(conv), ptr(bias), ptr(ours), Long(conv.numel() // 8), c // 8)
         theirs = conv.clone().add_(bias.view(1, c, 1, 1)).relu_()
         assert torch.equal(ours, theirs), f"bias_relu differs from ATen at {c}x{side}"
-        cases.append((conv, bias, ours, torch.empty_like(conv)))
+        pool = None
+        if pooled:
+            oh = side // 2
+            y = torch.empty(n, c, oh, oh, device="cuda", dtype=torch.bfloat16, memory_format=torch.channels_last)
+            win = torch.empty(n, oh, oh, c, device="cuda", dtype=torch.uint8)
+            launch("bias_relu_pool", grid, 0, ptr(conv), ptr(bias), ptr(y), ptr(win), Long(y.numel() // 8), oh, c // 8)
+            assert torch.equal(y, aten.max_pool2d_with_indices(theirs, [2, 2], [2, 2])[0]), \
+                f"bias_relu_pool differs from ATen at {c}x{side}"
+            y2, win2 = torch.empty_like(y), torch.empty_like(win)
+            launch("pool_forward", grid, 0, ptr(ours), ptr(y2), ptr(win2), Long(y.numel() // 8), oh, c // 8)
+            assert torch.equal(win, win2), f"bias_relu_pool's winners differ from pool_forward's at {c}x{side}"
+            pool = (y, win)
+        cases.append((conv, bias, ours, torch.empty_like(conv), pool))
 
-    def copies():
-        for conv, bias, ours, scratch in cases:
+    def only(pooled):
+        return [case for case in cases if (case[4] is not None) == pooled]
+
+    def copies(pooled):
+        for conv, bias, ours, scratch, _ in only(pooled):
             scratch.copy_(conv)
 
-    def aten_bias_relu():
-        for conv, bias, ours, scratch in cases:
-            scratch.copy_(conv).add_(bias.view(1, -1, 1, 1)).relu_()
+    def aten_bias_relu(pooled):
+        for conv, bias, ours, scratch, _ in only(pooled):
+            y = scratch.copy_(conv).add_(bias.view(1, -1, 1, 1)).relu_()
+            if pooled:
+                aten.max_pool2d_with_indices(y, [2, 2], [2, 2])
 
-    def fused_bias_relu():
-        for conv, bias, ours, scratch in cases:
+    def fused_bias_relu(pooled):
+        for conv, bias, ours, scratch, _ in only(pooled):
             launch("bias_relu", grid, 0, ptr(conv), ptr(bias), ptr(ours), Long(conv.numel() // 8), conv.size(1) // 8)
 
-    record("bias_relu", len(cases), timed(aten_bias_relu) - timed(copies), timed(fused_bias_relu))
+    def fused_bias_relu_then_pool():
+        fused_bias_relu(True)
+        for conv, bias, ours, scratch, (y, win) in only(True):
+            launch("pool_forward", grid, 0, ptr(ours), ptr(y), ptr(win), Long(y.numel() // 8), y.size(3), y.size(1) // 8)
+
+    def fused_bias_relu_pool():
+        for conv, bias, ours, scratch, (y, win) in only(True):
+            launch("bias_relu_pool", grid, 0, ptr(conv), ptr(bias), ptr(y), ptr(win), Long(y.numel() // 8), y.size(3),
+                   y.size(1) // 8)
+
+    record("bias_relu", len(only(False)), timed(lambda: aten_bias_relu(False)) - timed(lambda: copies(False)),
+           timed(lambda: fused_bias_relu(False)))
+    aten_pooled = timed(lambda: aten_bias_relu(True)) - timed(lambda: copies(True))
+    record("bias_relu_pool", len(only(True)), aten_pooled, timed(fused_bias_relu_pool))
+    record("bias_relu + pool_forward", len(only(True)), aten_pooled, timed(fused_bias_relu_then_pool), in_step=False)
     del cases
 
     # Backward of the ReLU and the bias, where no pool follows.
@@ -240,7 +279,7 @@ def main():
             launch("relu_bias_backward", grid, db.numel() * 4, ptr(gx), ptr(x), ptr(g), ptr(db),
                    Long(x.numel() // db.numel()), db.numel() // 8)
 
-    record("pool_forward", len(cases), timed(aten_pool_forward), timed(fused_pool_forward))
+    record("pool_forward", len(cases), timed(aten_pool_forward), timed(fused_pool_forward), in_step=False)
     aten_backward = timed(aten_pool_backward)
     record("pool_relu_bias_backward", len(cases), aten_backward, timed(fused_pool_relu_bias_backward))
     record("pool_backward + relu_bias_backward", len(cases), aten_backward, timed(fused_pool_backward_then_relu),

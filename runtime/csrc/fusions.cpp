@@ -1,7 +1,8 @@
 // The runtime's fused kernels (csrc/kernels/fusions.cu) as autograd operations, part of the CUDA
-// bridge (libstagehand_cuda.so): a convolution followed by its bias and ReLU, and 2x2 max pooling,
-// each running one hand-written kernel per pass where ATen runs two or three (and a pool over
-// the fused bias and ReLU one kernel back through all three), wherever the tensors suit them
+// bridge (libstagehand_cuda.so): a convolution followed by its bias and ReLU, 2x2 max pooling,
+// and a convolution followed by its bias, ReLU and pool, each running one hand-written kernel
+// per pass where ATen runs two or three (and a pool over the fused bias and ReLU one kernel
+// back through all three), wherever the tensors suit them
 // (CUDA, bfloat16, channels_last, channels a multiple of 8) and falling back to ATen's own
 // operations, with the same results, wherever they do not. Tests let the CPU stand in for a GPU:
 // the same kernels, compiled as C++, run there with the launches a GPU gets (fusions_cpu.cpp).
@@ -161,16 +162,18 @@ struct Kernels {
   void* pool_forward = nullptr;
   void* pool_backward = nullptr;
   void* pool_relu_bias_backward = nullptr;
+  void* bias_relu_pool = nullptr;
   unsigned blocks = 0;  // the most blocks a launch takes: 8 per multiprocessor
 };
 
 // Every kernel of fusions.cu, by name, and where Kernels keeps it once loaded.
-constexpr std::array<std::pair<const char*, void* Kernels::*>, 5> kKernels{{
+constexpr std::array<std::pair<const char*, void* Kernels::*>, 6> kKernels{{
     {"bias_relu", &Kernels::bias_relu},
     {"relu_bias_backward", &Kernels::relu_bias_backward},
     {"pool_forward", &Kernels::pool_forward},
     {"pool_backward", &Kernels::pool_backward},
     {"pool_relu_bias_backward", &Kernels::pool_relu_bias_backward},
+    {"bias_relu_pool", &Kernels::bias_relu_pool},
 }};
 
 // fusions.cu compiled for `arch`, holding every kernel of kKernels (a name the source misspelt,
@@ -315,18 +318,40 @@ void relu_bias_backward(const at::Tensor& gy, const at::Tensor& y, const at::Ten
   launch(&Kernels::relu_bias_backward, y, rows * c8, shared, {&gy_ptr, &y_ptr, &g_ptr, &db_ptr, &rows, &c8});
 }
 
-// x pooled, and which of each window's four won: a byte per output, [n, oh, ow, c].
-std::pair<at::Tensor, at::Tensor> pool_forward(const at::Tensor& x) {
+// A 2x2 pool's output for the input `x`, and its winners' bytes, [n, oh, ow, c] (undefined
+// without `windows`).
+std::pair<at::Tensor, at::Tensor> pooled_outputs(const at::Tensor& x, bool windows) {
   auto n = x.size(0), c = x.size(1), oh = x.size(2) / 2, ow = x.size(3) / 2;
   auto y = at::empty({n, c, oh, ow}, x.options(), at::MemoryFormat::ChannelsLast);
-  auto win = at::empty({n, oh, ow, c}, x.options().dtype(at::kByte));
+  auto win = windows ? at::empty({n, oh, ow, c}, x.options().dtype(at::kByte)) : at::Tensor();
+  return {y, win};
+}
+
+// x pooled, and which of each window's four won: a byte per output, [n, oh, ow, c].
+std::pair<at::Tensor, at::Tensor> pool_forward(const at::Tensor& x) {
+  auto [y, win] = pooled_outputs(x, true);
   int64_t outs8 = y.numel() / 8;
-  int ow_ = static_cast<int>(ow);
-  int c8 = static_cast<int>(c / 8);
+  int ow = static_cast<int>(y.size(3));
+  int c8 = static_cast<int>(y.size(1) / 8);
   void* x_ptr = x.data_ptr();
   void* y_ptr = y.data_ptr();
   void* win_ptr = win.data_ptr();
-  launch(&Kernels::pool_forward, x, outs8, 0, {&x_ptr, &y_ptr, &win_ptr, &outs8, &ow_, &c8});
+  launch(&Kernels::pool_forward, x, outs8, 0, {&x_ptr, &y_ptr, &win_ptr, &outs8, &ow, &c8});
+  return {y, win};
+}
+
+// relu(conv + bias[c]) pooled, and (with `windows`) which of each window's four won, as
+// pool_forward of bias_relu's output gives them; bias 16-byte aligned.
+std::pair<at::Tensor, at::Tensor> bias_relu_pool(const at::Tensor& conv, const at::Tensor& bias, bool windows) {
+  auto [y, win] = pooled_outputs(conv, windows);
+  int64_t outs8 = y.numel() / 8;
+  int ow = static_cast<int>(y.size(3));
+  int c8 = static_cast<int>(y.size(1) / 8);
+  void* x_ptr = conv.data_ptr();
+  void* b_ptr = bias.data_ptr();
+  void* y_ptr = y.data_ptr();
+  void* win_ptr = windows ? win.data_ptr() : nullptr;
+  launch(&Kernels::bias_relu_pool, conv, outs8, 0, {&x_ptr, &b_ptr, &y_ptr, &win_ptr, &outs8, &ow, &c8});
   return {y, win};
 }
 
@@ -356,16 +381,33 @@ void pool_relu_bias_backward(const at::Tensor& gy, const at::Tensor& y, const at
          {&gy_ptr, &y_ptr, &win_ptr, &g_ptr, &db_ptr, &outs, &ow, &c8});
 }
 
+// The bias as the kernels read it, 16 bytes at a time: dense and aligned (a view at an odd offset
+// would not do).
+at::Tensor kernel_bias(const at::Tensor& bias) {
+  auto b = bias.contiguous();
+  return aligned(b) ? b : b.clone();
+}
+
+// The gradients of the convolution's output (`sizes`) and of the bias (`bias_dtype`) from those of
+// a 2x2 pool over relu(conv + bias): `grad` of the pool's output `y`, `win` its winners.
+torch::autograd::variable_list pool_relu_bias_grads(const at::Tensor& grad, const at::Tensor& y, const at::Tensor& win,
+                                                    at::IntArrayRef sizes, at::ScalarType bias_dtype) {
+  if (!grad.defined()) {
+    return {at::Tensor(), at::Tensor()};
+  }
+  auto gy = dense(grad.to(y.scalar_type()));
+  auto g = at::empty(sizes, y.options(), at::MemoryFormat::ChannelsLast);
+  auto db = at::zeros({y.size(1)}, y.options().dtype(at::kFloat));
+  pool_relu_bias_backward(gy, y, win, g, db);
+  return {g, db.to(bias_dtype)};
+}
+
 // relu(conv + bias[c]) and its backward: ReLU's and the bias's gradient in one pass. The
 // convolution's own backward (ATen's) gives the rest.
 struct BiasRelu : torch::autograd::Function<BiasRelu> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& conv, const at::Tensor& bias) {
     auto out = at::empty_like(conv, at::MemoryFormat::ChannelsLast);
-    auto b = bias.contiguous();
-    if (!aligned(b)) {
-      b = b.clone();  // read 16 bytes at a time: a view at an odd offset would not do
-    }
-    bias_relu(conv, b, out);
+    bias_relu(conv, kernel_bias(bias), out);
     ctx->save_for_backward({out});
     ctx->saved_data["bias_dtype"] = static_cast<int64_t>(bias.scalar_type());
     return out;
@@ -427,15 +469,7 @@ struct PoolReluBiasBackward : torch::autograd::Node {
 
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
     TORCH_CHECK(win.defined(), "PoolReluBiasBackward ran twice (its saved tensors are freed after the first)");
-    if (!grads[0].defined()) {
-      return {at::Tensor(), at::Tensor()};
-    }
-    auto y = pooled.unpack(shared_from_this());
-    auto gy = dense(grads[0].to(y.scalar_type()));
-    auto g = at::empty(sizes, y.options(), at::MemoryFormat::ChannelsLast);
-    auto db = at::zeros({y.size(1)}, y.options().dtype(at::kFloat));
-    pool_relu_bias_backward(gy, y, win, g, db);
-    return {g, db.to(bias_dtype)};
+    return pool_relu_bias_grads(grads[0], pooled.unpack(shared_from_this()), win, sizes, bias_dtype);
   }
 
   void release_variables() override {
@@ -467,6 +501,29 @@ std::optional<at::Tensor> pool_over_bias_relu(const at::Tensor& x) {
   return y;
 }
 
+// A 2x2 max pool over relu(conv + bias[c]) in one kernel, the full-size activation never made,
+// and its backward in one kernel too (the one PoolReluBiasBackward runs): a convolution's bias,
+// ReLU and pool, where all three are one layer's.
+struct BiasReluPool : torch::autograd::Function<BiasReluPool> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& conv, const at::Tensor& bias) {
+    auto [y, win] = bias_relu_pool(conv, kernel_bias(bias), true);
+    ctx->save_for_backward({y});
+    ctx->saved_data["win"] = win;
+    ctx->saved_data["sizes"] = conv.sizes().vec();
+    ctx->saved_data["bias_dtype"] = static_cast<int64_t>(bias.scalar_type());
+    return y;
+  }
+
+  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
+                                               torch::autograd::tensor_list grads) {
+    auto y = ctx->get_saved_variables()[0];
+    auto win = ctx->saved_data["win"].toTensor();
+    auto sizes = ctx->saved_data["sizes"].toIntVector();
+    auto bias_dtype = static_cast<at::ScalarType>(ctx->saved_data["bias_dtype"].toInt());
+    return pool_relu_bias_grads(grads[0], y, win, sizes, bias_dtype);
+  }
+};
+
 // The autocast dtype for `x`'s device, if autocast is on there.
 std::optional<at::ScalarType> autocast_dtype(const at::Tensor& x) {
   auto type = x.device().type();
@@ -480,21 +537,28 @@ bool usable(const at::Tensor& t) {
   return suits(t) && !at::globalContext().deterministicAlgorithms() && (t.is_cpu() || kernels_of(t) != nullptr);
 }
 
-at::Tensor conv_bias_relu(at::Tensor x, at::Tensor weight, at::Tensor bias, at::IntArrayRef stride,
-                          at::IntArrayRef padding) {
-  // The casts conv2d's autocast policy makes (lower precision), through autocast's own cache.
-  if (auto dtype = autocast_dtype(x)) {
-    auto type = x.device().type();
-    x = at::autocast::cached_cast(*dtype, x, type);
-    weight = at::autocast::cached_cast(*dtype, weight, type);
-    bias = at::autocast::cached_cast(*dtype, bias, type);
+// A convolution's input, weight and bias: after the casts conv2d's autocast policy makes (lower
+// precision), through autocast's own cache, and whether the fused kernels may take its output
+// (the bias added after the convolution) by their dtypes and devices.
+struct ConvInputs {
+  at::Tensor x, weight, bias;
+  bool fusable;
+
+  ConvInputs(at::Tensor x_, at::Tensor weight_, at::Tensor bias_)
+      : x(std::move(x_)), weight(std::move(weight_)), bias(std::move(bias_)) {
+    if (auto dtype = autocast_dtype(x)) {
+      auto type = x.device().type();
+      x = at::autocast::cached_cast(*dtype, x, type);
+      weight = at::autocast::cached_cast(*dtype, weight, type);
+      bias = at::autocast::cached_cast(*dtype, bias, type);
+    }
+    fusable = (x.is_cuda() || (cpu_stand_in && x.is_cpu())) && x.scalar_type() == at::kBFloat16 &&
+        bias.scalar_type() == at::kBFloat16 && !at::globalContext().deterministicAlgorithms();
   }
-  if (!(x.is_cuda() || (cpu_stand_in && x.is_cpu())) || x.scalar_type() != at::kBFloat16 ||
-      bias.scalar_type() != at::kBFloat16 ||
-      at::globalContext().deterministicAlgorithms()) {
-    return at::conv2d(x, weight, bias, stride, padding).relu_();
-  }
-  auto conv = at::conv2d(x, weight, std::nullopt, stride, padding);
+};
+
+// relu(conv + bias[c]) of a convolution's output `conv` (made without its bias).
+at::Tensor bias_relu_of(at::Tensor conv, const at::Tensor& bias) {
   if (!usable(conv)) {
     // What ATen's convolution does with a bias (added after the convolution), then the ReLU.
     return conv.add_(bias.view({1, -1, 1, 1})).relu_();
@@ -502,14 +566,47 @@ at::Tensor conv_bias_relu(at::Tensor x, at::Tensor weight, at::Tensor bias, at::
   return BiasRelu::apply(conv, bias);
 }
 
+at::Tensor conv_bias_relu(at::Tensor x, at::Tensor weight, at::Tensor bias, at::IntArrayRef stride,
+                          at::IntArrayRef padding) {
+  ConvInputs in(std::move(x), std::move(weight), std::move(bias));
+  if (!in.fusable) {
+    return at::conv2d(in.x, in.weight, in.bias, stride, padding).relu_();
+  }
+  return bias_relu_of(at::conv2d(in.x, in.weight, std::nullopt, stride, padding), in.bias);
+}
+
+bool poolable(const at::Tensor& x) {
+  return usable(x) && x.size(2) % 2 == 0 && x.size(3) % 2 == 0;
+}
+
 at::Tensor max_pool2x2(const at::Tensor& x) {
-  if (usable(x) && x.size(2) % 2 == 0 && x.size(3) % 2 == 0) {
+  if (poolable(x)) {
     if (auto pooled = pool_over_bias_relu(x)) {
       return *pooled;
     }
     return MaxPool2x2::apply(x);
   }
   return at::max_pool2d(x, {2, 2}, {2, 2}, {0, 0}, {1, 1}, false);
+}
+
+// max_pool2x2(conv_bias_relu(...)), with the same values and gradients: the bias, the ReLU and the
+// pool in one kernel each way where the convolution's output suits them; without a gradient to
+// record, the pool's winners are not kept.
+at::Tensor conv_bias_relu_pool(at::Tensor x, at::Tensor weight, at::Tensor bias, at::IntArrayRef stride,
+                               at::IntArrayRef padding) {
+  ConvInputs in(std::move(x), std::move(weight), std::move(bias));
+  if (!in.fusable) {
+    return max_pool2x2(at::conv2d(in.x, in.weight, in.bias, stride, padding).relu_());
+  }
+  auto conv = at::conv2d(in.x, in.weight, std::nullopt, stride, padding);
+  if (!poolable(conv)) {
+    return max_pool2x2(bias_relu_of(conv, in.bias));
+  }
+  bool recorded = torch::autograd::GradMode::is_enabled() && (conv.requires_grad() || in.bias.requires_grad());
+  if (!recorded) {
+    return bias_relu_pool(conv, kernel_bias(in.bias), false).first;
+  }
+  return BiasReluPool::apply(conv, in.bias);
 }
 
 }  // namespace
@@ -524,6 +621,18 @@ char* shc_conv_bias_relu(const void* x, const void* weight, const void* bias, in
   return sh::guarded([&] {
     auto y = conv_bias_relu(*static_cast<const at::Tensor*>(x), *static_cast<const at::Tensor*>(weight),
                             *static_cast<const at::Tensor*>(bias), {stride, stride}, {padding, padding});
+    *out = new at::Tensor(std::move(y));
+  });
+}
+
+// max_pool2d(relu(conv2d(x, weight, bias)), 2, 2) with `stride` and `padding` as
+// shc_conv_bias_relu's, fused where the tensors suit; a new tensor handle in `out`.
+char* shc_conv_bias_relu_pool(const void* x, const void* weight, const void* bias, int64_t stride, int64_t padding,
+                              void** out) {
+  *out = nullptr;
+  return sh::guarded([&] {
+    auto y = conv_bias_relu_pool(*static_cast<const at::Tensor*>(x), *static_cast<const at::Tensor*>(weight),
+                                 *static_cast<const at::Tensor*>(bias), {stride, stride}, {padding, padding});
     *out = new at::Tensor(std::move(y));
   });
 }

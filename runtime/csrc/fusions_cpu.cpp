@@ -112,6 +112,7 @@ constexpr Entry kKernels[] = {
     {"pool_forward", invoke<gpu::pool_forward>},
     {"pool_backward", invoke<gpu::pool_backward>},
     {"pool_relu_bias_backward", invoke<gpu::pool_relu_bias_backward>},
+    {"bias_relu_pool", invoke<gpu::bias_relu_pool>},
 };
 
 // Each of a block's threads is a fiber with a stack of its own.

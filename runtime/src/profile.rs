@@ -120,8 +120,7 @@ pub fn measure(config: &ProfileConfig) -> anyhow::Result<Profile> {
         .collect::<anyhow::Result<Vec<Stage>>>()?;
     let (loss_stage, layers) = stages.split_last().expect("a model has a loss");
     let batch = config.batch_size as i64;
-    tch::manual_seed(0);
-    let (mut xs, target) = match model.input {
+    let (mut xs, target) = crate::models::seeded(0, || match model.input {
         InputKind::Image { size, classes } => (
             Tensor::randn([batch, 3, size, size], (Kind::Float, device)),
             Tensor::randint(classes, [batch], (Kind::Int64, device)),
@@ -130,7 +129,7 @@ pub fn measure(config: &ProfileConfig) -> anyhow::Result<Profile> {
             Tensor::randint(vocab, [batch, seq_len], (Kind::Int64, device)),
             Tensor::randint(vocab, [batch, seq_len], (Kind::Int64, device)),
         ),
-    };
+    });
     let mut modules = Vec::with_capacity(model.num_modules());
     for (index, layer) in layers.iter().enumerate() {
         // Inputs after the first carry gradients, as they do inside a model.
@@ -148,7 +147,7 @@ pub fn measure(config: &ProfileConfig) -> anyhow::Result<Profile> {
             // sends back).
             let grad = match output.is_sparse() {
                 true => output.detach() * 1.0,
-                false => output.randn_like(),
+                false => crate::models::seeded(1, || output.randn_like()),
             };
             median_seconds(config.repeats, || {
                 let out = layer.forward(&input, true);

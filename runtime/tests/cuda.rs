@@ -645,8 +645,8 @@ fn gpu_cudnn_benchmark_trains_with_the_convolutions_it_times() {
 
 /// `--fused-kernels` on a GPU: vgg16 in bf16 + channels_last runs the runtime's own kernels
 /// (csrc/kernels/fusions.cu) for its convolutions' bias and ReLU and its pools, forward and
-/// backward (each pool's backward through the bias and ReLU before it in one kernel), instead of
-/// ATen's, and trains as with ATen's. The kernels compute ATen's values bit
+/// backward (each block's last bias, ReLU and pool one kernel each way), instead of ATen's, and
+/// trains as with ATen's. The kernels compute ATen's values bit
 /// for bit but for the bias gradients, sums in another order (bench/fusion_probe.py checks each
 /// kernel so on a GPU); bf16 rounds at 2^-8 relative, so the losses of a few iterations stay
 /// within 2^-6 of ATen's run, where a misplaced bias, channel or pooling window would move them
@@ -684,8 +684,9 @@ fn gpu_the_fused_kernels_train_vgg16_as_atens_kernels_do() {
     };
     close(&fused.losses(), &aten.losses(), "fused against ATen");
 
-    // The traced iterations ran the fused kernels, and ATen's pooling not at all. Every pool
-    // follows a fused bias and ReLU, so each took the one backward through all three.
+    // The traced iterations ran the fused kernels, and ATen's pooling not at all. Every pool and
+    // the convolution before it are in the one stage, so each pool took the one kernel through
+    // the bias, the ReLU and the pool each way.
     let events = trace_events(&trace);
     let kernels: Vec<&str> = events
         .iter()
@@ -695,7 +696,7 @@ fn gpu_the_fused_kernels_train_vgg16_as_atens_kernels_do() {
     for name in [
         "bias_relu",
         "relu_bias_backward",
-        "pool_forward",
+        "bias_relu_pool",
         "pool_relu_bias_backward",
     ] {
         assert!(
@@ -704,10 +705,18 @@ fn gpu_the_fused_kernels_train_vgg16_as_atens_kernels_do() {
             kernels.len()
         );
     }
-    assert!(
-        !kernels.contains(&"pool_backward"),
-        "a pool's backward ran apart from the ReLU's before it"
-    );
+    for (name, apart) in [
+        (
+            "pool_forward",
+            "a pool ran apart from the bias and ReLU before it",
+        ),
+        (
+            "pool_backward",
+            "a pool's backward ran apart from the ReLU's before it",
+        ),
+    ] {
+        assert!(!kernels.contains(&name), "{apart}");
+    }
     assert!(
         !kernels.iter().any(|k| k.contains("max_pool")),
         "ATen's pooling ran: {:?}",

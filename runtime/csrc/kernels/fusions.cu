@@ -7,6 +7,9 @@
 //   pool_forward        2x2 max pool, stride 2, keeping a byte per output (which of the window won)
 //                       where ATen keeps an int64 index
 //   pool_backward       its backward from those bytes (ATen zero-fills, then scatters by index)
+//   bias_relu_pool      bias_relu, then pool_forward, in one pass: the full-size activation
+//                       between them is neither written nor read again (ATen: add_, relu_,
+//                       max_pool2d_with_indices)
 //   pool_relu_bias_backward
 //                       the pool's backward when its input is bias_relu's output: the pool's,
 //                       the ReLU's and the bias's backward in one pass (ATen: the pool's
@@ -67,6 +70,15 @@ __device__ __forceinline__ void scatter_window(uint4* g, long long base, long lo
   g[base + row + c8] = out[3];
 }
 
+// relu(v + b), 8 channels, each rounded to bf16 once (as ATen's add_, then relu_, round).
+__device__ __forceinline__ uint4 bias_relu8(uint4 v, uint4 b) {
+  bf16* vs = (bf16*)&v;
+  const bf16* bs = (const bf16*)&b;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) vs[k] = to_bf16(relu(to_float(vs[k]) + to_float(bs[k])));
+  return v;
+}
+
 // y[m, c] = relu(x[m, c] + bias[c]) (y may be x), 8 channels (16 bytes) a thread; c8 = channels / 8.
 extern "C" __global__ void bias_relu(ptr x_, ptr bias_, ptr y_, long long n8, int c8) {
   const uint4* x = (const uint4*)x_;
@@ -74,13 +86,7 @@ extern "C" __global__ void bias_relu(ptr x_, ptr bias_, ptr y_, long long n8, in
   const uint4* bias = (const uint4*)bias_;
   for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n8;
        i += (long long)gridDim.x * blockDim.x) {
-    uint4 v = x[i];
-    uint4 b = bias[i % c8];
-    bf16* vs = (bf16*)&v;
-    const bf16* bs = (const bf16*)&b;
-#pragma unroll
-    for (int k = 0; k < 8; ++k) vs[k] = to_bf16(relu(to_float(vs[k]) + to_float(bs[k])));
-    y[i] = v;
+    y[i] = bias_relu8(x[i], bias[i % c8]);
   }
 }
 
@@ -119,9 +125,34 @@ extern "C" __global__ void relu_bias_backward(ptr gy_, ptr y_, ptr g_, ptr db_, 
   add_channel_sums(part, acc, cg, c8 * 8, (float*)db_);
 }
 
+// The maximum of a 2x2 window's four values v (row-major), 8 channels, into out, and which of
+// the four won, a byte a channel, into w. The first maximum wins and a NaN wins, as ATen's
+// kernel decides.
+__device__ __forceinline__ void pool_window(const uint4* v, uint4& out, uint2& w) {
+  bf16* os = (bf16*)&out;
+  unsigned char* ws = (unsigned char*)&w;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    bf16 kept = ((const bf16*)&v[0])[k];
+    float best = to_float(kept);
+    int at = 0;
+#pragma unroll
+    for (int q = 1; q < 4; ++q) {
+      bf16 h = ((const bf16*)&v[q])[k];
+      float f = to_float(h);
+      if (f > best || f != f) {  // ATen's test: a later NaN wins too
+        best = f;
+        kept = h;
+        at = q;
+      }
+    }
+    os[k] = kept;
+    ws[k] = (unsigned char)at;
+  }
+}
+
 // 2x2 max pool, stride 2, channels_last x[n, h, w, c] -> y[n, h/2, w/2, c], and which of the
-// window's four won (0..3, row-major), a byte per output. The first maximum wins and a NaN wins,
-// as ATen's kernel decides.
+// window's four won (0..3, row-major), a byte per output ([n, h/2, w/2, c]).
 extern "C" __global__ void pool_forward(ptr x_, ptr y_, ptr win_, long long outs8, int ow, int c8) {
   const uint4* x = (const uint4*)x_;
   uint4* y = (uint4*)y_;
@@ -133,28 +164,33 @@ extern "C" __global__ void pool_forward(ptr x_, ptr y_, ptr win_, long long outs
     uint4 v[4] = {x[base], x[base + c8], x[base + row], x[base + row + c8]};
     uint4 out;
     uint2 w;
-    bf16* os = (bf16*)&out;
-    unsigned char* ws = (unsigned char*)&w;
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      bf16 kept = ((const bf16*)&v[0])[k];
-      float best = to_float(kept);
-      int at = 0;
-#pragma unroll
-      for (int q = 1; q < 4; ++q) {
-        bf16 h = ((const bf16*)&v[q])[k];
-        float f = to_float(h);
-        if (f > best || f != f) {  // ATen's test: a later NaN wins too
-          best = f;
-          kept = h;
-          at = q;
-        }
-      }
-      os[k] = kept;
-      ws[k] = (unsigned char)at;
-    }
+    pool_window(v, out, w);
     y[o] = out;
     win[o] = w;
+  }
+}
+
+// pool_forward of relu(x + bias[c]), where x is the convolution's output: the values pooled are
+// bias_relu's, bit for bit, but never stored full-size. win_ may be 0 (no backward to come): then
+// the winners are not stored either.
+extern "C" __global__ void bias_relu_pool(ptr x_, ptr bias_, ptr y_, ptr win_, long long outs8, int ow, int c8) {
+  const uint4* x = (const uint4*)x_;
+  const uint4* bias = (const uint4*)bias_;
+  uint4* y = (uint4*)y_;
+  uint2* win = (uint2*)win_;
+  const long long row = input_row(ow, c8);
+  for (long long o = blockIdx.x * (long long)blockDim.x + threadIdx.x; o < outs8;
+       o += (long long)gridDim.x * blockDim.x) {
+    const long long cg = o % c8;
+    long long base = window_base(o / c8, row, ow, c8, cg);
+    uint4 b = bias[cg];
+    uint4 v[4] = {bias_relu8(x[base], b), bias_relu8(x[base + c8], b), bias_relu8(x[base + row], b),
+                  bias_relu8(x[base + row + c8], b)};
+    uint4 out;
+    uint2 w;
+    pool_window(v, out, w);
+    y[o] = out;
+    if (win != 0) win[o] = w;
   }
 }
 

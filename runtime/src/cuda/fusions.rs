@@ -1,9 +1,11 @@
 //! The runtime's fused CUDA kernels (`csrc/kernels/fusions.cu`, run by `csrc/fusions.cpp`): a
 //! convolution's bias and ReLU in one pass, and 2x2 max pooling that keeps a byte per window
 //! instead of an int64 index, forward and backward; a pool over a fused bias and ReLU takes one
-//! backward through all three. `--fused-kernels` turns them on; the models
-//! call [`conv_bias_relu`] and [`max_pool2x2`], which run ATen's own operations wherever the
-//! kernels are off or the tensors do not suit them (not CUDA, not bfloat16, not channels_last).
+//! backward through all three, and, where a convolution and its pool are one layer
+//! ([`conv_bias_relu_pool`]), one kernel forward too. `--fused-kernels` turns them on; the models
+//! call [`conv_bias_relu`], [`max_pool2x2`] and [`conv_bias_relu_pool`], which run ATen's own
+//! operations wherever the kernels are off or the tensors do not suit them (not CUDA, not
+//! bfloat16, not channels_last).
 //!
 //! What they compute is what ATen's operations compute, bit for bit, except the bias gradient: a
 //! sum in another order (`bench/fusion_probe.py` checks both on a GPU and times them against
@@ -111,6 +113,30 @@ pub fn conv_bias_relu(xs: &Tensor, weight: &Tensor, bias: &Tensor, stride: i64, 
                 1,
             )
             .relu_(),
+    }
+}
+
+/// `max_pool2d(relu(conv2d(xs, weight, bias)), 2, 2)`, as [`max_pool2x2`] of [`conv_bias_relu`]
+/// computes it: on a GPU with the fused kernels on, the bias, the ReLU and the pool in one kernel
+/// each way, the activation between the ReLU and the pool never made full-size.
+pub fn conv_bias_relu_pool(xs: &Tensor, weight: &Tensor, bias: &Tensor, stride: i64, padding: i64) -> Tensor {
+    match bridge(xs) {
+        Some(api) => {
+            let mut out = std::ptr::null_mut();
+            // SAFETY: live tensor handles, read only; the bridge catches every C++ exception.
+            let error = unsafe {
+                (api.conv_bias_relu_pool)(
+                    xs.as_ptr(),
+                    weight.as_ptr(),
+                    bias.as_ptr(),
+                    stride,
+                    padding,
+                    &mut out,
+                )
+            };
+            made(error, out, "the fused convolution, bias, ReLU and pool")
+        }
+        None => max_pool2x2(&conv_bias_relu(xs, weight, bias, stride, padding)),
     }
 }
 
@@ -234,18 +260,34 @@ mod tests {
 
     use tch::{Device, Kind};
 
+    // Drawn holding the CPU generator, so that other tests' seeded draws stay theirs.
+    use crate::models::seeded;
+
     /// `t` ([n, c, h, w]) laid out channels_last, as the kernels read it.
     fn channels_last(t: &Tensor) -> Tensor {
         t.permute([0, 2, 3, 1]).contiguous().permute([0, 3, 1, 2])
     }
 
-    /// A bf16 tensor of `shape` (channels_last when 4-D) from seeded normals times `scale`.
+    /// A bf16 tensor of `shape` (channels_last when 4-D) from normals times `scale` (drawn under
+    /// [`seeded`]).
     fn bf16(shape: &[i64], scale: f64) -> Tensor {
         let t = (Tensor::randn(shape, (Kind::Float, Device::Cpu)) * scale).to_kind(Kind::BFloat16);
         match shape.len() {
             4 => channels_last(&t),
             _ => t,
         }
+    }
+
+    /// A convolution's input [2, 8, 32, 32], weight [16, 8, 3, 3] and bias [16], bf16, drawn from
+    /// `seed`; half the bias is negative enough that many of its outputs' ReLUs give zeros.
+    fn conv_leaves(seed: i64) -> [Tensor; 3] {
+        seeded(seed, || {
+            let b = bf16(&[16], 1.0)
+                - Tensor::from_slice(&[0.0f32, 2.0])
+                    .repeat([8])
+                    .to_kind(Kind::BFloat16);
+            [bf16(&[2, 8, 32, 32], 1.0), bf16(&[16, 8, 3, 3], 0.2), b]
+        })
     }
 
     /// One side's leaves (input, weight, bias), each a copy of `of`'s, requiring gradients.
@@ -296,12 +338,15 @@ mod tests {
             );
             return;
         };
-        tch::manual_seed(5);
         let shape = [2i64, 16, 32, 32];
-        let values = Tensor::randint(4, shape, (Kind::Float, Device::Cpu));
-        let nans = Tensor::rand(shape, (Kind::Float, Device::Cpu)).lt(0.02);
-        let x = channels_last(&values.masked_fill(&nans, f64::NAN).to_kind(Kind::BFloat16));
-        let k = Tensor::randn([2, 16, 16, 16], (Kind::Float, Device::Cpu));
+        let (x, k) = seeded(5, || {
+            let values = Tensor::randint(4, shape, (Kind::Float, Device::Cpu));
+            let nans = Tensor::rand(shape, (Kind::Float, Device::Cpu)).lt(0.02);
+            (
+                channels_last(&values.masked_fill(&nans, f64::NAN).to_kind(Kind::BFloat16)),
+                Tensor::randn([2, 16, 16, 16], (Kind::Float, Device::Cpu)),
+            )
+        });
 
         let aten_x = x.copy().set_requires_grad(true);
         let aten_p = aten_pool(&aten_x);
@@ -331,6 +376,105 @@ mod tests {
         );
     }
 
+    /// A convolution with its bias, ReLU and pool as one operation ([`conv_bias_relu_pool`],
+    /// vgg16's last convolution of a block and its pool in one stage) runs one kernel each way
+    /// (`BiasReluPool`) and gives exactly what the two operations give one after the other
+    /// (the pooled activations, and every gradient, the bias's included, since both sum it in
+    /// the same kernel), and ATen's values: bit for bit but the bias's gradient, as
+    /// [`same_gradients`] says. Half the bias is negative enough that many windows pool zeros.
+    /// Without a gradient it records nothing; an output of odd size goes through the two
+    /// operations (ATen's pool) with ATen's values. The kernels run on the CPU, two blocks at a
+    /// time, so their grid-stride loops take several passes.
+    #[test]
+    fn a_convolution_with_its_pool_takes_one_kernel_each_way_with_the_two_operations_values() {
+        let Ok(cuda) = cuda() else {
+            eprintln!(
+                "SKIPPED a_convolution_with_its_pool_takes_one_kernel_each_way_with_the_two_\
+                 operations_values: no CUDA bridge in this build"
+            );
+            return;
+        };
+        let [x, w, b] = conv_leaves(7);
+        let (k, k_odd) = seeded(8, || {
+            (
+                Tensor::randn([2, 16, 16, 16], (Kind::Float, Device::Cpu)),
+                Tensor::randn([2, 16, 15, 15], (Kind::Float, Device::Cpu)),
+            )
+        });
+
+        let two = leaves(&[&x, &w, &b]);
+        let two_p = {
+            let _cpu = cuda.cpu_stand_in();
+            max_pool2x2(&conv_bias_relu(&two[0], &two[1], &two[2], 1, 1))
+        };
+        assert_eq!(cuda.grad_fn_name(&two_p), "PoolReluBiasBackward");
+        weighted(&two_p, &k).backward();
+        let ours = leaves(&[&x, &w, &b]);
+        let ours_p = {
+            let _cpu = cuda.cpu_stand_in();
+            conv_bias_relu_pool(&ours[0], &ours[1], &ours[2], 1, 1)
+        };
+        let name = cuda.grad_fn_name(&ours_p);
+        assert!(name.contains("BiasReluPool"), "{name}");
+        assert!(
+            ours_p.equal(&two_p),
+            "the pooled activations differ from the two operations'"
+        );
+        let zeros = i64::try_from(ours_p.eq(0.0).sum(Kind::Int64)).unwrap();
+        assert!(zeros > 0 && zeros < ours_p.numel() as i64, "{zeros} zeros pooled");
+        weighted(&ours_p, &k).backward();
+        for (i, leaf) in ["input", "weight", "bias"].iter().enumerate() {
+            assert!(
+                ours[i].grad().equal(&two[i].grad()),
+                "the {leaf}'s gradient differs from the two operations'"
+            );
+        }
+        let aten = leaves(&[&x, &w, &b]);
+        let aten_p = aten_pool(&aten_conv_bias_relu(&aten));
+        assert!(ours_p.equal(&aten_p), "the pooled activations differ from ATen's");
+        weighted(&aten_p, &k).backward();
+        same_gradients(
+            &ours,
+            &aten,
+            &channel_magnitudes(&k.to_kind(Kind::BFloat16)),
+            "fused",
+        );
+
+        // Without a gradient: the same values, nothing recorded.
+        let plain = || [x.copy(), w.copy(), b.copy()];
+        let ours_p = tch::no_grad(|| {
+            let _cpu = cuda.cpu_stand_in();
+            conv_bias_relu_pool(&x, &w, &b, 1, 1)
+        });
+        assert_eq!(cuda.grad_fn_name(&ours_p), "");
+        assert!(ours_p.equal(&tch::no_grad(|| aten_pool(&aten_conv_bias_relu(&plain())))));
+
+        // An odd size: the fused bias and ReLU, then ATen's pool (the last row and column left
+        // out), with ATen's values.
+        let odd = channels_last(&x.narrow(2, 0, 31).narrow(3, 0, 31));
+        let aten = leaves(&[&odd, &w, &b]);
+        let aten_p = aten_pool(&aten_conv_bias_relu(&aten));
+        let ours = leaves(&[&odd, &w, &b]);
+        let ours_p = {
+            let _cpu = cuda.cpu_stand_in();
+            conv_bias_relu_pool(&ours[0], &ours[1], &ours[2], 1, 1)
+        };
+        let name = cuda.grad_fn_name(&ours_p);
+        assert!(name.starts_with("MaxPool2DWithIndices"), "{name}");
+        assert!(
+            ours_p.equal(&aten_p),
+            "odd: the pooled activations differ from ATen's"
+        );
+        weighted(&aten_p, &k_odd).backward();
+        weighted(&ours_p, &k_odd).backward();
+        same_gradients(
+            &ours,
+            &aten,
+            &channel_magnitudes(&k_odd.to_kind(Kind::BFloat16)),
+            "odd",
+        );
+    }
+
     /// A 2x2 pool over the fused bias and ReLU (vgg16's last convolution of each block) takes
     /// one backward through the pool, the ReLU and the bias (`PoolReluBiasBackward`, one kernel
     /// on a GPU) instead of the pool's and then BiasRelu's, with ATen's values: the pooled
@@ -352,15 +496,13 @@ mod tests {
             );
             return;
         };
-        tch::manual_seed(3);
-        let x = bf16(&[2, 8, 32, 32], 1.0);
-        let w = bf16(&[16, 8, 3, 3], 0.2);
-        let b = bf16(&[16], 1.0)
-            - Tensor::from_slice(&[0.0f32, 2.0])
-                .repeat([8])
-                .to_kind(Kind::BFloat16);
-        let k = Tensor::randn([2, 16, 16, 16], (Kind::Float, Device::Cpu));
-        let k2 = Tensor::randn([2, 16, 32, 32], (Kind::Float, Device::Cpu));
+        let [x, w, b] = conv_leaves(3);
+        let (k, k2) = seeded(4, || {
+            (
+                Tensor::randn([2, 16, 16, 16], (Kind::Float, Device::Cpu)),
+                Tensor::randn([2, 16, 32, 32], (Kind::Float, Device::Cpu)),
+            )
+        });
         // Each pooled gradient reaches one place; the magnitudes of k rounded to bf16 bound the
         // bias gradient's terms.
         let mag = |k: &Tensor| channel_magnitudes(&k.to_kind(Kind::BFloat16));

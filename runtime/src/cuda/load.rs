@@ -49,6 +49,7 @@ pub(super) fn load() -> Result<Cuda, String> {
                 graph_free: resolve(bridge, "shc_graph_free")?,
                 conv_bias_relu: resolve(bridge, "shc_conv_bias_relu")?,
                 max_pool2x2: resolve(bridge, "shc_max_pool2x2")?,
+                conv_bias_relu_pool: resolve(bridge, "shc_conv_bias_relu_pool")?,
                 fusions_compile: resolve(bridge, "shc_fusions_compile")?,
                 fusions_cpu_stand_in: resolve(bridge, "shc_fusions_cpu_stand_in")?,
                 grad_fn_name: resolve(bridge, "shc_grad_fn_name")?,

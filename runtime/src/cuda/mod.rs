@@ -50,6 +50,7 @@ pub(crate) struct Api {
     pub graph_free: graph::GraphFree,
     pub conv_bias_relu: fusions::ConvBiasRelu,
     pub max_pool2x2: fusions::MaxPool,
+    pub conv_bias_relu_pool: fusions::ConvBiasRelu,
     /// Only the tests compile the kernels ahead of their first use, let the CPU stand in for a
     /// GPU, or ask which autograd node made a tensor.
     #[cfg_attr(not(test), allow(dead_code))]

@@ -16,7 +16,7 @@ mod transformer;
 mod vgg;
 
 use std::ops::Range;
-use std::sync::Mutex;
+use std::sync::{Mutex, MutexGuard};
 
 use tch::{nn, Kind, Tensor};
 
@@ -134,6 +134,10 @@ type Builder = Box<dyn Fn(&nn::Path) -> Box<dyn nn::ModuleT> + Send + Sync>;
 pub struct ModuleDef {
     pub name: String,
     build: Builder,
+    /// How to build it and the module after it as one layer, where the model fuses the two (a
+    /// convolution and the pool after it): the same parameters, drawn the same way, the next
+    /// module having none, and the same computation, in fewer kernels.
+    with_next: Option<Builder>,
 }
 
 impl ModuleDef {
@@ -145,7 +149,19 @@ impl ModuleDef {
         ModuleDef {
             name: name.into(),
             build: Box::new(move |p| Box::new(build(p))),
+            with_next: None,
         }
+    }
+
+    /// This module, built with the next (which has no parameters) as one layer by `build` where
+    /// a stage holds both.
+    fn fused_with_next<M, F>(mut self, build: F) -> ModuleDef
+    where
+        M: nn::ModuleT + 'static,
+        F: Fn(&nn::Path) -> M + Send + Sync + 'static,
+    {
+        self.with_next = Some(Box::new(move |p| Box::new(build(p))));
+        self
     }
 }
 
@@ -224,6 +240,28 @@ impl ModelDef {
             .collect()
     }
 
+    /// Modules `range` as a stage runs them: the parameters and values [`Self::build`] gives,
+    /// but a module the model fuses with the next (a convolution and its pool) built with it as
+    /// one layer where `range` holds both. Fewer layers, then, than modules: for anything that
+    /// runs or lists modules one by one, [`Self::build`].
+    pub fn build_layers(&self, root: &nn::Path, range: Range<usize>, seed: u64) -> Vec<Box<dyn nn::ModuleT>> {
+        let end = range.end.min(self.modules.len());
+        let mut layers = Vec::with_capacity(end.saturating_sub(range.start));
+        let mut index = range.start;
+        while index < end {
+            let module = &self.modules[index];
+            let (build, taken) = match &module.with_next {
+                Some(both) if index + 1 < end => (both, 2),
+                _ => (&module.build, 1),
+            };
+            // The next module draws nothing (it has no parameters), so skipping its seeding
+            // changes no value.
+            layers.push(seeded(module_seed(seed, index), || build(root)));
+            index += taken;
+        }
+        layers
+    }
+
     /// Parameter count of each module, the loss (0) included. Builds each module alone in a
     /// scratch var store, so at most one module's parameters exist at a time.
     pub fn param_counts(&self) -> Vec<u64> {
@@ -263,9 +301,17 @@ static CPU_GENERATOR: Mutex<()> = Mutex::new(());
 /// Runs `draw` with libtorch's one CPU generator seeded with `seed` and no other thread seeding or
 /// drawing through here meanwhile: what it draws depends on `seed` alone.
 pub fn seeded<T>(seed: i64, draw: impl FnOnce() -> T) -> T {
-    let _generator = CPU_GENERATOR.lock().unwrap_or_else(|e| e.into_inner());
-    tch::manual_seed(seed);
+    let _generator = hold_seeded(seed);
     draw()
+}
+
+/// libtorch's one CPU generator seeded with `seed` and held until the guard drops, as
+/// [`seeded`] holds it for its closure (which must not be called meanwhile: the lock is not
+/// reentrant).
+pub fn hold_seeded(seed: i64) -> MutexGuard<'static, ()> {
+    let generator = CPU_GENERATOR.lock().unwrap_or_else(|e| e.into_inner());
+    tch::manual_seed(seed);
+    generator
 }
 
 fn module_seed(seed: u64, index: usize) -> i64 {

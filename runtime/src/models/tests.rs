@@ -115,6 +115,61 @@ fn every_model_chains_its_modules_to_the_loss() {
     }
 }
 
+/// The layers a stage runs (`build_layers`) hold, for every model and several slices, the
+/// parameters `build` gives module by module, and compute what its modules compute one after
+/// another; only vgg16 fuses, each block's last convolution with the pool after it (the one
+/// module of `features` without parameters), and only where a slice holds both.
+#[test]
+fn a_stages_layers_hold_and_compute_what_the_modules_do() {
+    for name in MODEL_NAMES {
+        let o = options(name);
+        let def = ModelDef::named(name, &o).unwrap();
+        let all = def.num_modules() - 1;
+        let pools: Vec<usize> = match *name {
+            "vgg16" => (1..all)
+                .filter(|&i| def.module_name(i).starts_with("features."))
+                .filter(|&i| {
+                    let vs = nn::VarStore::new(tch::Device::Cpu);
+                    def.build(&vs.root(), i..i + 1, 0);
+                    vs.variables().is_empty()
+                })
+                .collect(),
+            _ => vec![],
+        };
+        for range in [0..all.min(8), 0..2, 1..all.min(4), 2..all.min(9)] {
+            let modules_vs = nn::VarStore::new(tch::Device::Cpu);
+            let modules = def.build(&modules_vs.root(), range.clone(), 5);
+            let layers_vs = nn::VarStore::new(tch::Device::Cpu);
+            let layers = def.build_layers(&layers_vs.root(), range.clone(), 5);
+            let (ours, theirs) = (layers_vs.variables(), modules_vs.variables());
+            assert_eq!(ours.len(), theirs.len(), "{name} {range:?}");
+            for (var, tensor) in &theirs {
+                assert!(tensor.equal(&ours[var]), "{name} {range:?}: {var}");
+            }
+            let fused = pools
+                .iter()
+                .filter(|&&i| range.start < i && i < range.end)
+                .count();
+            assert_eq!(layers.len(), modules.len() - fused, "{name} {range:?}");
+            if range.start == 0 {
+                // sparse_mlp hands on sparse tensors, which compare dense.
+                let run = |list: &[Box<dyn nn::ModuleT>]| {
+                    let out = tch::no_grad(|| {
+                        list.iter()
+                            .fold(def.example_input(2), |xs, m| m.forward_t(&xs, false))
+                    });
+                    if out.is_sparse() {
+                        out.to_dense(None, false)
+                    } else {
+                        out
+                    }
+                };
+                assert!(run(&modules).equal(&run(&layers)), "{name} {range:?}");
+            }
+        }
+    }
+}
+
 #[test]
 fn a_slice_gets_the_same_parameters_as_the_whole_model() {
     let o = options("mlp");
@@ -206,7 +261,9 @@ fn sparse_mlp_hands_on_coo_activations_and_computes_what_the_masked_dense_networ
     for (name, tensor) in svs.variables() {
         assert!(tensor.equal(&dense_vars[&name]), "{name}");
     }
-    let x = tch::Tensor::randn([5, 3, 32, 32], (tch::Kind::Float, tch::Device::Cpu));
+    let x = seeded(4, || {
+        tch::Tensor::randn([5, 3, 32, 32], (tch::Kind::Float, tch::Device::Cpu))
+    });
     // Sparse: every hidden activation is COO with at most 4 entries per row.
     let mut h = x.shallow_clone();
     for (i, m) in sparse_modules.iter().enumerate() {

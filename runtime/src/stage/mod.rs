@@ -25,6 +25,7 @@ pub use optim::Optimizer;
 
 /// The modules one device holds.
 struct Part {
+    /// The modules as built to run ([`ModelDef::build_layers`]): a pair the model fuses is one.
     layers: Vec<Box<dyn nn::ModuleT>>,
     vs: nn::VarStore,
     device: Device,
@@ -57,7 +58,7 @@ impl Stage {
             .iter()
             .map(|(range, device)| {
                 let vs = nn::VarStore::new(*device);
-                let layers = model.build(&vs.root(), range.clone(), seed);
+                let layers = model.build_layers(&vs.root(), range.clone(), seed);
                 Part {
                     layers,
                     vs,

@@ -70,9 +70,8 @@ pub fn measure_costs(
 ) -> Vec<f64> {
     let layers_end = range.end.min(model.num_modules() - 1);
     let mut xs = model.example_input(micro).to_device(device);
-    tch::manual_seed(0);
     if xs.is_floating_point() {
-        xs = xs.randn_like();
+        xs = crate::models::seeded(0, || xs.randn_like());
     }
     for index in 0..range.start {
         let vs = nn::VarStore::new(device);

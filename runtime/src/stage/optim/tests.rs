@@ -391,7 +391,8 @@ fn a_parameter_without_a_gradient_is_left_alone_until_it_has_one() {
     // ends where an optimizer over it alone, started then, leaves it (Adam's bias correction
     // counts its own steps).
     for kind in KINDS {
-        tch::manual_seed(1);
+        // Held, so that other tests' seeded draws stay theirs.
+        let _generator = crate::models::hold_seeded(1);
         let early = Tensor::randn([3, 4], cpu_float()).set_requires_grad(true);
         let late = Tensor::randn([5], cpu_float()).set_requires_grad(true);
         let alone = late.detach().copy().set_requires_grad(true);
@@ -422,7 +423,8 @@ fn a_channels_last_parameter_steps_like_a_contiguous_one() {
     // The kernels walk parameter, gradient and state as flat arrays; a parameter with another
     // memory layout (channels last) must get the same elementwise update.
     for kind in KINDS {
-        tch::manual_seed(2);
+        // Held, so that other tests' seeded draws stay theirs.
+        let _generator = crate::models::hold_seeded(2);
         let nhwc = Tensor::randn([4, 2, 2, 3], cpu_float());
         let strided = nhwc.permute([0, 3, 1, 2]).detach().set_requires_grad(true);
         assert!(!strided.is_contiguous());
@@ -490,7 +492,8 @@ fn a_bad_call_is_an_error_not_a_crash() {
 fn a_flagged_step_changes_nothing_and_the_next_is_a_first_step() {
     let (skip, go) = (Tensor::ones([1], cpu_float()), Tensor::zeros([1], cpu_float()));
     for kind in KINDS {
-        tch::manual_seed(5);
+        // Held, so that other tests' seeded draws stay theirs.
+        let _generator = crate::models::hold_seeded(5);
         let start = Tensor::randn([6, 2], cpu_float());
         let (a, b, c) = (
             start.copy().set_requires_grad(true),
@@ -527,7 +530,8 @@ fn a_flagged_step_changes_nothing_and_the_next_is_a_first_step() {
 #[test]
 fn a_learning_rate_kept_on_the_device_steps_as_its_value() {
     for kind in KINDS {
-        tch::manual_seed(4);
+        // Held, so that other tests' seeded draws stay theirs.
+        let _generator = crate::models::hold_seeded(4);
         let start = Tensor::randn([5, 3], cpu_float());
         let (a, b) = (
             start.copy().set_requires_grad(true),
