@@ -3,7 +3,9 @@
 //! counts and weights line up (138,357,544 parameters with 1000 classes).
 //!
 //! Modules: one per convolution (conv, \[bn,\] ReLU), one per max-pool, `avgpool` (adaptive 7x7 and
-//! flatten), then `classifier.0`, `classifier.3`, `classifier.6`.
+//! flatten), then `classifier.0`, `classifier.3`, `classifier.6`. Without batch norm, a stage
+//! holding a block's last convolution and the pool after it runs the two as one layer
+//! ([`fusions::conv_bias_relu_pool`]: one kernel each way on a GPU with `--fused-kernels`).
 //!
 //! Initialised as torchvision's `VGG.__init__`: convolutions Kaiming normal (fan-out, ReLU) with
 //! bias 0, batch norms weight 1 and bias 0, linear layers N(0, 0.01) with bias 0.
@@ -121,10 +123,14 @@ pub fn vgg16(o: &ModelOptions, batch_norm: bool) -> (Vec<ModuleDef>, Loss, Input
 const STRIDE: i64 = 1;
 const PADDING: i64 = 1;
 
+/// The 3x3 convolution `features.{index}`.
+fn conv3x3(p: &nn::Path, index: usize, c_in: i64, c_out: i64) -> nn::Conv2D {
+    conv2d(p / "features" / index, c_in, c_out, 3, STRIDE, PADDING, true)
+}
+
 fn conv_block(p: &nn::Path, index: usize, c_in: i64, c_out: i64, batch_norm: bool) -> impl ModuleT {
-    let features = p / "features";
-    let conv = conv2d(&features / index, c_in, c_out, 3, STRIDE, PADDING, true);
-    let bn = batch_norm.then(|| batch_norm2d(&features / (index + 1), c_out));
+    let conv = conv3x3(p, index, c_in, c_out);
+    let bn = batch_norm.then(|| batch_norm2d(p / "features" / (index + 1), c_out));
     nn::func_t(move |xs, train| match &bn {
         Some(bn) => xs.apply(&conv).apply_t(bn, train).relu_(),
         None => {
@@ -138,7 +144,7 @@ fn conv_block(p: &nn::Path, index: usize, c_in: i64, c_out: i64, batch_norm: boo
 /// convolution's parameters as [`conv_block`] makes them, and what it and the pool compute, with
 /// the bias, the ReLU and the pool one kernel each way on a GPU.
 fn conv_pool_block(p: &nn::Path, index: usize, c_in: i64, c_out: i64) -> impl ModuleT {
-    let conv = conv2d(p / "features" / index, c_in, c_out, 3, STRIDE, PADDING, true);
+    let conv = conv3x3(p, index, c_in, c_out);
     nn::func_t(move |xs, _| {
         let bias = conv.bs.as_ref().expect("vgg's convolutions have a bias");
         fusions::conv_bias_relu_pool(xs, &conv.ws, bias, STRIDE, PADDING)
@@ -184,8 +190,7 @@ mod tests {
     /// `--fused-kernels`, in bf16 autocast over float32 parameters and channels_last, the CPU
     /// standing in for the GPU (the kernels themselves run there): the last convolution and the
     /// pool are one layer, one kernel each way after the convolution, and every parameter gets
-    /// what ATen's
-    /// operations give in the GPU's arithmetic (each bias added after its convolution). The
+    /// what ATen's operations give in the GPU's arithmetic (each bias added after its convolution). The
     /// pooled activations and the weights' gradients bit for bit; the biases', float sums of
     /// bf16 terms in another order, within 2^-7 of their terms' magnitudes.
     #[test]
