@@ -88,21 +88,13 @@ fn made(error: *mut c_char, out: *mut C_tensor, what: &str) -> Tensor {
 /// with the fused kernels on, the bias and the ReLU in one kernel each way.
 pub fn conv_bias_relu(xs: &Tensor, weight: &Tensor, bias: &Tensor, stride: i64, padding: i64) -> Tensor {
     match bridge(xs) {
-        Some(api) => {
-            let mut out = std::ptr::null_mut();
-            // SAFETY: live tensor handles, read only; the bridge catches every C++ exception.
-            let error = unsafe {
-                (api.conv_bias_relu)(
-                    xs.as_ptr(),
-                    weight.as_ptr(),
-                    bias.as_ptr(),
-                    stride,
-                    padding,
-                    &mut out,
-                )
-            };
-            made(error, out, "the fused convolution, bias and ReLU")
-        }
+        Some(api) => convolve(
+            api.conv_bias_relu,
+            [xs, weight, bias],
+            stride,
+            padding,
+            "the fused convolution, bias and ReLU",
+        ),
         None => xs
             .conv2d(
                 weight,
@@ -121,23 +113,39 @@ pub fn conv_bias_relu(xs: &Tensor, weight: &Tensor, bias: &Tensor, stride: i64, 
 /// each way, the activation between the ReLU and the pool never made full-size.
 pub fn conv_bias_relu_pool(xs: &Tensor, weight: &Tensor, bias: &Tensor, stride: i64, padding: i64) -> Tensor {
     match bridge(xs) {
-        Some(api) => {
-            let mut out = std::ptr::null_mut();
-            // SAFETY: live tensor handles, read only; the bridge catches every C++ exception.
-            let error = unsafe {
-                (api.conv_bias_relu_pool)(
-                    xs.as_ptr(),
-                    weight.as_ptr(),
-                    bias.as_ptr(),
-                    stride,
-                    padding,
-                    &mut out,
-                )
-            };
-            made(error, out, "the fused convolution, bias, ReLU and pool")
-        }
+        Some(api) => convolve(
+            api.conv_bias_relu_pool,
+            [xs, weight, bias],
+            stride,
+            padding,
+            "the fused convolution, bias, ReLU and pool",
+        ),
         None => max_pool2x2(&conv_bias_relu(xs, weight, bias, stride, padding)),
     }
+}
+
+/// One of the bridge's fused operations that start with a convolution, on `[input, weight,
+/// bias]`.
+fn convolve(
+    entry: ConvBiasRelu,
+    [xs, weight, bias]: [&Tensor; 3],
+    stride: i64,
+    padding: i64,
+    what: &str,
+) -> Tensor {
+    let mut out = std::ptr::null_mut();
+    // SAFETY: live tensor handles, read only; the bridge catches every C++ exception.
+    let error = unsafe {
+        entry(
+            xs.as_ptr(),
+            weight.as_ptr(),
+            bias.as_ptr(),
+            stride,
+            padding,
+            &mut out,
+        )
+    };
+    made(error, out, what)
 }
 
 /// `max_pool2d(xs, 2, 2)`: on a GPU with the fused kernels on, a kernel each way that keeps a
