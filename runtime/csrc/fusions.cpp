@@ -609,6 +609,21 @@ at::Tensor conv_bias_relu_pool(at::Tensor x, at::Tensor weight, at::Tensor bias,
   return BiasReluPool::apply(conv, in.bias);
 }
 
+// One of the fused operations that start with a convolution (`op`: conv_bias_relu or
+// conv_bias_relu_pool), as the entry points take it: tensor handles, a `stride` and `padding` for
+// both dimensions, and a new tensor handle in `out`.
+template <typename Op>
+char* convolve(Op op, const void* x, const void* weight, const void* bias, int64_t stride, int64_t padding,
+               void** out) {
+  *out = nullptr;
+  return sh::guarded([&] {
+    auto y = op(*static_cast<const at::Tensor*>(x), *static_cast<const at::Tensor*>(weight),
+                *static_cast<const at::Tensor*>(bias), at::IntArrayRef{stride, stride},
+                at::IntArrayRef{padding, padding});
+    *out = new at::Tensor(std::move(y));
+  });
+}
+
 }  // namespace
 
 extern "C" {
@@ -617,24 +632,14 @@ extern "C" {
 // dimensions), fused where the tensors suit; a new tensor handle in `out`.
 char* shc_conv_bias_relu(const void* x, const void* weight, const void* bias, int64_t stride, int64_t padding,
                          void** out) {
-  *out = nullptr;
-  return sh::guarded([&] {
-    auto y = conv_bias_relu(*static_cast<const at::Tensor*>(x), *static_cast<const at::Tensor*>(weight),
-                            *static_cast<const at::Tensor*>(bias), {stride, stride}, {padding, padding});
-    *out = new at::Tensor(std::move(y));
-  });
+  return convolve(conv_bias_relu, x, weight, bias, stride, padding, out);
 }
 
 // max_pool2d(relu(conv2d(x, weight, bias)), 2, 2) with `stride` and `padding` as
 // shc_conv_bias_relu's, fused where the tensors suit; a new tensor handle in `out`.
 char* shc_conv_bias_relu_pool(const void* x, const void* weight, const void* bias, int64_t stride, int64_t padding,
                               void** out) {
-  *out = nullptr;
-  return sh::guarded([&] {
-    auto y = conv_bias_relu_pool(*static_cast<const at::Tensor*>(x), *static_cast<const at::Tensor*>(weight),
-                                 *static_cast<const at::Tensor*>(bias), {stride, stride}, {padding, padding});
-    *out = new at::Tensor(std::move(y));
-  });
+  return convolve(conv_bias_relu_pool, x, weight, bias, stride, padding, out);
 }
 
 // max_pool2d(x, 2, 2), fused where the tensor suits; a new tensor handle in `out`.

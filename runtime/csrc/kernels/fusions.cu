@@ -54,6 +54,15 @@ __device__ __forceinline__ long long window_base(long long p, long long row, int
   return nh * 2 * row + 2 * j * c8 + cg;
 }
 
+// A window's four values (8 channels each), row-major, from base, base + c8, base + row and
+// base + row + c8 (window_base's layout).
+__device__ __forceinline__ void load_window(const uint4* x, long long base, long long row, int c8, uint4* v) {
+  v[0] = x[base];
+  v[1] = x[base + c8];
+  v[2] = x[base + row];
+  v[3] = x[base + row + c8];
+}
+
 // A window's gradient: v[k] at the winner of channel k (ws[k], 0..3 row-major), 0 at the other
 // three.
 __device__ __forceinline__ void scatter_window(uint4* g, long long base, long long row, int c8, const bf16* v,
@@ -160,8 +169,8 @@ extern "C" __global__ void pool_forward(ptr x_, ptr y_, ptr win_, long long outs
   const long long row = input_row(ow, c8);
   for (long long o = blockIdx.x * (long long)blockDim.x + threadIdx.x; o < outs8;
        o += (long long)gridDim.x * blockDim.x) {
-    long long base = window_base(o / c8, row, ow, c8, o % c8);
-    uint4 v[4] = {x[base], x[base + c8], x[base + row], x[base + row + c8]};
+    uint4 v[4];
+    load_window(x, window_base(o / c8, row, ow, c8, o % c8), row, c8, v);
     uint4 out;
     uint2 w;
     pool_window(v, out, w);
@@ -182,10 +191,11 @@ extern "C" __global__ void bias_relu_pool(ptr x_, ptr bias_, ptr y_, ptr win_, l
   for (long long o = blockIdx.x * (long long)blockDim.x + threadIdx.x; o < outs8;
        o += (long long)gridDim.x * blockDim.x) {
     const long long cg = o % c8;
-    long long base = window_base(o / c8, row, ow, c8, cg);
-    uint4 b = bias[cg];
-    uint4 v[4] = {bias_relu8(x[base], b), bias_relu8(x[base + c8], b), bias_relu8(x[base + row], b),
-                  bias_relu8(x[base + row + c8], b)};
+    uint4 v[4];
+    load_window(x, window_base(o / c8, row, ow, c8, cg), row, c8, v);
+    const uint4 b = bias[cg];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) v[q] = bias_relu8(v[q], b);
     uint4 out;
     uint2 w;
     pool_window(v, out, w);

@@ -148,7 +148,7 @@ impl ModuleDef {
     {
         ModuleDef {
             name: name.into(),
-            build: Box::new(move |p| Box::new(build(p))),
+            build: boxed(build),
             with_next: None,
         }
     }
@@ -160,9 +160,18 @@ impl ModuleDef {
         M: nn::ModuleT + 'static,
         F: Fn(&nn::Path) -> M + Send + Sync + 'static,
     {
-        self.with_next = Some(Box::new(move |p| Box::new(build(p))));
+        self.with_next = Some(boxed(build));
         self
     }
+}
+
+/// `build` as a [`Builder`]: the module it makes, boxed.
+fn boxed<M, F>(build: F) -> Builder
+where
+    M: nn::ModuleT + 'static,
+    F: Fn(&nn::Path) -> M + Send + Sync + 'static,
+{
+    Box::new(move |p| Box::new(build(p)))
 }
 
 /// A model: its modules in order, then the loss.
