@@ -42,6 +42,7 @@ fn main() {
     println!("cargo:rerun-if-changed=csrc/kernels/fusions.cu");
     println!("cargo:rerun-if-changed=csrc/fusions_cpu.cpp");
     println!("cargo:rerun-if-changed=csrc/fusions_cpu.hpp");
+    println!("cargo:rerun-if-changed=csrc/fusions_kernels.hpp");
     println!("cargo::rustc-check-cfg=cfg(cuda_bridge)");
     let lib_dir = PathBuf::from(
         std::env::var("DEP_TCH_LIBTORCH_LIB")

@@ -39,6 +39,7 @@
 
 #include "bridge.hpp"
 #include "fusions_cpu.hpp"
+#include "fusions_kernels.hpp"
 // FUSIONS_SOURCE: csrc/kernels/fusions.cu as a string (written by build.rs).
 #include "fusions_source.h"
 
@@ -157,24 +158,16 @@ std::string compile(int arch) {
 
 // The kernels, loaded on one device.
 struct Kernels {
-  void* bias_relu = nullptr;
-  void* relu_bias_backward = nullptr;
-  void* pool_forward = nullptr;
-  void* pool_backward = nullptr;
-  void* pool_relu_bias_backward = nullptr;
-  void* bias_relu_pool = nullptr;
+#define SH_SLOT(name) void* name = nullptr;
+  SH_FUSED_KERNELS(SH_SLOT)
+#undef SH_SLOT
   unsigned blocks = 0;  // the most blocks a launch takes: 8 per multiprocessor
 };
 
 // Every kernel of fusions.cu, by name, and where Kernels keeps it once loaded.
-constexpr std::array<std::pair<const char*, void* Kernels::*>, 6> kKernels{{
-    {"bias_relu", &Kernels::bias_relu},
-    {"relu_bias_backward", &Kernels::relu_bias_backward},
-    {"pool_forward", &Kernels::pool_forward},
-    {"pool_backward", &Kernels::pool_backward},
-    {"pool_relu_bias_backward", &Kernels::pool_relu_bias_backward},
-    {"bias_relu_pool", &Kernels::bias_relu_pool},
-}};
+#define SH_ENTRY(name) {#name, &Kernels::name},
+constexpr std::pair<const char*, void* Kernels::*> kKernels[] = {SH_FUSED_KERNELS(SH_ENTRY)};
+#undef SH_ENTRY
 
 // fusions.cu compiled for `arch`, holding every kernel of kKernels (a name the source misspelt,
 // or left C++-mangled, would only fail at load time on a GPU).
@@ -245,12 +238,22 @@ bool aligned(const at::Tensor& t) {
   return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
 }
 
+// The most 16-byte vectors a tensor the kernels take may hold: their indices are 32-bit, and an
+// index plus a grid's stride must stay below 2^32 (fusions.cu).
+constexpr int64_t kMaxVectors = (int64_t{1} << 31) - 1;
+
 // Whether the kernels can take `t`: bfloat16 on a GPU, channels_last and dense, channels a
-// multiple of 8, 16-byte aligned.
+// multiple of 8 whose vectors divide a block's threads, 16-byte aligned, at most kMaxVectors.
 bool suits(const at::Tensor& t) {
   return (t.is_cuda() || (cpu_stand_in && t.is_cpu())) && t.scalar_type() == at::kBFloat16 && t.dim() == 4 &&
       t.size(1) % 8 == 0 && t.size(1) / 8 <= static_cast<int64_t>(kThreads) && kThreads % (t.size(1) / 8) == 0 &&
-      t.is_contiguous(at::MemoryFormat::ChannelsLast) && aligned(t) && t.numel() > 0;
+      t.is_contiguous(at::MemoryFormat::ChannelsLast) && aligned(t) && t.numel() > 0 && t.numel() / 8 <= kMaxVectors;
+}
+
+// A count or length as a kernel takes it (32-bit): within kMaxVectors, as suits made sure.
+uint32_t kernel_int(int64_t n) {
+  TORCH_CHECK(n >= 0 && n <= kMaxVectors, "a fused kernel's count ", n, " is over 2^31 - 1");
+  return static_cast<uint32_t>(n);
 }
 
 // An incoming gradient as the kernels read it: channels_last, dense and 16-byte aligned (a copy
@@ -298,8 +301,8 @@ void launch(void* Kernels::*kernel, const at::Tensor& on, int64_t work, unsigned
 // The kernels' launches: each writes into tensors it is given.
 
 void bias_relu(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& y) {
-  int64_t n8 = x.numel() / 8;
-  int c8 = static_cast<int>(x.size(1) / 8);
+  auto n8 = kernel_int(x.numel() / 8);
+  auto c8 = kernel_int(x.size(1) / 8);
   void* x_ptr = x.data_ptr();
   void* b_ptr = bias.data_ptr();
   void* y_ptr = y.data_ptr();
@@ -308,14 +311,14 @@ void bias_relu(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& y)
 
 // db: float [channels], zeroed.
 void relu_bias_backward(const at::Tensor& gy, const at::Tensor& y, const at::Tensor& g, const at::Tensor& db) {
-  int64_t rows = y.numel() / y.size(1);
-  int c8 = static_cast<int>(y.size(1) / 8);
+  auto rows = kernel_int(y.numel() / y.size(1));
+  auto c8 = kernel_int(y.size(1) / 8);
   void* gy_ptr = gy.data_ptr();
   void* y_ptr = y.data_ptr();
   void* g_ptr = g.data_ptr();
   void* db_ptr = db.data_ptr();
   auto shared = static_cast<unsigned>(y.size(1) * sizeof(float));
-  launch(&Kernels::relu_bias_backward, y, rows * c8, shared, {&gy_ptr, &y_ptr, &g_ptr, &db_ptr, &rows, &c8});
+  launch(&Kernels::relu_bias_backward, y, int64_t{rows} * c8, shared, {&gy_ptr, &y_ptr, &g_ptr, &db_ptr, &rows, &c8});
 }
 
 // A 2x2 pool's output for the input `x`, and its winners' bytes, [n, oh, ow, c] (undefined
@@ -327,16 +330,24 @@ std::pair<at::Tensor, at::Tensor> pooled_outputs(const at::Tensor& x, bool windo
   return {y, win};
 }
 
+// A pooled tensor's [n, c, oh, ow] as the pool kernels take it: its pixels (n * oh * ow), ow, and
+// its channels' vectors.
+struct PooledShape {
+  uint32_t outs, ow, c8;
+};
+
+PooledShape pooled_shape(const at::Tensor& y) {
+  return {kernel_int(y.numel() / y.size(1)), kernel_int(y.size(3)), kernel_int(y.size(1) / 8)};
+}
+
 // x pooled, and which of each window's four won: a byte per output, [n, oh, ow, c].
 std::pair<at::Tensor, at::Tensor> pool_forward(const at::Tensor& x) {
   auto [y, win] = pooled_outputs(x, true);
-  int64_t outs8 = y.numel() / 8;
-  int ow = static_cast<int>(y.size(3));
-  int c8 = static_cast<int>(y.size(1) / 8);
+  auto [outs, ow, c8] = pooled_shape(y);
   void* x_ptr = x.data_ptr();
   void* y_ptr = y.data_ptr();
   void* win_ptr = win.data_ptr();
-  launch(&Kernels::pool_forward, x, outs8, 0, {&x_ptr, &y_ptr, &win_ptr, &outs8, &ow, &c8});
+  launch(&Kernels::pool_forward, x, int64_t{outs} * c8, 0, {&x_ptr, &y_ptr, &win_ptr, &outs, &ow, &c8});
   return {y, win};
 }
 
@@ -344,40 +355,34 @@ std::pair<at::Tensor, at::Tensor> pool_forward(const at::Tensor& x) {
 // pool_forward of bias_relu's output gives them; bias 16-byte aligned.
 std::pair<at::Tensor, at::Tensor> bias_relu_pool(const at::Tensor& conv, const at::Tensor& bias, bool windows) {
   auto [y, win] = pooled_outputs(conv, windows);
-  int64_t outs8 = y.numel() / 8;
-  int ow = static_cast<int>(y.size(3));
-  int c8 = static_cast<int>(y.size(1) / 8);
+  auto [outs, ow, c8] = pooled_shape(y);
   void* x_ptr = conv.data_ptr();
   void* b_ptr = bias.data_ptr();
   void* y_ptr = y.data_ptr();
   void* win_ptr = windows ? win.data_ptr() : nullptr;
-  launch(&Kernels::bias_relu_pool, conv, outs8, 0, {&x_ptr, &b_ptr, &y_ptr, &win_ptr, &outs8, &ow, &c8});
+  launch(&Kernels::bias_relu_pool, conv, int64_t{outs} * c8, 0, {&x_ptr, &b_ptr, &y_ptr, &win_ptr, &outs, &ow, &c8});
   return {y, win};
 }
 
 void pool_backward(const at::Tensor& gy, const at::Tensor& win, const at::Tensor& gx) {
-  int64_t outs8 = gy.numel() / 8;
-  int ow = static_cast<int>(gy.size(3));
-  int c8 = static_cast<int>(gy.size(1) / 8);
+  auto [outs, ow, c8] = pooled_shape(gy);
   void* gy_ptr = gy.data_ptr();
   void* win_ptr = win.data_ptr();
   void* gx_ptr = gx.data_ptr();
-  launch(&Kernels::pool_backward, gy, outs8, 0, {&gy_ptr, &win_ptr, &gx_ptr, &outs8, &ow, &c8});
+  launch(&Kernels::pool_backward, gy, int64_t{outs} * c8, 0, {&gy_ptr, &win_ptr, &gx_ptr, &outs, &ow, &c8});
 }
 
 // gy and y: the pool's output's gradient and the pool's output; db: float [channels], zeroed.
 void pool_relu_bias_backward(const at::Tensor& gy, const at::Tensor& y, const at::Tensor& win, const at::Tensor& g,
                              const at::Tensor& db) {
-  int64_t outs = y.numel() / y.size(1);
-  int ow = static_cast<int>(y.size(3));
-  int c8 = static_cast<int>(y.size(1) / 8);
+  auto [outs, ow, c8] = pooled_shape(y);
   void* gy_ptr = gy.data_ptr();
   void* y_ptr = y.data_ptr();
   void* win_ptr = win.data_ptr();
   void* g_ptr = g.data_ptr();
   void* db_ptr = db.data_ptr();
   auto shared = static_cast<unsigned>(y.size(1) * sizeof(float));
-  launch(&Kernels::pool_relu_bias_backward, y, outs * c8, shared,
+  launch(&Kernels::pool_relu_bias_backward, y, int64_t{outs} * c8, shared,
          {&gy_ptr, &y_ptr, &win_ptr, &g_ptr, &db_ptr, &outs, &ow, &c8});
 }
 

@@ -3,6 +3,7 @@
 // here, for one CPU thread at a time.
 
 #include "fusions_cpu.hpp"
+#include "fusions_kernels.hpp"
 
 // The kernels read 16-byte vectors through pointers to their 2-byte halves, as CUDA code does;
 // C++'s aliasing rules do not allow it, so this file's optimizer must not assume them.
@@ -106,14 +107,9 @@ struct Entry {
 };
 
 // Every kernel of fusions.cu, by the name fusions.cpp launches it by.
-constexpr Entry kKernels[] = {
-    {"bias_relu", invoke<gpu::bias_relu>},
-    {"relu_bias_backward", invoke<gpu::relu_bias_backward>},
-    {"pool_forward", invoke<gpu::pool_forward>},
-    {"pool_backward", invoke<gpu::pool_backward>},
-    {"pool_relu_bias_backward", invoke<gpu::pool_relu_bias_backward>},
-    {"bias_relu_pool", invoke<gpu::bias_relu_pool>},
-};
+#define SH_ENTRY(name) {#name, invoke<gpu::name>},
+constexpr Entry kKernels[] = {SH_FUSED_KERNELS(SH_ENTRY)};
+#undef SH_ENTRY
 
 // Each of a block's threads is a fiber with a stack of its own.
 constexpr std::size_t kStack = 64 * 1024;

@@ -17,7 +17,14 @@
 // No header is included: NVRTC compiles this alone. Every kernel's grid strides over its work;
 // the launches' shapes are fusions.cpp's. The tests compile this file as C++ too and run it on
 // the CPU (csrc/fusions_cpu.cpp, which defines what CUDA gives a kernel): a kernel added here
-// goes in its table as well as fusions.cpp's, and shared memory is the one array `part`.
+// goes in csrc/fusions_kernels.hpp's list, and shared memory is the one array `part`.
+//
+// Indices are 32-bit and count 16-byte vectors (8 channels): the launches take tensors of fewer
+// than 2^31 vectors (fusions.cpp's suits), so an index plus a grid's stride stays below 2^32.
+// Dividing a 32-bit index by a row's length takes a few instructions where a 64-bit one calls a
+// routine of dozens. A block's threads are a multiple of c8, the channels' vectors a pixel
+// (suits again), so the vector a thread takes in its pixel, threadIdx.x % c8, is the same on
+// every pass of its grid-stride loop.
 typedef unsigned short bf16;
 typedef unsigned long long ptr;
 
@@ -38,25 +45,25 @@ __device__ __forceinline__ float relu(float x) { return (x != x || x > 0.f) ? x 
 __device__ __forceinline__ bf16 relu_backward(bf16 g, bf16 y) { return (to_float(y) <= 0.f) ? (bf16)0 : g; }
 
 // Zeroes the block's per-channel sums (shared, float[channels]) before any thread adds to them.
-__device__ __forceinline__ void zero_channel_sums(float* part, int channels) {
-  for (int i = threadIdx.x; i < channels; i += blockDim.x) part[i] = 0.f;
+__device__ __forceinline__ void zero_channel_sums(float* part, unsigned channels) {
+  for (unsigned i = threadIdx.x; i < channels; i += blockDim.x) part[i] = 0.f;
   __syncthreads();
 }
 
 // One input row of a 2x2 pool's channels_last input, in 8-channel groups (c8 a pixel, ow
 // outputs a row).
-__device__ __forceinline__ long long input_row(int ow, int c8) { return 2LL * ow * c8; }
+__device__ __forceinline__ unsigned input_row(unsigned ow, unsigned c8) { return 2u * ow * c8; }
 
 // Where output p's 2x2 window starts in that input, for the channel group cg; the window's four
 // are base, base + c8, base + row and base + row + c8.
-__device__ __forceinline__ long long window_base(long long p, long long row, int ow, int c8, long long cg) {
-  long long j = p % ow, nh = p / ow;  // nh = n * (h / 2) + i
-  return nh * 2 * row + 2 * j * c8 + cg;
+__device__ __forceinline__ unsigned window_base(unsigned p, unsigned row, unsigned ow, unsigned c8, unsigned cg) {
+  unsigned nh = p / ow, j = p - nh * ow;  // nh = n * (h / 2) + i
+  return nh * 2u * row + 2u * j * c8 + cg;
 }
 
 // A window's four values (8 channels each), row-major, from base, base + c8, base + row and
 // base + row + c8 (window_base's layout).
-__device__ __forceinline__ void load_window(const uint4* x, long long base, long long row, int c8, uint4* v) {
+__device__ __forceinline__ void load_window(const uint4* x, unsigned base, unsigned row, unsigned c8, uint4* v) {
   v[0] = x[base];
   v[1] = x[base + c8];
   v[2] = x[base + row];
@@ -65,7 +72,7 @@ __device__ __forceinline__ void load_window(const uint4* x, long long base, long
 
 // A window's gradient: v[k] at the winner of channel k (ws[k], 0..3 row-major), 0 at the other
 // three.
-__device__ __forceinline__ void scatter_window(uint4* g, long long base, long long row, int c8, const bf16* v,
+__device__ __forceinline__ void scatter_window(uint4* g, unsigned base, unsigned row, unsigned c8, const bf16* v,
                                                const unsigned char* ws) {
   uint4 out[4];
 #pragma unroll
@@ -89,36 +96,36 @@ __device__ __forceinline__ uint4 bias_relu8(uint4 v, uint4 b) {
 }
 
 // y[m, c] = relu(x[m, c] + bias[c]) (y may be x), 8 channels (16 bytes) a thread; c8 = channels / 8.
-extern "C" __global__ void bias_relu(ptr x_, ptr bias_, ptr y_, long long n8, int c8) {
+extern "C" __global__ void bias_relu(ptr x_, ptr bias_, ptr y_, unsigned n8, unsigned c8) {
   const uint4* x = (const uint4*)x_;
   uint4* y = (uint4*)y_;
-  const uint4* bias = (const uint4*)bias_;
-  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n8;
-       i += (long long)gridDim.x * blockDim.x) {
-    y[i] = bias_relu8(x[i], bias[i % c8]);
+  const uint4 b = ((const uint4*)bias_)[threadIdx.x % c8];  // bias[i % c8] for each i below
+  for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < n8; i += gridDim.x * blockDim.x) {
+    y[i] = bias_relu8(x[i], b);
   }
 }
 
 // Adds a thread's 8 channel sums into the block's, then the block's into db (float[channels]).
-__device__ __forceinline__ void add_channel_sums(float* part, const float* acc, int cg, int channels, float* db) {
+__device__ __forceinline__ void add_channel_sums(float* part, const float* acc, unsigned cg, unsigned channels,
+                                                 float* db) {
 #pragma unroll
   for (int k = 0; k < 8; ++k) atomicAdd(&part[cg * 8 + k], acc[k]);
   __syncthreads();
-  for (int i = threadIdx.x; i < channels; i += blockDim.x) atomicAdd(&db[i], part[i]);
+  for (unsigned i = threadIdx.x; i < channels; i += blockDim.x) atomicAdd(&db[i], part[i]);
 }
 
 // g = gy where y > 0 (threshold_backward of ReLU's output y), db[c] += sum over rows of g; rows
 // of m, 8 channels a thread; blockDim.x a multiple of c8; db zeroed by the caller.
-extern "C" __global__ void relu_bias_backward(ptr gy_, ptr y_, ptr g_, ptr db_, long long m, int c8) {
+extern "C" __global__ void relu_bias_backward(ptr gy_, ptr y_, ptr g_, ptr db_, unsigned m, unsigned c8) {
   extern __shared__ float part[];
   const uint4* gy = (const uint4*)gy_;
   const uint4* y = (const uint4*)y_;
   uint4* g = (uint4*)g_;
   zero_channel_sums(part, c8 * 8);
-  const int cg = threadIdx.x % c8, rows = blockDim.x / c8;
+  const unsigned cg = threadIdx.x % c8, rows = blockDim.x / c8;
   float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  for (long long r = blockIdx.x * (long long)rows + threadIdx.x / c8; r < m; r += (long long)gridDim.x * rows) {
-    long long i = r * c8 + cg;
+  for (unsigned r = blockIdx.x * rows + threadIdx.x / c8; r < m; r += gridDim.x * rows) {
+    unsigned i = r * c8 + cg;
     uint4 a = gy[i], b = y[i], o;
     const bf16* as = (const bf16*)&a;
     const bf16* bs = (const bf16*)&b;
@@ -161,16 +168,17 @@ __device__ __forceinline__ void pool_window(const uint4* v, uint4& out, uint2& w
 }
 
 // 2x2 max pool, stride 2, channels_last x[n, h, w, c] -> y[n, h/2, w/2, c], and which of the
-// window's four won (0..3, row-major), a byte per output ([n, h/2, w/2, c]).
-extern "C" __global__ void pool_forward(ptr x_, ptr y_, ptr win_, long long outs8, int ow, int c8) {
+// window's four won (0..3, row-major), a byte per output ([n, h/2, w/2, c]). Threads take
+// (output pixel, 8-channel group) pairs; outs = n * oh * ow.
+extern "C" __global__ void pool_forward(ptr x_, ptr y_, ptr win_, unsigned outs, unsigned ow, unsigned c8) {
   const uint4* x = (const uint4*)x_;
   uint4* y = (uint4*)y_;
   uint2* win = (uint2*)win_;
-  const long long row = input_row(ow, c8);
-  for (long long o = blockIdx.x * (long long)blockDim.x + threadIdx.x; o < outs8;
-       o += (long long)gridDim.x * blockDim.x) {
+  const unsigned row = input_row(ow, c8), cg = threadIdx.x % c8, per_block = blockDim.x / c8;
+  for (unsigned p = blockIdx.x * per_block + threadIdx.x / c8; p < outs; p += gridDim.x * per_block) {
+    const unsigned o = p * c8 + cg;
     uint4 v[4];
-    load_window(x, window_base(o / c8, row, ow, c8, o % c8), row, c8, v);
+    load_window(x, window_base(p, row, ow, c8, cg), row, c8, v);
     uint4 out;
     uint2 w;
     pool_window(v, out, w);
@@ -182,18 +190,17 @@ extern "C" __global__ void pool_forward(ptr x_, ptr y_, ptr win_, long long outs
 // pool_forward of relu(x + bias[c]), where x is the convolution's output: the values pooled are
 // bias_relu's, bit for bit, but never stored full-size. win_ may be 0 (no backward to come): then
 // the winners are not stored either.
-extern "C" __global__ void bias_relu_pool(ptr x_, ptr bias_, ptr y_, ptr win_, long long outs8, int ow, int c8) {
+extern "C" __global__ void bias_relu_pool(ptr x_, ptr bias_, ptr y_, ptr win_, unsigned outs, unsigned ow,
+                                          unsigned c8) {
   const uint4* x = (const uint4*)x_;
-  const uint4* bias = (const uint4*)bias_;
   uint4* y = (uint4*)y_;
   uint2* win = (uint2*)win_;
-  const long long row = input_row(ow, c8);
-  for (long long o = blockIdx.x * (long long)blockDim.x + threadIdx.x; o < outs8;
-       o += (long long)gridDim.x * blockDim.x) {
-    const long long cg = o % c8;
+  const unsigned row = input_row(ow, c8), cg = threadIdx.x % c8, per_block = blockDim.x / c8;
+  const uint4 b = ((const uint4*)bias_)[cg];
+  for (unsigned p = blockIdx.x * per_block + threadIdx.x / c8; p < outs; p += gridDim.x * per_block) {
+    const unsigned o = p * c8 + cg;
     uint4 v[4];
-    load_window(x, window_base(o / c8, row, ow, c8, cg), row, c8, v);
-    const uint4 b = bias[cg];
+    load_window(x, window_base(p, row, ow, c8, cg), row, c8, v);
 #pragma unroll
     for (int q = 0; q < 4; ++q) v[q] = bias_relu8(v[q], b);
     uint4 out;
@@ -205,17 +212,17 @@ extern "C" __global__ void bias_relu_pool(ptr x_, ptr bias_, ptr y_, ptr win_, l
 }
 
 // The pool's backward: gx at each window's winner is gy, 0 at the other three (the windows do not
-// overlap, so ATen's float accumulation of one term rounds back to gy). outs8 = n * oh * ow * c8.
-extern "C" __global__ void pool_backward(ptr gy_, ptr win_, ptr gx_, long long outs8, int ow, int c8) {
+// overlap, so ATen's float accumulation of one term rounds back to gy). outs = n * oh * ow.
+extern "C" __global__ void pool_backward(ptr gy_, ptr win_, ptr gx_, unsigned outs, unsigned ow, unsigned c8) {
   const uint4* gy = (const uint4*)gy_;
   const uint2* win = (const uint2*)win_;
   uint4* gx = (uint4*)gx_;
-  const long long row = input_row(ow, c8);
-  for (long long o = blockIdx.x * (long long)blockDim.x + threadIdx.x; o < outs8;
-       o += (long long)gridDim.x * blockDim.x) {
+  const unsigned row = input_row(ow, c8), cg = threadIdx.x % c8, per_block = blockDim.x / c8;
+  for (unsigned p = blockIdx.x * per_block + threadIdx.x / c8; p < outs; p += gridDim.x * per_block) {
+    const unsigned o = p * c8 + cg;
     uint4 a = gy[o];
     uint2 w = win[o];
-    scatter_window(gx, window_base(o / c8, row, ow, c8, o % c8), row, c8, (const bf16*)&a, (const unsigned char*)&w);
+    scatter_window(gx, window_base(p, row, ow, c8, cg), row, c8, (const bf16*)&a, (const unsigned char*)&w);
   }
 }
 
@@ -225,20 +232,18 @@ extern "C" __global__ void pool_backward(ptr gy_, ptr win_, ptr gx_, long long o
 // pool's input itself is not read: the winner's value decides the ReLU's mask, as
 // threshold_backward decides it from the same value. Threads take (output, 8-channel group)
 // pairs; blockDim.x a multiple of c8; outs = n * oh * ow; db zeroed by the caller.
-extern "C" __global__ void pool_relu_bias_backward(ptr gy_, ptr y_, ptr win_, ptr g_, ptr db_, long long outs,
-                                                   int ow, int c8) {
+extern "C" __global__ void pool_relu_bias_backward(ptr gy_, ptr y_, ptr win_, ptr g_, ptr db_, unsigned outs,
+                                                   unsigned ow, unsigned c8) {
   extern __shared__ float part[];
   const uint4* gy = (const uint4*)gy_;
   const uint4* y = (const uint4*)y_;
   const uint2* win = (const uint2*)win_;
   uint4* g = (uint4*)g_;
   zero_channel_sums(part, c8 * 8);
-  const int cg = threadIdx.x % c8, per_block = blockDim.x / c8;
-  const long long row = input_row(ow, c8);
+  const unsigned row = input_row(ow, c8), cg = threadIdx.x % c8, per_block = blockDim.x / c8;
   float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  for (long long p = blockIdx.x * (long long)per_block + threadIdx.x / c8; p < outs;
-       p += (long long)gridDim.x * per_block) {
-    long long o = p * c8 + cg;
+  for (unsigned p = blockIdx.x * per_block + threadIdx.x / c8; p < outs; p += gridDim.x * per_block) {
+    const unsigned o = p * c8 + cg;
     uint4 a = gy[o], b = y[o];
     uint2 w = win[o];
     const bf16* as = (const bf16*)&a;

@@ -583,4 +583,119 @@ mod tests {
             b.copy()
         ])))));
     }
+
+    /// Every kernel indexes every shape vgg16's blocks give it, and refuses one it cannot take:
+    /// for convolution outputs of 8 to 512 channels (one to 64 of a thread's 16-byte vectors a
+    /// pixel, so a block's 256 threads take 256 to 4 pixels a pass), pooled rows of odd and
+    /// even length (vgg16's last pool at 224x224 gives 7x7) and a single output pixel, the
+    /// convolution with its pool, the convolution alone, and the pool alone give ATen's values,
+    /// and gradients as [`same_gradients`] says (the pool's bit for bit). 24 channels (3 vectors,
+    /// which do not divide a block) go to ATen's kernels, with ATen's values. The kernels run on
+    /// the CPU, two blocks at a time, so the larger shapes take many passes of each grid-stride
+    /// loop.
+    #[test]
+    fn every_kernel_indexes_the_shapes_vgg16_gives_it_and_refuses_what_it_cannot_take() {
+        let Ok(cuda) = cuda() else {
+            eprintln!(
+                "SKIPPED every_kernel_indexes_the_shapes_vgg16_gives_it_and_refuses_what_it_\
+                 cannot_take: no CUDA bridge in this build"
+            );
+            return;
+        };
+        // [n, c, h, w] of the convolution's output; whether the fused kernels take it.
+        let shapes = [
+            ([2i64, 512, 14, 14], true),
+            ([3, 64, 10, 6], true),
+            ([1, 8, 2, 2], true),
+            ([2, 24, 8, 8], false),
+        ];
+        for (seed, ([n, c, h, w], fused)) in (20..).zip(shapes) {
+            let what = format!("[{n}, {c}, {h}, {w}]");
+            let (x, wt, b, plain, k, k_full) = seeded(seed, || {
+                let negative = Tensor::from_slice(&[0.0f32, 2.0])
+                    .repeat([c / 2])
+                    .to_kind(Kind::BFloat16);
+                (
+                    bf16(&[n, 8, h, w], 1.0),
+                    bf16(&[c, 8, 3, 3], 0.2),
+                    bf16(&[c], 1.0) - negative,
+                    bf16(&[n, c, h, w], 1.0),
+                    Tensor::randn([n, c, h / 2, w / 2], (Kind::Float, Device::Cpu)),
+                    Tensor::randn([n, c, h, w], (Kind::Float, Device::Cpu)),
+                )
+            });
+            let mag = |k: &Tensor| channel_magnitudes(&k.to_kind(Kind::BFloat16));
+            let expect = |name: String, ours: &str, aten: &str, case: &str| {
+                let wanted = if fused { ours } else { aten };
+                assert!(
+                    name.contains(wanted) && (fused || !name.contains(ours)),
+                    "{what}, {case}: {name}, not {wanted}"
+                );
+            };
+
+            // The convolution with its pool: bias_relu_pool, pool_relu_bias_backward.
+            let aten = leaves(&[&x, &wt, &b]);
+            let aten_p = aten_pool(&aten_conv_bias_relu(&aten));
+            weighted(&aten_p, &k).backward();
+            let ours = leaves(&[&x, &wt, &b]);
+            let ours_p = {
+                let _cpu = cuda.cpu_stand_in();
+                conv_bias_relu_pool(&ours[0], &ours[1], &ours[2], 1, 1)
+            };
+            expect(
+                cuda.grad_fn_name(&ours_p),
+                "BiasReluPool",
+                "MaxPool2DWithIndices",
+                "with its pool",
+            );
+            assert!(
+                ours_p.equal(&aten_p),
+                "{what}: the pooled activations differ from ATen's"
+            );
+            weighted(&ours_p, &k).backward();
+            same_gradients(&ours, &aten, &mag(&k), &format!("{what}, with its pool"));
+
+            // The convolution alone: bias_relu, relu_bias_backward.
+            let aten = leaves(&[&x, &wt, &b]);
+            let aten_y = aten_conv_bias_relu(&aten);
+            weighted(&aten_y, &k_full).backward();
+            let ours = leaves(&[&x, &wt, &b]);
+            let ours_y = {
+                let _cpu = cuda.cpu_stand_in();
+                conv_bias_relu(&ours[0], &ours[1], &ours[2], 1, 1)
+            };
+            expect(cuda.grad_fn_name(&ours_y), "BiasRelu", "Relu", "alone");
+            assert!(
+                ours_y.equal(&aten_y),
+                "{what}: the activations differ from ATen's"
+            );
+            weighted(&ours_y, &k_full).backward();
+            same_gradients(&ours, &aten, &mag(&k_full), &format!("{what}, alone"));
+
+            // The pool alone: pool_forward, pool_backward.
+            let aten_x = plain.copy().set_requires_grad(true);
+            let aten_p = aten_pool(&aten_x);
+            weighted(&aten_p, &k).backward();
+            let ours_x = plain.copy().set_requires_grad(true);
+            let ours_p = {
+                let _cpu = cuda.cpu_stand_in();
+                max_pool2x2(&ours_x)
+            };
+            expect(
+                cuda.grad_fn_name(&ours_p),
+                "MaxPool2x2",
+                "MaxPool2DWithIndices",
+                "the pool",
+            );
+            assert!(
+                ours_p.equal(&aten_p),
+                "{what}: the pool's values differ from ATen's"
+            );
+            weighted(&ours_p, &k).backward();
+            assert!(
+                ours_x.grad().equal(&aten_x.grad()),
+                "{what}: the pool's gradient differs from ATen's"
+            );
+        }
+    }
 }
