@@ -92,17 +92,18 @@ def main():
         return t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t
 
     def launch(name, blocks, shared, *params):
-        # Every parameter typed as the kernel declares it: pointers and counts 64-bit, the rest int.
+        # Every parameter typed as the kernel declares it: pointers 64-bit, counts and lengths
+        # 32-bit unsigned.
         with stream:
-            kernel[name]((blocks,), (BLOCK,), tuple(p if isinstance(p, cupy.uint64) else
-                                                    cupy.int64(p) if isinstance(p, Long) else cupy.int32(p)
+            kernel[name]((blocks,), (BLOCK,), tuple(p if isinstance(p, cupy.uint64) else cupy.uint32(p)
                                                     for p in params), shared_mem=shared)
-
-    class Long(int):
-        pass
 
     def ptr(t):
         return cupy.uint64(t.data_ptr())
+
+    def pixels(t):
+        # n * h * w of an [n, c, h, w] tensor: the pool kernels' count, and relu_bias_backward's.
+        return t.numel() // t.size(1)
 
     def timed(fn):
         for _ in range(3):
@@ -139,7 +140,7 @@ def main():
         conv = randn(n, c, side, side)
         bias = randn(c)
         ours = torch.empty_like(conv)
-        launch("bias_relu", grid, 0, ptr(conv), ptr(bias), ptr(ours), Long(conv.numel() // 8), c // 8)
+        launch("bias_relu", grid, 0, ptr(conv), ptr(bias), ptr(ours), conv.numel() // 8, c // 8)
         theirs = conv.clone().add_(bias.view(1, c, 1, 1)).relu_()
         assert torch.equal(ours, theirs), f"bias_relu differs from ATen at {c}x{side}"
         pool = None
@@ -147,11 +148,11 @@ def main():
             oh = side // 2
             y = torch.empty(n, c, oh, oh, device="cuda", dtype=torch.bfloat16, memory_format=torch.channels_last)
             win = torch.empty(n, oh, oh, c, device="cuda", dtype=torch.uint8)
-            launch("bias_relu_pool", grid, 0, ptr(conv), ptr(bias), ptr(y), ptr(win), Long(y.numel() // 8), oh, c // 8)
+            launch("bias_relu_pool", grid, 0, ptr(conv), ptr(bias), ptr(y), ptr(win), pixels(y), oh, c // 8)
             assert torch.equal(y, aten.max_pool2d_with_indices(theirs, [2, 2], [2, 2])[0]), \
                 f"bias_relu_pool differs from ATen at {c}x{side}"
             y2, win2 = torch.empty_like(y), torch.empty_like(win)
-            launch("pool_forward", grid, 0, ptr(ours), ptr(y2), ptr(win2), Long(y.numel() // 8), oh, c // 8)
+            launch("pool_forward", grid, 0, ptr(ours), ptr(y2), ptr(win2), pixels(y), oh, c // 8)
             assert torch.equal(win, win2), f"bias_relu_pool's winners differ from pool_forward's at {c}x{side}"
             pool = (y, win)
         cases.append((conv, bias, ours, torch.empty_like(conv), pool))
@@ -171,16 +172,16 @@ def main():
 
     def fused_bias_relu(pooled):
         for conv, bias, ours, scratch, _ in only(pooled):
-            launch("bias_relu", grid, 0, ptr(conv), ptr(bias), ptr(ours), Long(conv.numel() // 8), conv.size(1) // 8)
+            launch("bias_relu", grid, 0, ptr(conv), ptr(bias), ptr(ours), conv.numel() // 8, conv.size(1) // 8)
 
     def fused_bias_relu_then_pool():
         fused_bias_relu(True)
         for conv, bias, ours, scratch, (y, win) in only(True):
-            launch("pool_forward", grid, 0, ptr(ours), ptr(y), ptr(win), Long(y.numel() // 8), y.size(3), y.size(1) // 8)
+            launch("pool_forward", grid, 0, ptr(ours), ptr(y), ptr(win), pixels(y), y.size(3), y.size(1) // 8)
 
     def fused_bias_relu_pool():
         for conv, bias, ours, scratch, (y, win) in only(True):
-            launch("bias_relu_pool", grid, 0, ptr(conv), ptr(bias), ptr(y), ptr(win), Long(y.numel() // 8), y.size(3),
+            launch("bias_relu_pool", grid, 0, ptr(conv), ptr(bias), ptr(y), ptr(win), pixels(y), y.size(3),
                    y.size(1) // 8)
 
     record("bias_relu", len(only(False)), timed(lambda: aten_bias_relu(False)) - timed(lambda: copies(False)),
@@ -199,7 +200,7 @@ def main():
         gy = randn(n, c, side, side)
         g = torch.empty_like(gy)
         db = torch.zeros(c, device="cuda")
-        launch("relu_bias_backward", grid, c * 4, ptr(gy), ptr(y), ptr(g), ptr(db), Long(gy.numel() // c), c // 8)
+        launch("relu_bias_backward", grid, c * 4, ptr(gy), ptr(y), ptr(g), ptr(db), pixels(gy), c // 8)
         g_ref = aten.threshold_backward(gy, y, 0)
         assert torch.equal(g, g_ref), f"relu_bias_backward's gradient differs from ATen's at {c}x{side}"
         close_sums(db, g_ref.sum((0, 2, 3)), g_ref, f"relu_bias_backward at {c}x{side}")
@@ -213,7 +214,7 @@ def main():
         for gy, y, g, db in cases:
             db.zero_()
             launch("relu_bias_backward", grid, db.numel() * 4, ptr(gy), ptr(y), ptr(g), ptr(db),
-                   Long(gy.numel() // db.numel()), db.numel() // 8)
+                   pixels(gy), db.numel() // 8)
 
     record("relu_bias_backward", len(cases), timed(aten_relu_bias_backward), timed(fused_relu_bias_backward))
     del cases
@@ -230,7 +231,7 @@ def main():
         oh = side // 2
         y = torch.empty(n, c, oh, oh, device="cuda", dtype=torch.bfloat16, memory_format=torch.channels_last)
         win = torch.empty(n, oh, oh, c, device="cuda", dtype=torch.uint8)
-        launch("pool_forward", grid, 0, ptr(x), ptr(y), ptr(win), Long(y.numel() // 8), oh, c // 8)
+        launch("pool_forward", grid, 0, ptr(x), ptr(y), ptr(win), pixels(y), oh, c // 8)
         y_ref, idx = aten.max_pool2d_with_indices(x, [2, 2], [2, 2])
         assert torch.equal(y, y_ref), f"pool_forward differs from ATen at {c}x{side}"
         gy = randn(n, c, oh, oh)
@@ -240,15 +241,15 @@ def main():
         g1 = torch.empty_like(x)
         db1 = torch.zeros(c, device="cuda")
         launch("pool_relu_bias_backward", grid, c * 4, ptr(gy), ptr(y), ptr(win), ptr(g1), ptr(db1),
-               Long(y.numel() // c), oh, c // 8)
+               pixels(y), oh, c // 8)
         assert torch.equal(g1, g_ref), f"pool_relu_bias_backward's gradient differs from ATen's at {c}x{side}"
         close_sums(db1, g_ref.sum((0, 2, 3)), g_ref, f"pool_relu_bias_backward at {c}x{side}")
         # Two kernels.
         gx, g = torch.empty_like(x), torch.empty_like(x)
         db = torch.zeros(c, device="cuda")
-        launch("pool_backward", grid, 0, ptr(gy), ptr(win), ptr(gx), Long(y.numel() // 8), oh, c // 8)
+        launch("pool_backward", grid, 0, ptr(gy), ptr(win), ptr(gx), pixels(y), oh, c // 8)
         assert torch.equal(gx, gx_ref), f"pool_backward differs from ATen at {c}x{side}"
-        launch("relu_bias_backward", grid, c * 4, ptr(gx), ptr(x), ptr(g), ptr(db), Long(x.numel() // c), c // 8)
+        launch("relu_bias_backward", grid, c * 4, ptr(gx), ptr(x), ptr(g), ptr(db), pixels(x), c // 8)
         assert torch.equal(g, g_ref), f"relu_bias_backward after the pool differs from ATen at {c}x{side}"
         close_sums(db, g_ref.sum((0, 2, 3)), g_ref, f"the bias gradient before the pool at {c}x{side}")
         cases.append((x, y, win, idx, gy, gx, g, db))
@@ -259,7 +260,7 @@ def main():
 
     def fused_pool_forward():
         for x, y, win, *_ in cases:
-            launch("pool_forward", grid, 0, ptr(x), ptr(y), ptr(win), Long(y.numel() // 8), y.size(3), y.size(1) // 8)
+            launch("pool_forward", grid, 0, ptr(x), ptr(y), ptr(win), pixels(y), y.size(3), y.size(1) // 8)
 
     def aten_pool_backward():
         for x, y, win, idx, gy, gx, g, db in cases:
@@ -270,14 +271,14 @@ def main():
         for x, y, win, idx, gy, gx, g, db in cases:
             db.zero_()
             launch("pool_relu_bias_backward", grid, db.numel() * 4, ptr(gy), ptr(y), ptr(win), ptr(g), ptr(db),
-                   Long(y.numel() // db.numel()), y.size(3), db.numel() // 8)
+                   pixels(y), y.size(3), db.numel() // 8)
 
     def fused_pool_backward_then_relu():
         for x, y, win, idx, gy, gx, g, db in cases:
-            launch("pool_backward", grid, 0, ptr(gy), ptr(win), ptr(gx), Long(y.numel() // 8), y.size(3), y.size(1) // 8)
+            launch("pool_backward", grid, 0, ptr(gy), ptr(win), ptr(gx), pixels(y), y.size(3), y.size(1) // 8)
             db.zero_()
             launch("relu_bias_backward", grid, db.numel() * 4, ptr(gx), ptr(x), ptr(g), ptr(db),
-                   Long(x.numel() // db.numel()), db.numel() // 8)
+                   pixels(x), db.numel() // 8)
 
     record("pool_forward", len(cases), timed(aten_pool_forward), timed(fused_pool_forward), in_step=False)
     aten_backward = timed(aten_pool_backward)
