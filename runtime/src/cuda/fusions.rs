@@ -633,44 +633,42 @@ mod tests {
                 );
             };
 
-            // The convolution with its pool: bias_relu_pool, pool_relu_bias_backward.
-            let aten = leaves(&[&x, &wt, &b]);
-            let aten_p = aten_pool(&aten_conv_bias_relu(&aten));
-            weighted(&aten_p, &k).backward();
-            let ours = leaves(&[&x, &wt, &b]);
-            let ours_p = {
-                let _cpu = cuda.cpu_stand_in();
-                conv_bias_relu_pool(&ours[0], &ours[1], &ours[2], 1, 1)
+            // A convolution's case: the bridge's `ours_op` and ATen's `aten_op` on the same
+            // leaves, the output weighted by `k`.
+            type Op<'a> = &'a dyn Fn(&[Tensor; 3]) -> Tensor;
+            let conv_case = |ours_op: Op, aten_op: Op, k: &Tensor, names: [&str; 2], case: &str| {
+                let aten = leaves(&[&x, &wt, &b]);
+                let aten_out = aten_op(&aten);
+                weighted(&aten_out, k).backward();
+                let ours = leaves(&[&x, &wt, &b]);
+                let ours_out = {
+                    let _cpu = cuda.cpu_stand_in();
+                    ours_op(&ours)
+                };
+                expect(cuda.grad_fn_name(&ours_out), names[0], names[1], case);
+                assert!(
+                    ours_out.equal(&aten_out),
+                    "{what}, {case}: the activations differ from ATen's"
+                );
+                weighted(&ours_out, k).backward();
+                same_gradients(&ours, &aten, &mag(k), &format!("{what}, {case}"));
             };
-            expect(
-                cuda.grad_fn_name(&ours_p),
-                "BiasReluPool",
-                "MaxPool2DWithIndices",
+            // With its pool: bias_relu_pool, pool_relu_bias_backward.
+            conv_case(
+                &|[x, w, b]| conv_bias_relu_pool(x, w, b, 1, 1),
+                &|leaves| aten_pool(&aten_conv_bias_relu(leaves)),
+                &k,
+                ["BiasReluPool", "MaxPool2DWithIndices"],
                 "with its pool",
             );
-            assert!(
-                ours_p.equal(&aten_p),
-                "{what}: the pooled activations differ from ATen's"
+            // Alone: bias_relu, relu_bias_backward.
+            conv_case(
+                &|[x, w, b]| conv_bias_relu(x, w, b, 1, 1),
+                &aten_conv_bias_relu,
+                &k_full,
+                ["BiasRelu", "Relu"],
+                "alone",
             );
-            weighted(&ours_p, &k).backward();
-            same_gradients(&ours, &aten, &mag(&k), &format!("{what}, with its pool"));
-
-            // The convolution alone: bias_relu, relu_bias_backward.
-            let aten = leaves(&[&x, &wt, &b]);
-            let aten_y = aten_conv_bias_relu(&aten);
-            weighted(&aten_y, &k_full).backward();
-            let ours = leaves(&[&x, &wt, &b]);
-            let ours_y = {
-                let _cpu = cuda.cpu_stand_in();
-                conv_bias_relu(&ours[0], &ours[1], &ours[2], 1, 1)
-            };
-            expect(cuda.grad_fn_name(&ours_y), "BiasRelu", "Relu", "alone");
-            assert!(
-                ours_y.equal(&aten_y),
-                "{what}: the activations differ from ATen's"
-            );
-            weighted(&ours_y, &k_full).backward();
-            same_gradients(&ours, &aten, &mag(&k_full), &format!("{what}, alone"));
 
             // The pool alone: pool_forward, pool_backward.
             let aten_x = plain.copy().set_requires_grad(true);
