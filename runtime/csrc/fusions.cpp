@@ -334,6 +334,9 @@ std::pair<at::Tensor, at::Tensor> pooled_outputs(const at::Tensor& x, bool windo
 // its channels' vectors.
 struct PooledShape {
   uint32_t outs, ow, c8;
+
+  // The launch's work: a thread for each (pixel, channel group).
+  int64_t work() const { return int64_t{outs} * c8; }
 };
 
 PooledShape pooled_shape(const at::Tensor& y) {
@@ -343,11 +346,11 @@ PooledShape pooled_shape(const at::Tensor& y) {
 // x pooled, and which of each window's four won: a byte per output, [n, oh, ow, c].
 std::pair<at::Tensor, at::Tensor> pool_forward(const at::Tensor& x) {
   auto [y, win] = pooled_outputs(x, true);
-  auto [outs, ow, c8] = pooled_shape(y);
+  auto shape = pooled_shape(y);
   void* x_ptr = x.data_ptr();
   void* y_ptr = y.data_ptr();
   void* win_ptr = win.data_ptr();
-  launch(&Kernels::pool_forward, x, int64_t{outs} * c8, 0, {&x_ptr, &y_ptr, &win_ptr, &outs, &ow, &c8});
+  launch(&Kernels::pool_forward, x, shape.work(), 0, {&x_ptr, &y_ptr, &win_ptr, &shape.outs, &shape.ow, &shape.c8});
   return {y, win};
 }
 
@@ -355,35 +358,36 @@ std::pair<at::Tensor, at::Tensor> pool_forward(const at::Tensor& x) {
 // pool_forward of bias_relu's output gives them; bias 16-byte aligned.
 std::pair<at::Tensor, at::Tensor> bias_relu_pool(const at::Tensor& conv, const at::Tensor& bias, bool windows) {
   auto [y, win] = pooled_outputs(conv, windows);
-  auto [outs, ow, c8] = pooled_shape(y);
+  auto shape = pooled_shape(y);
   void* x_ptr = conv.data_ptr();
   void* b_ptr = bias.data_ptr();
   void* y_ptr = y.data_ptr();
   void* win_ptr = windows ? win.data_ptr() : nullptr;
-  launch(&Kernels::bias_relu_pool, conv, int64_t{outs} * c8, 0, {&x_ptr, &b_ptr, &y_ptr, &win_ptr, &outs, &ow, &c8});
+  launch(&Kernels::bias_relu_pool, conv, shape.work(), 0,
+         {&x_ptr, &b_ptr, &y_ptr, &win_ptr, &shape.outs, &shape.ow, &shape.c8});
   return {y, win};
 }
 
 void pool_backward(const at::Tensor& gy, const at::Tensor& win, const at::Tensor& gx) {
-  auto [outs, ow, c8] = pooled_shape(gy);
+  auto shape = pooled_shape(gy);
   void* gy_ptr = gy.data_ptr();
   void* win_ptr = win.data_ptr();
   void* gx_ptr = gx.data_ptr();
-  launch(&Kernels::pool_backward, gy, int64_t{outs} * c8, 0, {&gy_ptr, &win_ptr, &gx_ptr, &outs, &ow, &c8});
+  launch(&Kernels::pool_backward, gy, shape.work(), 0, {&gy_ptr, &win_ptr, &gx_ptr, &shape.outs, &shape.ow, &shape.c8});
 }
 
 // gy and y: the pool's output's gradient and the pool's output; db: float [channels], zeroed.
 void pool_relu_bias_backward(const at::Tensor& gy, const at::Tensor& y, const at::Tensor& win, const at::Tensor& g,
                              const at::Tensor& db) {
-  auto [outs, ow, c8] = pooled_shape(y);
+  auto shape = pooled_shape(y);
   void* gy_ptr = gy.data_ptr();
   void* y_ptr = y.data_ptr();
   void* win_ptr = win.data_ptr();
   void* g_ptr = g.data_ptr();
   void* db_ptr = db.data_ptr();
   auto shared = static_cast<unsigned>(y.size(1) * sizeof(float));
-  launch(&Kernels::pool_relu_bias_backward, y, int64_t{outs} * c8, shared,
-         {&gy_ptr, &y_ptr, &win_ptr, &g_ptr, &db_ptr, &outs, &ow, &c8});
+  launch(&Kernels::pool_relu_bias_backward, y, shape.work(), shared,
+         {&gy_ptr, &y_ptr, &win_ptr, &g_ptr, &db_ptr, &shape.outs, &shape.ow, &shape.c8});
 }
 
 // The bias as the kernels read it, 16 bytes at a time: dense and aligned (a view at an odd offset

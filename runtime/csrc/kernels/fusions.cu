@@ -50,6 +50,18 @@ __device__ __forceinline__ void zero_channel_sums(float* part, unsigned channels
   __syncthreads();
 }
 
+// The (pixel, 8-channel group) pairs a thread takes in a grid-stride loop over pixels: its group
+// cg, the same on every pass (a block's threads are a multiple of c8), its first pixel, and the
+// pixels a pass of the whole grid covers. Pixel p's group cg is vector p * c8 + cg.
+struct PixelStride {
+  unsigned cg, first, stride;
+};
+
+__device__ __forceinline__ PixelStride pixel_stride(unsigned c8) {
+  const unsigned per_block = blockDim.x / c8;
+  return {threadIdx.x % c8, blockIdx.x * per_block + threadIdx.x / c8, gridDim.x * per_block};
+}
+
 // One input row of a 2x2 pool's channels_last input, in 8-channel groups (c8 a pixel, ow
 // outputs a row).
 __device__ __forceinline__ unsigned input_row(unsigned ow, unsigned c8) { return 2u * ow * c8; }
@@ -122,10 +134,10 @@ extern "C" __global__ void relu_bias_backward(ptr gy_, ptr y_, ptr g_, ptr db_, 
   const uint4* y = (const uint4*)y_;
   uint4* g = (uint4*)g_;
   zero_channel_sums(part, c8 * 8);
-  const unsigned cg = threadIdx.x % c8, rows = blockDim.x / c8;
+  const PixelStride t = pixel_stride(c8);
   float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  for (unsigned r = blockIdx.x * rows + threadIdx.x / c8; r < m; r += gridDim.x * rows) {
-    unsigned i = r * c8 + cg;
+  for (unsigned r = t.first; r < m; r += t.stride) {
+    const unsigned i = r * c8 + t.cg;
     uint4 a = gy[i], b = y[i], o;
     const bf16* as = (const bf16*)&a;
     const bf16* bs = (const bf16*)&b;
@@ -138,7 +150,7 @@ extern "C" __global__ void relu_bias_backward(ptr gy_, ptr y_, ptr g_, ptr db_, 
     }
     g[i] = o;
   }
-  add_channel_sums(part, acc, cg, c8 * 8, (float*)db_);
+  add_channel_sums(part, acc, t.cg, c8 * 8, (float*)db_);
 }
 
 // The maximum of a 2x2 window's four values v (row-major), 8 channels, into out, and which of
@@ -174,11 +186,12 @@ extern "C" __global__ void pool_forward(ptr x_, ptr y_, ptr win_, unsigned outs,
   const uint4* x = (const uint4*)x_;
   uint4* y = (uint4*)y_;
   uint2* win = (uint2*)win_;
-  const unsigned row = input_row(ow, c8), cg = threadIdx.x % c8, per_block = blockDim.x / c8;
-  for (unsigned p = blockIdx.x * per_block + threadIdx.x / c8; p < outs; p += gridDim.x * per_block) {
-    const unsigned o = p * c8 + cg;
+  const unsigned row = input_row(ow, c8);
+  const PixelStride t = pixel_stride(c8);
+  for (unsigned p = t.first; p < outs; p += t.stride) {
+    const unsigned o = p * c8 + t.cg;
     uint4 v[4];
-    load_window(x, window_base(p, row, ow, c8, cg), row, c8, v);
+    load_window(x, window_base(p, row, ow, c8, t.cg), row, c8, v);
     uint4 out;
     uint2 w;
     pool_window(v, out, w);
@@ -195,12 +208,13 @@ extern "C" __global__ void bias_relu_pool(ptr x_, ptr bias_, ptr y_, ptr win_, u
   const uint4* x = (const uint4*)x_;
   uint4* y = (uint4*)y_;
   uint2* win = (uint2*)win_;
-  const unsigned row = input_row(ow, c8), cg = threadIdx.x % c8, per_block = blockDim.x / c8;
-  const uint4 b = ((const uint4*)bias_)[cg];
-  for (unsigned p = blockIdx.x * per_block + threadIdx.x / c8; p < outs; p += gridDim.x * per_block) {
-    const unsigned o = p * c8 + cg;
+  const unsigned row = input_row(ow, c8);
+  const PixelStride t = pixel_stride(c8);
+  const uint4 b = ((const uint4*)bias_)[t.cg];
+  for (unsigned p = t.first; p < outs; p += t.stride) {
+    const unsigned o = p * c8 + t.cg;
     uint4 v[4];
-    load_window(x, window_base(p, row, ow, c8, cg), row, c8, v);
+    load_window(x, window_base(p, row, ow, c8, t.cg), row, c8, v);
 #pragma unroll
     for (int q = 0; q < 4; ++q) v[q] = bias_relu8(v[q], b);
     uint4 out;
@@ -217,12 +231,13 @@ extern "C" __global__ void pool_backward(ptr gy_, ptr win_, ptr gx_, unsigned ou
   const uint4* gy = (const uint4*)gy_;
   const uint2* win = (const uint2*)win_;
   uint4* gx = (uint4*)gx_;
-  const unsigned row = input_row(ow, c8), cg = threadIdx.x % c8, per_block = blockDim.x / c8;
-  for (unsigned p = blockIdx.x * per_block + threadIdx.x / c8; p < outs; p += gridDim.x * per_block) {
-    const unsigned o = p * c8 + cg;
+  const unsigned row = input_row(ow, c8);
+  const PixelStride t = pixel_stride(c8);
+  for (unsigned p = t.first; p < outs; p += t.stride) {
+    const unsigned o = p * c8 + t.cg;
     uint4 a = gy[o];
     uint2 w = win[o];
-    scatter_window(gx, window_base(p, row, ow, c8, cg), row, c8, (const bf16*)&a, (const unsigned char*)&w);
+    scatter_window(gx, window_base(p, row, ow, c8, t.cg), row, c8, (const bf16*)&a, (const unsigned char*)&w);
   }
 }
 
@@ -240,10 +255,11 @@ extern "C" __global__ void pool_relu_bias_backward(ptr gy_, ptr y_, ptr win_, pt
   const uint2* win = (const uint2*)win_;
   uint4* g = (uint4*)g_;
   zero_channel_sums(part, c8 * 8);
-  const unsigned row = input_row(ow, c8), cg = threadIdx.x % c8, per_block = blockDim.x / c8;
+  const unsigned row = input_row(ow, c8);
+  const PixelStride t = pixel_stride(c8);
   float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  for (unsigned p = blockIdx.x * per_block + threadIdx.x / c8; p < outs; p += gridDim.x * per_block) {
-    const unsigned o = p * c8 + cg;
+  for (unsigned p = t.first; p < outs; p += t.stride) {
+    const unsigned o = p * c8 + t.cg;
     uint4 a = gy[o], b = y[o];
     uint2 w = win[o];
     const bf16* as = (const bf16*)&a;
@@ -254,7 +270,7 @@ extern "C" __global__ void pool_relu_bias_backward(ptr gy_, ptr y_, ptr win_, pt
       v[k] = relu_backward(as[k], bs[k]);
       acc[k] += to_float(v[k]);
     }
-    scatter_window(g, window_base(p, row, ow, c8, cg), row, c8, v, (const unsigned char*)&w);
+    scatter_window(g, window_base(p, row, ow, c8, t.cg), row, c8, v, (const unsigned char*)&w);
   }
-  add_channel_sums(part, acc, cg, c8 * 8, (float*)db_);
+  add_channel_sums(part, acc, t.cg, c8 * 8, (float*)db_);
 }
