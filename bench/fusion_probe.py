@@ -105,6 +105,11 @@ def main():
         # n * h * w of an [n, c, h, w] tensor: the pool kernels' count, and relu_bias_backward's.
         return t.numel() // t.size(1)
 
+    def pooled(y):
+        # The pool kernels' last three parameters for their pooled tensor y: its pixels, its row's
+        # length, and its channels' 16-byte vectors (runtime/csrc/fusions.cpp's pooled_shape).
+        return pixels(y), y.size(3), y.size(1) // 8
+
     def timed(fn):
         for _ in range(3):
             fn()
@@ -148,11 +153,11 @@ def main():
             oh = side // 2
             y = torch.empty(n, c, oh, oh, device="cuda", dtype=torch.bfloat16, memory_format=torch.channels_last)
             win = torch.empty(n, oh, oh, c, device="cuda", dtype=torch.uint8)
-            launch("bias_relu_pool", grid, 0, ptr(conv), ptr(bias), ptr(y), ptr(win), pixels(y), oh, c // 8)
+            launch("bias_relu_pool", grid, 0, ptr(conv), ptr(bias), ptr(y), ptr(win), *pooled(y))
             assert torch.equal(y, aten.max_pool2d_with_indices(theirs, [2, 2], [2, 2])[0]), \
                 f"bias_relu_pool differs from ATen at {c}x{side}"
             y2, win2 = torch.empty_like(y), torch.empty_like(win)
-            launch("pool_forward", grid, 0, ptr(ours), ptr(y2), ptr(win2), pixels(y), oh, c // 8)
+            launch("pool_forward", grid, 0, ptr(ours), ptr(y2), ptr(win2), *pooled(y))
             assert torch.equal(win, win2), f"bias_relu_pool's winners differ from pool_forward's at {c}x{side}"
             pool = (y, win)
         cases.append((conv, bias, ours, torch.empty_like(conv), pool))
@@ -177,12 +182,11 @@ def main():
     def fused_bias_relu_then_pool():
         fused_bias_relu(True)
         for conv, bias, ours, scratch, (y, win) in only(True):
-            launch("pool_forward", grid, 0, ptr(ours), ptr(y), ptr(win), pixels(y), y.size(3), y.size(1) // 8)
+            launch("pool_forward", grid, 0, ptr(ours), ptr(y), ptr(win), *pooled(y))
 
     def fused_bias_relu_pool():
         for conv, bias, ours, scratch, (y, win) in only(True):
-            launch("bias_relu_pool", grid, 0, ptr(conv), ptr(bias), ptr(y), ptr(win), pixels(y), y.size(3),
-                   y.size(1) // 8)
+            launch("bias_relu_pool", grid, 0, ptr(conv), ptr(bias), ptr(y), ptr(win), *pooled(y))
 
     record("bias_relu", len(only(False)), timed(lambda: aten_bias_relu(False)) - timed(lambda: copies(False)),
            timed(lambda: fused_bias_relu(False)))
@@ -231,7 +235,7 @@ def main():
         oh = side // 2
         y = torch.empty(n, c, oh, oh, device="cuda", dtype=torch.bfloat16, memory_format=torch.channels_last)
         win = torch.empty(n, oh, oh, c, device="cuda", dtype=torch.uint8)
-        launch("pool_forward", grid, 0, ptr(x), ptr(y), ptr(win), pixels(y), oh, c // 8)
+        launch("pool_forward", grid, 0, ptr(x), ptr(y), ptr(win), *pooled(y))
         y_ref, idx = aten.max_pool2d_with_indices(x, [2, 2], [2, 2])
         assert torch.equal(y, y_ref), f"pool_forward differs from ATen at {c}x{side}"
         gy = randn(n, c, oh, oh)
@@ -241,13 +245,13 @@ def main():
         g1 = torch.empty_like(x)
         db1 = torch.zeros(c, device="cuda")
         launch("pool_relu_bias_backward", grid, c * 4, ptr(gy), ptr(y), ptr(win), ptr(g1), ptr(db1),
-               pixels(y), oh, c // 8)
+               *pooled(y))
         assert torch.equal(g1, g_ref), f"pool_relu_bias_backward's gradient differs from ATen's at {c}x{side}"
         close_sums(db1, g_ref.sum((0, 2, 3)), g_ref, f"pool_relu_bias_backward at {c}x{side}")
         # Two kernels.
         gx, g = torch.empty_like(x), torch.empty_like(x)
         db = torch.zeros(c, device="cuda")
-        launch("pool_backward", grid, 0, ptr(gy), ptr(win), ptr(gx), pixels(y), oh, c // 8)
+        launch("pool_backward", grid, 0, ptr(gy), ptr(win), ptr(gx), *pooled(y))
         assert torch.equal(gx, gx_ref), f"pool_backward differs from ATen at {c}x{side}"
         launch("relu_bias_backward", grid, c * 4, ptr(gx), ptr(x), ptr(g), ptr(db), pixels(x), c // 8)
         assert torch.equal(g, g_ref), f"relu_bias_backward after the pool differs from ATen at {c}x{side}"
@@ -260,7 +264,7 @@ def main():
 
     def fused_pool_forward():
         for x, y, win, *_ in cases:
-            launch("pool_forward", grid, 0, ptr(x), ptr(y), ptr(win), pixels(y), y.size(3), y.size(1) // 8)
+            launch("pool_forward", grid, 0, ptr(x), ptr(y), ptr(win), *pooled(y))
 
     def aten_pool_backward():
         for x, y, win, idx, gy, gx, g, db in cases:
@@ -271,11 +275,11 @@ def main():
         for x, y, win, idx, gy, gx, g, db in cases:
             db.zero_()
             launch("pool_relu_bias_backward", grid, db.numel() * 4, ptr(gy), ptr(y), ptr(win), ptr(g), ptr(db),
-                   pixels(y), y.size(3), db.numel() // 8)
+                   *pooled(y))
 
     def fused_pool_backward_then_relu():
         for x, y, win, idx, gy, gx, g, db in cases:
-            launch("pool_backward", grid, 0, ptr(gy), ptr(win), ptr(gx), pixels(y), y.size(3), y.size(1) // 8)
+            launch("pool_backward", grid, 0, ptr(gy), ptr(win), ptr(gx), *pooled(y))
             db.zero_()
             launch("relu_bias_backward", grid, db.numel() * 4, ptr(gx), ptr(x), ptr(g), ptr(db),
                    pixels(x), db.numel() // 8)
