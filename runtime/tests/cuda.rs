@@ -742,8 +742,10 @@ fn gpu_the_fused_kernels_train_vgg16_as_atens_kernels_do() {
 }
 
 /// `--profiler-trace` on a GPU records the GPU's side as well (CUPTI through Kineto): every
-/// traced iteration launches its kernels, each convolution's at least, and they are in the trace;
-/// under `--cuda-graph` it records the replays, one graph launch per iteration after the capture.
+/// traced iteration launches its kernels, each convolution's at least, and they are in the trace,
+/// as are the waits for the device (one process waits once an iteration, for its loss, and never
+/// between its parts); under `--cuda-graph` it records the replays, one graph launch per iteration
+/// after the capture.
 #[test]
 fn gpu_the_profiler_trace_holds_the_kernels_of_each_step() {
     let Some(_) = gpus("gpu_the_profiler_trace_holds_the_kernels_of_each_step") else {
@@ -776,24 +778,44 @@ fn gpu_the_profiler_trace_holds_the_kernels_of_each_step() {
     );
     // The forward, backward and step each launch kernels within their scopes (the backward's
     // from autograd's device thread, while the training thread waits in its scope).
-    let launches: Vec<f64> = events
-        .iter()
-        .filter(|e| e["cat"] == "cuda_runtime" && e["name"].as_str().unwrap().contains("LaunchKernel"))
-        .map(|e| e["ts"].as_f64().unwrap())
-        .collect();
-    for part in ["forward", "backward", "step"] {
-        let within = events
+    let calls = |name: &str| -> Vec<f64> {
+        events
+            .iter()
+            .filter(|e| e["cat"] == "cuda_runtime" && e["name"].as_str().unwrap().contains(name))
+            .map(|e| e["ts"].as_f64().unwrap())
+            .collect()
+    };
+    // How many of `calls` each of `part`'s scopes holds, a scope per iteration.
+    let within = |part: &str, calls: &[f64]| -> Vec<usize> {
+        events
             .iter()
             .filter(|e| e["cat"] == "user_annotation" && e["name"] == part)
             .map(|e| {
                 let (a, d) = (e["ts"].as_f64().unwrap(), e["dur"].as_f64().unwrap());
-                launches.iter().filter(|&&t| a <= t && t <= a + d).count()
+                calls.iter().filter(|&&t| a <= t && t <= a + d).count()
             })
-            .collect::<Vec<_>>();
+            .collect()
+    };
+    let launches = calls("LaunchKernel");
+    for part in ["forward", "backward", "step"] {
+        let within = within(part, &launches);
         assert_eq!(within.len(), 3, "{part}: a scope per iteration");
         assert!(
             within.iter().all(|&n| n > 0),
             "{part}: kernels launched within it: {within:?}"
+        );
+    }
+    // One process queues its forward, backward and step back to back and waits for the device
+    // once an iteration, for its loss and accuracy: no part of the iteration, nor the `sync` scope
+    // before the step, waits for the stream.
+    let waits = calls("Synchronize");
+    assert!(waits.len() >= 3, "a wait for the loss each iteration: {waits:?}");
+    for part in ["forward", "backward", "sync", "step"] {
+        let within = within(part, &waits);
+        assert_eq!(within.len(), 3, "{part}: a scope per iteration");
+        assert!(
+            within.iter().all(|&n| n == 0),
+            "{part} waited for the device: {within:?} waits"
         );
     }
 

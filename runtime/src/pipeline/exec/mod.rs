@@ -528,14 +528,18 @@ impl Executor {
                 Some(scaler.step_flag().map_err(anyhow::Error::msg)?.shallow_clone())
             }
         };
-        if !progress.capturing() {
+        // With peers, the waits above end once the device has run what they ordered its stream
+        // after. A single process has nothing to wait for: its step is queued behind the backward
+        // (the iteration's one wait is for its loss).
+        if !progress.capturing() && self.waits_after_each_action() {
             crate::cuda::synchronize(self.device)?;
         }
         if self.links.channels.is_some() || self.links.replicas.is_some() {
             progress.timing.comm += started.elapsed();
         } else {
-            // Without peers nothing was waited on (comm_wait_s is 0 in one process): what ran
-            // was the gradient scaler's kernels, if any.
+            // Without peers nothing was waited on (comm_wait_s is 0 in one process): the time is
+            // the gradient scaler's, if any (on a GPU its launches; its kernels' time is booked
+            // with the loss's wait).
             progress.timing.compute += started.elapsed();
         }
         drop(sync);
