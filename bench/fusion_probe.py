@@ -30,7 +30,10 @@ Each kernel's results are checked against ATen's first: the activations and inpu
 for bit (one rounding of the same float sum, and the ReLU commutes with rounding), the bias
 gradients, sums of a million terms or more in another order, to 2^-7 of the sum of their terms'
 magnitudes after rounding to bf16 as ATen's are. Times are CUDA-event medians over --repeats runs
-of every layer, per step (each kind's layers summed).
+of every layer, per step (each kind's layers summed). The kernels run in the grids the runtime
+gives them, as many blocks as the GPU holds at once (each kernel's registers decide how many a
+multiprocessor holds; the probe prints them), and are timed again in grids of 8 blocks a
+multiprocessor, as the runtime launched them before 2026-12-06.
 
     python3 bench/fusion_probe.py [--repeats 20] [--json FILE]
 
@@ -52,6 +55,11 @@ LAYERS = [(64, 224, False), (64, 224, True), (128, 112, False), (128, 112, True)
           (256, 56, False), (256, 56, False), (256, 56, True), (512, 28, False), (512, 28, False),
           (512, 28, True), (512, 14, False), (512, 14, False), (512, 14, True)]
 BLOCK = 256
+# The most shared memory a launch asks (csrc/fusions.cpp's kMostShared): a float for each of at
+# most 8 channels a thread.
+MOST_SHARED = 8 * BLOCK * 4
+# CUDA's CU_FUNC_ATTRIBUTE_NUM_REGS.
+NUM_REGS = 4
 
 
 def parse_args():
@@ -79,7 +87,19 @@ def main():
               ("bias_relu", "relu_bias_backward", "pool_forward", "pool_backward", "pool_relu_bias_backward",
                "bias_relu_pool")}
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    grid = sms * 8
+    # As the runtime launches them (csrc/fusions.cpp): a grid of as many blocks as the device holds
+    # at once, given each kernel's registers and the most shared memory a launch asks. Each kind
+    # is timed in grids of 8 blocks a multiprocessor too, as the runtime launched them before
+    # 2026-12-06 (a second, partial wave where fewer stay).
+    driver = cupy.cuda.driver
+    resident = {name: driver.occupancyMaxActiveBlocksPerMultiprocessor(f.ptr, BLOCK, MOST_SHARED)
+                for name, f in kernel.items()}
+    for name, f in kernel.items():
+        print(f"{name:24s} {driver.funcGetAttribute(NUM_REGS, f.ptr):3d} registers a thread, "
+              f"{resident[name]} blocks of {BLOCK} a multiprocessor", flush=True)
+    one_wave = {name: sms * r for name, r in resident.items()}
+    eight = {name: sms * 8 for name in kernel}
+    grid = dict(one_wave)
     # PyTorch's current stream, so CUDA events on it time the kernels (as they ran on the H200 of
     # 2026-11-29; CuPy 14 calls ExternalStream deprecated).
     warnings.filterwarnings("ignore", message="ExternalStream is deprecated", category=DeprecationWarning)
@@ -91,11 +111,11 @@ def main():
         t = torch.randn(*shape, device="cuda", generator=gen).to(torch.bfloat16)
         return t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t
 
-    def launch(name, blocks, shared, *params):
+    def launch(name, shared, *params):
         # Every parameter typed as the kernel declares it: pointers 64-bit, counts and lengths
         # 32-bit unsigned.
         with stream:
-            kernel[name]((blocks,), (BLOCK,), tuple(p if isinstance(p, cupy.uint64) else cupy.uint32(p)
+            kernel[name]((grid[name],), (BLOCK,), tuple(p if isinstance(p, cupy.uint64) else cupy.uint32(p)
                                                     for p in params), shared_mem=shared)
 
     def ptr(t):
@@ -131,11 +151,18 @@ def main():
 
     results = {}
 
-    def record(kind, layers, aten_ms, fused_ms, in_step=True):
+    def record(kind, layers, aten_ms, fused, in_step=True):
+        # `fused` runs the kind's kernels over its layers: timed in one wave, then in grids of 8
+        # blocks a multiprocessor.
+        fused_ms = timed(fused)
+        grid.update(eight)
+        eight_ms = timed(fused)
+        grid.update(one_wave)
         results[kind] = {"layers": layers, "aten_ms": aten_ms, "fused_ms": fused_ms, "ratio": aten_ms / fused_ms,
-                         "in_step": in_step}
+                         "fused_8_a_multiprocessor_ms": eight_ms, "in_step": in_step}
         print(f"{kind:36s} {layers:2d} layers  ATen {aten_ms:6.3f} ms  fused {fused_ms:6.3f} ms  "
-              f"({aten_ms / fused_ms:.2f}x){'' if in_step else '  (not in the total)'}", flush=True)
+              f"({aten_ms / fused_ms:.2f}x; 8 blocks a multiprocessor {eight_ms:6.3f} ms)"
+              f"{'' if in_step else '  (not in the total)'}", flush=True)
 
     # Forward: bias and ReLU after each convolution, and the pool after those a pool follows.
     # ATen's run in place on the convolution's output (a copy of it each time, whose time is taken
@@ -145,7 +172,7 @@ def main():
         conv = randn(n, c, side, side)
         bias = randn(c)
         ours = torch.empty_like(conv)
-        launch("bias_relu", grid, 0, ptr(conv), ptr(bias), ptr(ours), conv.numel() // 8, c // 8)
+        launch("bias_relu", 0, ptr(conv), ptr(bias), ptr(ours), conv.numel() // 8, c // 8)
         theirs = conv.clone().add_(bias.view(1, c, 1, 1)).relu_()
         assert torch.equal(ours, theirs), f"bias_relu differs from ATen at {c}x{side}"
         pool = None
@@ -153,11 +180,11 @@ def main():
             oh = side // 2
             y = torch.empty(n, c, oh, oh, device="cuda", dtype=torch.bfloat16, memory_format=torch.channels_last)
             win = torch.empty(n, oh, oh, c, device="cuda", dtype=torch.uint8)
-            launch("bias_relu_pool", grid, 0, ptr(conv), ptr(bias), ptr(y), ptr(win), *pooled(y))
+            launch("bias_relu_pool", 0, ptr(conv), ptr(bias), ptr(y), ptr(win), *pooled(y))
             assert torch.equal(y, aten.max_pool2d_with_indices(theirs, [2, 2], [2, 2])[0]), \
                 f"bias_relu_pool differs from ATen at {c}x{side}"
             y2, win2 = torch.empty_like(y), torch.empty_like(win)
-            launch("pool_forward", grid, 0, ptr(ours), ptr(y2), ptr(win2), *pooled(y))
+            launch("pool_forward", 0, ptr(ours), ptr(y2), ptr(win2), *pooled(y))
             assert torch.equal(win, win2), f"bias_relu_pool's winners differ from pool_forward's at {c}x{side}"
             pool = (y, win)
         cases.append((conv, bias, ours, torch.empty_like(conv), pool))
@@ -177,22 +204,22 @@ def main():
 
     def fused_bias_relu(pooled):
         for conv, bias, ours, scratch, _ in only(pooled):
-            launch("bias_relu", grid, 0, ptr(conv), ptr(bias), ptr(ours), conv.numel() // 8, conv.size(1) // 8)
+            launch("bias_relu", 0, ptr(conv), ptr(bias), ptr(ours), conv.numel() // 8, conv.size(1) // 8)
 
     def fused_bias_relu_then_pool():
         fused_bias_relu(True)
         for conv, bias, ours, scratch, (y, win) in only(True):
-            launch("pool_forward", grid, 0, ptr(ours), ptr(y), ptr(win), *pooled(y))
+            launch("pool_forward", 0, ptr(ours), ptr(y), ptr(win), *pooled(y))
 
     def fused_bias_relu_pool():
         for conv, bias, ours, scratch, (y, win) in only(True):
-            launch("bias_relu_pool", grid, 0, ptr(conv), ptr(bias), ptr(y), ptr(win), *pooled(y))
+            launch("bias_relu_pool", 0, ptr(conv), ptr(bias), ptr(y), ptr(win), *pooled(y))
 
     record("bias_relu", len(only(False)), timed(lambda: aten_bias_relu(False)) - timed(lambda: copies(False)),
-           timed(lambda: fused_bias_relu(False)))
+           lambda: fused_bias_relu(False))
     aten_pooled = timed(lambda: aten_bias_relu(True)) - timed(lambda: copies(True))
-    record("bias_relu_pool", len(only(True)), aten_pooled, timed(fused_bias_relu_pool))
-    record("bias_relu + pool_forward", len(only(True)), aten_pooled, timed(fused_bias_relu_then_pool), in_step=False)
+    record("bias_relu_pool", len(only(True)), aten_pooled, fused_bias_relu_pool)
+    record("bias_relu + pool_forward", len(only(True)), aten_pooled, fused_bias_relu_then_pool, in_step=False)
     del cases
 
     # Backward of the ReLU and the bias, where no pool follows.
@@ -204,7 +231,7 @@ def main():
         gy = randn(n, c, side, side)
         g = torch.empty_like(gy)
         db = torch.zeros(c, device="cuda")
-        launch("relu_bias_backward", grid, c * 4, ptr(gy), ptr(y), ptr(g), ptr(db), pixels(gy), c // 8)
+        launch("relu_bias_backward", c * 4, ptr(gy), ptr(y), ptr(g), ptr(db), pixels(gy), c // 8)
         g_ref = aten.threshold_backward(gy, y, 0)
         assert torch.equal(g, g_ref), f"relu_bias_backward's gradient differs from ATen's at {c}x{side}"
         close_sums(db, g_ref.sum((0, 2, 3)), g_ref, f"relu_bias_backward at {c}x{side}")
@@ -217,10 +244,10 @@ def main():
     def fused_relu_bias_backward():
         for gy, y, g, db in cases:
             db.zero_()
-            launch("relu_bias_backward", grid, db.numel() * 4, ptr(gy), ptr(y), ptr(g), ptr(db),
+            launch("relu_bias_backward", db.numel() * 4, ptr(gy), ptr(y), ptr(g), ptr(db),
                    pixels(gy), db.numel() // 8)
 
-    record("relu_bias_backward", len(cases), timed(aten_relu_bias_backward), timed(fused_relu_bias_backward))
+    record("relu_bias_backward", len(cases), timed(aten_relu_bias_backward), fused_relu_bias_backward)
     del cases
 
     # The pools, forward and backward, with the backward of the ReLU and bias before them: one
@@ -235,7 +262,7 @@ def main():
         oh = side // 2
         y = torch.empty(n, c, oh, oh, device="cuda", dtype=torch.bfloat16, memory_format=torch.channels_last)
         win = torch.empty(n, oh, oh, c, device="cuda", dtype=torch.uint8)
-        launch("pool_forward", grid, 0, ptr(x), ptr(y), ptr(win), *pooled(y))
+        launch("pool_forward", 0, ptr(x), ptr(y), ptr(win), *pooled(y))
         y_ref, idx = aten.max_pool2d_with_indices(x, [2, 2], [2, 2])
         assert torch.equal(y, y_ref), f"pool_forward differs from ATen at {c}x{side}"
         gy = randn(n, c, oh, oh)
@@ -244,16 +271,16 @@ def main():
         # One kernel, from the pooled values alone.
         g1 = torch.empty_like(x)
         db1 = torch.zeros(c, device="cuda")
-        launch("pool_relu_bias_backward", grid, c * 4, ptr(gy), ptr(y), ptr(win), ptr(g1), ptr(db1),
+        launch("pool_relu_bias_backward", c * 4, ptr(gy), ptr(y), ptr(win), ptr(g1), ptr(db1),
                *pooled(y))
         assert torch.equal(g1, g_ref), f"pool_relu_bias_backward's gradient differs from ATen's at {c}x{side}"
         close_sums(db1, g_ref.sum((0, 2, 3)), g_ref, f"pool_relu_bias_backward at {c}x{side}")
         # Two kernels.
         gx, g = torch.empty_like(x), torch.empty_like(x)
         db = torch.zeros(c, device="cuda")
-        launch("pool_backward", grid, 0, ptr(gy), ptr(win), ptr(gx), *pooled(y))
+        launch("pool_backward", 0, ptr(gy), ptr(win), ptr(gx), *pooled(y))
         assert torch.equal(gx, gx_ref), f"pool_backward differs from ATen at {c}x{side}"
-        launch("relu_bias_backward", grid, c * 4, ptr(gx), ptr(x), ptr(g), ptr(db), pixels(x), c // 8)
+        launch("relu_bias_backward", c * 4, ptr(gx), ptr(x), ptr(g), ptr(db), pixels(x), c // 8)
         assert torch.equal(g, g_ref), f"relu_bias_backward after the pool differs from ATen at {c}x{side}"
         close_sums(db, g_ref.sum((0, 2, 3)), g_ref, f"the bias gradient before the pool at {c}x{side}")
         cases.append((x, y, win, idx, gy, gx, g, db))
@@ -264,7 +291,7 @@ def main():
 
     def fused_pool_forward():
         for x, y, win, *_ in cases:
-            launch("pool_forward", grid, 0, ptr(x), ptr(y), ptr(win), *pooled(y))
+            launch("pool_forward", 0, ptr(x), ptr(y), ptr(win), *pooled(y))
 
     def aten_pool_backward():
         for x, y, win, idx, gy, gx, g, db in cases:
@@ -274,26 +301,28 @@ def main():
     def fused_pool_relu_bias_backward():
         for x, y, win, idx, gy, gx, g, db in cases:
             db.zero_()
-            launch("pool_relu_bias_backward", grid, db.numel() * 4, ptr(gy), ptr(y), ptr(win), ptr(g), ptr(db),
+            launch("pool_relu_bias_backward", db.numel() * 4, ptr(gy), ptr(y), ptr(win), ptr(g), ptr(db),
                    *pooled(y))
 
     def fused_pool_backward_then_relu():
         for x, y, win, idx, gy, gx, g, db in cases:
-            launch("pool_backward", grid, 0, ptr(gy), ptr(win), ptr(gx), *pooled(y))
+            launch("pool_backward", 0, ptr(gy), ptr(win), ptr(gx), *pooled(y))
             db.zero_()
-            launch("relu_bias_backward", grid, db.numel() * 4, ptr(gx), ptr(x), ptr(g), ptr(db),
+            launch("relu_bias_backward", db.numel() * 4, ptr(gx), ptr(x), ptr(g), ptr(db),
                    pixels(x), db.numel() // 8)
 
-    record("pool_forward", len(cases), timed(aten_pool_forward), timed(fused_pool_forward), in_step=False)
+    record("pool_forward", len(cases), timed(aten_pool_forward), fused_pool_forward, in_step=False)
     aten_backward = timed(aten_pool_backward)
-    record("pool_relu_bias_backward", len(cases), aten_backward, timed(fused_pool_relu_bias_backward))
-    record("pool_backward + relu_bias_backward", len(cases), aten_backward, timed(fused_pool_backward_then_relu),
+    record("pool_relu_bias_backward", len(cases), aten_backward, fused_pool_relu_bias_backward)
+    record("pool_backward + relu_bias_backward", len(cases), aten_backward, fused_pool_backward_then_relu,
            in_step=False)
     step = [r for r in results.values() if r["in_step"]]
     aten_ms = sum(r["aten_ms"] for r in step)
     fused_ms = sum(r["fused_ms"] for r in step)
+    eight_ms = sum(r["fused_8_a_multiprocessor_ms"] for r in step)
     print(f"{'all':36s}            ATen {aten_ms:6.3f} ms  fused {fused_ms:6.3f} ms  "
-          f"(saves {aten_ms - fused_ms:.3f} ms a step; {torch.cuda.get_device_name(0)}, batch {n})", flush=True)
+          f"(saves {aten_ms - fused_ms:.3f} ms a step; 8 blocks a multiprocessor {eight_ms:6.3f} ms; "
+          f"{torch.cuda.get_device_name(0)}, batch {n})", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(0), "batch_size": n, "kinds": results}, f, indent=1)

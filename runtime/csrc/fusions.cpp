@@ -65,6 +65,7 @@ struct Driver {
   int (*launch)(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                 unsigned shared, void* stream, void** params, void** extra) = nullptr;
   int (*error)(int result, const char** text) = nullptr;
+  int (*resident)(int* blocks, void* f, int block_size, size_t shared) = nullptr;
 };
 
 template <typename F>
@@ -126,6 +127,7 @@ const Driver& driver() {
     bind(library, "cuModuleGetFunction", d.function, from);
     bind(library, "cuLaunchKernel", d.launch, from);
     bind(library, "cuGetErrorString", d.error, from);
+    bind(library, "cuOccupancyMaxActiveBlocksPerMultiprocessor", d.resident, from);
     return d;
   }();
   return api;
@@ -156,17 +158,25 @@ std::string compile(int arch) {
   return cubin;
 }
 
+// A kernel loaded on one device, and the most blocks a launch of it takes there: as many as the
+// device holds at once, so that a grid is one wave. Its kernels stride over their work, a block
+// doing as much as any other; blocks past what the multiprocessors hold would wait for a second,
+// partial wave, as 8 a multiprocessor did for the kernels whose registers let 5 or 6 stay.
+struct Loaded {
+  void* function = nullptr;
+  unsigned blocks = 0;
+};
+
 // The kernels, loaded on one device.
 struct Kernels {
-#define SH_SLOT(name) void* name = nullptr;
+#define SH_SLOT(name) Loaded name;
   SH_FUSED_KERNELS(SH_SLOT)
 #undef SH_SLOT
-  unsigned blocks = 0;  // the most blocks a launch takes: 8 per multiprocessor
 };
 
 // Every kernel of fusions.cu, by name, and where Kernels keeps it once loaded.
 #define SH_ENTRY(name) {#name, &Kernels::name},
-constexpr std::pair<const char*, void* Kernels::*> kKernels[] = {SH_FUSED_KERNELS(SH_ENTRY)};
+constexpr std::pair<const char*, Loaded Kernels::*> kKernels[] = {SH_FUSED_KERNELS(SH_ENTRY)};
 #undef SH_ENTRY
 
 // fusions.cu compiled for `arch`, holding every kernel of kKernels (a name the source misspelt,
@@ -183,6 +193,10 @@ std::string compile_all(int arch) {
 }
 
 constexpr unsigned kThreads = 256;
+
+// The most shared memory a launch asks: a float sum for each channel, of at most 8 a thread
+// (suits).
+constexpr unsigned kMostShared = 8 * kThreads * sizeof(float);
 
 void check_driver(int result, const char* what) {
   if (result != 0) {
@@ -211,9 +225,13 @@ const Kernels* kernels(c10::DeviceIndex device) {
     check_driver(driver().load(&module, cubin.data()), "loading the fused kernels");
     auto made = std::make_unique<Kernels>();
     for (const auto& [name, slot] : kKernels) {
-      check_driver(driver().function(&(made.get()->*slot), module, name), name);
+      Loaded& kernel = made.get()->*slot;
+      check_driver(driver().function(&kernel.function, module, name), name);
+      int resident = 0;
+      check_driver(driver().resident(&resident, kernel.function, static_cast<int>(kThreads), kMostShared), name);
+      TORCH_CHECK(resident > 0, name, ": a multiprocessor holds no block of ", kThreads, " threads");
+      kernel.blocks = static_cast<unsigned>(props->multiProcessorCount) * static_cast<unsigned>(resident);
     }
-    made->blocks = static_cast<unsigned>(props->multiProcessorCount) * 8;
     k = std::move(made);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "runtime: the fused kernels are off on cuda:%d, ATen's kernels run instead: %s\n",
@@ -264,7 +282,7 @@ at::Tensor dense(const at::Tensor& t) {
 }
 
 // The name `kernel` is loaded by.
-const char* name_of(void* Kernels::*kernel) {
+const char* name_of(Loaded Kernels::*kernel) {
   for (const auto& [name, slot] : kKernels) {
     if (slot == kernel) {
       return name;
@@ -280,8 +298,10 @@ constexpr unsigned kStandInBlocks = 2;
 // Launches `kernel` with kThreads a block, over `work` items (one a thread until the grid runs
 // out, then striding): no more blocks than the work fills, at most the device's grid. On a GPU
 // on the current stream; for the CPU stand-in, on this thread (fusions_cpu.cpp).
-void launch(void* Kernels::*kernel, const at::Tensor& on, int64_t work, unsigned shared, std::vector<void*> params) {
+void launch(Loaded Kernels::*kernel, const at::Tensor& on, int64_t work, unsigned shared, std::vector<void*> params) {
   const char* name = name_of(kernel);
+  TORCH_CHECK(shared <= kMostShared, name, ": ", shared, " bytes of shared memory, over the ", kMostShared,
+              " the grids were sized for");
   auto grid = [work](unsigned most) {
     auto wanted = (work + kThreads - 1) / kThreads;
     return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(most, wanted)));
@@ -291,11 +311,11 @@ void launch(void* Kernels::*kernel, const at::Tensor& on, int64_t work, unsigned
   }
   const Kernels* k = kernels_of(on);
   TORCH_CHECK(k != nullptr, name, ": the fused kernels are off on this device");
-  auto blocks = grid(k->blocks);
+  const Loaded& loaded = k->*kernel;
   auto stream = at::cuda::getCurrentCUDAStream();
-  check_driver(
-      driver().launch(k->*kernel, blocks, 1, 1, kThreads, 1, 1, shared, stream.stream(), params.data(), nullptr),
-      name);
+  check_driver(driver().launch(loaded.function, grid(loaded.blocks), 1, 1, kThreads, 1, 1, shared, stream.stream(),
+                               params.data(), nullptr),
+               name);
 }
 
 // The kernels' launches: each writes into tensors it is given.
