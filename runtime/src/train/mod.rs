@@ -150,6 +150,19 @@ fn agree_on_validation_batches(
     Ok(sum.to_device(tch::Device::Cpu).double_value(&[0]) as u64)
 }
 
+/// The run's end, met by every rank before any of its groups is torn down (a barrier over every
+/// rank, which on a GPU blocks until the device has run it). Each rank's last receive comes before
+/// its end, so once all are here nothing sent is still on its way. Without it a rank could exit,
+/// and tear its groups down, while its last send was still in flight: NCCL hands a send over a
+/// network to a proxy thread after the send's kernel ends, and ProcessGroupNCCL's destructor
+/// aborts the communicators, which stops it.
+fn meet_at_the_end(links: &Links) -> anyhow::Result<()> {
+    if let Some(group) = links.everyone() {
+        group.barrier().context("the ranks' meeting at the run's end")?;
+    }
+    Ok(())
+}
+
 /// Where the ranks resume (`--resume`): the iterations done of the checkpoint every rank
 /// agreed on ([`agree_on_resume`], 0 to start afresh) and this rank's checkpoint of them to load,
 /// after stepping back to it from a newer `latest` or setting `latest` aside.
@@ -962,6 +975,10 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
     if let Some(keeper) = &keeper {
         crate::pipeline::outlast(keeper, &partial_participants(&plan))
             .map_err(|e| anyhow::anyhow!("waiting for the partial reduce's replicas: {e}"))?;
+    }
+    // A partial reduce leaves replicas that died behind, and the others end without them.
+    if dist.reduce.partial.is_none() {
+        meet_at_the_end(&executor.links)?;
     }
     if let Some(dir) = &config.save_params {
         std::fs::create_dir_all(dir)
