@@ -159,7 +159,7 @@ std::string compile(int arch) {
 }
 
 // A kernel loaded on one device, and the most blocks a launch of it takes there: as many as the
-// device holds at once, so that a grid is one wave. Its kernels stride over their work, a block
+// device holds at once, so that a grid is one wave. The kernels stride over their work, a block
 // doing as much as any other; blocks past what the multiprocessors hold would wait for a second,
 // partial wave, as 8 a multiprocessor did for the kernels whose registers let 5 or 6 stay.
 struct Loaded {
@@ -194,9 +194,14 @@ std::string compile_all(int arch) {
 
 constexpr unsigned kThreads = 256;
 
-// The most shared memory a launch asks: a float sum for each channel, of at most 8 a thread
-// (suits).
-constexpr unsigned kMostShared = 8 * kThreads * sizeof(float);
+// The shared memory of a launch that sums `channels` channels: a float for each.
+constexpr unsigned channel_sums_bytes(int64_t channels) {
+  return static_cast<unsigned>(channels * sizeof(float));
+}
+
+// The most shared memory a launch asks: the sums of the most channels the kernels take, 8 a
+// thread (suits).
+constexpr unsigned kMostShared = channel_sums_bytes(8 * kThreads);
 
 void check_driver(int result, const char* what) {
   if (result != 0) {
@@ -337,7 +342,7 @@ void relu_bias_backward(const at::Tensor& gy, const at::Tensor& y, const at::Ten
   void* y_ptr = y.data_ptr();
   void* g_ptr = g.data_ptr();
   void* db_ptr = db.data_ptr();
-  auto shared = static_cast<unsigned>(y.size(1) * sizeof(float));
+  auto shared = channel_sums_bytes(y.size(1));
   launch(&Kernels::relu_bias_backward, y, int64_t{rows} * c8, shared, {&gy_ptr, &y_ptr, &g_ptr, &db_ptr, &rows, &c8});
 }
 
@@ -405,7 +410,7 @@ void pool_relu_bias_backward(const at::Tensor& gy, const at::Tensor& y, const at
   void* win_ptr = win.data_ptr();
   void* g_ptr = g.data_ptr();
   void* db_ptr = db.data_ptr();
-  auto shared = static_cast<unsigned>(y.size(1) * sizeof(float));
+  auto shared = channel_sums_bytes(y.size(1));
   launch(&Kernels::pool_relu_bias_backward, y, shape.work(), shared,
          {&gy_ptr, &y_ptr, &win_ptr, &g_ptr, &db_ptr, &shape.outs, &shape.ow, &shape.c8});
 }
