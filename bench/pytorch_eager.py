@@ -6,6 +6,12 @@ prints one JSON object: the per-iteration seconds, losses, parameter count and p
 
 Eager by default; `--compile` wraps the model in `torch.compile` (its first iterations compile:
 the caller leaves them out). `--count-params` only builds the model and prints its parameter count.
+
+`--ddp` makes the process one rank of data parallelism as PyTorch users run it: torchrun's
+environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), the model wrapped in
+DistributedDataParallel (gradients all-reduced in its buckets of `--bucket-mb` MiB, overlapped
+with the backward), gloo on a CPU and nccl on a GPU; `--batch-size` is then the rank's share and
+its data pool is drawn from `--seed` plus its rank. Every rank prints its JSON object.
 """
 import argparse
 import contextlib
@@ -277,6 +283,9 @@ def parse_args():
                         "ProfilerStep#N) and write its Chrome trace here, as `runtime --profiler-trace` does")
     p.add_argument("--warmup", type=int, default=1,
                    help="iterations before --profiler-trace starts recording (the runtime's --warmup)")
+    p.add_argument("--ddp", action="store_true",
+                   help="one rank of DistributedDataParallel, from torchrun's environment variables")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP's bucket_cap_mb (with --ddp)")
     p.add_argument("--count-params", action="store_true",
                    help="only build the model and print its parameter count")
     a = p.parse_args()
@@ -311,6 +320,16 @@ def main():
         model = model.to(memory_format=torch.channels_last)
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=a.momentum)
+    rank = 0
+    if a.ddp:
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        rank = dist.get_rank()
+        ids = [device.index] if device.type == "cuda" else None
+        model = DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=a.bucket_mb)
+    a.seed += rank
     pool = synthetic_pool(a, device)
     step_model = torch.compile(model, mode=a.compile_mode) if a.compile else model
 
@@ -363,7 +382,9 @@ def main():
         "torch": torch.__version__,
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         **peaks(device),
-    }))
+    }), flush=True)
+    if a.ddp:
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
