@@ -1,9 +1,11 @@
 // Autograd entry points tch does not expose, as a C ABI for runtime/src/stage/autograd.rs:
 // backward from a tensor with an incoming gradient (what a pipeline stage does with the gradient
-// its successor sent), and dropping a parameter's gradient (PyTorch's zero_grad(set_to_none=True),
-// cheaper than zeroing: no memset, and the next backward writes instead of accumulating), and a
-// parameter's post-accumulate-grad hook calling back into Rust (what DDP's reducer listens to:
-// the moment a backward has finished writing a parameter's gradient).
+// its successor sent), dropping a parameter's gradient (PyTorch's zero_grad(set_to_none=True),
+// cheaper than zeroing: no memset, and the next backward writes instead of accumulating), making
+// a given tensor a parameter's gradient (DDP's gradient_as_bucket_view: a view into the flat
+// buffer its bucket is all-reduced in), and a parameter's post-accumulate-grad hook calling back
+// into Rust (what DDP's reducer listens to: the moment a backward has finished writing a
+// parameter's gradient).
 //
 // Tensors are tch's handles, which are pointers to at::Tensor. Every entry point returns nullptr
 // on success or a malloc'd message (bridge.hpp's rule; free it with sh_error_free); no C++
@@ -54,6 +56,20 @@ char* sh_backward_with_grad(const at::Tensor* output, const at::Tensor* grad) {
 
 char* sh_grad_to_none(at::Tensor* param) {
   return sh::guarded([&] { param->mutable_grad().reset(); });
+}
+
+// What autograd accumulates into from then on: `grad` itself, not a copy. It must match the
+// parameter's shape, dtype and device (AccumulateGrad adds into it in place).
+char* sh_set_grad(const at::Tensor* param, const at::Tensor* grad) {
+  return sh::guarded([&] {
+    TORCH_CHECK(param->is_leaf() && param->requires_grad(), "a gradient is set on a parameter");
+    TORCH_CHECK(grad->sizes() == param->sizes() && grad->dtype() == param->dtype() &&
+                    grad->device() == param->device(),
+                "a parameter's gradient must have its shape, dtype and device: ", param->sizes(), " ",
+                param->dtype(), " ", param->device(), " against ", grad->sizes(), " ", grad->dtype(), " ",
+                grad->device());
+    param->mutable_grad() = *grad;
+  });
 }
 
 // Replaces `param`'s post-accumulate-grad hook with one calling `fn(context, index)`; the hook

@@ -214,3 +214,24 @@ fn buckets_start_before_the_backward_ends_only_when_overlapped() {
         assert_eq!(it.reduce, Default::default(), "{it:?}");
     }
 }
+
+/// Replicas whose convolution weights are channels_last all-reduce gradients in that layout (each
+/// a view into its bucket with its weight's strides, which the fused optimizer step requires of
+/// it) and train as one process does in that layout, bit for bit: each replica runs one of the
+/// minibatch's two microbatches as the process runs it, and the all-reduce's one sum, a + b, is the
+/// process's accumulation of the two gradients (IEEE addition commutes). resnet50 at this learning
+/// rate turns any difference into a large one: the default layout's float32 rounding alone moves
+/// its second loss by 2%. Batch norm's running statistics differ (each replica sees its own
+/// microbatch), so the losses are compared, not the saved buffers.
+#[test]
+fn channels_last_replicas_train_as_one_channels_last_process() {
+    let tmp = tempfile::tempdir().unwrap();
+    let args = ["--schedule", "gpipe", "--microbatches", "2", "--channels-last"];
+    let single = loss_bits(&train(1, RESNET, &args, &tmp.path().join("single")));
+    assert_eq!(single[0].len(), 2, "{single:?}");
+    let replicas = train(2, RESNET, &args, &tmp.path().join("replicas"));
+    for (rank, run) in replicas.iter().enumerate() {
+        assert!(run.start().config.channels_last);
+        assert_eq!(loss_bits(std::slice::from_ref(run)), single, "replica {rank}");
+    }
+}

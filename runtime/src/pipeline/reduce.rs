@@ -1,12 +1,17 @@
 //! The replicas' gradient all-reduce, as DDP's reducer does it: parameters in reverse order (about
 //! the order backward produces their gradients) packed into flat buckets of at most a byte cap,
 //! each bucket's all-reduce started as soon as the last backward before a step has written all of
-//! its gradients, while the rest of that backward runs; the step waits for them and copies back.
+//! its gradients, while the rest of that backward runs; the step waits for them.
 //!
 //! With overlap off the same buckets are all-reduced after the backward, in the same order, so
 //! both ways run the same collectives on the same flat buffers and give the same bits. A bucket
 //! starts only after every earlier one has (c10d matches collectives by issue order, so every
 //! replica must issue them in one order whatever order its autograd produced gradients in).
+//!
+//! A gradient moves into its bucket's buffer once, when the bucket starts, and the parameter's
+//! gradient is from then on a view into it (DDP's `gradient_as_bucket_view`): the all-reduce sums
+//! the gradients where the optimizer reads them, with no copy back, and the buffer is freed with
+//! the gradients at the next `zero_grad`.
 
 use std::collections::HashSet;
 use std::ffi::{c_char, c_void};
@@ -18,7 +23,7 @@ use tch::{Device, Tensor};
 use crate::comm::{ProcessGroup, Work};
 use crate::config::ReduceOptions;
 use crate::schedule::Action;
-use crate::stage::{set_grad_ready_hook, GradReadyFn};
+use crate::stage::{set_grad, set_grad_ready_hook, GradReadyFn};
 
 /// What one step's all-reduce did, for the iteration's metrics.
 #[derive(Debug, Default, Clone, Copy, PartialEq)]
@@ -31,7 +36,8 @@ pub struct ReduceStats {
     /// could run alongside compute.
     pub overlap: Duration,
     /// After the backward: starting the buckets not yet started, waiting for all of them and
-    /// copying the sums back (the all-reduce the step waits on).
+    /// copying back the sums of gradients that are not views into their bucket (the all-reduce the step
+    /// waits on).
     pub wait: Duration,
     /// Bytes this rank sent: exact for point-to-point messages, and for each all-reduce what a
     /// ring all-reduce sends ([`ring_bytes`]).
@@ -92,8 +98,12 @@ pub fn last_backwards(actions: &[Action]) -> HashSet<usize> {
 
 /// A bucket whose all-reduce has started.
 struct Started {
-    /// The bucket's gradients, flat, summed in place by the all-reduce.
+    /// The bucket's gradients, flat, summed in place by the all-reduce: the parameters'
+    /// gradients are views into it, but for those in `copied`.
     flat: Tensor,
+    /// The parameters whose gradients were copied into `flat` (another device or dtype than the
+    /// bucket's), each with its offset there: the sums are copied back to them.
+    copied: Vec<(usize, i64)>,
     work: Work,
     /// Started from a hook, during the backward.
     early: bool,
@@ -153,39 +163,92 @@ impl State {
         Ok(())
     }
 
-    /// Flattens the next bucket and starts its all-reduce.
+    /// Gathers the next bucket's gradients into a flat buffer and starts its all-reduce. Each
+    /// gradient on the bucket's device with its dtype moves into the buffer and stays there: the
+    /// parameter's gradient becomes a view into it, with the strides autograd gave it (DDP's
+    /// `gradient_as_bucket_view`), so the sums need no copying back. The others (a stage over
+    /// several devices all-reduces on its first one) are copied in, and back in [`Reducer::finish`].
     fn start_next(&mut self, group: &ProcessGroup, early: bool) -> Result<(), String> {
         let bucket = &self.buckets[self.started.len()];
-        let flat = tch::no_grad(|| {
+        let (flat, copied) = tch::no_grad(|| {
             let grads = bucket
                 .iter()
-                .map(|&i| {
-                    let grad = self.params[i].grad();
-                    if grad.defined() {
-                        // A stage over several devices all-reduces on its first one.
-                        Ok(match grad.device() == self.device {
-                            true => grad.reshape([-1]),
-                            false => grad.reshape([-1]).to_device(self.device),
-                        })
-                    } else {
-                        Err(format!(
-                            "internal error: parameter {i} has no gradient to all-reduce"
-                        ))
-                    }
+                .map(|&i| match self.params[i].grad() {
+                    grad if grad.defined() => Ok(grad),
+                    _ => Err(format!(
+                        "internal error: parameter {i} has no gradient to all-reduce"
+                    )),
                 })
                 .collect::<Result<Vec<_>, _>>()?;
-            let mut flat = Tensor::f_cat(&grads, 0).map_err(|e| e.to_string())?;
+            let kind = grads.first().map_or(tch::Kind::Float, Tensor::kind);
+            let total = grads.iter().map(|g| g.numel() as i64).sum::<i64>();
+            let mut flat = Tensor::f_empty([total], (kind, self.device)).map_err(|e| e.to_string())?;
+            let mut copied = Vec::new();
+            let mut offset = 0;
+            for (&i, grad) in bucket.iter().zip(&grads) {
+                let n = grad.numel() as i64;
+                if grad.device() == self.device && grad.kind() == kind {
+                    let size = grad.size();
+                    let stride = dense_strides(&size, &grad.stride());
+                    let mut view = flat
+                        .f_as_strided(&size, &stride, offset)
+                        .map_err(|e| e.to_string())?;
+                    view.f_copy_(grad).map_err(|e| e.to_string())?;
+                    set_grad(&self.params[i], &view)?;
+                } else {
+                    flat.narrow(0, offset, n)
+                        .f_copy_(&grad.reshape([-1]))
+                        .map_err(|e| e.to_string())?;
+                    copied.push((i, offset));
+                }
+                offset += n;
+            }
             if let Some(scale) = self.scale {
                 let _ = flat.f_mul_scalar_(scale).map_err(|e| e.to_string())?;
             }
-            Ok::<_, String>(flat)
+            Ok::<_, String>((flat, copied))
         })?;
         let work = group
             .all_reduce_sum(std::slice::from_ref(&flat))
             .map_err(|e| e.to_string())?;
-        self.started.push(Started { flat, work, early });
+        self.started.push(Started {
+            flat,
+            copied,
+            work,
+            early,
+        });
         Ok(())
     }
+}
+
+/// The strides of a view over `size.iter().product()` consecutive elements that holds a gradient
+/// of these `size` and `stride`: its own where it fills such a run of memory, each element once
+/// (PyTorch's non-overlapping and dense, which autograd's layout contract gives the gradient of
+/// every parameter that is: channels_last convolution weights keep their layout), else those of
+/// a contiguous tensor.
+fn dense_strides(size: &[i64], stride: &[i64]) -> Vec<i64> {
+    let mut dims: Vec<(i64, i64)> = stride
+        .iter()
+        .zip(size)
+        .filter(|&(_, &n)| n != 1)
+        .map(|(&s, &n)| (s, n))
+        .collect();
+    dims.sort_unstable();
+    let mut next = 1;
+    let dense = size.contains(&0)
+        || dims.into_iter().all(|(s, n)| {
+            let fits = s == next;
+            next *= n;
+            fits
+        });
+    if dense {
+        return stride.to_vec();
+    }
+    let mut contiguous = vec![1; size.len()];
+    for d in (0..size.len().saturating_sub(1)).rev() {
+        contiguous[d] = contiguous[d + 1] * size[d + 1].max(1);
+    }
+    contiguous
 }
 
 /// The all-reduce of one stage's gradients across its replicas.
@@ -278,8 +341,8 @@ impl Reducer {
         }
     }
 
-    /// After the step's last backward: starts the buckets not started yet, waits for every
-    /// all-reduce and copies the sums into the gradients. Every parameter must have a gradient.
+    /// After the step's last backward: starts the buckets not started yet and waits for every
+    /// all-reduce, after which the gradients hold the sums. Every parameter must have a gradient.
     pub fn finish(&mut self, group: &ProcessGroup, device: Device) -> Result<ReduceStats, String> {
         // SAFETY: no backward runs: only this thread touches the state.
         let state = unsafe { self.state.as_mut() };
@@ -307,17 +370,15 @@ impl Reducer {
                     })
                     .sum(),
             };
-            for (started, bucket) in state.started.drain(..).zip(&state.buckets) {
+            for started in state.started.drain(..) {
                 started.work.wait().map_err(|e| e.to_string())?;
                 tch::no_grad(|| {
-                    let mut offset = 0;
-                    for &i in bucket {
+                    for &(i, offset) in &started.copied {
                         let grad = state.params[i].grad();
                         let n = grad.numel() as i64;
                         grad.data()
                             .f_copy_(&started.flat.narrow(0, offset, n).view_as(&grad))
                             .map_err(|e| e.to_string())?;
-                        offset += n;
                     }
                     Ok::<_, String>(())
                 })?;
@@ -373,6 +434,7 @@ unsafe extern "C" fn grad_ready(context: *mut c_void, index: i64) -> *mut c_char
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::ReduceOptions;
     use Action::{Backward as B, Forward as F, Step};
 
     #[test]
@@ -387,6 +449,86 @@ mod tests {
         assert_eq!(bucket_layout(&[4, 4, 4], 1), vec![vec![2], vec![1], vec![0]]);
         assert_eq!(bucket_layout(&[4, 4, 4], 1 << 20), vec![vec![2, 1, 0]]);
         assert!(bucket_layout(&[], 8).is_empty());
+    }
+
+    #[test]
+    fn a_view_keeps_a_dense_gradients_strides_and_makes_others_contiguous() {
+        // Contiguous, channels_last (N, C, H, W with C fastest) and a transposed matrix: dense.
+        assert_eq!(dense_strides(&[4, 3], &[3, 1]), [3, 1]);
+        assert_eq!(dense_strides(&[8, 3, 5, 5], &[75, 1, 15, 3]), [75, 1, 15, 3]);
+        assert_eq!(dense_strides(&[3, 4], &[1, 3]), [1, 3]);
+        // A dimension of one may have any stride; an empty tensor fills nothing.
+        assert_eq!(dense_strides(&[1, 4], &[99, 1]), [99, 1]);
+        assert_eq!(dense_strides(&[0, 4], &[7, 3]), [7, 3]);
+        // Every other element, or one element twice (an expanded dimension): contiguous instead.
+        assert_eq!(dense_strides(&[4, 3], &[6, 2]), [3, 1]);
+        assert_eq!(dense_strides(&[2, 3, 4], &[0, 4, 1]), [12, 4, 1]);
+    }
+
+    /// Two replicas on threads, over Gloo on loopback: each parameter's gradient ends as the sum,
+    /// in its own layout, as a view into its bucket's one buffer, with nothing copied back.
+    #[test]
+    fn the_sums_land_in_gradients_that_are_views_of_their_bucket() {
+        use crate::comm::Store;
+        use tch::Kind;
+        const TIMEOUT: Duration = Duration::from_secs(20);
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let mut listener = Some(listener);
+        let ranks: Vec<_> = (0..2)
+            .map(|rank| {
+                let listener = listener.take();
+                std::thread::spawn(move || {
+                    let store = match listener {
+                        Some(l) => Store::host(l, 2, TIMEOUT),
+                        None => Store::connect("127.0.0.1", port, 2, false, TIMEOUT),
+                    }
+                    .unwrap();
+                    let group = ProcessGroup::gloo(&store, rank, 2, TIMEOUT).unwrap();
+                    let cpu = (Kind::Float, Device::Cpu);
+                    let matrix = Tensor::zeros([3, 4], cpu).set_requires_grad(true);
+                    // A channels_last convolution weight: channels fastest.
+                    let conv = Tensor::zeros([2, 3, 2, 2], cpu)
+                        .permute([0, 2, 3, 1])
+                        .contiguous()
+                        .permute([0, 3, 1, 2])
+                        .set_requires_grad(true);
+                    let bias = Tensor::zeros([5], cpu).set_requires_grad(true);
+                    let params = [matrix, conv, bias];
+                    // Rank r's gradient of each parameter is (r + 1) times 0, 1, 2, ... in
+                    // logical order: small integers, so the sum is exact.
+                    let loss = params.iter().fold(Tensor::zeros([], cpu), |loss, p| {
+                        let weights = Tensor::arange(p.numel() as i64, cpu).view(p.size().as_slice());
+                        loss + (p * weights * (rank + 1) as f64).sum(Kind::Float)
+                    });
+                    loss.backward();
+                    let options = ReduceOptions {
+                        bucket_bytes: 1 << 20,
+                        overlap: false,
+                        partial: None,
+                    };
+                    let mut reducer = Reducer::new(&params, options, None).unwrap();
+                    let stats = reducer.finish(&group, Device::Cpu).unwrap();
+                    assert_eq!(stats.buckets, 1);
+                    params
+                })
+            })
+            .collect();
+        for (rank, handle) in ranks.into_iter().enumerate() {
+            let params = handle.join().unwrap();
+            let grads: Vec<Tensor> = params.iter().map(Tensor::grad).collect();
+            for (p, g) in params.iter().zip(&grads) {
+                let sum = Tensor::arange(p.numel() as i64, (tch::Kind::Float, Device::Cpu))
+                    .view(p.size().as_slice())
+                    * 3.0;
+                assert!(g.equal(&sum), "rank {rank}: {g} against {sum}");
+                assert_eq!(g.stride(), p.stride(), "rank {rank}: the parameter's layout");
+            }
+            // One buffer, parameters in reverse order: bias, conv, matrix.
+            let at = |g: &Tensor| g.data_ptr() as usize;
+            assert_eq!(at(&grads[1]), at(&grads[2]) + 5 * 4, "rank {rank}");
+            assert_eq!(at(&grads[0]), at(&grads[1]) + 24 * 4, "rank {rank}");
+        }
     }
 
     #[test]

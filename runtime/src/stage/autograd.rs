@@ -10,6 +10,7 @@ use crate::ffi::check;
 extern "C" {
     fn sh_backward_with_grad(output: *const C_tensor, grad: *const C_tensor) -> *mut c_char;
     fn sh_grad_to_none(param: *mut C_tensor) -> *mut c_char;
+    fn sh_set_grad(param: *const C_tensor, grad: *const C_tensor) -> *mut c_char;
     fn sh_set_grad_ready_hook(
         param: *const C_tensor,
         hook: Option<GradReadyFn>,
@@ -36,6 +37,13 @@ pub fn backward_with_grad(output: &Tensor, grad: &Tensor) -> Result<(), String> 
 pub fn grad_to_none(param: &mut Tensor) -> Result<(), String> {
     // SAFETY: a live tch tensor handle; the bridge resets its gradient and catches exceptions.
     check(unsafe { sh_grad_to_none(param.as_mut_ptr()) })
+}
+
+/// Makes `grad` itself (a view, say) `param`'s gradient, which later backwards accumulate into in
+/// place; it must have the parameter's shape, dtype and device.
+pub fn set_grad(param: &Tensor, grad: &Tensor) -> Result<(), String> {
+    // SAFETY: live tch tensor handles; the bridge checks them and catches every C++ exception.
+    check(unsafe { sh_set_grad(param.as_ptr(), grad.as_ptr()) })
 }
 
 /// Sets `param`'s post-accumulate-grad hook (replacing any) to `hook` = (function, context),
@@ -74,6 +82,24 @@ mod tests {
         let bad = Tensor::ones([2], (Kind::Float, Device::Cpu));
         let err = backward_with_grad(&(&w * 2.0), &bad).unwrap_err();
         assert!(err.contains("shape") || err.contains("size"), "{err}");
+    }
+
+    #[test]
+    fn a_set_gradient_is_the_one_backward_accumulates_into() {
+        let w = Tensor::from_slice(&[1.0f32, 2.0]).set_requires_grad(true);
+        let flat = Tensor::zeros([5], (Kind::Float, Device::Cpu));
+        set_grad(&w, &flat.narrow(0, 3, 2)).unwrap();
+        (&w * 3.0).sum(Kind::Float).backward();
+        (&w * 4.0).sum(Kind::Float).backward();
+        assert_eq!(Vec::<f32>::try_from(&flat).unwrap(), [0.0, 0.0, 0.0, 7.0, 7.0]);
+        // Another shape, dtype or device is refused, not a crash.
+        for bad in [
+            Tensor::zeros([3], (Kind::Float, Device::Cpu)),
+            Tensor::zeros([2], (Kind::Double, Device::Cpu)),
+        ] {
+            let err = set_grad(&w, &bad).unwrap_err();
+            assert!(err.contains("must have its shape, dtype and device"), "{err}");
+        }
     }
 
     #[test]

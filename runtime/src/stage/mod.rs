@@ -20,7 +20,7 @@ use crate::config::Precision;
 use crate::models::{count_params, Loss, ModelDef};
 
 pub use amp::{GradScaler, ScalerReport};
-pub use autograd::{backward_with_grad, set_grad_ready_hook, GradReadyFn};
+pub use autograd::{backward_with_grad, set_grad, set_grad_ready_hook, GradReadyFn};
 pub use optim::Optimizer;
 
 /// The modules one device holds.
