@@ -2,17 +2,20 @@
 """Data parallelism: `runtime` replicas (`--world-size N`, no stage config) against PyTorch's
 DistributedDataParallel (bench/pytorch_eager.py --ddp, launched as torchrun would: RANK,
 WORLD_SIZE, MASTER_ADDR, MASTER_PORT), same models, shapes, threads per rank, SGD with momentum
-and synthetic pools of 4 batches, c10d Gloo on loopback. Runs alternate in one go (the first
-swaps every round); it prints the median samples/s of each (the whole minibatch, all replicas
+and synthetic pools of 4 batches, c10d Gloo on loopback. Runs alternate in one go (the order
+rotating every round); it prints the median samples/s of each (the whole minibatch, all replicas
 together, over rank 0's iterations after --warmup) and their ratio, runtime / DDP.
 
     scripts/bench-ddp [--models mlp,resnet50] [--replicas 2] [--rounds 3] [--runtime-flags=...]
+                      [--baseline-runtime PATH]
 
 `--batch-size` is the whole minibatch (the runtime's meaning); each DDP rank takes its share.
 Each side runs its defaults: DDP overlaps its all-reduce with the backward, the runtime does not
 on CPUs (its `--overlap-reduce auto`; `--runtime-flags=--overlap-reduce=on` runs it as DDP does).
 Both sides' parameter counts are printed and must be equal. The runtime binary is
-$STAGEHAND_RUNTIME, else this checkout's target/release/runtime.
+$STAGEHAND_RUNTIME, else this checkout's target/release/runtime. `--baseline-runtime PATH` adds
+another runtime binary (an earlier build, say) as a third side, the order of the three rotating
+every round, and prints the runtime against it too: a change's effect, measured side by side.
 """
 import argparse
 import json
@@ -23,7 +26,7 @@ import sys
 from pathlib import Path
 
 from runtime_vs_pytorch import APPLIES, KEEP_TUNABLES, SHAPES, RunFailed, check_params, shape_flags
-from side_by_side import alternate, free_port, rank_iterations, throughput, write_json
+from side_by_side import free_port, rank_iterations, rotate, throughput, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 EAGER = Path(__file__).resolve().parent / "pytorch_eager.py"
@@ -55,9 +58,9 @@ def run_ddp(model, s, args):
     return throughput(times, s["batch"], args.warmup)
 
 
-def run_ours(model, s, args):
-    """One runtime run of --replicas ranks; rank 0's samples/s for the whole minibatch."""
-    cmd = [str(args.runtime), *common(model, s, args), "--data", "synthetic",
+def run_ours(model, s, args, runtime):
+    """One run of --replicas ranks of `runtime`; rank 0's samples/s for the whole minibatch."""
+    cmd = [str(runtime), *common(model, s, args), "--data", "synthetic",
            "--bucket-mb", str(args.bucket_mb), "--world-size", str(args.replicas),
            "--master-port", str(free_port()), *args.runtime_flags.split()]
     its = rank_iterations(cmd, args.replicas, f"{model}, {args.replicas} replicas", args.warmup)[0]
@@ -80,6 +83,8 @@ def main():
     p.add_argument("--runtime-flags", default="", help="more flags for every runtime rank")
     p.add_argument("--runtime", type=Path,
                    default=Path(os.environ.get("STAGEHAND_RUNTIME", ROOT / "target" / "release" / "runtime")))
+    p.add_argument("--baseline-runtime", type=Path, metavar="PATH",
+                   help="another runtime binary, run as a third side with the same flags")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     args.device = "cpu"
@@ -89,7 +94,9 @@ def main():
         p.error(f"--iterations {args.iterations} leaves nothing to time after --warmup {args.warmup}")
 
     results, failed = [], False
-    print(f"{'model':<12} {'batch':>5} {'DDP s/s':>9} {'runtime s/s':>12} {'ratio':>6}")
+    baseline = args.baseline_runtime is not None
+    print(f"{'model':<12} {'batch':>5} {'DDP s/s':>9} {'runtime s/s':>12} {'ratio':>6}"
+          + (f" {'baseline s/s':>13} {'vs baseline':>12}" if baseline else ""))
     for model in args.models.split(","):
         if model not in APPLIES:
             p.error(f"--models: unknown model {model!r}; known: {', '.join(APPLIES)}")
@@ -102,11 +109,20 @@ def main():
             print(f"{model}: {e}", file=sys.stderr)
             failed = True
             continue
-        theirs, ours, ratio = alternate(args.rounds, lambda: run_ddp(model, s, args), lambda: run_ours(model, s, args))
-        results.append(dict(model=model, batch=s["batch"], replicas=args.replicas, threads=args.threads,
-                            runtime_flags=args.runtime_flags, ddp=theirs, runtime=ours, ratio=ratio))
-        print(f"{model:<12} {s['batch']:>5} {statistics.median(theirs):>9.1f} {statistics.median(ours):>12.1f} "
-              f"{ratio:>6.2f}", flush=True)
+        sides = {"ddp": lambda: run_ddp(model, s, args), "runtime": lambda: run_ours(model, s, args, args.runtime)}
+        if baseline:
+            sides["baseline"] = lambda: run_ours(model, s, args, args.baseline_runtime)
+        figures = rotate(args.rounds, sides)
+        med = {side: statistics.median(runs) for side, runs in figures.items()}
+        row = dict(model=model, batch=s["batch"], replicas=args.replicas, threads=args.threads,
+                   runtime_flags=args.runtime_flags, **figures, ratio=med["runtime"] / med["ddp"])
+        line = f"{model:<12} {s['batch']:>5} {med['ddp']:>9.1f} {med['runtime']:>12.1f} {row['ratio']:>6.2f}"
+        if baseline:
+            row["baseline_runtime"] = str(args.baseline_runtime)
+            row["vs_baseline"] = med["runtime"] / med["baseline"]
+            line += f" {med['baseline']:>13.1f} {row['vs_baseline']:>12.2f}"
+        results.append(row)
+        print(line, flush=True)
         write_json(args.json, results)
     sys.exit(1 if failed else 0)
 
