@@ -58,12 +58,14 @@ def run_ddp(model, s, args):
     return throughput(times, s["batch"], args.warmup)
 
 
-def run_ours(model, s, args, runtime):
-    """One run of --replicas ranks of `runtime`; rank 0's samples/s for the whole minibatch."""
+def run_ours(model, s, args, runtime, waits):
+    """One run of --replicas ranks of `runtime`; rank 0's samples/s for the whole minibatch. Adds
+    rank 0's `reduce.wait_s` of each timed iteration to the list `waits`."""
     cmd = [str(runtime), *common(model, s, args), "--data", "synthetic",
            "--bucket-mb", str(args.bucket_mb), "--world-size", str(args.replicas),
            "--master-port", str(free_port()), *args.runtime_flags.split()]
     its = rank_iterations(cmd, args.replicas, f"{model}, {args.replicas} replicas", args.warmup)[0]
+    waits.extend(i["reduce"]["wait_s"] for i in its)
     return s["batch"] * len(its) / sum(i["time_s"] for i in its)
 
 
@@ -109,9 +111,12 @@ def main():
             print(f"{model}: {e}", file=sys.stderr)
             failed = True
             continue
-        sides = {"ddp": lambda: run_ddp(model, s, args), "runtime": lambda: run_ours(model, s, args, args.runtime)}
+        waits = {"runtime": []}
+        sides = {"ddp": lambda: run_ddp(model, s, args),
+                 "runtime": lambda: run_ours(model, s, args, args.runtime, waits["runtime"])}
         if baseline:
-            sides["baseline"] = lambda: run_ours(model, s, args, args.baseline_runtime)
+            waits["baseline"] = []
+            sides["baseline"] = lambda: run_ours(model, s, args, args.baseline_runtime, waits["baseline"])
         figures = rotate(args.rounds, sides)
         med = {side: statistics.median(runs) for side, runs in figures.items()}
         row = dict(model=model, batch=s["batch"], replicas=args.replicas, threads=args.threads,
@@ -121,8 +126,12 @@ def main():
             row["baseline_runtime"] = str(args.baseline_runtime)
             row["vs_baseline"] = med["runtime"] / med["baseline"]
             line += f" {med['baseline']:>13.1f} {row['vs_baseline']:>12.2f}"
+        # The step's wait for the all-reduce after the backward (the runtime's own metrics).
+        row["reduce_wait_s"] = waits
         results.append(row)
         print(line, flush=True)
+        print("    all-reduce wait a step, median of rank 0's timed iterations: " + ", ".join(
+            f"{side} {statistics.median(w) * 1000:.1f} ms" for side, w in row["reduce_wait_s"].items()), flush=True)
         write_json(args.json, results)
     sys.exit(1 if failed else 0)
 
