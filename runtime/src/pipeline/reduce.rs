@@ -36,8 +36,8 @@ pub struct ReduceStats {
     /// could run alongside compute.
     pub overlap: Duration,
     /// After the backward: starting the buckets not yet started, waiting for all of them and
-    /// copying back the sums of gradients that are not views into their bucket (the all-reduce the step
-    /// waits on).
+    /// copying back the sums of any gradients that are not views into their bucket (the
+    /// all-reduce the step waits on).
     pub wait: Duration,
     /// Bytes this rank sent: exact for point-to-point messages, and for each all-reduce what a
     /// ring all-reduce sends ([`ring_bytes`]).
