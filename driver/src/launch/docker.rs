@@ -658,24 +658,19 @@ async fn container_state(host: &Host, id: &str) -> ContainerState {
 ///
 /// Asked right after a rank's death, the container may still be at its memory limit: the kernel
 /// frees a killed process's memory after the kill, and until then the reading exec can be
-/// refused or killed itself (runc's exec needs memory of its own in the container's cgroup). So
-/// a reading that fails is tried again, up to five times a quarter of a second apart, within 15
-/// seconds in all.
+/// refused or killed itself (runc's exec needs memory of its own in the container's cgroup), and
+/// on a loaded host that can last seconds. So a reading that fails is tried again a quarter of a
+/// second later, until one succeeds or 15 seconds have passed.
 async fn oom_kills_inside(host: &Host, id: &str) -> Option<u64> {
     let retried = async {
-        for attempt in 0..6 {
-            if attempt > 0 {
-                tokio::time::sleep(Duration::from_millis(250)).await;
-            }
+        loop {
             if let Some(kills) = read_oom_kills_inside(host, id).await {
-                return Some(kills);
+                return kills;
             }
+            tokio::time::sleep(Duration::from_millis(250)).await;
         }
-        None
     };
-    tokio::time::timeout(Duration::from_secs(15), retried)
-        .await
-        .ok()?
+    tokio::time::timeout(Duration::from_secs(15), retried).await.ok()
 }
 
 /// One reading of [`oom_kills_inside`].
