@@ -660,17 +660,36 @@ async fn container_state(host: &Host, id: &str) -> ContainerState {
 /// frees a killed process's memory after the kill, and until then the reading exec can be
 /// refused or killed itself (runc's exec needs memory of its own in the container's cgroup), and
 /// on a loaded host that can last seconds. So a reading that fails is tried again a quarter of a
-/// second later, until one succeeds or 15 seconds have passed.
+/// second later while the container runs, until one succeeds or 15 seconds have passed. A
+/// container that has stopped or is gone (the driver stopping the run kills its ranks too) has
+/// nothing more to say: no retry.
 async fn oom_kills_inside(host: &Host, id: &str) -> Option<u64> {
     let retried = async {
         loop {
             if let Some(kills) = read_oom_kills_inside(host, id).await {
-                return kills;
+                return Some(kills);
+            }
+            if !running(host, id).await {
+                return None;
             }
             tokio::time::sleep(Duration::from_millis(250)).await;
         }
     };
-    tokio::time::timeout(Duration::from_secs(15), retried).await.ok()
+    tokio::time::timeout(Duration::from_secs(15), retried)
+        .await
+        .ok()
+        .flatten()
+}
+
+/// Whether container `id` is running, as the engine says within 10 seconds.
+async fn running(host: &Host, id: &str) -> bool {
+    let inspected = host
+        .docker
+        .inspect_container(id, None::<bollard::query_parameters::InspectContainerOptions>);
+    match tokio::time::timeout(Duration::from_secs(10), inspected).await {
+        Ok(Ok(container)) => container.state.and_then(|s| s.running).unwrap_or(false),
+        _ => false,
+    }
 }
 
 /// One reading of [`oom_kills_inside`].
