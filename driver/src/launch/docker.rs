@@ -583,12 +583,20 @@ async fn container_exited(host: &Host, id: &str, rank: usize, code: i64) -> Even
 /// (its limit's or the host's): Docker's `OOMKilled`, which stays set until the container
 /// restarts. `false` when the engine cannot say.
 async fn out_of_memory(host: &Host, id: &str) -> bool {
+    state_of(host, id)
+        .await
+        .and_then(|s| s.oom_killed)
+        .unwrap_or(false)
+}
+
+/// Container `id`'s state, as the engine says within 10 seconds; `None` when it does not.
+async fn state_of(host: &Host, id: &str) -> Option<bollard::models::ContainerState> {
     let inspected = host
         .docker
         .inspect_container(id, None::<bollard::query_parameters::InspectContainerOptions>);
     match tokio::time::timeout(Duration::from_secs(10), inspected).await {
-        Ok(Ok(container)) => container.state.and_then(|s| s.oom_killed).unwrap_or(false),
-        _ => false,
+        Ok(Ok(container)) => container.state,
+        _ => None,
     }
 }
 
@@ -620,13 +628,7 @@ enum ContainerState {
 
 /// The state of container `id`, with its exit code and last log line once it has ended.
 async fn container_state(host: &Host, id: &str) -> ContainerState {
-    let inspected = host
-        .docker
-        .inspect_container(id, None::<bollard::query_parameters::InspectContainerOptions>);
-    let Ok(Ok(Some(state))) = tokio::time::timeout(Duration::from_secs(10), inspected)
-        .await
-        .map(|r| r.map(|c| c.state))
-    else {
+    let Some(state) = state_of(host, id).await else {
         return ContainerState::Unknown;
     };
     if state.running != Some(false) {
@@ -683,13 +685,7 @@ async fn oom_kills_inside(host: &Host, id: &str) -> Option<u64> {
 
 /// Whether container `id` is running, as the engine says within 10 seconds.
 async fn running(host: &Host, id: &str) -> bool {
-    let inspected = host
-        .docker
-        .inspect_container(id, None::<bollard::query_parameters::InspectContainerOptions>);
-    match tokio::time::timeout(Duration::from_secs(10), inspected).await {
-        Ok(Ok(container)) => container.state.and_then(|s| s.running).unwrap_or(false),
-        _ => false,
-    }
+    state_of(host, id).await.and_then(|s| s.running).unwrap_or(false)
 }
 
 /// One reading of [`oom_kills_inside`].
