@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use tch::{Device, Tensor};
 
-use super::reduce::{ring_bytes, ReduceStats};
+use super::reduce::{ring_bytes, Flat, ReduceStats};
 use crate::comm::{ProcessGroup, Work};
 
 /// Tags of the member-to-master and master-to-member messages on the bundle's own group.
@@ -38,32 +38,17 @@ impl Bundle {
         device: Device,
     ) -> Result<ReduceStats, String> {
         let started = Instant::now();
-        let grads: Vec<Tensor> = params
-            .iter()
-            .enumerate()
-            .map(|(i, p)| {
-                let g = p.grad();
-                match g.defined() {
-                    true => Ok(g),
-                    false => Err(format!("internal error: parameter {i} has no gradient to reduce")),
-                }
-            })
-            .collect::<Result<_, _>>()?;
-        let mut flat = tch::no_grad(|| {
-            let parts: Vec<Tensor> = grads.iter().map(|g| g.reshape([-1]).to_device(device)).collect();
-            let flat = Tensor::f_cat(&parts, 0).map_err(|e| e.to_string())?;
-            Ok::<_, String>(match scale {
-                Some(scale) => flat * scale,
-                None => flat,
-            })
-        })?;
+        let everything: Vec<usize> = (0..params.len()).collect();
+        // The gradients move into one flat buffer (views of it from then on), which the messages
+        // below fill with the sum in place.
+        let mut flat = Flat::gather(params, &everything, device, scale)?;
         let wait = |work: Result<Work, crate::comm::CommError>| -> Result<(), String> {
             work.map_err(|e| e.to_string())?.wait().map_err(|e| e.to_string())
         };
         match (&self.local, self.is_master()) {
             (Some(local), false) => {
-                wait(local.send(&flat, 0, UP))?;
-                wait(local.recv(&mut flat, 0, DOWN))?;
+                wait(local.send(&flat.tensor, 0, UP))?;
+                wait(local.recv(&mut flat.tensor, 0, DOWN))?;
             }
             (local, _) => {
                 if let Some(local) = local {
@@ -71,21 +56,21 @@ impl Bundle {
                     // rank order, so every run adds the same numbers in the same order.
                     let mut posted = Vec::with_capacity(local.size() - 1);
                     for member in 1..local.size() {
-                        let mut buffer = flat.empty_like();
+                        let mut buffer = flat.tensor.empty_like();
                         let work = local.recv(&mut buffer, member, UP).map_err(|e| e.to_string())?;
                         posted.push((buffer, work));
                     }
                     for (buffer, work) in posted {
                         work.wait().map_err(|e| e.to_string())?;
-                        tch::no_grad(|| flat.f_add_(&buffer).map(drop)).map_err(|e| e.to_string())?;
+                        tch::no_grad(|| flat.tensor.f_add_(&buffer).map(drop)).map_err(|e| e.to_string())?;
                     }
                 }
                 if let Some(masters) = &self.masters {
-                    wait(masters.all_reduce_sum(std::slice::from_ref(&flat)))?;
+                    wait(masters.all_reduce_sum(std::slice::from_ref(&flat.tensor)))?;
                 }
                 if let Some(local) = local {
                     let sends = (1..local.size())
-                        .map(|member| local.send(&flat, member, DOWN).map_err(|e| e.to_string()))
+                        .map(|member| local.send(&flat.tensor, member, DOWN).map_err(|e| e.to_string()))
                         .collect::<Result<Vec<_>, _>>()?;
                     for work in sends {
                         work.wait().map_err(|e| e.to_string())?;
@@ -93,19 +78,9 @@ impl Bundle {
                 }
             }
         }
-        tch::no_grad(|| {
-            let mut offset = 0;
-            for g in &grads {
-                let n = g.numel() as i64;
-                g.data()
-                    .f_copy_(&flat.narrow(0, offset, n).view_as(g))
-                    .map_err(|e| e.to_string())?;
-                offset += n;
-            }
-            Ok::<_, String>(())
-        })?;
+        flat.scatter(params)?;
         crate::cuda::synchronize(device)?;
-        let bytes = flat.numel() as u64 * flat.kind().elt_size_in_bytes() as u64;
+        let bytes = flat.bytes();
         let sent = match (&self.local, self.is_master()) {
             (Some(_), false) => bytes,
             (local, _) => {

@@ -96,14 +96,93 @@ pub fn last_backwards(actions: &[Action]) -> HashSet<usize> {
     out
 }
 
+/// Gradients gathered into one flat buffer, for a collective that sums them in place. A gradient
+/// on the buffer's device with its dtype moves into the buffer and stays there: the parameter's
+/// gradient becomes a view into it, with the strides autograd gave it (DDP's
+/// `gradient_as_bucket_view`), so the sums need no copying back. The others (a stage over several
+/// devices reduces on its first one) are copied in, and back by [`Flat::scatter`].
+pub struct Flat {
+    /// The gradients, end to end, in the order gathered.
+    pub tensor: Tensor,
+    /// The parameters whose gradients were copied in rather than moved, each with its offset in
+    /// `tensor`.
+    copied: Vec<(usize, i64)>,
+}
+
+impl Flat {
+    /// Gathers the gradients of `params[i]` for each `i` in `indices`, in that order, into a
+    /// buffer on `device` with the first one's dtype, multiplied by `scale` if given. Every one of
+    /// those parameters must have a gradient.
+    pub fn gather(
+        params: &[Tensor],
+        indices: &[usize],
+        device: Device,
+        scale: Option<f64>,
+    ) -> Result<Flat, String> {
+        tch::no_grad(|| {
+            let grads = indices
+                .iter()
+                .map(|&i| match params[i].grad() {
+                    grad if grad.defined() => Ok(grad),
+                    _ => Err(format!("internal error: parameter {i} has no gradient to reduce")),
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            let kind = grads.first().map_or(tch::Kind::Float, Tensor::kind);
+            let total = grads.iter().map(|g| g.numel() as i64).sum::<i64>();
+            let mut tensor = Tensor::f_empty([total], (kind, device)).map_err(|e| e.to_string())?;
+            let mut copied = Vec::new();
+            let mut offset = 0;
+            for (&i, grad) in indices.iter().zip(&grads) {
+                let n = grad.numel() as i64;
+                if grad.device() == device && grad.kind() == kind {
+                    let size = grad.size();
+                    let stride = dense_strides(&size, &grad.stride());
+                    let mut view = tensor
+                        .f_as_strided(&size, &stride, offset)
+                        .map_err(|e| e.to_string())?;
+                    view.f_copy_(grad).map_err(|e| e.to_string())?;
+                    set_grad(&params[i], &view)?;
+                } else {
+                    tensor
+                        .narrow(0, offset, n)
+                        .f_copy_(&grad.reshape([-1]))
+                        .map_err(|e| e.to_string())?;
+                    copied.push((i, offset));
+                }
+                offset += n;
+            }
+            if let Some(scale) = scale {
+                let _ = tensor.f_mul_scalar_(scale).map_err(|e| e.to_string())?;
+            }
+            Ok(Flat { tensor, copied })
+        })
+    }
+
+    /// Copies the buffer's sums back into the gradients that were copied in (the rest are views of
+    /// it and hold them already). `params` are the ones [`Flat::gather`] was given.
+    pub fn scatter(&self, params: &[Tensor]) -> Result<(), String> {
+        tch::no_grad(|| {
+            for &(i, offset) in &self.copied {
+                let grad = params[i].grad();
+                let n = grad.numel() as i64;
+                grad.data()
+                    .f_copy_(&self.tensor.narrow(0, offset, n).view_as(&grad))
+                    .map_err(|e| e.to_string())?;
+            }
+            Ok(())
+        })
+    }
+
+    /// The buffer's size in bytes.
+    pub fn bytes(&self) -> u64 {
+        self.tensor.numel() as u64 * self.tensor.kind().elt_size_in_bytes() as u64
+    }
+}
+
 /// A bucket whose all-reduce has started.
 struct Started {
-    /// The bucket's gradients, flat, summed in place by the all-reduce: the parameters'
-    /// gradients are views into it, but for those in `copied`.
-    flat: Tensor,
-    /// The parameters whose gradients were copied into `flat` (another device or dtype than the
-    /// bucket's), each with its offset there: the sums are copied back to them.
-    copied: Vec<(usize, i64)>,
+    /// The bucket's gradients, summed in place by the all-reduce.
+    flat: Flat,
     work: Work,
     /// Started from a hook, during the backward.
     early: bool,
@@ -163,60 +242,15 @@ impl State {
         Ok(())
     }
 
-    /// Gathers the next bucket's gradients into a flat buffer and starts its all-reduce. Each
-    /// gradient on the bucket's device with its dtype moves into the buffer and stays there: the
-    /// parameter's gradient becomes a view into it, with the strides autograd gave it (DDP's
-    /// `gradient_as_bucket_view`), so the sums need no copying back. The others (a stage over
-    /// several devices all-reduces on its first one) are copied in, and back in [`Reducer::finish`].
+    /// Gathers the next bucket's gradients into a flat buffer ([`Flat::gather`]) and starts its
+    /// all-reduce.
     fn start_next(&mut self, group: &ProcessGroup, early: bool) -> Result<(), String> {
         let bucket = &self.buckets[self.started.len()];
-        let (flat, copied) = tch::no_grad(|| {
-            let grads = bucket
-                .iter()
-                .map(|&i| match self.params[i].grad() {
-                    grad if grad.defined() => Ok(grad),
-                    _ => Err(format!(
-                        "internal error: parameter {i} has no gradient to all-reduce"
-                    )),
-                })
-                .collect::<Result<Vec<_>, _>>()?;
-            let kind = grads.first().map_or(tch::Kind::Float, Tensor::kind);
-            let total = grads.iter().map(|g| g.numel() as i64).sum::<i64>();
-            let mut flat = Tensor::f_empty([total], (kind, self.device)).map_err(|e| e.to_string())?;
-            let mut copied = Vec::new();
-            let mut offset = 0;
-            for (&i, grad) in bucket.iter().zip(&grads) {
-                let n = grad.numel() as i64;
-                if grad.device() == self.device && grad.kind() == kind {
-                    let size = grad.size();
-                    let stride = dense_strides(&size, &grad.stride());
-                    let mut view = flat
-                        .f_as_strided(&size, &stride, offset)
-                        .map_err(|e| e.to_string())?;
-                    view.f_copy_(grad).map_err(|e| e.to_string())?;
-                    set_grad(&self.params[i], &view)?;
-                } else {
-                    flat.narrow(0, offset, n)
-                        .f_copy_(&grad.reshape([-1]))
-                        .map_err(|e| e.to_string())?;
-                    copied.push((i, offset));
-                }
-                offset += n;
-            }
-            if let Some(scale) = self.scale {
-                let _ = flat.f_mul_scalar_(scale).map_err(|e| e.to_string())?;
-            }
-            Ok::<_, String>((flat, copied))
-        })?;
+        let flat = Flat::gather(&self.params, bucket, self.device, self.scale)?;
         let work = group
-            .all_reduce_sum(std::slice::from_ref(&flat))
+            .all_reduce_sum(std::slice::from_ref(&flat.tensor))
             .map_err(|e| e.to_string())?;
-        self.started.push(Started {
-            flat,
-            copied,
-            work,
-            early,
-        });
+        self.started.push(Started { flat, work, early });
         Ok(())
     }
 }
@@ -362,26 +396,12 @@ impl Reducer {
                 sent: state
                     .started
                     .iter()
-                    .map(|s| {
-                        ring_bytes(
-                            s.flat.numel() as u64 * s.flat.kind().elt_size_in_bytes() as u64,
-                            group.size(),
-                        )
-                    })
+                    .map(|s| ring_bytes(s.flat.bytes(), group.size()))
                     .sum(),
             };
             for started in state.started.drain(..) {
                 started.work.wait().map_err(|e| e.to_string())?;
-                tch::no_grad(|| {
-                    for &(i, offset) in &started.copied {
-                        let grad = state.params[i].grad();
-                        let n = grad.numel() as i64;
-                        grad.data()
-                            .f_copy_(&started.flat.narrow(0, offset, n).view_as(&grad))
-                            .map_err(|e| e.to_string())?;
-                    }
-                    Ok::<_, String>(())
-                })?;
+                started.flat.scatter(&state.params)?;
             }
             crate::cuda::synchronize(device)?;
             stats.wait = started_at.elapsed();
@@ -528,6 +548,48 @@ mod tests {
             let at = |g: &Tensor| g.data_ptr() as usize;
             assert_eq!(at(&grads[1]), at(&grads[2]) + 5 * 4, "rank {rank}");
             assert_eq!(at(&grads[0]), at(&grads[1]) + 24 * 4, "rank {rank}");
+        }
+    }
+
+    /// A gradient of another dtype than the buffer's (its first gradient's) is copied in, not
+    /// moved: its parameter keeps its own gradient, which gets the buffer's values back from
+    /// `scatter`; the others are views from `gather` on.
+    #[test]
+    fn a_gradient_of_another_dtype_is_copied_in_and_its_sum_copied_back() {
+        use tch::Kind;
+        let params = [
+            Tensor::zeros([2, 3], (Kind::Float, Device::Cpu)).set_requires_grad(true),
+            Tensor::zeros([4], (Kind::Double, Device::Cpu)).set_requires_grad(true),
+        ];
+        let loss = params
+            .iter()
+            .fold(Tensor::zeros([], (Kind::Double, Device::Cpu)), |loss, p| {
+                let weights =
+                    Tensor::arange(p.numel() as i64, (p.kind(), Device::Cpu)).view(p.size().as_slice());
+                loss + (p * weights).sum(Kind::Double)
+            });
+        loss.backward();
+        let double = params[1].grad();
+        let flat = Flat::gather(&params, &[1, 0], Device::Cpu, Some(2.0)).unwrap();
+        // The first gradient gathered (the double one) gives the buffer its dtype and moves; the
+        // float one is copied in after it.
+        assert_eq!(flat.tensor.kind(), Kind::Double);
+        assert_eq!(flat.copied, [(0, 4)]);
+        assert_eq!(
+            params[1].grad().data_ptr(),
+            flat.tensor.data_ptr(),
+            "the double one is a view"
+        );
+        assert_ne!(double.data_ptr(), flat.tensor.data_ptr());
+        // A collective's sum, standing in: add 1 everywhere.
+        let _ = flat.tensor.shallow_clone().f_add_scalar_(1.0).unwrap();
+        flat.scatter(&params).unwrap();
+        for p in &params {
+            let expected =
+                Tensor::arange(p.numel() as i64, (p.kind(), Device::Cpu)).view(p.size().as_slice()) * 2.0
+                    + 1.0;
+            assert!(p.grad().equal(&expected), "{} against {expected}", p.grad());
+            assert_eq!(p.grad().kind(), p.kind());
         }
     }
 
