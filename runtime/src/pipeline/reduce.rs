@@ -454,7 +454,6 @@ unsafe extern "C" fn grad_ready(context: *mut c_void, index: i64) -> *mut c_char
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::ReduceOptions;
     use Action::{Backward as B, Forward as F, Step};
 
     #[test]
