@@ -317,33 +317,46 @@ impl Executor {
             (input.set_requires_grad(true), Some(target))
         };
         let target = target.expect("every forward has a target");
-        let stash =
+        // Weight stashing: a copy of the weights, which the forward itself runs on (see
+        // [`with_data`]), for microbatches whose backward comes after a step.
+        let stash: Option<Vec<Tensor>> =
             stash.then(|| tch::no_grad(|| self.optimizer.params().iter().map(|p| p.data().copy()).collect()));
+        let params: Vec<Tensor> = match &stash {
+            Some(_) => self
+                .optimizer
+                .params()
+                .iter()
+                .map(Tensor::shallow_clone)
+                .collect(),
+            None => Vec::new(),
+        };
         let scale = match self.schedule {
             Schedule::PipeDream => 1.0,
             Schedule::GPipe | Schedule::OneFOneB => 1.0 / self.microbatches as f64,
         };
         let devices = self.timed_devices(progress);
-        let (output, tally) = timed(
-            c"forward",
-            &devices,
-            self.slowdown,
-            &mut progress.timing,
-            || -> anyhow::Result<(Tensor, Option<Tensor>)> {
-                let out = self.stage.forward(&input, true);
-                match self.stage.loss_and_accuracy(&out, &target) {
-                    Some(computed) => {
-                        let (loss, accuracy) = computed.context("computing the loss")?;
-                        let backward = match &self.scaler {
-                            Some(scaler) => scaler.scale_loss(&(&loss * scale)),
-                            None => &loss * scale,
-                        };
-                        Ok((backward, Some(tally_of(&loss, accuracy))))
+        let (output, tally) = with_data(&params, stash.as_deref(), || {
+            timed(
+                c"forward",
+                &devices,
+                self.slowdown,
+                &mut progress.timing,
+                || -> anyhow::Result<(Tensor, Option<Tensor>)> {
+                    let out = self.stage.forward(&input, true);
+                    match self.stage.loss_and_accuracy(&out, &target) {
+                        Some(computed) => {
+                            let (loss, accuracy) = computed.context("computing the loss")?;
+                            let backward = match &self.scaler {
+                                Some(scaler) => scaler.scale_loss(&(&loss * scale)),
+                                None => &loss * scale,
+                            };
+                            Ok((backward, Some(tally_of(&loss, accuracy))))
+                        }
+                        None => Ok((out, None)),
                     }
-                    None => Ok((out, None)),
-                }
-            },
-        )?;
+                },
+            )
+        })?;
         if let Some(tally) = tally {
             progress.tallies.push(tally);
         } else {
@@ -381,37 +394,17 @@ impl Executor {
         } else {
             Some(self.take(progress, Message::Gradient(g))?)
         };
-        // Weight stashing: run the backward against the weights the forward used, swapping the
-        // stashed data in (and the live data back after) only for microbatches that have a stash.
-        let swapped: Option<(Vec<Tensor>, Vec<Tensor>)> = flight.stash.as_ref().map(|stash| {
-            let mut params: Vec<Tensor> = self
+        // Weight stashing: the backward runs against the weights the forward used, swapped in
+        // (and the live ones back after) only for microbatches that have a stash.
+        let params: Vec<Tensor> = match &flight.stash {
+            Some(_) => self
                 .optimizer
                 .params()
                 .iter()
                 .map(Tensor::shallow_clone)
-                .collect();
-            let live = params
-                .iter_mut()
-                .zip(stash)
-                .map(|(p, old)| {
-                    let live = p.data();
-                    p.set_data(old);
-                    live
-                })
-                .collect();
-            (params, live)
-        });
-        if let Some(forward_checksum) = flight.checksum {
-            progress.traces.push(Trace {
-                rank: self.rank,
-                stage: s,
-                microbatch: g as u64,
-                forward_version: flight.version,
-                steps_at_backward: self.optimizer.steps(),
-                forward_checksum,
-                backward_checksum: self.checksum(),
-            });
-        }
+                .collect(),
+            None => Vec::new(),
+        };
         let (devices, slowdown) = (self.timed_devices(progress), self.slowdown);
         // The gradient arrives on the process group's device; the output may be on another of a
         // stage's devices.
@@ -419,28 +412,36 @@ impl Executor {
             true => g,
             false => g.to_device(flight.output.device()),
         });
-        let mut run = || {
-            timed(
-                c"backward",
-                &devices,
-                slowdown,
-                &mut progress.timing,
-                || match &grad {
-                    None => flight.output.f_backward().map_err(|e| e.to_string()),
-                    Some(grad) => backward_with_grad(&flight.output, grad),
-                },
-            )
-        };
-        match (&mut self.reducer, &self.links.replicas) {
-            (Some(reducer), Some(group)) => reducer.backward(group, last, run),
-            _ => run(),
-        }
-        .map_err(|e| anyhow::anyhow!("backward of microbatch {g} on stage {s}: {e}"))?;
-        if let Some((mut params, live)) = swapped {
-            for (p, live) in params.iter_mut().zip(&live) {
-                p.set_data(live);
+        with_data(&params, flight.stash.as_deref(), || {
+            if let Some(forward_checksum) = flight.checksum {
+                progress.traces.push(Trace {
+                    rank: self.rank,
+                    stage: s,
+                    microbatch: g as u64,
+                    forward_version: flight.version,
+                    steps_at_backward: self.optimizer.steps(),
+                    forward_checksum,
+                    backward_checksum: self.checksum(),
+                });
             }
-        }
+            let mut run = || {
+                timed(
+                    c"backward",
+                    &devices,
+                    slowdown,
+                    &mut progress.timing,
+                    || match &grad {
+                        None => flight.output.f_backward().map_err(|e| e.to_string()),
+                        Some(grad) => backward_with_grad(&flight.output, grad),
+                    },
+                )
+            };
+            match (&mut self.reducer, &self.links.replicas) {
+                (Some(reducer), Some(group)) => reducer.backward(group, last, run),
+                _ => run(),
+            }
+        })
+        .map_err(|e| anyhow::anyhow!("backward of microbatch {g} on stage {s}: {e}"))?;
         if let Some(input) = &flight.input {
             let grad = input.grad();
             if !grad.defined() {
@@ -867,6 +868,35 @@ fn slice_microbatch(
     Ok((x.narrow(0, start, micro_size), y.narrow(0, start, micro_size)))
 }
 
+/// Runs `f` with `params`' data replaced by `data` (one tensor each, of the same shape, dtype and
+/// device), putting their own back after; with `data` `None` it only runs `f`. Weight stashing runs
+/// a microbatch's forward and its backward on its stash this way: the forward's graph keeps what it
+/// saved of the weights, a convolution the parameter itself but a linear layer a transposed view of
+/// its data, which `set_data` cannot reach later. So the stash must be the data the forward ran on,
+/// not a copy beside it: the optimizer's steps update the live data in place, and the view then
+/// still holds the stashed values at the backward.
+fn with_data<T>(params: &[Tensor], data: Option<&[Tensor]>, f: impl FnOnce() -> T) -> T {
+    let Some(data) = data else {
+        return f();
+    };
+    debug_assert_eq!(params.len(), data.len());
+    let swap = |incoming: &[Tensor]| -> Vec<Tensor> {
+        params
+            .iter()
+            .zip(incoming)
+            .map(|(p, d)| {
+                let previous = p.data();
+                p.shallow_clone().set_data(d);
+                previous
+            })
+            .collect()
+    };
+    let live = swap(data);
+    let value = f();
+    swap(&live);
+    value
+}
+
 /// A microbatch's tally: its loss and its accuracies (`[top-1]` or `[top-1, top-5]`), one
 /// `Double` tensor on the device, summed over microbatches and read once.
 fn tally_of(loss: &Tensor, accuracy: Tensor) -> Tensor {
@@ -907,6 +937,62 @@ fn timed<T, E: From<DeviceError>>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Weight stashing through [`with_data`], as the executor runs it: a forward on the stash, a
+    /// step of the real optimizer, then the backward on the stash. Both the input's gradient (what
+    /// a stage sends back) and the weights' must be the ones the stashed weights give, for a
+    /// linear layer (whose graph saves a transposed view of the weights' data) and a convolution
+    /// (which saves the parameter), and the parameters must hold the stepped weights after.
+    /// Every figure is computed twice the same way on the same values, so they are equal exactly.
+    #[test]
+    fn a_stashed_backward_sees_the_stashed_weights_through_what_its_graph_saved() {
+        type Layer = fn(&Tensor, &Tensor) -> Tensor;
+        let linear: Layer = |x, w| x.linear::<&Tensor>(w, None);
+        let conv: Layer = |x, w| x.conv2d::<&Tensor>(w, None, [1, 1], [0, 0], [1, 1], 1);
+        let float = (Kind::Float, Device::Cpu);
+        for (name, layer, weight, input) in [
+            ("linear", linear, vec![3, 4], vec![2, 4]),
+            ("conv", conv, vec![3, 4, 1, 1], vec![2, 4, 2, 2]),
+        ] {
+            let (w, x, upstream) = crate::models::seeded(5, || {
+                let w = Tensor::randn(weight.as_slice(), float).set_requires_grad(true);
+                let x = Tensor::randn(input.as_slice(), float).set_requires_grad(true);
+                let out = tch::no_grad(|| layer(&x, &w));
+                (w, x, Tensor::randn_like(&out))
+            });
+            let kind = crate::config::OptimizerKind::Sgd {
+                momentum: 0.0,
+                weight_decay: 0.0,
+                nesterov: false,
+            };
+            let mut optimizer = Optimizer::new(kind, 0.5, vec![w.shallow_clone()]);
+            let params = [w.shallow_clone()];
+            let stash = vec![tch::no_grad(|| w.data().copy())];
+            let out = with_data(&params, Some(&stash), || layer(&x, &w));
+            // Another microbatch's gradient, and the step PipeDream takes before this backward.
+            w.sum(Kind::Float).backward();
+            optimizer.step().unwrap();
+            let stepped = w.data().copy();
+            assert!(!stepped.equal(&stash[0]), "{name}: the step moved the weights");
+            w.shallow_clone().zero_grad();
+            with_data(&params, Some(&stash), || backward_with_grad(&out, &upstream)).unwrap();
+            assert!(w.data().equal(&stepped), "{name}: the live weights are back");
+
+            let (x_ref, w_ref) = (
+                x.detach().copy().set_requires_grad(true),
+                stash[0].copy().set_requires_grad(true),
+            );
+            backward_with_grad(&layer(&x_ref, &w_ref), &upstream).unwrap();
+            assert!(
+                x.grad().equal(&x_ref.grad()),
+                "{name}: the input's gradient is not the stashed weights'"
+            );
+            assert!(
+                w.grad().equal(&w_ref.grad()),
+                "{name}: the weights' gradient differs"
+            );
+        }
+    }
 
     /// The stretch is slept, not only booked: the compute booked is `factor` times the work's own
     /// time and no more than the time that really passed. (Both hold however loaded the machine
