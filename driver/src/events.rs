@@ -108,8 +108,13 @@ pub enum StopCause {
     /// `reason` is the error with its causes.
     LaunchFailed { reason: String },
     /// Slurm ended the job, or it did not start in time: `reason` says which (`did not start:
-    /// ...`, `reached its time limit ...`).
-    SlurmJob { job_id: Option<u64>, reason: String },
+    /// ...`, `reached its time limit ...`), `never_started` that the job never got its nodes.
+    SlurmJob {
+        job_id: Option<u64>,
+        reason: String,
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        never_started: bool,
+    },
 }
 
 /// What a failure adds when the kernel is known to have killed the rank for memory (empty
@@ -165,8 +170,13 @@ pub enum SlurmEvent {
     /// is srun's `-v` chatter.
     Line { line: String, important: bool },
     /// The job will not run its ranks to their end: refused, still queued at the deadline,
-    /// at its time limit, preempted, or cancelled by someone else.
-    Stopped { job_id: Option<u64>, reason: String },
+    /// at its time limit, preempted, or cancelled by someone else; `never_started` when it
+    /// never got its nodes (refused, or still queued).
+    Stopped {
+        job_id: Option<u64>,
+        reason: String,
+        never_started: bool,
+    },
 }
 
 /// A container the driver could not remove: where it is, and how to remove it by hand.

@@ -41,6 +41,13 @@ pub enum RunError {
     Interrupted { id: String, dir: std::path::PathBuf },
     #[error("some of the experiment's containers could not be removed")]
     Cleanup(#[source] LaunchError),
+    /// [`LaunchError::StartLeft`]: the start's error, then the containers left as the source.
+    #[error("cannot start the ranks ({}), and some of the experiment's containers could not be removed", crate::error::error_line(.start))]
+    LaunchLeft {
+        start: LaunchError,
+        #[source]
+        left: LaunchError,
+    },
 }
 
 impl RunError {
@@ -54,7 +61,7 @@ impl RunError {
             RunError::Record(_) => exit_codes::RECORD_FAILED,
             RunError::Interrupted { .. } => exit_codes::INTERRUPTED,
             RunError::Failed { .. } => exit_codes::EXPERIMENT_FAILED,
-            RunError::Cleanup(_) => exit_codes::CLEANUP_FAILED,
+            RunError::Cleanup(_) | RunError::LaunchLeft { .. } => exit_codes::CLEANUP_FAILED,
         }
     }
 }
@@ -70,7 +77,8 @@ impl RunError {
             | RunError::Launch(_)
             | RunError::Record(_)
             | RunError::Signals(_)
-            | RunError::Cleanup(_) => None,
+            | RunError::Cleanup(_)
+            | RunError::LaunchLeft { .. } => None,
         }
     }
 }
@@ -473,7 +481,7 @@ pub async fn run_loaded(
             reporters.report(&Event::Finished {
                 status: Status::Failed,
             });
-            return Err(RunError::Launch(e));
+            return Err(start_failed(e));
         }
     };
     let status = outcome.status();
@@ -517,8 +525,9 @@ async fn run_with_restarts(
             // Succeeded, interrupted, or with containers left behind: nothing starts again.
             _ => return Ok(outcome),
         };
-        // A signal that came while the ranks were being stopped ends the run here.
-        if signals.pending() {
+        // A signal that came while the ranks were being stopped, or that cut their traces' copy
+        // short, ends the run here.
+        if signals.arrived() {
             return Ok(outcome);
         }
         match restart::decide(
@@ -626,6 +635,17 @@ fn say(bars: Option<&indicatif::MultiProgress>, text: String) {
     }
 }
 
+/// The run's error for ranks that could not start: exit 4 where containers were left.
+fn start_failed(e: LaunchError) -> RunError {
+    match e {
+        LaunchError::StartLeft { start, left } => RunError::LaunchLeft {
+            start: *start,
+            left: *left,
+        },
+        e => RunError::Launch(e),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::cell::RefCell;
@@ -652,6 +672,38 @@ mod tests {
             },
         ));
         (outcome, asked.into_inner())
+    }
+
+    /// A start that failed and could not remove a container it made ends as every cleanup
+    /// failure does (exit 4), its error saying why the start failed and how to remove what was
+    /// left; without containers left it is the start's failure (exit 1).
+    #[test]
+    fn a_failed_start_that_left_a_container_exits_4_naming_both() {
+        let start = || LaunchError::PortInUse {
+            host: "th1".into(),
+            port: 4000,
+        };
+        let left = LaunchError::ContainersLeft {
+            left: vec![crate::events::LeftContainer {
+                host: "th2".into(),
+                name: "exp-r1".into(),
+                id: "0123456789abcdef".into(),
+                ranks: vec![1],
+                error: "cannot open an SSH connection to th2".into(),
+                remove_by_hand: "ssh th2 docker rm -f exp-r1".into(),
+            }],
+            grace_s: 20,
+        };
+        let e = start_failed(LaunchError::StartLeft {
+            start: Box::new(start()),
+            left: Box::new(left),
+        });
+        assert_eq!(e.exit_code(), exit_codes::CLEANUP_FAILED);
+        let text = crate::error::error_chain(&e);
+        for part in ["master port 4000 is in use on th1", "ssh th2 docker rm -f exp-r1"] {
+            assert!(text.contains(part), "{part:?} missing from: {text}");
+        }
+        assert_eq!(start_failed(start()).exit_code(), exit_codes::EXPERIMENT_FAILED);
     }
 
     #[test]

@@ -16,6 +16,8 @@ pub struct StopSignals {
     term: Signal,
     /// `None` when the driver was started with SIGHUP ignored.
     hup: Option<Signal>,
+    /// One of them was received: the user asked the driver to be done, whichever wait saw it.
+    received: bool,
 }
 
 impl StopSignals {
@@ -29,6 +31,7 @@ impl StopSignals {
             int: signal(SignalKind::interrupt())?,
             term: signal(SignalKind::terminate())?,
             hup,
+            received: false,
         })
     }
 
@@ -45,12 +48,16 @@ impl StopSignals {
             _ = self.term.recv() => {}
             _ = hangup => {}
         }
+        self.received = true;
     }
 
-    /// Whether one of the signals arrived and was not yet received; receives it.
-    pub fn pending(&mut self) -> bool {
+    /// Whether one of the signals has arrived since they were installed: received by [`recv`]
+    /// in some wait (a copy the signal cut short, say) or not yet (which this receives).
+    ///
+    /// [`recv`]: StopSignals::recv
+    pub fn arrived(&mut self) -> bool {
         use futures_util::FutureExt;
-        self.recv().now_or_never().is_some()
+        self.received || self.recv().now_or_never().is_some()
     }
 
     /// A flag set once any of the signals arrives, for work that checks between steps (a sweep's
@@ -74,4 +81,28 @@ fn hangups_ignored() -> bool {
     let read = unsafe { nix::libc::sigaction(nix::libc::SIGHUP, std::ptr::null(), current.as_mut_ptr()) };
     // SAFETY: zero-initialised and, on success, written by sigaction.
     read == 0 && unsafe { current.assume_init() }.sa_sigaction == nix::libc::SIG_IGN
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use nix::sys::signal::{raise, Signal};
+
+    use super::StopSignals;
+
+    /// A signal one wait received (the traces' copy that Ctrl-C cut short) still counts at the
+    /// next check, so a run the user asked to end is not started again. SIGTERM, raised after the
+    /// handlers are in place, reaches this test's handler only: nothing else in the test binary
+    /// installs one.
+    #[tokio::test]
+    async fn a_signal_one_wait_received_has_still_arrived_for_the_next() {
+        let mut signals = StopSignals::install().unwrap();
+        assert!(!signals.arrived(), "no signal was sent yet");
+        raise(Signal::SIGTERM).unwrap();
+        tokio::time::timeout(Duration::from_secs(30), signals.recv())
+            .await
+            .expect("the raised SIGTERM reaches recv");
+        assert!(signals.arrived(), "the SIGTERM recv took no longer counts");
+    }
 }

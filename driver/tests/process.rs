@@ -259,6 +259,35 @@ fn sigint_stops_every_rank_and_records_interrupted() {
 /// A driver ended outright (SIGKILL, as the kernel's OOM killer ends it) cannot stop its ranks;
 /// the kernel sends them SIGTERM as it dies, so ranks that print nothing (and so never find their
 /// output gone) do not run on without it.
+/// What a rank leaves behind ends with the run. A process that keeps the rank's output open
+/// (started in the background by a shell) no longer holds the run up once the rank exited: its
+/// group is killed after a short drain, and the rank's own lines are in its log. One that had
+/// its output elsewhere and ignores SIGTERM is killed before the driver exits.
+#[test]
+fn what_a_rank_leaves_behind_neither_holds_the_run_up_nor_outlives_it() {
+    for (name, script) in [
+        (
+            "proc-left-holding",
+            "(trap '' TERM; exec sleep 600) & echo started",
+        ),
+        (
+            "proc-left-deaf",
+            "(trap '' TERM; exec sleep 600) >/dev/null 2>&1 & echo started",
+        ),
+    ] {
+        let h = Harness::new(name);
+        let config = h.config(&format!(
+            "backend: process\nmachines: [localhost]\ncommand: [sh, -c, \"{script}\"]\n"
+        ));
+        let run = h.run(&config, &[]);
+        assert_eq!(run.code(), 0, "{name}: {}", run.stderr());
+        let (record, _) = h.summary();
+        let log = std::fs::read_to_string(record.join("rank-0.log")).unwrap();
+        assert!(log.contains("started"), "{name}: {log}");
+        h.assert_no_processes();
+    }
+}
+
 #[test]
 fn the_ranks_of_a_driver_killed_outright_end_with_it() {
     let h = Harness::new("proc-driver-killed");

@@ -120,6 +120,7 @@ impl DockerLauncher {
         let name = format!("{}-r{}", self.id, r.rank);
         let id = create(host, name.clone(), body).await?;
         self.track(r.host, &id, name, vec![r.rank]);
+        copy_in(host, &id).await?;
         start(host, &id).await?;
         let _ = tx.send(Event::RankStarted {
             rank: r.rank,
@@ -145,6 +146,7 @@ impl DockerLauncher {
         let name = format!("{}-h{index}", self.id);
         let container = create(host, name.clone(), body).await?;
         self.track(index, &container, name, host_plan.ranks.clone());
+        copy_in(host, &container).await?;
         // The file the ranks record their process IDs in, writable by the image's user.
         upload(host, &container, lease::ranks_tar(), "prepare a container").await?;
         start(host, &container).await?;
@@ -349,7 +351,8 @@ pub(super) async fn start(host: &Host, id: &str) -> Result<(), LaunchError> {
         })
 }
 
-/// Creates a container and copies in the files the host lacks, so it is ready to start.
+/// Creates a container; [`copy_in`] then gives it the files the host lacks. (Two steps, so a
+/// launcher tracks the container before a copy that fails can leave it.)
 pub(super) async fn create(
     host: &Host,
     name: String,
@@ -368,10 +371,16 @@ pub(super) async fn create(
                 source,
             })
         })?;
-    if !host.copies.is_empty() {
-        upload(host, &id, pack_files(host)?, "copy code into a container").await?;
-    }
     Ok(id)
+}
+
+/// Copies into the container `id`, created by [`create`], the files its host lacks, so it is
+/// ready to start.
+pub(super) async fn copy_in(host: &Host, id: &str) -> Result<(), LaunchError> {
+    if !host.copies.is_empty() {
+        upload(host, id, pack_files(host)?, "copy code into a container").await?;
+    }
+    Ok(())
 }
 
 /// Unpacks `tar` at the root of container `id`; a failure is `action`'s, on this host.
@@ -1097,6 +1106,7 @@ pub(super) async fn run_to_end(
     body: ContainerCreateBody,
 ) -> Result<(i64, String, String), LaunchError> {
     let id = create(host, name, body).await?;
+    copy_in(host, &id).await?;
     start(host, &id).await?;
     let mut wait = host.docker.wait_container(&id, None::<WaitContainerOptions>);
     let code = match wait.next().await {

@@ -109,6 +109,13 @@ pub enum LaunchError {
     ContainersLeft { left: Vec<LeftContainer>, grace_s: u64 },
     #[error("interrupted before the ranks started")]
     Interrupted,
+    /// The ranks could not start (`start`), and removing what was started left containers
+    /// (`left`, a [`LaunchError::ContainersLeft`]).
+    #[error("{}", crate::error::error_line(.start.as_ref()))]
+    StartLeft {
+        start: Box<LaunchError>,
+        left: Box<LaunchError>,
+    },
     #[error("cannot run `{program}`: the slurm backend runs where Slurm's commands are (a cluster's login node), with SLURM_CONF set where the cluster's configuration is not in /etc/slurm; `scripts/slurm-cluster up` starts a one-node cluster here")]
     SlurmMissing {
         program: String,
@@ -207,28 +214,27 @@ pub enum Launcher {
 
 impl Launcher {
     /// Starts every rank of `plan` on `target`; events go to `tx`. A start that fails removes
-    /// what it started: what could not be removed comes back with the error.
+    /// what it started; what could not be removed makes the error a [`LaunchError::StartLeft`].
     pub async fn start(
         target: Target,
         plan: &Experiment,
         tx: UnboundedSender<Event>,
-    ) -> Result<Launcher, (LaunchError, Vec<LeftContainer>)> {
+    ) -> Result<Launcher, LaunchError> {
         match target {
-            Target::Processes => process::ProcessLauncher::start(plan, tx)
-                .map(Launcher::Process)
-                .map_err(|e| (e, Vec::new())),
+            Target::Processes => process::ProcessLauncher::start(plan, tx).map(Launcher::Process),
             Target::Slurm { settings, job_name } => {
-                slurm::SlurmLauncher::start(plan, &settings, job_name, tx)
-                    .map(Launcher::Slurm)
-                    .map_err(|e| (e, Vec::new()))
+                slurm::SlurmLauncher::start(plan, &settings, job_name, tx).map(Launcher::Slurm)
             }
             Target::Containers { hosts, id, ssh } => {
                 let docker = docker::DockerLauncher::new(hosts, id, ssh);
                 match docker.start(plan, tx).await {
                     Ok(()) => Ok(Launcher::Docker(docker)),
                     Err(e) => match docker.remove_all(cleanup::REMOVAL_GRACE).await {
-                        Err(LaunchError::ContainersLeft { left, .. }) => Err((e, left)),
-                        _ => Err((e, Vec::new())),
+                        Err(left @ LaunchError::ContainersLeft { .. }) => Err(LaunchError::StartLeft {
+                            start: Box::new(e),
+                            left: Box::new(left),
+                        }),
+                        _ => Err(e),
                     },
                 }
             }
@@ -275,7 +281,7 @@ impl Launcher {
     pub async fn finish(&self) -> Result<(), LaunchError> {
         match self {
             Launcher::Process(p) => {
-                p.stop_all().await;
+                p.finish().await;
                 Ok(())
             }
             Launcher::Docker(d) => d.remove_all(cleanup::REMOVAL_GRACE).await,
@@ -356,9 +362,11 @@ pub async fn run_ranks(
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
     let launcher = match Launcher::start(target, plan, tx).await {
         Ok(l) => l,
-        Err((e, left)) => {
-            if !left.is_empty() {
-                reporters.report(&Event::ContainersLeft(left));
+        Err(e) => {
+            if let LaunchError::StartLeft { left, .. } = &e {
+                if let LaunchError::ContainersLeft { left, .. } = left.as_ref() {
+                    reporters.report(&Event::ContainersLeft(left.clone()));
+                }
             }
             return Err(e);
         }
@@ -463,9 +471,14 @@ async fn supervise(
                 started_on.insert(*rank, host.clone());
                 None
             }
-            Event::Slurm(SlurmEvent::Stopped { job_id, reason }) => Some(StopCause::SlurmJob {
+            Event::Slurm(SlurmEvent::Stopped {
+                job_id,
+                reason,
+                never_started,
+            }) => Some(StopCause::SlurmJob {
                 job_id: *job_id,
                 reason: reason.clone(),
+                never_started: *never_started,
             }),
             Event::HostLost { host, reason } | Event::RankLost { host, reason, .. } => {
                 if matches!(&event, Event::RankLost { .. }) {

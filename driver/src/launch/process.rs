@@ -19,6 +19,11 @@ use crate::experiment::Experiment;
 
 /// Time between SIGTERM and SIGKILL when stopping ranks.
 const GRACE: Duration = Duration::from_secs(3);
+/// How long a rank's output may go on after it exited: what it wrote before is read within
+/// milliseconds, so output still open after this is held by a process it left behind.
+const DRAIN: Duration = Duration::from_secs(5);
+/// How often [`ProcessLauncher::finish`] looks for what is left of the ranks' process groups.
+const POLL: Duration = Duration::from_millis(50);
 
 /// Running child processes.
 pub struct ProcessLauncher {
@@ -81,13 +86,23 @@ impl ProcessLauncher {
             let tx = tx.clone();
             let r = rank.rank;
             let killing = launcher.killing.clone();
+            let group = Pid::from_raw(pid as i32);
             tokio::spawn(async move {
-                let _ = out.await;
-                let _ = err.await;
                 let exit_code = match child.wait().await {
                     Ok(status) => exit_code(status),
                     Err(_) => None,
                 };
+                // Its output is read to the end before its exit is told (the failure's last lines).
+                // A process it left behind that holds the output open would hold that back for
+                // ever: after DRAIN its group is killed, which closes the output.
+                let aborts = [out.abort_handle(), err.abort_handle()];
+                let mut readers = futures_util::future::join(out, err);
+                if tokio::time::timeout(DRAIN, &mut readers).await.is_err() {
+                    let _ = killpg(group, Signal::SIGKILL);
+                    if tokio::time::timeout(DRAIN, &mut readers).await.is_err() {
+                        aborts.iter().for_each(tokio::task::AbortHandle::abort);
+                    }
+                }
                 let out_of_memory = exit_code == Some(oom::SIGKILLED)
                     && !killing.load(Ordering::SeqCst)
                     && kills_before
@@ -120,6 +135,22 @@ impl ProcessLauncher {
                 let _ = killpg(g, Signal::SIGKILL);
             }
         });
+    }
+
+    /// Stops what is left of the ranks' process groups once the ranks have exited (processes
+    /// they started): SIGTERM, then SIGKILL to what is still there after [`GRACE`]. Returns once
+    /// every group is gone or killed, so nothing outlives the driver.
+    pub async fn finish(&self) {
+        self.signal_all(Signal::SIGTERM);
+        let deadline = tokio::time::Instant::now() + GRACE;
+        // Signal 0 only asks whether the group still has a process.
+        while self.groups.iter().any(|&g| killpg(g, None).is_ok()) {
+            if tokio::time::Instant::now() >= deadline {
+                self.kill_now();
+                return;
+            }
+            tokio::time::sleep(POLL).await;
+        }
     }
 
     fn kill_now(&self) {

@@ -6,7 +6,9 @@
 
 use futures_util::future::join_all;
 
-use super::docker::{container_body, create, labels, remove_everywhere, run_to_end, runtime_error, start};
+use super::docker::{
+    container_body, copy_in, create, labels, remove_everywhere, run_to_end, runtime_error, start,
+};
 use super::LaunchError;
 use crate::experiment::Experiment;
 use crate::hosts::Host;
@@ -39,6 +41,7 @@ pub async fn master_reachable(
     let body = container_body(plan, first, labels(id, plan, "reach"), &[], Some(&listen));
     let listener = async {
         let cid = create(first, format!("{id}-listen"), body).await?;
+        copy_in(first, &cid).await?;
         start(first, &cid).await
     };
     let outcome = match listener.await {

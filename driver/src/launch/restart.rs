@@ -123,6 +123,14 @@ pub fn decide(
                 progress.furthest(*rank)
             ))
         }
+        StopCause::SlurmJob {
+            never_started: true,
+            reason,
+            ..
+        } => not(format!(
+            "the Slurm job never started ({reason}): another submission would wait or be refused \
+             the same way"
+        )),
         StopCause::RankFailed { .. } | StopCause::HostLost { .. } | StopCause::SlurmJob { .. } => {
             Decision::Restart {
                 resume_from: progress.resume_from(world_size),
@@ -205,6 +213,7 @@ mod tests {
             StopCause::SlurmJob {
                 job_id: Some(7),
                 reason: "preempted".into(),
+                never_started: false,
             },
         ] {
             assert!(
@@ -233,6 +242,20 @@ mod tests {
             panic!("a refusal is not restarted");
         };
         assert!(why.contains("exit code 2"), "{why}");
+        // A Slurm job that never got its nodes (refused, or queued past start_timeout_s) would
+        // wait at the back of the queue, or be refused, again.
+        let queued = StopCause::SlurmJob {
+            job_id: Some(7),
+            reason: "did not start: still PENDING (reason: Resources) after 60 s".into(),
+            never_started: true,
+        };
+        let Decision::Stop { why: Some(why) } = decide(&queued, (0, 3), 2, &seen, None) else {
+            panic!("a job that never started is not submitted again");
+        };
+        assert!(
+            why.contains("never started (did not start: still PENDING"),
+            "{why}"
+        );
     }
 
     #[test]

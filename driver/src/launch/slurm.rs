@@ -185,14 +185,16 @@ impl SlurmLauncher {
     }
 
     /// Waits for srun to end and for the job to leave Slurm's queue, cancelling it again if it
-    /// lingers; an error names a job that is still there and how to cancel it.
+    /// lingers; an error names a job that is still there and how to cancel it. A job whose srun
+    /// had to be killed gets a grace of its own to leave the queue after that cancel.
     pub async fn finish(&self) -> Result<(), LaunchError> {
-        let deadline = tokio::time::Instant::now() + FINISH_GRACE;
+        let mut deadline = tokio::time::Instant::now() + FINISH_GRACE;
         let mut done = self.done.clone();
         let srun_ended = tokio::time::timeout_at(deadline, done.wait_for(|d| *d)).await;
         if srun_ended.is_err() {
             let _ = scancel(self.job_id(), &self.job_name).await;
             let _ = killpg(self.srun, Signal::SIGKILL);
+            deadline = tokio::time::Instant::now() + FINISH_GRACE;
         }
         loop {
             let left = match queued(&self.job_name).await {
@@ -321,7 +323,11 @@ async fn start_deadline(state: Arc<Mutex<JobState>>, wait: Duration, tx: Unbound
         return;
     }
     s.stop_sent = true;
-    let _ = tx.send(Event::Slurm(SlurmEvent::Stopped { job_id, reason }));
+    let _ = tx.send(Event::Slurm(SlurmEvent::Stopped {
+        job_id,
+        reason,
+        never_started: true,
+    }));
 }
 
 /// Once srun has exited (with `status`, when it could be had): every rank whose end srun did
@@ -349,6 +355,7 @@ fn report_ends(
         let _ = tx.send(Event::Slurm(SlurmEvent::Stopped {
             job_id: s.job_id,
             reason,
+            never_started: true,
         }));
     }
     for rank in 0..s.world {
@@ -407,6 +414,7 @@ fn stderr_events(s: &mut JobState, line: String) -> Vec<Event> {
                 events.push(Event::Slurm(SlurmEvent::Stopped {
                     job_id: s.job_id,
                     reason: reason.to_string(),
+                    never_started: !s.started,
                 }));
             }
             events.push(classify_line(rank, Stream::Stderr, text));
@@ -784,7 +792,12 @@ mod tests {
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         report_ends(&state, None, &tx);
         match rx.try_recv().unwrap() {
-            Event::Slurm(SlurmEvent::Stopped { job_id, reason }) => {
+            Event::Slurm(SlurmEvent::Stopped {
+                job_id,
+                reason,
+                never_started,
+            }) => {
+                assert!(never_started);
                 assert_eq!(job_id, Some(9));
                 assert!(reason.contains("Requested time limit is invalid"), "{reason}");
             }

@@ -218,7 +218,7 @@ impl TerminalReporter {
                     }
                     // The run's error says it, with its causes, as the driver exits.
                     StopCause::LaunchFailed { .. } => return None,
-                    StopCause::SlurmJob { job_id, reason } => {
+                    StopCause::SlurmJob { job_id, reason, .. } => {
                         return err(format!("driver: {} {reason}; stopping every rank", slurm_job(*job_id)))
                     }
                 };

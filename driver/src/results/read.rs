@@ -380,7 +380,9 @@ pub(super) fn cause_text(cause: &StopCause) -> String {
         },
         StopCause::PlanFailed { reason } => format!("planning failed: {reason}"),
         StopCause::LaunchFailed { reason } => format!("the ranks could not start: {reason}"),
-        StopCause::SlurmJob { job_id, reason } => format!("{} {reason}", crate::events::slurm_job(*job_id)),
+        StopCause::SlurmJob { job_id, reason, .. } => {
+            format!("{} {reason}", crate::events::slurm_job(*job_id))
+        }
     }
 }
 
