@@ -189,10 +189,36 @@ fn an_image_folder_run_resumes_on_the_batches_it_stopped_before() {
 
 #[test]
 fn a_pipeline_and_a_hybrid_resume_exactly_on_every_rank() {
-    for (name, world, map) in [("pipeline", 2, PIPELINE), ("hybrid", 3, HYBRID)] {
-        let scratch = Scratch::new(map);
+    // Replicas of a transformer with dropout: each rank draws its masks afresh from its own seed
+    // at its first microbatch of each iteration (the second replica's is not the iteration's
+    // first), so the resumed run draws the ones the run never stopped drew.
+    let dropout = [
+        "--model",
+        "transformer",
+        "--layers",
+        "2",
+        "--heads",
+        "2",
+        "--hidden",
+        "32",
+        "--seq-len",
+        "8",
+        "--vocab-size",
+        "50",
+        "--dropout",
+        "0.3",
+    ];
+    for (name, world, map) in [
+        ("pipeline", 2, Some(PIPELINE)),
+        ("hybrid", 3, Some(HYBRID)),
+        ("replicas with dropout", 2, None),
+    ] {
+        let scratch = Scratch::new(map.unwrap_or("{}"));
         let [w, r, c, s] = &["whole", "resumed", "ckpt", "stages.json"].map(|name| scratch.arg(name));
-        let pipeline = ["--stage-config", s, "--schedule", "1f1b", "--microbatches", "4"];
+        let pipeline: Vec<&str> = match map {
+            Some(_) => vec!["--stage-config", s, "--schedule", "1f1b", "--microbatches", "4"],
+            None => dropout.to_vec(),
+        };
         let last = |runs: &[Run]| -> Vec<f64> {
             for run in runs {
                 assert!(run.output.status.success(), "{name}: {}", run.stderr());

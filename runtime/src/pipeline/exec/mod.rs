@@ -182,7 +182,7 @@ pub struct Executor {
     /// Where and when to checkpoint.
     pub checkpoint: Option<Checkpointing>,
     /// The run's seed: with the rank and the iteration it reseeds torch's generator at each
-    /// iteration's first forward, so what dropout draws never depends on earlier iterations and a
+    /// iteration's first forward on this rank, so what dropout draws never depends on earlier iterations and a
     /// resumed run draws what the uninterrupted one did.
     pub seed: u64,
     /// `--cuda-graph`: after [`GRAPH_EAGER_ITERATIONS`](graph::GRAPH_EAGER_ITERATIONS) eager
@@ -255,6 +255,8 @@ struct Progress {
     group: Option<GroupReport>,
     /// With `--cuda-graph`: the graph and what it reads and writes.
     graph: Option<StepGraph>,
+    /// The iteration whose seed the generator was last given ([`iteration_seed`]).
+    seeded: Option<usize>,
 }
 
 impl Progress {
@@ -304,9 +306,12 @@ impl Executor {
     }
 
     fn forward(&mut self, progress: &mut Progress, g: usize, stash: bool) -> anyhow::Result<()> {
-        // A captured iteration is reseeded before each replay instead.
-        if g.is_multiple_of(self.microbatches) && !progress.capturing() {
-            tch::manual_seed(iteration_seed(self.seed, self.rank, g / self.microbatches));
+        // Reseeded at this rank's first forward of each iteration (a replica's first microbatch
+        // is not the iteration's first); a captured iteration is reseeded before each replay.
+        let iteration = g / self.microbatches;
+        if progress.seeded != Some(iteration) && !progress.capturing() {
+            tch::manual_seed(iteration_seed(self.seed, self.rank, iteration));
+            progress.seeded = Some(iteration);
         }
         let (input, target) = if self.is_first() {
             let (x, y) = self.microbatch(progress, g)?;
