@@ -311,10 +311,14 @@ fn a_dead_replica_does_not_hang_the_others() {
 /// What a partial reduce cannot do is refused before any rank connects, naming what to change.
 #[test]
 fn partial_reduce_refuses_what_needs_every_replica_at_one_step() {
-    let cases: [(&[&str], &str); 7] = [
+    let cases: [(&[&str], &str); 8] = [
         (
             &["--reduce", "partial:2", "--schedule", "pipedream"],
             "--schedule",
+        ),
+        (
+            &["--reduce", "partial:2", "--microbatches", "4"],
+            "4 is not a multiple of the 3 replicas",
         ),
         (&["--reduce", "partial:0"], "with K at least 1"),
         (&["--reduce", "some"], "neither `all` nor `partial:K`"),

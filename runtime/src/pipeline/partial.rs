@@ -357,6 +357,9 @@ impl PartialReduce {
         let (stats, before) = match record.mode {
             Mode::Sum => (reducer.finish(replicas, device)?, None),
             Mode::Mix => {
+                // Each replica ran microbatches / replicas of them (check_plan refuses other
+                // splits), each backward scaled by 1 / microbatches: times the replicas, the mean
+                // over its own.
                 let scale = self.replicas.len() as f64;
                 tch::no_grad(|| {
                     for p in params {

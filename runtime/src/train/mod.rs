@@ -399,6 +399,15 @@ fn check_plan(config: &TrainConfig) -> anyhow::Result<Checked> {
              use a K up to {max_replicas}",
             partial.k
         );
+        // A group that mixes parameters steps each member on the mean over its own microbatches,
+        // as the share of the minibatch every replica holds when each has as many.
+        ensure!(
+            microbatches.is_multiple_of(max_replicas),
+            "--reduce partial:{} steps each replica on its own share of the minibatch, so each needs \
+             as many microbatches: {microbatches} is not a multiple of the {max_replicas} replicas; \
+             give --microbatches a multiple of {max_replicas}",
+            partial.k
+        );
     }
     ensure!(
         !(model.makes_sparse_activations() && plan.stages.len() > 1 && dist.backend == Backend::Nccl),
