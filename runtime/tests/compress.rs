@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use crate::util::{assert_same_params, run, run_ranks, Run};
+use crate::util::{assert_same_params, refused, run, run_ranks, runtime, Run};
 
 const LIMIT: Duration = Duration::from_secs(120);
 
@@ -120,6 +120,61 @@ fn compressed_transfers_need_gloo() {
     ]);
     assert_eq!(out.output.status.code(), Some(2), "{}", out.stderr());
     assert!(out.stderr().contains("--backend gloo"), "{}", out.stderr());
+}
+
+/// PipeDream with a replicated stage would deadlock on the variable-size messages (a replica's
+/// step waiting on a payload the next stage receives only after its own step), so it is refused
+/// before any rank trains, with what to use instead; 1F1B takes the same split.
+#[test]
+fn pipedream_refuses_compressed_transfers_with_replicated_stages() {
+    let tmp = tempfile::tempdir().unwrap();
+    let config = tmp.path().join("hybrid.json");
+    std::fs::write(
+        &config,
+        r#"{"module_to_stage_map": [0,0,0,1,1,1], "stage_to_rank_map": {"0": [0, 1, 2], "1": [3]}}"#,
+    )
+    .unwrap();
+    let config = config.to_str().unwrap();
+    let request = |schedule: &'static str| {
+        vec![
+            "--model",
+            "mlp",
+            "--layers",
+            "4",
+            "--hidden",
+            "64",
+            "--image-size",
+            "8",
+            "--batch-size",
+            "48",
+            "--microbatches",
+            "6",
+            "--stage-config",
+            config,
+            "--world-size",
+            "4",
+            "--rank",
+            "0",
+            "--compress",
+            "auto",
+            "--schedule",
+            schedule,
+            "--check",
+        ]
+    };
+    let refusal = refused(&request("pipedream"));
+    for part in [
+        "--compress auto: ",
+        "use --schedule 1f1b or gpipe, or --compress off",
+    ] {
+        assert!(refusal.contains(part), "{part:?}: {refusal}");
+    }
+    let accepted = runtime().args(request("1f1b")).output().unwrap();
+    assert!(
+        accepted.status.success(),
+        "{}",
+        String::from_utf8_lossy(&accepted.stderr)
+    );
 }
 
 /// sparse_mlp's hidden layers hand on sparse COO tensors (k-winners-take-all), and its backward
