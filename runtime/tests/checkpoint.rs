@@ -28,6 +28,25 @@ fn strs(args: &[String]) -> Vec<&str> {
     args.iter().map(String::as_str).collect()
 }
 
+/// A small transformer with dropout, whose masks a resumed run must draw as the run never
+/// stopped did.
+const DROPOUT_TRANSFORMER: [&str; 14] = [
+    "--model",
+    "transformer",
+    "--layers",
+    "2",
+    "--heads",
+    "2",
+    "--hidden",
+    "32",
+    "--seq-len",
+    "8",
+    "--vocab-size",
+    "50",
+    "--dropout",
+    "0.3",
+];
+
 /// Two stages of three modules, one rank each.
 const PIPELINE: &str = r#"{"module_to_stage_map": [0,0,0,1,1,1], "stage_to_rank_map": {"0": [0], "1": [1]}}"#;
 /// The same with the first stage replicated on two ranks.
@@ -74,23 +93,7 @@ fn held(ckpt: &Path, rank: usize) -> Vec<u64> {
 fn a_resumed_run_continues_exactly_where_the_checkpoint_left_it() {
     // Adam on a transformer with dropout: its masks are drawn afresh each iteration from the
     // run's seed, so the resumed run draws the ones the uninterrupted run drew.
-    let transformer = [
-        "adam",
-        "--model",
-        "transformer",
-        "--layers",
-        "2",
-        "--heads",
-        "2",
-        "--hidden",
-        "32",
-        "--seq-len",
-        "8",
-        "--vocab-size",
-        "50",
-        "--dropout",
-        "0.3",
-    ];
+    let transformer = [&["adam"][..], &DROPOUT_TRANSFORMER].concat();
     // A convolutional model in channels_last: its momentum buffers are restored in its
     // parameters' layout, which the fused kernels need.
     let channels_last = [
@@ -103,7 +106,7 @@ fn a_resumed_run_continues_exactly_where_the_checkpoint_left_it() {
         "10",
         "--channels-last",
     ];
-    for optimizer in [&["sgd"][..], &transformer, &channels_last] {
+    for optimizer in [&["sgd"][..], &transformer[..], &channels_last] {
         let tmp = tempfile::tempdir().unwrap();
         let (whole, resumed) = (tmp.path().join("whole"), tmp.path().join("resumed"));
         let ckpt = tmp.path().join("ckpt");
@@ -192,22 +195,6 @@ fn a_pipeline_and_a_hybrid_resume_exactly_on_every_rank() {
     // Replicas of a transformer with dropout: each rank draws its masks afresh from its own seed
     // at its first microbatch of each iteration (the second replica's is not the iteration's
     // first), so the resumed run draws the ones the run never stopped drew.
-    let dropout = [
-        "--model",
-        "transformer",
-        "--layers",
-        "2",
-        "--heads",
-        "2",
-        "--hidden",
-        "32",
-        "--seq-len",
-        "8",
-        "--vocab-size",
-        "50",
-        "--dropout",
-        "0.3",
-    ];
     for (name, world, map) in [
         ("pipeline", 2, Some(PIPELINE)),
         ("hybrid", 3, Some(HYBRID)),
@@ -217,7 +204,7 @@ fn a_pipeline_and_a_hybrid_resume_exactly_on_every_rank() {
         let [w, r, c, s] = &["whole", "resumed", "ckpt", "stages.json"].map(|name| scratch.arg(name));
         let pipeline: Vec<&str> = match map {
             Some(_) => vec!["--stage-config", s, "--schedule", "1f1b", "--microbatches", "4"],
-            None => dropout.to_vec(),
+            None => DROPOUT_TRANSFORMER.to_vec(),
         };
         let last = |runs: &[Run]| -> Vec<f64> {
             for run in runs {

@@ -326,15 +326,7 @@ impl Executor {
         // [`with_data`]), for microbatches whose backward comes after a step.
         let stash: Option<Vec<Tensor>> =
             stash.then(|| tch::no_grad(|| self.optimizer.params().iter().map(|p| p.data().copy()).collect()));
-        let params: Vec<Tensor> = match &stash {
-            Some(_) => self
-                .optimizer
-                .params()
-                .iter()
-                .map(Tensor::shallow_clone)
-                .collect(),
-            None => Vec::new(),
-        };
+        let params = self.stashed_params(stash.is_some());
         let scale = match self.schedule {
             Schedule::PipeDream => 1.0,
             Schedule::GPipe | Schedule::OneFOneB => 1.0 / self.microbatches as f64,
@@ -401,15 +393,7 @@ impl Executor {
         };
         // Weight stashing: the backward runs against the weights the forward used, swapped in
         // (and the live ones back after) only for microbatches that have a stash.
-        let params: Vec<Tensor> = match &flight.stash {
-            Some(_) => self
-                .optimizer
-                .params()
-                .iter()
-                .map(Tensor::shallow_clone)
-                .collect(),
-            None => Vec::new(),
-        };
+        let params = self.stashed_params(flight.stash.is_some());
         let (devices, slowdown) = (self.timed_devices(progress), self.slowdown);
         // The gradient arrives on the process group's device; the output may be on another of a
         // stage's devices.
@@ -481,6 +465,20 @@ impl Executor {
     }
 
     /// Sum of the first parameter's current values (weights as the next kernel will see them).
+    /// The parameters whose data [`with_data`] swaps a microbatch's stash in and out of, when it
+    /// has one (`stashed`); none otherwise.
+    fn stashed_params(&self, stashed: bool) -> Vec<Tensor> {
+        match stashed {
+            true => self
+                .optimizer
+                .params()
+                .iter()
+                .map(Tensor::shallow_clone)
+                .collect(),
+            false => Vec::new(),
+        }
+    }
+
     fn checksum(&self) -> f64 {
         self.optimizer
             .params()
