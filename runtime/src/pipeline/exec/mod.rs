@@ -182,8 +182,8 @@ pub struct Executor {
     /// Where and when to checkpoint.
     pub checkpoint: Option<Checkpointing>,
     /// The run's seed: with the rank and the iteration it reseeds torch's generator at each
-    /// iteration's first forward on this rank, so what dropout draws never depends on earlier iterations and a
-    /// resumed run draws what the uninterrupted one did.
+    /// iteration's first forward on this rank, so what dropout draws never depends on earlier
+    /// iterations and a resumed run draws what the uninterrupted one did.
     pub seed: u64,
     /// `--cuda-graph`: after [`GRAPH_EAGER_ITERATIONS`](graph::GRAPH_EAGER_ITERATIONS) eager
     /// iterations, one iteration's work is captured in a CUDA graph and every later iteration
@@ -464,7 +464,6 @@ impl Executor {
         self.links.everyone().is_some() || self.slowdown > 1.0
     }
 
-    /// Sum of the first parameter's current values (weights as the next kernel will see them).
     /// The parameters whose data [`with_data`] swaps a microbatch's stash in and out of, when it
     /// has one (`stashed`); none otherwise.
     fn stashed_params(&self, stashed: bool) -> Vec<Tensor> {
@@ -479,6 +478,7 @@ impl Executor {
         }
     }
 
+    /// Sum of the first parameter's current values (weights as the next kernel will see them).
     fn checksum(&self) -> f64 {
         self.optimizer
             .params()
