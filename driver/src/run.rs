@@ -84,10 +84,12 @@ impl RunError {
 }
 
 /// Waits for preflight checks that run containers labelled with any of `ids`; Ctrl-C removes
-/// them on every host and ends the run as interrupted.
+/// them on every host (reached over `ssh`, which a warning about one left names) and ends the run
+/// as interrupted.
 async fn in_check_containers<T>(
     checks: impl std::future::Future<Output = T>,
     hosts: &[hosts::Host],
+    ssh: &hosts::SshOptions,
     ids: &[&str],
     signals: &mut StopSignals,
 ) -> Result<T, RunError> {
@@ -95,7 +97,7 @@ async fn in_check_containers<T>(
         r = checks => Ok(r),
         _ = signals.recv() => {
             for id in ids {
-                crate::launch::docker::remove_everywhere(hosts, id).await;
+                crate::launch::docker::remove_everywhere(hosts, ssh, id).await;
             }
             Err(RunError::Launch(LaunchError::Interrupted))
         }
@@ -110,6 +112,7 @@ async fn port_and_reach(
     options: &Options,
     plan: &experiment::Experiment,
     prepared: Option<&[(hosts::Host, HostFacts)]>,
+    ssh: &hosts::SshOptions,
     reach_id: &str,
 ) -> Result<experiment::Experiment, RunError> {
     let master = prepared.and_then(|p| p.first()).map(|(host, _)| host);
@@ -143,7 +146,7 @@ async fn port_and_reach(
     if let (Some(prepared), None) = (prepared, &loaded.file.command) {
         let hosts: Vec<hosts::Host> = prepared.iter().map(|(h, _)| h.clone()).collect();
         let runtime = plan.ranks[0].argv[0].clone();
-        crate::launch::reach::master_reachable(&hosts, &plan, &runtime, reach_id)
+        crate::launch::reach::master_reachable(&hosts, ssh, &plan, &runtime, reach_id)
             .await
             .map_err(RunError::Preflight)?;
     }
@@ -324,17 +327,19 @@ pub async fn run_loaded(
     let runs_runtime = loaded.file.command.is_none();
     let starts = async {
         match &engines {
-            Some(hosts) => crate::launch::docker::self_check(hosts, &plan, &check_id, runs_runtime)
+            Some(hosts) => crate::launch::docker::self_check(hosts, &ssh, &plan, &check_id, runs_runtime)
                 .await
                 .map(Some)
                 .map_err(RunError::Preflight),
             None => Ok(None),
         }
     };
-    let port = port_and_reach(&loaded, &options, &plan, prepared.as_deref(), &reach_id);
+    let port = port_and_reach(&loaded, &options, &plan, prepared.as_deref(), &ssh, &reach_id);
     let checks = async { futures_util::join!(starts, port) };
     let (started, port) = match &engines {
-        Some(hosts) => in_check_containers(checks, hosts, &[&check_id, &reach_id], &mut signals).await?,
+        Some(hosts) => {
+            in_check_containers(checks, hosts, &ssh, &[&check_id, &reach_id], &mut signals).await?
+        }
         None => checks.await,
     };
     local_check.verdict().await?;

@@ -10,6 +10,7 @@ use bollard::query_parameters::{ListContainersOptionsBuilder, RemoveContainerOpt
 use futures_util::future::join_all;
 
 use super::labels::LABEL_EXPERIMENT;
+use super::lease::LEASE_TTL;
 use super::LaunchError;
 use crate::config::machine::Machine;
 use crate::hosts::HostError;
@@ -197,6 +198,42 @@ pub fn remove_by_hand(machine: &Machine, ssh_config: Option<&std::path::Path>, n
     text.join(" ")
 }
 
+/// The warnings for preflight's containers (labelled with experiment `id`) that `host`, the
+/// experiment's `machine`, did not remove, because of `why`: one per container `known` (id, name)
+/// to be left, naming it and the command that removes it by hand ([`remove_by_hand`]), or one for
+/// the host when its engine could not even list them. Preflight goes on: each stops itself, but
+/// stays listed under a label that is not the experiment record's.
+pub fn preflight_left(
+    host: &str,
+    machine: &Machine,
+    ssh_config: Option<&std::path::Path>,
+    id: &str,
+    why: &str,
+    known: Option<&Named>,
+) -> Vec<String> {
+    let ttl = LEASE_TTL.as_secs();
+    let Some(known) = known else {
+        return vec![format!(
+            "warning: preflight's containers on {host} (label {LABEL_EXPERIMENT}={id}) could not even be \
+             listed to remove them: {why}; each stops itself once its lease has not been renewed for \
+             {ttl} s, but stays listed (`docker ps -a`) until removed"
+        )];
+    };
+    known
+        .iter()
+        .map(|(cid, name)| {
+            // The engine names every container; its id removes one all the same.
+            let name = if name.is_empty() { cid } else { name };
+            format!(
+                "warning: preflight container {name} on {host} could not be removed: {why}; it stops \
+                 itself once its lease has not been renewed for {ttl} s, but stays listed \
+                 (`docker ps -a`) until removed: run `{}`",
+                remove_by_hand(machine, ssh_config, name)
+            )
+        })
+        .collect()
+}
+
 /// `word` as one word for a POSIX shell: as it is when it holds only safe characters, else in
 /// single quotes.
 fn sh_quote(word: &str) -> String {
@@ -244,6 +281,59 @@ mod tests {
         assert_eq!(
             remove_by_hand(&m, Some(cfg), "e-h0"),
             r#"ssh -F '/etc/ssh cfg' -p 2222 -i '/keys/it'\''s' 'ann@gpu 7' docker -H ''\''unix:///run/my docker.sock'\''' rm -f e-h0"#
+        );
+    }
+
+    #[test]
+    fn preflight_names_each_container_left_and_how_to_remove_it() {
+        let left = vec![("0123456789ab".to_string(), "e-check-7-h0".to_string())];
+        let why = "docker on localhost could not remove a container: 500";
+        assert_eq!(
+            preflight_left(
+                "localhost",
+                &machine("localhost"),
+                None,
+                "e-check-7",
+                why,
+                Some(&left)
+            ),
+            vec![
+                "warning: preflight container e-check-7-h0 on localhost could not be removed: docker on \
+                 localhost could not remove a container: 500; it stops itself once its lease has not been \
+                 renewed for 30 s, but stays listed (`docker ps -a`) until removed: run `docker rm -f \
+                 e-check-7-h0`"
+            ]
+        );
+        let mut m = machine("th2");
+        m.user = Some("ann".into());
+        let cfg = std::path::Path::new("/etc/ssh cfg");
+        let left = vec![
+            ("0123456789ab".to_string(), "e-reach-7-listen".to_string()),
+            ("ba9876543210".to_string(), String::new()),
+        ];
+        let why = "docker on th2 could not remove a container: 500";
+        assert_eq!(
+            preflight_left("th2", &m, Some(cfg), "e-reach-7", why, Some(&left)),
+            vec![
+                "warning: preflight container e-reach-7-listen on th2 could not be removed: docker on th2 \
+                 could not remove a container: 500; it stops itself once its lease has not been renewed \
+                 for 30 s, but stays listed (`docker ps -a`) until removed: run `ssh -F '/etc/ssh cfg' \
+                 ann@th2 docker rm -f e-reach-7-listen`",
+                "warning: preflight container ba9876543210 on th2 could not be removed: docker on th2 \
+                 could not remove a container: 500; it stops itself once its lease has not been renewed \
+                 for 30 s, but stays listed (`docker ps -a`) until removed: run `ssh -F '/etc/ssh cfg' \
+                 ann@th2 docker rm -f ba9876543210`",
+            ]
+        );
+        let why = "docker on th2 could not list the experiment's containers: connection reset";
+        assert_eq!(
+            preflight_left("th2", &m, Some(cfg), "e-reach-7", why, None),
+            vec![
+                "warning: preflight's containers on th2 (label stagehand.experiment=e-reach-7) could not \
+                 even be listed to remove them: docker on th2 could not list the experiment's containers: \
+                 connection reset; each stops itself once its lease has not been renewed for 30 s, but \
+                 stays listed (`docker ps -a`) until removed"
+            ]
         );
     }
 

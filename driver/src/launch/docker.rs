@@ -900,9 +900,10 @@ pub fn rdma_unusable(host: &str, info: &RdmaInfo) -> Option<String> {
 /// an engine that cannot give the GPUs is refused naming the host, before any rank starts. Where
 /// rank 0 runs, the training request itself is checked by the image's runtime too, in a second
 /// container started alongside the first. The containers carry `id` as their experiment label
-/// and are removed afterwards.
+/// and are removed afterwards; one left is a warning naming how to remove it (over `ssh`).
 pub async fn self_check(
     hosts: &[Host],
+    ssh: &SshOptions,
     plan: &Experiment,
     id: &str,
     runs_runtime: bool,
@@ -968,7 +969,7 @@ pub async fn self_check(
             }
             other => (other, given_rdma),
         };
-        let _ = remove_labelled(&host.docker, &host.name, id).await;
+        remove_preflight(host, ssh, id).await;
         let info = runs_where_asked(host, hp, rank, runs_runtime, started).await?;
         // The ranks still start without InfiniBand: NCCL then talks TCP, which is slower between
         // hosts, so say why.
@@ -1079,14 +1080,10 @@ async fn gpu_support_hint(docker: &bollard::Docker) -> &'static str {
     }
 }
 
-/// Removes every container labelled with experiment `id` on every host (after an interrupted
-/// [`self_check`]).
-pub async fn remove_everywhere(hosts: &[Host], id: &str) -> Vec<LaunchError> {
-    join_all(hosts.iter().map(|h| remove_labelled(&h.docker, &h.name, id)))
-        .await
-        .into_iter()
-        .flatten()
-        .collect()
+/// Removes every container labelled with experiment `id` on every host (preflight's, as
+/// [`remove_preflight`]: after the reach check, or an interrupted [`self_check`]).
+pub async fn remove_everywhere(hosts: &[Host], ssh: &SshOptions, id: &str) {
+    join_all(hosts.iter().map(|h| remove_preflight(h, ssh, id))).await;
 }
 
 /// The last line of a program's output that is not blank (its error, as a rule).
@@ -1141,10 +1138,19 @@ pub(super) async fn run_to_end(
     Ok((code, stdout, stderr))
 }
 
-/// Removes every container on `host` labelled with experiment `id`.
-pub(super) async fn remove_labelled(docker: &bollard::Docker, host: &str, id: &str) -> Vec<LaunchError> {
-    let pass = cleanup::remove_labelled(docker, host, id).await;
-    pass.failure.into_iter().map(|(e, _)| e).collect()
+/// Removes every container on `host` labelled with preflight's experiment `id`; each one left is
+/// a warning on stderr, naming it and how to remove it by hand ([`cleanup::preflight_left`]), and
+/// preflight goes on.
+async fn remove_preflight(host: &Host, ssh: &SshOptions, id: &str) {
+    let pass = cleanup::remove_labelled(&host.docker, &host.name, id).await;
+    let Some((error, known)) = pass.failure else {
+        return;
+    };
+    let why = crate::error::error_line(&error);
+    let config = ssh.config_file.as_deref();
+    for line in cleanup::preflight_left(&host.name, &host.plan.machine, config, id, &why, known.as_ref()) {
+        stderr_line!("{line}");
+    }
 }
 
 fn short(id: &str) -> String {

@@ -11,7 +11,7 @@ use super::docker::{
 };
 use super::LaunchError;
 use crate::experiment::Experiment;
-use crate::hosts::Host;
+use crate::hosts::{Host, SshOptions};
 
 /// How long each host keeps trying to connect (the listener may still be starting).
 const CONNECT_SECONDS: u32 = 10;
@@ -20,9 +20,11 @@ const LISTEN_SECONDS: u32 = 60;
 
 /// Checks that every host reaches `plan.master_addr:plan.master_port` with the runtime at
 /// `runtime` (its path in the containers). Containers carry `id` as their experiment label and
-/// are removed afterwards. Nothing to check with one host.
+/// are removed afterwards; one left is a warning naming how to remove it (over `ssh`). Nothing to
+/// check with one host.
 pub async fn master_reachable(
     hosts: &[Host],
+    ssh: &SshOptions,
     plan: &Experiment,
     runtime: &str,
     id: &str,
@@ -48,7 +50,7 @@ pub async fn master_reachable(
         Ok(()) => connect_all(hosts, plan, runtime, &port, id).await,
         Err(e) => Err(e),
     };
-    remove_everywhere(hosts, id).await;
+    remove_everywhere(hosts, ssh, id).await;
     outcome
 }
 
