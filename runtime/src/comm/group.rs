@@ -558,6 +558,22 @@ impl Work {
         self.finish().map_err(|reason| self.context.error(reason))
     }
 
+    /// Waits on a thread of its own, so that whether the operation has ended can be asked
+    /// without blocking: c10d's Gloo point-to-point works say so only once waited for, and a wait
+    /// that times out fails the whole group. The group's timeout counts from now.
+    pub fn watch(self) -> Result<Watched, CommError> {
+        let op = self.context.op;
+        let thread = std::thread::Builder::new()
+            .name(format!("watch-{op}"))
+            .spawn(move || self.wait())
+            .map_err(|e| CommError::Op {
+                op,
+                peer: None,
+                reason: format!("could not start a thread to wait on it: {e}"),
+            })?;
+        Ok(Watched { thread: Some(thread) })
+    }
+
     fn finish(&mut self) -> Result<(), String> {
         let Some(raw) = self.raw.take() else {
             return Ok(());
@@ -571,6 +587,41 @@ impl Work {
             Some(after) => after(),
             None => Ok(()),
         }
+    }
+}
+
+/// A [`Work`] waited for on a thread of its own ([`Work::watch`]). Dropped, it waits as the work
+/// would.
+pub struct Watched {
+    thread: Option<std::thread::JoinHandle<Result<(), CommError>>>,
+}
+
+impl Watched {
+    /// Whether the operation has ended, successfully or not (so [`Watched::wait`] returns at
+    /// once); never blocks.
+    pub fn is_completed(&self) -> bool {
+        self.thread.as_ref().is_none_or(|t| t.is_finished())
+    }
+
+    /// Waits until the operation has completed, as [`Work::wait`].
+    pub fn wait(mut self) -> Result<(), CommError> {
+        self.join()
+    }
+
+    fn join(&mut self) -> Result<(), CommError> {
+        match self.thread.take().map(std::thread::JoinHandle::join) {
+            None => Ok(()),
+            Some(Ok(outcome)) => outcome,
+            Some(Err(_)) => Err(CommError::Invalid(
+                "a thread waiting on an operation panicked".into(),
+            )),
+        }
+    }
+}
+
+impl Drop for Watched {
+    fn drop(&mut self) {
+        let _ = self.join();
     }
 }
 

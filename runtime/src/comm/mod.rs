@@ -32,7 +32,7 @@ use std::time::Duration;
 
 use crate::ffi;
 
-pub use group::{ProcessGroup, Work};
+pub use group::{ProcessGroup, Watched, Work};
 pub use store::Store;
 
 /// What went wrong talking to other ranks.

@@ -174,6 +174,39 @@ fn concurrent_sends_with_different_tags_reach_their_own_recvs() {
     });
 }
 
+/// A watched receive says it has ended only once its message is in, without blocking, and its
+/// wait then returns the message; a watched send ends once its receive is posted.
+#[test]
+fn a_watched_receive_says_it_has_ended_once_its_message_is_in() {
+    world(2, |rank, store| {
+        let pg = gloo(store, rank, TIMEOUT);
+        let sent = Tensor::arange(4096, (Kind::Float, tch::Device::Cpu));
+        let until_ended = |watched: &super::Watched| {
+            let deadline = Instant::now() + TIMEOUT;
+            while !watched.is_completed() {
+                assert!(Instant::now() < deadline, "never said it ended");
+                thread::sleep(Duration::from_millis(1));
+            }
+        };
+        if rank == 0 {
+            // Sent only after the receiver has seen its receive still open.
+            store.get("checked").unwrap();
+            let send = pg.send(&sent, 1, 5).unwrap().watch().unwrap();
+            until_ended(&send);
+            send.wait().unwrap();
+        } else {
+            let mut got = sent.zeros_like();
+            let recv = pg.recv(&mut got, 0, 5).unwrap().watch().unwrap();
+            thread::sleep(Duration::from_millis(50));
+            assert!(!recv.is_completed(), "ended before anything was sent");
+            store.set("checked", b"1").unwrap();
+            until_ended(&recv);
+            recv.wait().unwrap();
+            assert_eq!(got, sent);
+        }
+    });
+}
+
 #[test]
 fn all_reduce_sums_over_the_world_and_over_a_subgroup() {
     let results = world(3, |rank, store| {

@@ -31,6 +31,11 @@
 //!   of stage 0 hangs: a replica's step waits for an activation the next stage will only take
 //!   after a step of its own, which waits for a gradient another replica only posts after the
 //!   collective step.
+//!
+//! A framed message (`--compress auto`, a sparse COO tensor) is a header, posted as early as a
+//! dense message, then a payload of the size only the header tells. The payload's receive is
+//! posted once the header is in, and no step waits for a payload's send (exec/transfer.rs), so
+//! the payloads add no wait to the argument above.
 
 use stagehand_contract::StagePlan;
 

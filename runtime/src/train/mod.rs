@@ -415,27 +415,6 @@ fn check_plan(config: &TrainConfig) -> anyhow::Result<Checked> {
          which NCCL (pairing sends and receives by issue order) cannot match; add --backend gloo",
         model.name
     );
-    // A framed message's payload (its size in its header) is received when the action takes
-    // it, not posted ahead as a dense message is (pipeline/route.rs): under PipeDream a replica's
-    // step can then wait on its payload while the stage after waits on the replicas. Seen: three
-    // replicas of an MLP's first stage with --compress auto time out in their first iteration.
-    let framed = match (dist.sparse, model.makes_sparse_activations()) {
-        (_, true) => Some((
-            format!("{}'s sparse activations", model.name),
-            "an unreplicated pipeline",
-        )),
-        (true, false) => Some(("--compress auto".to_string(), "--compress off")),
-        (false, false) => None,
-    };
-    if let Some((what, instead)) = framed {
-        ensure!(
-            !(dist.schedule == Schedule::PipeDream && plan.stages.len() > 1 && max_replicas > 1),
-            "{what}: activations and gradients cross stages in messages whose size only their \
-             header tells, received as the action takes them, and with replicated stages \
-             PipeDream's steps can wait on those (a deadlock); use --schedule 1f1b or gpipe, or \
-             {instead}"
-        );
-    }
     ensure!(
         !(config.cuda_graph && model.makes_sparse_activations()),
         "--cuda-graph: {} makes sparse COO tensors, whose operations wait for the device to learn \

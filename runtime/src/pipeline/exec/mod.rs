@@ -15,9 +15,9 @@ use super::bundle::Bundle;
 use super::channel::Channels;
 use super::partial::{GroupReport, PartialReduce};
 use super::reduce::{last_backwards, ReduceStats, Reducer};
-use super::route::{Op, Route, Transfer};
+use super::route::{Op, Route};
 use super::wire::{header, header_buffer, read_header, Message, TensorSpec};
-use crate::comm::{ProcessGroup, Work};
+use crate::comm::{ProcessGroup, Watched, Work};
 use crate::config::CheckpointConfig;
 use crate::cuda::{DeviceError, Graph};
 use crate::data::Batches;
@@ -36,6 +36,7 @@ pub use graph::first_replayed;
 pub use validate::{OpenSplit, Validation, ValidationReport};
 
 use graph::{GraphPhase, StepGraph};
+use transfer::Posted;
 
 /// The process groups a rank talks through; `None` in a single-process run.
 pub struct Links {
@@ -246,9 +247,11 @@ struct Progress {
     /// at the iteration's end).
     tallies: Vec<Tensor>,
     traces: Vec<Trace>,
-    /// Receives posted ahead of the action that takes them, with their transfer (a compressed
-    /// message's payload is received from the same peer once its header is in).
-    posted: HashMap<Message, (Tensor, Work, Transfer)>,
+    /// Receives posted ahead of the action that takes them (a framed message's payload is
+    /// received from the same peer once its header is in).
+    posted: HashMap<Message, Posted>,
+    /// Framed messages' payload sends, which a step does not wait for (transfer.rs).
+    payload_sends: Vec<Watched>,
     /// What the last action produced for other ranks, until the program sends it.
     outbox: HashMap<Message, Tensor>,
     /// The partial reduce's group of the last step.
@@ -497,6 +500,7 @@ impl Executor {
         for work in progress.sends.drain(..) {
             work.wait()?;
         }
+        progress.reap_payload_sends()?;
         if let (Some(reducer), Some(group)) = (&mut self.reducer, &self.links.replicas) {
             // Parameters that took no part in any backward get zero gradients, so every replica
             // all-reduces buckets of the same shapes.
@@ -675,6 +679,7 @@ impl Executor {
             let last_backwards: HashSet<usize> = last_backwards(&actions);
             let program = self.route().program(&actions);
             for op in program {
+                self.land_headers(&mut progress)?;
                 match op {
                     Op::Recv(transfer) => self.post_recv(&mut progress, transfer)?,
                     Op::Send(transfer) => self.send(&mut progress, transfer)?,
@@ -758,6 +763,7 @@ impl Executor {
                                 checkpointed,
                             })))?;
                             if let (true, Some(c)) = (stop, &self.checkpoint) {
+                                progress.finish_payload_sends()?;
                                 return Err(Stopped {
                                     iterations_done: done,
                                     dir: checkpoint::rank_dir(&c.config.dir, self.rank),
@@ -775,6 +781,7 @@ impl Executor {
                 if let Some(message) = progress.posted.keys().next() {
                     bail!("internal error: the receive of {message:?} is posted across a validation pass");
                 }
+                progress.finish_payload_sends()?;
                 report(Report::Validation(self.validate(iteration as u64)?))?;
                 // The pass is no part of the next iteration's time.
                 started = Instant::now();
@@ -783,6 +790,7 @@ impl Executor {
         if let Some(message) = progress.posted.keys().next() {
             bail!("internal error: the receive of {message:?} was posted but never taken");
         }
+        progress.finish_payload_sends()?;
         // Every rank started the last vote: finish it, so no collective is left behind.
         if let Some(last) = vote {
             last.outcome()?;

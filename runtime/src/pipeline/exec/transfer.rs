@@ -1,11 +1,21 @@
 //! What crosses a stage boundary: the receives posted ahead and taken when an action needs them,
 //! the sends issued as route.rs orders them, each message's spec and the kind it travels in
 //! (framed sparse payloads through sparse.rs).
+//!
+//! A framed message's header is posted ahead as a dense message is; its payload's receive is
+//! posted as soon as the header is seen in ([`Executor::land_headers`], between operations, or
+//! when the action takes it), and its payload's send is not waited for before a step
+//! ([`Progress::reap_payload_sends`]): a receiver can post that receive only once the header is
+//! in, which may be after a step of its own that waits on this rank's replicas, so waiting for
+//! it could close a cycle that the receives posted ahead keep dense messages out of (route.rs).
+//! Both the header's receive and the payload's send are [watched](crate::comm::Work::watch) on
+//! threads of their own, since Gloo says an operation has ended only once it is waited for.
 
 use anyhow::bail;
 use tch::{Kind, Tensor};
 
 use super::{Executor, Progress};
+use crate::comm::{Watched, Work};
 use crate::pipeline::route::Transfer;
 use crate::pipeline::sparse;
 use crate::pipeline::wire::{Message, TensorSpec};
@@ -44,8 +54,9 @@ impl Executor {
     /// Starts receiving `transfer` into a fresh buffer.
     pub(super) fn post_recv(&self, progress: &mut Progress, transfer: Transfer) -> anyhow::Result<()> {
         let spec = self.recv_spec(transfer.message)?;
-        let mut tensor = if self.framed(transfer.message, spec) {
-            // The header: the payload's form and size, then the payload itself (in `take`).
+        let framed = self.framed(transfer.message, spec);
+        let mut tensor = if framed {
+            // The header: the payload's form and size, then the payload itself.
             sparse::header_buffer()
         } else {
             match self.wire_kind(transfer.message, spec.kind) {
@@ -54,41 +65,87 @@ impl Executor {
             }
         };
         let work = self.channels().recv(transfer, &mut tensor)?;
-        progress.posted.insert(transfer.message, (tensor, work, transfer));
+        let arrival = match framed {
+            true => Arrival::Header {
+                tensor,
+                watched: work.watch()?,
+            },
+            false => Arrival::Buffer { tensor, work },
+        };
+        progress
+            .posted
+            .insert(transfer.message, Posted { transfer, arrival });
         Ok(())
     }
 
-    /// Receives the payload a framed message's `header` announces and rebuilds the tensor of the
-    /// message's spec (in the kind it travels in): dense, or sparse COO as it was sent.
-    pub(super) fn receive_payload(
-        &self,
-        transfer: Transfer,
-        spec: &TensorSpec,
-        header: &Tensor,
-    ) -> anyhow::Result<Tensor> {
-        let message = transfer.message;
-        let kind = self.wire_kind(message, spec.kind).unwrap_or(spec.kind);
-        let header = sparse::read_header(header)
-            .map_err(|e| anyhow::anyhow!("{message:?} from rank {}: {e}", transfer.peer))?;
+    /// Posts the payload receives of the framed messages whose headers are in, so that their
+    /// payloads travel while this rank computes; never waits.
+    pub(super) fn land_headers(&self, progress: &mut Progress) -> anyhow::Result<()> {
+        let landed: Vec<Message> = progress
+            .posted
+            .iter()
+            .filter(|(_, posted)| posted.header_landed())
+            .map(|(&message, _)| message)
+            .collect();
+        for message in landed {
+            let posted = progress.posted.remove(&message).expect("listed above");
+            let posted = self.post_payload(posted)?;
+            progress.posted.insert(message, posted);
+        }
+        Ok(())
+    }
+
+    /// A framed message whose header is on its way with its payload's receive posted: once the
+    /// header is in (waiting for it if need be), the receive of the size it gives. Any other
+    /// receive as it was.
+    fn post_payload(&self, posted: Posted) -> anyhow::Result<Posted> {
+        let Posted { transfer, arrival } = posted;
+        let Arrival::Header { tensor, watched } = arrival else {
+            return Ok(Posted { transfer, arrival });
+        };
+        watched.wait()?;
+        let header = sparse::read_header(&tensor)
+            .map_err(|e| anyhow::anyhow!("{:?} from rank {}: {e}", transfer.message, transfer.peer))?;
         let mut payload = Tensor::empty([header.bytes], (Kind::Uint8, self.device));
-        self.channels().recv_payload(transfer, &mut payload)?.wait()?;
-        sparse::decode(header, &payload, &spec.shape, kind)
-            .map_err(|e| anyhow::anyhow!("{message:?} from rank {}: {e}", transfer.peer))
+        let work = self.channels().recv_payload(transfer, &mut payload)?;
+        Ok(Posted {
+            transfer,
+            arrival: Arrival::Payload {
+                header,
+                payload,
+                work,
+            },
+        })
     }
 
     /// The posted receive of `message`, once it has arrived (a `receive` scope in a
-    /// `--profiler-trace`: the wait for the peer is in it).
+    /// `--profiler-trace`: the wait for the peer is in it). A framed message is rebuilt as the
+    /// tensor of the message's spec (in the kind it travels in): dense, or sparse COO as it was
+    /// sent.
     pub(super) fn take(&self, progress: &mut Progress, message: Message) -> anyhow::Result<Tensor> {
         let _scope = Scope::enter(c"receive");
-        let (tensor, work, transfer) = progress
+        let posted = progress
             .posted
             .remove(&message)
             .expect("the program posts every receive before the action that takes it");
-        work.wait()?;
+        let posted = self.post_payload(posted)?;
         let spec = self.recv_spec(message)?;
-        let tensor = match self.framed(message, spec) {
-            true => self.receive_payload(transfer, spec, &tensor)?,
-            false => tensor,
+        let tensor = match posted.arrival {
+            Arrival::Buffer { tensor, work } => {
+                work.wait()?;
+                tensor
+            }
+            Arrival::Header { .. } => unreachable!("its payload's receive is posted above"),
+            Arrival::Payload {
+                header,
+                payload,
+                work,
+            } => {
+                work.wait()?;
+                let kind = self.wire_kind(message, spec.kind).unwrap_or(spec.kind);
+                sparse::decode(header, &payload, &spec.shape, kind)
+                    .map_err(|e| anyhow::anyhow!("{message:?} from rank {}: {e}", posted.transfer.peer))?
+            }
         };
         // NCCL's wait only orders the streams: settle here so the transfer is not timed as the
         // compute that follows.
@@ -131,9 +188,11 @@ impl Executor {
             progress
                 .sends
                 .push(self.channels().send(transfer, &encoded.header)?);
-            progress
-                .sends
-                .push(self.channels().send_payload(transfer, &encoded.payload)?);
+            progress.payload_sends.push(
+                self.channels()
+                    .send_payload(transfer, &encoded.payload)?
+                    .watch()?,
+            );
             return Ok(());
         }
         progress.timing.wire.sent += dense_bytes;
@@ -147,4 +206,54 @@ impl Executor {
         progress.sends.push(work);
         Ok(())
     }
+}
+
+impl Progress {
+    /// Waits for the payload sends that have ended (for their errors) and keeps the others, which
+    /// their receivers post only once they get to them; never blocks.
+    pub(super) fn reap_payload_sends(&mut self) -> anyhow::Result<()> {
+        let (ended, pending): (Vec<Watched>, Vec<Watched>) =
+            self.payload_sends.drain(..).partition(Watched::is_completed);
+        self.payload_sends = pending;
+        for work in ended {
+            work.wait()?;
+        }
+        Ok(())
+    }
+
+    /// Waits for every payload send: before a validation pass and at the run's end, where every
+    /// receiver takes what was sent to it without waiting on this rank.
+    pub(super) fn finish_payload_sends(&mut self) -> anyhow::Result<()> {
+        for work in self.payload_sends.drain(..) {
+            work.wait()?;
+        }
+        Ok(())
+    }
+}
+
+/// A receive posted ahead of the action that takes it.
+pub(super) struct Posted {
+    transfer: Transfer,
+    arrival: Arrival,
+}
+
+impl Posted {
+    /// Whether it is a framed message's header, and in.
+    fn header_landed(&self) -> bool {
+        matches!(&self.arrival, Arrival::Header { watched, .. } if watched.is_completed())
+    }
+}
+
+enum Arrival {
+    /// A dense message on its way into `tensor`.
+    Buffer { tensor: Tensor, work: Work },
+    /// A framed message's header on its way into `tensor`, watched so that its payload's receive
+    /// is posted once it is in.
+    Header { tensor: Tensor, watched: Watched },
+    /// A framed message's payload on its way, the header in.
+    Payload {
+        header: sparse::Header,
+        payload: Tensor,
+        work: Work,
+    },
 }

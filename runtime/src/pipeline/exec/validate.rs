@@ -83,6 +83,7 @@ impl Executor {
         let mut tallies: Vec<Tensor> = Vec::new();
         let _scope = Scope::enter(c"validation");
         for op in program {
+            self.land_headers(&mut progress)?;
             match op {
                 Op::Recv(transfer) => self.post_recv(&mut progress, transfer)?,
                 Op::Send(transfer) => self.send(&mut progress, transfer)?,
@@ -115,6 +116,7 @@ impl Executor {
         for work in progress.sends.drain(..) {
             work.wait()?;
         }
+        progress.finish_payload_sends()?;
         // The pass's transfers are its own `--trace` events, not the next iteration's. A pass
         // that starts a resumed run also takes the start's shape headers, which stay unmarked.
         let log = self.links.channels.as_ref().map(Channels::take_log);
