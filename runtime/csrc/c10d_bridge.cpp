@@ -323,6 +323,19 @@ char* sh_work_wait(sh_work* work, int64_t timeout_ms) {
   });
 }
 
+// Ends a Gloo point-to-point work's wait on another thread at once, as not completed (c10d's
+// Send/RecvWork::abort: gloo's abortWaitSend/abortWaitRecv, which leave the group usable, where a
+// wait that times out fails it). Anything else is left alone: NCCL's abort tears down the
+// communicator.
+char* sh_work_abort(sh_work* work) {
+  return guarded([&] {
+    TORCH_CHECK(work->backend->getBackendName() == "gloo", "only Gloo's operations can be aborted");
+    for (auto& one : work->works) {
+      one->abort();
+    }
+  });
+}
+
 void sh_work_free(sh_work* work) {
   delete work;
 }

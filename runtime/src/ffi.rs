@@ -100,6 +100,7 @@ extern "C" {
     ) -> *mut c_char;
     pub fn sh_pg_barrier(pg: *mut RawGroup, out: *mut *mut RawWork) -> *mut c_char;
     pub fn sh_work_wait(work: *mut RawWork, timeout_ms: i64) -> *mut c_char;
+    pub fn sh_work_abort(work: *mut RawWork) -> *mut c_char;
     pub fn sh_work_free(work: *mut RawWork);
     fn sh_keep_this_thread_serial();
 }

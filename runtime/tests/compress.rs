@@ -5,6 +5,9 @@
 
 use std::time::Duration;
 
+use stagehand_contract::metrics::ValidationFigures;
+use stagehand_contract::Event;
+
 use crate::util::{assert_same_params, run, run_ranks, Run};
 
 const LIMIT: Duration = Duration::from_secs(120);
@@ -126,8 +129,8 @@ fn compressed_transfers_need_gloo() {
 /// only once their headers are in: a replica's step (a collective) would otherwise wait on a
 /// payload the next stage takes only after a step of its own, itself waiting on that replica
 /// (three replicas of stage 0 timed out in their first iteration). Replicas upstream, then
-/// downstream, train bit for bit as with `--compress off`; sparse_mlp, whose COO activations
-/// always travel framed, trains on replicas too.
+/// downstream, train and validate bit for bit as with `--compress off`; sparse_mlp, whose COO
+/// activations always travel framed, trains on replicas too.
 #[test]
 fn pipedream_takes_compressed_transfers_with_replicated_stages() {
     let tmp = tempfile::tempdir().unwrap();
@@ -152,6 +155,10 @@ fn pipedream_takes_compressed_transfers_with_replicated_stages() {
         "0.9",
         "--schedule",
         "pipedream",
+        // A validation pass between iterations 2 and 3: payload sends still in flight are waited
+        // for before it.
+        "--validate-every",
+        "2",
     ];
     let splits = [
         ("upstream", 4, r#"{"0": [0, 1, 2], "1": [3]}"#),
@@ -187,6 +194,18 @@ fn pipedream_takes_compressed_transfers_with_replicated_stages() {
         let [(off_params, off), (auto_params, auto)] = <[_; 2]>::try_from(by_mode).ok().unwrap();
         assert_eq!(off[world - 1].losses().len(), 3, "{name}");
         assert_eq!(off[world - 1].losses(), auto[world - 1].losses(), "{name}");
+        let passes = |runs: &[Run]| -> Vec<(u64, ValidationFigures)> {
+            runs[world - 1]
+                .events
+                .iter()
+                .filter_map(|e| match e {
+                    Event::Validation(v) => Some((v.iteration, v.figures)),
+                    _ => None,
+                })
+                .collect()
+        };
+        assert_eq!(passes(&off).len(), 2, "{name}");
+        assert_eq!(passes(&off), passes(&auto), "{name}");
         assert_same_params(&off_params, &auto_params, name);
         for it in auto[0].iterations() {
             assert!(

@@ -424,6 +424,7 @@ impl ProcessGroup {
             peer,
             ranks: self.ranks.clone(),
             timeout: self.timeout,
+            gloo: matches!(self.backend, Backend::Gloo(_)),
         };
         if let Err(reason) = result {
             return Err(context.error(reason));
@@ -519,6 +520,8 @@ struct WorkContext {
     peer: Option<usize>,
     ranks: Vec<usize>,
     timeout: Duration,
+    /// Whether it runs on Gloo (whose point-to-point waits can be aborted).
+    gloo: bool,
 }
 
 impl WorkContext {
@@ -558,28 +561,21 @@ impl Work {
         self.finish().map_err(|reason| self.context.error(reason))
     }
 
-    /// Waits on a thread of its own, so that whether the operation has ended can be asked
-    /// without blocking: c10d's Gloo point-to-point works say so only once waited for, and a wait
-    /// that times out fails the whole group. The group's timeout counts from now.
-    pub fn watch(self) -> Result<Watched, CommError> {
-        let op = self.context.op;
-        let thread = std::thread::Builder::new()
-            .name(format!("watch-{op}"))
-            .spawn(move || self.wait())
-            .map_err(|e| CommError::Op {
-                op,
-                peer: None,
-                reason: format!("could not start a thread to wait on it: {e}"),
-            })?;
-        Ok(Watched { thread: Some(thread) })
+    fn finish(&mut self) -> Result<(), String> {
+        self.finish_within(self.context.timeout, None)
     }
 
-    fn finish(&mut self) -> Result<(), String> {
+    /// Waits at most `timeout`, then frees the handle, first taking it out of `shared` (through
+    /// which another thread may abort the wait) so that no abort reaches it freed.
+    pub(super) fn finish_within(&mut self, timeout: Duration, shared: Option<&Shared>) -> Result<(), String> {
         let Some(raw) = self.raw.take() else {
             return Ok(());
         };
         // SAFETY: a live work handle, waited for and freed exactly once.
-        let result = ffi::check(unsafe { ffi::sh_work_wait(raw.as_ptr(), millis(self.context.timeout)) });
+        let result = ffi::check(unsafe { ffi::sh_work_wait(raw.as_ptr(), millis(timeout)) });
+        if let Some(shared) = shared {
+            shared.forget();
+        }
         unsafe { ffi::sh_work_free(raw.as_ptr()) };
         result?;
         // After a failure c10d may still hold the staging buffers: they are not reused.
@@ -590,38 +586,48 @@ impl Work {
     }
 }
 
-/// A [`Work`] waited for on a thread of its own ([`Work::watch`]). Dropped, it waits as the work
-/// would.
-pub struct Watched {
-    thread: Option<std::thread::JoinHandle<Result<(), CommError>>>,
+impl Work {
+    /// The handle another thread may abort this work's wait through, for a Gloo work still
+    /// pending; `None` otherwise.
+    pub(super) fn shared(&self) -> Option<Shared> {
+        self.raw
+            .filter(|_| self.context.gloo)
+            .map(|raw| Shared(Mutex::new(Some(RawWork(raw)))))
+    }
+
+    /// The error of this work failing for `reason`.
+    pub(super) fn error(&self, reason: String) -> CommError {
+        self.context.error(reason)
+    }
+
+    /// The group's timeout, which its waits keep to.
+    pub(super) fn timeout(&self) -> Duration {
+        self.context.timeout
+    }
 }
 
-impl Watched {
-    /// Whether the operation has ended, successfully or not (so [`Watched::wait`] returns at
-    /// once); never blocks.
-    pub fn is_completed(&self) -> bool {
-        self.thread.as_ref().is_none_or(|t| t.is_finished())
-    }
+/// A pending Gloo work's handle, shared with a thread that waits on it, through which its wait
+/// is aborted; emptied before the handle is freed.
+pub(super) struct Shared(Mutex<Option<RawWork>>);
 
-    /// Waits until the operation has completed, as [`Work::wait`].
-    pub fn wait(mut self) -> Result<(), CommError> {
-        self.join()
-    }
+struct RawWork(NonNull<ffi::RawWork>);
 
-    fn join(&mut self) -> Result<(), CommError> {
-        match self.thread.take().map(std::thread::JoinHandle::join) {
-            None => Ok(()),
-            Some(Ok(outcome)) => outcome,
-            Some(Err(_)) => Err(CommError::Invalid(
-                "a thread waiting on an operation panicked".into(),
-            )),
+// SAFETY: c10d's Gloo works may be aborted from any thread; the mutex keeps the handle from being
+// freed while it is used.
+unsafe impl Send for RawWork {}
+
+impl Shared {
+    /// Ends a wait on the work at once, as not completed; nothing if it was freed.
+    pub(super) fn abort(&self) {
+        let held = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(raw) = held.as_ref() {
+            // SAFETY: the handle is live while it is held here ([`Work::finish_within`]).
+            let _ = ffi::check(unsafe { ffi::sh_work_abort(raw.0.as_ptr()) });
         }
     }
-}
 
-impl Drop for Watched {
-    fn drop(&mut self) {
-        let _ = self.join();
+    fn forget(&self) {
+        *self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = None;
     }
 }
 

@@ -27,13 +27,15 @@ mod group;
 mod store;
 #[cfg(test)]
 mod tests;
+mod watch;
 
 use std::time::Duration;
 
 use crate::ffi;
 
-pub use group::{ProcessGroup, Watched, Work};
+pub use group::{ProcessGroup, Work};
 pub use store::Store;
+pub use watch::Watched;
 
 /// What went wrong talking to other ranks.
 #[derive(Debug, thiserror::Error)]

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use tch::{Kind, Tensor};
 
-use super::{CommError, ProcessGroup, Store};
+use super::{CommError, ProcessGroup, Store, Watched};
 
 const TIMEOUT: Duration = Duration::from_secs(20);
 
@@ -174,6 +174,15 @@ fn concurrent_sends_with_different_tags_reach_their_own_recvs() {
     });
 }
 
+/// Polls `watched` until it says it has ended.
+fn until_ended(watched: &Watched) {
+    let deadline = Instant::now() + TIMEOUT;
+    while !watched.is_completed() {
+        assert!(Instant::now() < deadline, "never said it ended");
+        thread::sleep(Duration::from_millis(1));
+    }
+}
+
 /// A watched receive says it has ended only once its message is in, without blocking, and its
 /// wait then returns the message; a watched send ends once its receive is posted.
 #[test]
@@ -181,28 +190,68 @@ fn a_watched_receive_says_it_has_ended_once_its_message_is_in() {
     world(2, |rank, store| {
         let pg = gloo(store, rank, TIMEOUT);
         let sent = Tensor::arange(4096, (Kind::Float, tch::Device::Cpu));
-        let until_ended = |watched: &super::Watched| {
-            let deadline = Instant::now() + TIMEOUT;
-            while !watched.is_completed() {
-                assert!(Instant::now() < deadline, "never said it ended");
-                thread::sleep(Duration::from_millis(1));
-            }
-        };
         if rank == 0 {
             // Sent only after the receiver has seen its receive still open.
             store.get("checked").unwrap();
-            let send = pg.send(&sent, 1, 5).unwrap().watch().unwrap();
+            let send = Watched::new(pg.send(&sent, 1, 5).unwrap()).unwrap();
             until_ended(&send);
             send.wait().unwrap();
         } else {
             let mut got = sent.zeros_like();
-            let recv = pg.recv(&mut got, 0, 5).unwrap().watch().unwrap();
+            let recv = Watched::new(pg.recv(&mut got, 0, 5).unwrap()).unwrap();
             thread::sleep(Duration::from_millis(50));
             assert!(!recv.is_completed(), "ended before anything was sent");
             store.set("checked", b"1").unwrap();
             until_ended(&recv);
             recv.wait().unwrap();
             assert_eq!(got, sent);
+        }
+    });
+}
+
+/// The group's timeout counts from the wait on a watched operation, not from the watch (a
+/// message may take longer than the timeout to come while the rank computes), and a wait that
+/// times out leaves the group usable; a watched receive dropped unwaited returns at once.
+#[test]
+fn a_watched_operation_keeps_the_timeout_from_its_wait_and_leaves_the_group_usable() {
+    let timeout = Duration::from_secs(2);
+    world(2, move |rank, store| {
+        let pg = gloo(store, rank, timeout);
+        let sent = Tensor::arange(64, (Kind::Float, tch::Device::Cpu));
+        if rank == 0 {
+            store.get("late").unwrap();
+            pg.send(&sent, 1, 1).unwrap().wait().unwrap();
+            store.get("usable").unwrap();
+            pg.send(&sent, 1, 3).unwrap().wait().unwrap();
+        } else {
+            // Sent one and a half timeouts after the watch.
+            let mut got = sent.zeros_like();
+            let late = Watched::new(pg.recv(&mut got, 0, 1).unwrap()).unwrap();
+            thread::sleep(timeout * 3 / 2);
+            store.set("late", b"1").unwrap();
+            late.wait().unwrap();
+            assert_eq!(got, sent);
+            // Never sent: the wait ends with the timeout, counted from it.
+            let mut never = sent.zeros_like();
+            let watched = Watched::new(pg.recv(&mut never, 0, 2).unwrap()).unwrap();
+            thread::sleep(timeout / 2);
+            let started = Instant::now();
+            let err = watched.wait().unwrap_err().to_string();
+            let waited = started.elapsed();
+            assert!(err.contains("timed out") && err.contains("rank 0"), "{err}");
+            assert!(waited >= timeout * 9 / 10 && waited < timeout * 3, "{waited:?}");
+            // Dropped unwaited: aborted, not waited out.
+            let mut dropped = sent.zeros_like();
+            let watched = Watched::new(pg.recv(&mut dropped, 0, 4).unwrap()).unwrap();
+            let started = Instant::now();
+            drop(watched);
+            assert!(started.elapsed() < timeout / 2, "{:?}", started.elapsed());
+            // The group still carries messages.
+            let mut again = sent.zeros_like();
+            let work = pg.recv(&mut again, 0, 3).unwrap();
+            store.set("usable", b"1").unwrap();
+            work.wait().unwrap();
+            assert_eq!(again, sent);
         }
     });
 }

@@ -22,15 +22,15 @@
 //!   increasing order. On one shared channel the two directions interleave differently on the
 //!   two sides (a gradient's receive issued between two sends of activations, while the peer
 //!   still waits for the second), and each side waits on the other.
-//! - No wait closes a cycle. A rank waits for its sends before a step, and a step with
-//!   replicas is a collective among them, so a sender can be held up by a receiver that has not
-//!   posted yet. Receives are therefore posted as early as their buffers can be, not just before
-//!   the action that takes them: a microbatch's gradient right after its forward, before the
-//!   rank can block again (so its sender never waits on it), and the next forward's inputs right
-//!   after a forward. With receives posted one action ahead instead, PipeDream on three replicas
-//!   of stage 0 hangs: a replica's step waits for an activation the next stage will only take
-//!   after a step of its own, which waits for a gradient another replica only posts after the
-//!   collective step.
+//! - No wait closes a cycle. A rank waits for its sends (framed messages' headers, not their
+//!   payloads: below) before a step, and a step with replicas is a collective among them, so a
+//!   sender can be held up by a receiver that has not posted yet. Receives are therefore posted
+//!   as early as their buffers can be, not just before the action that takes them: a microbatch's
+//!   gradient right after its forward, before the rank can block again (so its sender never waits
+//!   on it), and the next forward's inputs right after a forward. With receives posted one action
+//!   ahead instead, PipeDream on three replicas of stage 0 hangs: a replica's step waits for an
+//!   activation the next stage will only take after a step of its own, which waits for a gradient
+//!   another replica only posts after the collective step.
 //!
 //! A framed message (`--compress auto`, a sparse COO tensor) is a header, posted as early as a
 //! dense message, then a payload of the size only the header tells. The payload's receive is

@@ -8,7 +8,7 @@
 //! ([`Progress::reap_payload_sends`]): a receiver can post that receive only once the header is
 //! in, which may be after a step of its own that waits on this rank's replicas, so waiting for
 //! it could close a cycle that the receives posted ahead keep dense messages out of (route.rs).
-//! Both the header's receive and the payload's send are [watched](crate::comm::Work::watch) on
+//! Both the header's receive and the payload's send are [watched](crate::comm::Watched) on
 //! threads of their own, since Gloo says an operation has ended only once it is waited for.
 
 use anyhow::bail;
@@ -68,7 +68,7 @@ impl Executor {
         let arrival = match framed {
             true => Arrival::Header {
                 tensor,
-                watched: work.watch()?,
+                watched: Watched::new(work)?,
             },
             false => Arrival::Buffer { tensor, work },
         };
@@ -188,11 +188,8 @@ impl Executor {
             progress
                 .sends
                 .push(self.channels().send(transfer, &encoded.header)?);
-            progress.payload_sends.push(
-                self.channels()
-                    .send_payload(transfer, &encoded.payload)?
-                    .watch()?,
-            );
+            let payload = self.channels().send_payload(transfer, &encoded.payload)?;
+            progress.payload_sends.push(Watched::new(payload)?);
             return Ok(());
         }
         progress.timing.wire.sent += dense_bytes;
@@ -221,8 +218,8 @@ impl Progress {
         Ok(())
     }
 
-    /// Waits for every payload send: before a validation pass and at the run's end, where every
-    /// receiver takes what was sent to it without waiting on this rank.
+    /// Waits for every payload send: before a validation pass, a stop at a checkpoint and at the
+    /// run's end, where every receiver takes what was sent to it without waiting on this rank.
     pub(super) fn finish_payload_sends(&mut self) -> anyhow::Result<()> {
         for work in self.payload_sends.drain(..) {
             work.wait()?;
