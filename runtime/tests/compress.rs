@@ -3,6 +3,7 @@
 //! `--compress off` (equal losses and parameters, no tolerance), while the metrics show fewer bytes
 //! sent where the activations are sparse (after a ReLU).
 
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use stagehand_contract::metrics::ValidationFigures;
@@ -17,6 +18,17 @@ fn ok(runs: Vec<Run>) -> Vec<Run> {
         assert!(r.output.status.success(), "{}", r.stderr());
     }
     runs
+}
+
+/// `world` ranks run `args` with `--compress off`, then `auto`, each saving its parameters in a
+/// folder of `tmp` named after `name` and the mode: (that folder, the runs) of each mode.
+fn off_and_auto(tmp: &Path, name: &str, world: usize, args: &[&str]) -> [(PathBuf, Vec<Run>); 2] {
+    ["off", "auto"].map(|mode| {
+        let params = tmp.join(format!("{name}-{mode}"));
+        let compress = ["--compress", mode, "--save-params", params.to_str().unwrap()];
+        let runs = ok(run_ranks(world, &[args, &compress[..]].concat(), LIMIT));
+        (params, runs)
+    })
 }
 
 #[test]
@@ -47,47 +59,37 @@ fn compressed_transfers_train_bit_for_bit_as_dense_ones_with_fewer_bytes() {
     for (name, world, map, extra) in cases {
         let config = tmp.path().join(format!("{name}.json"));
         std::fs::write(&config, map).unwrap();
-        let mut by_mode = Vec::new();
-        for mode in ["off", "auto"] {
-            let params = tmp.path().join(format!("{name}-{mode}"));
-            let args: Vec<&str> = [
-                &[
-                    "--model",
-                    "mlp",
-                    "--layers",
-                    "4",
-                    "--hidden",
-                    "128",
-                    "--image-size",
-                    "8",
-                    "--batch-size",
-                    "16",
-                    "--threads",
-                    "1",
-                    "--seed",
-                    "5",
-                    "--iterations",
-                    "3",
-                    "--momentum",
-                    "0.9",
-                    "--schedule",
-                    "1f1b",
-                    "--microbatches",
-                    "4",
-                    "--stage-config",
-                    config.to_str().unwrap(),
-                    "--compress",
-                    mode,
-                    "--save-params",
-                    params.to_str().unwrap(),
-                ][..],
-                extra,
-            ]
-            .concat();
-            let runs = ok(run_ranks(world, &args, LIMIT));
-            by_mode.push((params.clone(), runs));
-        }
-        let [(off_params, off), (auto_params, auto)] = <[_; 2]>::try_from(by_mode).ok().unwrap();
+        let args: Vec<&str> = [
+            &[
+                "--model",
+                "mlp",
+                "--layers",
+                "4",
+                "--hidden",
+                "128",
+                "--image-size",
+                "8",
+                "--batch-size",
+                "16",
+                "--threads",
+                "1",
+                "--seed",
+                "5",
+                "--iterations",
+                "3",
+                "--momentum",
+                "0.9",
+                "--schedule",
+                "1f1b",
+                "--microbatches",
+                "4",
+                "--stage-config",
+                config.to_str().unwrap(),
+            ][..],
+            extra,
+        ]
+        .concat();
+        let [(off_params, off), (auto_params, auto)] = off_and_auto(tmp.path(), name, world, &args);
         assert_eq!(off[world - 1].losses(), auto[world - 1].losses(), "{name}");
         assert_same_params(&off_params, &auto_params, name);
         // Stage 0 sends activations after a ReLU (about half zero at initialisation): the bitmask
@@ -171,27 +173,9 @@ fn pipedream_takes_compressed_transfers_with_replicated_stages() {
             format!(r#"{{"module_to_stage_map": [0,0,0,1,1,1], "stage_to_rank_map": {ranks}}}"#),
         )
         .unwrap();
-        let mut by_mode = Vec::new();
-        for mode in ["off", "auto"] {
-            let params = tmp.path().join(format!("{name}-{mode}"));
-            let args = [
-                &base[..],
-                &[
-                    "--model",
-                    "mlp",
-                    "--stage-config",
-                    config.to_str().unwrap(),
-                    "--compress",
-                    mode,
-                    "--save-params",
-                    params.to_str().unwrap(),
-                ],
-            ]
-            .concat();
-            let runs = ok(run_ranks(world, &args, LIMIT));
-            by_mode.push((params, runs));
-        }
-        let [(off_params, off), (auto_params, auto)] = <[_; 2]>::try_from(by_mode).ok().unwrap();
+        let mlp = ["--model", "mlp", "--stage-config", config.to_str().unwrap()];
+        let args = [&base[..], &mlp[..]].concat();
+        let [(off_params, off), (auto_params, auto)] = off_and_auto(tmp.path(), name, world, &args);
         assert_eq!(off[world - 1].losses().len(), 3, "{name}");
         assert_eq!(off[world - 1].losses(), auto[world - 1].losses(), "{name}");
         let passes = |runs: &[Run]| -> Vec<(u64, ValidationFigures)> {
