@@ -7,7 +7,6 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use stagehand_contract::metrics::ValidationFigures;
-use stagehand_contract::Event;
 
 use crate::util::{assert_same_params, run, run_ranks, Run};
 
@@ -180,12 +179,9 @@ fn pipedream_takes_compressed_transfers_with_replicated_stages() {
         assert_eq!(off[world - 1].losses(), auto[world - 1].losses(), "{name}");
         let passes = |runs: &[Run]| -> Vec<(u64, ValidationFigures)> {
             runs[world - 1]
-                .events
+                .validations()
                 .iter()
-                .filter_map(|e| match e {
-                    Event::Validation(v) => Some((v.iteration, v.figures)),
-                    _ => None,
-                })
+                .map(|v| (v.iteration, v.figures))
                 .collect()
         };
         assert_eq!(passes(&off).len(), 2, "{name}");

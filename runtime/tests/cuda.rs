@@ -352,15 +352,8 @@ fn gpu_a_validation_pass_measures_what_the_cpu_and_one_process_do() {
     };
     let base = "--model mlp --layers 4 --hidden 64 --image-size 8 --batch-size 16 --iterations 2 \
                 --lr 0.05 --seed 3 --validate-every 1 --microbatches 4";
-    let passes = |run: &crate::util::Run| -> Vec<f64> {
-        run.events
-            .iter()
-            .filter_map(|e| match e {
-                stagehand_contract::Event::Validation(v) => Some(v.figures.loss),
-                _ => None,
-            })
-            .collect()
-    };
+    let passes =
+        |run: &crate::util::Run| -> Vec<f64> { run.validations().iter().map(|v| v.figures.loss).collect() };
     let on = |device: &str| run_ok(&[&words(base)[..], &["--device", device]].concat());
     let (cpu, cuda) = (passes(&on("cpu")), passes(&on("cuda:0")));
     assert_eq!(cpu.len(), 2);

@@ -4,6 +4,7 @@
 use std::path::Path;
 use std::process::{Command, Output};
 
+use stagehand_contract::metrics::Validation;
 use stagehand_contract::{Event, Iteration, Start, Summary};
 
 /// The runtime under test: this build's, or the binary `STAGEHAND_TEST_RUNTIME` names (a test binary
@@ -41,6 +42,17 @@ impl Run {
             .iter()
             .filter_map(|e| match e {
                 Event::Iteration(i) => Some(i),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Its validation passes (`--validate-every`), in order.
+    pub fn validations(&self) -> Vec<&Validation> {
+        self.events
+            .iter()
+            .filter_map(|e| match e {
+                Event::Validation(v) => Some(v),
                 _ => None,
             })
             .collect()

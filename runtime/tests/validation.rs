@@ -4,23 +4,12 @@
 use std::path::Path;
 
 use stagehand_contract::metrics::Validation;
-use stagehand_contract::Event;
 
 use crate::distributed::{args, assert_close, write, LIMIT, MLP};
 use crate::util::{run, run_ok, run_ranks, two_stages, words, write_cifar, write_image_folder, Run};
 
 /// Samples in a pass of the MLP's arguments: the 4 synthetic minibatches of 16.
 const PASS_SAMPLES: u64 = 64;
-
-fn passes(run: &Run) -> Vec<&Validation> {
-    run.events
-        .iter()
-        .filter_map(|e| match e {
-            Event::Validation(v) => Some(v),
-            _ => None,
-        })
-        .collect()
-}
 
 /// The passes of a split run's last stage, every rank of it reporting the same; the other
 /// stages report none.
@@ -33,7 +22,10 @@ fn last_stage_passes<'a>(what: &str, runs: &'a [Run]) -> Vec<&'a Validation> {
         );
     }
     let last = runs.iter().map(|r| r.start().stage).max().unwrap();
-    let mut reports = runs.iter().filter(|r| r.start().stage == last).map(passes);
+    let mut reports = runs
+        .iter()
+        .filter(|r| r.start().stage == last)
+        .map(Run::validations);
     let first = reports.next().unwrap();
     for other in reports {
         assert_eq!(other.len(), first.len(), "{what}");
@@ -46,7 +38,7 @@ fn last_stage_passes<'a>(what: &str, runs: &'a [Run]) -> Vec<&'a Validation> {
     }
     for run in runs.iter().filter(|r| r.start().stage != last) {
         assert!(
-            passes(run).is_empty(),
+            run.validations().is_empty(),
             "{what}: only the last stage reports a pass"
         );
     }
@@ -90,7 +82,7 @@ fn every_split_and_schedule_validates_as_one_process() {
     let tmp = tempfile::tempdir().unwrap();
     let every = ["--validate-every", "2", "--microbatches", "4"];
     let single = run_ok(&args(&words(MLP), &every));
-    let reference = passes(&single);
+    let reference = single.validations();
     assert_eq!(
         reference.iter().map(|p| p.iteration).collect::<Vec<_>>(),
         [1, 3, 4],
@@ -185,7 +177,7 @@ fn every_split_and_schedule_validates_as_one_process() {
             false => run_ok(&args(&words(MLP), &every)),
         };
         let runs = run_ranks(world, &args(&words(MLP), &extra), LIMIT);
-        assert_same_passes(what, &last_stage_passes(what, &runs), &passes(&reference));
+        assert_same_passes(what, &last_stage_passes(what, &runs), &reference.validations());
         let last = runs.iter().max_by_key(|r| r.start().stage).unwrap();
         assert_close(what, &last.losses(), &reference.losses());
     }
@@ -244,7 +236,12 @@ fn a_pass_runs_without_dropout() {
         )))
     };
     let (dropped, kept) = (transformer("0.5"), transformer("0"));
-    let loss = |run: &Run| passes(run).iter().map(|p| p.figures.loss).collect::<Vec<_>>();
+    let loss = |run: &Run| {
+        run.validations()
+            .iter()
+            .map(|p| p.figures.loss)
+            .collect::<Vec<_>>()
+    };
     assert_eq!(loss(&dropped).len(), 2, "{}", dropped.stderr());
     assert_close("dropout 0.5 against none", &loss(&dropped), &loss(&kept));
     assert_close(
@@ -258,7 +255,7 @@ fn a_pass_runs_without_dropout() {
         (training.0 - training.1).abs() > 1e-3 * training.1,
         "{training:?}"
     );
-    let first = passes(&dropped)[0].figures;
+    let first = dropped.validations()[0].figures;
     assert_eq!(first.accuracy_top5, None, "per-token accuracy is top-1 alone");
     assert_eq!(first.samples, 32, "4 minibatches of 8 sequences");
 }
@@ -298,8 +295,8 @@ fn each_dataset_validates_on_its_held_out_split() {
     let training = std::fs::read(cifar.join("data_batch_1.bin")).unwrap();
     std::fs::write(cifar.join("test_batch.bin"), &training[..20 * 3073]).unwrap();
     let ran = run_ok(&words(&as_strs(&cifar_args(&[]))));
-    assert_eq!(passes(&ran).len(), 1);
-    assert_eq!(passes(&ran)[0].figures.samples, 16);
+    assert_eq!(ran.validations().len(), 1);
+    assert_eq!(ran.validations()[0].figures.samples, 16);
     assert_eq!(ran.start().config.validation_batches, Some(2));
     let too_many = run(&words(&as_strs(&cifar_args(&["--validation-batches", "3"]))));
     assert_eq!(too_many.output.status.code(), Some(1), "{}", too_many.stderr());
@@ -323,7 +320,7 @@ fn each_dataset_validates_on_its_held_out_split() {
     };
     let ran = run_ok(&words(&image_args(&images)));
     assert_eq!(
-        passes(&ran)[0].figures.samples,
+        ran.validations()[0].figures.samples,
         6,
         "val/'s 6 images, two minibatches of 3"
     );
@@ -401,8 +398,8 @@ fn a_resumed_run_makes_the_pass_due_where_it_resumes() {
         &crate::distributed::with_value(&stopped, "--iterations", "6"),
         &["--resume"],
     ));
-    let whole = passes(&whole);
-    let resumed = passes(&resumed);
+    let whole = whole.validations();
+    let resumed = resumed.validations();
     assert_eq!(whole.iter().map(|p| p.iteration).collect::<Vec<_>>(), [1, 3, 5]);
     assert_eq!(resumed.iter().map(|p| p.iteration).collect::<Vec<_>>(), [3, 5]);
     for (ours, theirs) in resumed.iter().zip(&whole[1..]) {
@@ -423,8 +420,8 @@ fn a_pass_leaves_training_and_later_passes_as_they_were() {
         ))
     };
     let (each, last) = (every("1"), every("3"));
-    assert_eq!(passes(&each).len(), 3);
-    assert_eq!(passes(&last).len(), 1);
+    assert_eq!(each.validations().len(), 3);
+    assert_eq!(last.validations().len(), 1);
     assert_eq!(each.losses(), run_ok(&words(resnet)).losses());
-    assert_eq!(passes(&each)[2].figures, passes(&last)[0].figures);
+    assert_eq!(each.validations()[2].figures, last.validations()[0].figures);
 }

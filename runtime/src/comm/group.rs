@@ -584,9 +584,7 @@ impl Work {
             None => Ok(()),
         }
     }
-}
 
-impl Work {
     /// The handle another thread may abort this work's wait through, for a Gloo work still
     /// pending; `None` otherwise.
     pub(super) fn shared(&self) -> Option<Shared> {
