@@ -623,6 +623,77 @@ fn killing_one_rank_ends_the_others_within_the_timeout() {
     );
 }
 
+/// A replica that hangs (stopped, not dead: its sockets stay open) ends the other within about one
+/// `--comm-timeout`, not one per gradient bucket in flight: the buckets started after the one that
+/// timed out fail at once, as Gloo closes its connection to the hung peer at the first timeout.
+/// Eleven buckets (0.5 MiB at most, a 1 MiB weight in one of its own): a wait of its own for each
+/// would take nearly a minute. Measured on 2 cores: 5.1 s, overlapped or not.
+#[test]
+fn a_hung_replica_ends_the_others_within_one_timeout_not_one_per_bucket() {
+    struct Reaped(std::process::Child);
+    impl Drop for Reaped {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let config = tmp.path().join("replicas.json");
+    std::fs::write(
+        &config,
+        r#"{"module_to_stage_map": [0,0,0,0,0,0,0,0], "stage_to_rank_map": {"0": [0,1]}}"#,
+    )
+    .unwrap();
+    let base = "--model mlp --layers 6 --hidden 512 --image-size 8 --batch-size 16 --threads 1 --seed 3 \
+                --lr 0.01 --iterations 100000 --world-size 2 --comm-timeout 5 --bucket-mb 0.5";
+    for overlap in ["off", "on"] {
+        let port = free_port().to_string();
+        let spawn = |rank: &str| {
+            let child = runtime()
+                .args(words(base))
+                .args(["--stage-config", config.to_str().unwrap(), "--rank", rank])
+                .args(["--master-port", &port, "--overlap-reduce", overlap])
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap();
+            Reaped(child)
+        };
+        let mut first = spawn("0");
+        let mut second = spawn("1");
+        let stdout = second.0.stdout.take().unwrap();
+        let mut lines = std::io::BufRead::lines(std::io::BufReader::new(stdout));
+        let mut seen = 0;
+        while seen < 3 {
+            let line = lines.next().expect("rank 1 trains").unwrap();
+            seen += usize::from(line.contains(r#""event":"iteration""#));
+        }
+        let pid = second.0.id().to_string();
+        let stopped = std::process::Command::new("kill").args(["-STOP", &pid]).status().unwrap();
+        assert!(stopped.success(), "kill -STOP {pid}");
+        let hung = Instant::now();
+        let status = loop {
+            if let Some(status) = first.0.try_wait().unwrap() {
+                break status;
+            }
+            assert!(
+                hung.elapsed() < Duration::from_secs(40),
+                "--overlap-reduce {overlap}: rank 0 still running {:?} after its peer hung",
+                hung.elapsed()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        let took = hung.elapsed();
+        let mut stderr = String::new();
+        std::io::Read::read_to_string(&mut first.0.stderr.take().unwrap(), &mut stderr).unwrap();
+        assert!(!status.success(), "{stderr}");
+        assert!(stderr.contains("timed out") && stderr.contains("(timeout 5s)"), "{stderr}");
+        // One timeout, plus the time the peer took to stop and a busy machine's slack; one wait per
+        // bucket would be 11 timeouts.
+        assert!(took < Duration::from_secs(15), "--overlap-reduce {overlap}: took {took:?}: {stderr}");
+    }
+}
+
 /// `--slowdown 1=10` on two data-parallel ranks: rank 1's compute is stretched tenfold (each
 /// compute span is followed by a sleep of nine times its length, booked as compute), rank 0's is
 /// not, and rank 0 waits for rank 1 at every gradient all-reduce.
