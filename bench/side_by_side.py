@@ -42,12 +42,15 @@ def throughput(times, batch, warmup):
     return batch * len(kept) / sum(kept)
 
 
-def rank_iterations(cmd, world, what, warmup=0, timeout=1800):
-    """Runs `world` ranks of the runtime command `cmd` (each given `--rank R`; `cmd` holds the
-    world size and a free master port) and returns each rank's iteration events after `warmup`;
-    a failed rank stops the benchmark with its stderr, `what` saying which run it was."""
+def rank_iterations(cmd, world, what, warmup=0, timeout=1800, prefix=lambda rank: []):
+    """Runs `world` ranks of the runtime command `cmd` (each given `--rank R`, and run through
+    `prefix(R)`'s words first, e.g. `ip netns exec NS`; `cmd` holds the world size and a free
+    master port) and returns each rank's iteration events after `warmup`; a failed rank stops the
+    benchmark with its stderr, `what` saying which run it was."""
     procs = [
-        subprocess.Popen(cmd + ["--rank", str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            prefix(r) + cmd + ["--rank", str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         for r in range(world)
     ]
     outs = [p.communicate(timeout=timeout) for p in procs]

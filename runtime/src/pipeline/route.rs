@@ -33,9 +33,10 @@
 //!   another replica only posts after the collective step.
 //!
 //! A framed message (`--compress auto`, a sparse COO tensor) is a header, posted as early as a
-//! dense message, then a payload of the size only the header tells. The payload's receive is
-//! posted once the header is in, and no step waits for a payload's send (exec/transfer.rs), so
-//! the payloads add no wait to the argument above.
+//! dense message, then a payload of the size only the header tells. A compressed dense tensor's
+//! payload receive is posted with the header's, with room for the dense form; a COO payload's
+//! once the header is in. No step waits for a payload's send (exec/transfer.rs), so the payloads
+//! add no wait to the argument above.
 
 use stagehand_contract::StagePlan;
 

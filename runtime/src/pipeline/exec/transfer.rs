@@ -2,14 +2,22 @@
 //! the sends issued as route.rs orders them, each message's spec and the kind it travels in
 //! (framed sparse payloads through sparse.rs).
 //!
-//! A framed message's header is posted ahead as a dense message is; its payload's receive is
-//! posted as soon as the header is seen in ([`Executor::land_headers`], between operations, or
-//! when the action takes it), and its payload's send is not waited for before a step
-//! ([`Progress::reap_payload_sends`]): a receiver can post that receive only once the header is
-//! in, which may be after a step of its own that waits on this rank's replicas, so waiting for
-//! it could close a cycle that the receives posted ahead keep dense messages out of (route.rs).
-//! Both the header's receive and the payload's send are [watched](crate::comm::Watched) on
-//! threads of their own, since Gloo says an operation has ended only once it is waited for.
+//! A framed message's header is posted ahead as a dense message is. A compressed dense tensor's
+//! payload is never larger than its dense form, so its receive is posted ahead too, with room
+//! for that: Gloo takes a shorter message into a receive's first bytes, and the header says how
+//! many. A payload sent before its receive is posted waits for it (Gloo sends only to a posted
+//! receive), and on a slow link the receiver's word that it is posted queues behind the bulk
+//! traffic going its way, so a payload whose receive waited for its header lost that time.
+//!
+//! A sparse COO tensor's payload has no bound short of its entries, so its receive is posted as
+//! soon as the header is seen in ([`Executor::land_headers`], between operations, or when the
+//! action takes it). Payload sends are not waited for before a step
+//! ([`Progress::reap_payload_sends`]): a receiver can post a COO payload's receive only once the
+//! header is in, which may be after a step of its own that waits on this rank's replicas, so
+//! waiting for it could close a cycle that the receives posted ahead keep dense messages out of
+//! (route.rs). Both such a header's receive and every payload's send are
+//! [watched](crate::comm::Watched) on threads of their own, since Gloo says an operation has ended
+//! only once it is waited for.
 
 use anyhow::bail;
 use tch::{Kind, Tensor};
@@ -51,26 +59,40 @@ impl Executor {
         matches!(message, Message::Activation(_) | Message::Gradient(_)) && (self.sparse || spec.is_sparse())
     }
 
-    /// Starts receiving `transfer` into a fresh buffer.
+    /// Starts receiving `transfer` into a fresh buffer; a framed message's header, and its
+    /// payload into room for its dense form where the spec is dense.
     pub(super) fn post_recv(&self, progress: &mut Progress, transfer: Transfer) -> anyhow::Result<()> {
         let spec = self.recv_spec(transfer.message)?;
         let framed = self.framed(transfer.message, spec);
+        let wire = self.wire_kind(transfer.message, spec.kind);
         let mut tensor = if framed {
             // The header: the payload's form and size, then the payload itself.
             sparse::header_buffer()
         } else {
-            match self.wire_kind(transfer.message, spec.kind) {
+            match wire {
                 Some(kind) => Tensor::empty(spec.shape.as_slice(), (kind, self.device)),
                 None => spec.empty(self.device),
             }
         };
         let work = self.channels().recv(transfer, &mut tensor)?;
-        let arrival = match framed {
-            true => Arrival::Header {
+        let arrival = match (framed, spec.is_sparse()) {
+            (true, false) => {
+                let elements: i64 = spec.shape.iter().product();
+                let room = elements * wire.unwrap_or(spec.kind).elt_size_in_bytes() as i64;
+                let mut payload = Tensor::empty([room], (Kind::Uint8, self.device));
+                let payload_work = self.channels().recv_payload(transfer, &mut payload)?;
+                Arrival::Bounded {
+                    header: tensor,
+                    header_work: work,
+                    payload,
+                    payload_work,
+                }
+            }
+            (true, true) => Arrival::Header {
                 tensor,
                 watched: Watched::new(work)?,
             },
-            false => Arrival::Buffer { tensor, work },
+            (false, _) => Arrival::Buffer { tensor, work },
         };
         progress
             .posted
@@ -146,6 +168,29 @@ impl Executor {
                 sparse::decode(header, &payload, &spec.shape, kind)
                     .map_err(|e| anyhow::anyhow!("{message:?} from rank {}: {e}", posted.transfer.peer))?
             }
+            Arrival::Bounded {
+                header,
+                header_work,
+                payload,
+                payload_work,
+            } => {
+                let from = posted.transfer.peer;
+                header_work.wait()?;
+                let header = sparse::read_header(&header)
+                    .map_err(|e| anyhow::anyhow!("{message:?} from rank {from}: {e}"))?;
+                payload_work.wait()?;
+                let room = payload.size()[0];
+                if !(0..=room).contains(&header.bytes) {
+                    bail!(
+                        "{message:?} from rank {from}: its header announces {} payload bytes, not at most the \
+                         {room} of its dense form",
+                        header.bytes
+                    );
+                }
+                let kind = self.wire_kind(message, spec.kind).unwrap_or(spec.kind);
+                sparse::decode(header, &payload.narrow(0, 0, header.bytes), &spec.shape, kind)
+                    .map_err(|e| anyhow::anyhow!("{message:?} from rank {from}: {e}"))?
+            }
         };
         // NCCL's wait only orders the streams: settle here so the transfer is not timed as the
         // compute that follows.
@@ -181,7 +226,14 @@ impl Executor {
         };
         let dense_bytes = (tensor.numel() * tensor.kind().elt_size_in_bytes()) as u64;
         progress.timing.wire.dense += dense_bytes;
-        if self.framed(transfer.message, self.send_spec(transfer.message)?) {
+        let spec = self.send_spec(transfer.message)?;
+        if self.framed(transfer.message, spec) {
+            // Its receiver has room for the dense form where the spec is dense: a sparse gradient
+            // for a dense input goes as the dense tensor it stands for, in its smallest form.
+            let tensor = match tensor.is_sparse() && !spec.is_sparse() {
+                true => tensor.to_dense(None::<Kind>, false),
+                false => tensor,
+            };
             let encoded = sparse::encode(&tensor, self.sparse)
                 .map_err(|e| anyhow::anyhow!("compressing {:?}: {e}", transfer.message))?;
             progress.timing.wire.sent += sparse::HEADER_LEN as u64 * 8 + encoded.payload.numel() as u64;
@@ -252,5 +304,14 @@ enum Arrival {
         header: sparse::Header,
         payload: Tensor,
         work: Work,
+    },
+    /// A framed message of a dense spec on its way: its header into `header`, its payload into
+    /// the first bytes of `payload`, which has room for the dense form (the largest the sender
+    /// picks).
+    Bounded {
+        header: Tensor,
+        header_work: Work,
+        payload: Tensor,
+        payload_work: Work,
     },
 }
