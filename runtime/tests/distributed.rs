@@ -669,7 +669,10 @@ fn a_hung_replica_ends_the_others_within_one_timeout_not_one_per_bucket() {
             seen += usize::from(line.contains(r#""event":"iteration""#));
         }
         let pid = second.0.id().to_string();
-        let stopped = std::process::Command::new("kill").args(["-STOP", &pid]).status().unwrap();
+        let stopped = std::process::Command::new("kill")
+            .args(["-STOP", &pid])
+            .status()
+            .unwrap();
         assert!(stopped.success(), "kill -STOP {pid}");
         let hung = Instant::now();
         let status = loop {
@@ -687,10 +690,16 @@ fn a_hung_replica_ends_the_others_within_one_timeout_not_one_per_bucket() {
         let mut stderr = String::new();
         std::io::Read::read_to_string(&mut first.0.stderr.take().unwrap(), &mut stderr).unwrap();
         assert!(!status.success(), "{stderr}");
-        assert!(stderr.contains("timed out") && stderr.contains("(timeout 5s)"), "{stderr}");
+        assert!(
+            stderr.contains("timed out") && stderr.contains("(timeout 5s)"),
+            "{stderr}"
+        );
         // One timeout, plus the time the peer took to stop and a busy machine's slack; one wait per
         // bucket would be 11 timeouts.
-        assert!(took < Duration::from_secs(15), "--overlap-reduce {overlap}: took {took:?}: {stderr}");
+        assert!(
+            took < Duration::from_secs(15),
+            "--overlap-reduce {overlap}: took {took:?}: {stderr}"
+        );
     }
 }
 
