@@ -6,9 +6,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use bollard::errors::Error as DockerError;
-use bollard::query_parameters::{
-    InspectContainerOptions, ListContainersOptionsBuilder, RemoveContainerOptionsBuilder,
-};
+use bollard::query_parameters::{ListContainersOptionsBuilder, RemoveContainerOptionsBuilder};
 use futures_util::future::join_all;
 
 use super::labels::LABEL_EXPERIMENT;
@@ -21,31 +19,10 @@ use crate::hosts::{Host, SshOptions};
 /// How long the driver keeps trying to remove the containers of a host that does not answer,
 /// connecting to it again between tries, before it says what is left and how to remove it.
 pub const REMOVAL_GRACE: Duration = Duration::from_secs(20);
-/// The same for preflight's containers (the self-check's and the reach check's), shorter: it is
-/// how long Ctrl-C during preflight may wait on a host that does not answer, and what preflight
-/// leaves is only a warning (each container stops itself once its lease runs out). Removing a
-/// container takes well under a second on an engine that answers, so 10 s still leaves room for
-/// a slow engine, or for a second try on a new connection after one that failed at once.
-pub const PREFLIGHT_REMOVAL_GRACE: Duration = Duration::from_secs(10);
 /// The most one try on one host may take (an SSH connection that cannot be made takes 10 s).
 const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(12);
 /// The pause between tries.
 const RETRY_PAUSE: Duration = Duration::from_secs(2);
-/// How long a container whose removal the engine says is already in progress (409: another
-/// caller removing it) is waited for to be gone before it counts as left. The engine finishes
-/// such a removal in well under a second; one that has not after 5 s is stuck, and a later try
-/// of [`remove_on`] looks again.
-const REMOVAL_IN_PROGRESS_WAIT: Duration = Duration::from_secs(5);
-/// The pause between looks at a container whose removal is in progress.
-const GONE_POLL: Duration = Duration::from_millis(100);
-
-// A try that waits for a removal in progress still ends within its own limit ([`remove_on`]
-// bounds each try by ATTEMPT_TIMEOUT and by the grace), with time left to list and remove.
-const _: () = assert!(
-    REMOVAL_IN_PROGRESS_WAIT.as_millis() < ATTEMPT_TIMEOUT.as_millis()
-        && REMOVAL_IN_PROGRESS_WAIT.as_millis() < PREFLIGHT_REMOVAL_GRACE.as_millis()
-        && PREFLIGHT_REMOVAL_GRACE.as_millis() <= REMOVAL_GRACE.as_millis()
-);
 
 /// A container the driver created: where, and which ranks it runs.
 #[derive(Debug, Clone)]
@@ -65,16 +42,14 @@ pub struct Pass {
     /// Containers seen gone: removed now, or already.
     pub gone: Vec<String>,
     /// Why it did not finish, and which containers (id, name) are known to be left; `None` when
-    /// that is not known (the engine could not list them, or did not answer in time).
+    /// the engine could not even list them.
     pub failure: Option<(LaunchError, Option<Named>)>,
 }
 
 /// Containers by (id, name).
 pub type Named = Vec<(String, String)>;
 
-/// Removes (force: killed first) every container on `docker` labelled with experiment `id`. A
-/// container whose removal is already in progress counts as gone only once it is
-/// ([`removal_finished`]).
+/// Removes (force: killed first) every container on `docker` labelled with experiment `id`.
 pub async fn remove_labelled(docker: &bollard::Docker, host: &str, id: &str) -> Pass {
     let filters = HashMap::from([("label", vec![format!("{LABEL_EXPERIMENT}={id}")])]);
     let options = ListContainersOptionsBuilder::default()
@@ -108,10 +83,8 @@ pub async fn remove_labelled(docker: &bollard::Docker, host: &str, id: &str) -> 
                 .build();
             let outcome = match docker.remove_container(&cid, Some(options)).await {
                 Ok(()) | Err(DockerError::DockerResponseServerError { status_code: 404, .. }) => Ok(()),
-                // 409: removal already in progress (a concurrent removal), not yet done.
-                Err(DockerError::DockerResponseServerError { status_code: 409, .. }) => {
-                    removal_finished(docker, host, &cid, &name).await
-                }
+                // 409: removal already in progress (a concurrent stop); it will finish.
+                Err(DockerError::DockerResponseServerError { status_code: 409, .. }) => Ok(()),
                 Err(source) => Err(LaunchError::from(HostError::Docker {
                     host: host.to_string(),
                     action: "remove a container",
@@ -143,48 +116,8 @@ pub async fn remove_labelled(docker: &bollard::Docker, host: &str, id: &str) -> 
     pass
 }
 
-/// Waits, for at most [`REMOVAL_IN_PROGRESS_WAIT`], for container `cid` (named `name`), whose
-/// removal someone else has under way, to be gone: the engine no longer knows it (404). Still
-/// there at the limit, it is an error naming it.
-async fn removal_finished(
-    docker: &bollard::Docker,
-    host: &str,
-    cid: &str,
-    name: &str,
-) -> Result<(), LaunchError> {
-    let gone = async {
-        loop {
-            match docker
-                .inspect_container(cid, None::<InspectContainerOptions>)
-                .await
-            {
-                Err(DockerError::DockerResponseServerError { status_code: 404, .. }) => return Ok(()),
-                Err(source) => {
-                    return Err(LaunchError::from(HostError::Docker {
-                        host: host.to_string(),
-                        action: "see whether a container being removed is gone",
-                        source,
-                    }))
-                }
-                Ok(_) => tokio::time::sleep(GONE_POLL).await,
-            }
-        }
-    };
-    let limit = REMOVAL_IN_PROGRESS_WAIT;
-    tokio::time::timeout(limit, gone).await.unwrap_or_else(|_| {
-        // The engine names every container; its id names one all the same.
-        let container = if name.is_empty() { cid } else { name };
-        Err(LaunchError::RemovalUnfinished {
-            host: host.to_string(),
-            container: container.to_string(),
-            seconds: limit.as_secs(),
-        })
-    })
-}
-
 /// Removes experiment `id`'s containers on `host`: a try on the connection it has, then, until
-/// `grace` has passed since the start, tries on a new connection. Every try is bounded by
-/// [`ATTEMPT_TIMEOUT`] and by what is left of `grace`, so the whole takes `grace` at most.
+/// `grace` has passed since the start, tries on a new connection. Every try is time-bounded.
 pub async fn remove_on(host: &Host, ssh: &SshOptions, id: &str, grace: Duration) -> Pass {
     let deadline = tokio::time::Instant::now() + grace;
     let timed_out = |seconds: u64| Pass {
@@ -197,9 +130,8 @@ pub async fn remove_on(host: &Host, ssh: &SshOptions, id: &str, grace: Duration)
             None,
         )),
     };
-    let limit = ATTEMPT_TIMEOUT.min(grace).max(Duration::from_millis(1));
-    let first = tokio::time::timeout(limit, remove_labelled(&host.docker, &host.name, id)).await;
-    let mut pass = first.unwrap_or_else(|_| timed_out(limit.as_secs()));
+    let first = tokio::time::timeout(ATTEMPT_TIMEOUT, remove_labelled(&host.docker, &host.name, id)).await;
+    let mut pass = first.unwrap_or_else(|_| timed_out(ATTEMPT_TIMEOUT.as_secs()));
     let mut gone = Vec::new();
     loop {
         gone.append(&mut pass.gone);
@@ -268,9 +200,8 @@ pub fn remove_by_hand(machine: &Machine, ssh_config: Option<&std::path::Path>, n
 
 /// The warnings for preflight's containers (labelled with experiment `id`) that `host`, the
 /// experiment's `machine`, did not remove, because of `why`: one per container `known` (id, name)
-/// to be left, naming it and the command that removes it by hand ([`remove_by_hand`]), or, when
-/// which are left is not known (the engine could not list them, or did not answer in time: `why`
-/// says which), one for the host, naming the label. Preflight goes on: each stops itself, but
+/// to be left, naming it and the command that removes it by hand ([`remove_by_hand`]), or one for
+/// the host when its engine could not even list them. Preflight goes on: each stops itself, but
 /// stays listed under a label that is not the experiment record's.
 pub fn preflight_left(
     host: &str,
@@ -283,9 +214,9 @@ pub fn preflight_left(
     let ttl = LEASE_TTL.as_secs();
     let Some(known) = known else {
         return vec![format!(
-            "warning: preflight's containers on {host} (label {LABEL_EXPERIMENT}={id}) may not have been \
-             removed, and which are left is not known: {why}; each stops itself once its lease has \
-             not been renewed for {ttl} s, but stays listed (`docker ps -a`) until removed"
+            "warning: preflight's containers on {host} (label {LABEL_EXPERIMENT}={id}) could not even be \
+             listed to remove them: {why}; each stops itself once its lease has not been renewed for \
+             {ttl} s, but stays listed (`docker ps -a`) until removed"
         )];
     };
     known
@@ -316,7 +247,6 @@ fn sh_quote(word: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::super::test_engine::{one_file_image, Leftovers};
     use super::*;
     use crate::config::machine::HostKeyCheck;
 
@@ -399,114 +329,11 @@ mod tests {
         assert_eq!(
             preflight_left("th2", &m, Some(cfg), "e-reach-7", why, None),
             vec![
-                "warning: preflight's containers on th2 (label stagehand.experiment=e-reach-7) may not \
-                 have been removed, and which are left is not known: docker on th2 could not list the \
-                 experiment's containers: connection reset; each stops itself once its lease has not \
-                 been renewed for 30 s, but stays listed (`docker ps -a`) until removed"
+                "warning: preflight's containers on th2 (label stagehand.experiment=e-reach-7) could not \
+                 even be listed to remove them: docker on th2 could not list the experiment's containers: \
+                 connection reset; each stops itself once its lease has not been renewed for 30 s, but \
+                 stays listed (`docker ps -a`) until removed"
             ]
-        );
-    }
-
-    #[test]
-    fn preflight_that_ran_out_of_time_names_the_host_the_label_and_the_time() {
-        let why = crate::error::error_line(&LaunchError::CleanupTimeout {
-            host: "th2".into(),
-            seconds: PREFLIGHT_REMOVAL_GRACE.as_secs(),
-        });
-        assert_eq!(
-            preflight_left("th2", &machine("th2"), None, "e-check-7", &why, None),
-            vec![
-                "warning: preflight's containers on th2 (label stagehand.experiment=e-check-7) may not \
-                 have been removed, and which are left is not known: removing the experiment's \
-                 containers on th2 took longer than 10 s; each stops itself once its lease has not been \
-                 renewed for 30 s, but stays listed (`docker ps -a`) until removed"
-            ]
-        );
-    }
-
-    /// Creates a container of `left`'s image, never started, labelled with experiment `id`, and
-    /// has `left` remove it.
-    async fn create_labelled(docker: &bollard::Docker, left: &mut Leftovers, id: &str, name: &str) -> String {
-        let options = bollard::query_parameters::CreateContainerOptionsBuilder::default()
-            .name(name)
-            .build();
-        let body = bollard::models::ContainerCreateBody {
-            image: Some(left.image.clone()),
-            cmd: Some(vec!["/hello".into()]),
-            labels: Some(HashMap::from([(LABEL_EXPERIMENT.to_string(), id.to_string())])),
-            ..Default::default()
-        };
-        let cid = docker.create_container(Some(options), body).await.unwrap().id;
-        left.containers.push(cid.clone());
-        cid
-    }
-
-    /// Two removals of the same containers at once (Ctrl-C's and a check's own, say): the engine
-    /// answers one of them 409, removal already in progress, while it removes for the other. Each
-    /// counts a container gone only once the engine no longer has it. Against the real engine.
-    #[tokio::test]
-    async fn a_removal_already_in_progress_counts_the_container_gone_only_once_it_is() {
-        let docker = bollard::Docker::connect_with_local_defaults().unwrap();
-        let pid = std::process::id();
-        let mut left = Leftovers {
-            image: format!("stagehand-unit-concurrent-removal:{pid}"),
-            containers: Vec::new(),
-        };
-        one_file_image(&docker, &left).await;
-        let id = format!("stagehand-unit-concurrent-removal-{pid}");
-        for round in 0..8 {
-            let cid = create_labelled(&docker, &mut left, &id, &format!("{id}-{round}")).await;
-            let remove_then_look = || async {
-                let pass = remove_labelled(&docker, "localhost", &id).await;
-                let there = docker
-                    .inspect_container(&cid, None::<InspectContainerOptions>)
-                    .await;
-                (pass, there)
-            };
-            let (first, second) = tokio::join!(remove_then_look(), remove_then_look());
-            for (pass, there) in [first, second] {
-                let failure = pass.failure.map(|(e, _)| crate::error::error_line(&e));
-                assert_eq!(failure, None, "round {round}");
-                let state = there.as_ref().map(|c| c.state.as_ref().and_then(|s| s.status));
-                assert!(
-                    matches!(
-                        there,
-                        Err(DockerError::DockerResponseServerError { status_code: 404, .. })
-                    ),
-                    "round {round}: counted gone ({:?}) but the engine still has it: {state:?}",
-                    pass.gone
-                );
-            }
-        }
-    }
-
-    /// A container whose removal does not finish (here: one nobody removes) is waited for
-    /// [`REMOVAL_IN_PROGRESS_WAIT`], then said to be left. Against the real engine.
-    #[tokio::test]
-    async fn a_removal_in_progress_that_does_not_finish_is_a_container_left() {
-        let docker = bollard::Docker::connect_with_local_defaults().unwrap();
-        let pid = std::process::id();
-        let mut left = Leftovers {
-            image: format!("stagehand-unit-unfinished-removal:{pid}"),
-            containers: Vec::new(),
-        };
-        one_file_image(&docker, &left).await;
-        let name = format!("stagehand-unit-unfinished-removal-{pid}");
-        let cid = create_labelled(&docker, &mut left, &name, &name).await;
-        let started = std::time::Instant::now();
-        let outcome = removal_finished(&docker, "localhost", &cid, &name).await;
-        let took = started.elapsed();
-        assert!(
-            took >= REMOVAL_IN_PROGRESS_WAIT && took < REMOVAL_IN_PROGRESS_WAIT + Duration::from_secs(1),
-            "{took:?}"
-        );
-        let error = crate::error::error_line(&outcome.unwrap_err());
-        assert_eq!(
-            error,
-            format!(
-                "a removal of container {name} on localhost was already in progress and had not finished \
-                 after 5 s"
-            )
         );
     }
 

@@ -12,8 +12,6 @@ pub mod process;
 pub mod reach;
 pub mod restart;
 pub mod slurm;
-#[cfg(test)]
-mod test_engine;
 pub mod traces;
 
 use std::path::PathBuf;
@@ -107,12 +105,6 @@ pub enum LaunchError {
     PortInUse { host: String, port: u16 },
     #[error("removing the experiment's containers on {host} took longer than {seconds} s")]
     CleanupTimeout { host: String, seconds: u64 },
-    #[error("a removal of container {container} on {host} was already in progress and had not finished after {seconds} s")]
-    RemovalUnfinished {
-        host: String,
-        container: String,
-        seconds: u64,
-    },
     #[error("{} could not be removed, tried for {grace_s} s: {}; each stops itself once its lease has not been renewed for {ttl_s} s, but stays listed until removed: once its host answers, run {}", count(.left.len()), describe(.left), by_hand(.left), ttl_s = lease::LEASE_TTL.as_secs())]
     ContainersLeft { left: Vec<LeftContainer>, grace_s: u64 },
     #[error("interrupted before the ranks started")]
