@@ -295,11 +295,12 @@ impl ProcessGroup {
         self.work("send", Some(peer), result, raw, kept, after)
     }
 
-    /// Asynchronous receive into `tensor` (which must have the sender's shape and dtype). Its
+    /// Asynchronous receive into `tensor` (as a rule of the sender's shape and dtype). Its
     /// contents are defined once the returned work has been waited for.
     ///
-    /// Gloo aborts the process (an assertion on its I/O thread) if the message's byte size differs
-    /// from `tensor`'s, so agree on shapes before the first message.
+    /// Gloo aborts the process (an assertion on its I/O thread) if the message is larger than
+    /// `tensor`, so agree on shapes before the first message. A shorter one lands in `tensor`'s
+    /// first bytes (framed payloads, whose header gives their size, rely on it).
     pub fn recv(&self, tensor: &mut Tensor, src: usize, tag: u32) -> Result<Work, CommError> {
         let peer = self.peer("recv", src)?;
         let tag = checked_tag("recv", peer, tag)?;

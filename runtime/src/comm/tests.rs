@@ -187,7 +187,7 @@ fn until_ended(watched: &Watched) {
 /// bytes and ends, leaving the rest as it was, in order with the next message on the same tag:
 /// a framed message's payload receive is posted ahead with room for its dense form
 /// (pipeline/exec/transfer.rs), its size read from the header. Gloo's TCP transport allows it
-/// (a message longer than the receive is refused); this checks the libtorch built against.
+/// (a message longer than the receive aborts the process); this checks the libtorch built against.
 #[test]
 fn a_receive_with_room_to_spare_takes_a_shorter_message() {
     world(2, |rank, store| {

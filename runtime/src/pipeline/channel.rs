@@ -108,7 +108,8 @@ impl Channels {
         group.send(payload, peer, transfer.message.payload_tag())
     }
 
-    /// Starts receiving a compressed message's payload, once its header has said its size.
+    /// Starts receiving a framed message's payload into `payload`: with room for the dense form
+    /// (a shorter payload lands in its first bytes), or of the size its header gave.
     pub fn recv_payload(&self, transfer: Transfer, payload: &mut Tensor) -> Result<Work, CommError> {
         let (group, peer) = self.lane(transfer)?;
         group.recv(payload, peer, transfer.message.payload_tag())

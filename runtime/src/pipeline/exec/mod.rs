@@ -247,8 +247,8 @@ struct Progress {
     /// at the iteration's end).
     tallies: Vec<Tensor>,
     traces: Vec<Trace>,
-    /// Receives posted ahead of the action that takes them (a framed message's payload is
-    /// received from the same peer once its header is in).
+    /// Receives posted ahead of the action that takes them (a framed message's payload with its
+    /// header, or, for a sparse COO tensor, once its header is in: transfer.rs).
     posted: HashMap<Message, Posted>,
     /// Framed messages' payload sends, which a step does not wait for (transfer.rs).
     payload_sends: Vec<Watched>,

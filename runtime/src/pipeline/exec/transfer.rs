@@ -178,7 +178,8 @@ impl Executor {
                 header_work.wait()?;
                 let header = sparse::read_header(&header)
                     .map_err(|e| anyhow::anyhow!("{message:?} from rank {from}: {e}"))?;
-                payload_work.wait()?;
+                // A sender never sends more (`send` checks), and Gloo would abort on a payload
+                // larger than the receive: this catches a header that disagrees with its sender.
                 let room = payload.size()[0];
                 if !(0..=room).contains(&header.bytes) {
                     bail!(
@@ -187,6 +188,7 @@ impl Executor {
                         header.bytes
                     );
                 }
+                payload_work.wait()?;
                 let kind = self.wire_kind(message, spec.kind).unwrap_or(spec.kind);
                 sparse::decode(header, &payload.narrow(0, 0, header.bytes), &spec.shape, kind)
                     .map_err(|e| anyhow::anyhow!("{message:?} from rank {from}: {e}"))?
@@ -236,6 +238,15 @@ impl Executor {
             };
             let encoded = sparse::encode(&tensor, self.sparse)
                 .map_err(|e| anyhow::anyhow!("compressing {:?}: {e}", transfer.message))?;
+            // The receiver has room for the dense form only, and Gloo aborts on more.
+            let payload = encoded.payload.numel() as u64;
+            if !spec.is_sparse() && payload > dense_bytes {
+                bail!(
+                    "internal error: {:?}'s payload of {payload} bytes is larger than its dense form's \
+                     {dense_bytes}",
+                    transfer.message
+                );
+            }
             progress.timing.wire.sent += sparse::HEADER_LEN as u64 * 8 + encoded.payload.numel() as u64;
             progress
                 .sends
