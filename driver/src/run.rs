@@ -84,8 +84,9 @@ impl RunError {
 }
 
 /// Waits for preflight checks that run containers labelled with any of `ids`; Ctrl-C removes
-/// them on every host (reached over `ssh`, which a warning about one left names) and ends the run
-/// as interrupted.
+/// them on every host, every label at once, so within one
+/// [`crate::launch::cleanup::PREFLIGHT_REMOVAL_GRACE`] (reached over `ssh`, which a warning about
+/// one left names), and ends the run as interrupted.
 async fn in_check_containers<T>(
     checks: impl std::future::Future<Output = T>,
     hosts: &[hosts::Host],
@@ -96,9 +97,8 @@ async fn in_check_containers<T>(
     tokio::select! {
         r = checks => Ok(r),
         _ = signals.recv() => {
-            for id in ids {
-                crate::launch::docker::remove_everywhere(hosts, ssh, id).await;
-            }
+            let removals = ids.iter().map(|id| crate::launch::docker::remove_everywhere(hosts, ssh, id));
+            futures_util::future::join_all(removals).await;
             Err(RunError::Launch(LaunchError::Interrupted))
         }
     }

@@ -19,10 +19,18 @@ use crate::hosts::{Host, SshOptions};
 /// How long the driver keeps trying to remove the containers of a host that does not answer,
 /// connecting to it again between tries, before it says what is left and how to remove it.
 pub const REMOVAL_GRACE: Duration = Duration::from_secs(20);
+/// The same for preflight's containers (the self-check's and the reach check's), shorter: it is
+/// how long Ctrl-C during preflight may wait on a host that does not answer, and what preflight
+/// leaves is only a warning (each container stops itself once its lease runs out). Removing a
+/// container takes well under a second on an engine that answers, so 10 s still leaves room for
+/// a slow engine, or for a second try on a new connection after one that failed at once.
+pub const PREFLIGHT_REMOVAL_GRACE: Duration = Duration::from_secs(10);
 /// The most one try on one host may take (an SSH connection that cannot be made takes 10 s).
 const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(12);
 /// The pause between tries.
 const RETRY_PAUSE: Duration = Duration::from_secs(2);
+// Ctrl-C during preflight waits no longer than a failed run's removal.
+const _: () = assert!(PREFLIGHT_REMOVAL_GRACE.as_millis() <= REMOVAL_GRACE.as_millis());
 
 /// A container the driver created: where, and which ranks it runs.
 #[derive(Debug, Clone)]
@@ -42,7 +50,7 @@ pub struct Pass {
     /// Containers seen gone: removed now, or already.
     pub gone: Vec<String>,
     /// Why it did not finish, and which containers (id, name) are known to be left; `None` when
-    /// the engine could not even list them.
+    /// that is not known (the engine could not list them, or did not answer in time).
     pub failure: Option<(LaunchError, Option<Named>)>,
 }
 
@@ -83,7 +91,8 @@ pub async fn remove_labelled(docker: &bollard::Docker, host: &str, id: &str) -> 
                 .build();
             let outcome = match docker.remove_container(&cid, Some(options)).await {
                 Ok(()) | Err(DockerError::DockerResponseServerError { status_code: 404, .. }) => Ok(()),
-                // 409: removal already in progress (a concurrent stop); it will finish.
+                // 409: removal already in progress (a concurrent removal, which reports its own
+                // failure).
                 Err(DockerError::DockerResponseServerError { status_code: 409, .. }) => Ok(()),
                 Err(source) => Err(LaunchError::from(HostError::Docker {
                     host: host.to_string(),
@@ -117,7 +126,10 @@ pub async fn remove_labelled(docker: &bollard::Docker, host: &str, id: &str) -> 
 }
 
 /// Removes experiment `id`'s containers on `host`: a try on the connection it has, then, until
-/// `grace` has passed since the start, tries on a new connection. Every try is time-bounded.
+/// `grace` has passed since the start, tries on a new connection. Every try is bounded by
+/// [`ATTEMPT_TIMEOUT`] and by what is left of `grace`, so the whole takes `grace` at most; a
+/// `grace` of zero is one try of [`ATTEMPT_TIMEOUT`] at most (a quick first pass, which a later
+/// call with a grace tries again).
 pub async fn remove_on(host: &Host, ssh: &SshOptions, id: &str, grace: Duration) -> Pass {
     let deadline = tokio::time::Instant::now() + grace;
     let timed_out = |seconds: u64| Pass {
@@ -130,8 +142,12 @@ pub async fn remove_on(host: &Host, ssh: &SshOptions, id: &str, grace: Duration)
             None,
         )),
     };
-    let first = tokio::time::timeout(ATTEMPT_TIMEOUT, remove_labelled(&host.docker, &host.name, id)).await;
-    let mut pass = first.unwrap_or_else(|_| timed_out(ATTEMPT_TIMEOUT.as_secs()));
+    let limit = match grace.is_zero() {
+        true => ATTEMPT_TIMEOUT,
+        false => ATTEMPT_TIMEOUT.min(grace),
+    };
+    let first = tokio::time::timeout(limit, remove_labelled(&host.docker, &host.name, id)).await;
+    let mut pass = first.unwrap_or_else(|_| timed_out(limit.as_secs()));
     let mut gone = Vec::new();
     loop {
         gone.append(&mut pass.gone);
@@ -200,8 +216,9 @@ pub fn remove_by_hand(machine: &Machine, ssh_config: Option<&std::path::Path>, n
 
 /// The warnings for preflight's containers (labelled with experiment `id`) that `host`, the
 /// experiment's `machine`, did not remove, because of `why`: one per container `known` (id, name)
-/// to be left, naming it and the command that removes it by hand ([`remove_by_hand`]), or one for
-/// the host when its engine could not even list them. Preflight goes on: each stops itself, but
+/// to be left, naming it and the command that removes it by hand ([`remove_by_hand`]), or, when
+/// which are left is not known (the engine could not list them, or did not answer in time: `why`
+/// says which), one for the host, naming the label. Preflight goes on: each stops itself, but
 /// stays listed under a label that is not the experiment record's.
 pub fn preflight_left(
     host: &str,
@@ -214,9 +231,9 @@ pub fn preflight_left(
     let ttl = LEASE_TTL.as_secs();
     let Some(known) = known else {
         return vec![format!(
-            "warning: preflight's containers on {host} (label {LABEL_EXPERIMENT}={id}) could not even be \
-             listed to remove them: {why}; each stops itself once its lease has not been renewed for \
-             {ttl} s, but stays listed (`docker ps -a`) until removed"
+            "warning: preflight's containers on {host} (label {LABEL_EXPERIMENT}={id}) may not have been \
+             removed, and which are left is not known: {why}; each stops itself once its lease has \
+             not been renewed for {ttl} s, but stays listed (`docker ps -a`) until removed"
         )];
     };
     known
@@ -329,11 +346,75 @@ mod tests {
         assert_eq!(
             preflight_left("th2", &m, Some(cfg), "e-reach-7", why, None),
             vec![
-                "warning: preflight's containers on th2 (label stagehand.experiment=e-reach-7) could not \
-                 even be listed to remove them: docker on th2 could not list the experiment's containers: \
-                 connection reset; each stops itself once its lease has not been renewed for 30 s, but \
-                 stays listed (`docker ps -a`) until removed"
+                "warning: preflight's containers on th2 (label stagehand.experiment=e-reach-7) may not \
+                 have been removed, and which are left is not known: docker on th2 could not list the \
+                 experiment's containers: connection reset; each stops itself once its lease has not \
+                 been renewed for 30 s, but stays listed (`docker ps -a`) until removed"
             ]
+        );
+    }
+
+    #[test]
+    fn preflight_that_ran_out_of_time_names_the_host_the_label_and_the_time() {
+        let why = crate::error::error_line(&LaunchError::CleanupTimeout {
+            host: "th2".into(),
+            seconds: PREFLIGHT_REMOVAL_GRACE.as_secs(),
+        });
+        assert_eq!(
+            preflight_left("th2", &machine("th2"), None, "e-check-7", &why, None),
+            vec![
+                "warning: preflight's containers on th2 (label stagehand.experiment=e-check-7) may not \
+                 have been removed, and which are left is not known: removing the experiment's \
+                 containers on th2 took longer than 10 s; each stops itself once its lease has not been \
+                 renewed for 30 s, but stays listed (`docker ps -a`) until removed"
+            ]
+        );
+    }
+
+    /// A grace of zero is one whole try, not none: a failed run's first pass (`stop_all`) removes
+    /// with it, and a try cut short there left the ranks running until the lease ran out. Against
+    /// the real engine, with a container that never starts.
+    #[tokio::test]
+    async fn a_grace_of_zero_still_makes_one_whole_try() {
+        use super::super::test_engine::{local_host, one_file_image, Leftovers};
+        let host = local_host().await;
+        let pid = std::process::id();
+        let mut left = Leftovers {
+            image: format!("stagehand-unit-zero-grace:{pid}"),
+            containers: Vec::new(),
+        };
+        one_file_image(&host.docker, &left).await;
+        let id = format!("stagehand-unit-zero-grace-{pid}");
+        let options = bollard::query_parameters::CreateContainerOptionsBuilder::default()
+            .name(&id)
+            .build();
+        let body = bollard::models::ContainerCreateBody {
+            image: Some(left.image.clone()),
+            cmd: Some(vec!["/hello".into()]),
+            labels: Some(HashMap::from([(LABEL_EXPERIMENT.to_string(), id.clone())])),
+            ..Default::default()
+        };
+        let cid = host
+            .docker
+            .create_container(Some(options), body)
+            .await
+            .unwrap()
+            .id;
+        left.containers.push(cid.clone());
+        let pass = remove_on(&host, &crate::hosts::SshOptions::default(), &id, Duration::ZERO).await;
+        let failure = pass.failure.map(|(e, _)| crate::error::error_line(&e));
+        assert_eq!(failure, None);
+        assert_eq!(pass.gone, vec![cid.clone()]);
+        let there = host
+            .docker
+            .inspect_container(&cid, None::<bollard::query_parameters::InspectContainerOptions>)
+            .await;
+        assert!(
+            matches!(
+                there,
+                Err(DockerError::DockerResponseServerError { status_code: 404, .. })
+            ),
+            "the engine still has it"
         );
     }
 

@@ -1080,8 +1080,9 @@ async fn gpu_support_hint(docker: &bollard::Docker) -> &'static str {
     }
 }
 
-/// Removes every container labelled with experiment `id` on every host (preflight's, as
-/// [`remove_preflight`]: after the reach check, or an interrupted [`self_check`]).
+/// Removes every container labelled with experiment `id` on every host, all at once (preflight's,
+/// as [`remove_preflight`], so for [`cleanup::PREFLIGHT_REMOVAL_GRACE`] at most: after the reach
+/// check, or an interrupted [`self_check`]).
 pub async fn remove_everywhere(hosts: &[Host], ssh: &SshOptions, id: &str) {
     join_all(hosts.iter().map(|h| remove_preflight(h, ssh, id))).await;
 }
@@ -1138,19 +1139,25 @@ pub(super) async fn run_to_end(
     Ok((code, stdout, stderr))
 }
 
-/// Removes every container on `host` labelled with preflight's experiment `id`; each one left is
-/// a warning on stderr, naming it and how to remove it by hand ([`cleanup::preflight_left`]), and
-/// preflight goes on.
+/// Removes every container on `host` labelled with preflight's experiment `id`, tried again on a
+/// new connection (over `ssh`) for [`cleanup::PREFLIGHT_REMOVAL_GRACE`] at most
+/// ([`cleanup::remove_on`]); each one left is a warning on stderr, naming it and how to remove it
+/// by hand ([`cleanup::preflight_left`]), and preflight goes on.
 async fn remove_preflight(host: &Host, ssh: &SshOptions, id: &str) {
-    let pass = cleanup::remove_labelled(&host.docker, &host.name, id).await;
+    for line in preflight_left_on(host, ssh, id, cleanup::PREFLIGHT_REMOVAL_GRACE).await {
+        stderr_line!("{line}");
+    }
+}
+
+/// [`remove_preflight`]'s removal, for `grace`: the warnings it has for what is left.
+async fn preflight_left_on(host: &Host, ssh: &SshOptions, id: &str, grace: Duration) -> Vec<String> {
+    let pass = cleanup::remove_on(host, ssh, id, grace).await;
     let Some((error, known)) = pass.failure else {
-        return;
+        return Vec::new();
     };
     let why = crate::error::error_line(&error);
     let config = ssh.config_file.as_deref();
-    for line in cleanup::preflight_left(&host.name, &host.plan.machine, config, id, &why, known.as_ref()) {
-        stderr_line!("{line}");
-    }
+    cleanup::preflight_left(&host.name, &host.plan.machine, config, id, &why, known.as_ref())
 }
 
 fn short(id: &str) -> String {
@@ -1159,6 +1166,7 @@ fn short(id: &str) -> String {
 
 #[cfg(test)]
 mod tests {
+    use super::super::test_engine::{host_on, local_host, one_file_image, Leftovers};
     use super::*;
 
     #[test]
@@ -1202,47 +1210,35 @@ mod tests {
         assert!(!wants_cuda(&argv("runtime --devices cpu,cpu"), &[]));
     }
 
-    /// Removes a test's containers and image from the local engine when dropped, passed or not.
-    struct Leftovers {
-        image: String,
-        containers: Vec<String>,
-    }
-
-    impl Drop for Leftovers {
-        fn drop(&mut self) {
-            for id in &self.containers {
-                let _ = std::process::Command::new("docker")
-                    .args(["rm", "-f", id])
-                    .output();
-            }
-            let _ = std::process::Command::new("docker")
-                .args(["rmi", "-f", &self.image])
-                .output();
-        }
-    }
-
-    /// The local engine as a host of the experiment.
-    async fn local_host() -> Host {
-        let plan = crate::experiment::HostSpec {
-            name: "localhost".into(),
-            machine: crate::config::Machine::placeholder("localhost".into()),
-            ranks: vec![0, 1],
-            gpus: Vec::new(),
-        };
-        let (docker, tunnel) = crate::hosts::connect(&plan, &SshOptions::default())
-            .await
-            .unwrap();
-        Host {
-            name: plan.name.clone(),
-            plan,
-            docker,
-            image: String::new(),
-            arch: String::new(),
-            mounts: Vec::new(),
-            copies: Vec::new(),
-            infiniband: false,
-            _tunnel: tunnel,
-        }
+    /// Preflight's containers on an engine that does not answer (a socket that takes requests and
+    /// never replies, as a hung engine or SSH tunnel) hold the driver up for
+    /// [`cleanup::PREFLIGHT_REMOVAL_GRACE`], not for ever; what may be left is then a warning
+    /// naming the host, the label and the time that ran out.
+    #[tokio::test]
+    async fn preflight_removal_on_an_engine_that_does_not_answer_ends_in_time() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("silent.sock");
+        // Connections wait in its backlog: never accepted, never answered.
+        let _silent = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+        let docker =
+            bollard::Docker::connect_with_unix(socket.to_str().unwrap(), 120, bollard::API_DEFAULT_VERSION)
+                .unwrap();
+        let host = host_on(docker);
+        let grace = cleanup::PREFLIGHT_REMOVAL_GRACE;
+        let started = std::time::Instant::now();
+        let left = preflight_left_on(&host, &SshOptions::default(), "e-check-7", grace).await;
+        let took = started.elapsed();
+        // The grace, and a busy machine's slack: no second wait of its own.
+        assert!(took >= grace && took < grace + Duration::from_secs(3), "{took:?}");
+        assert_eq!(
+            left,
+            vec![
+                "warning: preflight's containers on localhost (label stagehand.experiment=e-check-7) may \
+                 not have been removed, and which are left is not known: removing the experiment's \
+                 containers on localhost took longer than 10 s; each stops itself once its lease has not \
+                 been renewed for 30 s, but stays listed (`docker ps -a`) until removed"
+            ]
+        );
     }
 
     /// What [`follow_exec`] reports of exec `exec` in `container`, which has no output.
@@ -1269,15 +1265,7 @@ mod tests {
             image: format!("stagehand-unit-no-shell:{}", std::process::id()),
             containers: Vec::new(),
         };
-        let options = bollard::query_parameters::CreateImageOptionsBuilder::default()
-            .from_src("-")
-            .repo(&left.image)
-            .build();
-        let tar = bollard::body_full(lease::file_tar("hello", "hello\n", 0o644).into());
-        let mut import = host.docker.create_image(Some(options), Some(tar), None);
-        while let Some(reply) = import.next().await {
-            reply.unwrap();
-        }
+        one_file_image(&host.docker, &left).await;
         let body = ContainerCreateBody {
             image: Some(left.image.clone()),
             cmd: Some(vec!["/bin/sh".into()]),

@@ -12,6 +12,8 @@ pub mod process;
 pub mod reach;
 pub mod restart;
 pub mod slurm;
+#[cfg(test)]
+mod test_engine;
 pub mod traces;
 
 use std::path::PathBuf;
