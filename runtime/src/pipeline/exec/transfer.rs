@@ -158,39 +158,11 @@ impl Executor {
                 tensor
             }
             Arrival::Header { .. } => unreachable!("its payload's receive is posted above"),
-            Arrival::Payload {
-                header,
-                payload,
-                work,
-            } => {
-                work.wait()?;
+            framed => {
+                let from = posted.transfer.peer;
+                let (header, payload) = framed_arrival(framed, &format!("{message:?} from rank {from}"))?;
                 let kind = self.wire_kind(message, spec.kind).unwrap_or(spec.kind);
                 sparse::decode(header, &payload, &spec.shape, kind)
-                    .map_err(|e| anyhow::anyhow!("{message:?} from rank {}: {e}", posted.transfer.peer))?
-            }
-            Arrival::Bounded {
-                header,
-                header_work,
-                payload,
-                payload_work,
-            } => {
-                let from = posted.transfer.peer;
-                header_work.wait()?;
-                let header = sparse::read_header(&header)
-                    .map_err(|e| anyhow::anyhow!("{message:?} from rank {from}: {e}"))?;
-                // A sender never sends more (`send` checks), and Gloo would abort on a payload
-                // larger than the receive: this catches a header that disagrees with its sender.
-                let room = payload.size()[0];
-                if !(0..=room).contains(&header.bytes) {
-                    bail!(
-                        "{message:?} from rank {from}: its header announces {} payload bytes, not at most the \
-                         {room} of its dense form",
-                        header.bytes
-                    );
-                }
-                payload_work.wait()?;
-                let kind = self.wire_kind(message, spec.kind).unwrap_or(spec.kind);
-                sparse::decode(header, &payload.narrow(0, 0, header.bytes), &spec.shape, kind)
                     .map_err(|e| anyhow::anyhow!("{message:?} from rank {from}: {e}"))?
             }
         };
@@ -301,6 +273,44 @@ impl Posted {
     /// Whether it is a framed message's header, and in.
     fn header_landed(&self) -> bool {
         matches!(&self.arrival, Arrival::Header { watched, .. } if watched.is_completed())
+    }
+}
+
+/// A framed message's header and payload (its first bytes, those the header gives), once both are
+/// in; `what` names the message and its sender in a bad header's error.
+fn framed_arrival(arrival: Arrival, what: &str) -> anyhow::Result<(sparse::Header, Tensor)> {
+    match arrival {
+        Arrival::Payload {
+            header,
+            payload,
+            work,
+        } => {
+            work.wait()?;
+            Ok((header, payload))
+        }
+        Arrival::Bounded {
+            header,
+            header_work,
+            payload,
+            payload_work,
+        } => {
+            header_work.wait()?;
+            let header = sparse::read_header(&header).map_err(|e| anyhow::anyhow!("{what}: {e}"))?;
+            // A sender never sends more (`send` checks), and Gloo would abort on a payload
+            // larger than the receive: this catches a header that disagrees with its sender.
+            let room = payload.size()[0];
+            if !(0..=room).contains(&header.bytes) {
+                bail!(
+                    "{what}: its header announces {} payload bytes, not at most the {room} of its dense form",
+                    header.bytes
+                );
+            }
+            payload_work.wait()?;
+            Ok((header, payload.narrow(0, 0, header.bytes)))
+        }
+        Arrival::Buffer { .. } | Arrival::Header { .. } => {
+            unreachable!("a framed message's payload, its receive posted")
+        }
     }
 }
 
