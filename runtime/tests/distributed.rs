@@ -601,17 +601,7 @@ fn killing_one_rank_ends_the_others_within_the_timeout() {
     second.kill().unwrap();
     second.wait().unwrap();
     let killed = Instant::now();
-    let status = loop {
-        if let Some(status) = first.try_wait().unwrap() {
-            break status;
-        }
-        assert!(
-            killed.elapsed() < Duration::from_secs(30),
-            "rank 0 still running {:?} after its peer died",
-            killed.elapsed()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let status = exit_within(&mut first, killed, Duration::from_secs(30), "after its peer died");
     assert!(!status.success());
     let mut stderr = String::new();
     std::io::Read::read_to_string(&mut first.stderr.take().unwrap(), &mut stderr).unwrap();
@@ -621,6 +611,27 @@ fn killing_one_rank_ends_the_others_within_the_timeout() {
         "took {:?}",
         killed.elapsed()
     );
+}
+
+/// Waits for rank 0's process `child` to exit, failing the test if it still runs `limit` after
+/// `since` (`after` says what happened then).
+fn exit_within(
+    child: &mut std::process::Child,
+    since: Instant,
+    limit: Duration,
+    after: &str,
+) -> std::process::ExitStatus {
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        assert!(
+            since.elapsed() < limit,
+            "rank 0 still running {:?} {after}",
+            since.elapsed()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 /// A replica that hangs (stopped, not dead: its sockets stay open) ends the other within about one
@@ -675,17 +686,8 @@ fn a_hung_replica_ends_the_others_within_one_timeout_not_one_per_bucket() {
             .unwrap();
         assert!(stopped.success(), "kill -STOP {pid}");
         let hung = Instant::now();
-        let status = loop {
-            if let Some(status) = first.0.try_wait().unwrap() {
-                break status;
-            }
-            assert!(
-                hung.elapsed() < Duration::from_secs(40),
-                "--overlap-reduce {overlap}: rank 0 still running {:?} after its peer hung",
-                hung.elapsed()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        };
+        let after = format!("after its peer hung (--overlap-reduce {overlap})");
+        let status = exit_within(&mut first.0, hung, Duration::from_secs(40), &after);
         let took = hung.elapsed();
         let mut stderr = String::new();
         std::io::Read::read_to_string(&mut first.0.stderr.take().unwrap(), &mut stderr).unwrap();
