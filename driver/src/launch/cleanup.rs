@@ -6,7 +6,9 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use bollard::errors::Error as DockerError;
-use bollard::query_parameters::{ListContainersOptionsBuilder, RemoveContainerOptionsBuilder};
+use bollard::query_parameters::{
+    InspectContainerOptions, ListContainersOptionsBuilder, RemoveContainerOptionsBuilder,
+};
 use futures_util::future::join_all;
 
 use super::labels::LABEL_EXPERIMENT;
@@ -29,6 +31,11 @@ pub const PREFLIGHT_REMOVAL_GRACE: Duration = Duration::from_secs(10);
 const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(12);
 /// The pause between tries.
 const RETRY_PAUSE: Duration = Duration::from_secs(2);
+/// How long a try waits for a removal the engine already has in progress (one a try that ran out
+/// of time started) to end: well over the second or so one takes. Within the try's own bound.
+const IN_PROGRESS_WAIT: Duration = Duration::from_secs(5);
+/// How often it asks.
+const IN_PROGRESS_POLL: Duration = Duration::from_millis(100);
 // Ctrl-C during preflight waits no longer than a failed run's removal.
 const _: () = assert!(PREFLIGHT_REMOVAL_GRACE.as_millis() <= REMOVAL_GRACE.as_millis());
 
@@ -91,9 +98,11 @@ pub async fn remove_labelled(docker: &bollard::Docker, host: &str, id: &str) -> 
                 .build();
             let outcome = match docker.remove_container(&cid, Some(options)).await {
                 Ok(()) | Err(DockerError::DockerResponseServerError { status_code: 404, .. }) => Ok(()),
-                // 409: removal already in progress (a concurrent removal, which reports its own
-                // failure).
-                Err(DockerError::DockerResponseServerError { status_code: 409, .. }) => Ok(()),
+                // 409: a removal already in progress, as one an earlier try that ran out of time
+                // started and left to the engine: the container is gone once the engine says so.
+                Err(DockerError::DockerResponseServerError { status_code: 409, .. }) => {
+                    gone_within(docker, host, &cid, IN_PROGRESS_WAIT).await
+                }
                 Err(source) => Err(LaunchError::from(HostError::Docker {
                     host: host.to_string(),
                     action: "remove a container",
@@ -123,6 +132,32 @@ pub async fn remove_labelled(docker: &bollard::Docker, host: &str, id: &str) -> 
         *known = Some(left);
     }
     pass
+}
+
+/// Waits, for `wait` at most, until the engine no longer has container `cid`, whose removal it
+/// has in progress (it answered a removal with 409).
+async fn gone_within(
+    docker: &bollard::Docker,
+    host: &str,
+    cid: &str,
+    wait: Duration,
+) -> Result<(), LaunchError> {
+    let deadline = tokio::time::Instant::now() + wait;
+    loop {
+        let inspect = docker
+            .inspect_container(cid, None::<InspectContainerOptions>)
+            .await;
+        if let Err(DockerError::DockerResponseServerError { status_code: 404, .. }) = inspect {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(LaunchError::RemovalInProgress {
+                host: host.to_string(),
+                seconds: wait.as_secs(),
+            });
+        }
+        tokio::time::sleep(IN_PROGRESS_POLL).await;
+    }
 }
 
 /// Removes experiment `id`'s containers on `host`: a try on the connection it has, then, until
@@ -264,6 +299,7 @@ fn sh_quote(word: &str) -> String {
 
 #[cfg(test)]
 mod tests {
+    use super::super::test_engine::{local_host, one_file_image, Leftovers};
     use super::*;
     use crate::config::machine::HostKeyCheck;
 
@@ -376,7 +412,6 @@ mod tests {
     /// the real engine, with a container that never starts.
     #[tokio::test]
     async fn a_grace_of_zero_still_makes_one_whole_try() {
-        use super::super::test_engine::{local_host, one_file_image, Leftovers};
         let host = local_host().await;
         let pid = std::process::id();
         let mut left = Leftovers {
@@ -415,6 +450,91 @@ mod tests {
                 Err(DockerError::DockerResponseServerError { status_code: 404, .. })
             ),
             "the engine still has it"
+        );
+    }
+
+    /// A container whose removal the engine already has in progress (a 409, as when a try that
+    /// ran out of time started it) counts as removed only once the engine no longer has it.
+    /// Against the real engine: a container holding 20000 files (so its removal takes a while)
+    /// is removed by a plain request and, at once, by its label; a wait for one that nobody
+    /// removes runs out.
+    #[tokio::test]
+    async fn a_removal_already_in_progress_counts_once_the_container_is_gone() {
+        let host = local_host().await;
+        let pid = std::process::id();
+        let mut left = Leftovers {
+            image: format!("stagehand-unit-in-progress:{pid}"),
+            containers: Vec::new(),
+        };
+        one_file_image(&host.docker, &left).await;
+        let id = format!("stagehand-unit-in-progress-{pid}");
+        let options = bollard::query_parameters::CreateContainerOptionsBuilder::default()
+            .name(&id)
+            .build();
+        let body = bollard::models::ContainerCreateBody {
+            image: Some(left.image.clone()),
+            cmd: Some(vec!["/hello".into()]),
+            labels: Some(HashMap::from([(LABEL_EXPERIMENT.to_string(), id.clone())])),
+            ..Default::default()
+        };
+        let docker = &host.docker;
+        let cid = docker.create_container(Some(options), body).await.unwrap().id;
+        left.containers.push(cid.clone());
+        let mut files = tar::Builder::new(Vec::new());
+        for n in 0..20_000 {
+            let mut header = tar::Header::new_gnu();
+            header.set_size(0);
+            header.set_mode(0o644);
+            header.set_cksum();
+            files
+                .append_data(&mut header, format!("many/{n}"), std::io::empty())
+                .unwrap();
+        }
+        let tar = bollard::body_full(files.into_inner().unwrap().into());
+        let options = bollard::query_parameters::UploadToContainerOptionsBuilder::default()
+            .path("/")
+            .build();
+        docker
+            .upload_to_container(&cid, Some(options), tar)
+            .await
+            .unwrap();
+
+        // A container nobody removes is not gone: the wait runs out, naming the host.
+        let started = std::time::Instant::now();
+        let stuck = gone_within(docker, &host.name, &cid, Duration::from_secs(1)).await;
+        assert!(started.elapsed() >= Duration::from_secs(1));
+        assert_eq!(
+            stuck.map_err(|e| crate::error::error_line(&e)),
+            Err(
+                "the engine on localhost was already removing a container, and it was still there 1 s \
+                 later"
+                    .to_string()
+            )
+        );
+
+        let options = RemoveContainerOptionsBuilder::default().force(true).build();
+        let plain = docker.remove_container(&cid, Some(options));
+        let labelled = async {
+            // After the plain request has reached the engine.
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            let pass = remove_labelled(docker, &host.name, &id).await;
+            let there = docker
+                .inspect_container(&cid, None::<InspectContainerOptions>)
+                .await
+                .map(|c| c.state.and_then(|s| s.status));
+            (pass, there)
+        };
+        let (plain, (pass, there)) = futures_util::join!(plain, labelled);
+        plain.unwrap();
+        let failure = pass.failure.map(|(e, _)| crate::error::error_line(&e));
+        assert_eq!(failure, None);
+        assert_eq!(pass.gone, vec![cid.clone()]);
+        assert!(
+            matches!(
+                there,
+                Err(DockerError::DockerResponseServerError { status_code: 404, .. })
+            ),
+            "counted removed while the engine still had it: {there:?}"
         );
     }
 

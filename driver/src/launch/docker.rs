@@ -1097,13 +1097,18 @@ pub fn runtime_error(stderr: &str) -> &str {
     last_line(stderr).trim_start_matches("runtime: error: ")
 }
 
-/// Creates, starts and waits for a container; returns its exit code, stdout and stderr.
+/// Creates, starts and waits for a container, renewing its lease all along; returns its exit code,
+/// stdout and stderr.
 pub(super) async fn run_to_end(
     host: &Host,
     name: String,
     body: ContainerCreateBody,
 ) -> Result<(i64, String, String), LaunchError> {
     let id = create(host, name, body).await?;
+    // Its lease is renewed until it has ended, as a rank's is: a check can take longer than the
+    // lease (a GPU host's first CUDA start without persistence mode, an image's slow start), and
+    // one stopped by its guard would be blamed on the lease with the driver still there.
+    let _renewer = Renewer::one(&host.docker, &id);
     copy_in(host, &id).await?;
     start(host, &id).await?;
     let mut wait = host.docker.wait_container(&id, None::<WaitContainerOptions>);
@@ -1166,7 +1171,7 @@ fn short(id: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::super::test_engine::{host_on, local_host, one_file_image, Leftovers};
+    use super::super::test_engine::{host_on, local_host, one_file_image, shell_image, Leftovers};
     use super::*;
 
     #[test]
@@ -1238,6 +1243,37 @@ mod tests {
                  containers on localhost took longer than 10 s; each stops itself once its lease has not \
                  been renewed for 30 s, but stays listed (`docker ps -a`) until removed"
             ]
+        );
+    }
+
+    /// A container that runs to its end while the driver waits ([`run_to_end`]: preflight's
+    /// checks) keeps its lease however long it runs. Against the real engine: a guard with a lease
+    /// of 10 s runs a program of 15 s to its end, where without renewals it would stop the
+    /// program at 10 s and exit 86.
+    #[tokio::test]
+    async fn a_check_that_outlasts_its_lease_runs_to_its_end() {
+        let host = local_host().await;
+        let pid = std::process::id();
+        let mut left = Leftovers {
+            image: format!("stagehand-unit-shell:{pid}"),
+            containers: Vec::new(),
+        };
+        shell_image(&host.docker, &left).await;
+        let name = format!("stagehand-unit-long-check-{pid}");
+        left.containers.push(name.clone());
+        let program = ["/bin/sleep", "15"].map(String::from);
+        let body = ContainerCreateBody {
+            image: Some(left.image.clone()),
+            entrypoint: Some(lease::guarded_for(Duration::from_secs(10), &program)),
+            ..Default::default()
+        };
+        let started = std::time::Instant::now();
+        let (code, _, stderr) = run_to_end(&host, name, body).await.unwrap();
+        assert_eq!(code, 0, "{stderr}");
+        assert!(
+            started.elapsed() >= Duration::from_secs(15),
+            "{:?}",
+            started.elapsed()
         );
     }
 

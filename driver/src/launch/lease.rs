@@ -126,13 +126,18 @@ pub fn exec_rank(argv: &[String]) -> Vec<String> {
 
 /// The entrypoint that runs `argv` (none: idle) under the guard.
 pub fn guarded(argv: &[String]) -> Vec<String> {
+    guarded_for(LEASE_TTL, argv)
+}
+
+/// [`guarded`] with a lease of `ttl` (whole seconds) rather than [`LEASE_TTL`].
+pub(super) fn guarded_for(ttl: Duration, argv: &[String]) -> Vec<String> {
     let mut entry = vec![
         "/bin/sh".to_string(),
         "-c".to_string(),
         GUARD_SCRIPT.to_string(),
         "stagehand-guard".to_string(),
         LEASE_FILE.to_string(),
-        LEASE_TTL.as_secs().to_string(),
+        ttl.as_secs().to_string(),
     ];
     entry.extend(argv.iter().cloned());
     entry
@@ -193,6 +198,17 @@ impl Renewer {
             }
         });
         Renewer { task }
+    }
+
+    /// Renews the lease of container `id` on `docker` alone: a container that runs to its end
+    /// while the driver waits (preflight's checks), which may take longer than a lease.
+    pub fn one(docker: &bollard::Docker, id: &str) -> Renewer {
+        let leased = Leased::default();
+        leased
+            .lock()
+            .expect("lease list lock")
+            .insert(id.to_string(), docker.clone());
+        Renewer::start(leased)
     }
 }
 

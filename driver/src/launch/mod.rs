@@ -107,6 +107,10 @@ pub enum LaunchError {
     PortInUse { host: String, port: u16 },
     #[error("removing the experiment's containers on {host} took longer than {seconds} s")]
     CleanupTimeout { host: String, seconds: u64 },
+    #[error(
+        "the engine on {host} was already removing a container, and it was still there {seconds} s later"
+    )]
+    RemovalInProgress { host: String, seconds: u64 },
     #[error("{} could not be removed, tried for {grace_s} s: {}; each stops itself once its lease has not been renewed for {ttl_s} s, but stays listed until removed: once its host answers, run {}", count(.left.len()), describe(.left), by_hand(.left), ttl_s = lease::LEASE_TTL.as_secs())]
     ContainersLeft { left: Vec<LeftContainer>, grace_s: u64 },
     #[error("interrupted before the ranks started")]
