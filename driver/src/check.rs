@@ -20,8 +20,14 @@ use crate::options::{Backend, ContainerMode, Options};
 pub enum CheckError {
     #[error("invalid experiment file")]
     Config(#[from] ConfigError),
-    #[error("the runtime refuses rank {rank}'s training request: {reason}; change the experiment file")]
-    Refused { rank: usize, reason: String },
+    #[error("the runtime refuses rank {rank}'s training request: {reason}{at}; change the experiment file")]
+    Refused {
+        rank: usize,
+        reason: String,
+        /// Where the key behind the flag the refusal names is written (` (`lr` at FILE:LINE)`),
+        /// or nothing.
+        at: String,
+    },
     #[error("cannot run the runtime's check with {}", runtime.display())]
     Runtime {
         runtime: PathBuf,
@@ -104,13 +110,36 @@ pub fn runtime_check(
                 source,
             })?;
         if !out.status.success() {
+            let reason = runtime_error(&String::from_utf8_lossy(&out.stderr)).to_string();
             return Err(CheckError::Refused {
                 rank: rank.rank,
-                reason: runtime_error(&String::from_utf8_lossy(&out.stderr)).to_string(),
+                at: written_at(loaded, &reason),
+                reason,
             });
         }
     }
     Ok(RuntimeCheck::Accepted(runtime))
+}
+
+/// Where the experiment key behind the first runtime flag `reason` names is written, as
+/// ` (`key` at FILE:LINE)`; nothing when it names no flag or the file does not write its key (a
+/// flag the driver adds itself, such as `--microbatches` defaulted from the replicas).
+fn written_at(loaded: &Loaded, reason: &str) -> String {
+    let flag = reason.match_indices("--").find_map(|(i, _)| {
+        let name = &reason[i + 2..];
+        let end = name
+            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '-'))
+            .unwrap_or(name.len());
+        (end > 0).then(|| &name[..end])
+    });
+    let Some(flag) = flag else {
+        return String::new();
+    };
+    let key = experiment::key_of_flag(flag);
+    match loaded.locate(&key) {
+        Some(at) => format!(" (`{key}` at {}:{})", loaded.path.display(), at.line),
+        None => String::new(),
+    }
 }
 
 /// The runtime to check with: `--runtime`, the ranks' own program where it is on this machine,
@@ -279,5 +308,30 @@ mod tests {
     fn words_people_would_misread_are_quoted() {
         let argv = ["runtime", "--data", "a b", "it's", "--lr", "0.1"].map(String::from);
         assert_eq!(shown(&argv), r"runtime --data 'a b' 'it'\''s' --lr 0.1");
+    }
+
+    #[test]
+    fn a_refusal_says_where_the_key_behind_its_flag_is_written() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("exp.yml");
+        std::fs::write(
+            &path,
+            "machines: [localhost]\nmodule: mlp\nlr: 0\nbatch_size: 32\n",
+        )
+        .unwrap();
+        let loaded = config::load(&path).unwrap();
+        let at = |reason: &str| written_at(&loaded, reason);
+        let file = path.display();
+        assert_eq!(
+            at("--lr: 0 is not a positive number"),
+            format!(" (`learning_rate` at {file}:3)")
+        );
+        assert_eq!(
+            at("--batch-size 32 is not divisible by --microbatches 3"),
+            format!(" (`batch_size` at {file}:4)")
+        );
+        // A flag the file does not write (the driver's own), or none at all.
+        assert_eq!(at("--microbatches: must be at least 1"), "");
+        assert_eq!(at("unknown model"), "");
     }
 }

@@ -167,7 +167,7 @@ impl LocalCheck {
         let (loaded, plan, options) = (loaded.clone(), plan.clone(), options.clone());
         tokio::task::spawn_blocking(move || {
             let refusal = match check::runtime_check(&loaded, &plan, &options, false) {
-                Err(CheckError::Refused { reason, .. }) => Some(reason),
+                Err(CheckError::Refused { reason, at, .. }) => Some(format!("{reason}{at}")),
                 Err(CheckError::Config(e)) => Some(crate::error::error_chain(&e)),
                 // No runtime here to ask, or it could not run: the image's runtime checks it.
                 Ok(_) | Err(CheckError::Runtime { .. }) => None,

@@ -77,6 +77,13 @@ impl Machine {
                 "machine `{text}` has an empty host; expected `host:gpu` or `host`"
             ));
         }
+        if host.contains(':') {
+            return Err(format!(
+                "machine `{text}`: a `host:gpu` string holds one `:`; give an IPv6 address in the \
+                 mapping form, `{{host: \"fe80::1\", gpus: [0]}}`"
+            ));
+        }
+        check_host(host).map_err(|why| format!("machine `{text}`: {why}"))?;
         Ok(Machine {
             host: host.to_string(),
             user: None,
@@ -107,6 +114,32 @@ impl Machine {
     }
 }
 
+/// Whether `host` can be an SSH destination (a host name, an IP address or an ssh_config alias,
+/// with `user@` if given): letters, digits and `.-_@:%[]`, not starting with `-`, which ssh would
+/// read as an option (`-oProxyCommand=...`). A space, as in `localhost - localhost` from a list
+/// item indented under the one before, names no host.
+fn check_host(host: &str) -> Result<(), String> {
+    let allowed = |c: char| c.is_ascii_alphanumeric() || ".-_@:%[]".contains(c);
+    if host.starts_with('-') {
+        return Err(format!(
+            "`{host}` is not a host: a host never starts with `-` (ssh would read it as an option)"
+        ));
+    }
+    if host.chars().any(char::is_whitespace) {
+        return Err(format!(
+            "`{host}` is not a host: a host has no spaces (a list item indented under the one before \
+             joins the two: give each `- host` the same indentation)"
+        ));
+    }
+    match host.chars().find(|&c| !allowed(c)) {
+        Some(c) => Err(format!(
+            "`{host}` is not a host: {c:?} is not in a host name, IP address or ssh_config alias \
+             (letters, digits and `.-_@`; an IPv6 address in the mapping form, `{{host: \"fe80::1\"}}`)"
+        )),
+        None => Ok(()),
+    }
+}
+
 impl<'de> Deserialize<'de> for Machine {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         struct MachineVisitor;
@@ -130,6 +163,7 @@ impl<'de> Deserialize<'de> for Machine {
                 if m.host.trim().is_empty() {
                     return Err(de::Error::custom("machine mapping has an empty host"));
                 }
+                check_host(&m.host).map_err(|why| de::Error::custom(format!("machine mapping: {why}")))?;
                 Ok(Machine {
                     host: m.host,
                     user: m.user,
@@ -157,6 +191,37 @@ mod tests {
         assert!(Machine::from_short("localhost").unwrap().gpus.is_empty());
         assert!(Machine::from_short("local").unwrap().is_local());
         assert!(!Machine::from_short("node1").unwrap().is_local());
+    }
+
+    /// What ssh would read as an option, or what names no host (a mis-indented list item joins
+    /// two), is refused; names, addresses and aliases pass.
+    #[test]
+    fn a_host_is_a_name_an_address_or_an_alias_and_never_an_option() {
+        for good in [
+            "node1",
+            "gpu-box_2.lab.example",
+            "10.0.0.7",
+            "ann@node1",
+            "node1:3",
+        ] {
+            assert!(Machine::from_short(good).is_ok(), "{good}");
+        }
+        let refused = |text: &str| Machine::from_short(text).unwrap_err();
+        let option = refused("-oProxyCommand=touch x");
+        assert!(option.contains("never starts with `-`"), "{option}");
+        let joined = refused("localhost - localhost");
+        assert!(
+            joined.contains("has no spaces") && joined.contains("indentation"),
+            "{joined}"
+        );
+        let shell = refused("node;rm");
+        assert!(shell.contains("';' is not in a host name"), "{shell}");
+        let v6 = refused("fe80::1");
+        assert!(v6.contains("mapping form"), "{v6}");
+        let mapped: Machine = serde_norway::from_str("{host: \"fe80::1\", gpus: [0]}").unwrap();
+        assert_eq!(mapped.host, "fe80::1");
+        let option = serde_norway::from_str::<Machine>("{host: -oProxyCommand=x}").unwrap_err();
+        assert!(option.to_string().contains("never starts with `-`"), "{option}");
     }
 
     #[test]

@@ -55,12 +55,19 @@ impl fmt::Display for Position {
     }
 }
 
+/// A byte-order mark.
+const BOM: char = '\u{feff}';
+
 /// Reads and parses an experiment file.
 pub fn load(path: &Path) -> Result<Loaded, ConfigError> {
-    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+    let mut text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
         path: path.to_path_buf(),
         source,
     })?;
+    // The byte-order mark editors on Windows start a UTF-8 file with: not YAML's to read.
+    if text.starts_with(BOM) {
+        text.drain(..BOM.len_utf8());
+    }
     let file = parse(path, &text)?;
     Ok(Loaded {
         path: path.to_path_buf(),
@@ -189,11 +196,14 @@ fn edit_distance(a: &str, b: &str) -> usize {
 }
 
 impl Loaded {
-    /// Where a top-level key is written, for errors found after parsing (cross-field checks).
+    /// Where a top-level key is written (in any of its spellings: `model:` for `module`), for
+    /// errors found after parsing (cross-field checks).
     pub fn locate(&self, key: &str) -> Option<Location> {
         self.text.lines().enumerate().find_map(|(i, line)| {
-            let rest = line.strip_prefix(key)?;
-            rest.trim_start().starts_with(':').then_some(Location {
+            let (written, _) = line.split_once(':')?;
+            let written = written.trim_end();
+            let top_level = !written.starts_with(char::is_whitespace);
+            (top_level && super::canonical_key(written) == key).then_some(Location {
                 line: i + 1,
                 column: 1,
             })

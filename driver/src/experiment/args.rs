@@ -94,10 +94,7 @@ fn runtime_command(
     let f = ctx.file;
     let mut argv = vec![ctx.runtime.display().to_string()];
     model_flags(ctx, &mut argv);
-    let mut flag = |name: &str, value: String| {
-        argv.push(format!("--{name}"));
-        argv.push(value);
-    };
+    let mut flag = |name: &str, value: String| push_flag(&mut argv, name, value);
     if let Some(b) = f.batch_size {
         flag("batch-size", b.to_string());
     }
@@ -258,13 +255,38 @@ pub(super) fn slowdown_of(file: &ExperimentFile, rank: usize, host: &str) -> Opt
     own.or_else(machine).map(|s| s.factor)
 }
 
+/// The experiment key a runtime flag of [`runtime_command`] comes from, for a refusal that names
+/// the flag: the flag's name with `_` for `-`, but for the few spelled otherwise.
+pub fn key_of_flag(flag: &str) -> String {
+    let renamed = [
+        ("lr", "learning_rate"),
+        ("lr-policy", "learning_rate_policy"),
+        ("stage-config", "config_file"),
+        ("backend", "distributed_backend"),
+        ("data", "data_dir"),
+        ("model", "module"),
+    ];
+    match renamed.iter().find(|(f, _)| *f == flag) {
+        Some((_, key)) => key.to_string(),
+        None => flag.replace('-', "_"),
+    }
+}
+
+/// Appends `--name value`, or `--name=value` where the value starts with `-` (a negative number,
+/// a path such as `-data`), which a parser would otherwise take for a flag of its own.
+fn push_flag(argv: &mut Vec<String>, name: &str, value: String) {
+    match value.starts_with('-') {
+        true => argv.push(format!("--{name}={value}")),
+        false => argv.extend([format!("--{name}"), value]),
+    }
+}
+
 /// The model's flags, the same for training and for profiling so both build one model.
 fn model_flags(ctx: &ArgsContext, argv: &mut Vec<String>) {
     let f = ctx.file;
     let mut flag = |name: &str, value: Option<String>| {
         if let Some(value) = value {
-            argv.push(format!("--{name}"));
-            argv.push(value);
+            push_flag(argv, name, value);
         }
     };
     flag("model", super::runtime_model(f));
@@ -298,10 +320,7 @@ pub(super) fn profile_command(
 ) -> Vec<String> {
     let mut argv = vec![ctx.runtime.display().to_string(), "profile".to_string()];
     model_flags(ctx, &mut argv);
-    let mut flag = |name: &str, value: String| {
-        argv.push(format!("--{name}"));
-        argv.push(value);
-    };
+    let mut flag = |name: &str, value: String| push_flag(&mut argv, name, value);
     flag("batch-size", micro_batch_size.to_string());
     flag("device", device_arg(ctx, host, gpus));
     if let Some(d) = data_arg(ctx) {

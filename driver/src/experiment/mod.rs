@@ -3,6 +3,7 @@
 //! that can be checked without touching a host is checked here.
 
 mod args;
+pub use args::key_of_flag;
 pub mod pipedream;
 
 use std::collections::BTreeMap;
@@ -12,8 +13,8 @@ use serde::Serialize;
 use stagehand_contract::StageConfig;
 
 use crate::config::{
-    ConfigError, Container, Device, ExperimentFile, Loaded, Machine, Mount, Precision, SlurmSettings,
-    StageConfigRef,
+    ConfigError, Container, Device, DistributedBackend, ExperimentFile, Loaded, Machine, Mount, Precision,
+    SlurmSettings, StageConfigRef,
 };
 use crate::options::{Backend, ContainerMode, Options};
 
@@ -375,6 +376,8 @@ fn resolve_with(
         group_hosts(&machines, gpus_per_rank).map_err(|e| loaded.error_at("gpus_per_rank", e))?;
     let world_size = rank_slots.len();
     check_visible_devices(loaded, &hosts, slurm.as_ref())?;
+    check_env_names(loaded)?;
+    check_shared_gpus(loaded, &hosts, &rank_slots)?;
     check_slowdown(loaded, &hosts, world_size)?;
     check_pipedream_keys(loaded)?;
 
@@ -722,6 +725,51 @@ fn check_visible_devices(
     }
 }
 
+/// Every `env:` name must be one a process can be given: not empty, no `=` (Docker's `-e A=B=1`
+/// sets `A` to `B=1`), no space or control character.
+fn check_env_names(loaded: &Loaded) -> Result<(), ConfigError> {
+    let bad =
+        loaded.file.env.keys().find(|k| {
+            k.is_empty() || k.contains('=') || k.chars().any(|c| c.is_whitespace() || c.is_control())
+        });
+    match bad {
+        Some(name) => Err(loaded.error_at(
+            "env",
+            format!(
+                "env: {name:?} is not an environment variable's name (one without `=`, spaces or \
+                 control characters, such as `NCCL_DEBUG`)"
+            ),
+        )),
+        None => Ok(()),
+    }
+}
+
+/// NCCL refuses two ranks on one GPU (its communicator fails at the first collective, after the
+/// image is built and every rank started), so two ranks given the same GPU of one host are
+/// refused here unless they talk Gloo or compute on the CPU.
+fn check_shared_gpus(loaded: &Loaded, hosts: &[HostSpec], slots: &[RankSlot]) -> Result<(), ConfigError> {
+    let file = &loaded.file;
+    if file.device == Some(Device::Cpu) || file.distributed_backend == Some(DistributedBackend::Gloo) {
+        return Ok(());
+    }
+    let mut seen: BTreeMap<(usize, u32), usize> = BTreeMap::new();
+    for (rank, (host, gpus)) in slots.iter().enumerate() {
+        for &gpu in gpus {
+            if let Some(first) = seen.insert((*host, gpu), rank) {
+                return Err(loaded.error_at(
+                    "machines",
+                    format!(
+                        "ranks {first} and {rank} both get GPU {gpu} of `{}`, and NCCL refuses two ranks \
+                         on one GPU; give each rank a GPU of its own, or set `distributed_backend: gloo`",
+                        hosts[*host].name
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// CUDA's variable for the GPUs a process sees, numbered from 0 in the order it lists.
 pub(crate) const VISIBLE_DEVICES: &str = "CUDA_VISIBLE_DEVICES";
 
@@ -1047,8 +1095,12 @@ fn auto_plan(
     let Some(batch_size) = file.batch_size else {
         return Err(need("`batch_size:` (the plan is for one minibatch size)"));
     };
+    if batch_size == 0 {
+        return Err(loaded.error_at("batch_size", "batch_size must be at least 1"));
+    }
     let world_size = rank_slots.len();
     let microbatches = match file.microbatches {
+        Some(0) => return Err(loaded.error_at("microbatches", "microbatches must be at least 1")),
         Some(m) => {
             if !batch_size.is_multiple_of(m) {
                 return Err(loaded.error_at(
@@ -1079,6 +1131,16 @@ fn auto_plan(
     }) * 1e9;
     let inter = settings.inter_host_gbps.unwrap_or(DEFAULT_INTER_HOST_GBPS) * 1e9;
     let profile_file = settings.profile.as_ref().map(|p| ctx.base.join(p));
+    if let Some(path) = profile_file.as_ref().filter(|p| !p.is_file()) {
+        return Err(loaded.error_at(
+            "planner",
+            format!(
+                "planner: profile: there is no file {} (a profile `runtime profile` wrote, or leave \
+                 `profile` out to profile at launch)",
+                path.display()
+            ),
+        ));
+    }
     let (host, gpus) = &rank_slots[0];
     let profile_argv = match &profile_file {
         Some(_) => None,

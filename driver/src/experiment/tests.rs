@@ -528,6 +528,18 @@ fn auto_needs_the_runtime_a_model_and_a_batch_size() {
             "machines: [a, b]\nconfig_file: auto\nmodule: mlp\nbatch_size: 8\nplanner: {repeats: 0}\n",
             "repeats must be at least 1",
         ),
+        (
+            "machines: [a, b]\nconfig_file: auto\nmodule: mlp\nbatch_size: 0\nmicrobatches: 0\n",
+            "batch_size must be at least 1",
+        ),
+        (
+            "machines: [a, b]\nconfig_file: auto\nmodule: mlp\nbatch_size: 48\nmicrobatches: 0\n",
+            "microbatches must be at least 1",
+        ),
+        (
+            "machines: [a, b]\nconfig_file: auto\nmodule: mlp\nbatch_size: 8\nplanner: {profile: /nonexistent/p.json}\n",
+            "planner: profile: there is no file /nonexistent/p.json",
+        ),
     ];
     for (text, expected) in cases {
         let e = resolve_text(text, &options(None, ContainerMode::PerRank))
@@ -1472,4 +1484,60 @@ fn each_rank_traces_into_its_container_or_straight_into_the_record() {
             "{text}: {err}"
         );
     }
+}
+
+/// What a user's editor or indentation can slip into a file: a byte-order mark is read past, an
+/// `env:` name a process cannot take and two NCCL ranks on one GPU are refused at their key's
+/// line, and a negative value reaches the runtime as a value, not as a flag.
+#[test]
+fn a_bom_bad_env_names_shared_gpus_and_negative_values_are_handled() {
+    let dir = tempfile::tempdir().unwrap();
+    let l = loaded(dir.path(), "\u{feff}module: mlp\nmachines: [localhost]\n");
+    assert_eq!(l.file.module.as_deref(), Some("mlp"));
+    assert_eq!(l.locate("module").map(|at| at.line), Some(1));
+
+    for name in ["BAD=KEY", "", "with space"] {
+        let text = format!("machines: [localhost]\nmodule: mlp\nenv: {{{name:?}: '1'}}\n");
+        let e = refusal(&text);
+        assert!(
+            e.contains("exp.yml:3:1") && e.contains("is not an environment variable's name"),
+            "{name:?}: {e}"
+        );
+    }
+
+    let shared = "machines: ['node1:0', 'node1:1', 'node1:0']\nmodule: mlp\n";
+    let e = refusal(shared);
+    assert!(
+        e.contains("exp.yml:1:1")
+            && e.contains("ranks 0 and 2 both get GPU 0 of `node1`, and NCCL refuses two ranks on one GPU"),
+        "{e}"
+    );
+    let o = options(None, ContainerMode::PerRank);
+    resolve_text(&format!("{shared}distributed_backend: gloo\n"), &o).unwrap();
+    resolve_text("machines: ['node1:0', 'node2:0']\nmodule: mlp\n", &o).unwrap();
+
+    let plan = plan_per_rank("machines: [localhost]\nmodule: mlp\nlr: -0.5\ndata_dir: -data\n");
+    let argv = &plan.ranks[0].argv;
+    assert!(argv.contains(&"--lr=-0.5".to_string()), "{argv:?}");
+    assert!(
+        argv.iter()
+            .any(|a| a.starts_with("--data=") && a.ends_with("-data")),
+        "{argv:?}"
+    );
+    assert_eq!(flag(argv, "--batch-size"), None);
+}
+
+/// The runtime's refusal names its flag; the check adds the experiment key behind it and the
+/// line it is written on, aliases included, and nothing for a flag the file does not write.
+#[test]
+fn a_refusal_names_the_key_and_line_behind_its_flag() {
+    use crate::experiment::key_of_flag;
+    assert_eq!(key_of_flag("lr"), "learning_rate");
+    assert_eq!(key_of_flag("batch-size"), "batch_size");
+    assert_eq!(key_of_flag("stage-config"), "config_file");
+    let dir = tempfile::tempdir().unwrap();
+    let l = loaded(dir.path(), "machines: [localhost]\nmodel: mlp\nlr: 0\n");
+    assert_eq!(l.locate("learning_rate").map(|at| at.line), Some(3));
+    assert_eq!(l.locate("module").map(|at| at.line), Some(2));
+    assert_eq!(l.locate("batch_size"), None);
 }
