@@ -108,6 +108,11 @@ fn main() -> ExitCode {
             eprintln!("runtime: {e}");
             ExitCode::from(EXIT_TERMINATED)
         }
+        // What `--check` refuses is a bad argument in a run too.
+        Err(e) if e.downcast_ref::<train::Refused>().is_some() => {
+            eprintln!("runtime: error: {e:#}");
+            ExitCode::from(EXIT_USAGE)
+        }
         Err(e) => {
             eprintln!("runtime: error: {e:#}");
             ExitCode::from(EXIT_FAILED)

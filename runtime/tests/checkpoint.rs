@@ -644,3 +644,35 @@ fn pipedreams_pipeline_checkpoints_between_drained_segments_and_resumes_exactly(
         assert_same_params(&whole, &resumed, "resumed");
     }
 }
+
+/// A run started afresh that fails before its first iteration (its data is not there) leaves
+/// the earlier run's checkpoint as it was, so `--resume` still goes on from it exactly; a
+/// checkpoint folder or `--save-params` folder this run cannot write fails it before its first
+/// iteration, not after its last.
+#[test]
+fn a_run_that_fails_to_start_loses_no_checkpoint_and_an_unwritable_folder_fails_first() {
+    let tmp = tempfile::tempdir().unwrap();
+    let c = tmp.path().join("ckpt");
+    let c = c.to_str().unwrap();
+    let whole = run_ok(&strs(&mlp("4", &[])));
+    run_ok(&strs(&mlp("2", &["--checkpoint-dir", c])));
+    let missing = tmp.path().join("missing");
+    let data = format!("cifar10:{}", missing.display());
+    let failed = run(&strs(&mlp("4", &["--checkpoint-dir", c, "--data", &data])));
+    assert!(!failed.output.status.success(), "{}", failed.stderr());
+    assert!(!failed.stderr().contains("set aside"), "{}", failed.stderr());
+    let resumed = run_ok(&strs(&mlp("4", &["--checkpoint-dir", c, "--resume"])));
+    assert_eq!(resumed.losses(), whole.losses()[2..], "went on from iteration 2");
+
+    // A folder under a file cannot be made, whoever runs the test (root included).
+    let file = tmp.path().join("a-file");
+    std::fs::write(&file, "").unwrap();
+    for flag in ["--checkpoint-dir", "--save-params"] {
+        let under = file.join("dir");
+        let out = run(&strs(&mlp("3", &[flag, under.to_str().unwrap()])));
+        let stderr = out.stderr();
+        assert!(!out.output.status.success(), "{stderr}");
+        assert!(out.events.is_empty(), "{flag}: trained first: {stderr}");
+        assert!(stderr.contains(&format!("{flag}: cannot create")), "{stderr}");
+    }
+}

@@ -830,6 +830,16 @@ fn bad_arguments_give_one_line_reasons() {
             vec!["--model", "mlp", "--lr-policy", "step", "--lr-step-factor", "0"],
             "--lr-step-factor: 0 is not a positive number",
         ),
+        // What the plan's check refuses is a bad argument in a run too, as under --check.
+        (
+            vec!["--model", "mlp", "--batch-size", "8", "--microbatches", "3"],
+            "--batch-size 8 is not divisible by --microbatches 3",
+        ),
+        (
+            vec!["--model", "mlp", "--world-size", "3", "--batch-size", "32"],
+            "--batch-size 32 is not divisible by --microbatches 3 (--microbatches defaults to the 3 \
+             replicas of a stage",
+        ),
     ];
     for (args, expected) in cases {
         let out = runtime().args(&args).output().unwrap();

@@ -163,6 +163,15 @@ fn meet_at_the_end(links: &Links) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Makes folder `dir` (`flag`'s) and writes and removes a file in it, so that a run that could
+/// not write there fails before its first iteration rather than after its last.
+fn writable(dir: &std::path::Path, flag: &str) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("{flag}: cannot create {}", dir.display()))?;
+    let probe = dir.join(format!(".stagehand-probe-{}", std::process::id()));
+    std::fs::write(&probe, b"").with_context(|| format!("{flag}: cannot write in {}", dir.display()))?;
+    std::fs::remove_file(&probe).with_context(|| format!("{flag}: cannot remove {}", probe.display()))
+}
+
 /// Where the ranks resume (`--resume`): the iterations done of the checkpoint every rank
 /// agreed on ([`agree_on_resume`], 0 to start afresh) and this rank's checkpoint of them to load,
 /// after stepping back to it from a newer `latest` or setting `latest` aside.
@@ -422,8 +431,21 @@ fn check_plan(config: &TrainConfig) -> anyhow::Result<Checked> {
         model.name
     );
     if !config.batch_size.is_multiple_of(microbatches) {
+        // Without --microbatches, one per stage or per replica of the widest stage.
+        let defaulted = match dist.microbatches {
+            Some(_) => String::new(),
+            None if max_replicas >= plan.stages.len() => format!(
+                " (--microbatches defaults to the {max_replicas} replicas of a stage, each with its \
+                 share of the batch; give --batch-size a multiple of {microbatches}, or --microbatches)"
+            ),
+            None => format!(
+                " (--microbatches defaults to the {} stages; give --batch-size a multiple of \
+                 {microbatches}, or --microbatches)",
+                plan.stages.len()
+            ),
+        };
         bail!(
-            "--batch-size {} is not divisible by --microbatches {microbatches}",
+            "--batch-size {} is not divisible by --microbatches {microbatches}{defaulted}",
             config.batch_size
         );
     }
@@ -565,6 +587,19 @@ fn own_rows(
     Some(rows)
 }
 
+/// A training request refused before the run starts, as `runtime --check` refuses it: a bad
+/// argument (exit 2), which starting the run again would not mend.
+#[derive(Debug)]
+pub struct Refused(anyhow::Error);
+
+impl std::fmt::Display for Refused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:#}", self.0)
+    }
+}
+
+impl std::error::Error for Refused {}
+
 /// `runtime --check`: validates a training request as [`run`] would before it connects, and
 /// prints one JSON line describing the plan (`driver check` and preflight ask it).
 pub fn check<W: Write>(config: &TrainConfig, out: &mut W) -> anyhow::Result<()> {
@@ -612,7 +647,7 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
         mut actions,
         resume: latest,
         identity,
-    } = check_plan(config)?;
+    } = check_plan(config).map_err(|e| anyhow::Error::new(Refused(e)))?;
     let micro_size = (config.batch_size / microbatches) as i64;
     let config_iterations = config.iterations;
     let my_stage = plan.stage_of_rank(dist.rank).clone();
@@ -641,16 +676,12 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
     if latest.is_none() {
         init_from(&mut stage)?;
     }
-    if let Some(c) = config.checkpoint.as_ref().filter(|c| c.resume == Resume::No) {
-        // Starting afresh: an earlier run's checkpoint is no longer this run's to resume.
-        if let Some(what) = checkpoint::set_aside(&c.dir, dist.rank).map_err(anyhow::Error::msg)? {
-            eprintln!(
-                "runtime: rank {}: starting afresh (no --resume): {what} in {} is set aside, and \
-                 goes when this run writes its first",
-                dist.rank,
-                c.dir.display()
-            );
-        }
+    // Where this run will write is found writable now, not after its iterations.
+    if let Some(c) = &config.checkpoint {
+        writable(&checkpoint::rank_dir(&c.dir, dist.rank), "--checkpoint-dir")?;
+    }
+    if let Some(dir) = &config.save_params {
+        writable(dir, "--save-params")?;
     }
     if config.checkpoint.is_some() {
         crate::signals::catch_term().map_err(anyhow::Error::msg)?;
@@ -793,6 +824,19 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
         target_spec: None,
     };
     executor.learn_shapes(first_specs(model.input, micro_size))?;
+    if let Some(c) = config.checkpoint.as_ref().filter(|c| c.resume == Resume::No) {
+        // Starting afresh: an earlier run's checkpoint is no longer this run's to resume. Only
+        // now, with everything before the first iteration done: a run that fails to start (its
+        // data, a rank that never came) leaves the earlier checkpoint as it was.
+        if let Some(what) = checkpoint::set_aside(&c.dir, dist.rank).map_err(anyhow::Error::msg)? {
+            eprintln!(
+                "runtime: rank {}: starting afresh (no --resume): {what} in {} is set aside, and \
+                 goes when this run writes its first",
+                dist.rank,
+                c.dir.display()
+            );
+        }
+    }
 
     out.emit(&Event::Start(Start {
         schema_version: SCHEMA_VERSION,
