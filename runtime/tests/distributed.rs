@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 use stagehand_contract::Event;
 
 use crate::util::{
-    free_port, read_params, run_ok, run_ranks, runtime, trace_events, trace_steps, two_stages, words,
-    write_image_folder, Run,
+    free_port, read_params, run_ok, run_ranks, run_ranks_each, runtime, trace_events, trace_steps,
+    two_stages, words, write_image_folder, Run,
 };
 
 pub(crate) const LIMIT: Duration = Duration::from_secs(120);
@@ -825,5 +825,63 @@ fn a_trace_stopped_mid_run_leaves_no_profiler_record_open() {
                 "{schedule}, rank {rank}"
             );
         }
+    }
+}
+
+/// Ranks started with different training requests are refused on every rank alike, naming the
+/// rank and what differs, before any group forms: a batch size of its own (which rank 1 used to
+/// train on without a word, reporting twice the samples) and `--compress auto` on one rank only
+/// (whose framed message aborted the other through Gloo). What is a rank's own may differ.
+#[test]
+fn ranks_given_different_requests_are_refused_alike_and_their_own_settings_may_differ() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = two_stages(dir.path());
+    // MLP_BASE, its batch size and threads as given.
+    let base = |batch: &str, threads: &str, extra: &[&str]| -> Vec<String> {
+        let mut args = with_value(
+            &with_value(&words(MLP_BASE), "--batch-size", batch),
+            "--threads",
+            threads,
+        );
+        args.extend(["--iterations", "2", "--stage-config", &config]);
+        args.extend(extra);
+        args.iter().map(|s| s.to_string()).collect()
+    };
+    let cases: [(&str, &[&str], &str); 2] = [
+        ("32", &[], "--batch-size is 32 there, 16 on rank 0"),
+        (
+            "16",
+            &["--compress", "auto"],
+            "--compress is true there, false on rank 0",
+        ),
+    ];
+    for (batch, extra, expected) in cases {
+        let runs = run_ranks_each(
+            2,
+            |rank| match rank {
+                0 => base("16", "1", &[]),
+                _ => base(batch, "1", extra),
+            },
+            LIMIT,
+        );
+        for (rank, run) in runs.iter().enumerate() {
+            let stderr = run.stderr();
+            assert_eq!(
+                run.output.status.code(),
+                Some(2),
+                "{batch} {extra:?}: rank {rank}: {stderr}"
+            );
+            assert!(
+                stderr.contains("rank 1 was started with another training request than rank 0")
+                    && stderr.contains(expected),
+                "{extra:?}: rank {rank}: {stderr}"
+            );
+            assert!(run.events.is_empty(), "{extra:?}: rank {rank} trained: {stderr}");
+        }
+    }
+    // Threads and the slowdown are each rank's own.
+    let own = |rank: usize| base("16", if rank == 0 { "1" } else { "2" }, &["--slowdown", "1=1.5"]);
+    for (rank, run) in run_ranks_each(2, own, LIMIT).iter().enumerate() {
+        assert!(run.output.status.success(), "rank {rank}: {}", run.stderr());
     }
 }

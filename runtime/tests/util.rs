@@ -171,13 +171,23 @@ pub fn free_port() -> u16 {
 /// Runs `world` ranks of `runtime` as local processes on a fresh port, each with `args` plus its
 /// launch flags, and waits for all (killing them after `limit`).
 pub fn run_ranks(world: usize, args: &[&str], limit: std::time::Duration) -> Vec<Run> {
+    run_ranks_each(world, |_| args.iter().map(|a| a.to_string()).collect(), limit)
+}
+
+/// [`run_ranks`] with each rank's own `args(rank)`.
+pub fn run_ranks_each(
+    world: usize,
+    args: impl Fn(usize) -> Vec<String>,
+    limit: std::time::Duration,
+) -> Vec<Run> {
     let port = free_port().to_string();
     let world_s = world.to_string();
     let children: Vec<_> = (0..world)
         .map(|rank| {
+            let own = args(rank);
             let rank = rank.to_string();
             runtime()
-                .args(args)
+                .args(&own)
                 .args([
                     "--world-size",
                     &world_s,

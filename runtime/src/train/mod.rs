@@ -218,6 +218,7 @@ fn connect(
     dist: &DistConfig,
     plan: &StagePlan,
     device: DeviceSpec,
+    request: &[(&'static str, String)],
 ) -> anyhow::Result<(Links, Option<Store>)> {
     if dist.world_size == 1 {
         let links = Links {
@@ -235,6 +236,7 @@ fn connect(
         dist.rank == 0,
         timeout,
     )?;
+    agree_on_request(&store, dist.rank, dist.world_size, request)?;
     // The world group is the forward channel; the backward channel is a second group over the
     // same ranks, so upstream traffic never queues behind downstream traffic between two ranks.
     let forward = match dist.backend {
@@ -271,6 +273,95 @@ fn connect(
         bundle,
     };
     Ok((links, dist.reduce.partial.map(|_| store)))
+}
+
+/// What every rank of a run must be given alike, by name: what decides the messages the ranks
+/// exchange and the training they do together. Not the rank's own (`--rank`, devices, threads,
+/// data workers, slowdown, timeouts, paths it writes, kernel choices).
+fn shared_request(config: &TrainConfig, microbatches: usize) -> Vec<(&'static str, String)> {
+    let dist = &config.dist;
+    vec![
+        ("--model and its sizes", format!("{:?}", config.model)),
+        ("--world-size", dist.world_size.to_string()),
+        ("--stage-config", format!("{:?}", dist.stage_config)),
+        ("--schedule", dist.schedule.to_string()),
+        ("--microbatches", microbatches.to_string()),
+        ("--batch-size", config.batch_size.to_string()),
+        ("--iterations", config.iterations.to_string()),
+        ("--lr", config.lr.to_string()),
+        ("the learning rate schedule", format!("{:?}", config.lr_schedule)),
+        ("--optimizer", format!("{:?}", config.optimizer)),
+        ("--seed", config.seed.to_string()),
+        ("--data", config.data.to_string()),
+        ("--augment", format!("{:?}", config.augment)),
+        ("--precision", format!("{:?}", config.precision)),
+        ("--fp16-init-scale", config.fp16_init_scale.to_string()),
+        ("--channels-last", config.channels_last.to_string()),
+        ("--backend", format!("{:?}", dist.backend)),
+        ("--p2p-groups", format!("{:?}", dist.p2p_groups)),
+        (
+            "--bucket-mb, --overlap-reduce and --reduce",
+            format!("{:?}", dist.reduce),
+        ),
+        ("--compress-activations", dist.compress_activations.to_string()),
+        ("--compress", dist.sparse.to_string()),
+        (
+            "--validate-every and --validation-batches",
+            format!("{:?}", config.validation),
+        ),
+        (
+            "--checkpoint-dir, --checkpoint-every and --resume",
+            format!("{:?}", config.checkpoint.as_ref().map(|c| (c.every, c.resume))),
+        ),
+    ]
+}
+
+/// Every rank posts its [`shared_request`] in the store and reads every rank's: a rank given
+/// another (a batch size, a `--compress` the others lack) is refused on every rank alike, naming
+/// it and what differs, before any group forms. Otherwise it would train on what the others
+/// send without a word, or abort on a message larger than it expected.
+fn agree_on_request(
+    store: &Store,
+    rank: usize,
+    world_size: usize,
+    request: &[(&'static str, String)],
+) -> anyhow::Result<()> {
+    let text = |request: &[(&'static str, String)]| {
+        request
+            .iter()
+            .map(|(name, value)| format!("{name}={value}"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    store.set(&format!("request/{rank}"), text(request).as_bytes())?;
+    let first = String::from_utf8_lossy(&store.get("request/0")?).into_owned();
+    let mut differs = None;
+    for other in 1..world_size {
+        let theirs = String::from_utf8_lossy(&store.get(&format!("request/{other}"))?).into_owned();
+        let pair = first.lines().zip(theirs.lines()).find(|(a, b)| a != b);
+        if let Some((ours, theirs)) = pair {
+            differs = Some((other, ours.to_string(), theirs.to_string()));
+            break;
+        }
+    }
+    let Some((other, ours, theirs)) = differs else {
+        return Ok(());
+    };
+    // Every rank found the same; rank 0, which hosts the store, leaves once all have read.
+    store.add("request/read", 1)?;
+    if rank == 0 {
+        let deadline = std::time::Instant::now() + store.timeout();
+        while store.add("request/read", 0)? < world_size as i64 && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+    let (name, ours) = ours.split_once('=').unwrap_or(("the request", &ours));
+    let theirs = theirs.split_once('=').map_or(theirs.as_str(), |(_, v)| v);
+    Err(anyhow::Error::new(Refused(anyhow::anyhow!(
+        "rank {other} was started with another training request than rank 0: {name} is {theirs} there, \
+         {ours} on rank 0; start every rank with the same arguments (only --rank, --local-rank, \
+         devices, threads, data workers, --slowdown, timeouts and output paths may differ)"
+    ))))
 }
 
 /// With `--p2p-groups pairs`: this rank's groups with each rank of the stages next to its own, one
@@ -710,7 +801,7 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
         }
         _ => None,
     };
-    let (links, store) = connect(dist, &plan, config.device)?;
+    let (links, store) = connect(dist, &plan, config.device, &shared_request(config, microbatches))?;
     // Iterations done of the checkpoint every rank resumes from (0 when starting afresh).
     let mut first = 0;
     if let Some(c) = config.checkpoint.as_ref().filter(|c| c.resume != Resume::No) {
