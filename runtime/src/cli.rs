@@ -195,6 +195,9 @@ struct ModelArgs {
     active_units: Option<i64>,
 }
 
+/// The longest `--comm-timeout`, in seconds.
+const MAX_COMM_TIMEOUT_S: f64 = 1e7;
+
 #[derive(Debug, Args)]
 struct TrainArgs {
     #[command(flatten)]
@@ -1114,6 +1117,16 @@ impl DistArgs {
             return Err(invalid(
                 "--comm-timeout",
                 format!("{} is not a positive number of seconds", self.comm_timeout),
+            ));
+        }
+        // c10d counts its timeouts in milliseconds of an i64.
+        if self.comm_timeout > MAX_COMM_TIMEOUT_S {
+            return Err(invalid(
+                "--comm-timeout",
+                format!(
+                    "{} s is longer than the {MAX_COMM_TIMEOUT_S} s (about 116 days) it may be",
+                    self.comm_timeout
+                ),
             ));
         }
         let stage_config = match &self.stage_config {

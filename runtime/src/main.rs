@@ -52,6 +52,7 @@ const EXIT_USAGE: u8 = 2;
 const EXIT_TERMINATED: u8 = 143;
 
 fn main() -> ExitCode {
+    one_line_panics();
     let cli = match cli::Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) if !e.use_stderr() => {
@@ -117,5 +118,69 @@ fn main() -> ExitCode {
             eprintln!("runtime: error: {e:#}");
             ExitCode::from(EXIT_FAILED)
         }
+    }
+}
+
+/// A panic (as a rule libtorch refusing an allocation inside tch, whose error carries a C++
+/// backtrace) ends the rank with one line ([`panic_line`]) instead of pages of frames;
+/// `RUST_BACKTRACE` set keeps Rust's own report.
+fn one_line_panics() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        if std::env::var_os("RUST_BACKTRACE").is_some() {
+            return default(info);
+        }
+        let payload = info.payload();
+        let message = payload
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_default();
+        let at = info.location().map(|l| format!("{}:{}", l.file(), l.line()));
+        eprintln!("{}", panic_line(&message, at.as_deref()));
+    }));
+}
+
+/// A panic's `message` (raised `at`) as one line: what failed, where, and for memory what to
+/// lower. libtorch's error, as tch's unwrap quotes it, is cut at its first line (its backtrace
+/// follows with its line breaks escaped).
+fn panic_line(message: &str, at: Option<&str>) -> String {
+    let first = message
+        .lines()
+        .find(|l| !l.trim().is_empty())
+        .unwrap_or("a panic");
+    let first = first.split("\\n").next().unwrap_or(first);
+    let first = first.trim_start_matches("called `Result::unwrap()` on an `Err` value: ");
+    let first = first.trim_start_matches("Torch(\"");
+    let at = at.map(|at| format!(" (at {at})")).unwrap_or_default();
+    let memory = ["can't allocate memory", "out of memory"]
+        .iter()
+        .any(|m| message.contains(m));
+    let hint = match memory {
+        true => "; the run needs more memory than there is: lower --batch-size or the model's sizes",
+        false => "",
+    };
+    format!("runtime: error: {first}{at}{hint}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::panic_line;
+
+    #[test]
+    fn a_panic_is_one_line_and_memory_says_what_to_lower() {
+        let tch = "called `Result::unwrap()` on an `Err` value: Torch(\"[enforce fail at alloc_cpu.cpp:127] \
+                   DefaultCPUAllocator: can't allocate memory: you tried to allocate 32000000000 bytes.\\nframe \
+                   #0: c10::ThrowEnforceNotMet\\nframe #1: ...\")";
+        assert_eq!(
+            panic_line(tch, Some("tensor_generated.rs:15382")),
+            "runtime: error: [enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate \
+             memory: you tried to allocate 32000000000 bytes. (at tensor_generated.rs:15382); the run \
+             needs more memory than there is: lower --batch-size or the model's sizes"
+        );
+        assert_eq!(
+            panic_line("index out of bounds\nmore", None),
+            "runtime: error: index out of bounds"
+        );
     }
 }

@@ -830,6 +830,10 @@ fn bad_arguments_give_one_line_reasons() {
             vec!["--model", "mlp", "--lr-policy", "step", "--lr-step-factor", "0"],
             "--lr-step-factor: 0 is not a positive number",
         ),
+        (
+            vec!["--model", "mlp", "--comm-timeout", "1e30"],
+            "--comm-timeout: 1000000000000000000000000000000 s is longer than the 10000000 s",
+        ),
         // What the plan's check refuses is a bad argument in a run too, as under --check.
         (
             vec!["--model", "mlp", "--batch-size", "8", "--microbatches", "3"],
@@ -1066,4 +1070,38 @@ fn accuracy_rises_from_chance_to_every_sample_as_the_model_learns() {
     let run = run_ok(&five);
     assert_eq!(run.top5_accuracies(), [1.0; 3]);
     assert!(run.accuracies()[0] < 1.0, "{:?}", run.accuracies());
+}
+
+/// A panic (here a batch size that wraps to a negative dimension inside libtorch) ends the rank
+/// with one line saying what failed, not pages of C++ frames; `RUST_BACKTRACE` keeps Rust's report.
+#[test]
+fn a_panic_is_one_line_unless_a_backtrace_is_asked_for() {
+    let args = [
+        "--model",
+        "mlp",
+        "--iterations",
+        "1",
+        "--threads",
+        "1",
+        "--batch-size",
+        "18446744073709551615",
+    ];
+    let out = runtime()
+        .args(args)
+        .env_remove("RUST_BACKTRACE")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(101), "{stderr}");
+    let last = stderr.lines().last().unwrap_or_default();
+    assert!(
+        last.starts_with("runtime: error: ") && last.contains("negative dimension"),
+        "{stderr}"
+    );
+    assert!(
+        !stderr.contains("frame #") && !stderr.contains("panicked at"),
+        "{stderr}"
+    );
+    let asked = runtime().args(args).env("RUST_BACKTRACE", "1").output().unwrap();
+    assert!(String::from_utf8_lossy(&asked.stderr).contains("panicked at"));
 }
