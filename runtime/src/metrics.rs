@@ -50,6 +50,11 @@ impl Throughput {
         stagehand_contract::metrics::mean_and_std(self.measured()).0
     }
 
+    /// Whether any iteration was measured (every one may have been warm-up).
+    pub fn measured_any(&self) -> bool {
+        !self.measured().is_empty()
+    }
+
     /// Sample standard deviation (0 with fewer than two values).
     pub fn std(&self) -> f64 {
         stagehand_contract::metrics::mean_and_std(self.measured()).1

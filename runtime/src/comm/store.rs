@@ -79,6 +79,16 @@ impl Store {
             return Err(fail("the world size is 0".into()));
         }
         let host = CString::new(addr).map_err(|_| fail("the address contains a NUL byte".into()))?;
+        // A name that does not resolve would otherwise read as rank 0 not answering, after the
+        // whole timeout.
+        if !is_master {
+            if let Err(e) = std::net::ToSocketAddrs::to_socket_addrs(&(addr, port)) {
+                return Err(fail(format!(
+                    "{addr} does not resolve to an address ({e}); give --master-addr (MASTER_ADDR) as \
+                     rank 0's host name or IP address"
+                )));
+            }
+        }
         // c10d's client retries a failed connect after a back-off, so one attempt can take up to
         // about three times `timeout`; the connect runs on a helper thread and is given up on at
         // the deadline (the helper frees whatever it gets afterwards).

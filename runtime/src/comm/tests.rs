@@ -115,6 +115,27 @@ fn store_rendezvous_shares_keys_between_ranks() {
     }
 }
 
+/// A master address that names no host fails at once, saying so, not after the whole timeout
+/// as though rank 0 did not answer.
+#[test]
+fn a_master_address_that_does_not_resolve_fails_at_once_saying_so() {
+    let started = std::time::Instant::now();
+    let error = match Store::connect("no.such.host.invalid", 29500, 2, false, Duration::from_secs(30)) {
+        Ok(_) => panic!("connected to a name that does not resolve"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(
+        error.contains("no.such.host.invalid does not resolve to an address")
+            && error.contains("--master-addr"),
+        "{error}"
+    );
+}
+
 #[test]
 fn send_recv_moves_tensors_of_several_shapes_and_dtypes() {
     world(2, |rank, store| {

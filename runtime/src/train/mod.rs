@@ -701,7 +701,7 @@ pub fn check<W: Write>(config: &TrainConfig, out: &mut W) -> anyhow::Result<()> 
         "modules": checked.model.num_modules(),
         "world_size": config.dist.world_size,
         "stages": checked.plan.stages.iter().map(|s| s.ranks.len()).collect::<Vec<_>>(),
-        "schedule": format!("{:?}", config.dist.schedule).to_lowercase(),
+        "schedule": config.dist.schedule.to_string(),
         "microbatches": checked.microbatches,
     });
     writeln!(out, "{line}")?;
@@ -1160,10 +1160,19 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
         skipped_steps: (config.precision == Precision::Fp16).then_some(skipped_steps),
         validation: last_validation,
     };
+    let rate = match throughput.measured_any() {
+        true => format!(
+            "{:.1} samples/s (std {:.1})",
+            summary.samples_per_sec_mean, summary.samples_per_sec_std
+        ),
+        // The summary's 0.0 is no measurement: say so.
+        false => format!(
+            "no throughput measured (its {} iterations are all within --warmup {})",
+            config.iterations, config.warmup
+        ),
+    };
     eprintln!(
-        "runtime: rank {rank} done: {:.1} samples/s (std {:.1}), final loss {}, accuracy {}{}",
-        summary.samples_per_sec_mean,
-        summary.samples_per_sec_std,
+        "runtime: rank {rank} done: {rate}, final loss {}, accuracy {}{}",
         last_tally.map_or("-".to_string(), |t| format!("{:.4}", t.loss)),
         last_tally.map_or("-".to_string(), |t| percent(t.accuracy)),
         last_tally
