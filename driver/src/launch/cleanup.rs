@@ -407,19 +407,17 @@ mod tests {
         );
     }
 
-    /// A grace of zero is one whole try, not none: a failed run's first pass (`stop_all`) removes
-    /// with it, and a try cut short there left the ranks running until the lease ran out. Against
-    /// the real engine, with a container that never starts.
-    #[tokio::test]
-    async fn a_grace_of_zero_still_makes_one_whole_try() {
-        let host = local_host().await;
+    /// A container on the local engine that never starts (an image of one file), labelled with
+    /// an experiment of its own, named for the test (`what`): what removes it and its image
+    /// however the test ends, the experiment's id and the container's.
+    async fn labelled_container(host: &Host, what: &str) -> (Leftovers, String, String) {
         let pid = std::process::id();
         let mut left = Leftovers {
-            image: format!("stagehand-unit-zero-grace:{pid}"),
+            image: format!("stagehand-unit-{what}:{pid}"),
             containers: Vec::new(),
         };
         one_file_image(&host.docker, &left).await;
-        let id = format!("stagehand-unit-zero-grace-{pid}");
+        let id = format!("stagehand-unit-{what}-{pid}");
         let options = bollard::query_parameters::CreateContainerOptionsBuilder::default()
             .name(&id)
             .build();
@@ -436,6 +434,16 @@ mod tests {
             .unwrap()
             .id;
         left.containers.push(cid.clone());
+        (left, id, cid)
+    }
+
+    /// A grace of zero is one whole try, not none: a failed run's first pass (`stop_all`) removes
+    /// with it, and a try cut short there left the ranks running until the lease ran out. Against
+    /// the real engine, with a container that never starts.
+    #[tokio::test]
+    async fn a_grace_of_zero_still_makes_one_whole_try() {
+        let host = local_host().await;
+        let (_left, id, cid) = labelled_container(&host, "zero-grace").await;
         let pass = remove_on(&host, &crate::hosts::SshOptions::default(), &id, Duration::ZERO).await;
         let failure = pass.failure.map(|(e, _)| crate::error::error_line(&e));
         assert_eq!(failure, None);
@@ -461,25 +469,8 @@ mod tests {
     #[tokio::test]
     async fn a_removal_already_in_progress_counts_once_the_container_is_gone() {
         let host = local_host().await;
-        let pid = std::process::id();
-        let mut left = Leftovers {
-            image: format!("stagehand-unit-in-progress:{pid}"),
-            containers: Vec::new(),
-        };
-        one_file_image(&host.docker, &left).await;
-        let id = format!("stagehand-unit-in-progress-{pid}");
-        let options = bollard::query_parameters::CreateContainerOptionsBuilder::default()
-            .name(&id)
-            .build();
-        let body = bollard::models::ContainerCreateBody {
-            image: Some(left.image.clone()),
-            cmd: Some(vec!["/hello".into()]),
-            labels: Some(HashMap::from([(LABEL_EXPERIMENT.to_string(), id.clone())])),
-            ..Default::default()
-        };
+        let (_left, id, cid) = labelled_container(&host, "in-progress").await;
         let docker = &host.docker;
-        let cid = docker.create_container(Some(options), body).await.unwrap().id;
-        left.containers.push(cid.clone());
         let mut files = tar::Builder::new(Vec::new());
         for n in 0..20_000 {
             let mut header = tar::Header::new_gnu();
