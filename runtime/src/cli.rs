@@ -436,9 +436,9 @@ struct DistArgs {
     #[arg(long, value_name = "all|partial:K", default_value = "all")]
     reduce: String,
     /// With --reduce partial:K, every this many groups is every live replica (bounds how far
-    /// replicas drift apart; 1 makes every group full).
-    #[arg(long, value_name = "GROUPS", default_value_t = 10)]
-    sync_every: usize,
+    /// replicas drift apart; 1 makes every group full) [default: 10].
+    #[arg(long, value_name = "GROUPS")]
+    sync_every: Option<usize>,
     /// Send float32 activations between stages as float16 (half the bytes; PipeDream's
     /// compress_activations), cast on the device that holds them; gradients stay float32.
     /// Every rank must be given it.
@@ -677,8 +677,87 @@ fn check_cuda_graph(trace: bool, dist: &DistConfig, devices: &[DeviceSpec]) -> R
     }
 }
 
+/// `--sync-every` without the flag.
+const DEFAULT_SYNC_EVERY: usize = 10;
+
+/// The flags of a training request that do something only in some settings, as given.
+struct Asked {
+    channels_last: bool,
+    cudnn_benchmark: bool,
+    threads: Option<usize>,
+    sync_every: bool,
+    overlap_reduce: bool,
+    compress: bool,
+    compress_activations: bool,
+}
+
+impl Asked {
+    fn of(args: &TrainArgs) -> Asked {
+        Asked {
+            channels_last: args.channels_last,
+            cudnn_benchmark: args.cudnn_benchmark,
+            threads: args.threads,
+            sync_every: args.dist.sync_every.is_some(),
+            overlap_reduce: args.dist.overlap_reduce == Overlap::On,
+            compress: args.dist.compress == CompressArg::Auto,
+            compress_activations: args.dist.compress_activations,
+        }
+    }
+
+    /// A warning for each flag given that does nothing in this request (a request that has it
+    /// runs as one without it), saying why; the run goes on.
+    fn idle(&self, model: &ModelChoice, devices: &[DeviceSpec], dist: &DistConfig) -> Vec<String> {
+        let mut idle = Vec::new();
+        let stage_ranks: Vec<usize> = match &dist.stage_config {
+            Some(config) => config.stage_to_rank_map.values().map(Vec::len).collect(),
+            None => vec![dist.world_size],
+        };
+        if self.channels_last && !crate::models::has_convolutions(&model.name) {
+            idle.push(format!(
+                "--channels-last does nothing for {}, which has no convolutions; drop it",
+                model.name
+            ));
+        }
+        if self.cudnn_benchmark && devices.iter().all(|d| *d == DeviceSpec::Cpu) {
+            idle.push(
+                "--cudnn-benchmark does nothing on the CPU (cuDNN runs on CUDA devices); drop it".into(),
+            );
+        }
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        if let Some(threads) = self.threads.filter(|&t| t > cores) {
+            idle.push(format!(
+                "--threads {threads} is more than the {cores} cores this process may use: the threads \
+                 take turns on them, which makes each step slower; give at most {cores}"
+            ));
+        }
+        if self.sync_every && dist.reduce.partial.is_none() {
+            idle.push("--sync-every does nothing without --reduce partial:K; drop it".into());
+        }
+        if self.overlap_reduce && stage_ranks.iter().all(|&n| n == 1) {
+            idle.push(
+                "--overlap-reduce on does nothing here: no stage has replicas, so no gradients are \
+                 all-reduced; drop it"
+                    .into(),
+            );
+        }
+        for (given, flag) in [
+            (self.compress, "--compress auto"),
+            (self.compress_activations, "--compress-activations"),
+        ] {
+            if given && stage_ranks.len() == 1 {
+                idle.push(format!(
+                    "{flag} does nothing here: the run has one stage, so no activations or \
+                     gradients pass between stages; drop it"
+                ));
+            }
+        }
+        idle
+    }
+}
+
 impl TrainArgs {
     fn into_config(self) -> Result<TrainConfig, ConfigError> {
+        let asked = Asked::of(&self);
         let optimizer = self.optimizer_kind()?;
         let data = DataSpec::parse(&self.data)?;
         let (augment, data_workers) = self.image_loading(&data)?;
@@ -859,7 +938,9 @@ impl TrainArgs {
         let profiler_trace = self
             .profiler_trace
             .map(|template| crate::profiler_trace::path_for_rank(&template, dist.rank));
+        let warnings = asked.idle(&model, &devices, &dist);
         Ok(TrainConfig {
+            warnings,
             validation,
             dist,
             model,
@@ -1178,7 +1259,8 @@ impl DistArgs {
                             format!("{spec:?} is neither `all` nor `partial:K` with K at least 1"),
                         )
                     })?;
-                if self.sync_every == 0 {
+                let sync_every = self.sync_every.unwrap_or(DEFAULT_SYNC_EVERY);
+                if sync_every == 0 {
                     return Err(invalid("--sync-every", "must be at least 1".into()));
                 }
                 if self.overlap_reduce == Overlap::On {
@@ -1189,10 +1271,7 @@ impl DistArgs {
                             .into(),
                     ));
                 }
-                Some(PartialOptions {
-                    k,
-                    sync_every: self.sync_every,
-                })
+                Some(PartialOptions { k, sync_every })
             }
         };
         let reduce = ReduceOptions {
@@ -1423,6 +1502,88 @@ mod tests {
         assert!(err.starts_with("--device: not with --cuda-graph:"), "{err}");
         let err = check(&["--model", "mlp", "--devices", "cuda:0,cuda:1", "--cuda-graph"]).unwrap_err();
         assert!(err.contains("use --device cuda (one device)"), "{err}");
+    }
+
+    /// The warnings a training request `args` parses to.
+    fn warnings(args: &[&str]) -> Vec<String> {
+        let argv = ["runtime"].iter().chain(args);
+        match Cli::try_parse_from(argv).expect("flags parse").into_command() {
+            Ok(Command::Train(config)) => config.warnings,
+            other => panic!("not a training run: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn flags_that_do_nothing_in_their_request_are_named_with_why_and_the_rest_are_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let pipeline = dir.path().join("pipeline.json");
+        std::fs::write(
+            &pipeline,
+            r#"{"module_to_stage_map": [0, 1, 1], "stage_to_rank_map": {"0": [0], "1": [1]}}"#,
+        )
+        .unwrap();
+        let pipeline = pipeline.to_str().unwrap();
+        let world = |n: &'static str| ["--world-size", n, "--rank", "0"];
+        let cases: Vec<(Vec<&str>, &str)> = vec![
+            (
+                vec!["--model", "mlp", "--channels-last"],
+                "--channels-last does nothing for mlp",
+            ),
+            (
+                vec!["--model", "transformer", "--channels-last"],
+                "--channels-last does nothing for transformer, which has no convolutions",
+            ),
+            (
+                vec!["--model", "mlp", "--cudnn-benchmark"],
+                "--cudnn-benchmark does nothing on the CPU",
+            ),
+            (
+                vec!["--model", "mlp", "--sync-every", "3"],
+                "--sync-every does nothing without --reduce partial:K",
+            ),
+            (
+                vec!["--model", "mlp", "--threads", "100000"],
+                "--threads 100000 is more than the",
+            ),
+            (
+                [&["--model", "mlp", "--overlap-reduce", "on"][..], &world("1")].concat(),
+                "--overlap-reduce on does nothing here: no stage has replicas",
+            ),
+            (
+                [&["--model", "mlp", "--compress", "auto"][..], &world("2")].concat(),
+                "--compress auto does nothing here: the run has one stage",
+            ),
+            (
+                vec!["--model", "mlp", "--compress-activations"],
+                "--compress-activations does nothing here",
+            ),
+        ];
+        for (args, expected) in cases {
+            let said = warnings(&args);
+            assert!(
+                said.len() == 1 && said[0].contains(expected),
+                "{args:?}: {said:?} lacks {expected:?}"
+            );
+        }
+        // Where each does something: nothing said.
+        for args in [
+            vec!["--model", "vgg16", "--channels-last"],
+            vec!["--model", "mlp", "--threads", "1"],
+            [
+                &["--model", "mlp", "--reduce", "partial:1", "--sync-every", "3"][..],
+                &world("2"),
+            ]
+            .concat(),
+            [&["--model", "mlp", "--overlap-reduce", "on"][..], &world("2")].concat(),
+            [
+                &["--model", "mlp", "--compress", "auto", "--compress-activations"][..],
+                &["--stage-config", pipeline],
+                &world("2"),
+            ]
+            .concat(),
+        ] {
+            assert_eq!(warnings(&args), Vec::<String>::new(), "{args:?}");
+        }
     }
 
     #[test]

@@ -267,6 +267,8 @@ impl std::fmt::Display for DeviceSpec {
 /// A validated training run.
 #[derive(Debug, Clone)]
 pub struct TrainConfig {
+    /// Flags given that do nothing in this request, each with why (the run goes on).
+    pub warnings: Vec<String>,
     pub model: ModelChoice,
     pub batch_size: usize,
     pub iterations: u64,

@@ -342,6 +342,86 @@ fn ranks_a_checkpoint_apart_resume_from_the_newest_iteration_all_of_them_hold() 
     assert_eq!(held(&ckpt, 0), [1]);
 }
 
+/// Flips one bit in the middle of `path`: damage of the kind a disk or a copy does, which leaves
+/// the file's length, and safetensors' header, as they were.
+fn flip_a_bit(path: &Path) {
+    let mut bytes = std::fs::read(path).unwrap();
+    let middle = bytes.len() - bytes.len() / 4;
+    bytes[middle] ^= 0x10;
+    std::fs::write(path, bytes).unwrap();
+}
+
+/// A checkpoint whose files are not as written (each file's length and CRC-32 are in its
+/// description) is never loaded: the rank that holds it offers the one before it, the ranks
+/// agree on that, and the run goes on exactly as one never stopped; with nothing whole to offer,
+/// the resume is refused saying which file is damaged and how.
+#[test]
+fn a_damaged_checkpoint_is_passed_over_for_the_one_before_it_and_never_loaded() {
+    let scratch = Scratch::new(PIPELINE);
+    let [whole, resumed, ckpt] = ["whole", "resumed", "ckpt"].map(|name| scratch.path(name));
+    let [w, r, c, s] = &["whole", "resumed", "ckpt", "stages.json"].map(|name| scratch.arg(name));
+    let pipeline = ["--stage-config", s, "--schedule", "1f1b", "--microbatches", "4"];
+    let ranks = |iterations: &str, extra: &[&str]| -> Vec<Run> {
+        run_ranks(
+            2,
+            &strs(&mlp(iterations, &[&pipeline[..], extra].concat())),
+            LIMIT,
+        )
+    };
+    let ok = |runs: &[Run]| -> Vec<f64> {
+        for run in runs {
+            assert!(run.output.status.success(), "{}", run.stderr());
+        }
+        runs[1].losses()
+    };
+    let never_stopped = ok(&ranks("6", &["--save-params", w]));
+    let every_two = ["--checkpoint-dir", c, "--checkpoint-every", "2"];
+    ok(&ranks("4", &every_two));
+    let params_4 = ckpt.join("rank-1/iter-4/params.safetensors");
+    flip_a_bit(&params_4);
+
+    let second = ranks("6", &[&every_two[..], &["--resume", "--save-params", r]].concat());
+    assert_eq!(ok(&second), never_stopped[2..], "from iteration 2, exactly");
+    assert_same_params(&whole, &resumed, "resumed past a damaged checkpoint");
+    let said = second[1].stderr();
+    assert!(
+        said.contains("the checkpoint of iteration 4 is damaged")
+            && said.contains("holds other bytes than were written")
+            && said.contains("params.safetensors")
+            && said.contains("resumes from the one before it, of iteration 2"),
+        "{said}"
+    );
+    for rank in 0..2 {
+        assert_eq!(held(&ckpt, rank), [4, 6], "rank {rank} wrote 4 and 6 anew");
+    }
+
+    // Both of rank 0's damaged (one cut short, one changed): refused, naming both.
+    let state_6 = ckpt.join("rank-0/iter-6/optimizer.safetensors");
+    let bytes = std::fs::read(&state_6).unwrap();
+    std::fs::write(&state_6, &bytes[..bytes.len() - 1]).unwrap();
+    flip_a_bit(&ckpt.join("rank-0/iter-4/params.safetensors"));
+    let refused = ranks("8", &[&every_two[..], &["--resume"]].concat());
+    for run in &refused {
+        assert!(!run.output.status.success(), "{}", run.stderr());
+        assert!(run.events.is_empty(), "nothing trained: {}", run.stderr());
+    }
+    let said = refused[0].stderr();
+    let bytes = bytes.len();
+    assert!(
+        said.contains("rank 0's checkpoint of iteration 6 is damaged")
+            && said.contains(&format!("is {} bytes, {bytes} when it was written", bytes - 1))
+            && said.contains("and so is the one before it, of iteration 4")
+            && said.contains("start afresh without --resume"),
+        "{said}"
+    );
+    let said = refused[1].stderr();
+    assert!(
+        said.contains("rank 0 none whole (its log says what is damaged), rank 1 6 and 4"),
+        "{said}"
+    );
+    assert_eq!(held(&ckpt, 0), [4, 6], "a refused resume removes nothing");
+}
+
 /// `--resume=auto`: an empty folder starts afresh (the losses of a run without it), a folder with
 /// a checkpoint goes on from there exactly, and one of another run is still refused.
 #[test]

@@ -200,6 +200,14 @@ pub const MODEL_NAMES: &[&str] = &[
     "transformer",
 ];
 
+/// Whether the model called `name` has convolutions (what `--channels-last` lays out).
+pub fn has_convolutions(name: &str) -> bool {
+    matches!(
+        name,
+        "alexnet" | "vgg16" | "vgg16_bn" | "resnet50" | "resnet101" | "resnet152"
+    )
+}
+
 impl ModelDef {
     /// The model called `name`, sized by `options`.
     pub fn named(name: &str, options: &ModelOptions) -> Result<ModelDef, UnknownModel> {

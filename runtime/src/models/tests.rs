@@ -373,3 +373,16 @@ fn accuracy_is_the_share_of_counted_targets_whose_class_has_the_highest_logit() 
     assert_eq!(per_token(&[1, 0, 0, -100]), [2.0 / 3.0]);
     assert_eq!(per_token(&[-100, 2, 2, 1]), [1.0 / 3.0]);
 }
+
+/// `has_convolutions` (which says whether `--channels-last` does anything) names exactly the
+/// models that build a 4-dimensional weight.
+#[test]
+fn the_models_said_to_have_convolutions_are_those_that_build_them() {
+    for &name in MODEL_NAMES {
+        let def = ModelDef::named(name, &options(name)).unwrap();
+        let vs = nn::VarStore::new(tch::Device::Cpu);
+        tch::no_grad(|| drop(def.build(&vs.root(), 0..def.num_modules(), 0)));
+        let built = vs.variables().values().any(|t| t.dim() == 4);
+        assert_eq!(has_convolutions(name), built, "{name}");
+    }
+}

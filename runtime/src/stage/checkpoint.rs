@@ -13,7 +13,13 @@
 //! iterations `K..`: the same numbers, in the same order, as a run that was never stopped. A
 //! checkpoint records what it must agree with ([`Identity`]); resuming into another model,
 //! split, optimizer or batch is refused with what differs.
+//!
+//! The description records each file's length and CRC-32 as written ([`Written`]); a resume
+//! checks them before it loads anything, and a rank whose latest checkpoint is damaged (a disk
+//! or a copy that changed or cut a file) offers the one before it instead ([`whole_or_before`]).
 
+use std::collections::BTreeMap;
+use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -71,6 +77,40 @@ pub struct Latest {
     /// (absent in checkpoints written before two generations were kept).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub previous: Option<u64>,
+    /// Each file of the checkpoint, by name, as written (absent in checkpoints written before
+    /// files were summed, whose files are then loaded unchecked).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    files: BTreeMap<String, Written>,
+}
+
+/// A checkpoint file as written: its length and CRC-32 (which any change of up to 32 bits, and
+/// all but one in 2^32 of larger ones, alters).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+struct Written {
+    bytes: u64,
+    crc32: u32,
+}
+
+impl Written {
+    /// What `path` holds now.
+    fn of(path: &Path) -> std::io::Result<Written> {
+        let mut file = std::fs::File::open(path)?;
+        let mut hasher = crc32fast::Hasher::new();
+        let mut buffer = vec![0u8; 1 << 20];
+        let mut bytes = 0u64;
+        loop {
+            let n = file.read(&mut buffer)?;
+            if n == 0 {
+                break;
+            }
+            hasher.update(&buffer[..n]);
+            bytes += n as u64;
+        }
+        Ok(Written {
+            bytes,
+            crc32: hasher.finalize(),
+        })
+    }
 }
 
 impl Latest {
@@ -135,8 +175,16 @@ pub fn save(
         std::fs::remove_dir_all(&here).map_err(|e| io("remove", &here, &e))?;
     }
     std::fs::create_dir_all(&here).map_err(|e| io("create", &here, &e))?;
-    let params = here.join("params.safetensors");
+    let mut files = BTreeMap::new();
+    let mut summed = |path: &Path| -> Result<(), String> {
+        let written = Written::of(path).map_err(|e| io("read back", path, &e))?;
+        let name = path.file_name().expect("a checkpoint file has a name");
+        files.insert(name.to_string_lossy().into_owned(), written);
+        Ok(())
+    };
+    let params = here.join(PARAMS_FILE);
     stage.save(&params).map_err(|e| io("write", &params, &e))?;
+    summed(&params)?;
     let (named, steps) = optimizer.state_tensors();
     // Contiguous, as safetensors holds them (a channels_last parameter's buffers are not); loading
     // puts them back in their parameter's layout.
@@ -144,8 +192,9 @@ pub fn save(
         .into_iter()
         .map(|(n, t)| (n, t.to_device(Device::Cpu).contiguous()))
         .collect();
-    let state = here.join("optimizer.safetensors");
+    let state = here.join(OPTIMIZER_FILE);
     Tensor::write_safetensors(&on_cpu, &state).map_err(|e| io("write", &state, &e))?;
+    summed(&state)?;
     if let Some(scaler) = scaler {
         let path = here.join(SCALER_FILE);
         let named: Vec<(String, Tensor)> = scaler
@@ -154,6 +203,7 @@ pub fn save(
             .map(|(n, t)| (n.to_string(), t.to_device(Device::Cpu)))
             .collect();
         Tensor::write_safetensors(&named, &path).map_err(|e| io("write", &path, &e))?;
+        summed(&path)?;
     }
     let latest = Latest {
         format_version: FORMAT_VERSION,
@@ -161,6 +211,7 @@ pub fn save(
         steps,
         identity: identity.clone(),
         previous: keep.filter(|&k| k != done),
+        files,
     };
     write_description(&here.join(DESCRIPTION), &latest)?;
     write_description(&rank_dir(dir, identity.rank).join("latest"), &latest)?;
@@ -250,8 +301,72 @@ pub fn read_latest_if_any(dir: &Path, identity: &Identity) -> Result<Option<Late
     }
 }
 
+/// The stage's parameters and buffers, in a checkpoint.
+const PARAMS_FILE: &str = "params.safetensors";
+/// The optimizer's state, in a checkpoint.
+const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 /// fp16's gradient scaler (its scale and growth tracker), in a checkpoint written with one.
 const SCALER_FILE: &str = "scaler.safetensors";
+
+/// How the checkpoint `latest` describes differs from what was written, in words: the first file
+/// missing, of another length, or of another CRC-32; `None` when every file is as written.
+fn damage(dir: &Path, latest: &Latest) -> Option<String> {
+    let here = iteration_dir(dir, latest.identity.rank, latest.iterations_done);
+    latest.files.iter().find_map(|(name, written)| {
+        let path = here.join(name);
+        match Written::of(&path) {
+            Err(e) => Some(format!("cannot read {}: {e}", path.display())),
+            Ok(now) if now.bytes != written.bytes => Some(format!(
+                "{} is {} bytes, {} when it was written",
+                path.display(),
+                now.bytes,
+                written.bytes
+            )),
+            Ok(now) if now.crc32 != written.crc32 => Some(format!(
+                "{} holds other bytes than were written (CRC-32 {:08x}, {:08x} when written)",
+                path.display(),
+                now.crc32,
+                written.crc32
+            )),
+            Ok(_) => None,
+        }
+    })
+}
+
+/// `latest` (read by [`read_latest`]) when its files are as written; when they are not, the
+/// checkpoint before it if that one is whole, said in a line on stderr (the ranks then agree on
+/// it, and the damaged one is removed when this rank steps back to it); else why neither is.
+pub fn whole_or_before(dir: &Path, identity: &Identity, latest: Latest) -> Result<Latest, String> {
+    let Some(damaged) = damage(dir, &latest) else {
+        return Ok(latest);
+    };
+    let rank = identity.rank;
+    let done = latest.iterations_done;
+    let Some(previous) = latest.previous else {
+        return Err(format!(
+            "--resume: rank {rank}'s checkpoint of iteration {done} is damaged ({damaged}), and it \
+             holds none before it; restore the file, or start afresh without --resume"
+        ));
+    };
+    let before = match read_held(dir, identity, previous) {
+        Ok(before) => damage(dir, &before).map_or(Ok(before), Err),
+        Err(e) => Err(e.trim_start_matches("--resume: ").to_string()),
+    };
+    match before {
+        Ok(before) => {
+            eprintln!(
+                "runtime: rank {rank}: warning: the checkpoint of iteration {done} is damaged \
+                 ({damaged}); this rank resumes from the one before it, of iteration {previous}"
+            );
+            Ok(before)
+        }
+        Err(also) => Err(format!(
+            "--resume: rank {rank}'s checkpoint of iteration {done} is damaged ({damaged}), and so \
+             is the one before it, of iteration {previous} ({also}); restore the files, or start \
+             afresh without --resume"
+        )),
+    }
+}
 
 /// Loads the checkpoint `latest` names ([`read_latest`]) into `stage`, `optimizer` and, with
 /// fp16, the gradient `scaler` (a checkpoint with a scaler resumes only with one, and back).
@@ -263,11 +378,11 @@ pub fn load(
     scaler: Option<&mut GradScaler>,
 ) -> Result<(), String> {
     let here = iteration_dir(dir, latest.identity.rank, latest.iterations_done);
-    let params = here.join("params.safetensors");
+    let params = here.join(PARAMS_FILE);
     stage
         .load(&params)
         .map_err(|e| format!("--resume: cannot read {}: {e}", params.display()))?;
-    let state = here.join("optimizer.safetensors");
+    let state = here.join(OPTIMIZER_FILE);
     let named = Tensor::read_safetensors(&state)
         .map_err(|e| format!("--resume: cannot read {}: {e}", state.display()))?;
     optimizer

@@ -81,40 +81,61 @@ fn segment(config: &TrainConfig) -> Option<u64> {
 
 /// The iterations done of the checkpoint every rank resumes from: the newest one every rank
 /// holds (a rank stopped while checkpointing holds the others' latest but one), or 0, every rank
-/// starting afresh, when some rank holds none and `afresh` (`--resume=auto`) allows it. Each
-/// rank's holdings reach every rank as an all-gather: a sum over a group spanning them all, each
-/// rank filling its own slots (iterations + 1, exact in float64 for any count a run reaches).
+/// starting afresh, when some rank holds none and `afresh` (`--resume=auto`) allows it. A rank
+/// whose checkpoints are `damaged` holds none, and refuses every rank, `--resume=auto` or not.
+/// Each rank's holdings reach every rank as an all-gather: a sum over a group spanning them all,
+/// each rank filling its own slots (iterations + 1, exact in float64 for any count a run reaches,
+/// and 1 where it is damaged).
 fn agree_on_resume(
     links: &Links,
     mine: Option<&Latest>,
+    damaged: Option<&str>,
     afresh: bool,
     device: tch::Device,
 ) -> anyhow::Result<u64> {
     let everyone = links.everyone();
     let Some(group) = everyone else {
+        if let Some(damage) = damaged {
+            return Err(Refused(anyhow::anyhow!("{damage}")).into());
+        }
         return Ok(mine.map_or(0, |latest| latest.iterations_done));
     };
-    let mut slots = vec![0f64; 2 * group.size()];
+    const SLOTS: usize = 3;
+    let mut slots = vec![0f64; SLOTS * group.size()];
+    let own = SLOTS * group.rank();
     for (slot, k) in mine.into_iter().flat_map(Latest::held).take(2).enumerate() {
-        slots[2 * group.rank() + slot] = k as f64 + 1.0;
+        slots[own + slot] = k as f64 + 1.0;
     }
+    slots[own + 2] = if damaged.is_some() { 1.0 } else { 0.0 };
     let gathered = tch::Tensor::from_slice(&slots).to_device(device);
     group.all_reduce_sum(std::slice::from_ref(&gathered))?.wait()?;
     let gathered: Vec<f64> = Vec::<f64>::try_from(gathered.to_device(tch::Device::Cpu))?;
-    let held: Vec<Vec<u64>> = gathered
-        .chunks(2)
-        .map(|pair| pair.iter().filter(|&&k| k > 0.0).map(|&k| k as u64 - 1).collect())
+    let held: Vec<(Vec<u64>, bool)> = gathered
+        .chunks(SLOTS)
+        .map(|own| {
+            let held = own[..2]
+                .iter()
+                .filter(|&&k| k > 0.0)
+                .map(|&k| k as u64 - 1)
+                .collect();
+            (held, own[2] > 0.0)
+        })
         .collect();
-    let everyone_holds = |k: &u64| held.iter().all(|h| h.contains(k));
-    let newest = held[group.rank()].iter().copied().filter(everyone_holds).max();
+    let everyone_holds = |k: &u64| held.iter().all(|(h, _)| h.contains(k));
+    let newest = held[group.rank()].0.iter().copied().filter(everyone_holds).max();
+    let any_damaged = held.iter().any(|(_, damaged)| *damaged);
     match newest {
         Some(k) => Ok(k),
-        None if afresh => Ok(0),
+        None if afresh && !any_damaged => Ok(0),
         None => {
+            if let Some(damage) = damaged {
+                return Err(Refused(anyhow::anyhow!("{damage}")).into());
+            }
             let listed: Vec<String> = held
                 .iter()
                 .zip(group.ranks())
-                .map(|(h, rank)| match h.as_slice() {
+                .map(|((h, damaged), rank)| match h.as_slice() {
+                    [] if *damaged => format!("rank {rank} none whole (its log says what is damaged)"),
                     [] => format!("rank {rank} none"),
                     [k] => format!("rank {rank} {k}"),
                     [k, previous] => format!("rank {rank} {k} and {previous}"),
@@ -179,13 +200,20 @@ fn agree_and_step_back(
     c: &CheckpointConfig,
     links: &Links,
     latest: Option<Latest>,
+    damaged: Option<String>,
     identity: &Identity,
     device: tch::Device,
 ) -> anyhow::Result<(u64, Option<Latest>)> {
     let rank = identity.rank;
-    let first = agree_on_resume(links, latest.as_ref(), c.resume == Resume::IfPresent, device)?;
+    let afresh = c.resume == Resume::IfPresent;
+    let first = agree_on_resume(links, latest.as_ref(), damaged.as_deref(), afresh, device)?;
     let resume_from = match latest {
-        Some(latest) if latest.iterations_done == first => Some(latest),
+        Some(latest) if latest.iterations_done == first => {
+            // Names it as `latest` again, and removes any newer one: a no-op unless the newer one
+            // was found damaged and passed over (`checkpoint::whole_or_before`).
+            checkpoint::step_back(&c.dir, &latest).map_err(anyhow::Error::msg)?;
+            Some(latest)
+        }
         None => None,
         Some(latest) if first == 0 => {
             checkpoint::set_aside(&c.dir, rank).map_err(anyhow::Error::msg)?;
@@ -201,8 +229,8 @@ fn agree_and_step_back(
             checkpoint::step_back(&c.dir, &before).map_err(anyhow::Error::msg)?;
             eprintln!(
                 "runtime: rank {rank}: resuming from iteration {first}, the newest checkpoint every \
-                 rank holds; this rank's of iteration {}, written while another rank's was not, is \
-                 removed",
+                 rank holds; this rank's of iteration {}, which another rank lacks (not written, or \
+                 damaged), is removed",
                 latest.iterations_done
             );
             Some(before)
@@ -458,6 +486,9 @@ struct Checked {
     actions: RankActions,
     /// The checkpoint to resume from (`--resume`).
     resume: Option<Latest>,
+    /// Why this rank has no whole checkpoint to resume from, when its latest and the one before
+    /// it are damaged.
+    damaged: Option<String>,
     identity: Identity,
 }
 
@@ -565,6 +596,15 @@ fn check_plan(config: &TrainConfig) -> anyhow::Result<Checked> {
         }
         _ => None,
     };
+    // A damaged checkpoint is passed over for the one before it, which the ranks then agree on;
+    // a rank with none whole offers none, and every rank is refused at that agreement.
+    let (resume, damaged) = match (resume, &config.checkpoint) {
+        (Some(latest), Some(c)) => match checkpoint::whole_or_before(&c.dir, &identity, latest) {
+            Ok(whole) => (Some(whole), None),
+            Err(damage) => (None, Some(damage)),
+        },
+        _ => (None, None),
+    };
     let first = resume.as_ref().map_or(0, |latest| latest.iterations_done);
     if first > config.iterations {
         bail!(
@@ -579,6 +619,7 @@ fn check_plan(config: &TrainConfig) -> anyhow::Result<Checked> {
         microbatches,
         actions,
         resume,
+        damaged,
         identity,
     })
 }
@@ -695,6 +736,12 @@ impl std::error::Error for Refused {}
 /// prints one JSON line describing the plan (`driver check` and preflight ask it).
 pub fn check<W: Write>(config: &TrainConfig, out: &mut W) -> anyhow::Result<()> {
     let checked = check_plan(config)?;
+    if let Some(damage) = checked.damaged {
+        bail!("{damage}");
+    }
+    for warning in &config.warnings {
+        eprintln!("runtime: warning: {warning}");
+    }
     let line = serde_json::json!({
         "check": "ok",
         "model": config.model.name,
@@ -737,8 +784,15 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
         microbatches,
         mut actions,
         resume: latest,
+        damaged,
         identity,
     } = check_plan(config).map_err(|e| anyhow::Error::new(Refused(e)))?;
+    // The same on every rank, said once.
+    if dist.rank == 0 {
+        for warning in &config.warnings {
+            eprintln!("runtime: warning: {warning}");
+        }
+    }
     let micro_size = (config.batch_size / microbatches) as i64;
     let config_iterations = config.iterations;
     let my_stage = plan.stage_of_rank(dist.rank).clone();
@@ -806,7 +860,7 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
     let mut first = 0;
     if let Some(c) = config.checkpoint.as_ref().filter(|c| c.resume != Resume::No) {
         let resume_from;
-        (first, resume_from) = agree_and_step_back(c, &links, latest, &identity, device)?;
+        (first, resume_from) = agree_and_step_back(c, &links, latest, damaged, &identity, device)?;
         match &resume_from {
             Some(from) => checkpoint::load(&c.dir, from, &mut stage, &mut optimizer, scaler.as_mut())
                 .map_err(anyhow::Error::msg)?,
