@@ -49,8 +49,9 @@ impl CheckError {
 /// What the runtime's check said of the experiment.
 #[derive(Debug, PartialEq, Eq)]
 pub enum RuntimeCheck {
-    /// Every rank's request was accepted by this runtime.
-    Accepted(PathBuf),
+    /// Every rank's request was accepted by this runtime, which warned of what the `warnings`
+    /// say (each once, with where its key is written).
+    Accepted { runtime: PathBuf, warnings: Vec<String> },
     /// Not checked, and why.
     Skipped(String),
 }
@@ -98,6 +99,7 @@ pub fn runtime_check(
     } else {
         &plan.ranks[..1]
     };
+    let mut warnings = Vec::new();
     for rank in ranks {
         let out = Command::new(&runtime)
             .args(&rank.argv[1..])
@@ -117,8 +119,33 @@ pub fn runtime_check(
                 reason,
             });
         }
+        for warning in runtime_warnings(&String::from_utf8_lossy(&out.stderr)) {
+            let warning = format!("{warning}{}", written_at(loaded, &warning));
+            if !warnings.contains(&warning) {
+                warnings.push(warning);
+            }
+        }
     }
-    Ok(RuntimeCheck::Accepted(runtime))
+    Ok(RuntimeCheck::Accepted { runtime, warnings })
+}
+
+/// The warnings in a runtime's stderr: lines `runtime: warning: WHAT` as `WHAT`, and `runtime:
+/// rank R: warning: WHAT` as `rank R: WHAT`.
+fn runtime_warnings(stderr: &str) -> Vec<String> {
+    stderr
+        .lines()
+        .filter_map(|line| {
+            let said = line.strip_prefix("runtime: ")?;
+            if let Some(what) = said.strip_prefix("warning: ") {
+                return Some(what.to_string());
+            }
+            let (who, what) = said.split_once(": warning: ")?;
+            let rank = who.strip_prefix("rank ")?;
+            rank.bytes()
+                .all(|b| b.is_ascii_digit())
+                .then(|| format!("{who}: {what}"))
+        })
+        .collect()
 }
 
 /// Where the experiment key behind the first runtime flag `reason` names is written, as
@@ -271,11 +298,16 @@ pub fn render(plan: &Experiment, image: &str, verdict: &RuntimeCheck, port_picke
         );
     }
     let _ = match verdict {
-        RuntimeCheck::Accepted(runtime) => writeln!(
-            out,
-            "runtime check: every rank's request accepted ({} --check)",
-            runtime.display()
-        ),
+        RuntimeCheck::Accepted { runtime, warnings } => {
+            let _ = writeln!(
+                out,
+                "runtime check: every rank's request accepted ({} --check)",
+                runtime.display()
+            );
+            warnings
+                .iter()
+                .try_for_each(|warning| writeln!(out, "runtime warning: {warning}"))
+        }
         RuntimeCheck::Skipped(why) => writeln!(out, "runtime check: skipped: {why}"),
     };
     out

@@ -98,6 +98,12 @@ fn every_shipped_config_passes_driver_check_and_names_each_rank() {
                 config.display()
             );
         }
+        // The shipped files ask for nothing the runtime would ignore.
+        let warned: Vec<&str> = out
+            .lines()
+            .filter(|l| l.starts_with("runtime warning: "))
+            .collect();
+        assert!(warned.is_empty(), "{}: {warned:?}", config.display());
         // The record folder it names (relative ones land where it ran) is not made.
         let record = out
             .lines()
@@ -174,6 +180,40 @@ fn a_request_the_runtime_refuses_exits_2_with_its_reason() {
     let run = check(&h, &config);
     assert_eq!(run.code(), 0, "{}", run.stderr());
     assert!(!h.records().exists());
+    h.assert_no_processes();
+}
+
+/// Keys the runtime accepts but would do nothing with in this experiment pass, each named once
+/// (every rank's check warns of it) with why and where it is written.
+#[test]
+fn keys_that_would_do_nothing_are_warned_of_once_with_where_they_are_written() {
+    let h = Harness::new("check-idle");
+    let config = h.config(
+        "machines: [localhost, localhost]\nbackend: process\nmodule: mlp\nbatch_size: 8\n\
+         iterations: 3\nchannels_last: true\nthreads: 1\ncudnn_benchmark: true\n",
+    );
+    let run = check(&h, &config);
+    let out = run.stdout();
+    assert_eq!(run.code(), 0, "{}{out}", run.stderr());
+    let warned: Vec<&str> = out
+        .lines()
+        .filter(|l| l.starts_with("runtime warning: "))
+        .collect();
+    let file = config.display();
+    assert_eq!(
+        warned,
+        [
+            format!(
+                "runtime warning: --channels-last does nothing for mlp, which has no convolutions; \
+                 drop it (`channels_last` at {file}:7)"
+            ),
+            format!(
+                "runtime warning: --cudnn-benchmark does nothing on the CPU (cuDNN runs on CUDA \
+                 devices); drop it (`cudnn_benchmark` at {file}:9)"
+            ),
+        ],
+        "{out}"
+    );
     h.assert_no_processes();
 }
 
