@@ -217,6 +217,50 @@ fn keys_that_would_do_nothing_are_warned_of_once_with_where_they_are_written() {
     h.assert_no_processes();
 }
 
+/// A `container: {build: DIR}` without its folder or its Dockerfile is the file's to fix, said by
+/// `driver check` and by a run before either reaches a host (a run found it at the build, once
+/// every host had been reached).
+#[test]
+fn a_build_folder_or_dockerfile_that_is_not_there_is_refused_where_it_is_written() {
+    let h = Harness::new("check-build");
+    std::fs::create_dir(h.dir.path().join("ctx")).unwrap();
+    let cases = [
+        ("{build: missing-ctx}", "missing-ctx is not a folder here"),
+        ("{build: ctx}", "ctx holds no Dockerfile"),
+        (
+            "{build: ctx, dockerfile: d/Dockerfile}",
+            "ctx holds no d/Dockerfile",
+        ),
+    ];
+    for (container, expected) in cases {
+        let config = h.config(&format!(
+            "machines: [localhost]\ncontainer: {container}\ncommand: [/bin/true]\n"
+        ));
+        let checked = check(&h, &config);
+        let ran = h.driver_with_env(
+            &[OsStr::new("--config-file"), config.as_os_str()],
+            &[NO_ENGINE],
+            Duration::from_secs(60),
+        );
+        for (what, run) in [("check", &checked), ("run", &ran)] {
+            let stderr = run.stderr();
+            assert_eq!(run.code(), 2, "{what} {container}: {stderr}");
+            assert!(
+                stderr.contains(expected) && stderr.contains(&format!("{}:3", config.display())),
+                "{what} {container}: {stderr}"
+            );
+        }
+    }
+    // With the process backend no image is built, and the same key is no matter.
+    let config = h.config(
+        "machines: [localhost]\nbackend: process\ncontainer: {build: missing-ctx}\ncommand: [/bin/true]\n",
+    );
+    let checked = check(&h, &config);
+    assert_eq!(checked.code(), 0, "{}", checked.stderr());
+    assert!(!h.records().exists());
+    h.assert_no_processes();
+}
+
 #[test]
 fn dry_run_prints_what_check_prints_and_starts_nothing() {
     let h = Harness::new("check-dry");

@@ -475,10 +475,6 @@ fn preflight_failures_name_the_host_and_start_nothing() {
             // hook gives GPUs without listing a runtime); the engine's description explains why.
             "toolkit looks missing there); check that these GPU indices exist there",
         ),
-        (
-            "machines: [localhost]\ncontainer: {build: missing-ctx}\ncommand: [/bin/true]\n",
-            "cannot read build context",
-        ),
     ];
     std::fs::create_dir(h.dir.path().join("ctx")).unwrap();
     std::fs::write(

@@ -468,6 +468,9 @@ fn resolve_with(
 
     let local_runtime = options.runtime.as_ref().map(|r| absolute(r));
     let image = image_source(loaded, file.container.as_ref(), &base, options, device)?;
+    if backend == Backend::Docker {
+        check_build(loaded, &image)?;
+    }
 
     // Rank 0 runs on the first machine; the address must be how the other machines reach it.
     let all_local = hosts.iter().all(|h| h.machine.is_local());
@@ -1249,6 +1252,37 @@ fn group_hosts(machines: &[Machine], gpus_per_rank: usize) -> Result<(Vec<HostSp
 /// The image the containers run. Without `container:`, the runtime image built from the
 /// workspace's source (docker/runtime/Dockerfile, its torch image chosen by the device), or the
 /// development image docker/local when `--runtime` mounts this machine's build.
+/// The build an image needs has its folder and its Dockerfile here (a run would find it missing
+/// only once it had reached every host).
+fn check_build(loaded: &Loaded, image: &ImageSource) -> Result<(), ConfigError> {
+    let (ImageSource::Build(spec) | ImageSource::Base { build: spec, .. }) = image else {
+        return Ok(());
+    };
+    if !spec.context.is_dir() {
+        return Err(loaded.error_at(
+            "container",
+            format!(
+                "the build folder {} is not a folder here; give `container: {{build: DIR}}` a \
+                 folder that holds the image's Dockerfile (relative paths start at this file's folder)",
+                spec.context.display()
+            ),
+        ));
+    }
+    let dockerfile = spec.context.join(&spec.dockerfile);
+    if !dockerfile.is_file() {
+        return Err(loaded.error_at(
+            "container",
+            format!(
+                "the build folder {} holds no {} (the Dockerfile, relative to the folder); add it, \
+                 or name the one there with `dockerfile:`",
+                spec.context.display(),
+                spec.dockerfile
+            ),
+        ));
+    }
+    Ok(())
+}
+
 fn image_source(
     loaded: &Loaded,
     container: Option<&Container>,
