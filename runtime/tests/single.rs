@@ -861,7 +861,7 @@ fn bad_arguments_give_one_line_reasons() {
 #[test]
 fn missing_or_malformed_datasets_name_the_path() {
     let out = run(&["--model", "mlp", "--data", "cifar10:/no/such/cifar"]);
-    assert_eq!(out.output.status.code(), Some(1));
+    assert_eq!(out.output.status.code(), Some(2));
     assert!(
         out.stderr().contains("/no/such/cifar") && out.stderr().contains("CIFAR-10"),
         "{}",
@@ -875,7 +875,7 @@ fn missing_or_malformed_datasets_name_the_path() {
         "--data",
         &format!("cifar10:{}", dir.path().display()),
     ]);
-    assert_eq!(out.output.status.code(), Some(1));
+    assert_eq!(out.output.status.code(), Some(2));
     assert!(
         out.stderr()
             .contains("data_batch_1.bin: 5000 bytes is not a whole number"),

@@ -284,7 +284,7 @@ fn each_dataset_validates_on_its_held_out_split() {
     };
     let as_strs = |v: &[String]| v.iter().map(String::as_str).collect::<Vec<_>>().join(" ");
     let missing = run(&words(&as_strs(&cifar_args(&[]))));
-    assert_eq!(missing.output.status.code(), Some(1), "{}", missing.stderr());
+    assert_eq!(missing.output.status.code(), Some(2), "{}", missing.stderr());
     assert!(
         missing.stderr().contains("no test_batch.bin in this folder"),
         "{}",
@@ -299,7 +299,7 @@ fn each_dataset_validates_on_its_held_out_split() {
     assert_eq!(ran.validations()[0].figures.samples, 16);
     assert_eq!(ran.start().config.validation_batches, Some(2));
     let too_many = run(&words(&as_strs(&cifar_args(&["--validation-batches", "3"]))));
-    assert_eq!(too_many.output.status.code(), Some(1), "{}", too_many.stderr());
+    assert_eq!(too_many.output.status.code(), Some(2), "{}", too_many.stderr());
     assert!(
         too_many
             .stderr()
@@ -329,7 +329,7 @@ fn each_dataset_validates_on_its_held_out_split() {
     let relabelled = run(&words(&image_args(&images)));
     assert_eq!(
         relabelled.output.status.code(),
-        Some(1),
+        Some(2),
         "{}",
         relabelled.stderr()
     );

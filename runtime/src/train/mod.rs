@@ -842,15 +842,18 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
         workers: config.data_workers,
         rows: own_rows(&plan, dist.rank, microbatches, micro_size as usize),
     });
+    // Data that is not there or not what --data says is a bad argument, as a parse finds it.
+    let refused = |e: data::DataError| anyhow::Error::new(Refused(e.into()));
     let mut data = request
         .clone()
         .map(|request| data::open(&config.data, request))
-        .transpose()?;
+        .transpose()
+        .map_err(refused)?;
     // The held-out split is found (and counted) before talking to any other rank.
     let held_out = match (&config.validation, &request) {
         (Some(v), Some(_)) => {
-            let split = config.data.held_out()?;
-            let batches = split.batches(config.batch_size, v.batches)?;
+            let split = config.data.held_out().map_err(refused)?;
+            let batches = split.batches(config.batch_size, v.batches).map_err(refused)?;
             Some((split, batches))
         }
         _ => None,
