@@ -18,6 +18,7 @@
 #include <cstring>
 #include <exception>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -25,6 +26,7 @@
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
 #include <c10/util/Exception.h>
+#include <c10/util/Logging.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
@@ -95,6 +97,26 @@ const char* sh_torch_version(void) {
   return TORCH_VERSION;
 }
 
+// While it lives, c10's log shows only fatal messages, unless TORCH_CPP_LOG_LEVEL chooses a level:
+// a client's connection attempts each log a warning with a C++ stack trace while rank 0 is not yet
+// listening, and the runtime says once, itself, why a rendezvous failed.
+class QuietConnecting {
+ public:
+  QuietConnecting() : before_(FLAGS_caffe2_log_level) {
+    if (std::getenv("TORCH_CPP_LOG_LEVEL") == nullptr) {
+      FLAGS_caffe2_log_level = c10::GLOG_FATAL;
+    }
+  }
+  ~QuietConnecting() {
+    FLAGS_caffe2_log_level = before_;
+  }
+  QuietConnecting(const QuietConnecting&) = delete;
+  QuietConnecting& operator=(const QuietConnecting&) = delete;
+
+ private:
+  int before_;
+};
+
 // `listen_fd` >= 0 (master only): a bound, listening socket the store takes over.
 char* sh_store_connect(
     const char* host,
@@ -115,7 +137,12 @@ char* sh_store_connect(
     if (listen_fd >= 0) {
       opts.masterListenFd = listen_fd;
     }
+    std::optional<QuietConnecting> quiet;
+    if (is_master == 0) {
+      quiet.emplace();
+    }
     auto store = c10::make_intrusive<c10d::TCPStore>(std::string(host), opts);
+    quiet.reset();
     uint16_t bound = store->getPort();
     *out = new sh_store{std::move(store), bound};
   });

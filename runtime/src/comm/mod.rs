@@ -18,7 +18,9 @@
 //! - Ranks must issue collectives on a group in the same order; each group's `name` (and each
 //!   world group, counted per store) gets its own key space in the store.
 //! - c10d logs its own errors (with C++ stack traces) to stderr before the error reaches us;
-//!   `TORCH_CPP_LOG_LEVEL=FATAL` silences them.
+//!   `TORCH_CPP_LOG_LEVEL=FATAL` silences them. A rank connecting to the store shows none unless
+//!   `TORCH_CPP_LOG_LEVEL` asks for them: each attempt made while rank 0 is not yet listening
+//!   logs one, and the rendezvous's error says once why it failed.
 
 // The API is complete for the stage runtime; not every part of it has a caller in every build.
 #![allow(dead_code, unused_imports)]
