@@ -214,7 +214,7 @@ struct PlanArgs {
     workers: u64,
 
     /// Network bandwidth between all workers in GB/s (default 10, when no --level is given).
-    #[arg(long, value_name = "GBPS", value_parser = parse_positive)]
+    #[arg(long, value_name = "GBPS", value_parser = parse_gbps)]
     bandwidth: Option<f64>,
 
     /// A network level, innermost first: groups of WORKERS at GBPS GB/s (e.g. `4:100` for four
@@ -223,7 +223,7 @@ struct PlanArgs {
     level: Vec<(usize, f64)>,
 
     /// Memory per worker in GiB (default: no limit).
-    #[arg(long, value_name = "GIB", value_parser = parse_positive)]
+    #[arg(long, value_name = "GIB", value_parser = parse_gib)]
     memory: Option<f64>,
 
     /// No replication: one worker per stage.
@@ -365,6 +365,31 @@ fn parse_positive(text: &str) -> Result<f64, String> {
     }
 }
 
+/// A bandwidth in GB/s, from 1e-6 (a kilobyte per second) to 1e6 (a petabyte per second,
+/// hundreds of times NVLink's). Beyond either end the planner's times stop being numbers: 1e300
+/// GB/s is infinite bytes per second, and at 1e-300 GB/s a megabyte takes longer than f64 holds.
+/// Within it, the most a profile lets cross a boundary (2^50 bytes, at 2^64 microbatches) takes
+/// a finite time.
+fn parse_gbps(text: &str) -> Result<f64, String> {
+    match parse_positive(text) {
+        Ok(v) if (1e-6..=1e6).contains(&v) => Ok(v),
+        _ => Err(format!(
+            "`{text}` is not a bandwidth in GB/s from 1e-6 (a kilobyte per second) to 1e6 (a petabyte per second)"
+        )),
+    }
+}
+
+/// Memory per worker in GiB: above 0 and at most 2^20 (a pebibyte, more than any worker has),
+/// which keeps it a finite number of bytes.
+fn parse_gib(text: &str) -> Result<f64, String> {
+    match parse_positive(text) {
+        Ok(v) if v <= (1u64 << 20) as f64 => Ok(v),
+        _ => Err(format!(
+            "`{text}` is not GiB per worker above 0 and at most 1048576 (a pebibyte)"
+        )),
+    }
+}
+
 /// `WORKERS:GBPS`.
 fn parse_level(text: &str) -> Result<(usize, f64), String> {
     let (workers, gbps) = text
@@ -374,7 +399,7 @@ fn parse_level(text: &str) -> Result<(usize, f64), String> {
         Ok(w) if w > 0 => w,
         _ => return Err(format!("`{workers}` is not a worker count above zero")),
     };
-    Ok((workers, parse_positive(gbps)?))
+    Ok((workers, parse_gbps(gbps)?))
 }
 
 /// Whether a `driver results` argument is a `KEY=VALUE` filter rather than a path: the part
@@ -874,5 +899,44 @@ mod tests {
             assert_eq!(e.exit_code(), 2, "{e}");
             assert!(e.to_string().contains("--alternatives"), "{e}");
         }
+    }
+
+    /// Bandwidths and memory whose bytes would not be finite numbers (1e300 GB/s is infinite
+    /// bytes per second; at 1e-300 GB/s a transfer takes longer than f64 holds) are refused,
+    /// saying what is allowed; the bounds themselves are taken.
+    #[test]
+    fn plan_bandwidths_and_memory_beyond_meaning_are_refused() {
+        for (bad, expected) in [
+            (
+                &["--bandwidth", "1e300"][..],
+                "`1e300` is not a bandwidth in GB/s from 1e-6 (a kilobyte per second) to 1e6",
+            ),
+            (&["--bandwidth", "1e-300"], "`1e-300` is not a bandwidth in GB/s"),
+            (&["--level", "2:1e7"], "`1e7` is not a bandwidth in GB/s"),
+            (&["--bandwidth", "NaN"], "`NaN` is not a bandwidth in GB/s"),
+            (
+                &["--memory", "1e300"],
+                "`1e300` is not GiB per worker above 0 and at most 1048576 (a pebibyte)",
+            ),
+            (&["--memory", "0"], "`0` is not GiB per worker"),
+        ] {
+            let mut all = vec!["plan", "--profile", "p.json", "--workers", "4"];
+            all.extend_from_slice(bad);
+            let e = try_task(&all).expect_err(expected);
+            assert_eq!(e.exit_code(), 2, "{e}");
+            assert!(e.to_string().contains(expected), "{e}");
+        }
+        let p = plan(&[
+            "--workers",
+            "4",
+            "--bandwidth",
+            "1e6",
+            "--level",
+            "2:1e-6",
+            "--memory",
+            "1048576",
+        ]);
+        assert_eq!(p.request.levels, vec![(2, 1e3), (4, 1e15)]);
+        assert_eq!(p.request.memory_bytes, Some((1u64 << 50) as f64));
     }
 }

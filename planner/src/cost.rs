@@ -2,6 +2,20 @@
 
 use std::ops::Range;
 
+/// The most seconds one module's forward plus backward (or optimizer step) may take for one
+/// microbatch in a profile: 1e6 s, eleven and a half days. A layer measured slower than that is
+/// not a measurement (wrong units, a corrupt file), and the bound keeps every sum the planner
+/// forms finite and meaningful: even 2^32 modules at 2^64 microbatches per minibatch total under
+/// 1e35 s, far below f64's 1.8e308, and a microsecond layer beside the slowest still counts
+/// (f64 keeps 15 digits).
+pub const MAX_LAYER_SECONDS: f64 = 1e6;
+
+/// The most bytes one module's output or parameters may weigh in a profile: 2^50, a pebibyte,
+/// more than any device holds. As for [`MAX_LAYER_SECONDS`], a larger size is a corrupt file,
+/// and the bound keeps the planner's sums (times microbatches, in-flight copies and workers)
+/// finite.
+pub const MAX_LAYER_BYTES: f64 = (1u64 << 50) as f64;
+
 /// One module's measurements (from `runtime profile`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct LayerCost {
@@ -72,7 +86,7 @@ impl Network {
     }
 }
 
-fn lcm(a: usize, b: usize) -> usize {
+pub(crate) fn lcm(a: usize, b: usize) -> usize {
     fn gcd(a: usize, b: usize) -> usize {
         if b == 0 {
             a
@@ -130,6 +144,9 @@ pub struct CostModel {
     pub memory_limit: Option<f64>,
     /// The schedule the plan is for: how often replicas update, and what a minibatch costs.
     pub schedule: Schedule,
+    /// The first measurement that is not a finite number, which [`crate::plan`] refuses (the
+    /// prefix sums would hide a NaN as 0).
+    not_finite: Option<String>,
 }
 
 /// The schedule a plan is for.
@@ -168,6 +185,40 @@ impl CostModel {
             network,
             memory_limit,
             schedule: Schedule::Steady,
+            not_finite: layers.iter().enumerate().find_map(|(i, l)| {
+                let fields = [
+                    ("compute_s", l.compute_s),
+                    ("activation_bytes", l.activation_bytes),
+                    ("output_bytes", l.output_bytes),
+                    ("param_bytes", l.param_bytes),
+                    ("optimizer_s", l.optimizer_s),
+                ];
+                let (field, value) = fields.into_iter().find(|(_, v)| !v.is_finite())?;
+                Some(format!("module {i}'s {field} is {value}"))
+            }),
+        }
+    }
+
+    /// Why the costs or the network cannot be planned over, if they cannot: a measurement that
+    /// is not a finite number, a bandwidth that is not a finite number above 0, a memory limit
+    /// that is not a number.
+    pub fn invalid(&self) -> Option<String> {
+        if let Some(problem) = &self.not_finite {
+            return Some(format!("{problem}; the planner needs finite measurements"));
+        }
+        if self.network.levels.is_empty() {
+            return Some("the network has no levels".into());
+        }
+        if let Some((i, (_, bandwidth))) = (self.network.levels.iter().enumerate())
+            .find(|(_, (_, bandwidth))| !(bandwidth.is_finite() && *bandwidth > 0.0))
+        {
+            return Some(format!(
+                "network level {i}'s bandwidth is {bandwidth} bytes/s; it must be a finite number above 0"
+            ));
+        }
+        match self.memory_limit {
+            Some(limit) if limit.is_nan() => Some("the memory limit is NaN".into()),
+            _ => None,
         }
     }
 

@@ -16,9 +16,14 @@ mod cost;
 mod pipedream;
 mod solve;
 
-pub use cost::{fill_and_drain, CostModel, LayerCost, Network, Schedule, StageParts};
+pub use cost::{
+    fill_and_drain, CostModel, LayerCost, Network, Schedule, StageParts, MAX_LAYER_BYTES, MAX_LAYER_SECONDS,
+};
 pub use pipedream::{Graph, GraphError, GraphNode, Segment};
-pub use solve::{alternatives, plan, plan_for_shape, Plan, PlanError, PlannedStage, MAX_ALTERNATIVE_WORKERS};
+pub use solve::{
+    alternatives, plan, plan_for_shape, Plan, PlanError, PlannedStage, MAX_ALTERNATIVE_WORKERS, MAX_STEPS,
+    MAX_TABLE_BYTES,
+};
 
 #[cfg(test)]
 mod tests;

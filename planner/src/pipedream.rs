@@ -20,7 +20,7 @@
 use std::collections::HashMap;
 use std::fmt::Write as _;
 
-use crate::cost::LayerCost;
+use crate::cost::{LayerCost, MAX_LAYER_BYTES, MAX_LAYER_SECONDS};
 
 /// One node of PipeDream's graph.
 #[derive(Debug, Clone, PartialEq)]
@@ -100,14 +100,26 @@ fn parse_node(text: &str, line: usize) -> Result<GraphNode, GraphError> {
             .trim()
             .split_once('=')
             .ok_or_else(|| error(line, format!("`{}` is not key=value", field.trim())))?;
-        let value: f64 = value
+        let text = value;
+        let value: f64 = text
             .trim()
             .parse()
-            .map_err(|_| error(line, format!("{key}: `{}` is not a number", value.trim())))?;
-        if !value.is_finite() || value < 0.0 {
+            .map_err(|_| error(line, format!("{key}: `{}` is not a number", text.trim())))?;
+        // Times in milliseconds, sizes in bytes, bounded as the runtime's profiles are.
+        let (most, allowed) = match key.ends_with("_time") {
+            true => (
+                MAX_LAYER_SECONDS * 1e3,
+                "milliseconds from 0 to 1e9 (eleven and a half days)",
+            ),
+            false => (MAX_LAYER_BYTES, "bytes from 0 to 2^50 (a pebibyte)"),
+        };
+        if !(0.0..=most).contains(&value) {
             return Err(error(
                 line,
-                format!("{key} must be a finite number >= 0, not {value}"),
+                format!(
+                    "{key} is `{}`; it must be a finite number of {allowed}",
+                    text.trim()
+                ),
             ));
         }
         values.insert(key, value);

@@ -39,7 +39,7 @@ pub struct Plan {
 }
 
 /// Why no plan could be made; the message says what to change.
-#[derive(Debug, thiserror::Error, PartialEq)]
+#[derive(Debug, Clone, thiserror::Error, PartialEq)]
 pub enum PlanError {
     #[error("the profile has no modules")]
     NoModules,
@@ -49,6 +49,172 @@ pub enum PlanError {
     TooFewModules { workers: usize, modules: usize },
     #[error("no split fits in {limit_gib:.2} GiB per worker; raise --memory or add workers")]
     NothingFits { limit_gib: f64 },
+    /// The costs or the network hold what no plan can be made of ([`CostModel::invalid`]).
+    #[error("{0}")]
+    Invalid(String),
+    /// The program's tables would not fit the planner's memory budget ([`MAX_TABLE_BYTES`]).
+    #[error(
+        "planning {modules} modules on {workers} workers{} needs {gib:.2} GiB for the planner's tables, \
+         over its limit of {} GiB; {}",
+        in_stages(*.stages),
+        MAX_TABLE_BYTES >> 30,
+        lower_workers(*.fits)
+    )]
+    TooMuchMemory {
+        modules: usize,
+        workers: usize,
+        /// The stage count the program was to run for (a flushing schedule runs it per count).
+        stages: Option<usize>,
+        gib: f64,
+        /// The most workers that stay within the limits (0: not even one).
+        fits: usize,
+    },
+    /// The program would take longer than the planner allows ([`MAX_STEPS`]).
+    #[error(
+        "planning {modules} modules on {workers} workers{} takes about {steps:.1e} steps of the planner's \
+         program, over its limit of {MAX_STEPS:.0e} (about a minute); {}",
+        in_stages(*.stages),
+        lower_workers(*.fits)
+    )]
+    TooMuchWork {
+        modules: usize,
+        workers: usize,
+        stages: Option<usize>,
+        steps: f64,
+        fits: usize,
+    },
+}
+
+fn in_stages(stages: Option<usize>) -> String {
+    stages.map_or_else(String::new, |s| {
+        format!(" in {s} stages (a flushing --schedule plans each stage count on its own)")
+    })
+}
+
+fn lower_workers(fits: usize) -> String {
+    match fits {
+        0 => "even one worker is too many: the profile has too many modules to plan over".into(),
+        n => format!("lower --workers (up to {n} stay within the limits)"),
+    }
+}
+
+/// The most bytes [`plan`]'s tables may take at once: 1 GiB. The program's tables grow as
+/// workers^3 (the boundaries' costs) and as modules x workers^2 x stage counts (its states), so
+/// without a bound a large `--workers` asks for terabytes and aborts.
+pub const MAX_TABLE_BYTES: u128 = 1 << 30;
+
+/// The most steps (innermost iterations) one run of [`plan`]'s program may take, counted as an
+/// upper bound before it runs: 1e10, about a minute at the 5 to 10 ns a step takes on a
+/// present-day core. The boundaries' costs alone take about workers^5 / 160 steps, so this
+/// stops near 270 workers instead of running for hours.
+pub const MAX_STEPS: f64 = 1e10;
+
+/// What one run of the program takes: bytes held at once, and steps.
+struct Footprint {
+    bytes: u128,
+    steps: u128,
+}
+
+/// An upper bound of what [`Program::solve_stretched`] with `buckets` stage counts kept apart
+/// takes over `modules` modules on `workers` workers, with the table of the boundaries' costs it
+/// reads (computing that table counted in `steps` only `with_boundaries`). It follows the loops
+/// of [`plan`] and [`Program::solve_stretched`]; saturating, so absurd requests compare as huge.
+fn footprint(
+    modules: usize,
+    workers: usize,
+    straight: bool,
+    buckets: usize,
+    with_boundaries: bool,
+) -> Footprint {
+    let (m, n, b) = (modules as u128, workers as u128, buckets as u128);
+    let w = n.saturating_add(1);
+    let cells = |dims: &[u128]| dims.iter().fold(1u128, |acc, &d| acc.saturating_mul(d));
+    let per_byte = cells(&[w, w, w, std::mem::size_of::<f64>() as u128]);
+    let entry = (std::mem::size_of::<Option<Best>>() + std::mem::size_of::<Option<(f64, usize)>>()) as u128;
+    let bytes = per_byte.saturating_add(cells(&[m + 1, w, w, b, entry]));
+    if bytes > MAX_TABLE_BYTES {
+        // Beyond the memory budget: the steps are never needed (nor cheap to count).
+        return Footprint {
+            bytes,
+            steps: u128::MAX,
+        };
+    }
+    // Replica counts tried over every worker count (`m` workers: 1..=m, or 1 when straight),
+    // and over every count of the workers behind a stage, weighted by the stage's choices.
+    let replicas = if straight { n } else { n * (n + 1) / 2 };
+    let behind = if straight {
+        n * n.saturating_sub(1) / 2
+    } else {
+        n.saturating_sub(1) * n * (n + 1) / 6
+    };
+    // For each first module, worker count, replicas and stage count, every end; then for each
+    // start after the first, the continuations.
+    let mut steps = cells(&[replicas, b, m * (m + 1) / 2]) + cells(&[m.saturating_sub(1), b, behind]);
+    if with_boundaries {
+        // A boundary from `r` workers to `next` behind them costs lcm(r, next) steps, for every
+        // count of workers behind that leaves room for both.
+        for r in 1..workers {
+            let most = if straight { 1 } else { workers - r };
+            for next in 1..=most {
+                let rests = (workers - r + 1 - next) as u128;
+                steps += crate::cost::lcm(r, next) as u128 * rests;
+            }
+        }
+    }
+    Footprint { bytes, steps }
+}
+
+/// Whether planning stays within [`MAX_TABLE_BYTES`] and [`MAX_STEPS`]: the program up front
+/// (`stages` `None`: the boundaries' costs and a run that keeps no stage counts apart), or its
+/// run for `stages` stages under a flushing schedule. `fits` says how many workers would.
+fn within_limits(
+    modules: usize,
+    workers: usize,
+    straight: bool,
+    stages: Option<usize>,
+    fits: impl FnOnce() -> usize,
+) -> Result<(), PlanError> {
+    let need = footprint(modules, workers, straight, stages.unwrap_or(1), stages.is_none());
+    if need.bytes > MAX_TABLE_BYTES {
+        return Err(PlanError::TooMuchMemory {
+            modules,
+            workers,
+            stages,
+            gib: need.bytes as f64 / (1u64 << 30) as f64,
+            fits: fits(),
+        });
+    }
+    if need.steps as f64 > MAX_STEPS {
+        return Err(PlanError::TooMuchWork {
+            modules,
+            workers,
+            stages,
+            steps: need.steps as f64,
+            fits: fits(),
+        });
+    }
+    Ok(())
+}
+
+/// The most workers, below `workers`, on which [`plan`] stays within its limits for `modules`
+/// modules: up front, and for a flushing schedule (`flushing`) at the most stages it may try.
+fn most_workers_within_limits(modules: usize, workers: usize, straight: bool, flushing: bool) -> usize {
+    let fits = |n: usize| {
+        let most_stages = if straight { n } else { n.min(modules) };
+        let within = |stages| within_limits(modules, n, straight, stages, || 0).is_ok();
+        within(None) && (!flushing || within(Some(most_stages)))
+    };
+    // The largest `n` in 0..workers that fits (`workers` does not; 0 stands for none): what
+    // the program takes grows with the workers.
+    let (mut low, mut high) = (0, workers);
+    while high - low > 1 {
+        let mid = low + (high - low) / 2;
+        match fits(mid) {
+            true => low = mid,
+            false => high = mid,
+        }
+    }
+    low
 }
 
 impl Plan {
@@ -125,6 +291,12 @@ pub fn plan(model: &CostModel, workers: usize, straight: bool) -> Result<Plan, P
     if straight && modules < workers {
         return Err(PlanError::TooFewModules { workers, modules });
     }
+    if let Some(problem) = model.invalid() {
+        return Err(PlanError::Invalid(problem));
+    }
+    let flushing = matches!(model.schedule, Schedule::Flushing { .. });
+    let fits = || most_workers_within_limits(modules, workers, straight, flushing);
+    within_limits(modules, workers, straight, None, fits)?;
     let max_replicas = |m: usize| if straight { 1.min(m) } else { m };
     let w = workers + 1;
     // The boundary's seconds per byte from a stage on `r` workers to one on `next` workers
@@ -176,6 +348,8 @@ pub fn plan(model: &CostModel, workers: usize, straight: bool) -> Result<Plan, P
                 if floor(stages) >= bound(&best) {
                     break;
                 }
+                // Each count's program keeps the counts apart: its tables grow with it.
+                within_limits(modules, workers, straight, Some(stages), fits)?;
                 let found = program
                     .solve_stretched(None, model.stretch(stages), bound(&best))
                     .map(|(_, split)| (model.objective(&split), split))

@@ -280,6 +280,107 @@ fn memory_limits_and_bad_requests_are_clear_errors() {
     assert_eq!(plan(&model, 0, false).unwrap_err(), PlanError::NoWorkers);
 }
 
+/// Costs that are not finite numbers would plan as NaN (a NaN compute time hides as 0 in the
+/// prefix sums; a NaN transfer makes every comparison false): refused, naming the module and
+/// the field. So are bandwidths that are not finite numbers above 0.
+#[test]
+fn costs_and_bandwidths_that_are_not_finite_are_refused() {
+    let good = vec![layer(1.0, 1e6, 1e6), layer(1.0, 1e6, 1e6), layer(1.0, 1e6, 1e6)];
+    for (field, bad) in [("compute_s", f64::NAN), ("output_bytes", f64::INFINITY)] {
+        let mut layers = good.clone();
+        match field {
+            "compute_s" => layers[1].compute_s = bad,
+            _ => layers[1].output_bytes = bad,
+        }
+        let model = CostModel::new(&layers, Network::flat(2, 1e9), None);
+        let err = plan(&model, 2, false).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            format!("module 1's {field} is {bad}; the planner needs finite measurements")
+        );
+    }
+    for bandwidth in [0.0, f64::NAN, f64::INFINITY] {
+        let model = CostModel::new(&good, Network::flat(2, bandwidth), None);
+        let err = plan(&model, 2, false).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            format!("network level 0's bandwidth is {bandwidth} bytes/s; it must be a finite number above 0")
+        );
+    }
+    let model = CostModel::new(&good, Network::flat(2, 1e9), Some(f64::NAN));
+    assert_eq!(
+        plan(&model, 2, false).unwrap_err(),
+        PlanError::Invalid("the memory limit is NaN".into())
+    );
+    plan(&CostModel::new(&good, Network::flat(2, 1e9), None), 2, false).unwrap();
+}
+
+/// The program's tables grow as workers^3 and modules x workers^2 (x stage counts for a
+/// flushing schedule): 10000 workers asked for 8 TB and aborted. Refused up front instead,
+/// saying how many workers would do; so is a request that fits in memory but would run for
+/// hours.
+#[test]
+fn requests_too_large_to_plan_are_refused_with_how_many_workers_would_do() {
+    let layers: Vec<LayerCost> = (0..5).map(|_| layer(1.0, 1e6, 1e6)).collect();
+    let model = CostModel::new(&layers, Network::flat(10_000, 1e9), None);
+    let err = plan(&model, 10_000, false).unwrap_err();
+    let PlanError::TooMuchMemory { gib, fits, .. } = err.clone() else {
+        panic!("{err:?}")
+    };
+    assert!(gib > 7000.0, "{err}");
+    assert!((1..10_000).contains(&fits), "{err}");
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "planning 5 modules on 10000 workers needs {gib:.2} GiB for the planner's tables, over its \
+             limit of 1 GiB; lower --workers (up to {fits} stay within the limits)"
+        )
+    );
+    // The suggestion is the most that would do: one more is refused too, quickly.
+    let started = std::time::Instant::now();
+    let one_more = plan(&model, fits + 1, false).unwrap_err();
+    assert!(
+        matches!(one_more, PlanError::TooMuchWork { fits: f, .. } | PlanError::TooMuchMemory { fits: f, .. } if f == fits),
+        "{one_more:?}"
+    );
+    assert!(started.elapsed().as_secs() < 10, "{:?}", started.elapsed());
+
+    // 400 workers' tables fit in memory, but computing the boundaries' costs alone takes
+    // about 6e10 steps (workers^5 / 200): minutes to hours.
+    let err = plan(&model, 400, false).unwrap_err();
+    let PlanError::TooMuchWork { steps, fits, .. } = err.clone() else {
+        panic!("{err:?}")
+    };
+    assert!(steps > MAX_STEPS && fits < 400, "{err}");
+    assert!(
+        err.to_string().starts_with(&format!(
+            "planning 5 modules on 400 workers takes about {steps:.1e} steps of the planner's program, over \
+             its limit of 1e10 (about a minute); lower --workers (up to {fits} stay within the limits)"
+        )),
+        "{err}"
+    );
+    // A flushing schedule runs the program once per stage count, its tables as many times as
+    // large: 64 stages over 200 modules need 2.84 GiB, refused before they are allocated.
+    let layers: Vec<LayerCost> = (0..200).map(|_| layer(1.0, 1e6, 1e6)).collect();
+    let model = CostModel::new(&layers, Network::flat(64, 1e9), None)
+        .with_schedule(Schedule::Flushing { microbatches: 4 });
+    let err = plan(&model, 64, true).unwrap_err();
+    let PlanError::TooMuchMemory { stages, fits, .. } = err.clone() else {
+        panic!("{err:?}")
+    };
+    assert_eq!(stages, Some(64), "{err}");
+    assert!((1..64).contains(&fits), "{err}");
+    assert!(
+        err.to_string().starts_with(
+            "planning 200 modules on 64 workers in 64 stages (a flushing --schedule plans each stage count \
+             on its own) needs 2.84 GiB for the planner's tables"
+        ),
+        "{err}"
+    );
+    // Within the limits, planning goes ahead.
+    plan(&model, 8, true).unwrap();
+}
+
 #[test]
 fn bandwidth_is_that_of_the_innermost_level_holding_the_workers() {
     let net = Network {
@@ -556,6 +657,27 @@ fn a_graph_that_cannot_be_read_names_the_line() {
             "the graph has a cycle through node1",
         ),
         ("\n".to_string(), "the graph has no nodes"),
+        // Measurements that are no measurements: what is allowed is said.
+        (
+            good.replacen("=1.000,", "=-1.000,", 1),
+            "line 1: forward_compute_time is `-1.000`; it must be a finite number of milliseconds from 0 to 1e9",
+        ),
+        (
+            good.replacen("=1.000,", "=NaN,", 1),
+            "line 1: forward_compute_time is `NaN`; it must be a finite number of milliseconds",
+        ),
+        (
+            good.replacen("=1.000,", "=inf,", 1),
+            "line 1: forward_compute_time is `inf`; it must be a finite number of milliseconds",
+        ),
+        (
+            good.replacen("=2.000,", "=2e12,", 1),
+            "line 1: backward_compute_time is `2e12`; it must be a finite number of milliseconds",
+        ),
+        (
+            good.replacen("activation_size=10.000", "activation_size=1e300", 1),
+            "line 1: activation_size is `1e300`; it must be a finite number of bytes from 0 to 2^50 (a pebibyte)",
+        ),
     ];
     for (text, expected) in cases {
         let result = Graph::parse(&text).and_then(|g| g.chain().map(|_| g));

@@ -10,7 +10,8 @@ use stagehand_contract::{Profile, StageConfig};
 
 use crate::config::Schedule;
 use stagehand_planner::{
-    alternatives, fill_and_drain, plan, CostModel, Graph, LayerCost, Network, Plan, Segment,
+    alternatives, fill_and_drain, plan, CostModel, Graph, LayerCost, Network, Plan, Segment, MAX_LAYER_BYTES,
+    MAX_LAYER_SECONDS,
 };
 
 /// What to plan for: the workers, their network and memory, and the schedule's microbatches.
@@ -203,11 +204,17 @@ impl Source {
             reason,
         };
         if text.trim_start().starts_with('{') {
-            return Profile::from_json(&text).map(Source::Runtime).map_err(invalid);
+            let profile =
+                Profile::from_json(&text).map_err(|e| invalid(explain_json_number(&text).unwrap_or(e)))?;
+            check_profile(&profile).map_err(invalid)?;
+            return Ok(Source::Runtime(profile));
         }
         let read = |e: stagehand_planner::GraphError| invalid(format!("as PipeDream's graph.txt: {e}"));
         let graph = Graph::parse(&text).map_err(read)?;
         let chain = graph.chain().map_err(read)?;
+        let compute_s = chain.iter().map(|s| s.cost.compute_s).sum();
+        check_some_compute(compute_s, "nodes' forward_compute_time and backward_compute_time")
+            .map_err(|e| invalid(format!("as PipeDream's graph.txt: {e}")))?;
         let name = path
             .parent()
             .and_then(|p| p.file_name())
@@ -285,6 +292,106 @@ impl Source {
             }
         }
     }
+}
+
+/// Whether `profile`'s measurements can be planned over: every time a finite number of seconds
+/// from 0 to [`MAX_LAYER_SECONDS`], every size at most [`MAX_LAYER_BYTES`], the modules numbered
+/// 0, 1, 2, ... in order (as `runtime profile` writes them; the stage config maps modules by
+/// position), and some time to balance. The reason names the module and the field, and says
+/// what is allowed.
+pub fn check_profile(profile: &Profile) -> Result<(), String> {
+    for (i, module) in profile.modules.iter().enumerate() {
+        let at = format!("modules[{i}] (`{}`)", module.name);
+        if module.index != i {
+            let reason = match profile.modules[..i].iter().position(|m| m.index == module.index) {
+                Some(j) => format!(
+                    "index {} repeats modules[{j}]'s (`{}`)",
+                    module.index, profile.modules[j].name
+                ),
+                None => format!("index {}, not {i}", module.index),
+            };
+            return Err(format!(
+                "{at}: {reason}; `runtime profile` numbers the modules 0, 1, 2, ... in order, each its \
+                 position in the list"
+            ));
+        }
+        let times = [
+            ("forward_s", module.forward_s),
+            ("backward_s", module.backward_s),
+            ("optimizer_s", module.optimizer_s),
+        ];
+        if let Some((field, value)) = times
+            .into_iter()
+            .find(|(_, v)| !(0.0..=MAX_LAYER_SECONDS).contains(v))
+        {
+            // 1e300 as 1e300, not its 301 digits.
+            let value = match value.abs() {
+                v if v >= 1e9 || (v > 0.0 && v < 1e-6) => format!("{value:e}"),
+                _ => value.to_string(),
+            };
+            return Err(format!(
+                "{at}: {field} is {value}; times must be finite numbers of seconds from 0 to 1e6 \
+                 (eleven and a half days)"
+            ));
+        }
+        let sizes = [
+            ("activation_bytes", Some(module.activation_bytes)),
+            ("compressed_activation_bytes", module.compressed_activation_bytes),
+            ("param_bytes", Some(module.param_bytes)),
+        ];
+        if let Some((field, Some(value))) = sizes
+            .into_iter()
+            .find(|(_, v)| v.is_some_and(|v| v as f64 > MAX_LAYER_BYTES))
+        {
+            return Err(format!(
+                "{at}: {field} is {value}; sizes must be bytes from 0 to 2^50 (a pebibyte)"
+            ));
+        }
+    }
+    let compute_s = profile.modules.iter().map(|m| m.forward_s + m.backward_s).sum();
+    check_some_compute(compute_s, "modules' forward_s and backward_s")
+}
+
+/// A profile whose times add up to nothing has nothing to balance, and its plan's speedup over
+/// data parallelism would be 0 / 0: refused. A model's forward and backward take at least a
+/// nanosecond; below that the planner's times could round to 0.
+fn check_some_compute(seconds: f64, what: &str) -> Result<(), String> {
+    match seconds >= 1e-9 {
+        true => Ok(()),
+        false => Err(format!(
+            "its {what} add up to {seconds} s; a model's forward and backward take time (at least \
+             a nanosecond): is this a measured profile?"
+        )),
+    }
+}
+
+/// Why `text` is not JSON, where that is a number JSON cannot hold (`NaN`, `Infinity`, as
+/// Python's json module writes them; or beyond f64, as `1e400`): the line and column, the field
+/// and what is allowed.
+fn explain_json_number(text: &str) -> Option<String> {
+    let error = serde_json::from_str::<serde_json::Value>(text).err()?;
+    let line = text.lines().nth(error.line().checked_sub(1)?)?;
+    let upto = line.get(..error.column().min(line.len()))?;
+    // The value the error is in: after the last `:` before the error, up to the next delimiter.
+    let colon = upto.rfind(':')?;
+    let value = line[colon + 1..]
+        .split([',', '}', ']'])
+        .next()
+        .unwrap_or_default()
+        .trim();
+    let number_like = value.starts_with(|c: char| c == '-' || c == '+' || c.is_ascii_digit())
+        || ["NaN", "Infinity"].iter().any(|t| value.starts_with(t));
+    if !number_like || value.parse::<f64>().is_ok_and(f64::is_finite) {
+        return None;
+    }
+    let key = line[..colon].trim_end().trim_end_matches('"');
+    let key = &key[key.rfind('"')? + 1..];
+    Some(format!(
+        "line {} column {}: {key} is `{value}`, not a number JSON can hold; times must be finite \
+         numbers of seconds from 0 to 1e6, sizes bytes from 0 to 2^50",
+        error.line(),
+        error.column()
+    ))
 }
 
 /// Reads a profile JSON file.

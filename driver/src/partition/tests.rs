@@ -357,3 +357,186 @@ fn a_pipedream_graph_is_planned_over_its_layers_and_written_back_partitioned() {
         "{err}"
     );
 }
+
+/// The profile's message for `profile`, written where `opts` reads it.
+fn refusal(opts: &PartitionOptions, text: &str) -> String {
+    std::fs::write(&opts.profile, text).unwrap();
+    let err = solve(opts).expect_err("a nonsense profile is refused");
+    assert!(matches!(err, PartitionError::Profile { .. }), "{err:?}");
+    err.to_string()
+}
+
+/// Measurements no device makes (negative, NaN, infinite or absurdly large times and sizes) and
+/// modules out of their order planned silently (a negative time as 0) or as nonsense (a
+/// pebibyte-sized output, a NaN speedup); refused, naming the file, the module or line, the
+/// field, and what is allowed.
+#[test]
+fn nonsense_profiles_are_refused_naming_the_entry_and_what_is_allowed() {
+    let dir = tempfile::tempdir().unwrap();
+    let opts = options(dir.path());
+    let with = |change: &dyn Fn(&mut Profile)| {
+        let mut p = profile();
+        change(&mut p);
+        serde_json::to_string(&p).unwrap()
+    };
+    let times = "times must be finite numbers of seconds from 0 to 1e6 (eleven and a half days)";
+    let cases: Vec<(String, String)> = vec![
+        (
+            with(&|p| p.modules[1].forward_s = -0.5),
+            format!("profile.json: modules[1] (`b`): forward_s is -0.5; {times}"),
+        ),
+        (
+            with(&|p| p.modules[3].backward_s = 2e6),
+            format!("profile.json: modules[3] (`c`): backward_s is 2000000; {times}"),
+        ),
+        (
+            with(&|p| p.modules[2].forward_s = 1e300),
+            format!("profile.json: modules[2] (`heavy`): forward_s is 1e300; {times}"),
+        ),
+        (
+            with(&|p| p.modules[0].optimizer_s = -1e-3),
+            format!("profile.json: modules[0] (`a`): optimizer_s is -0.001; {times}"),
+        ),
+        (
+            with(&|p| p.modules[2].param_bytes = u64::MAX),
+            "profile.json: modules[2] (`heavy`): param_bytes is 18446744073709551615; sizes must be bytes \
+             from 0 to 2^50 (a pebibyte)"
+                .into(),
+        ),
+        (
+            with(&|p| p.modules[4].compressed_activation_bytes = Some((1 << 50) + 1)),
+            "profile.json: modules[4] (`loss`): compressed_activation_bytes is 1125899906842625; sizes must"
+                .into(),
+        ),
+        (
+            with(&|p| p.modules[2].index = 1),
+            "profile.json: modules[2] (`heavy`): index 1 repeats modules[1]'s (`b`); `runtime profile` \
+             numbers the modules 0, 1, 2, ... in order, each its position in the list"
+                .into(),
+        ),
+        (
+            with(&|p| p.modules[4].index = 7),
+            "profile.json: modules[4] (`loss`): index 7, not 4; `runtime profile` numbers".into(),
+        ),
+        (
+            with(&|p| {
+                for m in &mut p.modules {
+                    (m.forward_s, m.backward_s) = (0.0, 0.0);
+                }
+            }),
+            "profile.json: its modules' forward_s and backward_s add up to 0 s; a model's forward and \
+             backward take time"
+                .into(),
+        ),
+    ];
+    for (text, expected) in cases {
+        let message = refusal(&opts, &text);
+        assert!(
+            message.contains(&expected),
+            "{message:?} does not contain {expected:?}"
+        );
+    }
+
+    // JSON has no NaN or infinity (Python's json module writes them anyway), nor numbers beyond
+    // f64: the line, the column and the field are named, and what is allowed.
+    let plain = with(&|p| p.modules[1].forward_s = 0.25);
+    for bad in ["NaN", "Infinity", "-Infinity", "1e400"] {
+        let message = refusal(
+            &opts,
+            &plain.replacen("\"forward_s\":0.25", &format!("\"forward_s\":{bad}"), 1),
+        );
+        assert!(message.contains("profile.json: line 1 column "), "{message}");
+        assert!(
+            message.contains(&format!(
+                "forward_s is `{bad}`, not a number JSON can hold; times must be finite numbers of \
+                 seconds from 0 to 1e6, sizes bytes from 0 to 2^50"
+            )),
+            "{message}"
+        );
+    }
+    // In a profile as `runtime profile` writes it, pretty, the line is the field's.
+    let pretty = serde_json::to_string_pretty(&serde_json::from_str::<Profile>(&plain).unwrap())
+        .unwrap()
+        .replacen("\"forward_s\": 0.25", "\"forward_s\": NaN", 1);
+    let line = pretty.lines().position(|l| l.contains("NaN")).unwrap() + 1;
+    let message = refusal(&opts, &pretty);
+    assert!(
+        message.contains(&format!("profile.json: line {line} column ")),
+        "{message}"
+    );
+    // Other broken JSON says what serde says.
+    assert!(refusal(&opts, "{\"format_version\": 1,").contains("not JSON"));
+    // The same measurements in PipeDream's graph are refused alike, by line.
+    let graph = dir.path().join("graph.txt");
+    let graph_opts = PartitionOptions {
+        profile: graph.clone(),
+        ..opts.clone()
+    };
+    for (bad, expected) in [
+        (
+            pipedream_graph().replacen("forward_compute_time=1.000", "forward_compute_time=-1.000", 1),
+            "graph.txt: as PipeDream's graph.txt: line 1: forward_compute_time is `-1.000`; it must be a \
+             finite number of milliseconds from 0 to 1e9 (eleven and a half days)",
+        ),
+        (
+            pipedream_graph().replacen("parameter_size=10000.000", "parameter_size=nan", 1),
+            "graph.txt: as PipeDream's graph.txt: line 2: parameter_size is `nan`; it must be a finite \
+             number of bytes from 0 to 2^50 (a pebibyte)",
+        ),
+    ] {
+        let message = refusal(&graph_opts, &bad);
+        assert!(
+            message.ends_with(expected),
+            "{message:?} does not end with {expected:?}"
+        );
+    }
+    let idle = pipedream_graph()
+        .lines()
+        .map(|l| match l.starts_with('\t') {
+            true => format!("{l}\n"),
+            false => {
+                let (head, _) = l.split_once("-- forward_compute_time").unwrap();
+                format!(
+                    "{head}-- forward_compute_time=0.000, backward_compute_time=0.000, activation_size=1.000, \
+                     parameter_size=1.000\n"
+                )
+            }
+        })
+        .collect::<String>();
+    let message = refusal(&graph_opts, &idle);
+    assert!(
+        message.contains("graph.txt: as PipeDream's graph.txt: its nodes' forward_compute_time and"),
+        "{message}"
+    );
+    // The profile itself plans.
+    std::fs::write(&opts.profile, serde_json::to_string(&profile()).unwrap()).unwrap();
+    solve(&opts).unwrap();
+}
+
+/// The planner's tables grow as workers^3: `--workers 10000` asked for 8 TB and aborted.
+/// Refused, saying how many workers would do, with `driver plan`'s exit code for bad input.
+#[test]
+fn too_many_workers_to_plan_over_are_refused_saying_how_many_would_do() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut opts = options(dir.path());
+    opts.request.straight = false;
+    opts.request.workers = 10_000;
+    opts.request.levels = vec![(10_000, 1e9)];
+    let err = solve(&opts).err().unwrap();
+    let PartitionError::Plan(stagehand_planner::PlanError::TooMuchMemory { fits, .. }) = &err else {
+        panic!("{err:?}")
+    };
+    let message = err.to_string();
+    assert!(
+        message.starts_with("planning 5 modules on 10000 workers needs "),
+        "{message}"
+    );
+    assert!(
+        message.ends_with(&format!(
+            "GiB for the planner's tables, over its limit of 1 GiB; lower --workers (up to {fits} stay within \
+             the limits)"
+        )),
+        "{message}"
+    );
+    assert!(*fits > 3 && *fits < 10_000, "{message}");
+}
