@@ -287,7 +287,8 @@ struct ExperimentArgs {
 
     /// Run this machine's runtime build instead of the runtime image's (for development): it is
     /// mounted into containers at the same path (copied where a host lacks it), with the torch
-    /// environment its rpath names. The process backend runs target/release/runtime without it.
+    /// environment its rpath names. The process backend runs the source's target/release/runtime
+    /// without it.
     #[arg(long, env = "STAGEHAND_RUNTIME", value_name = "PATH")]
     runtime: Option<PathBuf>,
 

@@ -261,6 +261,38 @@ fn a_build_folder_or_dockerfile_that_is_not_there_is_refused_where_it_is_written
     h.assert_no_processes();
 }
 
+/// Local ranks run the checkout's release runtime wherever the driver is run from, and the check
+/// asks that same runtime (from a folder without a build it asked the checkout's, and the ranks
+/// then failed to find `target/release/runtime` in the working folder).
+#[test]
+fn local_ranks_run_the_runtime_the_check_asks_from_any_folder() {
+    let h = Harness::new("check-local-runtime");
+    let config = h.config("machines: [localhost]\nbackend: process\nmodule: mlp\nbatch_size: 8\n");
+    let run = check(&h, &config);
+    let out = run.stdout();
+    assert_eq!(run.code(), 0, "{}{out}", run.stderr());
+    assert!(
+        !h.dir.path().join("target").exists(),
+        "the test's folder has no build"
+    );
+    let built = workspace().join("target/release/runtime");
+    let rank = out
+        .lines()
+        .find(|l| l.starts_with("  rank 0"))
+        .unwrap_or_else(|| panic!("{out}"));
+    assert!(
+        rank.contains(&format!("): {} --model mlp", built.display())),
+        "{rank}"
+    );
+    assert!(
+        out.contains(&format!(
+            "runtime check: every rank's request accepted ({} --check)",
+            built.display()
+        )),
+        "{out}"
+    );
+}
+
 #[test]
 fn dry_run_prints_what_check_prints_and_starts_nothing() {
     let h = Harness::new("check-dry");

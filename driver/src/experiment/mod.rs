@@ -18,7 +18,7 @@ use crate::config::{
 };
 use crate::options::{Backend, ContainerMode, Options};
 
-/// The process backend's runtime when `--runtime` gives none (relative to the working folder).
+/// The release build of the runtime, relative to a checkout.
 pub const DEFAULT_LOCAL_RUNTIME: &str = "target/release/runtime";
 /// Default shared memory per container: data loaders need more than Docker's 64 MiB.
 const DEFAULT_SHM_MB: u64 = 2048;
@@ -487,7 +487,7 @@ fn resolve_with(
     // `--runtime` names one (mounted or copied into containers); else the image's own.
     let runtime = match (backend, &local_runtime) {
         (_, Some(path)) => path.clone(),
-        (Backend::Process | Backend::Slurm, None) => absolute(Path::new(DEFAULT_LOCAL_RUNTIME)),
+        (Backend::Process | Backend::Slurm, None) => built_runtime(options),
         (Backend::Docker, None) => PathBuf::from(RUNTIME_IN_IMAGE),
     };
     let runtime_is_local = backend != Backend::Docker || local_runtime.is_some();
@@ -1386,6 +1386,24 @@ pub fn source_root(given: Option<&Path>) -> Option<PathBuf> {
         .map(Path::to_path_buf)
         .chain(built_from)
         .find(|d| d.join(RUNTIME_DOCKERFILE).is_file())
+}
+
+/// The runtime local ranks run when `--runtime` names none: the release build of the checkout the
+/// driver works from ([`source_root`]: `--source`, the working folder or one above it, or the
+/// checkout that built the driver), else the `runtime` beside the driver's own program; where
+/// neither is built, the checkout's path, which preflight finds missing and says how to build.
+fn built_runtime(options: &Options) -> PathBuf {
+    let checkout = source_root(options.source.as_deref()).map(|root| root.join(DEFAULT_LOCAL_RUNTIME));
+    let beside = std::env::current_exe()
+        .ok()
+        .and_then(|exe| Some(exe.parent()?.join("runtime")));
+    checkout
+        .iter()
+        .chain(&beside)
+        .find(|p| p.is_file())
+        .or(checkout.as_ref())
+        .cloned()
+        .unwrap_or_else(|| absolute(Path::new(DEFAULT_LOCAL_RUNTIME)))
 }
 
 /// Makes a path absolute against the current directory, without requiring it to exist.
