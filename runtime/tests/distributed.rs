@@ -709,6 +709,77 @@ fn a_hung_replica_ends_the_others_within_one_timeout_not_one_per_bucket() {
     }
 }
 
+/// A pipeline stage that hangs ends the stage before it within about one `--comm-timeout`: its
+/// receive times out, and its sends still pending, which a stopped peer never asks for, are let
+/// go at once (each was waited for a whole timeout more: 16.1 s here, measured on 2 cores; 8.1 s
+/// now).
+#[test]
+fn a_hung_pipeline_stage_ends_the_one_before_it_within_one_timeout() {
+    struct Reaped(std::process::Child);
+    impl Drop for Reaped {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let config = two_stages(tmp.path());
+    let port = free_port().to_string();
+    let spawn = |rank: &str| {
+        let child = runtime()
+            .args(words(MLP_BASE))
+            .args([
+                "--lr",
+                "0.01",
+                "--iterations",
+                "100000",
+                "--stage-config",
+                &config,
+            ])
+            .args(["--world-size", "2", "--rank", rank, "--master-port", &port])
+            .args([
+                "--comm-timeout",
+                "8",
+                "--schedule",
+                "gpipe",
+                "--microbatches",
+                "8",
+            ])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        Reaped(child)
+    };
+    let mut first = spawn("0");
+    let mut second = spawn("1");
+    let stdout = second.0.stdout.take().unwrap();
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(stdout));
+    let mut seen = 0;
+    while seen < 3 {
+        let line = lines.next().expect("rank 1 trains").unwrap();
+        seen += usize::from(line.contains(r#""event":"iteration""#));
+    }
+    let pid = second.0.id().to_string();
+    let stopped = std::process::Command::new("kill")
+        .args(["-STOP", &pid])
+        .status()
+        .unwrap();
+    assert!(stopped.success(), "kill -STOP {pid}");
+    let hung = Instant::now();
+    let status = exit_within(&mut first.0, hung, Duration::from_secs(60), "after stage 1 hung");
+    let took = hung.elapsed();
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut first.0.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert!(!status.success(), "{stderr}");
+    assert!(
+        stderr.contains("with rank 1 failed") && stderr.contains("(timeout 8s)"),
+        "{stderr}"
+    );
+    // One timeout and a busy machine's slack; two timeouts would be 16 s.
+    assert!(took < Duration::from_secs(13), "took {took:?}: {stderr}");
+}
+
 /// `--slowdown 1=10` on two data-parallel ranks: rank 1's compute is stretched tenfold (each
 /// compute span is followed by a sleep of nine times its length, booked as compute), rank 0's is
 /// not, and rank 0 waits for rank 1 at every gradient all-reduce.

@@ -5,6 +5,7 @@ use std::ffi::{c_void, CString};
 use std::marker::PhantomData;
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs, UdpSocket};
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -542,9 +543,22 @@ impl WorkContext {
     }
 }
 
+/// Whether a wait in this process has failed (timed out, or found its peer gone): from then on
+/// the rank is ending, and the operations still pending are let go at once rather than waited for.
+static A_WAIT_FAILED: AtomicBool = AtomicBool::new(false);
+
+/// Notes that a wait has failed ([`A_WAIT_FAILED`]).
+pub(super) fn note_failed_wait() {
+    A_WAIT_FAILED.store(true, Ordering::Relaxed);
+}
+
 /// An operation in flight. It keeps its tensors alive until [`Work::wait`] returns or it is
 /// dropped; dropping it without waiting still waits (up to the group's timeout) so that no
-/// tensor is released while c10d may still read or write it, and ignores the outcome.
+/// tensor is released while c10d may still read or write it, and ignores the outcome. Once a
+/// wait has failed, a pending Gloo point-to-point operation dropped has its wait aborted instead:
+/// a send to a peer that stopped never completes (Gloo sends once the receiver asks), and each
+/// would hold the rank's exit, and its error, back by a whole timeout. Aborted, Gloo lets go of
+/// the buffer (its pair holds it through a weak pointer), as [`super::Watched`] relies on.
 pub struct Work {
     raw: Option<NonNull<ffi::RawWork>>,
     _tensors: Vec<Tensor>,
@@ -559,7 +573,10 @@ unsafe impl Send for Work {}
 impl Work {
     /// Waits until the operation has completed; errors include timeouts and a dead peer.
     pub fn wait(mut self) -> Result<(), CommError> {
-        self.finish().map_err(|reason| self.context.error(reason))
+        self.finish().map_err(|reason| {
+            note_failed_wait();
+            self.context.error(reason)
+        })
     }
 
     fn finish(&mut self) -> Result<(), String> {
@@ -632,6 +649,12 @@ impl Shared {
 
 impl Drop for Work {
     fn drop(&mut self) {
+        if A_WAIT_FAILED.load(Ordering::Relaxed) {
+            if let Some(shared) = self.shared() {
+                // Gloo keeps the abort until the wait, which then ends at once.
+                shared.abort();
+            }
+        }
         let _ = self.finish();
     }
 }

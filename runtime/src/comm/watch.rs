@@ -94,6 +94,9 @@ impl Watched {
             )),
         };
         self.join();
+        if outcome.is_err() {
+            super::group::note_failed_wait();
+        }
         outcome
     }
 
