@@ -293,6 +293,53 @@ fn local_ranks_run_the_runtime_the_check_asks_from_any_folder() {
     );
 }
 
+/// Settings a run would trip on only once it had reached its hosts, or after it had run, are
+/// refused where they are written: a mount source that is not on this machine when every host
+/// is this machine, a shared memory size past any machine's, a records folder that is a file.
+#[test]
+fn settings_a_run_would_trip_on_late_are_refused_where_they_are_written() {
+    let h = Harness::new("check-late");
+    std::fs::write(h.dir.path().join("a-file"), "").unwrap();
+    let cases = [
+        (
+            "mounts: ['missing:/data']",
+            "mount source",
+            "missing does not exist",
+        ),
+        (
+            "shm_size_mb: 18446744073709551615",
+            "shm_size_mb",
+            "give at most 1048576",
+        ),
+        (
+            "log_directory: a-file",
+            "log_directory",
+            "a-file is a file, not a folder",
+        ),
+    ];
+    for (setting, key, expected) in cases {
+        let config = h.config(&format!(
+            "machines: [localhost]\ncontainer: {{build: '{}'}}\ncommand: [/bin/true]\n{setting}\n",
+            local_context().display()
+        ));
+        let run = check(&h, &config);
+        let stderr = run.stderr();
+        assert_eq!(run.code(), 2, "{setting}: {stderr}");
+        assert!(
+            stderr.contains(expected) && stderr.contains(&format!("{}:5", config.display())),
+            "{setting} ({key}): {stderr}"
+        );
+    }
+    // A mount whose source is here passes.
+    std::fs::create_dir(h.dir.path().join("present")).unwrap();
+    let config = h.config(&format!(
+        "machines: [localhost]\ncontainer: {{build: '{}'}}\ncommand: [/bin/true]\nmounts: ['present:/data']\n",
+        local_context().display()
+    ));
+    let run = check(&h, &config);
+    assert_eq!(run.code(), 0, "{}", run.stderr());
+}
+
 #[test]
 fn dry_run_prints_what_check_prints_and_starts_nothing() {
     let h = Harness::new("check-dry");

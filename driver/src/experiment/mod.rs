@@ -22,6 +22,9 @@ use crate::options::{Backend, ContainerMode, Options};
 pub const DEFAULT_LOCAL_RUNTIME: &str = "target/release/runtime";
 /// Default shared memory per container: data loaders need more than Docker's 64 MiB.
 const DEFAULT_SHM_MB: u64 = 2048;
+/// The most shared memory a container may be given, in MiB: a tebibyte (more wrapped around
+/// when counted in bytes).
+const MAX_SHM_MB: u64 = 1 << 20;
 /// `config_file: auto`'s bandwidth between GPUs of one machine when none is given, in GB/s.
 const DEFAULT_INTRA_HOST_GPU_GBPS: f64 = 10.0;
 /// ... between CPU ranks of one machine (gloo over loopback measured 2.3 GB/s here).
@@ -310,6 +313,26 @@ pub fn log_directory(loaded: &Loaded, options: &Options) -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("experiments"))
 }
 
+/// [`log_directory`], refused where a file is in its way (a run would find that only once it
+/// had run, with nowhere to write its record).
+fn checked_log_directory(loaded: &Loaded, options: &Options) -> Result<PathBuf, ConfigError> {
+    let dir = log_directory(loaded, options);
+    if dir.exists() && !dir.is_dir() {
+        let key = match options.output_dir {
+            Some(_) => "--output-dir",
+            None => "log_directory",
+        };
+        return Err(loaded.error_at(
+            key,
+            format!(
+                "{key}: {} is a file, not a folder; name a folder for the experiment records",
+                dir.display()
+            ),
+        ));
+    }
+    Ok(dir)
+}
+
 /// Resolves the plan; `master_port` is chosen by the caller (it depends on the hosts). With
 /// `config_file: auto` the plan carries [`Experiment::auto`]; once planned, [`resolve_planned`] gives
 /// the plan the ranks run.
@@ -546,8 +569,21 @@ fn resolve_with(
         same_path(dir, false, WhenMissing::Create);
     }
     for m in &file.mounts {
+        let source = base.join(&m.source);
+        // Where every host is this machine, a source that is not here is not on the host either
+        // (found now, not at preflight).
+        if backend == Backend::Docker && all_local && !source.exists() {
+            return Err(loaded.error_at(
+                "mounts",
+                format!(
+                    "mount source {} does not exist; create it, or correct the path (relative \
+                     paths start at this file's folder)",
+                    source.display()
+                ),
+            ));
+        }
         let mount = Mount {
-            source: base.join(&m.source),
+            source,
             target: m.target.clone(),
             read_only: m.read_only,
             create: false,
@@ -624,8 +660,8 @@ fn resolve_with(
         print_every: file.print_frequency,
         verbose_every: file.verbose_frequency,
         mounts,
-        shm_size_bytes: file.shm_size_mb.unwrap_or(DEFAULT_SHM_MB) * 1024 * 1024,
-        log_directory: log_directory(loaded, options),
+        shm_size_bytes: shm_size_bytes(loaded)?,
+        log_directory: checked_log_directory(loaded, options)?,
         auto,
         slurm,
         max_restarts: options.max_restarts.or(file.max_restarts).unwrap_or(0),
@@ -1404,6 +1440,22 @@ fn built_runtime(options: &Options) -> PathBuf {
         .or(checkout.as_ref())
         .cloned()
         .unwrap_or_else(|| absolute(Path::new(DEFAULT_LOCAL_RUNTIME)))
+}
+
+/// The containers' shared memory (`shm_size_mb`, default [`DEFAULT_SHM_MB`]), in bytes; at most
+/// [`MAX_SHM_MB`].
+fn shm_size_bytes(loaded: &Loaded) -> Result<u64, ConfigError> {
+    let mb = loaded.file.shm_size_mb.unwrap_or(DEFAULT_SHM_MB);
+    if mb > MAX_SHM_MB {
+        return Err(loaded.error_at(
+            "shm_size_mb",
+            format!(
+                "shm_size_mb: {mb} MiB is more than any machine's memory; give at most {MAX_SHM_MB} \
+                 (a tebibyte)"
+            ),
+        ));
+    }
+    Ok(mb << 20)
 }
 
 /// Makes a path absolute against the current directory, without requiring it to exist.
