@@ -103,6 +103,14 @@ fn malformed_files_get_located_messages() {
         ("empty_file", ""),
         ("list_at_top", "- localhost\n- node1\n"),
         ("duplicate_key", "machines: [localhost]\nmachines: [node1]\n"),
+        (
+            "duplicate_alias",
+            "machines: [localhost]\n# the model\nmodel: mlp\nmodule: vgg16\n",
+        ),
+        (
+            "duplicate_flow",
+            "{machines: [localhost],\n  batch_size: 8, 'batch_size': 16}\n",
+        ),
         ("unclosed_bracket", "machines: [localhost\n"),
     ];
     for (name, text) in cases {
@@ -110,6 +118,30 @@ fn malformed_files_get_located_messages() {
         assert!(message.starts_with("exp.yml:"), "{name}: {message}");
         insta::assert_snapshot!(*name, message);
     }
+}
+
+/// Keys are found where they are written, in block style and in flow style (a key inside a
+/// nested mapping, or inside a quoted value, is not a top-level key).
+#[test]
+fn top_level_keys_are_located_in_either_style() {
+    let at = |text: &str, key: &str| {
+        let loaded = Loaded {
+            path: "exp.yml".into(),
+            text: text.to_string(),
+            file: ok(text),
+        };
+        loaded.locate(key).map(|l| (l.line, l.column))
+    };
+    let block = "# a comment: not a key\nmachines: [localhost]\ncontainer: {build: ctx}\nlr: 0.1\n";
+    assert_eq!(at(block, "machines"), Some((2, 1)));
+    assert_eq!(at(block, "learning_rate"), Some((4, 1)), "an alias, by its key");
+    assert_eq!(at(block, "batch_size"), None);
+    let flow = "{machines: [localhost], master_addr: 'a:b, c',\n   container: {build: ctx}, lr: 0.1}\n";
+    assert_eq!(at(flow, "machines"), Some((1, 2)));
+    assert_eq!(at(flow, "master_addr"), Some((1, 25)));
+    assert_eq!(at(flow, "learning_rate"), Some((2, 29)));
+    assert_eq!(at(flow, "container"), Some((2, 4)));
+    assert_eq!(at(flow, "build"), None, "a nested key");
 }
 
 #[test]

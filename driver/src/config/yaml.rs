@@ -101,6 +101,15 @@ fn from_str<T: serde::de::DeserializeOwned>(path: &Path, text: &str) -> Result<T
             line: l.line(),
             column: l.column(),
         });
+        // The crate places a repeated key at its mapping's start: the second writing is where.
+        let repeated = e.to_string().strip_prefix("duplicate field `").and_then(|rest| {
+            let (key, _) = rest.split_once('`')?;
+            let mut written = top_level_keys(text)
+                .into_iter()
+                .filter(|(k, _)| super::canonical_key(k) == key);
+            written.nth(1).map(|(_, at)| at)
+        });
+        let location = repeated.or(location);
         ConfigError::Invalid {
             path: path.to_path_buf(),
             location,
@@ -123,6 +132,99 @@ pub fn to_text(document: &serde_json::Value) -> String {
 /// values given on the command line.
 pub fn parse_scalar(text: &str) -> serde_json::Value {
     serde_norway::from_str(text).unwrap_or_else(|_| serde_json::Value::String(text.to_string()))
+}
+
+/// The top-level keys of a document as written, in order, each where it is written: the lines
+/// that start with `key:` in block style, or the keys of the outermost `{...}` in flow style
+/// (quoted strings skipped). Keys written twice appear twice.
+fn top_level_keys(text: &str) -> Vec<(String, Location)> {
+    let flow = text
+        .lines()
+        .map(str::trim)
+        .find(|l| !(l.is_empty() || l.starts_with('#') || *l == "---"))
+        .is_some_and(|l| l.starts_with('{'));
+    if !flow {
+        return text
+            .lines()
+            .enumerate()
+            .filter_map(|(i, line)| {
+                let (written, _) = line.split_once(':')?;
+                let written = written.trim_end();
+                let top_level = !written.is_empty()
+                    && !written.starts_with(|c: char| c.is_whitespace() || c == '#' || c == '-');
+                top_level.then(|| {
+                    (
+                        written.to_string(),
+                        Location {
+                            line: i + 1,
+                            column: 1,
+                        },
+                    )
+                })
+            })
+            .collect();
+    }
+    let mut keys = Vec::new();
+    let (mut depth, mut quote, mut start) = (0usize, None::<char>, None::<(usize, Location)>);
+    let (mut line, mut column) = (1, 0);
+    for (i, c) in text.char_indices() {
+        column += 1;
+        match (quote, c) {
+            (Some(q), c) if c == q => quote = None,
+            (Some(_), _) => {}
+            (None, '\'' | '"') => quote = Some(c),
+            (None, '#') if depth == 0 => {}
+            (None, '{' | '[') => {
+                depth += 1;
+                if depth == 1 && c == '{' {
+                    start = Some((
+                        i + 1,
+                        Location {
+                            line,
+                            column: column + 1,
+                        },
+                    ));
+                }
+            }
+            (None, '}' | ']') => depth = depth.saturating_sub(1),
+            (None, ',') if depth == 1 => {
+                start = Some((
+                    i + 1,
+                    Location {
+                        line,
+                        column: column + 1,
+                    },
+                ))
+            }
+            (None, ':') if depth == 1 => {
+                if let Some((from, mut at)) = start.take() {
+                    let written = &text[from..i];
+                    let key = written.trim();
+                    // Where the key itself starts, past the spaces and line breaks before it.
+                    for skipped in written[..written.len() - written.trim_start().len()].chars() {
+                        match skipped {
+                            '\n' => {
+                                at = Location {
+                                    line: at.line + 1,
+                                    column: 1,
+                                }
+                            }
+                            _ => at.column += 1,
+                        }
+                    }
+                    if !key.is_empty() {
+                        keys.push((key.trim_matches(|c| c == '\'' || c == '"').to_string(), at));
+                    }
+                }
+            }
+            _ => {}
+        }
+        if c == '\n' {
+            line += 1;
+            column = 0;
+        }
+    }
+    keys
 }
 
 /// A message about a value checked against the experiment keys, in the file's words.
@@ -199,15 +301,10 @@ impl Loaded {
     /// Where a top-level key is written (in any of its spellings: `model:` for `module`), for
     /// errors found after parsing (cross-field checks).
     pub fn locate(&self, key: &str) -> Option<Location> {
-        self.text.lines().enumerate().find_map(|(i, line)| {
-            let (written, _) = line.split_once(':')?;
-            let written = written.trim_end();
-            let top_level = !written.starts_with(char::is_whitespace);
-            (top_level && super::canonical_key(written) == key).then_some(Location {
-                line: i + 1,
-                column: 1,
-            })
-        })
+        top_level_keys(&self.text)
+            .into_iter()
+            .find(|(written, _)| super::canonical_key(written) == key)
+            .map(|(_, at)| at)
     }
 
     /// An error about a top-level key, located where the key is written.
