@@ -83,6 +83,7 @@ fn malformed_files_get_located_messages() {
         ("unknown_machine_key", "machines:\n  - host: node1\n    gpu: 0\n"),
         ("batch_size_text", "machines: [localhost]\nbatch_size: lots\n"),
         ("negative_iterations", "machines: [localhost]\niterations: -3\n"),
+        ("huge_threads", "machines: [localhost]\nthreads: 99999999999\n"),
         ("unknown_schedule", "machines: [localhost]\nschedule: zigzag\n"),
         ("unknown_backend", "machines: [localhost]\nbackend: kubernetes\n"),
         (

@@ -241,8 +241,15 @@ fn describe(message: &str, text: &str, location: Option<Location>) -> String {
         "expected struct ExperimentFile",
         "expected a mapping of experiment keys such as `machines:`",
     );
-    for int in ["u16", "u32", "u64"] {
-        message = message.replace(&format!("expected {int}"), "expected a whole number, 0 or more");
+    for (int, most) in [
+        ("u16", u64::from(u16::MAX)),
+        ("u32", u64::from(u32::MAX)),
+        ("u64", u64::MAX),
+    ] {
+        message = message.replace(
+            &format!("expected {int}"),
+            &format!("expected a whole number from 0 to {most}"),
+        );
     }
     let line = location
         .and_then(|l| text.lines().nth(l.line.saturating_sub(1)))
