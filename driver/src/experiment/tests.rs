@@ -1541,3 +1541,61 @@ fn a_refusal_names_the_key_and_line_behind_its_flag() {
     assert_eq!(l.locate("module").map(|at| at.line), Some(2));
     assert_eq!(l.locate("batch_size"), None);
 }
+
+/// Every runtime flag the driver writes from a key maps back to that key ([`key_of_flag`]), so a
+/// refusal naming the flag is located at the key: the table of renamed flags cannot drift from
+/// the flags written without a test failing. The flags the driver adds of its own (a rank's
+/// place, its device) have no key.
+#[test]
+fn every_flag_written_from_a_key_maps_back_to_a_key() {
+    use crate::experiment::key_of_flag;
+    let driver_own = [
+        "rank",
+        "world-size",
+        "master-addr",
+        "master-port",
+        "local-rank",
+        "device",
+    ];
+    let experiments = [
+        "machines: [localhost, localhost]\nmodule: mlp\nlayers: 2\nhidden: 8\nimage_size: 8\n\
+         num_classes: 10\nbatch_size: 8\niterations: 3\nlearning_rate: 0.1\n\
+         learning_rate_policy: step\noptimizer: adam\nseed: 1\nweight_decay: 0.0001\n\
+         threads: 1\nprecision: bf16\nconfig_file: two.json\nschedule: gpipe\nmicrobatches: 2\n\
+         distributed_backend: gloo\ncheckpoint_dir: ckpt\ncheckpoint_every: 1\n\
+         validate_every: 1\nvalidation_batches: 1\ncompress_activations: true\n\
+         deterministic: true\nprofiler_trace: true\nprofiler_steps: 2\nhost_memory: keep\n\
+         bucket_mb: 5\ncompress: auto\nslowdown: [{rank: 1, factor: 2}]\ndata_dir: images\n\
+         data_workers: 2\n",
+        "machines: [localhost, localhost]\nmodule: vgg16\nchannels_last: true\ncudnn_benchmark: true\n\
+         epochs: 1\nepoch_samples: 64\nlr_warmup_epochs: 1\nreduce: 'partial:1'\nsync_every: 2\n\
+         overlap_reduce: 'off'\nprecision: fp16\nfp16_init_scale: 1024\n",
+    ];
+    let scratch = tempfile::tempdir().unwrap();
+    let mut checked = 0;
+    for text in experiments {
+        let plan = plan_per_rank(text);
+        for arg in &plan.ranks[1].argv[1..] {
+            let Some(name) = arg.strip_prefix("--") else {
+                continue;
+            };
+            let name = name.split('=').next().unwrap();
+            if driver_own.contains(&name) {
+                continue;
+            }
+            let key = key_of_flag(name);
+            let path = scratch.path().join("one-key.yml");
+            std::fs::write(&path, format!("machines: [localhost]\n{key}: 1\n")).unwrap();
+            let said = match crate::config::load(&path) {
+                Ok(_) => String::new(),
+                Err(e) => crate::error::error_chain(&e),
+            };
+            assert!(
+                !said.contains("unknown field"),
+                "--{name} maps to `{key}`: {said}"
+            );
+            checked += 1;
+        }
+    }
+    assert!(checked >= 40, "only {checked} flags written");
+}
