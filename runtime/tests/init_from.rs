@@ -235,13 +235,19 @@ fn weights_that_do_not_fit_are_refused_naming_the_file_and_the_tensor() {
     let tmp = tempfile::tempdir().unwrap();
     let junk = tmp.path().join("junk.pt");
     std::fs::write(&junk, "not weights").unwrap();
+    // A safetensors header naming 16 bytes of data, and none after it: a file cut short.
+    let cut = tmp.path().join("cut.safetensors");
+    let header = r#"{"w":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}"#;
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend(header.as_bytes());
+    std::fs::write(&cut, bytes).unwrap();
     let resnet = fixtures().join("resnet50.pt");
     let vgg = fixtures().join("vgg16.pt");
     let bert = fixtures().join("transformer.pt");
     let mut three_layers = [&["--model", "transformer"][..], &TRANSFORMER[..]].concat();
     let layers = three_layers.iter().position(|a| *a == "--layers").unwrap() + 1;
     three_layers[layers] = "3";
-    let cases: [(Vec<&str>, &Path, &str); 4] = [
+    let cases: [(Vec<&str>, &Path, &str); 5] = [
         // Ten classes saved, five asked for.
         (
             vec!["--model", "vgg16", "--image-size", "32", "--num-classes", "5"],
@@ -260,6 +266,11 @@ fn weights_that_do_not_fit_are_refused_naming_the_file_and_the_tensor() {
             &junk,
             "neither a torch.save state dict nor a safetensors file",
         ),
+        (
+            vec!["--model", "mlp"],
+            &cut,
+            "it is cut short (its header names more bytes than the file holds)",
+        ),
     ];
     for (args, file, expected) in cases {
         let out = run(&[
@@ -268,7 +279,7 @@ fn weights_that_do_not_fit_are_refused_naming_the_file_and_the_tensor() {
         ]
         .concat());
         let stderr = out.stderr();
-        assert_eq!(out.output.status.code(), Some(1), "{stderr}");
+        assert_eq!(out.output.status.code(), Some(2), "{stderr}");
         assert!(stderr.contains(expected), "{expected}: {stderr}");
         assert!(
             stderr.contains(file.to_str().unwrap()),

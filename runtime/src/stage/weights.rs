@@ -16,7 +16,11 @@ use super::Stage;
 /// saved from DDP) is dropped.
 pub fn read(path: &Path) -> Result<HashMap<String, Tensor>, String> {
     let named = match path.extension().and_then(|e| e.to_str()) {
-        Some("safetensors") => Tensor::read_safetensors(path).map_err(|e| e.to_string()),
+        Some("safetensors") => {
+            // Opened first, so that a missing or unreadable file says so in words.
+            std::fs::File::open(path).map_err(|e| format!("cannot open it: {e}"))?;
+            Tensor::read_safetensors(path).map_err(|e| safetensors_reason(&e.to_string()))
+        }
         _ => super::torch_save::read(path)
             .or_else(|zip| Tensor::load_multi(path).map_err(|_| zip))
             .map_err(|e| {
@@ -34,6 +38,40 @@ pub fn read(path: &Path) -> Result<HashMap<String, Tensor>, String> {
             false => (name, t),
         })
         .collect())
+}
+
+/// Why a safetensors file could not be read, in words: tch reports the safetensors crate's error
+/// by its variant's name (`MetadataIncompleteBuffer`); the rest is kept as it is.
+fn safetensors_reason(error: &str) -> String {
+    let said = [
+        (
+            "MetadataIncompleteBuffer",
+            "it is cut short (its header names more bytes than the file holds)",
+        ),
+        (
+            "HeaderTooSmall",
+            "it is cut short (shorter than a safetensors header)",
+        ),
+        (
+            "InvalidHeader",
+            "it is not a safetensors file (its header does not read as one)",
+        ),
+        (
+            "HeaderTooLarge",
+            "it is not a safetensors file (its header's length is not one's)",
+        ),
+        (
+            "InvalidOffset",
+            "its header's offsets do not fit its data: the file is damaged",
+        ),
+        (
+            "TensorInvalidInfo",
+            "its header's shapes do not fit its data: the file is damaged",
+        ),
+    ];
+    said.iter()
+        .find(|(variant, _)| error.contains(variant))
+        .map_or_else(|| error.to_string(), |(_, words)| words.to_string())
 }
 
 /// Why named tensors do not fit a stage.
@@ -125,5 +163,45 @@ impl Stage {
             };
             format!("--init-from {source}: {misfit}{advice}")
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_safetensors_file_that_cannot_be_read_says_why_in_words() {
+        let dir = tempfile::tempdir().unwrap();
+        let whole = dir.path().join("whole.safetensors");
+        let named = [(
+            "w".to_string(),
+            Tensor::ones([64, 64], (tch::Kind::Float, tch::Device::Cpu)),
+        )];
+        Tensor::write_safetensors(&named, &whole).unwrap();
+        assert_eq!(read(&whole).unwrap().len(), 1);
+        let bytes = std::fs::read(&whole).unwrap();
+        let cases = [
+            (
+                bytes[..bytes.len() / 2].to_vec(),
+                "it is cut short (its header names more bytes",
+            ),
+            (
+                bytes[..4].to_vec(),
+                "it is cut short (shorter than a safetensors header)",
+            ),
+            (
+                b"not a safetensors file at all".to_vec(),
+                "it is not a safetensors file",
+            ),
+        ];
+        for (content, expected) in cases {
+            let path = dir.path().join("damaged.safetensors");
+            std::fs::write(&path, content).unwrap();
+            let said = read(&path).unwrap_err();
+            assert!(said.starts_with(expected), "{said}");
+        }
+        let said = read(&dir.path().join("missing.safetensors")).unwrap_err();
+        assert!(said.starts_with("cannot open it: No such file"), "{said}");
     }
 }

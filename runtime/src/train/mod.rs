@@ -807,7 +807,10 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
         (config.precision == Precision::Fp16).then(|| GradScaler::new(device, config.fp16_init_scale));
     let init_from = |stage: &mut Stage| -> anyhow::Result<()> {
         if let Some(path) = &config.init_from {
-            let loaded = stage.init_from(path).map_err(anyhow::Error::msg)?;
+            // A file that is not there or does not fit the model is a bad argument.
+            let loaded = stage
+                .init_from(path)
+                .map_err(|e| anyhow::Error::new(Refused(anyhow::Error::msg(e))))?;
             eprintln!(
                 "runtime: rank {}: {loaded} parameters and buffers from {}",
                 dist.rank,
