@@ -241,6 +241,20 @@ pub async fn run_loaded(
     if plan.backend == Backend::Process && options.container_mode == ContainerMode::PerHost {
         stderr_line!("warning: --launch-single-container is ignored with the process backend");
     }
+    if plan.backend != Backend::Docker && loaded.file.container.is_some() {
+        let at = loaded
+            .locate("container")
+            .map(|at| format!(" ({}:{})", loaded.path.display(), at.line));
+        stderr_line!(
+            "warning: `container:`{} is ignored with the {} backend: the ranks run this machine's \
+             runtime",
+            at.unwrap_or_default(),
+            match plan.backend {
+                Backend::Slurm => "slurm",
+                _ => "process",
+            }
+        );
+    }
     let ssh = hosts::SshOptions {
         config_file: options.ssh_config.clone(),
     };

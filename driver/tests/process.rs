@@ -48,6 +48,32 @@ fn two_ranks_succeed_and_the_record_has_everything() {
     h.assert_no_processes();
 }
 
+/// Container settings do nothing with the process backend, and a run says so, with where the
+/// file writes them.
+#[test]
+fn container_settings_are_said_to_be_ignored_with_the_process_backend() {
+    let h = Harness::new("proc-container");
+    let config = h.config(&format!(
+        "backend: process\nmachines: [localhost]\ncontainer: some-image:1\n\
+         command: ['{FAKE_RANK}', --iterations, '1']\n"
+    ));
+    let run = h.run(&config, &["--launch-single-container"]);
+    let stderr = run.stderr();
+    assert_eq!(run.code(), 0, "{stderr}");
+    assert!(
+        stderr.contains(&format!(
+            "warning: `container:` ({}:4) is ignored with the process backend",
+            config.display()
+        )),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("warning: --launch-single-container is ignored with the process backend"),
+        "{stderr}"
+    );
+    h.assert_no_processes();
+}
+
 #[test]
 fn quiet_prints_only_the_outcome() {
     let h = Harness::new("proc-quiet");
