@@ -76,6 +76,35 @@ impl Scratch {
     }
 }
 
+impl Scratch {
+    /// Two ranks of its stage config, 1F1B with 4 microbatches, training the MLP for
+    /// `iterations` with `extra`.
+    fn pipeline(&self, iterations: &str, extra: &[&str]) -> Vec<Run> {
+        let config = self.arg("stages.json");
+        let pipeline = [
+            "--stage-config",
+            &config,
+            "--schedule",
+            "1f1b",
+            "--microbatches",
+            "4",
+        ];
+        run_ranks(
+            2,
+            &strs(&mlp(iterations, &[&pipeline[..], extra].concat())),
+            LIMIT,
+        )
+    }
+}
+
+/// The last stage's losses, once every rank has succeeded.
+fn all_succeeded(runs: &[Run]) -> Vec<f64> {
+    for run in runs {
+        assert!(run.output.status.success(), "{}", run.stderr());
+    }
+    runs[1].losses()
+}
+
 /// The iterations of the checkpoint folders rank `rank` holds, ascending.
 fn held(ckpt: &Path, rank: usize) -> Vec<u64> {
     let mut held: Vec<u64> = std::fs::read_dir(ckpt.join(format!("rank-{rank}")))
@@ -266,21 +295,9 @@ fn killed_while_writing_4(rank_dir: &Path) {
 fn ranks_a_checkpoint_apart_resume_from_the_newest_iteration_all_of_them_hold() {
     let scratch = Scratch::new(PIPELINE);
     let [whole, resumed, ckpt] = ["whole", "resumed", "ckpt"].map(|name| scratch.path(name));
-    let [w, r, c, s] = &["whole", "resumed", "ckpt", "stages.json"].map(|name| scratch.arg(name));
-    let pipeline = ["--stage-config", s, "--schedule", "1f1b", "--microbatches", "4"];
-    let ranks = |iterations: &str, extra: &[&str]| -> Vec<Run> {
-        run_ranks(
-            2,
-            &strs(&mlp(iterations, &[&pipeline[..], extra].concat())),
-            LIMIT,
-        )
-    };
-    let ok = |runs: &[Run]| -> Vec<f64> {
-        for run in runs {
-            assert!(run.output.status.success(), "{}", run.stderr());
-        }
-        runs[1].losses()
-    };
+    let [w, r, c] = &["whole", "resumed", "ckpt"].map(|name| scratch.arg(name));
+    let ranks = |iterations: &str, extra: &[&str]| scratch.pipeline(iterations, extra);
+    let ok = all_succeeded;
     let never_stopped = ok(&ranks("6", &["--save-params", w]));
     let every_two = ["--checkpoint-dir", c, "--checkpoint-every", "2"];
     ok(&ranks("4", &every_two));
@@ -359,21 +376,9 @@ fn flip_a_bit(path: &Path) {
 fn a_damaged_checkpoint_is_passed_over_for_the_one_before_it_and_never_loaded() {
     let scratch = Scratch::new(PIPELINE);
     let [whole, resumed, ckpt] = ["whole", "resumed", "ckpt"].map(|name| scratch.path(name));
-    let [w, r, c, s] = &["whole", "resumed", "ckpt", "stages.json"].map(|name| scratch.arg(name));
-    let pipeline = ["--stage-config", s, "--schedule", "1f1b", "--microbatches", "4"];
-    let ranks = |iterations: &str, extra: &[&str]| -> Vec<Run> {
-        run_ranks(
-            2,
-            &strs(&mlp(iterations, &[&pipeline[..], extra].concat())),
-            LIMIT,
-        )
-    };
-    let ok = |runs: &[Run]| -> Vec<f64> {
-        for run in runs {
-            assert!(run.output.status.success(), "{}", run.stderr());
-        }
-        runs[1].losses()
-    };
+    let [w, r, c] = &["whole", "resumed", "ckpt"].map(|name| scratch.arg(name));
+    let ranks = |iterations: &str, extra: &[&str]| scratch.pipeline(iterations, extra);
+    let ok = all_succeeded;
     let never_stopped = ok(&ranks("6", &["--save-params", w]));
     let every_two = ["--checkpoint-dir", c, "--checkpoint-every", "2"];
     ok(&ranks("4", &every_two));

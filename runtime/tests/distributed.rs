@@ -636,13 +636,10 @@ fn exit_within(
     }
 }
 
-/// A replica that hangs (stopped, not dead: its sockets stay open) ends the other within about one
-/// `--comm-timeout`, not one per gradient bucket in flight: the buckets started after the one that
-/// timed out fail at once, as Gloo closes its connection to the hung peer at the first timeout.
-/// Eleven buckets (0.5 MiB at most, a 1 MiB weight in one of its own): a wait of its own for each
-/// would take nearly a minute. Measured on 2 cores: 5.1 s, overlapped or not.
-#[test]
-fn a_hung_replica_ends_the_others_within_one_timeout_not_one_per_bucket() {
+/// Runs two ranks with `args` (each given its rank and a port), stops rank 1 once it has done
+/// three iterations (SIGSTOP: hung, not dead, its sockets open), and returns how rank 0 ended,
+/// how long after the stop, and its stderr; rank 0 failing to end within `limit` fails the test.
+fn hang_rank_1(args: &[&str], limit: Duration, what: &str) -> (std::process::ExitStatus, Duration, String) {
     struct Reaped(std::process::Child);
     impl Drop for Reaped {
         fn drop(&mut self) {
@@ -650,101 +647,11 @@ fn a_hung_replica_ends_the_others_within_one_timeout_not_one_per_bucket() {
             let _ = self.0.wait();
         }
     }
-    let tmp = tempfile::tempdir().unwrap();
-    let config = tmp.path().join("replicas.json");
-    std::fs::write(
-        &config,
-        r#"{"module_to_stage_map": [0,0,0,0,0,0,0,0], "stage_to_rank_map": {"0": [0,1]}}"#,
-    )
-    .unwrap();
-    let base = "--model mlp --layers 6 --hidden 512 --image-size 8 --batch-size 16 --threads 1 --seed 3 \
-                --lr 0.01 --iterations 100000 --world-size 2 --comm-timeout 5 --bucket-mb 0.5";
-    for overlap in ["off", "on"] {
-        let port = free_port().to_string();
-        let spawn = |rank: &str| {
-            let child = runtime()
-                .args(words(base))
-                .args(["--stage-config", config.to_str().unwrap(), "--rank", rank])
-                .args(["--master-port", &port, "--overlap-reduce", overlap])
-                .stdout(std::process::Stdio::piped())
-                .stderr(std::process::Stdio::piped())
-                .spawn()
-                .unwrap();
-            Reaped(child)
-        };
-        let mut first = spawn("0");
-        let mut second = spawn("1");
-        let stdout = second.0.stdout.take().unwrap();
-        let mut lines = std::io::BufRead::lines(std::io::BufReader::new(stdout));
-        let mut seen = 0;
-        while seen < 3 {
-            let line = lines.next().expect("rank 1 trains").unwrap();
-            seen += usize::from(line.contains(r#""event":"iteration""#));
-        }
-        let pid = second.0.id().to_string();
-        let stopped = std::process::Command::new("kill")
-            .args(["-STOP", &pid])
-            .status()
-            .unwrap();
-        assert!(stopped.success(), "kill -STOP {pid}");
-        let hung = Instant::now();
-        let after = format!("after its peer hung (--overlap-reduce {overlap})");
-        let status = exit_within(&mut first.0, hung, Duration::from_secs(40), &after);
-        let took = hung.elapsed();
-        let mut stderr = String::new();
-        std::io::Read::read_to_string(&mut first.0.stderr.take().unwrap(), &mut stderr).unwrap();
-        assert!(!status.success(), "{stderr}");
-        // The first bucket waited for says why it failed: the timeout itself, or the closed
-        // connection another bucket's timeout left ("application timeout caused pair closure").
-        assert!(
-            stderr.contains("all_reduce_sum failed") && stderr.contains("(timeout 5s)"),
-            "{stderr}"
-        );
-        // One timeout, plus the time the peer took to stop and a busy machine's slack; one wait per
-        // bucket would be 11 timeouts.
-        assert!(
-            took < Duration::from_secs(15),
-            "--overlap-reduce {overlap}: took {took:?}: {stderr}"
-        );
-    }
-}
-
-/// A pipeline stage that hangs ends the stage before it within about one `--comm-timeout`: its
-/// receive times out, and its sends still pending, which a stopped peer never asks for, are let
-/// go at once (each was waited for a whole timeout more: 16.1 s with a timeout of 8 s, measured
-/// on 2 cores; 8.1 s now).
-#[test]
-fn a_hung_pipeline_stage_ends_the_one_before_it_within_one_timeout() {
-    struct Reaped(std::process::Child);
-    impl Drop for Reaped {
-        fn drop(&mut self) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
-    let tmp = tempfile::tempdir().unwrap();
-    let config = two_stages(tmp.path());
     let port = free_port().to_string();
     let spawn = |rank: &str| {
         let child = runtime()
-            .args(words(MLP_BASE))
-            .args([
-                "--lr",
-                "0.01",
-                "--iterations",
-                "100000",
-                "--stage-config",
-                &config,
-            ])
+            .args(args)
             .args(["--world-size", "2", "--rank", rank, "--master-port", &port])
-            .args([
-                "--comm-timeout",
-                "10",
-                "--schedule",
-                "gpipe",
-                "--microbatches",
-                "8",
-            ])
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped())
             .spawn()
@@ -767,10 +674,74 @@ fn a_hung_pipeline_stage_ends_the_one_before_it_within_one_timeout() {
         .unwrap();
     assert!(stopped.success(), "kill -STOP {pid}");
     let hung = Instant::now();
-    let status = exit_within(&mut first.0, hung, Duration::from_secs(60), "after stage 1 hung");
+    let status = exit_within(&mut first.0, hung, limit, &format!("after rank 1 hung ({what})"));
     let took = hung.elapsed();
     let mut stderr = String::new();
     std::io::Read::read_to_string(&mut first.0.stderr.take().unwrap(), &mut stderr).unwrap();
+    (status, took, stderr)
+}
+
+/// A replica that hangs (stopped, not dead: its sockets stay open) ends the other within about one
+/// `--comm-timeout`, not one per gradient bucket in flight: the buckets started after the one that
+/// timed out fail at once, as Gloo closes its connection to the hung peer at the first timeout.
+/// Eleven buckets (0.5 MiB at most, a 1 MiB weight in one of its own): a wait of its own for each
+/// would take nearly a minute. Measured on 2 cores: 5.1 s, overlapped or not.
+#[test]
+fn a_hung_replica_ends_the_others_within_one_timeout_not_one_per_bucket() {
+    let tmp = tempfile::tempdir().unwrap();
+    let config = tmp.path().join("replicas.json");
+    std::fs::write(
+        &config,
+        r#"{"module_to_stage_map": [0,0,0,0,0,0,0,0], "stage_to_rank_map": {"0": [0,1]}}"#,
+    )
+    .unwrap();
+    let base = "--model mlp --layers 6 --hidden 512 --image-size 8 --batch-size 16 --threads 1 --seed 3 \
+                --lr 0.01 --iterations 100000 --comm-timeout 5 --bucket-mb 0.5";
+    for overlap in ["off", "on"] {
+        let args = [
+            &words(base)[..],
+            &[
+                "--stage-config",
+                config.to_str().unwrap(),
+                "--overlap-reduce",
+                overlap,
+            ],
+        ]
+        .concat();
+        let what = format!("--overlap-reduce {overlap}");
+        let (status, took, stderr) = hang_rank_1(&args, Duration::from_secs(40), &what);
+        assert!(!status.success(), "{stderr}");
+        // The first bucket waited for says why it failed: the timeout itself, or the closed
+        // connection another bucket's timeout left ("application timeout caused pair closure").
+        assert!(
+            stderr.contains("all_reduce_sum failed") && stderr.contains("(timeout 5s)"),
+            "{stderr}"
+        );
+        // One timeout, plus the time the peer took to stop and a busy machine's slack; one wait per
+        // bucket would be 11 timeouts.
+        assert!(took < Duration::from_secs(15), "{what}: took {took:?}: {stderr}");
+    }
+}
+
+/// A pipeline stage that hangs ends the stage before it within about one `--comm-timeout`: its
+/// receive times out, and its sends still pending, which a stopped peer never asks for, are let
+/// go at once (each was waited for a whole timeout more: 16.1 s with a timeout of 8 s, measured
+/// on 2 cores; 8.1 s now).
+#[test]
+fn a_hung_pipeline_stage_ends_the_one_before_it_within_one_timeout() {
+    let tmp = tempfile::tempdir().unwrap();
+    let config = two_stages(tmp.path());
+    let pipeline = [
+        "--stage-config",
+        &config,
+        "--schedule",
+        "gpipe",
+        "--microbatches",
+        "8",
+    ];
+    let rest = ["--lr", "0.01", "--iterations", "100000", "--comm-timeout", "10"];
+    let args = [&words(MLP_BASE)[..], &pipeline, &rest].concat();
+    let (status, took, stderr) = hang_rank_1(&args, Duration::from_secs(60), "stage 1");
     assert!(!status.success(), "{stderr}");
     assert!(
         stderr.contains("with rank 1 failed") && stderr.contains("(timeout 10s)"),
