@@ -97,6 +97,21 @@ impl Scratch {
     }
 }
 
+/// What the pipeline resume tests start from: a run of 6 iterations never stopped (its
+/// parameters in `whole`, its losses returned) and one of 4 that checkpointed every 2 in `ckpt`.
+fn checkpointed_every_two_up_to_4() -> (Scratch, Vec<f64>) {
+    let scratch = Scratch::new(PIPELINE);
+    let never_stopped = all_succeeded(&scratch.pipeline("6", &["--save-params", &scratch.arg("whole")]));
+    let every_two = [
+        "--checkpoint-dir",
+        &scratch.arg("ckpt"),
+        "--checkpoint-every",
+        "2",
+    ];
+    all_succeeded(&scratch.pipeline("4", &every_two));
+    (scratch, never_stopped)
+}
+
 /// The last stage's losses, once every rank has succeeded.
 fn all_succeeded(runs: &[Run]) -> Vec<f64> {
     for run in runs {
@@ -293,14 +308,12 @@ fn killed_while_writing_4(rank_dir: &Path) {
 /// with what each holds.
 #[test]
 fn ranks_a_checkpoint_apart_resume_from_the_newest_iteration_all_of_them_hold() {
-    let scratch = Scratch::new(PIPELINE);
+    let (scratch, never_stopped) = checkpointed_every_two_up_to_4();
     let [whole, resumed, ckpt] = ["whole", "resumed", "ckpt"].map(|name| scratch.path(name));
-    let [w, r, c] = &["whole", "resumed", "ckpt"].map(|name| scratch.arg(name));
+    let [r, c] = &["resumed", "ckpt"].map(|name| scratch.arg(name));
     let ranks = |iterations: &str, extra: &[&str]| scratch.pipeline(iterations, extra);
     let ok = all_succeeded;
-    let never_stopped = ok(&ranks("6", &["--save-params", w]));
     let every_two = ["--checkpoint-dir", c, "--checkpoint-every", "2"];
-    ok(&ranks("4", &every_two));
     assert_eq!(held(&ckpt, 0), [2, 4], "the one before the latest stays");
     killed_while_writing_4(&ckpt.join("rank-1"));
 
@@ -374,14 +387,12 @@ fn flip_a_bit(path: &Path) {
 /// the resume is refused saying which file is damaged and how.
 #[test]
 fn a_damaged_checkpoint_is_passed_over_for_the_one_before_it_and_never_loaded() {
-    let scratch = Scratch::new(PIPELINE);
+    let (scratch, never_stopped) = checkpointed_every_two_up_to_4();
     let [whole, resumed, ckpt] = ["whole", "resumed", "ckpt"].map(|name| scratch.path(name));
-    let [w, r, c] = &["whole", "resumed", "ckpt"].map(|name| scratch.arg(name));
+    let [r, c] = &["resumed", "ckpt"].map(|name| scratch.arg(name));
     let ranks = |iterations: &str, extra: &[&str]| scratch.pipeline(iterations, extra);
     let ok = all_succeeded;
-    let never_stopped = ok(&ranks("6", &["--save-params", w]));
     let every_two = ["--checkpoint-dir", c, "--checkpoint-every", "2"];
-    ok(&ranks("4", &every_two));
     let params_4 = ckpt.join("rank-1/iter-4/params.safetensors");
     flip_a_bit(&params_4);
 
