@@ -17,7 +17,17 @@ pub enum GridError {
         value: String,
         message: String,
     },
+    #[error(
+        "the grid has {points} points ({shape}), more than the {MAX_POINTS} a sweep may run; \
+         give fewer values"
+    )]
+    TooLarge { points: u128, shape: String },
 }
+
+/// The most points a grid may have (before its repetitions): a sweep rewrites its index after
+/// every point, and a grid past this is a typo (a million points wrote a 318 MB index in 10 s
+/// without running one).
+pub const MAX_POINTS: u128 = 10_000;
 
 /// One run of the sweep: a value for every axis, and which repetition.
 #[derive(Debug, Clone, PartialEq)]
@@ -32,12 +42,25 @@ pub struct Point {
 
 /// The file's axes with the command line's: a `--grid` key replaces the file's axis of that key
 /// in place, other `--grid` keys come after. Values from the command line are read as YAML
-/// scalars (`32` a number, `gpipe` a string).
-pub fn combine(file: &[Axis], command_line: &[(String, Vec<String>)]) -> Vec<Axis> {
+/// scalars (`32` a number, `gpipe` a string). A key given twice on the command line (under any
+/// spelling) is refused: the second would drop the first's values.
+pub fn combine(file: &[Axis], command_line: &[(String, Vec<String>)]) -> Result<Vec<Axis>, GridError> {
     let mut axes = file.to_vec();
-    for (key, values) in command_line {
+    for (i, (key, values)) in command_line.iter().enumerate() {
         let values: Vec<serde_json::Value> = values.iter().map(|v| config::parse_scalar(v)).collect();
         let canonical = config::canonical_key(key);
+        if let Some((first, _)) = command_line[..i]
+            .iter()
+            .find(|(k, _)| config::canonical_key(k) == canonical)
+        {
+            return Err(GridError::Key {
+                key: key.clone(),
+                message: format!(
+                    "is given twice with --grid (as `{first}` too); give all its values in one: \
+                     --grid {key}=V1,V2"
+                ),
+            });
+        }
         match axes
             .iter_mut()
             .find(|a| config::canonical_key(&a.key) == canonical)
@@ -49,13 +72,24 @@ pub fn combine(file: &[Axis], command_line: &[(String, Vec<String>)]) -> Vec<Axi
             }),
         }
     }
-    axes
+    Ok(axes)
 }
 
 /// Checks every key and value against the experiment file's keys and types.
 pub fn check(axes: &[Axis]) -> Result<(), GridError> {
     if axes.is_empty() {
         return Err(GridError::Empty);
+    }
+    let points = axes
+        .iter()
+        .fold(1u128, |n, a| n.saturating_mul(a.values.len() as u128));
+    if points > MAX_POINTS {
+        let shape = axes
+            .iter()
+            .map(|a| format!("{} {}", a.values.len(), a.key))
+            .collect::<Vec<_>>()
+            .join(" x ");
+        return Err(GridError::TooLarge { points, shape });
     }
     for (i, axis) in axes.iter().enumerate() {
         let canonical = config::canonical_key(&axis.key);
@@ -179,7 +213,8 @@ mod tests {
                 ("batch_size", "16,32"),
                 ("schedule", "1f1b"),
             ]),
-        );
+        )
+        .unwrap();
         assert_eq!(axes.len(), 4, "{axes:?}");
         assert_eq!(axes[0].key, "model", "kept in place, under the file's spelling");
         assert_eq!(axes[0].values, [json!("mlp"), json!("resnet18")]);
@@ -207,5 +242,24 @@ mod tests {
             insta::assert_snapshot!(format!("grid_{name}"), message);
         }
         assert!(matches!(check(&[]), Err(GridError::Empty)));
+    }
+
+    #[test]
+    fn a_key_given_twice_on_the_command_line_or_a_grid_too_large_is_refused() {
+        for twice in [
+            &[("batch_size", "8"), ("batch_size", "16")][..],
+            &[("lr", "0.1,0.01"), ("learning_rate", "0.5")],
+        ] {
+            let said = combine(&[], &grid(twice)).expect_err("refused").to_string();
+            assert!(said.contains("is given twice with --grid"), "{said}");
+        }
+        let thousand: Vec<serde_json::Value> = (0..1000).map(|i| json!(i)).collect();
+        let axes = [axis("seed", &thousand), axis("threads", &thousand[..11])];
+        assert_eq!(
+            check(&axes).expect_err("too large").to_string(),
+            "the grid has 11000 points (1000 seed x 11 threads), more than the 10000 a sweep may run; \
+             give fewer values"
+        );
+        check(&axes[..1]).unwrap();
     }
 }

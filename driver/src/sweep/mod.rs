@@ -217,11 +217,12 @@ fn new_index(
         .as_ref()
         .map(|s| s.axes.clone())
         .unwrap_or_default();
-    let axes = grid::combine(&file_axes, grid);
-    grid::check(&axes).map_err(|source| SweepError::Grid {
-        path: config_file.to_path_buf(),
-        source,
-    })?;
+    let axes = grid::combine(&file_axes, grid)
+        .and_then(|axes| grid::check(&axes).map(|()| axes))
+        .map_err(|source| SweepError::Grid {
+            path: config_file.to_path_buf(),
+            source,
+        })?;
     let name = crate::experiment::experiment_name(&loaded);
     let points: Vec<Point> = grid::expand(&axes, repeat);
     let width = (points.len().saturating_sub(1)).to_string().len();
