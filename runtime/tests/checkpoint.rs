@@ -763,12 +763,22 @@ fn a_run_that_fails_to_start_loses_no_checkpoint_and_an_unwritable_folder_fails_
     // A folder under a file cannot be made, whoever runs the test (root included).
     let file = tmp.path().join("a-file");
     std::fs::write(&file, "").unwrap();
+    // It is a bad argument (exit 2), found by `--check` too.
     for flag in ["--checkpoint-dir", "--save-params"] {
-        let under = file.join("dir");
-        let out = run(&strs(&mlp("3", &[flag, under.to_str().unwrap()])));
-        let stderr = out.stderr();
-        assert!(!out.output.status.success(), "{stderr}");
-        assert!(out.events.is_empty(), "{flag}: trained first: {stderr}");
-        assert!(stderr.contains(&format!("{flag}: cannot create")), "{stderr}");
+        for folder in [file.clone(), file.join("dir")] {
+            let folder = folder.to_str().unwrap();
+            for check in [&[][..], &["--check"]] {
+                let out = run(&strs(&mlp("3", &[&[flag, folder][..], check].concat())));
+                let stderr = out.stderr();
+                assert_eq!(
+                    out.output.status.code(),
+                    Some(2),
+                    "{flag} {folder} {check:?}: {stderr}"
+                );
+                assert!(out.events.is_empty(), "{flag}: trained first: {stderr}");
+                let said = format!("{flag}: {} is a file, not a folder", file.display());
+                assert!(stderr.contains(&said), "{stderr}");
+            }
+        }
     }
 }

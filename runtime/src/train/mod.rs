@@ -184,6 +184,12 @@ fn meet_at_the_end(links: &Links) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `e` as a bad argument (exit 2): a folder given that cannot be written, as `--check` refuses
+/// one that is a file.
+fn refused_arg(e: anyhow::Error) -> anyhow::Error {
+    anyhow::Error::new(Refused(e))
+}
+
 /// Makes folder `dir` (`flag`'s) and writes and removes a file in it, so that a run that could
 /// not write there fails before its first iteration rather than after its last.
 fn writable(dir: &std::path::Path, flag: &str) -> anyhow::Result<()> {
@@ -587,6 +593,18 @@ fn check_plan(config: &TrainConfig) -> anyhow::Result<Checked> {
         );
     }
     let identity = identity(config, &model, &plan, microbatches);
+    let folders = [
+        config.checkpoint.as_ref().map(|c| ("--checkpoint-dir", &c.dir)),
+        config.save_params.as_ref().map(|dir| ("--save-params", dir)),
+    ];
+    for (flag, dir) in folders.into_iter().flatten() {
+        if let Some(file) = dir.ancestors().find(|p| p.is_file()) {
+            bail!(
+                "{flag}: {} is a file, not a folder; give a folder (made if missing)",
+                file.display()
+            );
+        }
+    }
     let resume = match &config.checkpoint {
         Some(c) if c.resume == Resume::Required => {
             Some(checkpoint::read_latest(&c.dir, &identity).map_err(anyhow::Error::msg)?)
@@ -826,10 +844,10 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
     }
     // Where this run will write is found writable now, not after its iterations.
     if let Some(c) = &config.checkpoint {
-        writable(&checkpoint::rank_dir(&c.dir, dist.rank), "--checkpoint-dir")?;
+        writable(&checkpoint::rank_dir(&c.dir, dist.rank), "--checkpoint-dir").map_err(refused_arg)?;
     }
     if let Some(dir) = &config.save_params {
-        writable(dir, "--save-params")?;
+        writable(dir, "--save-params").map_err(refused_arg)?;
     }
     if config.checkpoint.is_some() {
         crate::signals::catch_term().map_err(anyhow::Error::msg)?;
