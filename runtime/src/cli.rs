@@ -579,14 +579,14 @@ impl Cli {
         match self.command {
             Some(Sub::Modules(m)) => Ok(Command::Modules(ModulesConfig {
                 model: m.model.into_choice(None)?,
-                batch_size: positive("--batch-size", m.batch_size)?,
+                batch_size: batch_size(m.batch_size)?,
                 json: m.json,
             })),
             Some(Sub::Profile(p)) => Ok(Command::Profile(ProfileConfig {
                 model: p
                     .model
                     .into_choice(p.data.as_deref().map(DataSpec::parse).transpose()?.as_ref())?,
-                batch_size: positive("--batch-size", p.batch_size)?,
+                batch_size: batch_size(p.batch_size)?,
                 device: DeviceSpec::parse(&p.device)?,
                 threads: p.threads.map(|t| positive("--threads", t)).transpose()?,
                 host_memory: p.host_memory.into(),
@@ -766,7 +766,7 @@ impl TrainArgs {
         let optimizer = self.optimizer_kind()?;
         let data = DataSpec::parse(&self.data)?;
         let (augment, data_workers) = self.image_loading(&data)?;
-        let batch_size = positive("--batch-size", self.batch_size)?;
+        let batch_size = batch_size(self.batch_size)?;
         let (iterations, lr_schedule) = self.lr_schedule(&data, batch_size)?;
         let devices = self.devices()?;
         let model = self.model.into_choice(Some(&data))?;
@@ -1378,11 +1378,26 @@ fn positive(flag: &'static str, value: usize) -> Result<usize, ConfigError> {
     Ok(value)
 }
 
+/// The most samples a minibatch may have (`--batch-size`): 2^24, past any run's, so that no size
+/// computed from it wraps (2^32 wrapped to a negative tensor size and panicked).
+const MAX_BATCH_SIZE: usize = 1 << 24;
+
+/// `--batch-size`, from 1 to [`MAX_BATCH_SIZE`].
+fn batch_size(value: usize) -> Result<usize, ConfigError> {
+    if value > MAX_BATCH_SIZE {
+        return Err(ConfigError::Invalid {
+            flag: "--batch-size",
+            reason: format!("{value} is more than a minibatch may have: give at most {MAX_BATCH_SIZE}"),
+        });
+    }
+    positive("--batch-size", value)
+}
+
 fn positive_seconds(flag: &'static str, value: f64) -> Result<f64, ConfigError> {
     if !(value.is_finite() && value > 0.0 && value <= 3600.0) {
         return Err(ConfigError::Invalid {
             flag,
-            reason: format!("{value} is not a number of seconds between 0 and 3600"),
+            reason: format!("{value} is not a number of seconds above 0 and at most 3600"),
         });
     }
     Ok(value)
@@ -1598,6 +1613,35 @@ mod tests {
         ] {
             assert_eq!(warnings(&args), Vec::<String>::new(), "{args:?}");
         }
+    }
+
+    #[test]
+    fn sizes_past_any_models_are_refused_naming_their_flag() {
+        let cases = [
+            (
+                &["--batch-size", "4294967296"][..],
+                "--batch-size: 4294967296 is more than a minibatch may have",
+            ),
+            (
+                &["--hidden", "99999999999"],
+                "--hidden: 99999999999 is not a size from 1 to 1048576",
+            ),
+            (
+                &["--layers", "100000000"],
+                "--layers: 100000000 is not a size from 1 to 4096",
+            ),
+            (&["--hidden", "0"], "--hidden: 0 is not a size from 1 to 1048576"),
+            (
+                &["--image-size", "100000"],
+                "--image-size: 100000 is not a size from 1 to 65536",
+            ),
+        ];
+        for (args, expected) in cases {
+            let said = check(&[&["--model", "mlp"][..], args].concat()).unwrap_err();
+            assert!(said.starts_with(expected), "{args:?}: {said}");
+        }
+        let said = check(&["--model", "transformer", "--seq-len", "100000000"]).unwrap_err();
+        assert!(said.starts_with("--seq-len: 100000000 is not a size"), "{said}");
     }
 
     #[test]

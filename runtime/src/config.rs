@@ -150,6 +150,15 @@ impl ModelChoice {
     }
 }
 
+/// The most layers a model may be given (`--layers`): GPT-3 has 96.
+const MAX_LAYERS: i64 = 4096;
+/// The most a hidden width or sequence may be (`--hidden`, `--seq-len`): 2^20.
+const MAX_WIDTH: i64 = 1 << 20;
+/// The most classes or tokens (`--num-classes`, `--vocab-size`): 2^24.
+const MAX_CLASSES: i64 = 1 << 24;
+/// The most pixels an image's side may have (`--image-size`): 2^16.
+const MAX_IMAGE_SIZE: i64 = 1 << 16;
+
 fn check_options(name: &str, o: &ModelOptions) -> Result<(), ConfigError> {
     let invalid = |flag, reason: String| Err(ConfigError::Invalid { flag, reason });
     if o.num_classes < 1 {
@@ -170,11 +179,24 @@ fn check_options(name: &str, o: &ModelOptions) -> Result<(), ConfigError> {
             format!("{name} needs images of at least {min_image} pixels"),
         );
     }
-    if o.layers < 1 || o.hidden < 1 || o.seq_len < 1 || o.vocab_size < 1 {
-        return invalid(
-            "--layers/--hidden/--seq-len/--vocab-size",
-            "must be at least 1".into(),
-        );
+    // Each from 1 to a most far past any model trained (whose products still fit an i64 of
+    // elements): a larger one is a typo, which built for minutes or wrapped to a negative size.
+    let sizes = [
+        (
+            "--layers",
+            i64::try_from(o.layers).unwrap_or(i64::MAX),
+            MAX_LAYERS,
+        ),
+        ("--hidden", o.hidden, MAX_WIDTH),
+        ("--seq-len", o.seq_len, MAX_WIDTH),
+        ("--vocab-size", o.vocab_size, MAX_CLASSES),
+        ("--num-classes", o.num_classes, MAX_CLASSES),
+        ("--image-size", o.image_size, MAX_IMAGE_SIZE),
+    ];
+    for (flag, value, most) in sizes {
+        if !(1..=most).contains(&value) {
+            return invalid(flag, format!("{value} is not a size from 1 to {most}"));
+        }
     }
     if name == "transformer" && (o.heads < 1 || o.hidden % o.heads != 0) {
         return invalid(
