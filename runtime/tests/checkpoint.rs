@@ -505,6 +505,15 @@ fn a_checkpoint_of_another_run_or_none_is_refused_with_what_to_do() {
         "no checkpoint of rank 0 in",
     );
     run_ok(&strs(&mlp("2", &["--checkpoint-dir", c])));
+    // Resumed where it already ends: nothing to run, and it says so.
+    let done = run_ok(&strs(&mlp("2", &["--checkpoint-dir", c, "--resume"])));
+    assert!(done.iterations().is_empty());
+    assert!(
+        done.stderr()
+            .contains("nothing left to run: the checkpoint it resumed from had done all 2 iterations"),
+        "{}",
+        done.stderr()
+    );
     refused(
         &mlp("3", &["--checkpoint-dir", c, "--resume", "--optimizer", "adam"]),
         "is of another run: optimizer is \"sgd\" there, \"adam\" here",

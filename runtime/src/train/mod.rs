@@ -1243,10 +1243,14 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
             "{:.1} samples/s (std {:.1})",
             summary.samples_per_sec_mean, summary.samples_per_sec_std
         ),
+        false if first == config.iterations => {
+            format!("nothing left to run: the checkpoint it resumed from had done all {first} iterations")
+        }
         // The summary's 0.0 is no measurement: say so.
         false => format!(
             "no throughput measured (its {} iterations are all within --warmup {})",
-            config.iterations, config.warmup
+            config.iterations - first,
+            config.warmup
         ),
     };
     eprintln!(
