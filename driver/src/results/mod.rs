@@ -97,6 +97,8 @@ pub enum ResultsError {
     UnknownKey { key: String },
     #[error("no row matches --baseline {selector}; give KEY=VALUE, a name, a record id or a run label")]
     Baseline { selector: String },
+    #[error("--sort {spec}: `{direction}` is not a direction; give KEY, KEY:asc or KEY:desc")]
+    SortDirection { spec: String, direction: String },
     #[error("cannot write the plot")]
     Plot(#[from] PlotError),
 }
@@ -109,7 +111,8 @@ impl ResultsError {
             ResultsError::Missing { .. }
             | ResultsError::List { .. }
             | ResultsError::UnknownKey { .. }
-            | ResultsError::Baseline { .. } => crate::exit_codes::INVALID_CONFIG,
+            | ResultsError::Baseline { .. }
+            | ResultsError::SortDirection { .. } => crate::exit_codes::INVALID_CONFIG,
             ResultsError::Plot(_) => crate::exit_codes::RECORD_FAILED,
         }
     }
@@ -150,6 +153,19 @@ pub fn run(options: &ResultsOptions) -> Result<(), ResultsError> {
     let groups = select(options)?;
     stdout_text!("{}", rendered(options, &groups));
     let rows: Vec<read::Row> = groups.into_iter().flat_map(|(_, r)| r).collect();
+    if rows.is_empty() {
+        let paths: Vec<String> = options.paths.iter().map(|p| p.display().to_string()).collect();
+        match options.filters.as_slice() {
+            [] => stderr_line!("driver: no experiment records in {}", paths.join(", ")),
+            filters => {
+                let filters: Vec<String> = filters.iter().map(|(k, v)| format!("{k}={v}")).collect();
+                stderr_line!("driver: no record matches {}", filters.join(" "));
+            }
+        }
+    }
+    if let Some(x) = &options.plot_x {
+        select::check_key(&rows, x)?;
+    }
     if let Some(path) = &options.plot {
         match rows.as_slice() {
             [one] if one.point.is_none() => plot::stages(one, path)?,

@@ -103,7 +103,7 @@ fn known(rows: &[Row], key: &str) -> bool {
         || rows.iter().any(|r| value(r, key).is_some())
 }
 
-fn check_key(rows: &[Row], key: &str) -> Result<(), ResultsError> {
+pub fn check_key(rows: &[Row], key: &str) -> Result<(), ResultsError> {
     if rows.is_empty() || known(rows, key) {
         Ok(())
     } else {
@@ -141,9 +141,16 @@ fn compare(a: &Option<String>, b: &Option<String>) -> Ordering {
 
 /// Sorts by `KEY` (ascending) or `KEY:desc`, stably; rows without a value last either way.
 pub fn sort(rows: &mut [Row], spec: &str) -> Result<(), ResultsError> {
-    let (key, descending) = match spec.strip_suffix(":desc") {
-        Some(key) => (key, true),
-        None => (spec.strip_suffix(":asc").unwrap_or(spec), false),
+    let (key, descending) = match spec.rsplit_once(':') {
+        Some((key, "desc")) => (key, true),
+        Some((key, "asc")) => (key, false),
+        Some((_, direction)) => {
+            return Err(ResultsError::SortDirection {
+                spec: spec.to_string(),
+                direction: direction.to_string(),
+            })
+        }
+        _ => (spec, false),
     };
     check_key(rows, key)?;
     rows.sort_by(|a, b| {

@@ -87,6 +87,21 @@ fn unknown_keys_and_baselines_are_errors() {
         render(&o).unwrap_err().exit_code(),
         crate::exit_codes::INVALID_CONFIG
     );
+    // A sort direction that is neither asc nor desc is named as such, not as an unknown key.
+    for spec in ["batch:up", "batch:desc:x"] {
+        let mut o = options(Format::Table);
+        o.sort = Some(spec.into());
+        let e = render(&o).unwrap_err();
+        assert!(matches!(e, ResultsError::SortDirection { .. }), "{spec}: {e}");
+        assert!(e.to_string().contains("give KEY, KEY:asc or KEY:desc"), "{e}");
+    }
+    // A plot's x axis is a key the rows know.
+    let dir = tempfile::tempdir().unwrap();
+    let mut o = options(Format::Table);
+    o.plot = Some(dir.path().join("p.svg"));
+    o.plot_x = Some("batch_sise".into());
+    assert!(matches!(run(&o), Err(ResultsError::UnknownKey { .. })));
+    assert!(!dir.path().join("p.svg").exists());
 }
 
 /// Runs compare by how far they trained as by how fast: `--sort` takes the final loss and
