@@ -1072,8 +1072,9 @@ fn accuracy_rises_from_chance_to_every_sample_as_the_model_learns() {
     assert!(run.accuracies()[0] < 1.0, "{:?}", run.accuracies());
 }
 
-/// A panic (here a batch size that wraps to a negative dimension inside libtorch) ends the rank
-/// with one line saying what failed, not pages of C++ frames; `RUST_BACKTRACE` keeps Rust's report.
+/// A panic (here libtorch refusing an allocation inside tch) ends the rank with one line saying
+/// what failed and, for memory, what to lower, not pages of C++ frames; `RUST_BACKTRACE` keeps
+/// Rust's report. (It was a batch size that wrapped to a negative dimension, now refused.)
 #[test]
 fn a_panic_is_one_line_unless_a_backtrace_is_asked_for() {
     let args = [
@@ -1083,8 +1084,15 @@ fn a_panic_is_one_line_unless_a_backtrace_is_asked_for() {
         "1",
         "--threads",
         "1",
-        "--batch-size",
-        "18446744073709551615",
+        // Sizes each within bounds whose first weight (2^20 x 3 * 2^32) is 54 PB: past any
+        // machine's memory and past the address space, so its allocation fails whatever the
+        // kernel's overcommit policy, inside tch.
+        "--layers",
+        "2",
+        "--hidden",
+        "1048576",
+        "--image-size",
+        "65536",
     ];
     let out = runtime()
         .args(args)
@@ -1095,7 +1103,9 @@ fn a_panic_is_one_line_unless_a_backtrace_is_asked_for() {
     assert_eq!(out.status.code(), Some(101), "{stderr}");
     let last = stderr.lines().last().unwrap_or_default();
     assert!(
-        last.starts_with("runtime: error: ") && last.contains("negative dimension"),
+        last.starts_with("runtime: error: ")
+            && last.contains("can't allocate memory")
+            && last.ends_with("lower --batch-size or the model's sizes"),
         "{stderr}"
     );
     assert!(
