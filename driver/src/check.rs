@@ -180,7 +180,7 @@ fn local_runtime(plan: &Experiment, options: &Options) -> Option<PathBuf> {
         return Some(program.to_path_buf());
     }
     let built = experiment::source_root(options.source.as_deref())
-        .map(|root| root.join("target/release/runtime"))
+        .map(|root| root.join(experiment::DEFAULT_LOCAL_RUNTIME))
         .filter(|p| p.is_file());
     built.or_else(|| find_program("runtime"))
 }

@@ -161,9 +161,6 @@ const MAX_IMAGE_SIZE: i64 = 1 << 16;
 
 fn check_options(name: &str, o: &ModelOptions) -> Result<(), ConfigError> {
     let invalid = |flag, reason: String| Err(ConfigError::Invalid { flag, reason });
-    if o.num_classes < 1 {
-        return invalid("--num-classes", "must be at least 1".into());
-    }
     // AlexNet's 11x11 stride-4 convolution and three 3x3 stride-2 pools leave nothing of a
     // smaller image.
     let min_image = if name == "alexnet" {

@@ -96,7 +96,7 @@ fn agree_on_resume(
     let everyone = links.everyone();
     let Some(group) = everyone else {
         if let Some(damage) = damaged {
-            return Err(Refused(anyhow::anyhow!("{damage}")).into());
+            return Err(Refused::error(anyhow::anyhow!("{damage}")));
         }
         return Ok(mine.map_or(0, |latest| latest.iterations_done));
     };
@@ -129,7 +129,7 @@ fn agree_on_resume(
         None if afresh && !any_damaged => Ok(0),
         None => {
             if let Some(damage) = damaged {
-                return Err(Refused(anyhow::anyhow!("{damage}")).into());
+                return Err(Refused::error(anyhow::anyhow!("{damage}")));
             }
             let listed: Vec<String> = held
                 .iter()
@@ -182,12 +182,6 @@ fn meet_at_the_end(links: &Links) -> anyhow::Result<()> {
         group.barrier().context("the ranks' meeting at the run's end")?;
     }
     Ok(())
-}
-
-/// `e` as a bad argument (exit 2): a folder given that cannot be written, as `--check` refuses
-/// one that is a file.
-fn refused_arg(e: anyhow::Error) -> anyhow::Error {
-    anyhow::Error::new(Refused(e))
 }
 
 /// Makes folder `dir` (`flag`'s) and writes and removes a file in it, so that a run that could
@@ -391,11 +385,11 @@ fn agree_on_request(
     }
     let (name, ours) = ours.split_once('=').unwrap_or(("the request", &ours));
     let theirs = theirs.split_once('=').map_or(theirs.as_str(), |(_, v)| v);
-    Err(anyhow::Error::new(Refused(anyhow::anyhow!(
+    Err(Refused::error(anyhow::anyhow!(
         "rank {other} was started with another training request than rank 0: {name} is {theirs} there, \
          {ours} on rank 0; start every rank with the same arguments (only --rank, --local-rank, \
          devices, threads, data workers, --slowdown, timeouts and output paths may differ)"
-    ))))
+    )))
 }
 
 /// With `--p2p-groups pairs`: this rank's groups with each rank of the stages next to its own, one
@@ -750,6 +744,20 @@ impl std::fmt::Display for Refused {
 
 impl std::error::Error for Refused {}
 
+impl Refused {
+    /// `e` as a refusal: a bad argument (exit 2), whichever check found it.
+    pub fn error(e: anyhow::Error) -> anyhow::Error {
+        anyhow::Error::new(Refused(e))
+    }
+}
+
+/// Says the request's warnings (flags given that do nothing in it), one line each.
+fn warn_of_idle_flags(config: &TrainConfig) {
+    for warning in &config.warnings {
+        eprintln!("runtime: warning: {warning}");
+    }
+}
+
 /// `runtime --check`: validates a training request as [`run`] would before it connects, and
 /// prints one JSON line describing the plan (`driver check` and preflight ask it).
 pub fn check<W: Write>(config: &TrainConfig, out: &mut W) -> anyhow::Result<()> {
@@ -757,9 +765,7 @@ pub fn check<W: Write>(config: &TrainConfig, out: &mut W) -> anyhow::Result<()> 
     if let Some(damage) = checked.damaged {
         bail!("{damage}");
     }
-    for warning in &config.warnings {
-        eprintln!("runtime: warning: {warning}");
-    }
+    warn_of_idle_flags(config);
     let line = serde_json::json!({
         "check": "ok",
         "model": config.model.name,
@@ -804,12 +810,10 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
         resume: latest,
         damaged,
         identity,
-    } = check_plan(config).map_err(|e| anyhow::Error::new(Refused(e)))?;
+    } = check_plan(config).map_err(Refused::error)?;
     // The same on every rank, said once.
     if dist.rank == 0 {
-        for warning in &config.warnings {
-            eprintln!("runtime: warning: {warning}");
-        }
+        warn_of_idle_flags(config);
     }
     let micro_size = (config.batch_size / microbatches) as i64;
     let config_iterations = config.iterations;
@@ -828,7 +832,7 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
             // A file that is not there or does not fit the model is a bad argument.
             let loaded = stage
                 .init_from(path)
-                .map_err(|e| anyhow::Error::new(Refused(anyhow::Error::msg(e))))?;
+                .map_err(|e| Refused::error(anyhow::Error::msg(e)))?;
             eprintln!(
                 "runtime: rank {}: {loaded} parameters and buffers from {}",
                 dist.rank,
@@ -844,10 +848,10 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
     }
     // Where this run will write is found writable now, not after its iterations.
     if let Some(c) = &config.checkpoint {
-        writable(&checkpoint::rank_dir(&c.dir, dist.rank), "--checkpoint-dir").map_err(refused_arg)?;
+        writable(&checkpoint::rank_dir(&c.dir, dist.rank), "--checkpoint-dir").map_err(Refused::error)?;
     }
     if let Some(dir) = &config.save_params {
-        writable(dir, "--save-params").map_err(refused_arg)?;
+        writable(dir, "--save-params").map_err(Refused::error)?;
     }
     if config.checkpoint.is_some() {
         crate::signals::catch_term().map_err(anyhow::Error::msg)?;
@@ -864,7 +868,7 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
         rows: own_rows(&plan, dist.rank, microbatches, micro_size as usize),
     });
     // Data that is not there or not what --data says is a bad argument, as a parse finds it.
-    let refused = |e: data::DataError| anyhow::Error::new(Refused(e.into()));
+    let refused = |e: data::DataError| Refused::error(e.into());
     let mut data = request
         .clone()
         .map(|request| data::open(&config.data, request))
