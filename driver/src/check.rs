@@ -149,7 +149,7 @@ fn runtime_warnings(stderr: &str) -> Vec<String> {
 }
 
 /// Where the experiment key behind the first runtime flag `reason` names is written, as
-/// ` (`key` at FILE:LINE)`; nothing when it names no flag or the file does not write its key (a
+/// ` (`key` at FILE:LINE)` (or ` (`key` from --grid)` for a sweep point's); nothing when it names no flag or the file does not write its key (a
 /// flag the driver adds itself, such as `--microbatches` defaulted from the replicas).
 fn written_at(loaded: &Loaded, reason: &str) -> String {
     let flag = reason.match_indices("--").find_map(|(i, _)| {
@@ -162,9 +162,8 @@ fn written_at(loaded: &Loaded, reason: &str) -> String {
     let Some(flag) = flag else {
         return String::new();
     };
-    let key = experiment::key_of_flag(flag);
-    match loaded.locate(&key) {
-        Some(at) => format!(" (`{key}` at {}:{})", loaded.path.display(), at.line),
+    match loaded.written(&experiment::key_of_flag(flag)) {
+        Some(written) => format!(" ({written})"),
         None => String::new(),
     }
 }

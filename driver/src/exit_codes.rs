@@ -5,8 +5,9 @@ pub const SUCCESS: i32 = 0;
 /// The experiment ran and failed: a rank exited non-zero or a host was lost; for a sweep, some
 /// point failed.
 pub const EXPERIMENT_FAILED: i32 = 1;
-/// The command line, the experiment file or a sweep's grid is invalid, `driver results` was given a
-/// path or key it cannot use, or `driver plan` a profile it cannot plan; nothing was started.
+/// The command line, the experiment file or a sweep's grid is invalid (the runtime refusing a
+/// training request included), `driver results` was given a path or key it cannot use, or
+/// `driver plan` a profile it cannot plan; nothing was started.
 pub const INVALID_CONFIG: i32 = 2;
 /// Preflight failed (a host unreachable, the image missing or failing to build, a program
 /// missing); nothing was started.

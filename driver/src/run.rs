@@ -54,7 +54,9 @@ impl RunError {
     /// The documented exit code for this failure.
     pub fn exit_code(&self) -> i32 {
         match self {
-            RunError::Config(_) => exit_codes::INVALID_CONFIG,
+            RunError::Config(_) | RunError::Preflight(LaunchError::RequestRefused { .. }) => {
+                exit_codes::INVALID_CONFIG
+            }
             RunError::Port(_) | RunError::Preflight(_) | RunError::Signals(_) => exit_codes::PREFLIGHT_FAILED,
             RunError::Launch(LaunchError::Interrupted) => exit_codes::INTERRUPTED,
             RunError::Launch(_) => exit_codes::EXPERIMENT_FAILED,

@@ -171,7 +171,7 @@ fn a_request_the_runtime_refuses_fails_preflight_before_any_rank_starts() {
     let h = Harness::new("pipe-refused");
     let exp = refused_pipedream_mlp(&h);
     let run = h.run(&exp, &[]);
-    assert_eq!(run.code(), 3, "{}", run.stderr());
+    assert_eq!(run.code(), 2, "the experiment file's to change: {}", run.stderr());
     let stderr = run.stderr();
     assert!(
         stderr.contains("the runtime refuses the experiment's training request")
@@ -204,7 +204,7 @@ fn a_request_the_runtime_refuses_costs_no_image_build() {
     );
     std::fs::write(&exp, body).unwrap();
     let run = h.run(&exp, &[]);
-    assert_eq!(run.code(), 3, "{}", run.stderr());
+    assert_eq!(run.code(), 2, "{}", run.stderr());
     let stderr = run.stderr();
     assert!(
         stderr.contains("multiple of every stage's replica count"),

@@ -217,6 +217,52 @@ fn a_bad_grid_is_refused_before_anything_runs() {
     h.assert_no_processes();
 }
 
+/// A point whose training request the runtime refuses stops the sweep before any point runs,
+/// named with why and where its value is written: in the file's `sweep:` section, or with
+/// `--grid`.
+#[test]
+fn a_point_the_runtime_refuses_stops_the_sweep_before_anything_runs() {
+    let runtime = runtime();
+    let h = Harness::new("sw-refused");
+    let base = "backend: process\nmachines: [localhost]\nmodule: mlp\nlayers: 2\nhidden: 32\n\
+                iterations: 2\nthreads: 1\n";
+    let cases: [(String, &[&str], &str, String); 2] = [
+        (
+            base.to_string(),
+            &["--grid", "batch_size=4,0"],
+            "point batch_size=0 is invalid",
+            "(`batch_size` from --grid)".to_string(),
+        ),
+        (
+            format!("{base}sweep:\n  lr: [0.1]\n  batch_size: [4, 0]\n"),
+            &[],
+            "point lr=0.1 batch_size=0 is invalid",
+            // Line 1 is the harness's `name:`.
+            format!("(`batch_size` at {}:11)", h.dir.path().join("exp.yml").display()),
+        ),
+    ];
+    for (text, grid, point, at) in cases {
+        let config = h.config(&text);
+        let mut extra = vec!["--runtime", runtime.to_str().unwrap()];
+        extra.extend_from_slice(grid);
+        let run = h.driver(&os(&sweep_args(&h, &config, &extra)), Duration::from_secs(60));
+        assert_eq!(run.code(), 2, "{text}: {}", run.stderr());
+        let stderr = run.stderr();
+        assert!(
+            stderr.contains(point)
+                && stderr.contains("the runtime refuses its training request: ")
+                && stderr.contains("--batch-size")
+                && stderr.contains(&format!("{at}; nothing was run")),
+            "{text}: {stderr}"
+        );
+        assert!(
+            !h.records().exists(),
+            "no sweep folder for a sweep that never ran"
+        );
+    }
+    h.assert_no_processes();
+}
+
 /// A sweep of real runtimes with one `checkpoint_dir`: each point checkpoints into its own
 /// subfolder, named as the point, so no point overwrites or resumes from another's.
 #[test]

@@ -8,6 +8,7 @@ use serde::de::{MapAccess, Visitor};
 use serde::ser::SerializeMap;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
+use super::yaml::{PointOrigin, SetBy};
 use super::{canonical_key, yaml, ConfigError, ExperimentFile, Loaded};
 
 /// Grid axes, in the order written.
@@ -124,10 +125,33 @@ pub fn with_overrides(
         yaml::to_text(&document)
     );
     let file = yaml::parse(&loaded.path, &text)?;
+    let given = match &loaded.point {
+        Some(point) => point.given.clone(),
+        None => loaded.text.clone(),
+    };
+    // A value the file's `sweep:` section lists is located there; any other came with `--grid`.
+    let set = overrides
+        .iter()
+        .map(|(key, value)| {
+            let canonical = canonical_key(key);
+            let in_section = loaded.file.sweep.as_ref().is_some_and(|sweep| {
+                sweep
+                    .axes
+                    .iter()
+                    .any(|a| canonical_key(&a.key) == canonical && a.values.contains(value))
+            });
+            let by = match yaml::locate_sweep_key(&given, canonical).filter(|_| in_section) {
+                Some(at) => SetBy::Section(at),
+                None => SetBy::Grid,
+            };
+            (canonical.to_string(), by)
+        })
+        .collect();
     Ok(Loaded {
         path: loaded.path.clone(),
         text,
         file,
+        point: Some(Box::new(PointOrigin { given, set })),
     })
 }
 

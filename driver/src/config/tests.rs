@@ -130,6 +130,7 @@ fn top_level_keys_are_located_in_either_style() {
             path: "exp.yml".into(),
             text: text.to_string(),
             file: ok(text),
+            point: None,
         };
         loaded.locate(key).map(|l| (l.line, l.column))
     };
@@ -209,6 +210,46 @@ fn a_points_file_has_its_values_under_one_spelling_its_name_and_no_sweep() {
         "{}",
         point.text
     );
+}
+
+/// A point's file is written by the sweep, but its keys are located where the user wrote them:
+/// a swept value at its line in the `sweep:` section, one given with `--grid` as such, and every
+/// other key at its line in the experiment file.
+#[test]
+fn a_points_keys_are_located_where_the_user_wrote_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("exp.yml");
+    let text = "# comment\nmachines: [localhost]\n\nmodel: mlp\nlr: 0.1\nsweep:\n  # swept\n  \
+                schedule: [gpipe, 1f1b]\n  batch_size:\n    - 8\n    - 16\nepochs: 2\n";
+    std::fs::write(&path, text).unwrap();
+    let loaded = load(&path).unwrap();
+    let point = with_overrides(
+        &loaded,
+        "exp-p1",
+        &[
+            ("schedule".into(), serde_json::json!("1f1b")),
+            ("batch_size".into(), serde_json::json!(16)),
+            ("lr".into(), serde_json::json!(0.5)),
+        ],
+    )
+    .unwrap();
+    let line = |key: &str| point.locate(key).map(|at| (at.line, at.column));
+    assert_eq!(line("schedule"), Some((8, 3)));
+    assert_eq!(line("batch_size"), Some((9, 3)), "a block list");
+    assert_eq!(line("learning_rate"), None, "given with --grid: not in the file");
+    assert_eq!(line("epochs"), Some((12, 1)), "a key after the section");
+    assert_eq!(line("machines"), Some((2, 1)));
+    assert_eq!(
+        point.written("learning_rate").as_deref(),
+        Some("`learning_rate` from --grid")
+    );
+    assert_eq!(
+        point.written("module"),
+        Some(format!("`module` at {}:4", path.display()))
+    );
+    // A point of a point (a sweep's point file set again) keeps the user's file.
+    let again = with_overrides(&point, "exp-p2", &[]).unwrap();
+    assert_eq!(again.locate("machines").map(|at| at.line), Some(2));
 }
 
 #[test]

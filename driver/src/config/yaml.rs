@@ -15,6 +15,27 @@ pub struct Loaded {
     pub text: String,
     /// The typed content.
     pub file: ExperimentFile,
+    /// For a sweep point, whose `text` is written by the sweep: where its keys are written.
+    pub point: Option<Box<PointOrigin>>,
+}
+
+/// Where a sweep point's keys are written: the keys it sets by where their values come from, and
+/// the rest in the experiment file as given.
+#[derive(Debug, Clone)]
+pub struct PointOrigin {
+    /// The experiment file's text as read.
+    pub given: String,
+    /// The keys (canonical) the point sets, each with where its value is written.
+    pub set: Vec<(String, SetBy)>,
+}
+
+/// Where a sweep point's value for a key is written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SetBy {
+    /// In the file's `sweep:` section, at this line.
+    Section(Location),
+    /// On the command line, with `--grid`.
+    Grid,
 }
 
 /// A position in the experiment file, 1-based.
@@ -73,6 +94,7 @@ pub fn load(path: &Path) -> Result<Loaded, ConfigError> {
         path: path.to_path_buf(),
         text,
         file,
+        point: None,
     })
 }
 
@@ -132,6 +154,41 @@ pub fn to_text(document: &serde_json::Value) -> String {
 /// values given on the command line.
 pub fn parse_scalar(text: &str) -> serde_json::Value {
     serde_norway::from_str(text).unwrap_or_else(|_| serde_json::Value::String(text.to_string()))
+}
+
+/// Where the `sweep:` section of a block-style document writes `key` (in any spelling), or the
+/// section's own line when it is written in flow style or not found; `None` without a section.
+pub fn locate_sweep_key(text: &str, key: &str) -> Option<Location> {
+    let section = top_level_keys(text)
+        .into_iter()
+        .find(|(written, _)| super::canonical_key(written) == "sweep")?
+        .1;
+    let inside = text
+        .lines()
+        .enumerate()
+        .skip(section.line)
+        .take_while(|(_, line)| {
+            let trimmed = line.trim_start();
+            trimmed.is_empty() || trimmed.starts_with('#') || trimmed.len() < line.len()
+        });
+    // The section's keys are the lines at its first line's indentation.
+    let mut indent = None;
+    let written = inside.into_iter().find_map(|(i, line)| {
+        let trimmed = line.trim_start();
+        if trimmed.is_empty() || trimmed.starts_with('#') {
+            return None;
+        }
+        if *indent.get_or_insert(line.len() - trimmed.len()) != line.len() - trimmed.len() {
+            return None;
+        }
+        let (written, _) = trimmed.split_once(':')?;
+        let written = written.trim_end().trim_matches(|c| c == '\'' || c == '"');
+        (super::canonical_key(written) == key).then(|| Location {
+            line: i + 1,
+            column: line.len() - trimmed.len() + 1,
+        })
+    });
+    Some(written.unwrap_or(section))
 }
 
 /// The top-level keys of a document as written, in order, each where it is written: the lines
@@ -307,11 +364,36 @@ fn edit_distance(a: &str, b: &str) -> usize {
 impl Loaded {
     /// Where a top-level key is written (in any of its spellings: `model:` for `module`), for
     /// errors found after parsing (cross-field checks).
+    /// A sweep point's keys are located where the file or `--grid` gives them (`None` for the
+    /// command line).
     pub fn locate(&self, key: &str) -> Option<Location> {
-        top_level_keys(&self.text)
+        let text = match &self.point {
+            Some(point) => match point.set.iter().find(|(k, _)| k == key) {
+                Some((_, SetBy::Section(at))) => return Some(*at),
+                Some((_, SetBy::Grid)) => return None,
+                None => &point.given,
+            },
+            None => &self.text,
+        };
+        top_level_keys(text)
             .into_iter()
             .find(|(written, _)| super::canonical_key(written) == key)
             .map(|(_, at)| at)
+    }
+
+    /// Where a top-level key is written, as people read it: `` `lr` at FILE:LINE ``, or
+    /// `` `lr` from --grid `` for a sweep point's value given on the command line; `None` when
+    /// the file does not write it.
+    pub fn written(&self, key: &str) -> Option<String> {
+        let by_grid = self
+            .point
+            .as_ref()
+            .is_some_and(|p| p.set.iter().any(|(k, by)| k == key && *by == SetBy::Grid));
+        if by_grid {
+            return Some(format!("`{key}` from --grid"));
+        }
+        let at = self.locate(key)?;
+        Some(format!("`{key}` at {}:{}", self.path.display(), at.line))
     }
 
     /// An error about a top-level key, located where the key is written.

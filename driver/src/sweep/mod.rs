@@ -5,12 +5,16 @@
 
 pub mod grid;
 
+use std::collections::HashSet;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
 
 use self::grid::{GridError, Point};
+use crate::check::{self, CheckError};
 use crate::config::{self, ConfigError, Loaded};
 use crate::exit_codes;
+use crate::experiment::Experiment;
 use crate::options::{Options, Verbosity};
 use crate::records::index::{self, Index, IndexError, PointEntry, PointStatus, INDEX_VERSION};
 use crate::records::{files, Record, RecordError};
@@ -255,12 +259,12 @@ fn new_index(
 /// Every point's experiment file, each parsed and planned, so a bad point stops the sweep before
 /// anything runs.
 fn points(loaded: &Loaded, index: &Index, options: &Options) -> Result<Vec<Loaded>, SweepError> {
-    index
+    let resolved = index
         .points
         .iter()
         .map(|entry| {
             config::with_overrides(loaded, &entry.name, &entry.settings)
-                .and_then(|p| crate::experiment::resolve(&p, options, 0).map(|_| p))
+                .and_then(|p| crate::experiment::resolve(&p, options, 0).map(|plan| (p, plan)))
                 .map_err(|e| SweepError::Point {
                     label: index::label(&entry.settings, entry.repeat),
                     message: match e {
@@ -269,7 +273,63 @@ fn points(loaded: &Loaded, index: &Index, options: &Options) -> Result<Vec<Loade
                     },
                 })
         })
-        .collect()
+        .collect::<Result<Vec<_>, _>>()?;
+    if let Some((i, message)) = first_refused(&resolved, options) {
+        let entry = &index.points[i];
+        return Err(SweepError::Point {
+            label: index::label(&entry.settings, entry.repeat),
+            message,
+        });
+    }
+    Ok(resolved.into_iter().map(|(point, _)| point).collect())
+}
+
+/// The first point whose training request the runtime here refuses, and why: every point's
+/// request (rank 0's, as a run's preflight asks) is checked, several at once, so a point that
+/// would fail in its turn stops the sweep before anything runs. Points asking the same are asked
+/// once; points the runtime here cannot judge (no runtime, `command:`, `config_file: auto`) are
+/// left to their runs.
+fn first_refused(points: &[(Loaded, Experiment)], options: &Options) -> Option<(usize, String)> {
+    let mut seen = HashSet::new();
+    let distinct: Vec<usize> = (0..points.len())
+        .filter(|&i| seen.insert((&points[i].1.ranks[0].argv, &points[i].1.ranks[0].env)))
+        .collect();
+    let next = AtomicUsize::new(0);
+    let refused: Mutex<Option<(usize, String)>> = Mutex::new(None);
+    let workers = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(distinct.len());
+    std::thread::scope(|scope| {
+        for _ in 0..workers {
+            scope.spawn(|| {
+                while let Some(&i) = distinct.get(next.fetch_add(1, Ordering::SeqCst)) {
+                    // Points are handed out in order: once one is refused, those after it need
+                    // no asking, and those before it are already being asked.
+                    if refused
+                        .lock()
+                        .unwrap()
+                        .as_ref()
+                        .is_some_and(|(first, _)| *first < i)
+                    {
+                        break;
+                    }
+                    let (loaded, plan) = &points[i];
+                    let why = match check::runtime_check(loaded, plan, options, false) {
+                        Err(CheckError::Refused { reason, at, .. }) => {
+                            format!("the runtime refuses its training request: {reason}{at}")
+                        }
+                        Err(CheckError::Config(e)) => crate::error::error_chain(&e),
+                        Ok(_) | Err(CheckError::Runtime { .. }) => continue,
+                    };
+                    let mut refused = refused.lock().unwrap();
+                    if refused.as_ref().is_none_or(|(first, _)| i < *first) {
+                        *refused = Some((i, why));
+                    }
+                }
+            });
+        }
+    });
+    refused.into_inner().unwrap()
 }
 
 /// Creates the sweep folder `<parent>/<UTC>_<name>-sweep/` with the experiment file as given
