@@ -99,6 +99,8 @@ pub enum ResultsError {
     Baseline { selector: String },
     #[error("--sort {spec}: `{direction}` is not a direction; give KEY, KEY:asc or KEY:desc")]
     SortDirection { spec: String, direction: String },
+    #[error("{flag} {}: plots are written as SVG; give a file ending in .svg", path.display())]
+    NotSvg { flag: &'static str, path: PathBuf },
     #[error("cannot write the plot")]
     Plot(#[from] PlotError),
 }
@@ -112,10 +114,16 @@ impl ResultsError {
             | ResultsError::List { .. }
             | ResultsError::UnknownKey { .. }
             | ResultsError::Baseline { .. }
-            | ResultsError::SortDirection { .. } => crate::exit_codes::INVALID_CONFIG,
+            | ResultsError::SortDirection { .. }
+            | ResultsError::NotSvg { .. } => crate::exit_codes::INVALID_CONFIG,
             ResultsError::Plot(_) => crate::exit_codes::RECORD_FAILED,
         }
     }
+}
+
+/// Whether `path` names an SVG file (`.svg`, in any case).
+fn is_svg(path: &Path) -> bool {
+    path.extension().is_some_and(|e| e.eq_ignore_ascii_case("svg"))
 }
 
 /// Rows after filters, times to the target, sort and baseline, split into groups.
@@ -150,6 +158,19 @@ fn rendered(options: &ResultsOptions, groups: &[(String, Vec<read::Row>)]) -> St
 
 /// Runs `driver results`: prints the output and writes the plot, if asked.
 pub fn run(options: &ResultsOptions) -> Result<(), ResultsError> {
+    let plots = [
+        ("--plot", &options.plot),
+        ("--plot-loss", &options.plot_loss),
+        ("--plot-accuracy", &options.plot_accuracy),
+    ];
+    for (flag, path) in plots {
+        if let Some(path) = path.as_ref().filter(|p| !is_svg(p)) {
+            return Err(ResultsError::NotSvg {
+                flag,
+                path: path.clone(),
+            });
+        }
+    }
     let groups = select(options)?;
     stdout_text!("{}", rendered(options, &groups));
     let rows: Vec<read::Row> = groups.into_iter().flat_map(|(_, r)| r).collect();

@@ -102,6 +102,29 @@ fn unknown_keys_and_baselines_are_errors() {
     o.plot_x = Some("batch_sise".into());
     assert!(matches!(run(&o), Err(ResultsError::UnknownKey { .. })));
     assert!(!dir.path().join("p.svg").exists());
+    // Plots are SVG: a file named as another format is refused before anything is written.
+    for (flag, set) in [
+        (
+            "--plot",
+            (|o, p| o.plot = Some(p)) as fn(&mut ResultsOptions, PathBuf),
+        ),
+        ("--plot-loss", |o, p| o.plot_loss = Some(p)),
+        ("--plot-accuracy", |o, p| o.plot_accuracy = Some(p)),
+    ] {
+        let mut o = options(Format::Table);
+        set(&mut o, dir.path().join("p.png"));
+        let e = run(&o).unwrap_err();
+        assert!(
+            e.to_string().starts_with(&format!("{flag} "))
+                && e.to_string().contains("give a file ending in .svg"),
+            "{e}"
+        );
+        assert_eq!(e.exit_code(), crate::exit_codes::INVALID_CONFIG);
+        assert!(!dir.path().join("p.png").exists());
+    }
+    let mut o = options(Format::Table);
+    o.plot = Some(dir.path().join("P.SVG"));
+    assert!(!matches!(run(&o), Err(ResultsError::NotSvg { .. })), "any case");
 }
 
 /// Runs compare by how far they trained as by how fast: `--sort` takes the final loss and
