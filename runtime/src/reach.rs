@@ -29,6 +29,8 @@ fn listen(port: u16, period: Duration, out: &mut impl Write) -> anyhow::Result<(
     let listener = TcpListener::bind(("0.0.0.0", port))
         .map_err(|e| anyhow::anyhow!("cannot listen on port {port}: {e}"))?;
     listener.set_nonblocking(true)?;
+    // Port 0 is the system's pick: the port it picked is the one to connect to.
+    let port = listener.local_addr().map_or(port, |a| a.port());
     writeln!(out, "listening on port {port}")?;
     out.flush()?;
     let end = Instant::now() + period;
@@ -94,6 +96,38 @@ mod tests {
             .local_addr()
             .unwrap()
             .port()
+    }
+
+    /// What a listener writes, line by line as it writes it.
+    struct Lines(std::sync::mpsc::Sender<Vec<u8>>);
+
+    impl Write for Lines {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            let _ = self.0.send(bytes.to_vec());
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// `listen --port 0` says the port the system picked, which is then reached.
+    #[test]
+    fn a_listener_on_port_0_says_the_port_it_holds() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let listener = std::thread::spawn(move || listen(0, Duration::from_secs(3), &mut Lines(tx)));
+        let mut said = String::new();
+        while !said.ends_with('\n') {
+            said.push_str(&String::from_utf8(rx.recv().unwrap()).unwrap());
+        }
+        let port: u16 = said
+            .trim()
+            .strip_prefix("listening on port ")
+            .and_then(|p| p.parse().ok())
+            .unwrap_or_else(|| panic!("{said:?}"));
+        assert_ne!(port, 0, "{said:?}");
+        connect("127.0.0.1", port, Duration::from_secs(2)).unwrap();
+        listener.join().unwrap().unwrap();
     }
 
     #[test]
