@@ -39,6 +39,10 @@ pub struct Cli {
     check: bool,
     #[command(flatten)]
     train: TrainArgs,
+    /// The ids of the arguments given (on the command line or in the environment), not left
+    /// to their defaults; set by [`Cli::parse_given_from`].
+    #[arg(skip)]
+    given: Vec<String>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -575,6 +579,29 @@ impl From<PrecisionArg> for Precision {
 
 impl Cli {
     /// Validates the arguments into the command to run.
+    /// Parses `argv` as clap's `try_parse_from` does, keeping which arguments were given, so a
+    /// flag given that does nothing in its request can be warned of even where it has a default.
+    pub fn parse_given_from<I, T>(argv: I) -> Result<Cli, clap::Error>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<std::ffi::OsString> + Clone,
+    {
+        use clap::{parser::ValueSource, CommandFactory, FromArgMatches};
+        let matches = Cli::command().try_get_matches_from(argv)?;
+        let mut cli = Cli::from_arg_matches(&matches).map_err(|e| e.format(&mut Cli::command()))?;
+        cli.given = matches
+            .ids()
+            .filter(|id| {
+                matches!(
+                    matches.value_source(id.as_str()),
+                    Some(ValueSource::CommandLine | ValueSource::EnvVariable)
+                )
+            })
+            .map(|id| id.to_string())
+            .collect();
+        Ok(cli)
+    }
+
     pub fn into_command(self) -> Result<Command, ConfigError> {
         match self.command {
             Some(Sub::Modules(m)) => Ok(Command::Modules(ModulesConfig {
@@ -633,7 +660,7 @@ impl Cli {
             }
             None => {
                 let check = self.check;
-                self.train.into_config().map(|config| match check {
+                self.train.into_config(&self.given).map(|config| match check {
                     true => Command::Check(Box::new(config)),
                     false => Command::Train(Box::new(config)),
                 })
@@ -694,11 +721,35 @@ struct Asked {
     overlap_reduce: bool,
     compress: bool,
     compress_activations: bool,
+    /// The other flags given, by clap id (`lr_step_epochs`).
+    given: Vec<String>,
+    /// `--optimizer` and `--lr-policy`, as given or defaulted.
+    optimizer: &'static str,
+    policy: &'static str,
+    /// Whether `--epochs` and `--lr-warmup-epochs` above 0 are given.
+    epochs: bool,
+    warmup: bool,
+    checkpoint_every: Option<u64>,
 }
 
 impl Asked {
-    fn of(args: &TrainArgs) -> Asked {
+    fn of(args: &TrainArgs, given: &[String]) -> Asked {
         Asked {
+            given: given.to_vec(),
+            optimizer: match args.optimizer {
+                OptimizerArg::Sgd => "sgd",
+                OptimizerArg::Adam => "adam",
+                OptimizerArg::AdamW => "adamw",
+            },
+            policy: match args.lr_policy {
+                LrPolicyArg::Constant => "constant",
+                LrPolicyArg::Step => "step",
+                LrPolicyArg::Polynomial => "polynomial",
+                LrPolicyArg::Exponential => "exponential",
+            },
+            epochs: args.epochs.is_some(),
+            warmup: args.lr_warmup_epochs > 0,
+            checkpoint_every: args.checkpoint_every,
             channels_last: args.channels_last,
             cudnn_benchmark: args.cudnn_benchmark,
             threads: args.threads,
@@ -711,7 +762,13 @@ impl Asked {
 
     /// A warning for each flag given that does nothing in this request (a request that has it
     /// runs as one without it), saying why; the run goes on.
-    fn idle(&self, model: &ModelChoice, devices: &[DeviceSpec], dist: &DistConfig) -> Vec<String> {
+    fn idle(
+        &self,
+        model: &ModelChoice,
+        devices: &[DeviceSpec],
+        dist: &DistConfig,
+        iterations: u64,
+    ) -> Vec<String> {
         let mut idle = Vec::new();
         let stage_ranks: Vec<usize> = match &dist.stage_config {
             Some(config) => config.stage_to_rank_map.values().map(Vec::len).collect(),
@@ -745,6 +802,7 @@ impl Asked {
                     .into(),
             );
         }
+        idle.extend(self.idle_given(model, &stage_ranks, iterations));
         for (given, flag) in [
             (self.compress, "--compress auto"),
             (self.compress_activations, "--compress-activations"),
@@ -758,11 +816,87 @@ impl Asked {
         }
         idle
     }
+
+    /// [`Asked::idle`]'s warnings of flags that have defaults, seen as given by clap.
+    fn idle_given(&self, model: &ModelChoice, stage_ranks: &[usize], iterations: u64) -> Vec<String> {
+        let given = |id: &str| self.given.iter().any(|g| g == id);
+        let mut idle = Vec::new();
+        let sizes = crate::models::size_flags(&model.name);
+        for id in [
+            "num_classes",
+            "image_size",
+            "layers",
+            "hidden",
+            "heads",
+            "seq_len",
+            "vocab_size",
+            "dropout",
+        ] {
+            let flag = format!("--{}", id.replace('_', "-"));
+            if given(id) && !sizes.contains(&flag.as_str()) {
+                idle.push(format!(
+                    "{flag} does nothing for {}, which is sized by {} alone; drop it",
+                    model.name,
+                    sizes.join(", ")
+                ));
+            }
+        }
+        let optimizer = self.optimizer;
+        if given("momentum") && optimizer != "sgd" {
+            idle.push(format!(
+                "--momentum does nothing with --optimizer {optimizer}, which keeps its own moments \
+                 (--momentum is SGD's); drop it"
+            ));
+        }
+        if self.policy != "step" {
+            for (id, flag) in [
+                ("lr_step_epochs", "--lr-step-epochs"),
+                ("lr_step_factor", "--lr-step-factor"),
+            ] {
+                if given(id) {
+                    idle.push(format!(
+                        "{flag} does nothing with --lr-policy {}; it sets the step policy's decay: \
+                         give --lr-policy step, or drop it",
+                        self.policy
+                    ));
+                }
+            }
+        }
+        if given("epoch_samples") && !self.epochs && self.policy == "constant" && !self.warmup {
+            idle.push(
+                "--epoch-samples does nothing without --epochs, --lr-policy or --lr-warmup-epochs \
+                 (the epoch is what they count in); drop it"
+                    .into(),
+            );
+        }
+        if given("bucket_mb") && stage_ranks.iter().all(|&n| n == 1) {
+            idle.push(
+                "--bucket-mb does nothing here: no stage has replicas, so no gradients are \
+                 all-reduced; drop it"
+                    .into(),
+            );
+        }
+        if given("p2p_groups") && stage_ranks.len() == 1 {
+            idle.push(
+                "--p2p-groups does nothing here: the run has one stage, so nothing passes between \
+                 stages; drop it"
+                    .into(),
+            );
+        }
+        if let Some(every) = self.checkpoint_every.filter(|&every| every > iterations) {
+            idle.push(format!(
+                "--checkpoint-every {every} does nothing in a run of {iterations} iterations: its \
+                 one checkpoint is the one at the end, which is written without it; drop it or \
+                 give at most {iterations}"
+            ));
+        }
+        idle
+    }
 }
 
 impl TrainArgs {
-    fn into_config(self) -> Result<TrainConfig, ConfigError> {
-        let asked = Asked::of(&self);
+    fn into_config(self, given: &[String]) -> Result<TrainConfig, ConfigError> {
+        let asked = Asked::of(&self, given);
         let optimizer = self.optimizer_kind()?;
         let data = DataSpec::parse(&self.data)?;
         let (augment, data_workers) = self.image_loading(&data)?;
@@ -952,7 +1086,7 @@ impl TrainArgs {
         let profiler_trace = self
             .profiler_trace
             .map(|template| crate::profiler_trace::path_for_rank(&template, dist.rank));
-        let warnings = asked.idle(&model, &devices, &dist);
+        let warnings = asked.idle(&model, &devices, &dist, iterations);
         Ok(TrainConfig {
             warnings,
             validation,
@@ -1536,7 +1670,7 @@ mod tests {
     /// The warnings a training request `args` parses to.
     fn warnings(args: &[&str]) -> Vec<String> {
         let argv = ["runtime"].iter().chain(args);
-        match Cli::try_parse_from(argv).expect("flags parse").into_command() {
+        match Cli::parse_given_from(argv).expect("flags parse").into_command() {
             Ok(Command::Train(config)) => config.warnings,
             other => panic!("not a training run: {other:?}"),
         }
@@ -1586,6 +1720,65 @@ mod tests {
                 vec!["--model", "mlp", "--compress-activations"],
                 "--compress-activations does nothing here",
             ),
+            (
+                vec!["--model", "mlp", "--heads", "4"],
+                "--heads does nothing for mlp, which is sized by --image-size, --num-classes, \
+                 --layers, --hidden alone",
+            ),
+            (
+                vec!["--model", "resnet50", "--dropout", "0.1"],
+                "--dropout does nothing for resnet50",
+            ),
+            (
+                vec!["--model", "transformer", "--image-size", "64"],
+                "--image-size does nothing for transformer",
+            ),
+            (
+                vec!["--model", "mlp", "--optimizer", "adam", "--momentum", "0.9"],
+                "--momentum does nothing with --optimizer adam",
+            ),
+            (
+                vec!["--model", "mlp", "--lr-step-factor", "0.5"],
+                "--lr-step-factor does nothing with --lr-policy constant",
+            ),
+            (
+                vec![
+                    "--model",
+                    "mlp",
+                    "--lr-policy",
+                    "polynomial",
+                    "--lr-step-epochs",
+                    "3",
+                    "--epoch-samples",
+                    "64",
+                ],
+                "--lr-step-epochs does nothing with --lr-policy polynomial",
+            ),
+            (
+                vec!["--model", "mlp", "--epoch-samples", "64"],
+                "--epoch-samples does nothing without --epochs",
+            ),
+            (
+                [&["--model", "mlp", "--bucket-mb", "4"][..], &world("1")].concat(),
+                "--bucket-mb does nothing here: no stage has replicas",
+            ),
+            (
+                [&["--model", "mlp", "--p2p-groups", "pairs"][..], &world("2")].concat(),
+                "--p2p-groups does nothing here: the run has one stage",
+            ),
+            (
+                vec![
+                    "--model",
+                    "mlp",
+                    "--iterations",
+                    "4",
+                    "--checkpoint-dir",
+                    "ck",
+                    "--checkpoint-every",
+                    "5",
+                ],
+                "--checkpoint-every 5 does nothing in a run of 4 iterations",
+            ),
         ];
         for (args, expected) in cases {
             let said = warnings(&args);
@@ -1604,6 +1797,65 @@ mod tests {
             ]
             .concat(),
             [&["--model", "mlp", "--overlap-reduce", "on"][..], &world("2")].concat(),
+            [&["--model", "mlp", "--bucket-mb", "4"][..], &world("2")].concat(),
+            vec![
+                "--model",
+                "transformer",
+                "--heads",
+                "4",
+                "--hidden",
+                "64",
+                "--dropout",
+                "0.0",
+            ],
+            vec![
+                "--model",
+                "vgg16",
+                "--dropout",
+                "0.1",
+                "--image-size",
+                "32",
+                "--num-classes",
+                "10",
+            ],
+            vec![
+                "--model",
+                "mlp",
+                "--optimizer",
+                "sgd",
+                "--momentum",
+                "0.5",
+                "--nesterov",
+            ],
+            vec![
+                "--model",
+                "mlp",
+                "--lr-policy",
+                "step",
+                "--lr-step-epochs",
+                "3",
+                "--epoch-samples",
+                "64",
+            ],
+            vec!["--model", "mlp", "--epochs", "1", "--epoch-samples", "64"],
+            vec![
+                "--model",
+                "mlp",
+                "--lr-warmup-epochs",
+                "1",
+                "--epoch-samples",
+                "64",
+            ],
+            vec![
+                "--model",
+                "mlp",
+                "--iterations",
+                "4",
+                "--checkpoint-dir",
+                "ck",
+                "--checkpoint-every",
+                "4",
+            ],
             [
                 &["--model", "mlp", "--compress", "auto", "--compress-activations"][..],
                 &["--stage-config", pipeline],

@@ -42,8 +42,6 @@ mod train;
 
 use std::process::ExitCode;
 
-use clap::Parser;
-
 use crate::config::{Command, DeviceSpec};
 
 const EXIT_FAILED: u8 = 1;
@@ -53,7 +51,7 @@ const EXIT_TERMINATED: u8 = 143;
 
 fn main() -> ExitCode {
     one_line_panics();
-    let cli = match cli::Cli::try_parse() {
+    let cli = match cli::Cli::parse_given_from(std::env::args_os()) {
         Ok(cli) => cli,
         Err(e) if !e.use_stderr() => {
             let _ = e.print(); // --help, --version

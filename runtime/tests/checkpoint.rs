@@ -523,6 +523,30 @@ fn a_checkpoint_of_another_run_or_none_is_refused_with_what_to_do() {
         "more than --iterations 1",
     );
     refused(&mlp("3", &["--resume"]), "--checkpoint-dir");
+    // Another size is another model: refused naming the size, as a bad argument (exit 2), where
+    // loading the parameters would have failed on their shapes.
+    let with = |from: &str, to: &str| -> Vec<String> {
+        let args = mlp("3", &["--checkpoint-dir", c, "--resume"]);
+        assert!(args.iter().any(|a| a == from), "{args:?}");
+        args.into_iter()
+            .map(|a| if a == from { to.to_string() } else { a })
+            .collect()
+    };
+    refused(
+        &with("64", "32"),
+        "is of another run: --hidden is 64 there, 32 here",
+    );
+    assert_eq!(run(&strs(&with("64", "32"))).output.status.code(), Some(2));
+    // Another rate goes on from the checkpoint, saying so.
+    let went_on = run_ok(&strs(&with("0.05", "0.1")));
+    assert_eq!(went_on.iterations().len(), 1, "{}", went_on.stderr());
+    assert!(
+        went_on
+            .stderr()
+            .contains("warning: resuming with --lr 0.1, where the checkpoint was written with 0.05"),
+        "{}",
+        went_on.stderr()
+    );
 }
 
 #[test]

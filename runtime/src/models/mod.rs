@@ -208,6 +208,51 @@ pub fn has_convolutions(name: &str) -> bool {
     )
 }
 
+/// The size flags the model called `name` is built from (the others do nothing for it): what a
+/// checkpoint of it must agree with, since another value changes its parameters' shapes, its
+/// input or its arithmetic.
+pub fn size_flags(name: &str) -> &'static [&'static str] {
+    match name {
+        "mlp" => &["--image-size", "--num-classes", "--layers", "--hidden"],
+        "sparse_mlp" => &[
+            "--image-size",
+            "--num-classes",
+            "--layers",
+            "--hidden",
+            "--active-units",
+        ],
+        "alexnet" | "vgg16" | "vgg16_bn" => &["--image-size", "--num-classes", "--dropout"],
+        "resnet50" | "resnet101" | "resnet152" => &["--image-size", "--num-classes"],
+        "transformer" => &[
+            "--layers",
+            "--hidden",
+            "--heads",
+            "--seq-len",
+            "--vocab-size",
+            "--dropout",
+        ],
+        _ => &[],
+    }
+}
+
+impl ModelOptions {
+    /// The value of size flag `flag` (`--hidden`, ...); `None` for a flag that sizes nothing.
+    pub fn value_of(&self, flag: &str) -> Option<serde_json::Value> {
+        Some(match flag {
+            "--num-classes" => self.num_classes.into(),
+            "--image-size" => self.image_size.into(),
+            "--layers" => self.layers.into(),
+            "--hidden" => self.hidden.into(),
+            "--heads" => self.heads.into(),
+            "--seq-len" => self.seq_len.into(),
+            "--vocab-size" => self.vocab_size.into(),
+            "--dropout" => self.dropout.into(),
+            "--active-units" => self.active_units.into(),
+            _ => return None,
+        })
+    }
+}
+
 impl ModelDef {
     /// The model called `name`, sized by `options`.
     pub fn named(name: &str, options: &ModelOptions) -> Result<ModelDef, UnknownModel> {

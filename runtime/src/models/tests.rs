@@ -386,3 +386,48 @@ fn the_models_said_to_have_convolutions_are_those_that_build_them() {
         assert_eq!(has_convolutions(name), built, "{name}");
     }
 }
+
+/// `size_flags` names what each model is built from: changing a size it does not name builds
+/// the same parameters and input (so a checkpoint need not agree on it, and giving it does
+/// nothing), and changing one it names changes either, but for those that change the arithmetic
+/// alone (dropout, attention heads, sparse_mlp's active units).
+#[test]
+fn each_model_is_built_from_the_sizes_it_names_and_no_other() {
+    type Change = fn(&mut ModelOptions);
+    let changed: [(&str, Change); 8] = [
+        ("--num-classes", |o| o.num_classes += 2),
+        ("--image-size", |o| o.image_size *= 2),
+        ("--layers", |o| o.layers += 1),
+        ("--hidden", |o| o.hidden *= 2),
+        ("--heads", |o| o.heads *= 2),
+        ("--seq-len", |o| o.seq_len *= 2),
+        ("--vocab-size", |o| o.vocab_size *= 2),
+        ("--active-units", |o| o.active_units *= 2),
+    ];
+    for name in MODEL_NAMES {
+        let o = options(name);
+        let built = |o: &ModelOptions| {
+            let def = ModelDef::named(name, o).unwrap();
+            (def.param_counts(), def.input)
+        };
+        let base = built(&o);
+        for flag in size_flags(name) {
+            assert!(o.value_of(flag).is_some(), "{name}: {flag} has no value");
+        }
+        for (flag, change) in changed {
+            let mut other = o.clone();
+            change(&mut other);
+            let (named, differs) = (size_flags(name).contains(&flag), built(&other) != base);
+            assert!(
+                named || !differs,
+                "{name}: {flag} changes the model but is not named"
+            );
+            // Heads and active units change the arithmetic alone, as dropout does.
+            let shapes = !["--heads", "--active-units"].contains(&flag);
+            assert!(
+                !(named && shapes) || differs,
+                "{name}: {flag} is named but changes nothing"
+            );
+        }
+    }
+}

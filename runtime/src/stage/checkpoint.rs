@@ -44,23 +44,62 @@ pub struct Identity {
     pub schedule: String,
     pub seed: u64,
     pub data: String,
+    /// The model's sizes, by flag (`--hidden`: 1024; [`crate::models::size_flags`]); absent in
+    /// checkpoints written before they were recorded, which are then not checked against them.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub sizes: BTreeMap<String, serde_json::Value>,
+    /// What the steps are taken with, by flag (`--lr`: 0.1): not part of what must agree, since
+    /// a run may go on with another rate, but a resume that changes one says so
+    /// ([`Identity::changed_settings`]).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub settings: BTreeMap<String, serde_json::Value>,
 }
 
 impl Identity {
-    /// The first field that differs from `other`, as `name: ours vs theirs`.
+    /// The first thing that differs from `other`, as `name is ours there, theirs here`: a size
+    /// first (another `--layers` also moves the stage's modules, but the size says why).
     fn difference(&self, other: &Identity) -> Option<String> {
+        let said = |name: &str, there: &serde_json::Value, here: Option<&serde_json::Value>| {
+            (Some(there) != here).then(|| {
+                format!(
+                    "{name} is {there} there, {} here",
+                    here.cloned().unwrap_or_default()
+                )
+            })
+        };
+        let size = self
+            .sizes
+            .iter()
+            .find_map(|(flag, there)| said(flag, there, other.sizes.get(flag)));
+        if size.is_some() {
+            return size;
+        }
         let (a, b) = (
             serde_json::to_value(self).ok()?,
             serde_json::to_value(other).ok()?,
         );
         let (a, b) = (a.as_object()?, b.as_object()?);
-        a.iter().find(|(k, v)| b.get(*k) != Some(*v)).map(|(k, v)| {
-            format!(
-                "{k} is {} there, {} here",
-                v,
-                b.get(k).cloned().unwrap_or_default()
-            )
-        })
+        a.iter()
+            .filter(|(k, _)| !["sizes", "settings"].contains(&k.as_str()))
+            .find_map(|(k, v)| said(k, v, b.get(k)))
+    }
+
+    /// Each setting `here` takes its steps with that differs from this checkpoint's, as a
+    /// warning; a setting the checkpoint does not record is not compared.
+    pub fn changed_settings(&self, here: &Identity) -> Vec<String> {
+        self.settings
+            .iter()
+            .filter_map(|(flag, there)| {
+                let now = here.settings.get(flag).filter(|now| *now != there)?;
+                let shown = |v: &serde_json::Value| v.as_str().map_or_else(|| v.to_string(), str::to_string);
+                let (now, there) = (shown(now), shown(there));
+                Some(format!(
+                    "resuming with {flag} {now}, where the checkpoint was written with {there}: \
+                     the iterations from here on step with {now}, so the run is not the one it \
+                     would have been unstopped"
+                ))
+            })
+            .collect()
     }
 }
 
@@ -114,6 +153,12 @@ impl Written {
 }
 
 impl Latest {
+    /// The settings `here` takes its steps with that differ from this checkpoint's, each as a
+    /// warning ([`Identity::changed_settings`]).
+    pub fn changed_settings(&self, here: &Identity) -> Vec<String> {
+        self.identity.changed_settings(here)
+    }
+
     /// The iterations done of the checkpoints this rank holds: this one and the one before.
     pub fn held(&self) -> impl Iterator<Item = u64> {
         std::iter::once(self.iterations_done).chain(self.previous)
@@ -428,6 +473,14 @@ mod tests {
             schedule: "1f1b".into(),
             seed: 0,
             data: "synthetic".into(),
+            sizes: [("--hidden", 64), ("--layers", 4)]
+                .into_iter()
+                .map(|(flag, v)| (flag.to_string(), v.into()))
+                .collect(),
+            settings: [("--lr", 0.1), ("--momentum", 0.9)]
+                .into_iter()
+                .map(|(flag, v)| (flag.to_string(), v.into()))
+                .collect(),
         }
     }
 
@@ -442,6 +495,41 @@ mod tests {
         assert_eq!(
             ours.difference(&theirs).as_deref(),
             Some("end_module is 6 there, 5 here")
+        );
+        // A size is named before the modules it moves.
+        let mut theirs = Identity {
+            end_module: 5,
+            ..identity()
+        };
+        theirs.sizes.insert("--layers".into(), 3.into());
+        assert_eq!(
+            ours.difference(&theirs).as_deref(),
+            Some("--layers is 4 there, 3 here")
+        );
+        // A checkpoint written before sizes were recorded is not checked against them; the
+        // settings are never part of what must agree.
+        let old = Identity {
+            sizes: BTreeMap::new(),
+            ..identity()
+        };
+        let mut here = identity();
+        here.settings.insert("--lr".into(), 0.5.into());
+        assert_eq!(old.difference(&here), None);
+        assert_eq!(ours.difference(&here), None);
+    }
+
+    #[test]
+    fn a_changed_setting_is_warned_of_and_one_not_recorded_is_not() {
+        let ours = identity();
+        assert!(ours.changed_settings(&ours).is_empty());
+        let mut here = identity();
+        here.settings.insert("--lr".into(), 0.5.into());
+        here.settings.insert("--weight-decay".into(), 0.01.into());
+        let said = ours.changed_settings(&here);
+        assert_eq!(said.len(), 1, "{said:?}");
+        assert!(
+            said[0].starts_with("resuming with --lr 0.5, where the checkpoint was written with 0.1"),
+            "{said:?}"
         );
     }
 

@@ -2,7 +2,7 @@
 //! runs its schedule, and reports each iteration as a metrics event. One process holding the
 //! whole model is the same path with a one-stage, one-rank plan and no peers.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
 use std::ops::Range;
 use std::time::Duration;
@@ -16,8 +16,8 @@ use tch::Kind;
 
 use crate::comm::{ProcessGroup, Store};
 use crate::config::{
-    Backend, CheckpointConfig, DeviceSpec, DistConfig, P2pGroups, Precision, ReduceOptions, Resume,
-    TrainConfig,
+    Backend, CheckpointConfig, DeviceSpec, DistConfig, OptimizerKind, P2pGroups, Precision, ReduceOptions,
+    Resume, TrainConfig,
 };
 use crate::data::{self, BatchRequest, Shard};
 use crate::host_memory;
@@ -490,6 +490,8 @@ struct Checked {
     /// it are damaged.
     damaged: Option<String>,
     identity: Identity,
+    /// The settings a resume changes ([`Identity::changed_settings`]), each as a warning.
+    changed: Vec<String>,
 }
 
 /// Everything about a training request that can be checked without data, devices or other ranks:
@@ -625,6 +627,10 @@ fn check_plan(config: &TrainConfig) -> anyhow::Result<Checked> {
         );
     }
     let actions = rank_actions(&plan, config, microbatches, first)?;
+    let changed = resume
+        .as_ref()
+        .map(|latest| latest.changed_settings(&identity))
+        .unwrap_or_default();
     Ok(Checked {
         model,
         plan,
@@ -633,6 +639,7 @@ fn check_plan(config: &TrainConfig) -> anyhow::Result<Checked> {
         resume,
         damaged,
         identity,
+        changed,
     })
 }
 
@@ -710,7 +717,36 @@ fn identity(config: &TrainConfig, model: &ModelDef, plan: &StagePlan, microbatch
         schedule: config.dist.schedule.to_string(),
         seed: config.seed,
         data: config.data.to_string(),
+        sizes: crate::models::size_flags(&model.name)
+            .iter()
+            .filter_map(|flag| Some((flag.to_string(), config.model.options.value_of(flag)?)))
+            .collect(),
+        settings: step_settings(config),
     }
+}
+
+/// What the steps are taken with, by flag, as a checkpoint records them.
+fn step_settings(config: &TrainConfig) -> BTreeMap<String, serde_json::Value> {
+    let mut settings = BTreeMap::new();
+    let mut set = |flag: &str, value: serde_json::Value| settings.insert(flag.to_string(), value);
+    set("--lr", config.lr.into());
+    set("--lr-policy", config.lr_schedule.policy.name().into());
+    set("--lr-warmup-epochs", config.lr_schedule.warmup_epochs.into());
+    match config.optimizer {
+        OptimizerKind::Sgd {
+            momentum,
+            weight_decay,
+            nesterov,
+        } => {
+            set("--momentum", momentum.into());
+            set("--weight-decay", weight_decay.into());
+            set("--nesterov", nesterov.into());
+        }
+        OptimizerKind::Adam { weight_decay } | OptimizerKind::AdamW { weight_decay } => {
+            set("--weight-decay", weight_decay.into());
+        }
+    }
+    settings
 }
 
 /// The rows of each minibatch a replica of the first stage runs (its microbatches, taken
@@ -751,9 +787,10 @@ impl Refused {
     }
 }
 
-/// Says the request's warnings (flags given that do nothing in it), one line each.
-fn warn_of_idle_flags(config: &TrainConfig) {
-    for warning in &config.warnings {
+/// Says the request's warnings (flags given that do nothing in it, settings a resume changes),
+/// one line each.
+fn say_warnings(config: &TrainConfig, checked: &Checked) {
+    for warning in config.warnings.iter().chain(&checked.changed) {
         eprintln!("runtime: warning: {warning}");
     }
 }
@@ -762,10 +799,10 @@ fn warn_of_idle_flags(config: &TrainConfig) {
 /// prints one JSON line describing the plan (`driver check` and preflight ask it).
 pub fn check<W: Write>(config: &TrainConfig, out: &mut W) -> anyhow::Result<()> {
     let checked = check_plan(config)?;
-    if let Some(damage) = checked.damaged {
+    if let Some(damage) = &checked.damaged {
         bail!("{damage}");
     }
-    warn_of_idle_flags(config);
+    say_warnings(config, &checked);
     let line = serde_json::json!({
         "check": "ok",
         "model": config.model.name,
@@ -802,6 +839,11 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
     let dist = &config.dist;
     let device = config.device.tch();
     // Everything that can be wrong with the plan is found before talking to any other rank.
+    let checked = check_plan(config).map_err(Refused::error)?;
+    // The same on every rank, said once.
+    if dist.rank == 0 {
+        say_warnings(config, &checked);
+    }
     let Checked {
         model,
         plan,
@@ -810,11 +852,8 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
         resume: latest,
         damaged,
         identity,
-    } = check_plan(config).map_err(Refused::error)?;
-    // The same on every rank, said once.
-    if dist.rank == 0 {
-        warn_of_idle_flags(config);
-    }
+        changed: _,
+    } = checked;
     let micro_size = (config.batch_size / microbatches) as i64;
     let config_iterations = config.iterations;
     let my_stage = plan.stage_of_rank(dist.rank).clone();
