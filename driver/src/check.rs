@@ -149,8 +149,9 @@ fn runtime_warnings(stderr: &str) -> Vec<String> {
 }
 
 /// Where the experiment key behind the first runtime flag `reason` names is written, as
-/// ` (`key` at FILE:LINE)` (or ` (`key` from --grid)` for a sweep point's); nothing when it names no flag or the file does not write its key (a
-/// flag the driver adds itself, such as `--microbatches` defaulted from the replicas).
+/// ` (`key` at FILE:LINE)` (or ` (`key` from --grid)` for a sweep point's); nothing when it
+/// names no flag or the file does not write its key (a flag the driver adds itself, such as
+/// `--microbatches` defaulted from the replicas).
 fn written_at(loaded: &Loaded, reason: &str) -> String {
     let flag = reason.match_indices("--").find_map(|(i, _)| {
         let name = &reason[i + 2..];
