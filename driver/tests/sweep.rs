@@ -194,11 +194,14 @@ fn a_bad_grid_is_refused_before_anything_runs() {
     let h = Harness::new("sw-bad");
     let config = fake_sweep(&h, &format!("['{FAKE_RANK}']"), "");
     let records = h.records();
-    let cases: [(&[&str], &str); 4] = [
+    let cases: [(&[&str], &str); 5] = [
         (
             &["--grid", "batch_size=32,lots"],
-            "grid value `lots` for `batch_size`: wrong type",
+            "invalid grid given with --grid; nothing was run\n  caused by: grid value `lots` for \
+             `batch_size`: wrong type",
         ),
+        // A value as typed, not as read.
+        (&["--grid", "batch_size=1e3"], "grid value `1e3` for `batch_size`"),
         (&["--grid", "batch_sise=32"], "did you mean `batch_size`?"),
         (&["--grid", "schedule=gpipe"], "a schedule needs a `config_file`"),
         (&[], "no grid"),
@@ -214,6 +217,23 @@ fn a_bad_grid_is_refused_before_anything_runs() {
         );
         assert!(!records.exists(), "no sweep folder for a grid that never ran");
     }
+    // A value in the file's `sweep:` section is named at its line (line 1 is the harness's name).
+    let config = fake_sweep(
+        &h,
+        &format!("['{FAKE_RANK}']"),
+        "sweep:\n  batch_size: [32, lots]\n",
+    );
+    let run = h.driver(&os(&sweep_args(&h, &config, &[])), Duration::from_secs(30));
+    assert_eq!(run.code(), 2, "{}", run.stderr());
+    assert!(
+        run.stderr().contains(&format!(
+            "invalid grid at {}:6; nothing was run",
+            config.display()
+        )) && run.stderr().contains("grid value `lots`"),
+        "{}",
+        run.stderr()
+    );
+    assert!(!records.exists());
     h.assert_no_processes();
 }
 

@@ -23,7 +23,7 @@ pub use planner::{PlannerSettings, StageConfigRef};
 pub use resume::Resume;
 pub use slurm::SlurmSettings;
 pub use sweep::{check_grid_value, value_text, with_overrides, Axis, Sweep};
-pub use yaml::{load, parse_scalar, ConfigError, Loaded};
+pub use yaml::{load, locate_sweep_key, parse_scalar, ConfigError, Loaded};
 
 use crate::options::Backend;
 

@@ -54,9 +54,11 @@ pub struct SweepOptions {
 pub enum SweepError {
     #[error("invalid experiment file")]
     Config(#[from] ConfigError),
-    #[error("invalid grid in {}; nothing was run", path.display())]
+    #[error("invalid grid {at}; nothing was run")]
     Grid {
-        path: PathBuf,
+        /// Where the grid is wrong: `at FILE:LINE` (its `sweep:` section), `given with --grid`,
+        /// or `in FILE`.
+        at: String,
         #[source]
         source: GridError,
     },
@@ -223,10 +225,7 @@ fn new_index(
         .unwrap_or_default();
     let axes = grid::combine(&file_axes, grid)
         .and_then(|axes| grid::check(&axes).map(|()| axes))
-        .map_err(|source| SweepError::Grid {
-            path: config_file.to_path_buf(),
-            source,
-        })?;
+        .map_err(|source| grid_error(&loaded, grid, source))?;
     let name = crate::experiment::experiment_name(&loaded);
     let points: Vec<Point> = grid::expand(&axes, repeat);
     let width = (points.len().saturating_sub(1)).to_string().len();
@@ -254,6 +253,44 @@ fn new_index(
             .collect(),
     };
     Ok((parent, index, loaded))
+}
+
+/// A grid error, said where its key is given: with `--grid` (a value as typed there, not as
+/// read: `1e3`, not `1000.0`), or at its line in the file's `sweep:` section.
+fn grid_error(loaded: &Loaded, grid: &[(String, Vec<String>)], source: GridError) -> SweepError {
+    let path = loaded.path.display();
+    let key = match &source {
+        GridError::Key { key, .. } | GridError::Value { key, .. } => config::canonical_key(key).to_string(),
+        GridError::Empty | GridError::TooLarge { .. } => {
+            return SweepError::Grid {
+                at: format!("in {path}"),
+                source,
+            }
+        }
+    };
+    let given = grid.iter().find(|(k, _)| config::canonical_key(k) == key);
+
+    let (at, source) = match (given, source) {
+        (Some((_, typed)), GridError::Value { key, value, message }) => {
+            let typed = typed
+                .iter()
+                .find(|t| config::value_text(&config::parse_scalar(t)) == value)
+                .cloned()
+                .unwrap_or(value);
+            let source = GridError::Value {
+                key,
+                value: typed,
+                message,
+            };
+            ("given with --grid".to_string(), source)
+        }
+        (Some(_), source) => ("given with --grid".to_string(), source),
+        (None, source) => match config::locate_sweep_key(&loaded.text, &key) {
+            Some(line) => (format!("at {path}:{}", line.line), source),
+            None => (format!("in {path}"), source),
+        },
+    };
+    SweepError::Grid { at, source }
 }
 
 /// Every point's experiment file, each parsed and planned, so a bad point stops the sweep before
