@@ -10,6 +10,7 @@ use tch::{Device, Kind, Tensor};
 use crate::config::ForwardConfig;
 use crate::models::ModelDef;
 use crate::stage::{weights, Stage};
+use crate::train::Refused;
 
 pub fn run(config: &ForwardConfig, out: &mut impl Write) -> anyhow::Result<()> {
     if let Some(threads) = config.threads {
@@ -19,14 +20,20 @@ pub fn run(config: &ForwardConfig, out: &mut impl Write) -> anyhow::Result<()> {
     let device = config.device.tch();
     let model = ModelDef::named(&config.model.name, &config.model.options)?;
     let mut stage = Stage::build(&model, 0..model.num_modules(), 0, device);
-    let loaded = stage.init_from(&config.init_from).map_err(anyhow::Error::msg)?;
+    // Weights or inputs that are not there or do not fit are bad arguments (exit 2), as in
+    // training.
+    let loaded = stage
+        .init_from(&config.init_from)
+        .map_err(|e| Refused::error(anyhow::Error::msg(e)))?;
     let inputs = weights::read(&config.input)
-        .map_err(|e| anyhow::anyhow!("--input {}: {e}", config.input.display()))?;
+        .map_err(|e| Refused::error(anyhow::anyhow!("--input {}: {e}", config.input.display())))?;
     let take = |name: &str| {
-        inputs
-            .get(name)
-            .map(|t| t.to_device(device))
-            .with_context(|| format!("--input {}: no tensor `{name}`", config.input.display()))
+        inputs.get(name).map(|t| t.to_device(device)).ok_or_else(|| {
+            Refused::error(anyhow::anyhow!(
+                "--input {}: no tensor `{name}`; it needs `input` and `target`",
+                config.input.display()
+            ))
+        })
     };
     let (input, target) = (take("input")?, take("target")?);
     let (output, loss) = tch::no_grad(|| -> anyhow::Result<(Tensor, Tensor)> {

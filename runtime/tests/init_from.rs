@@ -7,7 +7,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-use tch::Tensor;
+use tch::{Device, Kind, Tensor};
 
 use crate::util::{run, run_ranks, runtime};
 
@@ -286,4 +286,31 @@ fn weights_that_do_not_fit_are_refused_naming_the_file_and_the_tensor() {
             "names the file: {stderr}"
         );
     }
+    // `runtime forward` with inputs lacking what it reads: a bad argument too.
+    let inputs = tmp.path().join("inputs.safetensors");
+    Tensor::write_safetensors(&[("x", &Tensor::zeros([1], (Kind::Float, Device::Cpu)))], &inputs).unwrap();
+    let out = runtime()
+        .args([
+            "forward",
+            "--model",
+            "vgg16",
+            "--image-size",
+            "32",
+            "--num-classes",
+            "10",
+            "--init-from",
+        ])
+        .arg(&vgg)
+        .arg("--input")
+        .arg(&inputs)
+        .arg("-o")
+        .arg(tmp.path().join("out.safetensors"))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("no tensor `input`; it needs `input` and `target`"),
+        "{stderr}"
+    );
 }
