@@ -81,3 +81,44 @@ fn mistakes_on_the_command_line_exit_2_with_what_to_change() {
     }
     h.assert_no_processes();
 }
+
+/// A record whose metrics.jsonl holds lines that are not metrics lines (cut short, or edited)
+/// is plotted from the rest, and says so once, with how many and where the first is.
+#[test]
+fn metrics_lines_that_cannot_be_read_are_said_once_and_left_out() {
+    let h = Harness::new("res-damaged");
+    let record = h.dir.path().join("20261122T090000Z_vgg16-2pipe");
+    std::fs::create_dir(&record).unwrap();
+    let from = fixtures().join("20261122T090000Z_vgg16-2pipe");
+    for file in std::fs::read_dir(&from).unwrap() {
+        let file = file.unwrap();
+        std::fs::copy(file.path(), record.join(file.file_name())).unwrap();
+    }
+    let metrics = record.join("metrics.jsonl");
+    let text = std::fs::read_to_string(&metrics).unwrap();
+    let lines = text.lines().count();
+    std::fs::write(
+        &metrics,
+        format!("{text}\n{{\"event\": \"iteration\", \"iter\nnot json\n"),
+    )
+    .unwrap();
+    let plot = h.dir.path().join("loss.svg");
+    let args = [
+        OsStr::new("results"),
+        record.as_os_str(),
+        OsStr::new("--plot-loss"),
+        plot.as_os_str(),
+        OsStr::new("--time-to"),
+        OsStr::new("loss=0.5"),
+    ];
+    let run = h.driver(&args, Duration::from_secs(30));
+    assert_eq!(run.code(), 0, "{}", run.stderr());
+    let said = format!(
+        "warning: 2 of {}'s lines are not metrics lines this driver reads (the first is line {})",
+        metrics.display(),
+        lines + 2
+    );
+    assert_eq!(run.stderr().matches(&said).count(), 1, "{}", run.stderr());
+    assert!(plot.is_file(), "drawn from the lines that could be read");
+    h.assert_no_processes();
+}

@@ -3,17 +3,37 @@
 //! when a curve first reached a figure (`--time-to`, [`time_to`]), PipeDream's time to accuracy.
 //! The plots draw them (`plot`); the table shows the time to a target.
 
-use std::collections::BTreeMap;
-use std::path::Path;
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 
 /// The metrics lines of a record's `metrics.jsonl`, in order; `None` when it has no such file.
+/// Lines that are not metrics lines (a file cut short or edited, or a newer runtime's events)
+/// are left out, and said once per file.
 pub(super) fn events(dir: &Path) -> Option<Vec<stagehand_contract::Event>> {
-    let text = std::fs::read_to_string(dir.join("metrics.jsonl")).ok()?;
-    Some(
-        text.lines()
-            .filter_map(stagehand_contract::Event::parse_line)
-            .collect(),
-    )
+    let path = dir.join("metrics.jsonl");
+    let text = std::fs::read_to_string(&path).ok()?;
+    let mut events = Vec::new();
+    let mut unread = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        match stagehand_contract::Event::parse_line(line) {
+            Some(event) => events.push(event),
+            None if line.trim().is_empty() => {}
+            None => unread.push(i + 1),
+        }
+    }
+    if let Some(first) = unread.first() {
+        static SAID: Mutex<BTreeSet<PathBuf>> = Mutex::new(BTreeSet::new());
+        if SAID.lock().expect("not poisoned").insert(path.clone()) {
+            stderr_line!(
+                "warning: {} of {}'s lines are not metrics lines this driver reads (the first is \
+                 line {first}); the curves leave them out",
+                unread.len(),
+                path.display()
+            );
+        }
+    }
+    Some(events)
 }
 
 /// The iteration lines of a record's `metrics.jsonl`, in order; `None` when it has no such file.
