@@ -38,10 +38,15 @@ pub enum PlotError {
 
 const SIZE: (u32, u32) = (900, 560);
 
+/// A drawing error as [`PlotError::Draw`], without plotters' wrapping of the I/O error that is
+/// the reason (`backend error: Drawing backend error: No such file or directory`).
 fn draw_error(path: &Path) -> impl Fn(String) -> PlotError + '_ {
     move |message| PlotError::Draw {
         path: path.to_path_buf(),
-        message,
+        message: message
+            .trim_start_matches("backend error: ")
+            .trim_start_matches("Drawing backend error: ")
+            .to_string(),
     }
 }
 

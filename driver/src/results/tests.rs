@@ -125,6 +125,18 @@ fn unknown_keys_and_baselines_are_errors() {
     let mut o = options(Format::Table);
     o.plot = Some(dir.path().join("P.SVG"));
     assert!(!matches!(run(&o), Err(ResultsError::NotSvg { .. })), "any case");
+    // A plot that cannot be written says why in the system's words alone.
+    let mut o = options(Format::Table);
+    let nowhere = dir.path().join("no-such-folder/p.svg");
+    o.plot = Some(nowhere.clone());
+    let e = crate::error::error_chain(&run(&o).unwrap_err());
+    assert!(
+        e.ends_with(&format!(
+            "cannot draw {}: No such file or directory (os error 2)",
+            nowhere.display()
+        )),
+        "{e}"
+    );
 }
 
 /// Runs compare by how far they trained as by how fast: `--sort` takes the final loss and
