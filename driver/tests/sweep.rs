@@ -186,6 +186,23 @@ fn an_interrupted_sweep_resumed_runs_only_the_missing_points() {
         "{}",
         resumed.stdout()
     );
+    // Its experiment file moved away: the resume says where the sweep folder keeps a copy.
+    let moved = config.with_extension("moved");
+    std::fs::rename(&config, &moved).unwrap();
+    let again = h.driver(
+        &args(&["sweep", "--resume", dir.to_str().unwrap(), "--no-progress"]),
+        Duration::from_secs(30),
+    );
+    assert_eq!(again.code(), 2, "{}", again.stderr());
+    assert!(
+        again.stderr().contains(&format!(
+            "the sweep folder keeps it as the sweep started, in {}: copy it back to {}",
+            dir.join("config.given.yml").display(),
+            config.display()
+        )),
+        "{}",
+        again.stderr()
+    );
     h.assert_no_processes();
 }
 

@@ -66,6 +66,18 @@ pub enum SweepError {
     Point { label: String, message: String },
     #[error("cannot resume")]
     Index(#[from] IndexError),
+    #[error(
+        "cannot resume: the sweep's experiment file {} is not there; the sweep folder keeps it as \
+         the sweep started, in {}: copy it back to {0}, or start a new sweep",
+        file.display(),
+        copy.display()
+    )]
+    Moved {
+        file: PathBuf,
+        copy: PathBuf,
+        #[source]
+        source: ConfigError,
+    },
     #[error("cannot write the sweep folder")]
     Record(#[from] RecordError),
     #[error("cannot install the Ctrl-C handler")]
@@ -79,7 +91,8 @@ impl SweepError {
             SweepError::Config(_)
             | SweepError::Grid { .. }
             | SweepError::Point { .. }
-            | SweepError::Index(_) => exit_codes::INVALID_CONFIG,
+            | SweepError::Index(_)
+            | SweepError::Moved { .. } => exit_codes::INVALID_CONFIG,
             SweepError::Record(_) => exit_codes::RECORD_FAILED,
             SweepError::Signals(_) => exit_codes::PREFLIGHT_FAILED,
         }
@@ -382,7 +395,14 @@ fn create(parent: &Path, index: &mut Index, loaded: &Loaded) -> Result<PathBuf, 
 /// Reads a sweep folder's index and its experiment file again.
 fn resume(dir: &Path) -> Result<(Index, Loaded), SweepError> {
     let index = Index::read(dir)?;
-    let loaded = config::load(&index.config_file)?;
+    let loaded = config::load(&index.config_file).map_err(|e| match e {
+        ConfigError::Read { .. } => SweepError::Moved {
+            file: index.config_file.clone(),
+            copy: dir.join("config.given.yml"),
+            source: e,
+        },
+        e => SweepError::Config(e),
+    })?;
     let given = std::fs::read_to_string(dir.join("config.given.yml")).unwrap_or_default();
     if given != loaded.text {
         stderr_line!(
