@@ -211,6 +211,12 @@ pub fn measure(config: &ProfileConfig) -> anyhow::Result<Profile> {
 }
 
 pub fn run(config: &ProfileConfig, out: &mut impl Write) -> anyhow::Result<()> {
+    if config.channels_last && !crate::models::has_convolutions(&config.model.name) {
+        eprintln!(
+            "runtime: warning: --channels-last does nothing for {}, which has no convolutions; drop it",
+            config.model.name
+        );
+    }
     let profile = measure(config)?;
     let text = serde_json::to_string_pretty(&profile)?;
     match &config.output {

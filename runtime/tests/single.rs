@@ -996,6 +996,40 @@ fn profile_measures_every_module() {
     assert!(loss.forward_s > 0.0 && loss.backward_s > 0.0, "{loss:?}");
 }
 
+/// `--channels-last` on a model without convolutions is warned of in a profile too, as in a run.
+#[test]
+fn a_profile_warns_of_channels_last_without_convolutions() {
+    let out = runtime()
+        .args([
+            "profile",
+            "--model",
+            "mlp",
+            "--layers",
+            "1",
+            "--hidden",
+            "16",
+            "--image-size",
+            "8",
+        ])
+        .args([
+            "--batch-size",
+            "2",
+            "--repeats",
+            "1",
+            "--threads",
+            "1",
+            "--channels-last",
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("runtime: warning: --channels-last does nothing for mlp, which has no convolutions"),
+        "{stderr}"
+    );
+}
+
 /// A profile for a bf16 channels_last run measures what such a run computes: the activations
 /// that would cross a stage boundary are bfloat16 (half a float32's bytes), and the profile says
 /// how it computed so the driver can refuse it for a run that computes otherwise.
