@@ -41,6 +41,7 @@ mod stage;
 mod train;
 
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::config::{Command, DeviceSpec};
 
@@ -82,16 +83,10 @@ fn main() -> ExitCode {
             return ExitCode::from(EXIT_USAGE);
         }
     }
-    let result = match command {
+    let run = || match command {
         // A request that would not start is a bad argument.
         Command::Check(config) => {
-            return match train::check(&config, &mut std::io::stdout().lock()) {
-                Ok(()) => ExitCode::SUCCESS,
-                Err(e) => {
-                    eprintln!("runtime: error: {e:#}");
-                    ExitCode::from(EXIT_USAGE)
-                }
-            }
+            train::check(&config, &mut std::io::stdout().lock()).map_err(train::Refused::error)
         }
         Command::Info => info::run(&mut std::io::stdout().lock()),
         Command::Reach(config) => reach::run(&config, &mut std::io::stdout().lock()),
@@ -100,6 +95,13 @@ fn main() -> ExitCode {
         Command::Profile(config) => profile::run(&config, &mut std::io::stdout().lock()),
         Command::Forward(config) => forward::run(&config, &mut std::io::stdout().lock()),
         Command::P2pBench(config) => p2p::run(&config, &mut std::io::stdout().lock()),
+    };
+    // Memory running out is how a run fails, said in one line by the panic hook; any other
+    // panic is a bug, and ends as Rust's do (101).
+    let result = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)) {
+        Ok(result) => result,
+        Err(_) if OUT_OF_MEMORY.load(Ordering::SeqCst) => return ExitCode::from(EXIT_FAILED),
+        Err(panic) => std::panic::resume_unwind(panic),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -125,18 +127,31 @@ fn main() -> ExitCode {
 fn one_line_panics() {
     let default = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
-        if std::env::var_os("RUST_BACKTRACE").is_some() {
-            return default(info);
-        }
         let payload = info.payload();
         let message = payload
             .downcast_ref::<&str>()
             .map(|s| s.to_string())
             .or_else(|| payload.downcast_ref::<String>().cloned())
             .unwrap_or_default();
+        if out_of_memory(&message) {
+            OUT_OF_MEMORY.store(true, Ordering::SeqCst);
+        }
+        if std::env::var_os("RUST_BACKTRACE").is_some() {
+            return default(info);
+        }
         let at = info.location().map(|l| format!("{}:{}", l.file(), l.line()));
         eprintln!("{}", panic_line(&message, at.as_deref()));
     }));
+}
+
+/// Whether a panic ran out of memory (libtorch refusing an allocation, on the host or a GPU).
+static OUT_OF_MEMORY: AtomicBool = AtomicBool::new(false);
+
+/// Whether a panic's message says an allocation was refused.
+fn out_of_memory(message: &str) -> bool {
+    ["can't allocate memory", "out of memory"]
+        .iter()
+        .any(|m| message.contains(m))
 }
 
 /// A panic's `message` (raised `at`) as one line: what failed, where, and for memory what to
@@ -151,10 +166,7 @@ fn panic_line(message: &str, at: Option<&str>) -> String {
     let first = first.trim_start_matches("called `Result::unwrap()` on an `Err` value: ");
     let first = first.trim_start_matches("Torch(\"");
     let at = at.map(|at| format!(" (at {at})")).unwrap_or_default();
-    let memory = ["can't allocate memory", "out of memory"]
-        .iter()
-        .any(|m| message.contains(m));
-    let hint = match memory {
+    let hint = match out_of_memory(message) {
         true => "; the run needs more memory than there is: lower --batch-size or the model's sizes",
         false => "",
     };
