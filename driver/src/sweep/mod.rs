@@ -344,6 +344,13 @@ fn first_refused(points: &[(Loaded, Experiment)], options: &Options) -> Option<(
     let distinct: Vec<usize> = (0..points.len())
         .filter(|&i| seen.insert((&points[i].1.ranks[0].argv, &points[i].1.ranks[0].env)))
         .collect();
+    // About a quarter of a second each (libtorch loads in every check), on every core at once.
+    if distinct.len() > 16 && options.verbosity != Verbosity::Quiet {
+        stderr_line!(
+            "driver: checking the training requests of {} points with the runtime before any runs",
+            distinct.len()
+        );
+    }
     let next = AtomicUsize::new(0);
     let refused: Mutex<Option<(usize, String)>> = Mutex::new(None);
     let workers = std::thread::available_parallelism()
