@@ -363,9 +363,8 @@ fn edit_distance(a: &str, b: &str) -> usize {
 
 impl Loaded {
     /// Where a top-level key is written (in any of its spellings: `model:` for `module`), for
-    /// errors found after parsing (cross-field checks).
-    /// A sweep point's keys are located where the file or `--grid` gives them (`None` for the
-    /// command line).
+    /// errors found after parsing (cross-field checks). A sweep point's keys are located where
+    /// the user wrote them: in the experiment file, its `sweep:` section, or (`None`) `--grid`.
     pub fn locate(&self, key: &str) -> Option<Location> {
         let text = match &self.point {
             Some(point) => match point.set.iter().find(|(k, _)| k == key) {
