@@ -578,7 +578,6 @@ impl From<PrecisionArg> for Precision {
 }
 
 impl Cli {
-    /// Validates the arguments into the command to run.
     /// Parses `argv` as clap's `try_parse_from` does, keeping which arguments were given, so a
     /// flag given that does nothing in its request can be warned of even where it has a default.
     pub fn parse_given_from<I, T>(argv: I) -> Result<Cli, clap::Error>
@@ -602,6 +601,7 @@ impl Cli {
         Ok(cli)
     }
 
+    /// Validates the arguments into the command to run.
     pub fn into_command(self) -> Result<Command, ConfigError> {
         match self.command {
             Some(Sub::Modules(m)) => Ok(Command::Modules(ModulesConfig {
