@@ -101,8 +101,14 @@ pub fn runtime_check(
     };
     let mut warnings = Vec::new();
     for rank in ranks {
+        // A rank on another host resumes from checkpoints on that host's disk, not this one's:
+        // its image's runtime checks them at preflight, where they are.
+        let remote = !plan.hosts[rank.host].machine.is_local();
+        let argv = rank.argv[1..]
+            .iter()
+            .filter(|arg| !(remote && arg.starts_with("--resume")));
         let out = Command::new(&runtime)
-            .args(&rank.argv[1..])
+            .args(argv)
             .arg("--check")
             .envs(&rank.env)
             .envs(experiment::slurm_task_env(plan, rank))

@@ -183,6 +183,37 @@ fn a_request_the_runtime_refuses_exits_2_with_its_reason() {
     h.assert_no_processes();
 }
 
+/// Ranks on other hosts resume from checkpoints on those hosts' disks: `resume: true` with no
+/// checkpoint here passes the check (the image's runtime checks it there at preflight), where a
+/// rank on this machine is checked against this machine's folder.
+#[test]
+fn a_resume_is_checked_where_the_checkpoints_are() {
+    let h = Harness::new("check-resume");
+    let body = |machines: &str| {
+        format!(
+            "machines: [{machines}]\nmodule: mlp\nbatch_size: 8\niterations: 3\n\
+             checkpoint_dir: /nonexistent/ckpt\nresume: true\n"
+        )
+    };
+    let run = check(&h, &h.config(&body("th1, th2")));
+    assert_eq!(run.code(), 0, "{}{}", run.stderr(), run.stdout());
+    assert!(
+        run.stdout()
+            .contains("runtime check: every rank's request accepted"),
+        "{}",
+        run.stdout()
+    );
+    let run = check(&h, &h.config(&format!("backend: process\n{}", body("localhost"))));
+    assert_eq!(run.code(), 2, "{}", run.stderr());
+    assert!(
+        run.stderr()
+            .contains("no checkpoint of rank 0 in /nonexistent/ckpt"),
+        "{}",
+        run.stderr()
+    );
+    h.assert_no_processes();
+}
+
 /// Keys the runtime accepts but would do nothing with in this experiment pass, each named once
 /// (every rank's check warns of it) with why and where it is written.
 #[test]
