@@ -451,6 +451,13 @@ fn resume_auto_starts_afresh_or_goes_on_from_the_checkpoint_there() {
     let rest = run_ok(&strs(&mlp("5", &["--checkpoint-dir", c, "--resume=auto"])));
     let iterations: Vec<u64> = rest.iterations().iter().map(|i| i.iteration).collect();
     assert_eq!(iterations, [3, 4], "went on from the checkpoint of 3 iterations");
+    assert!(
+        rest.stderr().contains(&format!(
+            "runtime: resuming from the checkpoint of iteration 3 in {c}: iterations 3 to 4 run"
+        )),
+        "says so: {}",
+        rest.stderr()
+    );
     assert_eq!(
         rest.losses(),
         whole.losses()[3..],

@@ -938,6 +938,14 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
         if first != latest_done {
             actions = rank_actions(&plan, config, microbatches, first)?;
         }
+        if first > 0 && first < config.iterations && dist.rank == 0 {
+            eprintln!(
+                "runtime: resuming from the checkpoint of iteration {first} in {}: iterations {first} \
+                 to {} run",
+                c.dir.display(),
+                config.iterations.saturating_sub(1)
+            );
+        }
     }
     if let Some(stream) = &mut data {
         // The minibatches the resumed iterations already took.
