@@ -370,7 +370,10 @@ pub async fn run_loaded(
     }
 
     let record = Record::create(&plan.log_directory, &plan.name)?;
+    // Unique among runs started the same second under the same name, by this process's id.
+    let run_id = format!("{}-{}", record.id, std::process::id());
     let mut plan = plan;
+    plan.run_as(&run_id);
     plan.keep_traces_in(&record.dir);
     record.write_setup(&loaded, &plan)?;
     let bar = progress::bar(options.progress, plan.iterations, bars);
@@ -449,6 +452,7 @@ pub async fn run_loaded(
                     return Err(auto_failed(e, &record, &mut reporters));
                 }
             };
+            plan.run_as(&run_id);
             plan.keep_traces_in(&record.dir);
             record.write_setup(&loaded, &plan)?;
             for (host, _) in prepared.iter_mut().flatten() {

@@ -38,6 +38,13 @@ fn two_ranks_succeed_and_the_record_has_everything() {
     let log = std::fs::read_to_string(dir.join("rank-1.log")).unwrap();
     assert!(log.contains("fake-rank 1/2 master 127.0.0.1:"), "{log}");
     assert!(log.contains("local_rank 1"), "{log}");
+    // Every rank is given the run's id (its record's, and the driver's process), which keeps the
+    // run's keys apart on the rendezvous store.
+    let id = dir.file_name().unwrap().to_string_lossy().into_owned();
+    for rank in 0..2 {
+        let log = std::fs::read_to_string(dir.join(format!("rank-{rank}.log"))).unwrap();
+        assert!(log.contains(&format!(" run {id}-")), "{id}: {log}");
+    }
     // Terminal lines are prefixed by host and rank.
     assert!(
         run.stderr()

@@ -400,6 +400,11 @@ struct DistArgs {
     /// Rank within this host; picks the GPU when --device is plain `cuda`.
     #[arg(long, env = "LOCAL_RANK", default_value_t = 0)]
     local_rank: usize,
+    /// The run this rank is one of, the same on every rank (the driver gives each run its own):
+    /// the rendezvous keeps the run's keys apart, so a rank of another run that reaches the same
+    /// master port meets none of them.
+    #[arg(long, env = "STAGEHAND_RUN_ID", value_name = "ID")]
+    run_id: Option<String>,
     /// Communication backend [default: gloo on CPU, nccl on CUDA].
     #[arg(long, value_enum)]
     backend: Option<BackendArg>,
@@ -1451,11 +1456,22 @@ impl DistArgs {
                     .into(),
             ));
         }
+        if let Some(id) = self
+            .run_id
+            .as_deref()
+            .filter(|id| id.is_empty() || id.contains('\0'))
+        {
+            return Err(invalid(
+                "--run-id",
+                format!("{id:?} is not an id: give a non-empty one without NUL bytes"),
+            ));
+        }
         Ok(DistConfig {
             rank: place.rank,
             world_size: place.world_size,
             master_addr: place.master_addr,
             master_port: place.master_port,
+            run_id: self.run_id,
             backend,
             p2p_groups: match (self.p2p_groups, backend) {
                 (Some(P2pGroupsArg::World), _) | (None, Backend::Gloo) => P2pGroups::World,

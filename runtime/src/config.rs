@@ -432,6 +432,8 @@ pub struct DistConfig {
     pub world_size: usize,
     pub master_addr: String,
     pub master_port: u16,
+    /// The run's key space on the rendezvous store (`--run-id`).
+    pub run_id: Option<String>,
     pub backend: Backend,
     /// The groups point-to-point messages between stages travel on.
     pub p2p_groups: P2pGroups,

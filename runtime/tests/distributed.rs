@@ -929,3 +929,42 @@ fn ranks_given_different_requests_are_refused_alike_and_their_own_settings_may_d
         assert!(run.output.status.success(), "rank {rank}: {}", run.stderr());
     }
 }
+
+/// Two runs given one master port (a port typed twice): with their run ids, a rank of the other
+/// run that reaches this run's store first meets none of its keys, so this run trains as if alone
+/// (the losses of a run on a port of its own), and the stray rank fails on its own timeout.
+/// Without ids both ranks 1 would post the same keys, and the runs would cross.
+#[test]
+fn a_rank_of_another_run_on_the_same_port_stays_out_of_this_one() {
+    let port = free_port().to_string();
+    let spawn = |rank: &str, id: &str, timeout: &str| {
+        runtime()
+            .args(MLP.split_whitespace())
+            .args(["--world-size", "2", "--rank", rank, "--master-port", &port])
+            .args(["--comm-timeout", timeout, "--run-id", id])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let finish = |child: std::process::Child| {
+        let output = child.wait_with_output().unwrap();
+        let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+        let events = stdout.lines().filter_map(Event::parse_line).collect();
+        Run { output, events }
+    };
+    let rank0 = spawn("0", "run-a", "30");
+    // The other run's rank 1 reaches the store before this run's.
+    std::thread::sleep(Duration::from_millis(700));
+    let stray = spawn("1", "run-b", "4");
+    std::thread::sleep(Duration::from_millis(700));
+    let rank1 = spawn("1", "run-a", "30");
+    let (rank0, rank1, stray) = (finish(rank0), finish(rank1), finish(stray));
+    for (rank, run) in [(0, &rank0), (1, &rank1)] {
+        assert!(run.output.status.success(), "rank {rank}: {}", run.stderr());
+    }
+    assert!(!stray.output.status.success(), "{}", stray.stderr());
+    let alone = run_ranks(2, &words(MLP), LIMIT);
+    assert_eq!(rank0.losses(), alone[0].losses(), "as a run on a port of its own");
+    assert_eq!(rank0.losses().len(), 5);
+}

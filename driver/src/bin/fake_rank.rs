@@ -59,10 +59,11 @@ fn main() {
     }
     let world_size = env_usize("WORLD_SIZE").max(1);
     eprintln!(
-        "fake-rank {rank}/{world_size} master {}:{} local_rank {}",
+        "fake-rank {rank}/{world_size} master {}:{} local_rank {} run {}",
         std::env::var("MASTER_ADDR").unwrap_or_default(),
         std::env::var("MASTER_PORT").unwrap_or_default(),
-        env_usize("LOCAL_RANK")
+        env_usize("LOCAL_RANK"),
+        std::env::var("STAGEHAND_RUN_ID").unwrap_or_default(),
     );
     let start = Start {
         schema_version: SCHEMA_VERSION,

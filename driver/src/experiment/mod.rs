@@ -160,6 +160,9 @@ pub struct RankSpec {
     pub stage: Option<usize>,
 }
 
+/// The environment variable that gives a rank its run's id (the runtime's `--run-id`).
+pub const RUN_ID_VARIABLE: &str = "STAGEHAND_RUN_ID";
+
 /// Everything the launch needs, resolved and checked.
 #[derive(Debug, Clone, Serialize)]
 pub struct Experiment {
@@ -263,6 +266,15 @@ impl Experiment {
             }
         }
         plan
+    }
+
+    /// Gives every rank the run's id ([`RUN_ID_VARIABLE`]), under which the runtime keeps its
+    /// keys on the rendezvous store: a rank of another run that reaches the same master port (two
+    /// runs given one `--master-port`) meets none of them.
+    pub fn run_as(&mut self, id: &str) {
+        for rank in &mut self.ranks {
+            rank.env.insert(RUN_ID_VARIABLE.into(), id.to_string());
+        }
     }
 
     /// Names the record folder the ranks' profiler traces are kept in (its [`TRACES_FOLDER`]):

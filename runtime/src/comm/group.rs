@@ -176,7 +176,7 @@ impl ProcessGroup {
             )));
         }
         let invalid = |what: &str| CommError::Invalid(format!("{what} contains a NUL byte"));
-        let prefix_c = CString::new(prefix).map_err(|_| invalid("the group name"))?;
+        let prefix_c = CString::new(store.namespaced(prefix)).map_err(|_| invalid("the group name"))?;
         let mut raw = std::ptr::null_mut();
         let (op, result) = match &backend {
             Backend::Gloo(device) => {

@@ -20,6 +20,9 @@ pub struct Store {
     timeout: Duration,
     /// How many world groups this rank has created on the store, so each gets its own key space.
     world_groups: AtomicUsize,
+    /// The run's own key space on the store (`--run-id`), empty for none: a rank of another run
+    /// that reaches this store (two runs given one port) then meets none of this run's keys.
+    namespace: String,
 }
 
 // SAFETY: c10d::TCPStore serialises its operations with an internal mutex, and the handle is only
@@ -121,17 +124,26 @@ impl Store {
             return Err(fail(format!("cannot start a thread: {e}")));
         }
         let deadline = timeout + Duration::from_secs(1).max(timeout / 20);
+        let started = std::time::Instant::now();
         let raw = match rx.recv_timeout(deadline) {
             Ok(Ok(raw)) => raw.0,
             Ok(Err(message)) => {
                 return Err(fail(rendezvous_reason(
-                    &message, is_master, port, world_size, timeout,
+                    &message,
+                    is_master,
+                    port,
+                    world_size,
+                    started.elapsed(),
                 )));
             }
             Err(_) => {
                 let message = format!("no connection within {deadline:?}");
                 return Err(fail(rendezvous_reason(
-                    &message, is_master, port, world_size, timeout,
+                    &message,
+                    is_master,
+                    port,
+                    world_size,
+                    started.elapsed(),
                 )));
             }
         };
@@ -145,7 +157,20 @@ impl Store {
             world_size,
             timeout,
             world_groups: AtomicUsize::new(0),
+            namespace: String::new(),
         })
+    }
+
+    /// This store with every key and group of this rank in the key space of run `id`
+    /// (`run/ID/`); every rank of the run must give the same.
+    pub fn for_run(mut self, id: &str) -> Store {
+        self.namespace = format!("run/{id}/");
+        self
+    }
+
+    /// `name` in this run's key space.
+    pub(super) fn namespaced(&self, name: &str) -> String {
+        format!("{}{name}", self.namespace)
     }
 
     /// The address rank 0 hosts the store on, as given.
@@ -241,7 +266,7 @@ impl Store {
     }
 
     fn key(&self, key: &str) -> Result<CString, CommError> {
-        CString::new(format!("user/{key}"))
+        CString::new(self.namespaced(&format!("user/{key}")))
             .map_err(|_| CommError::Invalid(format!("store key {key:?} contains a NUL byte")))
     }
 
@@ -285,12 +310,13 @@ struct SendPtr(*mut ffi::RawStore);
 unsafe impl Send for SendPtr {}
 
 /// c10d's message plus what the user should check.
+/// Why a rendezvous failed, `waited` into it (not the timeout: a port in use fails at once).
 fn rendezvous_reason(
     message: &str,
     is_master: bool,
     port: u16,
     world_size: usize,
-    timeout: Duration,
+    waited: Duration,
 ) -> String {
     let lower = message.to_lowercase();
     let hint = if !is_master {
@@ -302,5 +328,5 @@ fn rendezvous_reason(
     } else {
         "can this host bind that address and port?".to_string()
     };
-    format!("after {timeout:?}: {message}; {hint}")
+    format!("after {:.1} s: {message}; {hint}", waited.as_secs_f64())
 }

@@ -264,6 +264,10 @@ fn connect(
         dist.rank == 0,
         timeout,
     )?;
+    let store = match &dist.run_id {
+        Some(id) => store.for_run(id),
+        None => store,
+    };
     agree_on_request(&store, dist.rank, dist.world_size, request)?;
     // The world group is the forward channel; the backward channel is a second group over the
     // same ranks, so upstream traffic never queues behind downstream traffic between two ranks.
