@@ -75,6 +75,8 @@ pub struct Host {
     pub image: String,
     /// The engine's CPU architecture (images are built once per architecture).
     pub arch: String,
+    /// The engine's own ID (`docker info`), the same under every name the machine is reached by.
+    pub engine_id: String,
     /// Bind mounts whose source exists on this host.
     pub mounts: Vec<Mount>,
     /// Files this host lacks, copied into each container before it starts.
@@ -160,6 +162,15 @@ pub async fn prepare_all(
         .await
         .into_iter()
         .collect::<Result<Vec<_>, _>>()?;
+    for (first, second) in
+        one_engine_twice(ready.iter().map(|(h, _)| (h.name.as_str(), h.engine_id.as_str())))
+    {
+        stderr_line!(
+            "warning: {first} and {second} are one machine (the same Docker engine): their ranks are \
+             each told they are alone there (LOCAL_RANK, LOCAL_WORLD_SIZE) and may be given the same \
+             GPUs; list it once in `machines`, with all its ranks"
+        );
+    }
     let engines: Vec<image::Engine> = ready
         .iter()
         .map(|(h, _)| image::Engine {
@@ -182,6 +193,22 @@ pub async fn prepare_all(
             (host, facts)
         })
         .collect())
+}
+
+/// The names of `(name, engine ID)` pairs that reach one engine, each with the first name it
+/// was reached by: a machine listed twice (`th1` and its address, or `localhost` and this
+/// machine's name). Warned of, not refused: a test bed of one engine reached under several
+/// addresses is one on purpose.
+fn one_engine_twice<'a>(hosts: impl Iterator<Item = (&'a str, &'a str)>) -> Vec<(&'a str, &'a str)> {
+    let mut seen: Vec<(&str, &str)> = Vec::new();
+    let mut twice = Vec::new();
+    for (name, id) in hosts {
+        match seen.iter().find(|(_, seen_id)| !id.is_empty() && *seen_id == id) {
+            Some((first, _)) => twice.push((*first, name)),
+            None => seen.push((name, id)),
+        }
+    }
+    twice
 }
 
 /// Preflight for one host: engine reachable, mounts present or copied, GPUs usable when asked for.
@@ -228,10 +255,12 @@ async fn prepare(
         let host = host.name.clone();
         move |source| HostError::Docker { host, action, source }
     };
-    let version = docker
-        .version()
-        .await
-        .map_err(docker_err("ask for its version"))?;
+    let (version, info) = futures_util::join!(docker.version(), docker.info());
+    let version = version.map_err(docker_err("ask for its version"))?;
+    let engine_id = info
+        .map_err(docker_err("describe itself"))?
+        .id
+        .unwrap_or_default();
     let facts = HostFacts {
         host: host.name.clone(),
         docker_version: version.version,
@@ -250,6 +279,7 @@ async fn prepare(
         docker,
         image: String::new(),
         arch: version.arch.unwrap_or_default(),
+        engine_id,
         mounts,
         copies,
         infiniband,
@@ -341,6 +371,19 @@ pub async fn master_port_free(host: Option<&Host>, port: u16) -> Option<bool> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_machine_reached_under_two_names_is_found_by_its_engine_id() {
+        let hosts = [
+            ("th1", "A"),
+            ("th2", "B"),
+            ("10.77.0.11", "A"),
+            ("old", ""),
+            ("older", ""),
+        ];
+        assert_eq!(one_engine_twice(hosts.into_iter()), [("th1", "10.77.0.11")]);
+        assert!(one_engine_twice([("th1", "A"), ("th2", "B")].into_iter()).is_empty());
+    }
 
     #[test]
     fn the_master_port_is_picked_free_below_the_ephemeral_range() {

@@ -48,6 +48,7 @@ pub fn host_on(docker: bollard::Docker) -> Host {
         docker,
         image: String::new(),
         arch: String::new(),
+        engine_id: String::new(),
         mounts: Vec::new(),
         copies: Vec::new(),
         infiniband: false,
