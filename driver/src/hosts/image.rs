@@ -287,11 +287,26 @@ async fn build(
     let mut stream = engine.docker.build_image(options, None, Some(body));
     let mut tail: Vec<String> = Vec::new();
     while let Some(item) = stream.next().await {
-        let info = item.map_err(|e| failed(format!("{e}{}", last_lines(&tail))))?;
-        if let Some(detail) = info.error_detail {
-            let message = detail.message.unwrap_or_else(|| "unknown error".into());
+        let message = match &item {
+            Err(e) => Some(e.to_string()),
+            Ok(info) => info
+                .error_detail
+                .as_ref()
+                .map(|d| d.message.clone().unwrap_or_else(|| "unknown error".into())),
+        };
+        if let Some(message) = message {
+            // A base image the engine lacks, and could not pull (no registry here), is named.
+            let missing = missing_bases(engine, spec, &args).await;
+            if !missing.is_empty() {
+                return Err(HostError::BaseImagesMissing {
+                    host: engine.host.to_string(),
+                    images: missing,
+                    reason: message.lines().next().unwrap_or_default().to_string(),
+                });
+            }
             return Err(failed(format!("{message}{}", last_lines(&tail))));
         }
+        let info = item.expect("an error returned above");
         if let Some(text) = info.stream {
             for line in text.lines().filter(|l| !l.trim().is_empty()) {
                 if feedback.verbose {
@@ -311,6 +326,62 @@ async fn build(
         ))
     })?;
     Ok(image.id.unwrap_or_default())
+}
+
+/// The base images `spec`'s Dockerfile builds from that `engine` lacks.
+async fn missing_bases(engine: &Engine<'_>, spec: &BuildSpec, args: &HashMap<String, String>) -> Vec<String> {
+    let Ok(text) = std::fs::read_to_string(spec.context.join(&spec.dockerfile)) else {
+        return Vec::new();
+    };
+    let mut missing = Vec::new();
+    for image in base_images(&text, args) {
+        if engine.docker.inspect_image(&image).await.is_err() {
+            missing.push(image);
+        }
+    }
+    missing
+}
+
+/// The images a Dockerfile's `FROM` lines name, `${ARG}`s replaced by the build's arguments or
+/// the Dockerfile's defaults; not `scratch`, nor an earlier stage (`FROM x AS builder`).
+fn base_images(dockerfile: &str, args: &HashMap<String, String>) -> Vec<String> {
+    let mut defaults: HashMap<String, String> = HashMap::new();
+    let mut stages: Vec<String> = Vec::new();
+    let mut images = Vec::new();
+    for line in dockerfile.lines().map(str::trim) {
+        let mut words = line.split_whitespace();
+        let instruction = words.next().unwrap_or_default().to_ascii_uppercase();
+        match instruction.as_str() {
+            "ARG" => {
+                if let Some((name, value)) = words.next().and_then(|a| a.split_once('=')) {
+                    defaults.insert(name.to_string(), value.trim_matches('"').to_string());
+                }
+            }
+            "FROM" => {
+                let mut words = words.skip_while(|w| w.starts_with("--"));
+                let Some(image) = words.next() else { continue };
+                let mut image = image.to_string();
+                let given = |name: &String| args.contains_key(name);
+                let values = args
+                    .iter()
+                    .chain(defaults.iter().filter(|(name, _)| !given(name)));
+                for (name, value) in values {
+                    image = image
+                        .replace(&format!("${{{name}}}"), value)
+                        .replace(&format!("${name}"), value);
+                }
+                let is_stage = stages.iter().any(|s| s.eq_ignore_ascii_case(&image));
+                if !is_stage && image != "scratch" && !image.contains('$') && !images.contains(&image) {
+                    images.push(image);
+                }
+                if words.next().is_some_and(|w| w.eq_ignore_ascii_case("as")) {
+                    stages.extend(words.next().map(str::to_string));
+                }
+            }
+            _ => {}
+        }
+    }
+    images
 }
 
 fn last_lines(tail: &[String]) -> String {
@@ -448,6 +519,31 @@ pub fn human_bytes(n: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The base images a build needs are read from its Dockerfile as Docker reads them: ARG
+    /// defaults, overridden by the build's arguments, neither stages nor `scratch`.
+    #[test]
+    fn a_dockerfiles_base_images_are_its_from_lines_with_their_args() {
+        let runtime = std::fs::read_to_string(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docker/runtime/Dockerfile"),
+        )
+        .unwrap();
+        assert_eq!(
+            base_images(&runtime, &HashMap::new()),
+            [
+                "stagehand-torch:2.11.0-cpu",
+                "stagehand-build:bookworm",
+                "stagehand-base:bookworm"
+            ]
+        );
+        let args = HashMap::from([(
+            "TORCH_IMAGE".to_string(),
+            "stagehand-torch:2.11.0-cu128".to_string(),
+        )]);
+        assert_eq!(base_images(&runtime, &args)[0], "stagehand-torch:2.11.0-cu128");
+        let staged = "FROM --platform=linux/amd64 debian:12 AS build\nRUN true\nfrom build\nFROM scratch\n";
+        assert_eq!(base_images(staged, &HashMap::new()), ["debian:12"]);
+    }
 
     #[test]
     fn an_image_holds_the_runtime_when_its_label_says_so() {

@@ -48,6 +48,17 @@ pub enum HostError {
         context: PathBuf,
         message: String,
     },
+    #[error(
+        "{host} lacks the base image(s) {}, and could not pull them ({reason}); without a registry, \
+         load them there from a machine that has them (`docker save {} | ssh {host} docker load`)",
+        images.join(", "),
+        images.join(" ")
+    )]
+    BaseImagesMissing {
+        host: String,
+        images: Vec<String>,
+        reason: String,
+    },
     #[error("sending image {image} from {from} to {to} failed: {message}")]
     ImageTransfer {
         from: String,
