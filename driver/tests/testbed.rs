@@ -225,7 +225,8 @@ fn testbed_ranks_on_two_hosts_reach_the_first_at_the_address_found_there() {
     ) else {
         return;
     };
-    let image = load_base_image(&bed, &["th1", "th2"]);
+    // The image named is on th1 alone: the driver sends it to th2, as it sends one it built.
+    let image = load_base_image(&bed, &["th1"]);
     // Every rank connects to MASTER_ADDR (th1's sshd stands in for rank 0's rendezvous): an ssh
     // alias such as `th1` resolves nowhere but on this machine, so the address must be the one
     // found on th1.
@@ -242,6 +243,11 @@ fn testbed_ranks_on_two_hosts_reach_the_first_at_the_address_found_there() {
         let log = std::fs::read_to_string(dir.join(format!("rank-{rank}.log"))).unwrap();
         assert!(log.contains(&format!("reached {th1}")), "rank {rank}: {log}");
     }
+    let hosts: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("hosts.json")).unwrap()).unwrap();
+    assert_eq!(hosts[1]["host"], "th2", "{hosts}");
+    assert_eq!(hosts[1]["image_received_from"], "th1", "{hosts}");
+    assert!(has_image(&bed, "th2", image));
 
     // `master_addr:` overrides what is found: an unused address of the bed fails every rank.
     let unused = format!("{}.250", th1.rsplit_once('.').unwrap().0);

@@ -65,12 +65,15 @@ pub async fn ensure_all(
     before_changes: impl std::future::Future<Output = ()>,
 ) -> Result<Vec<Prepared>, HostError> {
     match source {
-        ImageSource::Named(name) => named(engines, name, inspect_all(engines, name).await),
+        ImageSource::Named(name) => {
+            let found = inspect_all(engines, name).await;
+            named(engines, name, found, feedback, before_changes).await
+        }
         ImageSource::Build(spec) => ensure_built(engines, spec, feedback, before_changes).await,
         ImageSource::Base { name, build } => {
             let found = inspect_all(engines, name).await;
             if found.iter().flatten().any(holds_runtime) {
-                named(engines, name, found)
+                named(engines, name, found, feedback, before_changes).await
             } else {
                 ensure_built(engines, build, feedback, before_changes).await
             }
@@ -100,29 +103,70 @@ async fn inspect_all(
     join_all(engines.iter().map(|e| e.docker.inspect_image(name))).await
 }
 
-/// An image used as named: every engine must have it (`found`: what each said of it).
-fn named(
+/// An image used as named (`found`: what each engine said of it): an engine that lacks it is
+/// sent it from one of its architecture that has it, as a built image is; with none, it is
+/// missing there.
+async fn named(
     engines: &[Engine<'_>],
     name: &str,
     found: Vec<Result<bollard::models::ImageInspect, bollard::errors::Error>>,
+    feedback: Feedback,
+    before_changes: impl std::future::Future<Output = ()>,
 ) -> Result<Vec<Prepared>, HostError> {
-    engines
-        .iter()
-        .zip(found)
-        .map(|(e, found)| match found {
-            Ok(i) => Ok(Prepared {
+    let mut out: Vec<Option<Prepared>> = found
+        .into_iter()
+        .map(|found| {
+            found.ok().map(|i| Prepared {
                 tag: name.to_string(),
                 id: i.id.unwrap_or_default(),
                 built: false,
                 received_from: None,
                 seconds: 0.0,
-            }),
-            Err(_) => Err(HostError::ImageMissing {
-                host: e.host.to_string(),
-                image: name.to_string(),
-            }),
+            })
         })
-        .collect()
+        .collect();
+    let lacking: Vec<usize> = (0..engines.len()).filter(|&i| out[i].is_none()).collect();
+    if lacking.is_empty() {
+        return Ok(out.into_iter().flatten().collect());
+    }
+    // Each lacking engine's source: the first of its architecture that has the image.
+    let mut sends: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+    for &i in &lacking {
+        let source = (0..engines.len()).find(|&s| out[s].is_some() && engines[s].arch == engines[i].arch);
+        match source {
+            Some(s) => sends.entry(s).or_default().push(i),
+            None => {
+                return Err(HostError::ImageMissing {
+                    host: engines[i].host.to_string(),
+                    image: name.to_string(),
+                })
+            }
+        }
+    }
+    before_changes.await;
+    let sent = join_all(sends.iter().map(|(&source, targets)| async move {
+        let to: Vec<&Engine> = targets.iter().map(|&i| &engines[i]).collect();
+        distribute(&engines[source], &to, name, feedback)
+            .await
+            .map(|sent| (source, targets, sent))
+    }))
+    .await;
+    for result in sent {
+        let (source, targets, sent) = result?;
+        for (&i, (id, seconds)) in targets.iter().zip(sent) {
+            out[i] = Some(Prepared {
+                tag: name.to_string(),
+                id,
+                built: false,
+                received_from: Some(engines[source].host.to_string()),
+                seconds,
+            });
+        }
+    }
+    Ok(out
+        .into_iter()
+        .map(|p| p.expect("every host has the image"))
+        .collect())
 }
 
 /// The tag a build gets: its repository and the first 16 hex digits of its context's hash.
