@@ -249,6 +249,12 @@ fn every_host_is_connected_to_at_once() {
     let mut hosts: Vec<&str> = connects.iter().map(|(h, _, _)| h.as_str()).collect();
     hosts.sort();
     assert_eq!(hosts, TRUSTED, "one master connection per host: {text}");
+    // Each ends itself once idle for an hour, so a driver killed outright leaves none for ever.
+    let masters = text.lines().filter(|l| l.split_whitespace().any(|w| w == "-M"));
+    assert!(masters.clone().count() >= TRUSTED.len(), "{text}");
+    for master in masters {
+        assert!(master.contains("ControlPersist=3600s"), "{master}");
+    }
     // Connected one after another, the intervals would not overlap and the whole would span at
     // least their sum; connected together they overlap and span less. Both are measured in the
     // same run, so a busy machine stretches them alike.

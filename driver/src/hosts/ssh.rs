@@ -9,13 +9,19 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bollard::Docker;
-use openssh::{ForwardType, KnownHosts, Session, SessionBuilder, Socket};
+use openssh::{ControlPersist, ForwardType, KnownHosts, Session, SessionBuilder, Socket};
 
 use crate::config::machine::HostKeyCheck;
 use crate::experiment::HostSpec;
 
 /// Where the Docker socket is on a host unless the machine entry says otherwise.
 const DEFAULT_REMOTE_SOCKET: &str = "/var/run/docker.sock";
+/// How long a host's SSH connection stays up with nothing going through it (no command, no
+/// forwarded Docker API connection) before it ends itself: dropping the tunnel ends it at once,
+/// and this bounds it where the driver could not (killed with SIGKILL), where `ssh`'s default
+/// would keep it, and the host's Docker socket forwarded here, for ever. Longer than anything
+/// the driver waits for on another host with nothing open to this one (an image built there).
+const MASTER_IDLE_S: std::num::NonZeroUsize = std::num::NonZeroUsize::new(3600).unwrap();
 /// How long the SSH handshake may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Timeout for each Docker API request through the tunnel.
@@ -187,6 +193,7 @@ pub async fn connect(host: &HostSpec, options: &SshOptions) -> Result<(Docker, A
     let mut builder = SessionBuilder::default();
     builder
         .control_directory(dir.path())
+        .control_persist(ControlPersist::IdleFor(MASTER_IDLE_S))
         .connect_timeout(CONNECT_TIMEOUT)
         .server_alive_interval(Duration::from_secs(5))
         .known_hosts_check(match m.host_key_check {
