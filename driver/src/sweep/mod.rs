@@ -99,8 +99,8 @@ impl SweepError {
     }
 }
 
-/// Runs (or resumes) a sweep; returns the exit code: 0 when every point succeeded, 1 when some
-/// failed, 130 when interrupted.
+/// Runs (or resumes) a sweep; returns the exit code ([`exit_code`]): 0 when every point
+/// succeeded, 1 when some failed, 4 when some left containers behind, 130 when interrupted.
 pub async fn run(options: SweepOptions) -> Result<i32, SweepError> {
     let interrupted = StopSignals::install().map_err(SweepError::Signals)?.into_flag();
     // Every point's file parses and plans before the sweep folder is made and the first runs.
@@ -144,6 +144,8 @@ pub async fn run(options: SweepOptions) -> Result<i32, SweepError> {
     }
     let (bars, bar) = progress::sweep_bars(options.run.progress, todo.len() as u64);
     let mut stopped = false;
+    // Points whose containers could not all be removed (each said so, with the command).
+    let mut left: Vec<String> = Vec::new();
     // Points that share a model, batch and first machine share one profile (`config_file: auto`).
     let profiles = crate::auto_partition::ProfileCache::default();
     for &i in &todo {
@@ -176,6 +178,9 @@ pub async fn run(options: SweepOptions) -> Result<i32, SweepError> {
                 };
                 entry.record = e.record_dir().and_then(record_name);
                 entry.error = Some(crate::error::error_chain(e));
+                if e.exit_code() == exit_codes::CLEANUP_FAILED {
+                    left.push(label.clone());
+                }
                 if entry.status == PointStatus::Failed {
                     bar.suspend(|| {
                         stderr_line!("driver: point {label} failed: {}", crate::error::error_chain(e))
@@ -199,12 +204,19 @@ pub async fn run(options: SweepOptions) -> Result<i32, SweepError> {
         .iter()
         .filter(|e| e.status != PointStatus::Succeeded)
         .count();
+    if !left.is_empty() {
+        stderr_line!(
+            "driver: containers of point(s) {} could not all be removed; their errors above say \
+             which and how to remove them",
+            left.join(", ")
+        );
+    }
     let code = if stopped {
         stderr_line!(
             "driver: sweep interrupted; `driver sweep --resume {}` runs the {failed} point(s) left",
             dir.display()
         );
-        exit_codes::INTERRUPTED
+        exit_code(true, failed, !left.is_empty())
     } else if failed > 0 {
         stderr_line!(
             "driver: {failed} of {} point(s) failed; the table shows which; `driver sweep --resume {}` \
@@ -212,14 +224,25 @@ pub async fn run(options: SweepOptions) -> Result<i32, SweepError> {
             index.points.len(),
             dir.display()
         );
-        exit_codes::EXPERIMENT_FAILED
+        exit_code(false, failed, !left.is_empty())
     } else {
         if !quiet {
             stderr_line!("driver: every point succeeded; sweep folder {}", dir.display());
         }
-        exit_codes::SUCCESS
+        exit_code(false, 0, false)
     };
     Ok(code)
+}
+
+/// A sweep's exit code: interrupted (130), else containers of a point left behind (4, as a run
+/// that left some exits), else a point failed (1), else 0.
+fn exit_code(stopped: bool, failed: usize, left: bool) -> i32 {
+    match (stopped, failed, left) {
+        (true, _, _) => exit_codes::INTERRUPTED,
+        (false, _, true) => exit_codes::CLEANUP_FAILED,
+        (false, 0, false) => exit_codes::SUCCESS,
+        (false, _, false) => exit_codes::EXPERIMENT_FAILED,
+    }
 }
 
 /// The index of a new sweep (not written yet) and the folder its sweep folder goes into.
@@ -455,5 +478,18 @@ fn print_table(dir: &Path) {
             "warning: cannot show the results: {}",
             crate::error::error_chain(&e)
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_sweep_whose_point_left_containers_exits_as_such_a_run_does() {
+        assert_eq!(exit_code(false, 0, false), exit_codes::SUCCESS);
+        assert_eq!(exit_code(false, 2, false), exit_codes::EXPERIMENT_FAILED);
+        assert_eq!(exit_code(false, 1, true), exit_codes::CLEANUP_FAILED);
+        assert_eq!(exit_code(true, 1, true), exit_codes::INTERRUPTED);
     }
 }
