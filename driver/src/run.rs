@@ -315,7 +315,13 @@ pub async fn run_loaded(
                 refusal = local_check.refused() => return Err(refusal),
                 _ = signals.recv() => return Err(RunError::Launch(LaunchError::Interrupted)),
             };
-            Some(results.map_err(|e| RunError::Preflight(e.into()))?)
+            let prepared = results.map_err(|e| RunError::Preflight(e.into()))?;
+            let config = ssh.config_file.as_deref();
+            futures_util::future::join_all(prepared.iter().map(|(host, _)| {
+                launch::cleanup::warn_of_leftovers(&host.docker, &host.plan.machine, config)
+            }))
+            .await;
+            Some(prepared)
         }
     };
 

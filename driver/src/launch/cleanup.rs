@@ -213,6 +213,90 @@ pub async fn remove_on(host: &Host, ssh: &SshOptions, id: &str, grace: Duration)
     }
 }
 
+/// How long a container of another run must have been stopped (or never started) before
+/// [`warn_of_leftovers`] names it: a run going on beside this one removes its own as soon as they
+/// stop.
+const LEFT_FOR: jiff::SignedDuration = jiff::SignedDuration::from_secs(120);
+
+/// Warns of containers of earlier runs left on `docker` (a driver killed outright, a host lost
+/// during cleanup): stopped or never started for [`LEFT_FOR`], with an experiment's label. A
+/// running one may be another run's, and is left unsaid.
+pub async fn warn_of_leftovers(
+    docker: &bollard::Docker,
+    machine: &Machine,
+    ssh_config: Option<&std::path::Path>,
+) {
+    let names = left_behind(docker, LEFT_FOR).await;
+    let Some(first) = names.first() else {
+        return;
+    };
+    let shown = names.iter().take(3).cloned().collect::<Vec<_>>().join(", ");
+    let more = match names.len() {
+        n if n > 3 => format!(" and {} more", n - 3),
+        _ => String::new(),
+    };
+    stderr_line!(
+        "warning: {} holds {} container(s) of earlier runs, stopped and never removed ({shown}{more}): \
+         `{}` removes the first; `docker ps -a --filter label={LABEL_EXPERIMENT}` there lists them all",
+        machine.host,
+        names.len(),
+        remove_by_hand(machine, ssh_config, first)
+    );
+}
+
+/// The names of the containers with an experiment's label on `docker` that stopped (or were
+/// created and never started) more than `older_than` ago; none when the engine cannot say.
+async fn left_behind(docker: &bollard::Docker, older_than: jiff::SignedDuration) -> Vec<String> {
+    let filters = HashMap::from([
+        ("label", vec![LABEL_EXPERIMENT.to_string()]),
+        (
+            "status",
+            vec!["created".to_string(), "exited".to_string(), "dead".to_string()],
+        ),
+    ]);
+    let options = ListContainersOptionsBuilder::default()
+        .all(true)
+        .filters(&filters)
+        .build();
+    let listed = tokio::time::timeout(Duration::from_secs(10), docker.list_containers(Some(options))).await;
+    let Ok(Ok(listed)) = listed else {
+        return Vec::new();
+    };
+    let now = jiff::Timestamp::now();
+    let since = |c: &bollard::models::ContainerSummary| {
+        let id = c.id.clone().unwrap_or_default();
+        let created = c.created.and_then(|s| jiff::Timestamp::from_second(s).ok());
+        async move {
+            let state = docker
+                .inspect_container(&id, None::<InspectContainerOptions>)
+                .await
+                .ok()?
+                .state?;
+            // A container never started has no finishing time (the year 1): its creation's.
+            let finished = state
+                .finished_at
+                .and_then(|at| at.parse::<jiff::Timestamp>().ok())
+                .filter(|at| at.as_second() > 0);
+            finished.or(created)
+        }
+    };
+    let stopped = join_all(listed.iter().map(|c| {
+        let at = since(c);
+        async move { (c, at.await) }
+    }))
+    .await;
+    stopped
+        .into_iter()
+        .filter(|(_, at)| at.is_some_and(|at| now.duration_since(at) > older_than))
+        .filter_map(|(c, _)| {
+            c.names
+                .as_ref()?
+                .first()
+                .map(|n| n.trim_start_matches('/').to_string())
+        })
+        .collect()
+}
+
 /// The command that removes container `name` of `machine` by hand, quoted for a POSIX shell:
 /// `docker rm -f NAME` for the local engine, `ssh HOST docker rm -f NAME` for another host, with
 /// the ssh options and the Docker socket the experiment names. Printed for the user, never run.
@@ -435,6 +519,18 @@ mod tests {
             .id;
         left.containers.push(cid.clone());
         (left, id, cid)
+    }
+
+    /// Containers of earlier runs that stopped, or never started, are found once they have been
+    /// left long enough (here at once, and not within an hour).
+    #[tokio::test]
+    async fn containers_left_by_earlier_runs_are_found_once_left_long_enough() {
+        let host = local_host().await;
+        let (_left, name, _) = labelled_container(&host, "left-behind").await;
+        let found = left_behind(&host.docker, jiff::SignedDuration::ZERO).await;
+        assert!(found.contains(&name), "{found:?}");
+        let found = left_behind(&host.docker, jiff::SignedDuration::from_hours(1)).await;
+        assert!(!found.contains(&name), "{found:?}");
     }
 
     /// A grace of zero is one whole try, not none: a failed run's first pass (`stop_all`) removes
