@@ -305,7 +305,6 @@ fn grid_error(loaded: &Loaded, grid: &[(String, Vec<String>)], source: GridError
         }
     };
     let given = grid.iter().find(|(k, _)| config::canonical_key(k) == key);
-
     let (at, source) = match (given, source) {
         (Some((_, typed)), GridError::Value { key, value, message }) => {
             let typed = typed
