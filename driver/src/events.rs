@@ -298,6 +298,9 @@ pub enum Event {
     Planned(PlanFacts),
     /// The driver is stopping every rank.
     Stopping(StopCause),
+    /// Interrupted again while the ranks were given the time to write a checkpoint: the driver
+    /// stops them now, without waiting for it.
+    StoppingNow,
     /// Containers the driver could not remove, after retrying for its grace period.
     ContainersLeft(Vec<LeftContainer>),
     /// What Slurm said about the job.

@@ -2,6 +2,7 @@
 //! backend. (The same pipeline in both container modes is in `docker_runtime`.)
 
 use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
@@ -161,6 +162,67 @@ fn a_pipeline_resumes_from_its_checkpoints() {
 fn an_interrupted_pipeline_of_processes_checkpoints_every_rank_and_resumes() {
     let h = Harness::new("pipe-term");
     an_interrupted_run_checkpoints_every_rank_and_resumes(&h, "process", &[]);
+    h.assert_no_processes();
+}
+
+/// A second Ctrl-C stops the ranks at once: here rank 1 is frozen (SIGSTOP, as a host cut off
+/// holds a rank in a collective), so the checkpoint the first Ctrl-C asked for never comes, and
+/// the driver would wait out the whole checkpoint grace (60 s).
+#[test]
+fn a_second_interrupt_stops_the_ranks_without_waiting_for_their_checkpoint() {
+    let runtime = runtime();
+    let h = Harness::new("pipe-int-twice");
+    let config = two_stage_mlp(&h, "process");
+    let text = std::fs::read_to_string(&config).unwrap();
+    let long = text.replace("iterations: 3", "iterations: 1000000");
+    std::fs::write(&config, format!("{long}checkpoint_dir: ckpt\n")).unwrap();
+    let child = h.spawn(&config, &["--runtime", runtime.to_str().unwrap()]);
+    let record = wait_for_record(&h.records(), Duration::from_secs(120));
+    let start = Instant::now();
+    let pid = loop {
+        let summary: Option<Value> = std::fs::read_to_string(record.join("summary.json"))
+            .ok()
+            .and_then(|t| serde_json::from_str(&t).ok());
+        let handle = summary
+            .as_ref()
+            .and_then(|s| s["ranks"][1]["handle"].as_str().map(String::from));
+        let iterations = lines(&record.join("metrics.jsonl"))
+            .iter()
+            .filter(|l| l.contains("\"iteration\"") && l.contains("\"rank\":1"))
+            .count();
+        if let (Some(handle), true) = (handle, iterations >= 2) {
+            break handle
+                .strip_prefix("pid ")
+                .expect("a process rank's handle")
+                .to_string();
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "rank 1 ran no two iterations"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let frozen = std::process::Command::new("kill")
+        .args(["-STOP", &pid])
+        .status()
+        .unwrap();
+    assert!(frozen.success());
+    interrupt(&child);
+    std::thread::sleep(Duration::from_secs(2));
+    let again = Instant::now();
+    interrupt(&child);
+    let out = wait_with_deadline(child, Duration::from_secs(90));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        again.elapsed() < Duration::from_secs(25),
+        "took {:?}: {stderr}",
+        again.elapsed()
+    );
+    assert_eq!(out.status.code(), Some(130), "{stderr}");
+    assert!(
+        stderr.contains("driver: interrupted again: stopping every rank now"),
+        "{stderr}"
+    );
     h.assert_no_processes();
 }
 

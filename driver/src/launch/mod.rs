@@ -422,6 +422,9 @@ async fn supervise(
     let mut ended = 0;
     let mut cause: Option<StopCause> = None;
     let mut deadline: Option<tokio::time::Instant> = None;
+    // Whether the ranks are being given the time to checkpoint after an interrupt, which a
+    // second interrupt cuts short.
+    let mut checkpointing = false;
     // Where each rank was seen to start (Slurm picks the nodes), else where the plan put it.
     let mut started_on: std::collections::BTreeMap<usize, String> = std::collections::BTreeMap::new();
     let host_of = |started_on: &std::collections::BTreeMap<usize, String>, rank: usize| {
@@ -442,12 +445,22 @@ async fn supervise(
                 Some(e) => e,
                 None => break,
             },
-            _ = signals.recv(), if cause.is_none() => {
+            _ = signals.recv(), if cause.is_none() || checkpointing => {
+                // Interrupted again (a host cut off keeps a rank in a collective until its
+                // timeout, so the checkpoint may never come): stop them now.
+                if checkpointing {
+                    checkpointing = false;
+                    reporters.report(&Event::StoppingNow);
+                    deadline = Some(tokio::time::Instant::now() + EXIT_DEADLINE);
+                    launcher.stop_all().await;
+                    continue;
+                }
                 let c = StopCause::Interrupted;
                 cause = Some(c.clone());
                 reporters.report(&Event::Stopping(c));
                 // Ranks that checkpoint get the time to write one of the iteration they are in.
                 if plan.checkpoints() {
+                    checkpointing = true;
                     deadline = Some(tokio::time::Instant::now() + CHECKPOINT_GRACE + EXIT_DEADLINE);
                     launcher.stop_for_checkpoint().await;
                 } else {
@@ -456,6 +469,7 @@ async fn supervise(
                 }
                 continue;
             }
+
             _ = until_deadline => break,
         };
         let stop = match &event {
@@ -503,6 +517,7 @@ async fn supervise(
             | Event::ProfileLine { .. }
             | Event::Planned(_)
             | Event::Stopping(_)
+            | Event::StoppingNow
             | Event::ContainersLeft(_)
             | Event::Restarting { .. }
             | Event::NotRestarted { .. }

@@ -277,6 +277,11 @@ impl TerminalReporter {
                 err(format!("driver: starting every rank again, {from}; restart {restart} of {max}"))
             }
             Event::NotRestarted { why } => err(format!("driver: no restart: {why}")),
+            Event::StoppingNow => err(
+                "driver: interrupted again: stopping every rank now, without waiting for their \
+                 checkpoints (the last one written stays)"
+                    .to_string(),
+            ),
             Event::TracesGathered(facts) => {
                 let mut lines = Vec::new();
                 if normal && !facts.ranks.is_empty() {

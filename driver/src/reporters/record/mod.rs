@@ -321,6 +321,8 @@ impl Reporter for RecordReporter {
                 self.summary.not_restarted = Some(why.clone());
                 self.write_summary()?;
             }
+            // The cause stays the interrupt the record already has.
+            Event::StoppingNow => {}
             Event::Finished { status } => {
                 self.summary.status = *status;
                 self.summary.ended_at = Some(Timestamp::now().to_string());
