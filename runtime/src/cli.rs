@@ -728,12 +728,6 @@ struct Asked {
     compress_activations: bool,
     /// The other flags given, by clap id (`lr_step_epochs`).
     given: Vec<String>,
-    /// `--optimizer` and `--lr-policy`, as given or defaulted.
-    optimizer: &'static str,
-    policy: &'static str,
-    /// Whether `--epochs` and `--lr-warmup-epochs` above 0 are given.
-    epochs: bool,
-    warmup: bool,
     checkpoint_every: Option<u64>,
 }
 
@@ -741,19 +735,6 @@ impl Asked {
     fn of(args: &TrainArgs, given: &[String]) -> Asked {
         Asked {
             given: given.to_vec(),
-            optimizer: match args.optimizer {
-                OptimizerArg::Sgd => "sgd",
-                OptimizerArg::Adam => "adam",
-                OptimizerArg::AdamW => "adamw",
-            },
-            policy: match args.lr_policy {
-                LrPolicyArg::Constant => "constant",
-                LrPolicyArg::Step => "step",
-                LrPolicyArg::Polynomial => "polynomial",
-                LrPolicyArg::Exponential => "exponential",
-            },
-            epochs: args.epochs.is_some(),
-            warmup: args.lr_warmup_epochs > 0,
             checkpoint_every: args.checkpoint_every,
             channels_last: args.channels_last,
             cudnn_benchmark: args.cudnn_benchmark,
@@ -773,6 +754,8 @@ impl Asked {
         devices: &[DeviceSpec],
         dist: &DistConfig,
         iterations: u64,
+        optimizer: &OptimizerKind,
+        schedule: &LrSchedule,
     ) -> Vec<String> {
         let mut idle = Vec::new();
         let stage_ranks: Vec<usize> = match &dist.stage_config {
@@ -807,7 +790,7 @@ impl Asked {
                     .into(),
             );
         }
-        idle.extend(self.idle_given(model, &stage_ranks, iterations));
+        idle.extend(self.idle_given(model, &stage_ranks, iterations, optimizer, schedule));
         for (given, flag) in [
             (self.compress, "--compress auto"),
             (self.compress_activations, "--compress-activations"),
@@ -823,7 +806,14 @@ impl Asked {
     }
 
     /// [`Asked::idle`]'s warnings of flags that have defaults, seen as given by clap.
-    fn idle_given(&self, model: &ModelChoice, stage_ranks: &[usize], iterations: u64) -> Vec<String> {
+    fn idle_given(
+        &self,
+        model: &ModelChoice,
+        stage_ranks: &[usize],
+        iterations: u64,
+        optimizer: &OptimizerKind,
+        schedule: &LrSchedule,
+    ) -> Vec<String> {
         let given = |id: &str| self.given.iter().any(|g| g == id);
         let mut idle = Vec::new();
         let sizes = crate::models::size_flags(&model.name);
@@ -846,28 +836,28 @@ impl Asked {
                 ));
             }
         }
-        let optimizer = self.optimizer;
+        let optimizer = optimizer.name();
         if given("momentum") && optimizer != "sgd" {
             idle.push(format!(
                 "--momentum does nothing with --optimizer {optimizer}, which keeps its own moments \
                  (--momentum is SGD's); drop it"
             ));
         }
-        if self.policy != "step" {
+        let policy = schedule.policy.name();
+        if policy != "step" {
             for (id, flag) in [
                 ("lr_step_epochs", "--lr-step-epochs"),
                 ("lr_step_factor", "--lr-step-factor"),
             ] {
                 if given(id) {
                     idle.push(format!(
-                        "{flag} does nothing with --lr-policy {}; it sets the step policy's decay: \
-                         give --lr-policy step, or drop it",
-                        self.policy
+                        "{flag} does nothing with --lr-policy {policy}; it sets the step policy's \
+                         decay: give --lr-policy step, or drop it"
                     ));
                 }
             }
         }
-        if given("epoch_samples") && !self.epochs && self.policy == "constant" && !self.warmup {
+        if given("epoch_samples") && !given("epochs") && !schedule.varies() {
             idle.push(
                 "--epoch-samples does nothing without --epochs, --lr-policy or --lr-warmup-epochs \
                  (the epoch is what they count in); drop it"
@@ -1091,7 +1081,7 @@ impl TrainArgs {
         let profiler_trace = self
             .profiler_trace
             .map(|template| crate::profiler_trace::path_for_rank(&template, dist.rank));
-        let warnings = asked.idle(&model, &devices, &dist, iterations);
+        let warnings = asked.idle(&model, &devices, &dist, iterations, &optimizer, &lr_schedule);
         Ok(TrainConfig {
             warnings,
             validation,
