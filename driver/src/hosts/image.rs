@@ -115,58 +115,98 @@ async fn named(
 ) -> Result<Vec<Prepared>, HostError> {
     let mut out: Vec<Option<Prepared>> = found
         .into_iter()
-        .map(|found| {
-            found.ok().map(|i| Prepared {
-                tag: name.to_string(),
-                id: i.id.unwrap_or_default(),
-                built: false,
-                received_from: None,
-                seconds: 0.0,
-            })
-        })
+        .map(|found| found.ok().map(|i| Prepared::held(name, i.id.unwrap_or_default())))
         .collect();
-    let lacking: Vec<usize> = (0..engines.len()).filter(|&i| out[i].is_none()).collect();
-    if lacking.is_empty() {
-        return Ok(out.into_iter().flatten().collect());
+    if out.iter().all(Option::is_some) {
+        return Ok(every_host(out));
     }
-    // Each lacking engine's source: the first of its architecture that has the image.
-    let mut sends: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
-    for &i in &lacking {
-        let source = (0..engines.len()).find(|&s| out[s].is_some() && engines[s].arch == engines[i].arch);
-        match source {
-            Some(s) => sends.entry(s).or_default().push(i),
-            None => {
-                return Err(HostError::ImageMissing {
-                    host: engines[i].host.to_string(),
-                    image: name.to_string(),
-                })
-            }
-        }
+    let groups = by_arch(engines);
+    if let Some(members) = groups.values().find(|m| m.iter().all(|&i| out[i].is_none())) {
+        return Err(HostError::ImageMissing {
+            host: engines[members[0]].host.to_string(),
+            image: name.to_string(),
+        });
     }
     before_changes.await;
-    let sent = join_all(sends.iter().map(|(&source, targets)| async move {
-        let to: Vec<&Engine> = targets.iter().map(|&i| &engines[i]).collect();
-        distribute(&engines[source], &to, name, feedback)
-            .await
-            .map(|sent| (source, targets, sent))
-    }))
-    .await;
-    for result in sent {
-        let (source, targets, sent) = result?;
-        for (&i, (id, seconds)) in targets.iter().zip(sent) {
-            out[i] = Some(Prepared {
-                tag: name.to_string(),
-                id,
-                built: false,
-                received_from: Some(engines[source].host.to_string()),
-                seconds,
-            });
+    let sends = groups.into_values().map(|members| {
+        let out = &out;
+        async move {
+            let source = *members
+                .iter()
+                .find(|&&i| out[i].is_some())
+                .expect("checked above");
+            send_within(engines, &members, source, out, name, feedback).await
+        }
+    });
+    for got in join_all(sends).await {
+        for (i, prepared) in got? {
+            out[i] = Some(prepared);
         }
     }
-    Ok(out
+    Ok(every_host(out))
+}
+
+impl Prepared {
+    /// An image a host already had.
+    fn held(tag: &str, id: String) -> Prepared {
+        Prepared {
+            tag: tag.to_string(),
+            id,
+            built: false,
+            received_from: None,
+            seconds: 0.0,
+        }
+    }
+}
+
+/// The engines' indices by CPU architecture (images are built and sent once per architecture).
+fn by_arch<'a>(engines: &[Engine<'a>]) -> BTreeMap<&'a str, Vec<usize>> {
+    let mut by_arch: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
+    for (i, e) in engines.iter().enumerate() {
+        by_arch.entry(e.arch).or_default().push(i);
+    }
+    by_arch
+}
+
+/// Streams `tag` from engine `source` to every engine of `members` that lacks it (`out` says
+/// which have it), all at once; returns what each receiver got.
+async fn send_within(
+    engines: &[Engine<'_>],
+    members: &[usize],
+    source: usize,
+    out: &[Option<Prepared>],
+    tag: &str,
+    feedback: Feedback,
+) -> Result<Vec<(usize, Prepared)>, HostError> {
+    let targets: Vec<usize> = members
+        .iter()
+        .copied()
+        .filter(|&i| i != source && out[i].is_none())
+        .collect();
+    if targets.is_empty() {
+        return Ok(Vec::new());
+    }
+    let to: Vec<&Engine> = targets.iter().map(|&i| &engines[i]).collect();
+    let sent = distribute(&engines[source], &to, tag, feedback).await?;
+    Ok(targets
         .into_iter()
-        .map(|p| p.expect("every host has the image"))
+        .zip(sent)
+        .map(|(i, (id, seconds))| {
+            let received = Prepared {
+                received_from: Some(engines[source].host.to_string()),
+                seconds,
+                ..Prepared::held(tag, id)
+            };
+            (i, received)
+        })
         .collect())
+}
+
+/// What every host has, once each has it.
+fn every_host(out: Vec<Option<Prepared>>) -> Vec<Prepared> {
+    out.into_iter()
+        .map(|p| p.expect("every host has the image"))
+        .collect()
 }
 
 /// The tag a build gets: its repository and the first 16 hex digits of its context's hash.
@@ -212,16 +252,8 @@ async fn ensure_built(
     .await;
 
     let mut out: Vec<Option<Prepared>> = looks
-        .iter()
-        .map(|have| {
-            have.as_ref().map(|id| Prepared {
-                tag: tag.clone(),
-                id: id.clone(),
-                built: false,
-                received_from: None,
-                seconds: 0.0,
-            })
-        })
+        .into_iter()
+        .map(|have| have.map(|id| Prepared::held(&tag, id)))
         .collect();
 
     if out.iter().any(Option::is_none) {
@@ -229,11 +261,7 @@ async fn ensure_built(
     }
 
     // One build (at most) and one fan-out per architecture, the architectures side by side.
-    let mut by_arch: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
-    for (i, e) in engines.iter().enumerate() {
-        by_arch.entry(e.arch).or_default().push(i);
-    }
-    let groups = by_arch.into_values().map(|members| {
+    let groups = by_arch(engines).into_values().map(|members| {
         let out = &out;
         let listing = &listing;
         let tag = &tag;
@@ -258,40 +286,16 @@ async fn ensure_built(
                     if feedback.normal {
                         stderr_line!("driver: built {tag} on {} in {seconds:.0} s", e.host);
                     }
-                    got.push((
-                        i,
-                        Prepared {
-                            tag: tag.clone(),
-                            id,
-                            built: true,
-                            received_from: None,
-                            seconds,
-                        },
-                    ));
+                    let built = Prepared {
+                        built: true,
+                        seconds,
+                        ..Prepared::held(tag, id)
+                    };
+                    got.push((i, built));
                     i
                 }
             };
-            let targets: Vec<usize> = members
-                .iter()
-                .copied()
-                .filter(|&i| i != source && out[i].is_none())
-                .collect();
-            if !targets.is_empty() {
-                let to: Vec<&Engine> = targets.iter().map(|&i| &engines[i]).collect();
-                let sent = distribute(&engines[source], &to, tag, feedback).await?;
-                for (&i, (id, seconds)) in targets.iter().zip(sent) {
-                    got.push((
-                        i,
-                        Prepared {
-                            tag: tag.clone(),
-                            id,
-                            built: false,
-                            received_from: Some(engines[source].host.to_string()),
-                            seconds,
-                        },
-                    ));
-                }
-            }
+            got.extend(send_within(engines, &members, source, out, tag, feedback).await?);
             Ok::<_, HostError>(got)
         }
     });
@@ -300,10 +304,7 @@ async fn ensure_built(
             out[i] = Some(prepared);
         }
     }
-    Ok(out
-        .into_iter()
-        .map(|p| p.expect("every host has the image"))
-        .collect())
+    Ok(every_host(out))
 }
 
 /// Builds the image on one engine from the streamed context; returns its id.
@@ -330,27 +331,31 @@ async fn build(
     let body = bollard::body_try_stream(context::stream(listing));
     let mut stream = engine.docker.build_image(options, None, Some(body));
     let mut tail: Vec<String> = Vec::new();
-    while let Some(item) = stream.next().await {
-        let message = match &item {
-            Err(e) => Some(e.to_string()),
-            Ok(info) => info
-                .error_detail
-                .as_ref()
-                .map(|d| d.message.clone().unwrap_or_else(|| "unknown error".into())),
-        };
-        if let Some(message) = message {
-            // A base image the engine lacks, and could not pull (no registry here), is named.
-            let missing = missing_bases(engine, spec, &args).await;
-            if !missing.is_empty() {
-                return Err(HostError::BaseImagesMissing {
-                    host: engine.host.to_string(),
-                    images: missing,
-                    reason: message.lines().next().unwrap_or_default().to_string(),
-                });
+    // A base image the engine lacks, and could not pull (no registry here), is named.
+    let failure = |message: String, tail: &[String]| {
+        let last = last_lines(tail);
+        let args = &args;
+        async move {
+            let missing = missing_bases(engine, spec, args).await;
+            if missing.is_empty() {
+                return failed(format!("{message}{last}"));
             }
-            return Err(failed(format!("{message}{}", last_lines(&tail))));
+            HostError::BaseImagesMissing {
+                host: engine.host.to_string(),
+                images: missing,
+                reason: message.lines().next().unwrap_or_default().to_string(),
+            }
         }
-        let info = item.expect("an error returned above");
+    };
+    while let Some(item) = stream.next().await {
+        let info = match item {
+            Ok(info) => info,
+            Err(e) => return Err(failure(e.to_string(), &tail).await),
+        };
+        if let Some(detail) = info.error_detail {
+            let message = detail.message.unwrap_or_else(|| "unknown error".into());
+            return Err(failure(message, &tail).await);
+        }
         if let Some(text) = info.stream {
             for line in text.lines().filter(|l| !l.trim().is_empty()) {
                 if feedback.verbose {
