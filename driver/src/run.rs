@@ -315,13 +315,7 @@ pub async fn run_loaded(
                 refusal = local_check.refused() => return Err(refusal),
                 _ = signals.recv() => return Err(RunError::Launch(LaunchError::Interrupted)),
             };
-            let prepared = results.map_err(|e| RunError::Preflight(e.into()))?;
-            let config = ssh.config_file.as_deref();
-            futures_util::future::join_all(prepared.iter().map(|(host, _)| {
-                launch::cleanup::warn_of_leftovers(&host.docker, &host.plan.machine, config)
-            }))
-            .await;
-            Some(prepared)
+            Some(results.map_err(|e| RunError::Preflight(e.into()))?)
         }
     };
 
@@ -357,7 +351,14 @@ pub async fn run_loaded(
         }
     };
     let port = port_and_reach(&loaded, &options, &plan, prepared.as_deref(), &ssh, &reach_id);
-    let checks = async { futures_util::join!(starts, port) };
+    // Containers earlier runs left on the hosts are named while the checks run.
+    let leftovers = futures_util::future::join_all(engines.iter().flatten().map(|host| {
+        launch::cleanup::warn_of_leftovers(&host.docker, &host.plan.machine, ssh.config_file.as_deref())
+    }));
+    let checks = async {
+        let (started, port, _) = futures_util::join!(starts, port, leftovers);
+        (started, port)
+    };
     let (started, port) = match &engines {
         Some(hosts) => {
             in_check_containers(checks, hosts, &ssh, &[&check_id, &reach_id], &mut signals).await?

@@ -469,7 +469,6 @@ async fn supervise(
                 }
                 continue;
             }
-
             _ = until_deadline => break,
         };
         let stop = match &event {
