@@ -77,6 +77,17 @@ impl From<Ended> for Status {
     }
 }
 
+/// Why the driver stops ranks it gave the time to checkpoint without waiting for their
+/// checkpoint ([`Event::StoppingNow`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StopNow {
+    /// The user interrupted the driver again.
+    InterruptedAgain,
+    /// `host` was lost meanwhile: its ranks cannot be seen to write their part of the checkpoint,
+    /// which needs every rank.
+    HostLost { host: String },
+}
+
 /// Why the driver stopped the ranks early.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", tag = "kind")]
@@ -298,9 +309,9 @@ pub enum Event {
     Planned(PlanFacts),
     /// The driver is stopping every rank.
     Stopping(StopCause),
-    /// Interrupted again while the ranks were given the time to write a checkpoint: the driver
+    /// The ranks were given the time to write a checkpoint after an interrupt, and the driver
     /// stops them now, without waiting for it.
-    StoppingNow,
+    StoppingNow(StopNow),
     /// Containers the driver could not remove, after retrying for its grace period.
     ContainersLeft(Vec<LeftContainer>),
     /// What Slurm said about the job.

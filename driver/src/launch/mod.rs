@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
 
-use crate::events::{Ended, Event, LeftContainer, SlurmEvent, StopCause, Stream};
+use crate::events::{Ended, Event, LeftContainer, SlurmEvent, StopCause, StopNow, Stream};
 use crate::experiment::Experiment;
 use crate::hosts::{Host, HostError, SshOptions};
 use crate::reporters::Reporters;
@@ -408,14 +408,51 @@ pub async fn run_ranks(
     Ok(Outcome { cause, cleanup })
 }
 
+/// What [`supervise`] asks of the ranks it watches: the [`Launcher`]'s ways of stopping them (a
+/// stand-in that notes each call, in tests).
+trait Stoppable {
+    async fn stop_for_checkpoint(&self);
+    async fn stop_all(&self);
+    async fn stop_failed(&self, plan: &Experiment);
+}
+
+impl Stoppable for Launcher {
+    async fn stop_for_checkpoint(&self) {
+        Launcher::stop_for_checkpoint(self).await
+    }
+    async fn stop_all(&self) {
+        Launcher::stop_all(self).await
+    }
+    async fn stop_failed(&self, plan: &Experiment) {
+        Launcher::stop_failed(self, plan).await
+    }
+}
+
+/// Where [`supervise`] hears the user ask the driver to stop: [`StopSignals`] (a channel, in
+/// tests).
+trait Interrupts {
+    async fn interrupted(&mut self);
+}
+
+impl Interrupts for StopSignals {
+    async fn interrupted(&mut self) {
+        self.recv().await
+    }
+}
+
 /// Feeds events to the reporters until every rank has exited; stops all ranks on the first failure
 /// or signal. Returns why it stopped them, if it did.
+///
+/// Interrupted, ranks that checkpoint are given [`CHECKPOINT_GRACE`] to write the checkpoint of
+/// the iteration they are in. That wait is cut short by a second interrupt, and by a host lost
+/// meanwhile: a checkpoint needs every rank, a lost host's ranks can no longer be seen to write
+/// theirs, and the ranks elsewhere would wait for them in a collective until its timeout.
 async fn supervise(
     plan: &Experiment,
-    launcher: &Launcher,
+    launcher: &impl Stoppable,
     mut events: UnboundedReceiver<Event>,
     reporters: &mut Reporters,
-    signals: &mut StopSignals,
+    signals: &mut impl Interrupts,
     watch: &mut dyn Watch,
 ) -> Option<StopCause> {
     // Ranks seen to exit, removed, or lost with their host: no more to hear from them.
@@ -445,12 +482,12 @@ async fn supervise(
                 Some(e) => e,
                 None => break,
             },
-            _ = signals.recv(), if cause.is_none() || checkpointing => {
+            _ = signals.interrupted(), if cause.is_none() || checkpointing => {
                 // Interrupted again (a host cut off keeps a rank in a collective until its
                 // timeout, so the checkpoint may never come): stop them now.
                 if checkpointing {
                     checkpointing = false;
-                    reporters.report(&Event::StoppingNow);
+                    reporters.report(&Event::StoppingNow(StopNow::InterruptedAgain));
                     deadline = Some(tokio::time::Instant::now() + EXIT_DEADLINE);
                     launcher.stop_all().await;
                     continue;
@@ -516,7 +553,7 @@ async fn supervise(
             | Event::ProfileLine { .. }
             | Event::Planned(_)
             | Event::Stopping(_)
-            | Event::StoppingNow
+            | Event::StoppingNow(_)
             | Event::ContainersLeft(_)
             | Event::Restarting { .. }
             | Event::NotRestarted { .. }
@@ -525,6 +562,12 @@ async fn supervise(
         };
         if let Some(shown) = watch.show(event) {
             reporters.report(&shown);
+        }
+        if let (true, Some(StopCause::HostLost { host, .. })) = (checkpointing, &stop) {
+            checkpointing = false;
+            reporters.report(&Event::StoppingNow(StopNow::HostLost { host: host.clone() }));
+            deadline = Some(tokio::time::Instant::now() + EXIT_DEADLINE);
+            launcher.stop_all().await;
         }
         if let (Some(c), None) = (stop, &cause) {
             cause = Some(c.clone());
@@ -537,4 +580,238 @@ async fn supervise(
         }
     }
     cause
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::{Arc, Mutex};
+    use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
+    use tokio::time::{sleep, Instant};
+
+    /// Notes each way it is asked to stop the ranks.
+    #[derive(Default)]
+    struct Noted(Mutex<Vec<&'static str>>);
+
+    impl Stoppable for Noted {
+        async fn stop_for_checkpoint(&self) {
+            self.0.lock().unwrap().push("for checkpoint");
+        }
+        async fn stop_all(&self) {
+            self.0.lock().unwrap().push("all");
+        }
+        async fn stop_failed(&self, _: &Experiment) {
+            self.0.lock().unwrap().push("failed");
+        }
+    }
+
+    /// Interrupts sent down a channel.
+    struct Sent(UnboundedReceiver<()>);
+
+    impl Interrupts for Sent {
+        async fn interrupted(&mut self) {
+            if self.0.recv().await.is_none() {
+                std::future::pending::<()>().await;
+            }
+        }
+    }
+
+    /// Keeps every event reported.
+    struct Kept(Arc<Mutex<Vec<Event>>>);
+
+    impl crate::reporters::Reporter for Kept {
+        fn report(&mut self, event: &Event) -> Result<(), crate::records::RecordError> {
+            self.0.lock().unwrap().push(event.clone());
+            Ok(())
+        }
+    }
+
+    /// Two process ranks on two hosts' worth of names; checkpointing when `checkpoints`.
+    fn plan(checkpoints: bool) -> Experiment {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("exp.yml");
+        let checkpoint = if checkpoints { "checkpoint_dir: ckpt\n" } else { "" };
+        std::fs::write(
+            &file,
+            format!("backend: process\nmachines: [localhost, localhost]\nmodule: mlp\n{checkpoint}"),
+        )
+        .unwrap();
+        let loaded = crate::config::load(&file).unwrap();
+        let options = crate::experiment::tests::options(None, crate::options::ContainerMode::PerRank);
+        let plan = crate::experiment::resolve(&loaded, &options, 29500).unwrap();
+        assert_eq!(plan.checkpoints(), checkpoints);
+        plan
+    }
+
+    /// What [`supervise`] did with what `script` sent it (events, and interrupts as `()`), on
+    /// tokio's paused clock: why it stopped the ranks, how it stopped them, what it reported,
+    /// and how long it took.
+    async fn supervised<F>(
+        plan: &Experiment,
+        script: impl FnOnce(UnboundedSender<Event>, UnboundedSender<()>) -> F,
+    ) -> (Option<StopCause>, Vec<&'static str>, Vec<Event>, Duration)
+    where
+        F: std::future::Future<Output = (UnboundedSender<Event>, UnboundedSender<()>)>,
+    {
+        let (tx, events) = unbounded_channel();
+        let (interrupt, interrupts) = unbounded_channel();
+        let kept = Arc::new(Mutex::new(Vec::new()));
+        let mut reporters = Reporters::new(vec![Box::new(Kept(kept.clone()))]);
+        let noted = Noted::default();
+        let mut interrupts = Sent(interrupts);
+        let mut watch = Ranks::default();
+        let start = Instant::now();
+        // The script hands its senders back, so that the events do not end with it.
+        let (cause, _senders) = tokio::join!(
+            supervise(plan, &noted, events, &mut reporters, &mut interrupts, &mut watch),
+            script(tx, interrupt)
+        );
+        let elapsed = start.elapsed();
+        let reported = kept.lock().unwrap().clone();
+        (cause, noted.0.into_inner().unwrap(), reported, elapsed)
+    }
+
+    fn lost(host: &str, rank: usize) -> [Event; 2] {
+        let reason = "ssh: Connection timed out".to_string();
+        [
+            Event::HostLost {
+                host: host.into(),
+                reason: reason.clone(),
+            },
+            Event::RankLost {
+                rank,
+                host: host.into(),
+                reason,
+            },
+        ]
+    }
+
+    fn exited(rank: usize, code: i64) -> Event {
+        Event::RankExited {
+            rank,
+            exit_code: Some(code),
+            out_of_memory: false,
+        }
+    }
+
+    fn stopping_now(reported: &[Event]) -> Vec<StopNow> {
+        reported
+            .iter()
+            .filter_map(|e| match e {
+                Event::StoppingNow(why) => Some(why.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn interrupted_ranks_that_checkpoint_are_waited_for_until_they_exit() {
+        let plan = plan(true);
+        let (cause, stops, reported, elapsed) = supervised(&plan, |tx, interrupt| async move {
+            sleep(Duration::from_secs(1)).await;
+            interrupt.send(()).unwrap();
+            // Each writes its checkpoint and exits 143, the second 30 s on.
+            sleep(Duration::from_secs(10)).await;
+            tx.send(exited(1, 143)).unwrap();
+            sleep(Duration::from_secs(20)).await;
+            tx.send(exited(0, 143)).unwrap();
+            (tx, interrupt)
+        })
+        .await;
+        assert_eq!(cause, Some(StopCause::Interrupted));
+        assert_eq!(stops, ["for checkpoint"]);
+        assert!(stopping_now(&reported).is_empty(), "{reported:?}");
+        assert_eq!(elapsed, Duration::from_secs(31));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_second_interrupt_stops_ranks_still_checkpointing_now() {
+        let plan = plan(true);
+        let (cause, stops, reported, elapsed) = supervised(&plan, |tx, interrupt| async move {
+            sleep(Duration::from_secs(1)).await;
+            interrupt.send(()).unwrap();
+            sleep(Duration::from_secs(5)).await;
+            interrupt.send(()).unwrap();
+            (tx, interrupt)
+        })
+        .await;
+        assert_eq!(cause, Some(StopCause::Interrupted));
+        assert_eq!(stops, ["for checkpoint", "all"]);
+        assert_eq!(stopping_now(&reported), [StopNow::InterruptedAgain]);
+        // No rank reports its exit: the driver gives up on them EXIT_DEADLINE after stopping them.
+        assert_eq!(elapsed, Duration::from_secs(6) + EXIT_DEADLINE);
+    }
+
+    /// A host lost while the ranks checkpoint: its ranks' part of the checkpoint cannot come, and
+    /// the others would wait for them in a collective until its timeout, so the driver stops every
+    /// rank at once rather than wait out the checkpoint grace.
+    #[tokio::test(start_paused = true)]
+    async fn a_host_lost_while_the_ranks_checkpoint_stops_every_rank_now() {
+        let plan = plan(true);
+        let (cause, stops, reported, elapsed) = supervised(&plan, |tx, interrupt| async move {
+            sleep(Duration::from_secs(1)).await;
+            interrupt.send(()).unwrap();
+            sleep(Duration::from_secs(20)).await;
+            for event in lost("th2", 1) {
+                tx.send(event).unwrap();
+            }
+            (tx, interrupt)
+        })
+        .await;
+        // The run is still the interrupted one the user asked for.
+        assert_eq!(cause, Some(StopCause::Interrupted));
+        assert_eq!(stops, ["for checkpoint", "all"]);
+        assert_eq!(
+            stopping_now(&reported),
+            [StopNow::HostLost { host: "th2".into() }]
+        );
+        assert_eq!(elapsed, Duration::from_secs(21) + EXIT_DEADLINE);
+        assert!(elapsed < CHECKPOINT_GRACE);
+    }
+
+    /// Lost before any interrupt, a host fails the run; an interrupt after it changes nothing.
+    #[tokio::test(start_paused = true)]
+    async fn a_host_lost_while_the_ranks_train_fails_the_run() {
+        let plan = plan(true);
+        let (cause, stops, reported, elapsed) = supervised(&plan, |tx, interrupt| async move {
+            sleep(Duration::from_secs(1)).await;
+            for event in lost("th2", 1) {
+                tx.send(event).unwrap();
+            }
+            sleep(Duration::from_secs(1)).await;
+            interrupt.send(()).unwrap();
+            sleep(Duration::from_secs(1)).await;
+            tx.send(exited(0, 137)).unwrap();
+            (tx, interrupt)
+        })
+        .await;
+        assert!(
+            matches!(&cause, Some(StopCause::HostLost { host, .. }) if host == "th2"),
+            "{cause:?}"
+        );
+        assert_eq!(stops, ["failed"]);
+        assert!(stopping_now(&reported).is_empty(), "{reported:?}");
+        assert_eq!(elapsed, Duration::from_secs(3));
+    }
+
+    /// Ranks that do not checkpoint are stopped outright on the first interrupt; a host lost
+    /// afterwards changes nothing.
+    #[tokio::test(start_paused = true)]
+    async fn ranks_that_do_not_checkpoint_are_stopped_at_the_first_interrupt() {
+        let plan = plan(false);
+        let (cause, stops, reported, _) = supervised(&plan, |tx, interrupt| async move {
+            sleep(Duration::from_secs(1)).await;
+            interrupt.send(()).unwrap();
+            sleep(Duration::from_secs(1)).await;
+            for event in lost("th2", 1) {
+                tx.send(event).unwrap();
+            }
+            tx.send(exited(0, 143)).unwrap();
+            (tx, interrupt)
+        })
+        .await;
+        assert_eq!(cause, Some(StopCause::Interrupted));
+        assert_eq!(stops, ["all"]);
+        assert!(stopping_now(&reported).is_empty(), "{reported:?}");
+    }
 }

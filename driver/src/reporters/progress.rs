@@ -98,7 +98,7 @@ impl Reporter for ProgressReporter {
                 .bar
                 .set_message(format!("planned {} stage(s)", facts.replicas.len())),
             Event::Stopping(_) => self.bar.set_message("stopping"),
-            Event::StoppingNow => self.bar.set_message("stopping now"),
+            Event::StoppingNow(_) => self.bar.set_message("stopping now"),
             Event::Restarting { .. } => {
                 self.stats.restarted();
                 self.started = 0;

@@ -8,7 +8,7 @@ use indicatif::ProgressBar;
 
 use super::Reporter;
 use crate::events::{
-    command_note, memory_note, slurm_job, Event, SlurmEvent, StopCause, Stream, LEASE_EXPIRED_EXIT_CODE,
+    command_note, memory_note, slurm_job, Event, SlurmEvent, StopCause, StopNow, Stream, LEASE_EXPIRED_EXIT_CODE,
 };
 use crate::options::Verbosity;
 use crate::records::RecordError;
@@ -277,11 +277,16 @@ impl TerminalReporter {
                 err(format!("driver: starting every rank again, {from}; restart {restart} of {max}"))
             }
             Event::NotRestarted { why } => err(format!("driver: no restart: {why}")),
-            Event::StoppingNow => err(
+            Event::StoppingNow(StopNow::InterruptedAgain) => err(
                 "driver: interrupted again: stopping every rank now, without waiting for their \
                  checkpoints (the last one written stays)"
                     .to_string(),
             ),
+            Event::StoppingNow(StopNow::HostLost { host }) => err(format!(
+                "driver: {host} was lost while the ranks write their checkpoints, and a checkpoint \
+                 needs every rank: stopping every rank now, without waiting for theirs (the last \
+                 checkpoint every rank wrote stays)"
+            )),
             Event::TracesGathered(facts) => {
                 let mut lines = Vec::new();
                 if normal && !facts.ranks.is_empty() {
@@ -427,6 +432,8 @@ mod tests {
                 out_of_memory: true,
             }),
             Event::Stopping(StopCause::Interrupted),
+            Event::StoppingNow(StopNow::HostLost { host: "node1".into() }),
+            Event::StoppingNow(StopNow::InterruptedAgain),
             Event::Stopping(StopCause::ProfileFailed {
                 host: "node1".into(),
                 exit_code: Some(2),

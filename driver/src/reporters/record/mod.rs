@@ -322,7 +322,7 @@ impl Reporter for RecordReporter {
                 self.write_summary()?;
             }
             // The cause stays the interrupt the record already has.
-            Event::StoppingNow => {}
+            Event::StoppingNow(_) => {}
             Event::Finished { status } => {
                 self.summary.status = *status;
                 self.summary.ended_at = Some(Timestamp::now().to_string());
