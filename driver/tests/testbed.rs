@@ -534,7 +534,10 @@ fn testbed_a_host_cut_off_mid_run_is_named_and_its_container_stops_itself() {
     assert_eq!(left[0]["ranks"], serde_json::json!([1]));
     let by_hand = format!("ssh th2 docker rm -f {name}");
     assert_eq!(left[0]["remove_by_hand"], by_hand.as_str());
-    assert!(stderr.contains("lost the connection to th2"), "{stderr}");
+    assert!(
+        stderr.contains("driver: lost th2: it stopped answering over SSH"),
+        "{stderr}"
+    );
     assert!(
         stderr.contains(&format!("{name} (id ")) && stderr.contains(&by_hand),
         "{stderr}"
@@ -579,6 +582,74 @@ fn testbed_a_host_cut_off_mid_run_is_named_and_its_container_stops_itself() {
         "containers left on th2: {}",
         ps("th2", "-a")
     );
+}
+
+/// A host whose Docker engine stops mid-run (as `systemctl stop docker` stops it) while ssh still
+/// reaches it: the run ends failed, with th2 lost, and the reason names th2's engine, not th2 as
+/// gone, since `ssh th2` still works.
+#[test]
+fn testbed_an_engine_stopped_mid_run_is_named_as_the_engine_not_the_host() {
+    let test = "testbed_an_engine_stopped_mid_run_is_named_as_the_engine_not_the_host";
+    let Some(bed) = testbed::up(test, 2) else {
+        return;
+    };
+    let image = import_shell_image(&bed);
+    let h = Harness::new("testbed-engine");
+    let exp = h.config(&format!(
+        "machines: [th1, th2]\ncontainer: {image}\ncommand: [sleep, '600']\n"
+    ));
+    let driver = h.spawn(&exp, &[]);
+    let ps = |host: &str| {
+        bed.ssh_ok(
+            host,
+            &format!(
+                "docker ps -a --filter label=stagehand.name={} --format '{{{{.Names}}}} {{{{.State}}}}'",
+                h.name
+            ),
+        )
+    };
+    let start = std::time::Instant::now();
+    while bed.hosts.iter().any(|host| !ps(host).contains("running")) {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "the ranks did not start"
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    bed.stop_engine("th2");
+    let stopped = std::time::Instant::now();
+    let out = wait_with_deadline(driver, Duration::from_secs(120));
+    let ended = stopped.elapsed();
+    let stderr = text(&out.stderr);
+    let (_, summary) = h.summary();
+    assert_eq!(summary["status"], "failed", "{summary}\n{stderr}");
+    let cause = &summary["failure"]["cause"];
+    assert_eq!(cause["kind"], "host_lost", "{summary}\n{stderr}");
+    assert_eq!(cause["host"], "th2", "{summary}");
+    let engine = "its Docker engine stopped answering, though `ssh th2` still works";
+    assert!(
+        cause["reason"].as_str().is_some_and(|r| r.starts_with(engine)),
+        "{summary}"
+    );
+    assert!(
+        stderr.contains(&format!("driver: lost th2: {engine}")),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("took longer than 0 s"), "{stderr}");
+    assert_eq!(ps("th1"), "", "containers left on th1");
+    eprintln!("{test}: the run ended {ended:?} after th2's engine stopped");
+    // th2's engine back for the tests after this one, without the container it kept.
+    let up = testbed::testbed(&["up", "2"], Duration::from_secs(180));
+    assert!(up.status.success(), "{}", text(&up.stderr));
+    let _ = bed.ssh(
+        "th2",
+        &format!(
+            "docker ps -aq --filter label=stagehand.name={} | xargs -r docker rm -f",
+            h.name
+        ),
+    );
+    let _ = bed.ssh("th1", &format!("docker rmi {image}"));
+    let _ = bed.ssh("th2", &format!("docker rmi {image}"));
 }
 
 /// With `max_restarts`, a host cut off long enough to be lost and back before its containers

@@ -94,9 +94,9 @@ pub struct Host {
     pub copies: Vec<PathBuf>,
     /// Whether the host has `/dev/infiniband` (InfiniBand or RoCE verbs devices for NCCL).
     pub infiniband: bool,
-    /// The SSH connection the engine is reached through, for a remote host; held, never read:
-    /// dropping the last clone closes the connection.
-    pub _tunnel: Option<Arc<ssh::Tunnel>>,
+    /// The SSH connection the engine is reached through, for a remote host: dropping the last
+    /// clone closes the connection.
+    pub tunnel: Option<Arc<ssh::Tunnel>>,
 }
 
 impl Host {
@@ -152,7 +152,7 @@ pub async fn reconnect_all(hosts: &mut [Host], ssh: &SshOptions) -> Result<(), H
     for (host, connection) in hosts.iter_mut().zip(fresh) {
         let (docker, tunnel) = connection?;
         host.docker = docker;
-        host._tunnel = tunnel;
+        host.tunnel = tunnel;
     }
     Ok(())
 }
@@ -294,7 +294,7 @@ async fn prepare(
         mounts,
         copies,
         infiniband,
-        _tunnel: tunnel,
+        tunnel,
     };
     Ok((host, facts))
 }
@@ -308,11 +308,11 @@ pub async fn master_address(hosts: &[Host]) -> Result<Option<String>, HostError>
     let Some(first) = hosts.first() else {
         return Ok(None);
     };
-    if let Some(tunnel) = &first._tunnel {
+    if let Some(tunnel) = &first.tunnel {
         return Ok(Some(tunnel.endpoints(&first.name).await?.server));
     }
     for host in hosts {
-        if let Some(tunnel) = &host._tunnel {
+        if let Some(tunnel) = &host.tunnel {
             return Ok(Some(tunnel.endpoints(&host.name).await?.client));
         }
     }
@@ -373,7 +373,7 @@ fn ephemeral_ports_start() -> Option<u16> {
 /// Whether the master port is free on the first machine (where rank 0 listens). `None` when it
 /// cannot be told (the check itself failed); the run goes on then.
 pub async fn master_port_free(host: Option<&Host>, port: u16) -> Option<bool> {
-    match host.and_then(|h| h._tunnel.as_ref()) {
+    match host.and_then(|h| h.tunnel.as_ref()) {
         None => Some(free_here(port)),
         Some(tunnel) => tunnel.port_free(port).await.ok(),
     }

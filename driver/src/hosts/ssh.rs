@@ -91,6 +91,21 @@ impl Tunnel {
     }
 }
 
+/// How long [`Tunnel::answers`] waits for `true` to run on the host.
+const ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
+
+impl Tunnel {
+    /// Whether the host still runs a command over this connection (`true`) within
+    /// [`ANSWER_TIMEOUT`]: when its Docker engine stopped answering, whether the host did too.
+    pub async fn answers(&self) -> bool {
+        let Some(session) = self.session.as_ref() else {
+            return false;
+        };
+        let ran = tokio::time::timeout(ANSWER_TIMEOUT, session.command("true").status()).await;
+        matches!(ran, Ok(Ok(status)) if status.success())
+    }
+}
+
 impl Tunnel {
     /// The two ends of this SSH connection as the host sees them (its `SSH_CONNECTION`): the
     /// address it sees this machine at, and its own address this machine reached it at.

@@ -167,12 +167,12 @@ async fn gone_within(
 /// call with a grace tries again).
 pub async fn remove_on(host: &Host, ssh: &SshOptions, id: &str, grace: Duration) -> Pass {
     let deadline = tokio::time::Instant::now() + grace;
-    let timed_out = |seconds: u64| Pass {
+    let timed_out = |wait: Duration| Pass {
         gone: Vec::new(),
         failure: Some((
             LaunchError::CleanupTimeout {
                 host: host.name.clone(),
-                seconds,
+                wait,
             },
             None,
         )),
@@ -182,7 +182,7 @@ pub async fn remove_on(host: &Host, ssh: &SshOptions, id: &str, grace: Duration)
         false => ATTEMPT_TIMEOUT.min(grace),
     };
     let first = tokio::time::timeout(limit, remove_labelled(&host.docker, &host.name, id)).await;
-    let mut pass = first.unwrap_or_else(|_| timed_out(limit.as_secs()));
+    let mut pass = first.unwrap_or_else(|_| timed_out(limit));
     let mut gone = Vec::new();
     loop {
         gone.append(&mut pass.gone);
@@ -205,7 +205,8 @@ pub async fn remove_on(host: &Host, ssh: &SshOptions, id: &str, grace: Duration)
         };
         let next = tokio::time::timeout(limit.max(Duration::from_millis(1)), again).await;
         let earlier = pass.failure.and_then(|(_, known)| known);
-        pass = next.unwrap_or_else(|_| timed_out(limit.as_secs()));
+        // The last try has what is left of the grace: its running out is the grace's.
+        pass = next.unwrap_or_else(|_| timed_out(grace));
         // A try that could not list the containers keeps an earlier try's account of them.
         if let Some((_, known @ None)) = &mut pass.failure {
             *known = earlier;
@@ -478,7 +479,7 @@ mod tests {
     fn preflight_that_ran_out_of_time_names_the_host_the_label_and_the_time() {
         let why = crate::error::error_line(&LaunchError::CleanupTimeout {
             host: "th2".into(),
-            seconds: PREFLIGHT_REMOVAL_GRACE.as_secs(),
+            wait: PREFLIGHT_REMOVAL_GRACE,
         });
         assert_eq!(
             preflight_left("th2", &machine("th2"), None, "e-check-7", &why, None),

@@ -557,17 +557,22 @@ async fn follow_container(host: Host, id: String, rank: usize, tx: UnboundedSend
         Some(Err(DockerError::DockerResponseServerError { status_code: 404, .. })) => {
             Event::RankRemoved { rank }
         }
-        Some(Err(e)) => lost_rank(&host, rank, lost.unwrap_or_else(|| e.to_string()), &tx),
+        Some(Err(e)) => lost_rank(&host, rank, lost.unwrap_or_else(|| e.to_string()), &tx).await,
         None => match lost {
-            Some(reason) => lost_rank(&host, rank, reason, &tx),
+            Some(reason) => lost_rank(&host, rank, reason, &tx).await,
             None => Event::RankRemoved { rank },
         },
     };
     let _ = tx.send(event);
 }
 
-/// Reports `host` lost and returns the event for its `rank`, whose exit was not seen.
-fn lost_rank(host: &Host, rank: usize, reason: String, tx: &UnboundedSender<Event>) -> Event {
+/// Reports `host` lost, after `error` from its engine, and returns the event for its `rank`,
+/// whose exit was not seen.
+async fn lost_rank(host: &Host, rank: usize, error: String, tx: &UnboundedSender<Event>) -> Event {
+    let reason = match &host.tunnel {
+        Some(tunnel) => lost_remote(&host.plan.machine.host, tunnel.answers().await, &error),
+        None => format!("this machine's Docker engine stopped answering: {error}"),
+    };
     let _ = tx.send(Event::HostLost {
         host: host.name.clone(),
         reason: reason.clone(),
@@ -576,6 +581,18 @@ fn lost_rank(host: &Host, rank: usize, reason: String, tx: &UnboundedSender<Even
         rank,
         host: host.name.clone(),
         reason,
+    }
+}
+
+/// Why a remote host reached as `ssh_host` is lost, after `error` from its engine: its engine
+/// stopped answering (when the host still `answers` over SSH), or the host did.
+fn lost_remote(ssh_host: &str, answers: bool, error: &str) -> String {
+    match answers {
+        true => format!(
+            "its Docker engine stopped answering, though `ssh {ssh_host}` still works (is the engine \
+             running there? `ssh {ssh_host} docker info` says): {error}"
+        ),
+        false => format!("it stopped answering over SSH: {error}"),
     }
 }
 
@@ -762,7 +779,7 @@ async fn follow_exec(
                 break;
             }
             Err(e) => {
-                event = lost_rank(&host, rank, lost.unwrap_or_else(|| e.to_string()), &tx);
+                event = lost_rank(&host, rank, lost.unwrap_or_else(|| e.to_string()), &tx).await;
                 break;
             }
         }

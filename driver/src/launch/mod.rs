@@ -105,8 +105,8 @@ pub enum LaunchError {
     ContainerExited { host: String, code: i64, last: String },
     #[error("master port {port} is in use on {host}; pass another with --master-port, or leave it out to get a free one")]
     PortInUse { host: String, port: u16 },
-    #[error("removing the experiment's containers on {host} took longer than {seconds} s")]
-    CleanupTimeout { host: String, seconds: u64 },
+    #[error("removing the experiment's containers on {host} took longer than {}", seconds(*.wait))]
+    CleanupTimeout { host: String, wait: Duration },
     #[error(
         "the engine on {host} was already removing a container, and it was still there {seconds} s later"
     )]
@@ -143,6 +143,15 @@ fn last_words(last: &str) -> String {
     match last.trim() {
         "" => String::new(),
         line => format!("; its last line: {line}"),
+    }
+}
+
+/// `wait` as people read it: `10 s`, or `0.4 s` under a second (a last try in what was left of a
+/// grace period).
+fn seconds(wait: Duration) -> String {
+    match wait.as_secs() {
+        0 => format!("{:.1} s", wait.as_secs_f64()),
+        whole => format!("{whole} s"),
     }
 }
 

@@ -34,7 +34,7 @@ pub async fn local_host() -> Host {
         .await
         .unwrap();
     Host {
-        _tunnel: tunnel,
+        tunnel,
         ..host_on(docker)
     }
 }
@@ -52,7 +52,7 @@ pub fn host_on(docker: bollard::Docker) -> Host {
         mounts: Vec::new(),
         copies: Vec::new(),
         infiniband: false,
-        _tunnel: None,
+        tunnel: None,
     }
 }
 

@@ -8,7 +8,8 @@ use indicatif::ProgressBar;
 
 use super::Reporter;
 use crate::events::{
-    command_note, memory_note, slurm_job, Event, SlurmEvent, StopCause, StopNow, Stream, LEASE_EXPIRED_EXIT_CODE,
+    command_note, memory_note, slurm_job, Event, SlurmEvent, StopCause, StopNow, Stream,
+    LEASE_EXPIRED_EXIT_CODE,
 };
 use crate::options::Verbosity;
 use crate::records::RecordError;
@@ -181,7 +182,7 @@ impl TerminalReporter {
                     return None;
                 }
                 err(format!(
-                    "driver: lost the connection to {host}'s Docker engine: {reason}"
+                    "driver: lost {host}: {reason}"
                 ))
             }
             Event::Stopping(cause) => {

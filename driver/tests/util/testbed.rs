@@ -169,6 +169,13 @@ impl Bed {
         assert!(out.status.success(), "heal {host}: {}", text(&out.stderr));
     }
 
+    /// Stops `host`'s Docker engine, sshd running on (`scripts/testbed stop-engine`); the next
+    /// `up` starts it again.
+    pub fn stop_engine(&self, host: &str) {
+        let out = testbed(&["stop-engine", host], Duration::from_secs(90));
+        assert!(out.status.success(), "stop-engine {host}: {}", text(&out.stderr));
+    }
+
     /// Takes the bed down (the lock stays held until the bed is dropped) and returns what the
     /// script said.
     pub fn down(&mut self) -> Output {
