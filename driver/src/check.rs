@@ -59,13 +59,19 @@ pub enum RuntimeCheck {
 /// Checks the experiment `options` names and prints what a run would do on stdout.
 pub fn run(options: &Options) -> Result<(), CheckError> {
     let loaded = config::load(&options.config_file)?;
-    // A port picked at launch is shown as the usual default.
+    // A port picked at launch is planned as the usual default (and said to be picked).
     let port = options.master_port.unwrap_or(29500);
     let plan = experiment::resolve(&loaded, options, port)?;
     let verdict = runtime_check(&loaded, &plan, options, true)?;
     stdout_text!(
         "{}",
-        render(&plan, &image_line(&plan), &verdict, options.master_port.is_none())
+        render(
+            &plan,
+            &image_line(&plan),
+            &verdict,
+            loaded.file.master_addr.is_some(),
+            options.master_port.is_none()
+        )
     );
     Ok(())
 }
@@ -239,7 +245,13 @@ fn image_line_of_build(spec: &crate::experiment::BuildSpec) -> String {
 }
 
 /// The plan as people read it.
-pub fn render(plan: &Experiment, image: &str, verdict: &RuntimeCheck, port_picked: bool) -> String {
+pub fn render(
+    plan: &Experiment,
+    image: &str,
+    verdict: &RuntimeCheck,
+    addr_given: bool,
+    port_picked: bool,
+) -> String {
     let mut out = String::new();
     let how = match (plan.backend, plan.container_mode) {
         (Backend::Process, _) => "local processes",
@@ -255,14 +267,7 @@ pub fn render(plan: &Experiment, image: &str, verdict: &RuntimeCheck, port_picke
         plan.hosts.len()
     );
     let _ = writeln!(out, "image: {image}");
-    let port = if plan.backend == Backend::Slurm && port_picked {
-        "10000 + the job id modulo 20000".to_string()
-    } else if port_picked {
-        format!("a free port picked at launch ({} shown)", plan.master_port)
-    } else {
-        plan.master_port.to_string()
-    };
-    let _ = writeln!(out, "master: {} port {port}", plan.master_addr);
+    let _ = writeln!(out, "master: {}", master(plan, addr_given, port_picked));
     let record = crate::experiment::record_to_come(&plan.log_directory, &plan.name);
     let _ = writeln!(out, "record: {}", record.display());
     if plan.max_restarts > 0 {
@@ -319,6 +324,35 @@ pub fn render(plan: &Experiment, image: &str, verdict: &RuntimeCheck, port_picke
     out
 }
 
+/// Where every rank reaches rank 0 (`MASTER_ADDR`, `MASTER_PORT`), as a run will find it: the
+/// address and port the experiment gives (`addr_given`, and a port unless `port_picked`), or how
+/// the launch finds them.
+fn master(plan: &Experiment, addr_given: bool, port_picked: bool) -> String {
+    let first = &plan.hosts[0];
+    let remote = plan.hosts.iter().find(|h| !h.machine.is_local());
+    let addr = match remote {
+        _ if addr_given || plan.backend == Backend::Slurm => plan.master_addr.clone(),
+        None => plan.master_addr.clone(),
+        Some(other) if first.machine.is_local() => {
+            format!(
+                "this machine's address as {} sees it (found at launch)",
+                other.name
+            )
+        }
+        Some(_) => format!(
+            "{}'s own address on the driver's SSH connection to it (found at launch)",
+            first.name
+        ),
+    };
+    let port = match (port_picked, plan.backend) {
+        (false, _) => plan.master_port.to_string(),
+        (true, Backend::Slurm) => "10000 + the job id modulo 20000".to_string(),
+        (true, _) if first.machine.is_local() => "a free one picked at launch".to_string(),
+        (true, _) => format!("a free one on {} picked at launch", first.name),
+    };
+    format!("{addr}, port {port}")
+}
+
 fn join<T: ToString>(items: &[T]) -> String {
     items.iter().map(T::to_string).collect::<Vec<_>>().join(",")
 }
@@ -341,6 +375,43 @@ fn shown(argv: &[String]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `driver check`'s master line for an experiment of `machines` (and `more`), with the port
+    /// given (`29400`) or to be picked.
+    fn master_of(machines: &str, more: &str, port: Option<u16>) -> String {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("exp.yml");
+        std::fs::write(
+            &path,
+            format!("machines: {machines}\ncontainer: stagehand-runtime:test\nmodule: mlp\n{more}"),
+        )
+        .unwrap();
+        let loaded = config::load(&path).unwrap();
+        let options = crate::experiment::tests::options(None, crate::options::ContainerMode::PerRank);
+        let plan = experiment::resolve(&loaded, &options, port.unwrap_or(29500)).unwrap();
+        master(&plan, loaded.file.master_addr.is_some(), port.is_none())
+    }
+
+    #[test]
+    fn the_master_is_said_as_the_launch_will_find_it() {
+        assert_eq!(
+            master_of("[localhost, localhost]", "", None),
+            "127.0.0.1, port a free one picked at launch"
+        );
+        assert_eq!(
+            master_of("[th1, th2]", "", None),
+            "th1's own address on the driver's SSH connection to it (found at launch), port a free \
+             one on th1 picked at launch"
+        );
+        assert_eq!(
+            master_of("[localhost, th2]", "", Some(29400)),
+            "this machine's address as th2 sees it (found at launch), port 29400"
+        );
+        assert_eq!(
+            master_of("[th1, th2]", "master_addr: 10.0.0.5\n", Some(29400)),
+            "10.0.0.5, port 29400"
+        );
+    }
 
     #[test]
     fn words_people_would_misread_are_quoted() {
