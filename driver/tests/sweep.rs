@@ -43,7 +43,8 @@ fn a_failed_point_is_recorded_the_sweep_goes_on_and_the_table_shows_it() {
     // Rank 1 fails before its first iteration, so no iteration of that point completes on every
     // rank: its throughput is unknown (null), whatever the timing of rank 0's lines.
     let bad = format!("['{FAKE_RANK}', --iterations, '3', --fail-rank, '1', --fail-at, '0']");
-    let config = fake_sweep(&h, &ok, &format!("sweep:\n  command: [{ok}, {bad}, {ok}]\n"));
+    let also_ok = format!("['{FAKE_RANK}', --iterations, '3']");
+    let config = fake_sweep(&h, &ok, &format!("sweep:\n  command: [{ok}, {bad}, {also_ok}]\n"));
     let run = h.driver(&os(&sweep_args(&h, &config, &["-q"])), Duration::from_secs(120));
     assert_eq!(run.code(), 1, "some point failed: {}", run.stderr());
     assert!(
@@ -132,7 +133,13 @@ fn an_interrupted_sweep_resumed_runs_only_the_missing_points() {
     let command = format!("['{FAKE_RANK}', --iterations, '4', --sleep-ms, '250']");
     let config = fake_sweep(&h, &command, "");
     let records = h.records();
-    let child = h.spawn_driver(&os(&sweep_args(&h, &config, &["--grid", "seed=1,2,3,4", "-q"])));
+    // One setting four times: points that differ in a seed the fake rank never sees would be
+    // refused as the same point.
+    let child = h.spawn_driver(&os(&sweep_args(
+        &h,
+        &config,
+        &["--grid", "seed=1", "--repeat", "4", "-q"],
+    )));
     let dir = wait_for_succeeded(&records, 2, Duration::from_secs(60));
     interrupt(&child);
     let out = wait_with_deadline(child, Duration::from_secs(30));
@@ -211,7 +218,7 @@ fn a_bad_grid_is_refused_before_anything_runs() {
     let h = Harness::new("sw-bad");
     let config = fake_sweep(&h, &format!("['{FAKE_RANK}']"), "");
     let records = h.records();
-    let cases: [(&[&str], &str); 5] = [
+    let cases: [(&[&str], &str); 7] = [
         (
             &["--grid", "batch_size=32,lots"],
             "invalid grid given with --grid; nothing was run\n  caused by: grid value `lots` for \
@@ -222,6 +229,17 @@ fn a_bad_grid_is_refused_before_anything_runs() {
         (&["--grid", "batch_sise=32"], "did you mean `batch_size`?"),
         (&["--grid", "schedule=gpipe"], "a schedule needs a `config_file`"),
         (&[], "no grid"),
+        (
+            &["--grid", "batch_size=32,32"],
+            "point batch_size=32 is in the grid twice (a value given twice); drop one",
+        ),
+        // The ranks run `command:`: the seed never reaches them.
+        (
+            &["--grid", "seed=1,2,3"],
+            "points seed=1 and seed=2 would run the same ranks the same way: `seed` changes nothing \
+             they run (the ranks run `command:`, which the runtime's keys never reach); drop it from \
+             the grid (`--repeat N` runs each point N times); nothing was run",
+        ),
     ];
     for (grid, expected) in cases {
         let run = h.driver(&os(&sweep_args(&h, &config, grid)), Duration::from_secs(30));

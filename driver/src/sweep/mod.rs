@@ -5,7 +5,7 @@
 
 pub mod grid;
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
@@ -64,6 +64,27 @@ pub enum SweepError {
     },
     #[error("point {label} is invalid: {message}; nothing was run")]
     Point { label: String, message: String },
+    #[error(
+        "point {label} is in the grid twice (a value given twice); drop one (`--repeat N` runs each \
+         point N times); nothing was run"
+    )]
+    Twice { label: String },
+    #[error(
+        "points {first} and {second} would run the same ranks the same way: {} {} nothing they \
+         run{}; drop {} from the grid (`--repeat N` runs each point N times); nothing was run",
+        quoted(.keys),
+        if .keys.len() == 1 { "changes" } else { "change" },
+        if *.command { " (the ranks run `command:`, which the runtime's keys never reach)" } else { "" },
+        if .keys.len() == 1 { "it" } else { "them" }
+    )]
+    Same {
+        first: String,
+        second: String,
+        /// The grid keys whose values differ between the two.
+        keys: Vec<String>,
+        /// Whether the ranks run `command:`.
+        command: bool,
+    },
     #[error("cannot resume")]
     Index(#[from] IndexError),
     #[error(
@@ -91,6 +112,8 @@ impl SweepError {
             SweepError::Config(_)
             | SweepError::Grid { .. }
             | SweepError::Point { .. }
+            | SweepError::Same { .. }
+            | SweepError::Twice { .. }
             | SweepError::Index(_)
             | SweepError::Moved { .. } => exit_codes::INVALID_CONFIG,
             SweepError::Record(_) => exit_codes::RECORD_FAILED,
@@ -346,6 +369,27 @@ fn points(loaded: &Loaded, index: &Index, options: &Options) -> Result<Vec<Loade
                 })
         })
         .collect::<Result<Vec<_>, _>>()?;
+    if let Some((first, second)) = same_pair(&resolved, index) {
+        let (a, b) = (&index.points[first], &index.points[second]);
+        let keys = a
+            .settings
+            .iter()
+            .zip(&b.settings)
+            .filter(|((_, x), (_, y))| x != y)
+            .map(|((key, _), _)| key.clone())
+            .collect::<Vec<_>>();
+        if a.settings == b.settings {
+            return Err(SweepError::Twice {
+                label: index::label(&a.settings, a.repeat),
+            });
+        }
+        return Err(SweepError::Same {
+            first: index::label(&a.settings, a.repeat),
+            second: index::label(&b.settings, b.repeat),
+            keys,
+            command: loaded.file.command.is_some(),
+        });
+    }
     if let Some((i, message)) = first_refused(&resolved, options) {
         let entry = &index.points[i];
         return Err(SweepError::Point {
@@ -354,6 +398,34 @@ fn points(loaded: &Loaded, index: &Index, options: &Options) -> Result<Vec<Loade
         });
     }
     Ok(resolved.into_iter().map(|(point, _)| point).collect())
+}
+
+/// The first two points of one repeat that would run the same: every rank's program, arguments
+/// and environment, on the same hosts, in the same image, the same way, their names aside (a
+/// point's name is in its checkpoint folder). A grid key that reaches none of it (`seed` when the
+/// ranks run `command:`) would only repeat a point under another label.
+fn same_pair(points: &[(Loaded, Experiment)], index: &Index) -> Option<(usize, usize)> {
+    let mut seen: HashMap<(u32, String), usize> = HashMap::new();
+    for (i, ((_, plan), entry)) in points.iter().zip(&index.points).enumerate() {
+        let mut runs = serde_json::to_value(plan).ok()?;
+        runs.as_object_mut()?.remove("name");
+        let runs = runs.to_string().replace(&entry.name, "<point>");
+        if let Some(&first) = seen.get(&(entry.repeat, runs.clone())) {
+            return Some((first, i));
+        }
+        seen.insert((entry.repeat, runs), i);
+    }
+    None
+}
+
+/// `a`, `b` and `c`, each in backquotes.
+fn quoted(keys: &[String]) -> String {
+    let keys: Vec<String> = keys.iter().map(|k| format!("`{k}`")).collect();
+    match keys.as_slice() {
+        [] => String::new(),
+        [one] => one.clone(),
+        [rest @ .., last] => format!("{} and {last}", rest.join(", ")),
+    }
 }
 
 /// The first point whose training request the runtime here refuses, and why: every point's
