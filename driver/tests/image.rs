@@ -98,6 +98,19 @@ fn a_build_context_is_what_git_tracks_less_dockerignore_and_its_arguments_reach_
     };
     let run = h.run(&h.config(&experiment("hello")), &[]);
     assert_eq!(run.code(), 0, "{}", run.stderr());
+    // Without a terminal or -v, each step is said as it starts.
+    for step in [
+        "] Step 1/4 : FROM stagehand-base:bookworm",
+        "] Step 4/4 : RUN test ! -e",
+    ] {
+        assert!(
+            run.stderr()
+                .lines()
+                .any(|l| l.starts_with("[localhost build 0:") && l.contains(step)),
+            "{step}: {}",
+            run.stderr()
+        );
+    }
     let (dir, _) = h.summary();
     let log = std::fs::read_to_string(dir.join("rank-0.log")).unwrap();
     assert!(log.contains("hello") && log.contains("kept"), "{log}");

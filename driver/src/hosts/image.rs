@@ -330,6 +330,7 @@ async fn build(
         .build();
     let body = bollard::body_try_stream(context::stream(listing));
     let mut stream = engine.docker.build_image(options, None, Some(body));
+    let started = Instant::now();
     let mut tail: Vec<String> = Vec::new();
     // A base image the engine lacks, and could not pull (no registry here), is named.
     let failure = |message: String, tail: &[String]| {
@@ -360,6 +361,9 @@ async fn build(
             for line in text.lines().filter(|l| !l.trim().is_empty()) {
                 if feedback.verbose {
                     stderr_line!("[{} build] {line}", engine.host);
+                } else if let (true, Some(step)) = (feedback.normal, step_started(line)) {
+                    // A build takes minutes: each step is said as it starts, with the time so far.
+                    stderr_line!("[{} build {}] {step}", engine.host, clock(started.elapsed()));
                 }
                 tail.push(line.to_string());
                 if tail.len() > 20 {
@@ -375,6 +379,30 @@ async fn build(
         ))
     })?;
     Ok(image.id.unwrap_or_default())
+}
+
+/// Widest a build step is said (`-v` shows the whole line).
+const STEP_WIDTH: usize = 100;
+
+/// The step a build's output `line` says it starts (`Step 3/9 : RUN ...`), cut to
+/// [`STEP_WIDTH`] characters; `None` for any other line.
+fn step_started(line: &str) -> Option<String> {
+    let line = line.trim();
+    let (count, _) = line.strip_prefix("Step ")?.split_once(" : ")?;
+    let (n, of) = count.split_once('/')?;
+    if !(n.parse::<u32>().is_ok() && of.parse::<u32>().is_ok()) {
+        return None;
+    }
+    Some(match line.char_indices().nth(STEP_WIDTH) {
+        Some((cut, _)) => format!("{}...", &line[..cut]),
+        None => line.to_string(),
+    })
+}
+
+/// `elapsed` as minutes and seconds: `0:07`, `4:31`.
+fn clock(elapsed: std::time::Duration) -> String {
+    let s = elapsed.as_secs();
+    format!("{}:{:02}", s / 60, s % 60)
 }
 
 /// The base images `spec`'s Dockerfile builds from that `engine` lacks.
@@ -613,6 +641,28 @@ mod tests {
         assert!(dockerfile.contains(&format!(
             "LABEL org.opencontainers.image.title=\"{RUNTIME_TITLE}\""
         )));
+    }
+
+    #[test]
+    fn a_build_step_is_said_as_it_starts_cut_to_a_line() {
+        assert_eq!(
+            step_started("Step 2/9 : ARG GREETING").as_deref(),
+            Some("Step 2/9 : ARG GREETING")
+        );
+        let long = format!("Step 5/9 : RUN {}", "x".repeat(200));
+        let said = step_started(&long).unwrap();
+        assert_eq!(said.chars().count(), STEP_WIDTH + 3);
+        assert!(said.starts_with("Step 5/9 : RUN xx") && said.ends_with("x..."));
+        for other in [
+            " ---> Running in 3f1c",
+            "Stepping : in",
+            "Step x/9 : RUN",
+            "Successfully built",
+        ] {
+            assert_eq!(step_started(other), None, "{other}");
+        }
+        assert_eq!(clock(std::time::Duration::from_secs(7)), "0:07");
+        assert_eq!(clock(std::time::Duration::from_secs(271)), "4:31");
     }
 
     #[test]
