@@ -228,6 +228,16 @@ impl CostModel {
         self
     }
 
+    /// Whether a stage may run on `replicas` workers under this schedule: PipeDream's replicas
+    /// take a minibatch's microbatches in turn, so their count must divide the microbatches (the
+    /// runtime refuses a plan whose does not).
+    pub fn replicas_allowed(&self, replicas: usize) -> bool {
+        match self.schedule {
+            Schedule::PipeDream { microbatches } => replicas > 0 && microbatches.is_multiple_of(replicas),
+            Schedule::Steady | Schedule::Flushing { .. } => true,
+        }
+    }
+
     /// How much a plan of `stages` stages stretches its stages' compute and transfers per
     /// minibatch: [`fill_and_drain`] under a flushing schedule, 1 otherwise.
     pub fn stretch(&self, stages: usize) -> f64 {

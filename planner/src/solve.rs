@@ -49,6 +49,8 @@ pub enum PlanError {
     TooFewModules { workers: usize, modules: usize },
     #[error("no split fits in {limit_gib:.2} GiB per worker; raise --memory or add workers")]
     NothingFits { limit_gib: f64 },
+    #[error("under PipeDream's schedule a stage's replicas take the {microbatches} microbatches in turn, so their count must divide it, and no split of the modules over {workers} workers gives every stage such a count; set microbatches to a multiple of {workers}, or plan a straight pipeline")]
+    NoDividingSplit { workers: usize, microbatches: usize },
     /// The costs or the network hold what no plan can be made of ([`CostModel::invalid`]).
     #[error("{0}")]
     Invalid(String),
@@ -362,8 +364,15 @@ pub fn plan(model: &CostModel, workers: usize, straight: bool) -> Result<Plan, P
         Schedule::Steady | Schedule::PipeDream { .. } => program.solve(None, f64::INFINITY),
     };
     let Some((_, split)) = best else {
-        return Err(PlanError::NothingFits {
-            limit_gib: model.memory_limit.unwrap_or(0.0) / (1u64 << 30) as f64,
+        // Without a memory limit, only the schedule's replica counts can leave no plan.
+        return Err(match (model.memory_limit, model.schedule) {
+            (None, Schedule::PipeDream { microbatches }) => PlanError::NoDividingSplit {
+                workers,
+                microbatches,
+            },
+            _ => PlanError::NothingFits {
+                limit_gib: model.memory_limit.unwrap_or(0.0) / (1u64 << 30) as f64,
+            },
         });
     };
     Ok(assemble(model, &split))
@@ -404,6 +413,10 @@ impl Program<'_> {
             for m in 1..=workers {
                 let first_worker = workers - m;
                 for r in 1..=max_replicas(m) {
+                    // A count the schedule refuses is no stage: nothing continues from it.
+                    if !model.replicas_allowed(r) {
+                        continue;
+                    }
                     let rest = m - r;
                     let stage_workers = first_worker..first_worker + r;
                     // k + 1 stages from here need as many workers and modules.

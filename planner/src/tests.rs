@@ -73,7 +73,7 @@ fn brute_force(model: &CostModel, workers: usize, straight: bool) -> Option<f64>
             }
             let (mut time, mut worker, mut fits) = (0.0f64, 0, true);
             for (s, (range, &r)) in stages.iter().zip(&replicas).enumerate() {
-                fits &= model.fits(range, r, workers - worker);
+                fits &= model.fits(range, r, workers - worker) && model.replicas_allowed(r);
                 let here = worker..worker + r;
                 time = time.max(model.stage_time(range, &here));
                 if s + 1 < stages.len() {
@@ -147,12 +147,54 @@ fn the_program_finds_the_brute_force_optimum() {
                     checked += 1;
                 }
                 Err(PlanError::TooFewModules { .. }) => assert!(straight && modules < workers),
-                Err(PlanError::NothingFits { .. }) => assert_eq!(expected, None, "case {case}"),
+                Err(PlanError::NothingFits { .. } | PlanError::NoDividingSplit { .. }) => {
+                    assert_eq!(expected, None, "case {case}")
+                }
                 Err(e) => panic!("case {case}: {e}"),
             }
         }
     }
     assert!(checked > 300, "only {checked} plans compared");
+}
+
+/// Under PipeDream a stage's replicas must divide the microbatches: four workers, four
+/// microbatches and one heavy layer before three light ones would otherwise give the heavy
+/// layer three replicas.
+#[test]
+fn pipedreams_replica_counts_divide_its_microbatches() {
+    let layers = [layer(3.0, 1e3, 1e3), layer(1.0, 1e3, 1e3), layer(0.0, 1e3, 1e3)];
+    let net = || Network::flat(4, 1e12);
+    let counts = |microbatches: usize| -> Vec<usize> {
+        let model = CostModel::new(&layers, net(), None).with_schedule(Schedule::PipeDream { microbatches });
+        let p = plan(&model, 4, false).unwrap();
+        p.stages.iter().map(|s| s.replicas).collect()
+    };
+    assert_eq!(
+        counts(6),
+        [3, 1],
+        "three replicas of the heavy layer where they divide 6"
+    );
+    let divided = counts(4);
+    assert!(divided.iter().all(|r| 4 % r == 0), "{divided:?}");
+    assert_eq!(divided.iter().sum::<usize>(), 4);
+    // One module on three workers: three replicas, which do not divide 4.
+    let model = CostModel::new(&layers[..1], Network::flat(3, 1e12), None)
+        .with_schedule(Schedule::PipeDream { microbatches: 4 });
+    let e = plan(&model, 3, false).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            PlanError::NoDividingSplit {
+                workers: 3,
+                microbatches: 4
+            }
+        ),
+        "{e}"
+    );
+    assert!(
+        e.to_string().contains("set microbatches to a multiple of 3"),
+        "{e}"
+    );
 }
 
 #[test]
