@@ -2,7 +2,7 @@
 //! image built from the workspace's source, and (on the test bed) that image built once and sent
 //! to every host that lacks it.
 
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 use serde_json::Value;
@@ -246,29 +246,6 @@ fn assert_traces_copied_out(h: &Harness, run: &crate::util::Run, ranks: usize) {
     assert_ranks_traced_steps_1_and_2(&dir, ranks);
 }
 
-/// Puts this machine's base images on `host` as a user moves images without a registry:
-/// `docker save | ssh host docker load`, streamed.
-fn load_bases(host: &str) {
-    base_image();
-    let mut save = Command::new("docker")
-        .arg("save")
-        .args(BASES)
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let load = Command::new("ssh")
-        .args(["-o", "ConnectTimeout=3", host, "docker", "load", "-q"])
-        .stdin(save.stdout.take().unwrap())
-        .output()
-        .unwrap();
-    assert!(save.wait().unwrap().success(), "docker save");
-    assert!(
-        load.status.success(),
-        "docker load on {host}: {}",
-        text(&load.stderr)
-    );
-}
-
 fn has_image(bed: &Bed, host: &str, image: &str) -> bool {
     bed.ssh(host, &format!("docker image inspect {image}"))
         .status
@@ -290,11 +267,17 @@ fn testbed_the_runtime_image_is_built_once_and_sent_to_every_host_that_lacks_it(
     ) else {
         return;
     };
-    // Only th1 has the images the build starts from; th2 and th3 have nothing at all.
-    load_bases("th1");
-    for host in ["th2", "th3"] {
-        assert!(!has_image(&bed, host, BASES[0]));
+    // Only this machine has the images the build starts from; the hosts have nothing at all.
+    base_image();
+    for host in ["th1", "th2", "th3"] {
+        let _ = bed.ssh(host, &format!("docker rmi {}", BASES.join(" ")));
     }
+    // (Another test's image, in use, may keep the base system on a host.)
+    let lacking: Vec<&str> = BASES.into_iter().filter(|b| !has_image(&bed, "th1", b)).collect();
+    assert!(
+        lacking.contains(&BASES[1]) && lacking.contains(&BASES[2]),
+        "{lacking:?}"
+    );
 
     // The quickstart across two hosts: built on th1, streamed to th2.
     let h = Harness::new("tb-img-quickstart");
@@ -306,6 +289,18 @@ fn testbed_the_runtime_image_is_built_once_and_sent_to_every_host_that_lacks_it(
     let facts = hosts(&h);
     let tag = host(&facts, "th1")["image"].as_str().unwrap().to_string();
     assert_eq!(host(&facts, "th1")["image_built"], true, "{facts:?}");
+    // The building host got the bases from this machine's engine, sent by the driver.
+    for base in lacking {
+        assert!(has_image(&bed, "th1", base), "{base}");
+        assert!(
+            run.stderr()
+                .lines()
+                .any(|l| l.starts_with(&format!("driver: sending {base} ("))
+                    && l.ends_with("from this machine to th1")),
+            "{base}: {}",
+            run.stderr()
+        );
+    }
     assert_eq!(host(&facts, "th2")["image_built"], false, "{facts:?}");
     assert_eq!(host(&facts, "th2")["image_received_from"], "th1", "{facts:?}");
     assert_eq!(host(&facts, "th2")["image"], tag.as_str());

@@ -281,6 +281,7 @@ async fn ensure_built(
                             human_bytes(listing.bytes)
                         );
                     }
+                    send_bases(e, spec, feedback).await?;
                     let id = build(e, spec, listing, tag, feedback).await?;
                     let seconds = started.elapsed().as_secs_f64();
                     if feedback.normal {
@@ -403,6 +404,40 @@ fn step_started(line: &str) -> Option<String> {
 fn clock(elapsed: std::time::Duration) -> String {
     let s = elapsed.as_secs();
     format!("{}:{:02}", s / 60, s % 60)
+}
+
+/// What this machine's engine is called where it sends images.
+const THIS_MACHINE: &str = "this machine";
+
+/// Sends the base images `spec`'s build needs from this machine's engine (`DOCKER_HOST`, or the
+/// local socket) to `engine` where it lacks them and this machine holds them, for the same CPU
+/// architecture: a first build on a fresh host then needs nothing put there by hand, with no
+/// registry to pull from. What neither holds is left to the build, which names it.
+async fn send_bases(engine: &Engine<'_>, spec: &BuildSpec, feedback: Feedback) -> Result<(), HostError> {
+    let args: HashMap<String, String> = spec.args.clone().into_iter().collect();
+    let missing = missing_bases(engine, spec, &args).await;
+    if missing.is_empty() {
+        return Ok(());
+    }
+    let Ok(local) = Docker::connect_with_local_defaults() else {
+        return Ok(());
+    };
+    let arch = tokio::time::timeout(std::time::Duration::from_secs(10), local.version()).await;
+    if !matches!(&arch, Ok(Ok(v)) if v.arch.as_deref() == Some(engine.arch)) {
+        return Ok(());
+    }
+    let here = Engine {
+        host: THIS_MACHINE,
+        docker: &local,
+        arch: engine.arch,
+    };
+    for image in missing {
+        // The same engine under two names lacks them too: nothing is sent.
+        if local.inspect_image(&image).await.is_ok() {
+            distribute(&here, &[engine], &image, feedback).await?;
+        }
+    }
+    Ok(())
 }
 
 /// The base images `spec`'s Dockerfile builds from that `engine` lacks.
