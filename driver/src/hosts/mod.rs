@@ -49,8 +49,10 @@ pub enum HostError {
         message: String,
     },
     #[error(
-        "{host} lacks the base image(s) {}, and could not pull them ({reason}); without a registry, \
-         load them there from a machine that has them (`docker save {} | ssh {host} docker load`)",
+        "{host} lacks the base image(s) {}, and could not pull them ({reason}), nor send them from \
+         this machine's engine, which lacks them too; without a registry, make them here \
+         (scripts/base-image.sh; docker/base/README.md) for the driver to send, or load them there \
+         from a machine that has them (`docker save {} | ssh {host} docker load`)",
         images.join(", "),
         images.join(" ")
     )]
