@@ -133,6 +133,30 @@ fn code_is_copied_into_containers_on_a_host_that_lacks_it() {
     }
 }
 
+/// A machine whose Docker socket is not where its entry says: sshd takes the forward and resets
+/// the connection, and preflight names the host and the path rather than the reset.
+#[test]
+fn a_docker_socket_that_is_not_there_is_named_at_preflight() {
+    let sshd = Sshd::start();
+    let h = Harness::new("ssh-nosocket");
+    base_image();
+    let exp = h.config(&format!(
+        "machines: [{{host: {BARE}, docker_socket: /run/dockr.sock}}]\ncontainer: {{build: '{}'}}\n\
+         command: ['{FAKE_RANK}']\n",
+        local_context().display()
+    ));
+    let run = h.run(&exp, &["--ssh-config", sshd.config().to_str().unwrap()]);
+    assert_eq!(run.code(), 3, "{}", run.stderr());
+    assert!(
+        run.stderr().contains(&format!(
+            "{BARE} has no socket at /run/dockr.sock, where the driver reaches its Docker engine"
+        )),
+        "{}",
+        run.stderr()
+    );
+    h.assert_no_containers();
+}
+
 #[test]
 fn a_data_dir_missing_on_a_host_fails_preflight() {
     let sshd = Sshd::start();

@@ -49,11 +49,19 @@ pub enum SshError {
         #[source]
         source: std::io::Error,
     },
-    #[error("cannot talk to the Docker engine of {host} through SSH")]
+    #[error("cannot talk to the Docker engine of {host} at {socket} through SSH; is the engine running there (`ssh {ssh_host} docker info`), and is `docker_socket:` right?")]
     Docker {
         host: String,
+        ssh_host: String,
+        socket: String,
         #[source]
-        source: bollard::errors::Error,
+        source: Box<bollard::errors::Error>,
+    },
+    #[error("{host} has no socket at {socket}, where the driver reaches its Docker engine: is the engine running there (`ssh {ssh_host} docker info`), or does it listen elsewhere (`docker_socket:` in the machine's entry)?")]
+    NoSocket {
+        host: String,
+        ssh_host: String,
+        socket: String,
     },
     #[error("cannot tell the address {host} is reached at: its SSH_CONNECTION is {seen:?}; set `master_addr:` in the experiment file")]
     NoEndpoints { host: String, seen: String },
@@ -88,6 +96,19 @@ impl Tunnel {
                 source,
             })?;
         Ok(status.success())
+    }
+}
+
+impl Tunnel {
+    /// Whether `path` is a socket on the host (`test -S`); `None` when the host cannot say.
+    async fn is_socket(&self, path: &std::path::Path) -> Option<bool> {
+        let session = self.session.as_ref()?;
+        let mut test = session.command("test");
+        test.arg("-S").arg(path.display().to_string());
+        match tokio::time::timeout(ANSWER_TIMEOUT, test.status()).await {
+            Ok(Ok(status)) => Some(status.success()),
+            _ => None,
+        }
     }
 }
 
@@ -260,23 +281,32 @@ pub async fn connect(host: &HostSpec, options: &SshOptions) -> Result<(Docker, A
         session: Some(session),
         _dir: dir,
     });
+    let socket = remote.display().to_string();
+    let unreached = |source| SshError::Docker {
+        host: host.name.clone(),
+        ssh_host: m.host.clone(),
+        socket: socket.clone(),
+        source: Box::new(source),
+    };
     let docker = Docker::connect_with_unix(
         &local.display().to_string(),
         API_TIMEOUT_S,
         bollard::API_DEFAULT_VERSION,
     )
-    .map_err(|source| SshError::Docker {
-        host: host.name.clone(),
-        source,
-    })?;
-    let docker = docker
-        .negotiate_version()
-        .await
-        .map_err(|source| SshError::Docker {
-            host: host.name.clone(),
-            source,
-        })?;
-    Ok((docker, tunnel))
+    .map_err(unreached)?;
+    match docker.negotiate_version().await {
+        Ok(docker) => Ok((docker, tunnel)),
+        // sshd takes the forward before it opens the socket: a socket that is not there is only
+        // seen now, as a connection reset, and is named as such.
+        Err(source) => match tunnel.is_socket(&remote).await {
+            Some(false) => Err(SshError::NoSocket {
+                host: host.name.clone(),
+                ssh_host: m.host.clone(),
+                socket,
+            }),
+            _ => Err(unreached(source)),
+        },
+    }
 }
 
 #[cfg(test)]
