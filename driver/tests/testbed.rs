@@ -584,6 +584,57 @@ fn testbed_a_host_cut_off_mid_run_is_named_and_its_container_stops_itself() {
     );
 }
 
+/// Data that lives on the hosts alone (nothing at that path on this machine), named with its
+/// format (`cifar10:DIR`): every host mounts it, and a host without it is named at preflight.
+#[test]
+fn testbed_data_on_the_hosts_alone_is_mounted_and_a_host_without_it_is_named() {
+    let test = "testbed_data_on_the_hosts_alone_is_mounted_and_a_host_without_it_is_named";
+    let Some(bed) = testbed::up(test, 2) else {
+        return;
+    };
+    let image = import_shell_image(&bed);
+    // Each host's /tmp is its own, hidden from the others and from this machine.
+    let folder = format!("/tmp/stagehand-test-data-{}", std::process::id());
+    assert!(!Path::new(&folder).exists(), "{folder} is on this machine");
+    for host in &bed.hosts {
+        bed.ssh_ok(
+            host,
+            &format!("mkdir -p {folder} && echo {host} > {folder}/data_batch_1.bin"),
+        );
+    }
+    let h = Harness::new("testbed-data");
+    let exp = h.config(&format!(
+        "machines: [th1, th2]\ncontainer: {image}\ndata_dir: 'cifar10:{folder}'\n\
+         command: [sh, -c, 'read l < {folder}/data_batch_1.bin && echo data from $l']\n"
+    ));
+    let run = h.run(&exp, &[]);
+    assert_eq!(run.code(), 0, "{}", run.stderr());
+    let (dir, _) = h.summary();
+    for (rank, host) in ["th1", "th2"].iter().enumerate() {
+        let log = std::fs::read_to_string(dir.join(format!("rank-{rank}.log"))).unwrap();
+        assert!(log.contains(&format!("data from {host}")), "rank {rank}: {log}");
+    }
+    // Gone from th2: preflight names it, and nothing starts.
+    bed.ssh_ok("th2", &format!("rm -r {folder}"));
+    let h = Harness::new("testbed-data-missing");
+    let run = h.run(
+        &h.config(&format!(
+            "machines: [th1, th2]\ncontainer: {image}\ndata_dir: 'cifar10:{folder}'\ncommand: [true]\n"
+        )),
+        &[],
+    );
+    assert_eq!(run.code(), 3, "{}", run.stderr());
+    assert!(
+        run.stderr().contains(&format!("{folder} does not exist on th2")),
+        "{}",
+        run.stderr()
+    );
+    bed.ssh_ok("th1", &format!("rm -r {folder}"));
+    for host in &bed.hosts {
+        let _ = bed.ssh(host, &format!("docker rmi {image}"));
+    }
+}
+
 /// A host whose Docker engine stops mid-run (as `systemctl stop docker` stops it) while ssh still
 /// reaches it: the run ends failed, with th2 lost, and the reason names th2's engine, not th2 as
 /// gone, since `ssh th2` still works.

@@ -297,15 +297,13 @@ fn model_flags(ctx: &ArgsContext, argv: &mut Vec<String>) {
     flag("active-units", f.active_units.map(|v| v.to_string()));
 }
 
-/// The `--data` value: the path made absolute when it exists here, else as written (`synthetic`,
-/// or a path that exists only on the hosts).
+/// The `--data` value: `synthetic`, or the folder made absolute (the same path on every host,
+/// where it is mounted) with the format prefix it was given.
 fn data_arg(ctx: &ArgsContext) -> Option<String> {
     let d = ctx.file.data_dir.as_ref()?;
-    let p = ctx.base.join(d);
-    Some(if p.exists() {
-        p.display().to_string()
-    } else {
-        d.clone()
+    Some(match super::data_folder(d, ctx.base) {
+        Some((prefix, folder)) => format!("{prefix}{}", folder.display()),
+        None => d.clone(),
     })
 }
 

@@ -554,11 +554,9 @@ fn resolve_with(
     if runtime_is_local && options.torch_venv.is_absolute() && options.torch_venv.exists() {
         same_path(options.torch_venv.clone(), true, WhenMissing::Skip);
     }
-    if let Some(data) = &file.data_dir {
-        let p = base.join(data);
-        if p.exists() {
-            same_path(p, true, WhenMissing::Fail);
-        }
+    // The data's folder is mounted whether or not it is here: preflight names a host that lacks it.
+    if let Some((_, folder)) = file.data_dir.as_deref().and_then(|d| data_folder(d, &base)) {
+        same_path(folder, true, WhenMissing::Fail);
     }
     if let Some(weights) = init_from(file, &base) {
         if !weights.is_file() {
@@ -681,6 +679,23 @@ fn resolve_with(
         profiler_trace,
         traces_dir: None,
     })
+}
+
+/// The runtime's prefixes for a data folder of a given format (`--data cifar10:DIR`).
+const DATA_FORMATS: [&str; 2] = ["cifar10:", "imagefolder:"];
+
+/// The folder `data_dir` names (`cifar10:DIR`, `imagefolder:DIR`, or `DIR`), relative paths
+/// against `base` (the experiment file's folder), with the format prefix it was given (or `""`);
+/// `None` for `synthetic`.
+pub(crate) fn data_folder<'a>(data_dir: &'a str, base: &Path) -> Option<(&'a str, PathBuf)> {
+    if data_dir == "synthetic" {
+        return None;
+    }
+    let prefix = DATA_FORMATS
+        .into_iter()
+        .find(|p| data_dir.starts_with(p))
+        .map_or("", |p| &data_dir[..p.len()]);
+    Some((prefix, base.join(&data_dir[prefix.len()..])))
 }
 
 /// What `master_addr` says with the Slurm backend, where every rank finds it in its job.
@@ -955,6 +970,13 @@ fn check_pipedream_keys(loaded: &Loaded) -> Result<(), ConfigError> {
         return Err(loaded.error_at(
             "epochs",
             "`epochs` and `iterations` both say how long to train; keep one",
+        ));
+    }
+    if f.iterations == Some(0) {
+        return Err(loaded.error_at(
+            "iterations",
+            "iterations: 0 trains nothing, and the run would succeed having done nothing; give at \
+             least 1",
         ));
     }
     match (f.synthetic_data, &f.data_dir) {

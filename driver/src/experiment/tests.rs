@@ -793,6 +793,7 @@ fn pipedreams_epochs_learning_rate_policy_and_synthetic_data_reach_the_runtime()
     assert_eq!(plan.iterations, Some(20));
     for (text, key, reason) in [
         ("epochs: 2\niterations: 5\n", "epochs", "keep one"),
+        ("iterations: 0\n", "iterations", "0 trains nothing"),
         (
             "synthetic_data: true\ndata_dir: /data\n",
             "synthetic_data",
@@ -1519,9 +1520,9 @@ fn a_bom_bad_env_names_shared_gpus_and_negative_values_are_handled() {
     let plan = plan_per_rank("machines: [localhost]\nmodule: mlp\nlr: -0.5\ndata_dir: -data\n");
     let argv = &plan.ranks[0].argv;
     assert!(argv.contains(&"--lr=-0.5".to_string()), "{argv:?}");
+    // A data folder is given whole, so it never reads as a flag.
     assert!(
-        argv.iter()
-            .any(|a| a.starts_with("--data=") && a.ends_with("-data")),
+        flag(argv, "--data").is_some_and(|d| d.starts_with('/') && d.ends_with("/-data")),
         "{argv:?}"
     );
     assert_eq!(flag(argv, "--batch-size"), None);
@@ -1598,4 +1599,43 @@ fn every_flag_written_from_a_key_maps_back_to_a_key() {
         }
     }
     assert!(checked >= 40, "only {checked} flags written");
+}
+
+/// A data folder, with a format prefix or without, is given to every rank whole (absolute, the
+/// prefix kept) and mounted at the same path whether or not it is on this machine: the data may
+/// live on the hosts alone, and preflight names a host that lacks it.
+#[test]
+fn a_data_folder_is_mounted_and_given_whole_whatever_its_format() {
+    let folder_of = |plan: &Experiment| -> Vec<PathBuf> {
+        plan.mounts
+            .iter()
+            .filter(|m| m.when_missing == WhenMissing::Fail && m.mount.read_only)
+            .map(|m| m.mount.source.clone())
+            .collect()
+    };
+    for (data, prefix) in [
+        ("cifar10:/srv/cifar", "cifar10:"),
+        ("imagefolder:/srv/imagenet", "imagefolder:"),
+        ("/srv/imagenet", ""),
+    ] {
+        let plan = plan_per_rank(&format!(
+            "machines: [localhost, localhost]\nmodule: resnet50\ndata_dir: '{data}'\n"
+        ));
+        for rank in &plan.ranks {
+            assert_eq!(flag(&rank.argv, "--data"), Some(data));
+        }
+        let folder = PathBuf::from(&data[prefix.len()..]);
+        assert_eq!(folder_of(&plan), std::slice::from_ref(&folder), "{data}");
+        assert_eq!(plan.mounts[0].mount.target, folder);
+    }
+    // A relative folder is the experiment file's neighbour.
+    let plan = plan_per_rank("machines: [localhost]\nmodule: resnet50\ndata_dir: cifar10:data/cifar\n");
+    let given = flag(&plan.ranks[0].argv, "--data").unwrap();
+    let folder = Path::new(given.strip_prefix("cifar10:").unwrap());
+    assert!(folder.is_absolute() && folder.ends_with("data/cifar"), "{given}");
+    assert_eq!(folder_of(&plan), [folder.to_path_buf()]);
+    // Synthetic data is nowhere.
+    let plan = plan_per_rank("machines: [localhost]\nmodule: mlp\ndata_dir: synthetic\n");
+    assert_eq!(flag(&plan.ranks[0].argv, "--data"), Some("synthetic"));
+    assert!(folder_of(&plan).is_empty());
 }
