@@ -31,6 +31,11 @@ pub struct Profile {
     /// Whether parameters and image inputs were in channels_last layout (`--channels-last`).
     #[serde(default)]
     pub channels_last: bool,
+    /// The model's size flags as measured, defaults included (`--layers` 6, `--hidden` 1024,
+    /// `--image-size` 224, ...): a plan for a model of other sizes would rest on another model's
+    /// costs. Absent from profiles written before it was recorded.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub sizes: std::collections::BTreeMap<String, serde_json::Value>,
     /// The modules in order, the loss last.
     pub modules: Vec<ModuleProfile>,
 }
@@ -110,6 +115,10 @@ mod tests {
             repeats: 3,
             precision: "bf16".into(),
             channels_last: true,
+            sizes: [("--hidden", 128), ("--layers", 1)]
+                .into_iter()
+                .map(|(flag, value)| (flag.to_string(), value.into()))
+                .collect(),
             modules: vec![ModuleProfile {
                 index: 0,
                 name: "layers.0".into(),
@@ -136,8 +145,10 @@ mod tests {
         let fields = value.as_object_mut().unwrap();
         fields.remove("precision");
         fields.remove("channels_last");
+        fields.remove("sizes");
         let read = Profile::from_json(&value.to_string()).unwrap();
         assert_eq!((read.precision.as_str(), read.channels_last), ("fp32", false));
+        assert!(read.sizes.is_empty(), "a profile from before sizes were recorded");
         assert_eq!(read.arithmetic(), "fp32");
         assert_eq!(profile().arithmetic(), "bf16 channels_last");
     }

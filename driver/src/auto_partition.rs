@@ -40,6 +40,31 @@ impl ProfileCache {
     }
 }
 
+/// The size flags the run gives (`argv`, as `--layers 6` or `--layers=6`) at values other than
+/// the profile measured: `(flag, the run's, the profile's)`. A profile that recorded no sizes, and
+/// a flag the run leaves to the runtime's default, differ in nothing said here.
+fn other_sizes(profile: &Profile, argv: &[String]) -> Vec<(String, String, String)> {
+    let given = |flag: &str| {
+        let at = argv.iter().position(|a| a == flag);
+        at.and_then(|i| argv.get(i + 1).cloned()).or_else(|| {
+            argv.iter()
+                .find_map(|a| a.strip_prefix(flag)?.strip_prefix('=').map(String::from))
+        })
+    };
+    profile
+        .sizes
+        .iter()
+        .filter_map(|(flag, measured)| {
+            let run = given(flag)?;
+            let same = match (run.parse::<f64>(), measured.as_f64()) {
+                (Ok(a), Some(b)) => a == b,
+                _ => run == crate::config::value_text(measured),
+            };
+            (!same).then(|| (flag.clone(), run, crate::config::value_text(measured)))
+        })
+        .collect()
+}
+
 /// Why no stage config came out; the run ends with this.
 #[derive(Debug)]
 pub enum AutoError {
@@ -137,6 +162,22 @@ pub async fn profile_and_plan(
                  --precision and --channels-last",
                 profile.arithmetic(),
                 auto.arithmetic
+            ),
+        ));
+    }
+    let differ = other_sizes(&profile, &plan.ranks[0].argv);
+    if !differ.is_empty() {
+        let list = |side: fn(&(String, String, String)) -> String| {
+            differ.iter().map(side).collect::<Vec<_>>().join(", ")
+        };
+        return Err(plan_failed(
+            reporters,
+            format!(
+                "the profile {profiled_on} was measured with {} but the run trains with {}; profile \
+                 the model the run trains (`runtime profile` with its sizes), or leave `profile:` \
+                 out for the driver to",
+                list(|(flag, _, measured)| format!("{flag} {measured}")),
+                list(|(flag, given, _)| format!("{flag} {given}")),
             ),
         ));
     }

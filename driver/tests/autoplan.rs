@@ -41,10 +41,11 @@ fn auto_profiles_plans_and_runs_as_processes() {
 }
 
 /// A profile that does not fit the run (another microbatch size, another arithmetic, another
-/// model) is refused before anything starts, saying what differs and what to do.
+/// model, or the same model at other sizes) is refused before anything starts, saying what
+/// differs and what to do.
 #[test]
 fn a_given_profile_that_does_not_fit_the_run_is_refused_with_what_to_do() {
-    let cases: [(&str, &[&str], &str); 3] = [
+    let cases: [(&str, &[&str], &str); 4] = [
         (
             "batch",
             &["--model", "mlp", "--batch-size", "8"],
@@ -68,6 +69,20 @@ fn a_given_profile_that_does_not_fit_the_run_is_refused_with_what_to_do() {
                 "256",
             ],
             "is of sparse_mlp but the run trains mlp",
+        ),
+        (
+            "sizes",
+            &[
+                "--model",
+                "mlp",
+                "--batch-size",
+                "4",
+                "--layers",
+                "3",
+                "--hidden",
+                "128",
+            ],
+            "was measured with --hidden 128 but the run trains with --hidden 256",
         ),
     ];
     for (name, profile_args, refusal) in cases {

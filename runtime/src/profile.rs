@@ -206,6 +206,12 @@ pub fn measure(config: &ProfileConfig) -> anyhow::Result<Profile> {
         repeats: config.repeats,
         precision: config.precision.to_string(),
         channels_last: config.channels_last,
+        // Dropout sizes nothing a profile measures.
+        sizes: crate::models::size_flags(&model.name)
+            .iter()
+            .filter(|&&flag| flag != "--dropout")
+            .filter_map(|flag| Some((flag.to_string(), config.model.options.value_of(flag)?)))
+            .collect(),
         modules,
     })
 }

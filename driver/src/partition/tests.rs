@@ -25,6 +25,7 @@ fn profile() -> Profile {
         repeats: 3,
         precision: "fp32".into(),
         channels_last: false,
+        sizes: Default::default(),
         modules: vec![
             module(0, "a", 0.010, 1 << 10),
             module(1, "b", 0.010, 1 << 10),
