@@ -673,5 +673,30 @@ fn a_resumed_sweep_continues_its_interrupted_point_from_its_checkpoint() {
         (0..done + 2).collect::<Vec<_>>(),
         "the second started afresh"
     );
+    // The resumed point's record says its figures cover only the iterations from its checkpoint.
+    let summary = |i: usize| -> serde_json::Value {
+        let record = dir.join(after["points"][i]["record"].as_str().unwrap());
+        serde_json::from_str(&std::fs::read_to_string(record.join("summary.json")).unwrap()).unwrap()
+    };
+    assert_eq!(summary(0)["resumed_at"], done, "{}", summary(0));
+    assert!(summary(1).get("resumed_at").is_none(), "{}", summary(1));
+    let table = h.driver(
+        &args(&["results", dir.to_str().unwrap(), "--format", "json"]),
+        Duration::from_secs(30),
+    );
+    assert_eq!(table.code(), 0, "{}", table.stderr());
+    let rows: serde_json::Value = serde_json::from_str(&table.stdout()).unwrap();
+    let first = format!(
+        "resumed at iteration {done} from an earlier run's checkpoint: its figures cover iterations \
+         {done} to {}",
+        done + 1
+    );
+    assert!(
+        rows.as_array()
+            .unwrap()
+            .iter()
+            .any(|r| r["note"].as_str().is_some_and(|n| n.starts_with(&first))),
+        "{rows}"
+    );
     h.assert_no_processes();
 }

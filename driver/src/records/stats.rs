@@ -190,6 +190,15 @@ impl Stats {
         self.per_iteration.values().filter(|it| it.ranks >= need).count() as u64
     }
 
+    /// The first iteration the last stage reported, where it is not the first of training: the
+    /// ranks resumed there from a checkpoint written before this run.
+    pub fn resumed_at(&self) -> Option<u64> {
+        self.per_iteration
+            .first_key_value()
+            .map(|(&i, _)| i)
+            .filter(|&i| i > 0)
+    }
+
     /// Loss and accuracies of the latest iteration every last-stage rank has reported; `None`
     /// before the first.
     pub fn fit(&self) -> Option<Fit> {
@@ -404,6 +413,28 @@ mod tests {
         // Measured: 1 from the first start, 3, 4 and 5 from the second; 0 and 2 warm up.
         assert_eq!(t.iterations_measured, 4, "{t:?}");
         assert!((t.samples_per_sec_mean - 17.5).abs() < 1e-9, "{t:?}");
+    }
+
+    /// A run that starts past iteration 0 resumed from a checkpoint written before it; a restart
+    /// within a run that started at 0 is not that.
+    #[test]
+    fn a_run_that_starts_past_the_first_iteration_resumed_there() {
+        let mut s = Stats::default();
+        assert_eq!(s.resumed_at(), None);
+        for i in 140..150 {
+            s.record(&it(i, 0, 0, 10.0));
+        }
+        assert_eq!(s.resumed_at(), Some(140));
+        assert_eq!(s.iterations_done(), 10);
+        let mut s = Stats::default();
+        for i in 0..4 {
+            s.record(&it(i, 0, 0, 10.0));
+        }
+        s.restarted();
+        for i in 2..6 {
+            s.record(&it(i, 0, 0, 10.0));
+        }
+        assert_eq!(s.resumed_at(), None);
     }
 
     /// Iterations a rank said the profiler slowed are left out of the throughput while others

@@ -130,6 +130,11 @@ pub struct Summary {
     pub world_size: usize,
     /// Iterations every rank of the last stage finished.
     pub iterations_done: u64,
+    /// The first iteration the ranks ran, where they resumed from a checkpoint written before
+    /// this run (`resume:`): its figures cover only the iterations from there. Absent for a run
+    /// from the start (and from drivers before it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resumed_at: Option<u64>,
     /// Job samples/s, mean and spread, once an iteration completed.
     pub throughput: Option<Throughput>,
     /// With fp16: the iterations whose step the gradient scaler skipped (inf/nan gradients);

@@ -345,7 +345,17 @@ fn note(summary: &Summary) -> Option<String> {
             cause_text(&last.failure.cause)
         )),
     };
-    let notes: Vec<String> = [failure, restarts, skipped].into_iter().flatten().collect();
+    let resumed = summary.resumed_at.map(|first| {
+        let last = first + summary.iterations_done.saturating_sub(1);
+        format!(
+            "resumed at iteration {first} from an earlier run's checkpoint: its figures cover \
+             iterations {first} to {last}"
+        )
+    });
+    let notes: Vec<String> = [resumed, failure, restarts, skipped]
+        .into_iter()
+        .flatten()
+        .collect();
     (!notes.is_empty()).then(|| notes.join("; "))
 }
 

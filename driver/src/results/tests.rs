@@ -979,3 +979,34 @@ fn an_accuracy_plot_draws_the_validation_passes_as_dotted_points() {
     let ratio = three_passes_against_five_raw_values(&text);
     assert!((ratio - 0.5).abs() < 0.02, "{ratio}: {text}");
 }
+
+/// A record whose ranks resumed from an earlier run's checkpoint says so beside its figures,
+/// which cover only the iterations from there.
+#[test]
+fn a_run_resumed_from_an_earlier_runs_checkpoint_says_what_its_figures_cover() {
+    let scratch = tempfile::tempdir().unwrap();
+    let from = fixtures().join("20261122T090000Z_vgg16-2pipe");
+    let dir = scratch.path().join("20261122T090000Z_vgg16-2pipe");
+    std::fs::create_dir(&dir).unwrap();
+    for file in std::fs::read_dir(&from).unwrap() {
+        let file = file.unwrap();
+        std::fs::copy(file.path(), dir.join(file.file_name())).unwrap();
+    }
+    let path = dir.join("summary.json");
+    let mut summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    summary["resumed_at"] = 140.into();
+    summary["iterations_done"] = 10.into();
+    std::fs::write(&path, summary.to_string()).unwrap();
+    let out = render(&ResultsOptions::plain(vec![dir], Format::Json)).unwrap();
+    let rows: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let note = rows[0]["note"].as_str().unwrap_or_default();
+    assert!(
+        note.starts_with(
+            "resumed at iteration 140 from an earlier run's checkpoint: its figures cover iterations \
+             140 to 149"
+        ),
+        "{}",
+        rows[0]
+    );
+}

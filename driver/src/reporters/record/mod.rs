@@ -54,6 +54,7 @@ impl RecordReporter {
             backend: format!("{:?}", plan.backend).to_lowercase(),
             world_size: plan.world_size(),
             iterations_done: 0,
+            resumed_at: None,
             throughput: None,
             skipped_steps: None,
             final_loss: None,
@@ -135,6 +136,7 @@ impl RecordReporter {
         let now = Timestamp::now();
         self.summary.duration_s = now.duration_since(self.record.started).as_secs_f64();
         self.summary.iterations_done = self.stats.iterations_done();
+        self.summary.resumed_at = self.stats.resumed_at();
         self.summary.throughput = self.stats.throughput();
         self.summary.skipped_steps = self.stats.skipped_steps();
         let fit = self.stats.fit();
