@@ -46,6 +46,10 @@ impl CheckError {
     }
 }
 
+/// Why a check could not be made here.
+pub const NO_RUNTIME: &str =
+    "no runtime on this machine (build it, or pass --runtime); a run checks in the image";
+
 /// What the runtime's check said of the experiment.
 #[derive(Debug, PartialEq, Eq)]
 pub enum RuntimeCheck {
@@ -54,6 +58,8 @@ pub enum RuntimeCheck {
     Accepted { runtime: PathBuf, warnings: Vec<String> },
     /// Not checked, and why.
     Skipped(String),
+    /// Not checked: there is no runtime on this machine to check with.
+    NoRuntime,
 }
 
 /// Checks the experiment `options` names and prints what a run would do on stdout.
@@ -96,9 +102,7 @@ pub fn runtime_check(
         ));
     }
     let Some(runtime) = local_runtime(plan, options) else {
-        return Ok(RuntimeCheck::Skipped(
-            "no runtime on this machine (build it, or pass --runtime); a run checks in the image".into(),
-        ));
+        return Ok(RuntimeCheck::NoRuntime);
     };
     let ranks = if every_rank {
         &plan.ranks[..]
@@ -320,6 +324,7 @@ pub fn render(
                 .try_for_each(|warning| writeln!(out, "runtime warning: {warning}"))
         }
         RuntimeCheck::Skipped(why) => writeln!(out, "runtime check: skipped: {why}"),
+        RuntimeCheck::NoRuntime => writeln!(out, "runtime check: skipped: {NO_RUNTIME}"),
     };
     out
 }

@@ -7,7 +7,7 @@ pub mod grid;
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 use self::grid::{GridError, Point};
@@ -447,6 +447,7 @@ fn first_refused(points: &[(Loaded, Experiment)], options: &Options) -> Option<(
     }
     let next = AtomicUsize::new(0);
     let refused: Mutex<Option<(usize, String)>> = Mutex::new(None);
+    let unchecked = AtomicBool::new(false);
     let workers = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
         .min(distinct.len());
@@ -470,6 +471,19 @@ fn first_refused(points: &[(Loaded, Experiment)], options: &Options) -> Option<(
                             format!("the runtime refuses its training request: {reason}{at}")
                         }
                         Err(CheckError::Config(e)) => crate::error::error_chain(&e),
+                        Ok(check::RuntimeCheck::NoRuntime) => {
+                            // Said once, by the first worker to find it.
+                            if !unchecked.swap(true, Ordering::SeqCst)
+                                && options.verbosity != Verbosity::Quiet
+                            {
+                                stderr_line!(
+                                    "driver: warning: the points' training requests are not checked \
+                                     before the sweep runs: {}; each point's run checks its own",
+                                    check::NO_RUNTIME
+                                );
+                            }
+                            continue;
+                        }
                         Ok(_) | Err(CheckError::Runtime { .. }) => continue,
                     };
                     let mut refused = refused.lock().unwrap();
