@@ -1298,6 +1298,7 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
             "{:.1} samples/s (std {:.1})",
             summary.samples_per_sec_mean, summary.samples_per_sec_std
         ),
+        false if config.iterations == 0 => "no iterations asked for".to_string(),
         false if first == config.iterations => {
             format!("nothing left to run: the checkpoint it resumed from had done all {first} iterations")
         }
