@@ -584,6 +584,33 @@ fn testbed_a_host_cut_off_mid_run_is_named_and_its_container_stops_itself() {
     );
 }
 
+/// `h`'s run's containers on `host`, a `NAME STATE` line each (`docker ps -a`).
+fn run_containers(bed: &Bed, h: &Harness, host: &str) -> String {
+    bed.ssh_ok(
+        host,
+        &format!(
+            "docker ps -a --filter label=stagehand.name={} --format '{{{{.Names}}}} {{{{.State}}}}'",
+            h.name
+        ),
+    )
+}
+
+/// Waits, 60 s at most, until every host of the bed runs a container of `h`'s run.
+fn wait_until_running(bed: &Bed, h: &Harness) {
+    let start = std::time::Instant::now();
+    while bed
+        .hosts
+        .iter()
+        .any(|host| !run_containers(bed, h, host).contains("running"))
+    {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "the ranks did not start"
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
 /// Data that lives on the hosts alone (nothing at that path on this machine), named with its
 /// format (`cifar10:DIR`): every host mounts it, and a host without it is named at preflight.
 #[test]
@@ -650,23 +677,8 @@ fn testbed_an_engine_stopped_mid_run_is_named_as_the_engine_not_the_host() {
         "machines: [th1, th2]\ncontainer: {image}\ncommand: [sleep, '600']\n"
     ));
     let driver = h.spawn(&exp, &[]);
-    let ps = |host: &str| {
-        bed.ssh_ok(
-            host,
-            &format!(
-                "docker ps -a --filter label=stagehand.name={} --format '{{{{.Names}}}} {{{{.State}}}}'",
-                h.name
-            ),
-        )
-    };
-    let start = std::time::Instant::now();
-    while bed.hosts.iter().any(|host| !ps(host).contains("running")) {
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "the ranks did not start"
-        );
-        std::thread::sleep(Duration::from_millis(250));
-    }
+    let ps = |host: &str| run_containers(&bed, &h, host);
+    wait_until_running(&bed, &h);
     bed.stop_engine("th2");
     let stopped = std::time::Instant::now();
     let out = wait_with_deadline(driver, Duration::from_secs(120));
@@ -718,23 +730,8 @@ fn testbed_a_host_lost_and_back_gets_its_ranks_started_again() {
         "machines: [th1, th2]\ncontainer: {image}\ncommand: [sleep, '40']\nmax_restarts: 1\n"
     ));
     let driver = h.spawn(&exp, &[]);
-    let ps = |host: &str| {
-        bed.ssh_ok(
-            host,
-            &format!(
-                "docker ps -a --filter label=stagehand.name={} --format '{{{{.Names}}}} {{{{.State}}}}'",
-                h.name
-            ),
-        )
-    };
-    let start = std::time::Instant::now();
-    while bed.hosts.iter().any(|host| !ps(host).contains("running")) {
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "the ranks did not start"
-        );
-        std::thread::sleep(Duration::from_millis(250));
-    }
+    let ps = |host: &str| run_containers(&bed, &h, host);
+    wait_until_running(&bed, &h);
     let record = wait_for_record(&h.records(), Duration::from_secs(10));
     bed.cut("th2");
     // Healed once the driver has given th2 up for lost, well within the 20 s it keeps trying to
