@@ -496,9 +496,7 @@ async fn supervise(
                 // timeout, so the checkpoint may never come): stop them now.
                 if checkpointing {
                     checkpointing = false;
-                    reporters.report(&Event::StoppingNow(StopNow::InterruptedAgain));
-                    deadline = Some(tokio::time::Instant::now() + EXIT_DEADLINE);
-                    launcher.stop_all().await;
+                    deadline = Some(stop_now(StopNow::InterruptedAgain, launcher, reporters).await);
                     continue;
                 }
                 let c = StopCause::Interrupted;
@@ -574,9 +572,8 @@ async fn supervise(
         }
         if let (true, Some(StopCause::HostLost { host, .. })) = (checkpointing, &stop) {
             checkpointing = false;
-            reporters.report(&Event::StoppingNow(StopNow::HostLost { host: host.clone() }));
-            deadline = Some(tokio::time::Instant::now() + EXIT_DEADLINE);
-            launcher.stop_all().await;
+            let why = StopNow::HostLost { host: host.clone() };
+            deadline = Some(stop_now(why, launcher, reporters).await);
         }
         if let (Some(c), None) = (stop, &cause) {
             cause = Some(c.clone());
@@ -589,6 +586,19 @@ async fn supervise(
         }
     }
     cause
+}
+
+/// Stops ranks that were given the time to checkpoint without waiting for it any longer, saying
+/// `why`; returns the deadline for them to be seen to exit.
+async fn stop_now(
+    why: StopNow,
+    launcher: &impl Stoppable,
+    reporters: &mut Reporters,
+) -> tokio::time::Instant {
+    reporters.report(&Event::StoppingNow(why));
+    let deadline = tokio::time::Instant::now() + EXIT_DEADLINE;
+    launcher.stop_all().await;
+    deadline
 }
 
 #[cfg(test)]
