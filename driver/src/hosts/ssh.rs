@@ -99,31 +99,32 @@ impl Tunnel {
     }
 }
 
+/// How long a quick question to the host ([`Tunnel::answers`], [`Tunnel::is_socket`]) waits for
+/// its answer.
+const ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
+
 impl Tunnel {
-    /// Whether `path` is a socket on the host (`test -S`); `None` when the host cannot say.
-    async fn is_socket(&self, path: &std::path::Path) -> Option<bool> {
+    /// Whether `program` with `args` succeeds on the host (its arguments quoted by the openssh
+    /// crate); `None` when the host does not answer within [`ANSWER_TIMEOUT`].
+    async fn succeeds(&self, program: &str, args: &[&str]) -> Option<bool> {
         let session = self.session.as_ref()?;
-        let mut test = session.command("test");
-        test.arg("-S").arg(path.display().to_string());
-        match tokio::time::timeout(ANSWER_TIMEOUT, test.status()).await {
+        let mut command = session.command(program);
+        command.args(args);
+        match tokio::time::timeout(ANSWER_TIMEOUT, command.status()).await {
             Ok(Ok(status)) => Some(status.success()),
             _ => None,
         }
     }
-}
 
-/// How long [`Tunnel::answers`] waits for `true` to run on the host.
-const ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
-
-impl Tunnel {
-    /// Whether the host still runs a command over this connection (`true`) within
-    /// [`ANSWER_TIMEOUT`]: when its Docker engine stopped answering, whether the host did too.
+    /// Whether the host still runs a command over this connection (`true`): when its Docker
+    /// engine stopped answering, whether the host did too.
     pub async fn answers(&self) -> bool {
-        let Some(session) = self.session.as_ref() else {
-            return false;
-        };
-        let ran = tokio::time::timeout(ANSWER_TIMEOUT, session.command("true").status()).await;
-        matches!(ran, Ok(Ok(status)) if status.success())
+        self.succeeds("true", &[]).await == Some(true)
+    }
+
+    /// Whether `path` is a socket on the host (`test -S`); `None` when the host cannot say.
+    async fn is_socket(&self, path: &std::path::Path) -> Option<bool> {
+        self.succeeds("test", &["-S", &path.display().to_string()]).await
     }
 }
 
