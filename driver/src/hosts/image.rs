@@ -336,9 +336,8 @@ async fn build(
     // A base image the engine lacks, and could not pull (no registry here), is named.
     let failure = |message: String, tail: &[String]| {
         let last = last_lines(tail);
-        let args = &args;
         async move {
-            let missing = missing_bases(engine, spec, args).await;
+            let missing = missing_bases(engine, spec).await;
             if missing.is_empty() {
                 return failed(format!("{message}{last}"));
             }
@@ -414,8 +413,7 @@ const THIS_MACHINE: &str = "this machine";
 /// architecture: a first build on a fresh host then needs nothing put there by hand, with no
 /// registry to pull from. What neither holds is left to the build, which names it.
 async fn send_bases(engine: &Engine<'_>, spec: &BuildSpec, feedback: Feedback) -> Result<(), HostError> {
-    let args: HashMap<String, String> = spec.args.clone().into_iter().collect();
-    let missing = missing_bases(engine, spec, &args).await;
+    let missing = missing_bases(engine, spec).await;
     if missing.is_empty() {
         return Ok(());
     }
@@ -441,12 +439,12 @@ async fn send_bases(engine: &Engine<'_>, spec: &BuildSpec, feedback: Feedback) -
 }
 
 /// The base images `spec`'s Dockerfile builds from that `engine` lacks.
-async fn missing_bases(engine: &Engine<'_>, spec: &BuildSpec, args: &HashMap<String, String>) -> Vec<String> {
+async fn missing_bases(engine: &Engine<'_>, spec: &BuildSpec) -> Vec<String> {
     let Ok(text) = std::fs::read_to_string(spec.context.join(&spec.dockerfile)) else {
         return Vec::new();
     };
     let mut missing = Vec::new();
-    for image in base_images(&text, args) {
+    for image in base_images(&text, &spec.args) {
         if engine.docker.inspect_image(&image).await.is_err() {
             missing.push(image);
         }
@@ -456,7 +454,7 @@ async fn missing_bases(engine: &Engine<'_>, spec: &BuildSpec, args: &HashMap<Str
 
 /// The images a Dockerfile's `FROM` lines name, `${ARG}`s replaced by the build's arguments or
 /// the Dockerfile's defaults; not `scratch`, nor an earlier stage (`FROM x AS builder`).
-fn base_images(dockerfile: &str, args: &HashMap<String, String>) -> Vec<String> {
+fn base_images(dockerfile: &str, args: &BTreeMap<String, String>) -> Vec<String> {
     let mut defaults: HashMap<String, String> = HashMap::new();
     let mut stages: Vec<String> = Vec::new();
     let mut images = Vec::new();
@@ -641,20 +639,20 @@ mod tests {
         )
         .unwrap();
         assert_eq!(
-            base_images(&runtime, &HashMap::new()),
+            base_images(&runtime, &BTreeMap::new()),
             [
                 "stagehand-torch:2.11.0-cpu",
                 "stagehand-build:bookworm",
                 "stagehand-base:bookworm"
             ]
         );
-        let args = HashMap::from([(
+        let args = BTreeMap::from([(
             "TORCH_IMAGE".to_string(),
             "stagehand-torch:2.11.0-cu128".to_string(),
         )]);
         assert_eq!(base_images(&runtime, &args)[0], "stagehand-torch:2.11.0-cu128");
         let staged = "FROM --platform=linux/amd64 debian:12 AS build\nRUN true\nfrom build\nFROM scratch\n";
-        assert_eq!(base_images(staged, &HashMap::new()), ["debian:12"]);
+        assert_eq!(base_images(staged, &BTreeMap::new()), ["debian:12"]);
     }
 
     #[test]
