@@ -5,6 +5,7 @@
 
 pub mod grid;
 
+use std::collections::hash_map::Entry;
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -371,18 +372,18 @@ fn points(loaded: &Loaded, index: &Index, options: &Options) -> Result<Vec<Loade
         .collect::<Result<Vec<_>, _>>()?;
     if let Some((first, second)) = same_pair(&resolved, index) {
         let (a, b) = (&index.points[first], &index.points[second]);
+        if a.settings == b.settings {
+            return Err(SweepError::Twice {
+                label: index::label(&a.settings, a.repeat),
+            });
+        }
         let keys = a
             .settings
             .iter()
             .zip(&b.settings)
             .filter(|((_, x), (_, y))| x != y)
             .map(|((key, _), _)| key.clone())
-            .collect::<Vec<_>>();
-        if a.settings == b.settings {
-            return Err(SweepError::Twice {
-                label: index::label(&a.settings, a.repeat),
-            });
-        }
+            .collect();
         return Err(SweepError::Same {
             first: index::label(&a.settings, a.repeat),
             second: index::label(&b.settings, b.repeat),
@@ -410,10 +411,12 @@ fn same_pair(points: &[(Loaded, Experiment)], index: &Index) -> Option<(usize, u
         let mut runs = serde_json::to_value(plan).ok()?;
         runs.as_object_mut()?.remove("name");
         let runs = runs.to_string().replace(&entry.name, "<point>");
-        if let Some(&first) = seen.get(&(entry.repeat, runs.clone())) {
-            return Some((first, i));
+        match seen.entry((entry.repeat, runs)) {
+            Entry::Occupied(first) => return Some((*first.get(), i)),
+            Entry::Vacant(slot) => {
+                slot.insert(i);
+            }
         }
-        seen.insert((entry.repeat, runs), i);
     }
     None
 }
