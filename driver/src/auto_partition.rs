@@ -44,18 +44,11 @@ impl ProfileCache {
 /// the profile measured: `(flag, the run's, the profile's)`. A profile that recorded no sizes, and
 /// a flag the run leaves to the runtime's default, differ in nothing said here.
 fn other_sizes(profile: &Profile, argv: &[String]) -> Vec<(String, String, String)> {
-    let given = |flag: &str| {
-        let at = argv.iter().position(|a| a == flag);
-        at.and_then(|i| argv.get(i + 1).cloned()).or_else(|| {
-            argv.iter()
-                .find_map(|a| a.strip_prefix(flag)?.strip_prefix('=').map(String::from))
-        })
-    };
     profile
         .sizes
         .iter()
         .filter_map(|(flag, measured)| {
-            let run = given(flag)?;
+            let run = crate::experiment::flag_value(argv, flag)?.to_string();
             let same = match (run.parse::<f64>(), measured.as_f64()) {
                 (Ok(a), Some(b)) => a == b,
                 _ => run == crate::config::value_text(measured),

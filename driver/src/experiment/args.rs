@@ -281,6 +281,14 @@ fn push_flag(argv: &mut Vec<String>, name: &str, value: String) {
     }
 }
 
+/// The value `argv` gives flag `flag` (`--layers`), in either form [`push_flag`] writes.
+pub fn flag_value<'a>(argv: &'a [String], flag: &str) -> Option<&'a str> {
+    let spaced = argv.iter().position(|a| a == flag).and_then(|i| argv.get(i + 1));
+    spaced
+        .map(String::as_str)
+        .or_else(|| argv.iter().find_map(|a| a.strip_prefix(flag)?.strip_prefix('=')))
+}
+
 /// The model's flags, the same for training and for profiling so both build one model.
 fn model_flags(ctx: &ArgsContext, argv: &mut Vec<String>) {
     let f = ctx.file;

@@ -3,7 +3,7 @@
 //! that can be checked without touching a host is checked here.
 
 mod args;
-pub use args::key_of_flag;
+pub use args::{flag_value, key_of_flag};
 pub mod pipedream;
 
 use std::collections::BTreeMap;

@@ -1639,3 +1639,19 @@ fn a_data_folder_is_mounted_and_given_whole_whatever_its_format() {
     assert_eq!(flag(&plan.ranks[0].argv, "--data"), Some("synthetic"));
     assert!(folder_of(&plan).is_empty());
 }
+
+/// A flag's value is read back in either form the arguments are written in.
+#[test]
+fn a_flags_value_is_read_back_in_either_form() {
+    let argv: Vec<String> = ["runtime", "--layers", "6", "--lr=-0.5", "--hidden"]
+        .map(String::from)
+        .to_vec();
+    assert_eq!(flag_value(&argv, "--layers"), Some("6"));
+    assert_eq!(flag_value(&argv, "--lr"), Some("-0.5"));
+    assert_eq!(
+        flag_value(&argv, "--hidden"),
+        None,
+        "a flag with no value after it"
+    );
+    assert_eq!(flag_value(&argv, "--seed"), None);
+}
