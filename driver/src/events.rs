@@ -128,6 +128,13 @@ pub enum StopCause {
     },
 }
 
+/// Whether a rank seen to exit with `exit_code` after the driver began stopping every rank ended
+/// by that stop: with the code of the SIGTERM (143) or SIGKILL (137) the driver sends, or with
+/// none (killed without one); not when the kernel is known to have killed it for memory.
+pub fn ended_by_stop(exit_code: Option<i64>, out_of_memory: bool) -> bool {
+    !out_of_memory && matches!(exit_code, None | Some(137 | 143))
+}
+
 /// What a failure adds when the kernel is known to have killed the rank for memory (empty
 /// otherwise), after its exit code.
 pub fn memory_note(out_of_memory: bool) -> &'static str {

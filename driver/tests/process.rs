@@ -125,9 +125,17 @@ fn a_failing_rank_stops_the_others_and_is_recorded() {
             .contains("failing on purpose"),
         "{last:?}"
     );
-    // Rank 0 was stopped by the driver (SIGTERM), not left running.
+    // Rank 0 was stopped by the driver (SIGTERM), not left running, and is not recorded as a
+    // failure of its own; the failing rank's exit stays its own.
     assert_eq!(summary["ranks"][0]["exited"], true);
-    assert_ne!(summary["ranks"][0]["exit_code"], 0);
+    assert_eq!(summary["ranks"][0]["exit_code"], 143);
+    assert_eq!(summary["ranks"][0]["state"], "stopped");
+    assert_eq!(summary["ranks"][1]["state"], "exited");
+    assert!(
+        !run.stderr().contains("[localhost r0] exited with code"),
+        "the stopped rank's exit is not shown as a failure: {}",
+        run.stderr()
+    );
     h.assert_no_processes();
 }
 
@@ -280,6 +288,7 @@ fn sigint_stops_every_rank_and_records_interrupted() {
     assert_eq!(summary["failure"]["cause"]["kind"], "interrupted");
     for rank in summary["ranks"].as_array().unwrap() {
         assert_eq!(rank["exited"], true, "{rank}");
+        assert_eq!(rank["state"], "stopped", "{rank}");
         let pid = rank["handle"].as_str().unwrap().trim_start_matches("pid ");
         assert!(
             !std::path::Path::new(&format!("/proc/{pid}")).exists(),
@@ -617,10 +626,12 @@ fn a_rank_that_keeps_failing_is_restarted_as_often_as_allowed() {
             "{last:?}"
         );
     }
+    let why = summary["not_restarted"].as_str().unwrap_or_default();
     assert!(
-        summary["not_restarted"].is_null(),
-        "used up, not refused: {summary}"
+        why.contains("the 2 restart(s) allowed (max_restarts: 2) are used up"),
+        "used up, and the record says so: {summary}"
     );
+    assert!(stderr.contains(why), "the terminal says it too: {stderr}");
     // Each start's rank 1 logged its start line; the restarts are marked between them.
     let log = std::fs::read_to_string(dir.join("rank-1.log")).unwrap();
     assert_eq!(log.matches("fake-rank 1/2").count(), 3, "{log}");

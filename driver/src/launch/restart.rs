@@ -11,9 +11,8 @@ use std::collections::BTreeMap;
 
 use crate::events::{Event, StopCause};
 
-/// The runtime's exit code for a request it refuses (arguments, a plan that cannot run): the same
-/// refusal would end every start.
-const REFUSED: i64 = 2;
+/// The runtime's exit code for a request it refuses: the same refusal would end every start.
+const REFUSED: i64 = stagehand_contract::exit_codes::REFUSED as i64;
 
 /// How far the ranks said they got in this run, over every start of the ranks: the checkpoints
 /// each wrote whole (`checkpointed` on its iteration lines, printed only once the checkpoint is on
@@ -89,7 +88,7 @@ pub enum Decision {
     /// resume from ([`Progress::resume_from`]), `None` when they start as they first did.
     Restart { resume_from: Option<u64> },
     /// End the run; `why` says why a run allowed restarts does not get one (`None` when
-    /// restarts were not asked for, or are used up).
+    /// restarts were not asked for, or it was interrupted).
     Stop { why: Option<String> },
 }
 
@@ -105,10 +104,16 @@ pub fn decide(
     progress: &Progress,
     previous: Option<&Failure>,
 ) -> Decision {
-    if done >= max {
+    let not = |why: String| Decision::Stop { why: Some(why) };
+    if max == 0 || matches!(cause, StopCause::Interrupted) {
         return Decision::Stop { why: None };
     }
-    let not = |why: String| Decision::Stop { why: Some(why) };
+    if done >= max {
+        return not(format!(
+            "the {max} restart(s) allowed (max_restarts: {max}) are used up; raise max_restarts, or \
+             --max-restarts, for more"
+        ));
+    }
     match cause {
         StopCause::RankFailed {
             exit_code: Some(REFUSED),
@@ -230,10 +235,12 @@ mod tests {
             decide(&failed(Some(1)), (0, 0), 2, &seen, None),
             Decision::Stop { why: None }
         );
-        assert_eq!(
-            decide(&failed(Some(1)), (2, 2), 2, &seen, None),
-            Decision::Stop { why: None }
-        );
+        // Used up, the run says so, and how to allow more.
+        let Decision::Stop { why: Some(why) } = decide(&failed(Some(1)), (2, 2), 2, &seen, None) else {
+            panic!("two restarts of two allowed are used up");
+        };
+        assert!(why.contains("(max_restarts: 2) are used up"), "{why}");
+        assert!(why.contains("--max-restarts"), "{why}");
         assert_eq!(
             decide(&StopCause::Interrupted, (0, 3), 2, &seen, None),
             Decision::Stop { why: None }

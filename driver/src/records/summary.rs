@@ -21,6 +21,10 @@ pub enum RankState {
     Running,
     /// Seen to exit (`exit_code` says how).
     Exited,
+    /// Seen to exit by the driver's stop, after it began stopping every rank (for another
+    /// rank's failure, a lost host or an interrupt): `exit_code` is the stop's (143 for SIGTERM,
+    /// 137 for SIGKILL) or `null`. Not a failure of its own.
+    Stopped,
     /// Its container was removed before it was seen to exit (the driver stopping it).
     Removed,
     /// Its host stopped answering before it was seen to exit; it may still run.
@@ -67,7 +71,7 @@ impl RankOutcome {
             return;
         }
         self.state = Some(state);
-        if state == RankState::Exited {
+        if matches!(state, RankState::Exited | RankState::Stopped) {
             self.exited = true;
             self.exit_code = exit_code;
         }

@@ -8,7 +8,7 @@ use indicatif::ProgressBar;
 
 use super::Reporter;
 use crate::events::{
-    command_note, memory_note, slurm_job, Event, SlurmEvent, StopCause, StopNow, Stream,
+    command_note, ended_by_stop, memory_note, slurm_job, Event, SlurmEvent, StopCause, StopNow, Stream,
     LEASE_EXPIRED_EXIT_CODE,
 };
 use crate::options::Verbosity;
@@ -23,6 +23,9 @@ pub struct TerminalReporter {
     intervals: Intervals,
     /// The rank whose losses the interval lines show (the first seen to report one).
     loss_rank: Option<usize>,
+    /// Whether the driver is stopping every rank (since [`Event::Stopping`], until the ranks
+    /// start again): an exit with the stop's code is then the stop's doing, not a failure.
+    stopping: bool,
 }
 
 /// How often iterations are shown at normal verbosity (PipeDream's `print_frequency` and
@@ -50,6 +53,7 @@ impl TerminalReporter {
             lost: BTreeSet::new(),
             intervals: Intervals::default(),
             loss_rank: None,
+            stopping: false,
         }
     }
 
@@ -148,6 +152,15 @@ impl TerminalReporter {
                 exit_code,
                 out_of_memory,
             } => {
+                if self.stopping && ended_by_stop(*exit_code, *out_of_memory) {
+                    let code = exit_code.map_or("killed, no exit code".to_string(), |c| format!("exit code {c}"));
+                    return verbose.then(|| {
+                        (
+                            Stream::Stderr,
+                            format!("{} stopped by the driver ({code})", self.prefix(*rank)),
+                        )
+                    });
+                }
                 let failed = *exit_code != Some(0);
                 let code = match exit_code {
                     None => "none (killed)".to_string(),
@@ -186,6 +199,7 @@ impl TerminalReporter {
                 ))
             }
             Event::Stopping(cause) => {
+                self.stopping = true;
                 let why = match cause {
                     StopCause::RankFailed {
                         rank,
@@ -271,6 +285,7 @@ impl TerminalReporter {
                 resume_from,
                 ..
             } => {
+                self.stopping = false;
                 let from = match resume_from {
                     Some(done) => format!("from their checkpoints of {done} iterations done"),
                     None => "as they first started (no checkpoint was written in this run)".to_string(),

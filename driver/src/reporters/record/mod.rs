@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use jiff::Timestamp;
 
 use super::Reporter;
-use crate::events::{Event, HostFacts, SlurmEvent, SlurmJob, Status, StopCause, TracesFacts};
+use crate::events::{ended_by_stop, Event, HostFacts, SlurmEvent, SlurmJob, Status, StopCause, TracesFacts};
 use crate::experiment::Experiment;
 use crate::records::stats::Stats;
 use crate::records::summary::{
@@ -184,9 +184,19 @@ impl Reporter for RecordReporter {
                     self.write_summary()?;
                 }
             }
-            Event::RankExited { rank, exit_code, .. } => {
+            Event::RankExited {
+                rank,
+                exit_code,
+                out_of_memory,
+            } => {
+                // The driver is stopping every rank once the record has the failure.
+                let state = match self.summary.failure.is_some() && ended_by_stop(*exit_code, *out_of_memory)
+                {
+                    true => RankState::Stopped,
+                    false => RankState::Exited,
+                };
                 if let Some(r) = self.summary.ranks.get_mut(*rank) {
-                    r.saw(RankState::Exited, *exit_code);
+                    r.saw(state, *exit_code);
                 }
                 self.write_summary()?;
             }

@@ -266,3 +266,81 @@ fn a_summary_without_rank_states_or_left_containers_still_reads() {
     assert_eq!(outcome.state, None);
     assert!(outcome.exited);
 }
+
+#[test]
+fn ranks_the_driver_stops_are_recorded_as_stopped_not_as_failures_of_their_own() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (_, plan) = plan(tmp.path());
+    let record = Record::create(&tmp.path().join("records"), &plan.name).unwrap();
+    let dir = record.dir.clone();
+    let mut r = RecordReporter::new(record, &plan).unwrap();
+    let start = |r: &mut RecordReporter| {
+        for rank in 0..2 {
+            r.report(&Event::RankStarted {
+                rank,
+                host: "localhost".into(),
+                handle: format!("c{rank}"),
+            })
+            .unwrap();
+        }
+    };
+    let exit = |rank, exit_code, out_of_memory| Event::RankExited {
+        rank,
+        exit_code,
+        out_of_memory,
+    };
+    let state = |rank: usize| {
+        summary(&dir)["ranks"][rank]["state"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    start(&mut r);
+    // Before the driver stops anything, a SIGKILL's code is the rank's own failure.
+    r.report(&exit(1, Some(137), false)).unwrap();
+    assert_eq!(state(1), "exited");
+    let cause = StopCause::RankFailed {
+        rank: 1,
+        host: "localhost".into(),
+        exit_code: Some(137),
+        out_of_memory: false,
+    };
+    r.report(&Event::Stopping(cause.clone())).unwrap();
+    r.report(&exit(0, Some(143), false)).unwrap();
+    let s = summary(&dir);
+    assert_eq!(s["ranks"][0]["state"], "stopped");
+    assert_eq!(s["ranks"][0]["exit_code"], 143);
+    assert_eq!(s["ranks"][0]["exited"], true);
+    assert_eq!(
+        s["ranks"][1]["state"], "exited",
+        "the failure stays the failing rank's"
+    );
+
+    // Started again: nothing is being stopped until the next failure.
+    r.report(&Event::Restarting {
+        restart: 1,
+        max: 2,
+        cause,
+        resume_from: None,
+    })
+    .unwrap();
+    start(&mut r);
+    r.report(&exit(0, None, false)).unwrap();
+    assert_eq!(state(0), "exited");
+    r.report(&Event::Stopping(StopCause::Interrupted)).unwrap();
+    // A rank killed for memory, or failing with its own code, while the others are stopped is
+    // not the stop's doing.
+    r.report(&exit(1, Some(137), true)).unwrap();
+    assert_eq!(state(1), "exited");
+    let record = Record::create(&tmp.path().join("records2"), &plan.name).unwrap();
+    let dir2 = record.dir.clone();
+    let mut r2 = RecordReporter::new(record, &plan).unwrap();
+    start(&mut r2);
+    r2.report(&Event::Stopping(StopCause::Interrupted)).unwrap();
+    r2.report(&exit(0, Some(1), false)).unwrap();
+    r2.report(&exit(1, None, false)).unwrap();
+    let s = summary(&dir2);
+    assert_eq!(s["ranks"][0]["state"], "exited");
+    assert_eq!(s["ranks"][1]["state"], "stopped");
+    assert!(s["ranks"][1]["exit_code"].is_null());
+}
