@@ -512,14 +512,23 @@ pub fn render(profile: &Profile, plan: &Plan, prediction: &Prediction) -> String
     render_source(&Source::Runtime(profile.clone()), plan, prediction)
 }
 
+/// `first` to `last` (both included) of the things a `unit` counts, for people: `rank 2`,
+/// `ranks 0-3`.
+fn span(unit: &str, first: usize, last: usize) -> String {
+    match first == last {
+        true => format!("{unit} {first}"),
+        false => format!("{unit}s {first}-{last}"),
+    }
+}
+
 pub fn render_source(source: &Source, plan: &Plan, prediction: &Prediction) -> String {
     let mut out = String::new();
     let (units, batch) = match source {
         Source::Runtime(profile) => (
-            "modules",
+            "module",
             format!("{} in {}", profile.batch_size, profile.arithmetic()),
         ),
-        Source::PipeDream { .. } => ("segments", "PipeDream's profiled batch".to_string()),
+        Source::PipeDream { .. } => ("segment", "PipeDream's profiled batch".to_string()),
     };
     let compressed = match prediction.compress_activations {
         true => ", activations sent in fp16",
@@ -534,16 +543,18 @@ pub fn render_source(source: &Source, plan: &Plan, prediction: &Prediction) -> S
     );
     let mut worker = 0;
     for (id, s) in plan.stages.iter().enumerate() {
+        let (first, last) = (s.modules.start, s.modules.end - 1);
+        let (from, to) = (source.name(first, false), source.name(last, true));
+        let names = match from == to {
+            true => from,
+            false => format!("{from} .. {to}"),
+        };
         let _ = writeln!(
             out,
-            "  stage {id}: {units} {}..{} ({} .. {}) on {} worker(s) (ranks {}..{}), {:.1} ms, {:.2} GiB per worker",
-            s.modules.start,
-            s.modules.end,
-            source.name(s.modules.start, false),
-            source.name(s.modules.end - 1, true),
+            "  stage {id}: {} ({names}) on {} worker(s) ({}), {:.1} ms, {:.2} GiB per worker",
+            span(units, first, last),
             s.replicas,
-            worker,
-            worker + s.replicas,
+            span("rank", worker, worker + s.replicas - 1),
             s.time_s * 1e3,
             s.memory_bytes / (1u64 << 30) as f64
         );
