@@ -415,14 +415,34 @@ pub fn sweep(dir: &Path) -> Vec<Row> {
         }
     };
     let axes: Vec<String> = index.axes.iter().map(|a| a.key.clone()).collect();
+    let base = given_settings(dir);
     index
         .points
         .iter()
-        .map(|entry| point_row(dir, &index, &axes, entry))
+        .map(|entry| point_row(dir, &index, &axes, &base, entry))
         .collect()
 }
 
-fn point_row(dir: &Path, index: &Index, axes: &[String], entry: &PointEntry) -> Row {
+/// The top-level settings of the experiment file a sweep started with (`config.given.yml`), as
+/// the sweep's points' `settings` hold theirs; empty where it cannot be read.
+fn given_settings(dir: &Path) -> Vec<(String, serde_json::Value)> {
+    let text = std::fs::read_to_string(dir.join("config.given.yml")).unwrap_or_default();
+    let Ok(serde_json::Value::Object(file)) = serde_norway::from_str::<serde_json::Value>(&text) else {
+        return Vec::new();
+    };
+    file.into_iter().collect()
+}
+
+/// A point's row: its record's, or, for a point that has none (it never ran, or failed before
+/// its ranks started), what it would have run with: the sweep's experiment file (`base`) with
+/// the point's own settings over it.
+fn point_row(
+    dir: &Path,
+    index: &Index,
+    axes: &[String],
+    base: &[(String, serde_json::Value)],
+    entry: &PointEntry,
+) -> Row {
     let mut row = match &entry.record {
         Some(record_dir) => record(&dir.join(record_dir)),
         None => {
@@ -436,8 +456,8 @@ fn point_row(dir: &Path, index: &Index, axes: &[String], entry: &PointEntry) -> 
                 .as_ref()
                 .map(|e| e.lines().next().unwrap_or("").to_string());
             let mut row = Row::empty(dir, entry.name.clone(), status, note);
-            // What the point would have run with, as far as its settings tell.
-            for (key, value) in &entry.settings {
+            // What the point would have run with, as far as the file and its settings tell.
+            for (key, value) in base.iter().chain(&entry.settings) {
                 let key = crate::config::canonical_key(key);
                 row.experiment.insert(key.to_string(), value.clone());
                 let text = crate::config::value_text(value);
