@@ -5,6 +5,7 @@
 
 pub mod architecture;
 pub mod defaults;
+pub mod exit_codes;
 pub mod metrics;
 pub mod profile;
 pub mod slurm;

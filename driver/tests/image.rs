@@ -390,4 +390,18 @@ fn testbed_the_runtime_image_is_built_once_and_sent_to_every_host_that_lacks_it(
         "{stderr}"
     );
     no_containers(&bed);
+
+    // A master address no host resolves (`.invalid` never does) is blamed on the name, not on
+    // a port.
+    let h = Harness::new("tb-img-unresolved");
+    let exp = h.config(&mlp("th1, th2, th3", "master_addr: stagehand-master.invalid\n"));
+    let run = h.run_image_mode(&exp, &[], BUILD_DEADLINE);
+    assert_eq!(run.code(), 3, "{}", run.stderr());
+    let stderr = run.stderr();
+    assert!(
+        stderr.contains("th1, th2, th3 cannot resolve the master address stagehand-master.invalid (exit 3: "),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("open that port"), "{stderr}");
+    no_containers(&bed);
 }

@@ -45,10 +45,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::config::{Command, DeviceSpec};
 
-const EXIT_FAILED: u8 = 1;
-const EXIT_USAGE: u8 = 2;
-/// Stopped by SIGTERM after a checkpoint: the status the signal itself would have given.
-const EXIT_TERMINATED: u8 = 143;
+use stagehand_contract::exit_codes::{
+    FAILED as EXIT_FAILED, REFUSED as EXIT_USAGE, TERMINATED as EXIT_TERMINATED,
+    UNRESOLVED as EXIT_UNRESOLVED,
+};
 
 fn main() -> ExitCode {
     one_line_panics();
@@ -108,6 +108,11 @@ fn main() -> ExitCode {
         Err(e) if e.downcast_ref::<signals::Stopped>().is_some() => {
             eprintln!("runtime: {e}");
             ExitCode::from(EXIT_TERMINATED)
+        }
+        // The driver's preflight tells a name no host resolves from a port it cannot reach.
+        Err(e) if e.downcast_ref::<reach::Unresolved>().is_some() => {
+            eprintln!("runtime: error: {e:#}");
+            ExitCode::from(EXIT_UNRESOLVED)
         }
         // What `--check` refuses is a bad argument in a run too.
         Err(e) if e.downcast_ref::<train::Refused>().is_some() => {

@@ -49,6 +49,27 @@ fn listen(port: u16, period: Duration, out: &mut impl Write) -> anyhow::Result<(
     Ok(())
 }
 
+/// `connect`'s last try could not resolve the host's name (`main` exits
+/// [`stagehand_contract::exit_codes::UNRESOLVED`]).
+#[derive(Debug)]
+pub struct Unresolved(String);
+
+impl std::fmt::Display for Unresolved {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Unresolved {}
+
+/// Why one try to connect failed.
+enum Missed {
+    /// The name did not resolve to an address.
+    Unresolved(String),
+    /// The address did not answer, or not with the greeting.
+    Unreached(String),
+}
+
 fn connect(host: &str, port: u16, period: Duration) -> anyhow::Result<()> {
     let end = Instant::now() + period;
     loop {
@@ -57,32 +78,39 @@ fn connect(host: &str, port: u16, period: Duration) -> anyhow::Result<()> {
             Err(why) => why,
         };
         if Instant::now() >= end {
-            anyhow::bail!("cannot reach {host}:{port}: {last}");
+            return Err(match last {
+                Missed::Unresolved(why) => Unresolved(format!("cannot reach {host}:{port}: {why}")).into(),
+                Missed::Unreached(why) => anyhow::anyhow!("cannot reach {host}:{port}: {why}"),
+            });
         }
         std::thread::sleep(Duration::from_millis(200));
     }
 }
 
-fn attempt(host: &str, port: u16, end: Instant) -> Result<(), String> {
+fn attempt(host: &str, port: u16, end: Instant) -> Result<(), Missed> {
     let addrs: Vec<SocketAddr> = (host, port)
         .to_socket_addrs()
-        .map_err(|e| format!("cannot resolve {host}: {e}"))?
+        .map_err(|e| Missed::Unresolved(format!("cannot resolve {host}: {e}")))?
         .collect();
-    let addr = addrs.first().ok_or_else(|| format!("{host} has no address"))?;
+    let addr = addrs
+        .first()
+        .ok_or_else(|| Missed::Unresolved(format!("{host} has no address")))?;
+    let unreached = |e: std::io::Error| Missed::Unreached(e.to_string());
     let left = end
         .saturating_duration_since(Instant::now())
         .max(Duration::from_millis(100));
-    let stream =
-        TcpStream::connect_timeout(addr, left.min(Duration::from_secs(3))).map_err(|e| e.to_string())?;
+    let stream = TcpStream::connect_timeout(addr, left.min(Duration::from_secs(3))).map_err(unreached)?;
     stream
         .set_read_timeout(Some(Duration::from_secs(3)))
-        .map_err(|e| e.to_string())?;
+        .map_err(unreached)?;
     let mut got = Vec::new();
     let _ = stream.take(GREETING.len() as u64).read_to_end(&mut got);
     if got == GREETING {
         Ok(())
     } else {
-        Err(format!("something else answers on port {port}"))
+        Err(Missed::Unreached(format!(
+            "something else answers on port {port}"
+        )))
     }
 }
 
@@ -164,6 +192,24 @@ mod tests {
                 .contains(&format!("cannot reach 127.0.0.1:{port}")),
             "{err}"
         );
+    }
+
+    /// A name that resolves nowhere (`.invalid` is reserved for that, RFC 2606) is an
+    /// `Unresolved` error, which `main` exits with its own code; a port nobody listens on is not.
+    #[test]
+    fn a_name_that_does_not_resolve_is_told_from_a_port_nobody_answers() {
+        let err = connect("stagehand-master.invalid", 29500, Duration::from_millis(300)).unwrap_err();
+        let unresolved = err.downcast_ref::<Unresolved>();
+        assert!(unresolved.is_some(), "{err:?}");
+        assert!(
+            err.to_string().starts_with(
+                "cannot reach stagehand-master.invalid:29500: cannot resolve stagehand-master.invalid"
+            ),
+            "{err}"
+        );
+        let port = free_port();
+        let err = connect("127.0.0.1", port, Duration::from_millis(300)).unwrap_err();
+        assert!(err.downcast_ref::<Unresolved>().is_none(), "{err}");
     }
 
     #[test]

@@ -1154,3 +1154,46 @@ fn a_panic_is_one_line_unless_a_backtrace_is_asked_for() {
     let asked = runtime().args(args).env("RUST_BACKTRACE", "1").output().unwrap();
     assert!(String::from_utf8_lossy(&asked.stderr).contains("panicked at"));
 }
+
+/// `runtime reach connect` exits with the contract's code for a name that resolves nowhere, so
+/// that the driver's preflight says to change `master_addr:`, not to open the port; a port that
+/// nobody answers on is an ordinary failure.
+#[test]
+fn reach_tells_a_master_name_that_does_not_resolve_from_a_closed_port() {
+    use stagehand_contract::exit_codes::{FAILED, UNRESOLVED};
+    let connect = |host: &str, port: &str| {
+        runtime()
+            .args([
+                "reach",
+                "connect",
+                "--host",
+                host,
+                "--port",
+                port,
+                "--seconds",
+                "0.3",
+            ])
+            .output()
+            .unwrap()
+    };
+    let out = connect("stagehand-master.invalid", "29500");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(i32::from(UNRESOLVED)), "{stderr}");
+    assert!(
+        stderr.contains("cannot resolve stagehand-master.invalid"),
+        "{stderr}"
+    );
+    let port = std::net::TcpListener::bind(("127.0.0.1", 0))
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
+    let out = connect("127.0.0.1", &port);
+    assert_eq!(
+        out.status.code(),
+        Some(i32::from(FAILED)),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -93,6 +93,13 @@ pub enum LaunchError {
         port: u16,
         reason: String,
     },
+    #[error("{} cannot resolve the master address {addr} ({reason}); set `master_addr:` to an IP address of {first}, or a name every host resolves (the ranks use it as given, on every host)", hosts.join(", "))]
+    MasterUnresolved {
+        hosts: Vec<String>,
+        first: String,
+        addr: String,
+        reason: String,
+    },
     #[error("the runtime refuses the experiment's training request: {reason}; change the experiment file (`runtime --check` with a rank's arguments says the same)")]
     RequestRefused { reason: String },
     #[error("the engine on {host} cannot give a container GPUs {gpus:?}: {message}; check that these GPU indices exist there (`nvidia-smi -L`) and that the NVIDIA container toolkit is installed")]

@@ -5,6 +5,7 @@
 //! instead of every rank timing out in the rendezvous.
 
 use futures_util::future::join_all;
+use stagehand_contract::exit_codes::UNRESOLVED;
 
 use super::docker::{
     container_body, copy_in, create, labels, remove_everywhere, run_to_end, runtime_error, start,
@@ -83,25 +84,96 @@ async fn connect_all(
             hp.name.replace(|c: char| !c.is_ascii_alphanumeric(), "-")
         );
         let (code, _, stderr) = run_to_end(host, name, body).await?;
-        Ok::<_, LaunchError>((code == 0).then_some(()).ok_or_else(|| {
-            let reason = runtime_error(&stderr).to_string();
-            (host.name.clone(), format!("exit {code}: {reason}"))
+        Ok::<_, LaunchError>((code == 0).then_some(()).ok_or_else(|| Missed {
+            host: host.name.clone(),
+            unresolved: code == i64::from(UNRESOLVED),
+            reason: format!("exit {code}: {}", runtime_error(&stderr)),
         }))
     });
     let mut failed = Vec::new();
     for result in join_all(tries).await {
-        if let Err((host, reason)) = result? {
-            failed.push((host, reason));
+        if let Err(missed) = result? {
+            failed.push(missed);
         }
     }
-    if failed.is_empty() {
-        return Ok(());
+    judge(failed, &hosts[0].name, &plan.master_addr, plan.master_port)
+}
+
+/// One host's connection that failed: the runtime's reason, and whether it could not resolve
+/// the master address's name at all.
+struct Missed {
+    host: String,
+    unresolved: bool,
+    reason: String,
+}
+
+/// The error for the hosts that `failed` to reach the master at `addr:port` on `first`: hosts
+/// that cannot resolve its name are told to change the name, before any port is blamed.
+fn judge(failed: Vec<Missed>, first: &str, addr: &str, port: u16) -> Result<(), LaunchError> {
+    let (unresolved, unreached): (Vec<Missed>, Vec<Missed>) = failed.into_iter().partition(|m| m.unresolved);
+    if let Some(one) = unresolved.first() {
+        return Err(LaunchError::MasterUnresolved {
+            hosts: unresolved.iter().map(|m| m.host.clone()).collect(),
+            first: first.to_string(),
+            addr: addr.to_string(),
+            reason: one.reason.clone(),
+        });
     }
+    let Some(one) = unreached.first() else {
+        return Ok(());
+    };
     Err(LaunchError::MasterUnreachable {
-        hosts: failed.iter().map(|(h, _)| h.clone()).collect(),
-        first: hosts[0].name.clone(),
-        addr: plan.master_addr.clone(),
-        port: plan.master_port,
-        reason: failed[0].1.clone(),
+        hosts: unreached.iter().map(|m| m.host.clone()).collect(),
+        first: first.to_string(),
+        addr: addr.to_string(),
+        port,
+        reason: one.reason.clone(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn missed(host: &str, unresolved: bool) -> Missed {
+        let reason = match unresolved {
+            true => {
+                "exit 3: cannot reach th1:29500: cannot resolve th1: failed to lookup address information"
+            }
+            false => "exit 1: cannot reach 10.0.0.1:29500: Connection refused (os error 111)",
+        };
+        Missed {
+            host: host.into(),
+            unresolved,
+            reason: reason.into(),
+        }
+    }
+
+    /// A host that cannot resolve the master's name is told to change the name, not to open a
+    /// port, even where another host also failed to connect; hosts that resolved it and could not
+    /// connect are the port's case.
+    #[test]
+    fn a_name_that_does_not_resolve_is_blamed_before_the_port() {
+        let failed = vec![missed("th3", false), missed("th2", true), missed("th4", true)];
+        let err = judge(failed, "th1", "th1", 29500).unwrap_err().to_string();
+        assert!(
+            err.starts_with("th2, th4 cannot resolve the master address th1 (exit 3: "),
+            "{err}"
+        );
+        assert!(
+            err.contains("set `master_addr:` to an IP address of th1"),
+            "{err}"
+        );
+        assert!(!err.contains("open that port"), "{err}");
+
+        let err = judge(vec![missed("th3", false)], "th1", "10.0.0.1", 29500)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.starts_with("th3 cannot reach the master port at 10.0.0.1:29500 (exit 1: "),
+            "{err}"
+        );
+        assert!(err.contains("open that port to the other hosts on th1"), "{err}");
+        assert!(judge(Vec::new(), "th1", "th1", 29500).is_ok());
+    }
 }
