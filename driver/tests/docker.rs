@@ -469,13 +469,22 @@ fn preflight_failures_name_the_host_and_start_nothing() {
             "machines: [localhost, 127.0.0.9]\ncontainer: {build: ctx}\ncommand: [/bin/true]\n",
             "cannot open an SSH connection to 127.0.0.9",
         ),
-        (
-            "machines: ['localhost:0']\ncontainer: {build: ctx}\ncommand: [/bin/true]\n",
-            // Decided by a container given the GPU (an engine before Docker 25 with NVIDIA's
-            // hook gives GPUs without listing a runtime); the engine's description explains why.
-            "toolkit looks missing there); check that these GPU indices exist there",
-        ),
     ];
+    // A host without an NVIDIA driver is refused for the GPUs named on it before any image is
+    // built (on a machine with one, the engine decides, as the next case shows).
+    let cases: Vec<(&str, &str)> = match std::path::Path::new("/proc/driver/nvidia/version").exists() {
+        true => cases.to_vec(),
+        false => [
+            &cases[..],
+            &[(
+                "machines: ['localhost:0']\ncontainer: {build: ctx}\ncommand: [/bin/true]\n",
+                "`machines` gives the ranks on localhost GPUs [0], but localhost has no NVIDIA driver \
+                 loaded (/proc/driver/nvidia/version is missing there); name it without GPU indices \
+                 (`localhost` rather than `localhost:0`)",
+            )],
+        ]
+        .concat(),
+    };
     std::fs::create_dir(h.dir.path().join("ctx")).unwrap();
     std::fs::write(
         h.dir.path().join("ctx/Dockerfile"),

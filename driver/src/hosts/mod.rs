@@ -40,6 +40,8 @@ pub enum HostError {
     },
     #[error("{} does not exist on {host}; create it there, or drop it from data_dir, mounts or --mount-directories", path.display())]
     MountMissing { host: String, path: PathBuf },
+    #[error("`machines` gives the ranks on {host} GPUs {gpus:?}, but {host} has no NVIDIA driver loaded ({NVIDIA_DRIVER} is missing there); name it without GPU indices (`{host}` rather than `{host}:{}`) to train on its CPUs, or load the NVIDIA driver there", gpus[0])]
+    NoNvidiaDriver { host: String, gpus: Vec<u32> },
     #[error("image {image} does not exist on {host}; build it there, or name a build context with `container: {{build: DIR}}`")]
     ImageMissing { host: String, image: String },
     #[error("building the image from {} on {host} failed: {message}", context.display())]
@@ -224,6 +226,10 @@ fn one_engine_twice<'a>(hosts: impl Iterator<Item = (&'a str, &'a str)>) -> Vec<
     twice
 }
 
+/// What the NVIDIA kernel driver puts in `/proc` once loaded (as it is at boot on a machine with
+/// NVIDIA GPUs and the driver installed): on a host given GPUs, its absence means no GPU can run.
+pub const NVIDIA_DRIVER: &str = "/proc/driver/nvidia/version";
+
 /// Preflight for one host: engine reachable, mounts present or copied, GPUs usable when asked for.
 /// The image is left to [`prepare_all`].
 async fn prepare(
@@ -246,8 +252,22 @@ async fn prepare(
         }
     };
     let checks = futures_util::future::join_all(planned.iter().map(|p| exists(&p.mount.source)));
-    let (checks, infiniband) = futures_util::join!(checks, exists(&infiniband_dir));
+    // A host given GPUs has a loaded NVIDIA driver, or none of them: said before any image is
+    // built or sent (a CUDA image is several GB).
+    let nvidia = async {
+        match host.gpus.is_empty() {
+            true => Ok(true),
+            false => exists(std::path::Path::new(NVIDIA_DRIVER)).await,
+        }
+    };
+    let (checks, infiniband, nvidia) = futures_util::join!(checks, exists(&infiniband_dir), nvidia);
     let infiniband = infiniband?;
+    if !nvidia? {
+        return Err(HostError::NoNvidiaDriver {
+            host: host.name.clone(),
+            gpus: host.gpus.clone(),
+        });
+    }
     let mut mounts = Vec::new();
     let mut copies = Vec::new();
     for (p, exists) in planned.iter().zip(checks) {
