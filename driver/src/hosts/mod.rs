@@ -227,8 +227,13 @@ fn one_engine_twice<'a>(hosts: impl Iterator<Item = (&'a str, &'a str)>) -> Vec<
 }
 
 /// What the NVIDIA kernel driver puts in `/proc` once loaded (as it is at boot on a machine with
-/// NVIDIA GPUs and the driver installed): on a host given GPUs, its absence means no GPU can run.
+/// NVIDIA GPUs and the driver installed): on a host given GPUs, its absence means no GPU can run,
+/// unless the host is WSL 2 ([`WSL_GPU`]).
 pub const NVIDIA_DRIVER: &str = "/proc/driver/nvidia/version";
+
+/// WSL 2's GPU device, through which its Linux reaches Windows' NVIDIA driver (no
+/// [`NVIDIA_DRIVER`] there).
+const WSL_GPU: &str = "/dev/dxg";
 
 /// Preflight for one host: engine reachable, mounts present or copied, GPUs usable when asked for.
 /// The image is left to [`prepare_all`].
@@ -255,10 +260,10 @@ async fn prepare(
     // A host given GPUs has a loaded NVIDIA driver, or none of them: said before any image is
     // built or sent (a CUDA image is several GB).
     let nvidia = async {
-        match host.gpus.is_empty() {
-            true => Ok(true),
-            false => exists(std::path::Path::new(NVIDIA_DRIVER)).await,
+        if host.gpus.is_empty() || exists(std::path::Path::new(NVIDIA_DRIVER)).await? {
+            return Ok(true);
         }
+        exists(std::path::Path::new(WSL_GPU)).await
     };
     let (checks, infiniband, nvidia) = futures_util::join!(checks, exists(&infiniband_dir), nvidia);
     let infiniband = infiniband?;
