@@ -319,7 +319,9 @@ fn a_point_the_runtime_refuses_stops_the_sweep_before_anything_runs() {
 }
 
 /// A sweep of real runtimes with one `checkpoint_dir`: each point checkpoints into its own
-/// subfolder, named as the point, so no point overwrites or resumes from another's.
+/// subfolder, named as the point, under one named as the sweep's folder, so no point overwrites
+/// or resumes from another's, nor a second sweep of the file from the first's (each point has
+/// `resume: auto` where the file says none).
 #[test]
 fn each_point_of_a_sweep_checkpoints_into_its_own_folder() {
     let runtime = runtime();
@@ -337,12 +339,18 @@ fn each_point_of_a_sweep_checkpoints_into_its_own_folder() {
         Duration::from_secs(120),
     );
     assert_eq!(run.code(), 0, "{}", run.stderr());
+    let sweep = h.sweep_dir();
+    let names = |dir: &Path| -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    };
     let ckpt = config.parent().unwrap().join("ckpt");
-    let mut folders: Vec<String> = std::fs::read_dir(&ckpt)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .collect();
-    folders.sort();
+    assert_eq!(names(&ckpt), [sweep.file_name().unwrap().to_string_lossy()]);
+    let folders = names(&ckpt.join(sweep.file_name().unwrap()));
     assert_eq!(folders.len(), 2, "{folders:?}");
     assert!(
         folders[0].ends_with("-p0") && folders[1].ends_with("-p1"),
@@ -350,9 +358,42 @@ fn each_point_of_a_sweep_checkpoints_into_its_own_folder() {
     );
     for folder in &folders {
         assert!(
-            ckpt.join(folder).join("rank-0").is_dir(),
+            ckpt.join(sweep.file_name().unwrap())
+                .join(folder)
+                .join("rank-0")
+                .is_dir(),
             "{folder} holds its rank's checkpoint"
         );
+    }
+
+    // The same sweep again, into another records folder: its points train from iteration 0, in
+    // folders of their own, and the first sweep's checkpoints stay.
+    let again = h.dir.path().join("again");
+    let run = h.driver(
+        &args(&[
+            "sweep",
+            "--config-file",
+            config.to_str().unwrap(),
+            "--output-dir",
+            again.to_str().unwrap(),
+            "--runtime",
+            runtime.to_str().unwrap(),
+            "-q",
+        ]),
+        Duration::from_secs(120),
+    );
+    assert_eq!(run.code(), 0, "{}", run.stderr());
+    assert_eq!(names(&ckpt).len(), 2, "{:?}", names(&ckpt));
+    let second = std::fs::read_dir(&again).unwrap().next().unwrap().unwrap().path();
+    for point in point_records(&second) {
+        let first: serde_json::Value = serde_json::from_str(
+            lines(&point.join("metrics.jsonl"))
+                .iter()
+                .find(|l| l.contains("\"event\":\"iteration\""))
+                .unwrap(),
+        )
+        .unwrap();
+        assert_eq!(first["iteration"], 0, "{}: trained afresh", point.display());
     }
     h.assert_no_processes();
 }
@@ -578,7 +619,7 @@ fn a_sweeps_loss_and_accuracy_curves_are_plotted_a_line_per_point() {
     h.assert_no_processes();
 }
 
-/// A sweep of real runtimes with `checkpoint_dir` and `resume: auto`, interrupted in its first
+/// A sweep of real runtimes with `checkpoint_dir` (and so `resume: auto`), interrupted in its first
 /// point: that point's ranks checkpoint, and `driver sweep --resume` goes on from that checkpoint
 /// for it while the point that never ran starts afresh.
 #[test]
@@ -586,7 +627,7 @@ fn a_resumed_sweep_continues_its_interrupted_point_from_its_checkpoint() {
     let runtime = runtime();
     let h = Harness::new("sw-ckpt-resume");
     let body = "backend: process\nmachines: [localhost]\nmodule: mlp\nlayers: 2\nhidden: 32\n\
-                batch_size: 4\nthreads: 1\ncheckpoint_dir: ckpt\nresume: auto\nsweep:\n  lr: [0.01, 0.02]\n";
+                batch_size: 4\nthreads: 1\ncheckpoint_dir: ckpt\nsweep:\n  lr: [0.01, 0.02]\n";
     let config = h.config(&format!("{body}iterations: 1000000\n"));
     let records = h.records();
     let child = h.spawn_driver(&os(&sweep_args(
@@ -625,7 +666,11 @@ fn a_resumed_sweep_continues_its_interrupted_point_from_its_checkpoint() {
     let dir = h.sweep_dir();
     let index = sweep_index(&dir);
     let point = |i: usize| index["points"][i]["name"].as_str().unwrap().to_string();
-    let ckpt = config.parent().unwrap().join("ckpt");
+    let ckpt = config
+        .parent()
+        .unwrap()
+        .join("ckpt")
+        .join(dir.file_name().unwrap());
     let latest = ckpt.join(point(0)).join("rank-0/latest");
     let done = serde_json::from_str::<serde_json::Value>(&std::fs::read_to_string(&latest).unwrap()).unwrap()
         ["iterations_done"]

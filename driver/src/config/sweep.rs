@@ -90,11 +90,16 @@ pub fn check_grid_value(key: &str, value: &serde_json::Value) -> Result<(), Stri
 
 /// The experiment file with a sweep point's values set: `overrides` replace the keys they name
 /// (under any spelling), `name` is the point's, and the `sweep:` section is gone. A
-/// `checkpoint_dir` becomes the point's own folder inside it (`DIR/<name>`): points sharing one
-/// would overwrite each other's checkpoints and, with `resume`, start from another point's.
+/// `checkpoint_dir` becomes the point's own folder inside it, under the sweep's (`DIR/<sweep>/<name>`,
+/// `sweep` the sweep folder's name): points sharing one would overwrite each other's checkpoints
+/// and, with `resume`, start from another point's, and a later sweep of the same file from an
+/// earlier sweep's. Where the file does not say `resume`, a point that checkpoints resumes from
+/// its own checkpoint when there is one (`resume: auto`): a point run again (`driver sweep
+/// --resume`) goes on from where it was stopped.
 pub fn with_overrides(
     loaded: &Loaded,
     name: &str,
+    sweep: &str,
     overrides: &[(String, serde_json::Value)],
 ) -> Result<Loaded, ConfigError> {
     let mut document = yaml::parse_document(&loaded.path, &loaded.text)?;
@@ -110,9 +115,13 @@ pub fn with_overrides(
     map.insert("name".into(), serde_json::Value::String(name.to_string()));
     if let Some(serde_json::Value::String(dir)) = map.get_mut("checkpoint_dir") {
         *dir = std::path::Path::new(dir.as_str())
+            .join(sweep)
             .join(name)
             .to_string_lossy()
             .into_owned();
+        if !map.keys().any(|k| canonical_key(k) == "resume") {
+            map.insert("resume".into(), serde_json::Value::String("auto".into()));
+        }
     }
     let settings: Vec<String> = overrides
         .iter()

@@ -182,6 +182,7 @@ fn a_points_file_has_its_values_under_one_spelling_its_name_and_no_sweep() {
     let point = with_overrides(
         &loaded,
         "base-p1",
+        "sw",
         &[
             ("module".into(), serde_json::json!("vgg16")),
             ("learning_rate".into(), serde_json::json!(0.5)),
@@ -226,6 +227,7 @@ fn a_points_keys_are_located_where_the_user_wrote_them() {
     let point = with_overrides(
         &loaded,
         "exp-p1",
+        "sw",
         &[
             ("schedule".into(), serde_json::json!("1f1b")),
             ("batch_size".into(), serde_json::json!(16)),
@@ -248,7 +250,7 @@ fn a_points_keys_are_located_where_the_user_wrote_them() {
         Some(format!("`module` at {}:4", path.display()))
     );
     // A point of a point (a sweep's point file set again) keeps the user's file.
-    let again = with_overrides(&point, "exp-p2", &[]).unwrap();
+    let again = with_overrides(&point, "exp-p2", "sw", &[]).unwrap();
     assert_eq!(again.locate("machines").map(|at| at.line), Some(2));
 }
 
@@ -265,7 +267,7 @@ fn each_point_checkpoints_into_a_folder_of_its_own() {
     let dirs: Vec<_> = ["exp-p0", "exp-p1"]
         .iter()
         .map(|name| {
-            with_overrides(&loaded, name, &[("lr".into(), serde_json::json!(0.1))])
+            with_overrides(&loaded, name, "sw", &[("lr".into(), serde_json::json!(0.1))])
                 .unwrap()
                 .file
                 .checkpoint_dir
@@ -275,26 +277,37 @@ fn each_point_checkpoints_into_a_folder_of_its_own() {
     assert_eq!(
         dirs,
         [
-            std::path::Path::new("ckpt/exp-p0"),
-            std::path::Path::new("ckpt/exp-p1")
+            std::path::Path::new("ckpt/sw/exp-p0"),
+            std::path::Path::new("ckpt/sw/exp-p1")
         ]
     );
     // A swept checkpoint_dir is the point's too: two points may still share a value.
     let point = with_overrides(
         &loaded,
         "exp-p3",
+        "sw",
         &[("checkpoint_dir".into(), serde_json::json!("/abs/ck"))],
     )
     .unwrap();
     assert_eq!(
         point.file.checkpoint_dir.as_deref(),
-        Some(std::path::Path::new("/abs/ck/exp-p3"))
+        Some(std::path::Path::new("/abs/ck/sw/exp-p3"))
     );
     assert!(
-        point.text.contains("checkpoint_dir: /abs/ck/exp-p3"),
+        point.text.contains("checkpoint_dir: /abs/ck/sw/exp-p3"),
         "{}",
         point.text
     );
+    // The file's `resume` stays the point's; where it says none, a point resumes from its own
+    // checkpoint when it has one (run again by `driver sweep --resume`), and only a point that
+    // checkpoints is given it.
+    assert_eq!(point.file.resume, Some(crate::config::Resume::Required));
+    std::fs::write(&path, "machines: [localhost]\nmodel: mlp\ncheckpoint_dir: ckpt\n").unwrap();
+    let point = with_overrides(&load(&path).unwrap(), "exp-p0", "sw", &[]).unwrap();
+    assert_eq!(point.file.resume, Some(crate::config::Resume::Auto));
+    std::fs::write(&path, "machines: [localhost]\nmodel: mlp\n").unwrap();
+    let point = with_overrides(&load(&path).unwrap(), "exp-p0", "sw", &[]).unwrap();
+    assert_eq!(point.file.resume, None);
 }
 
 #[test]

@@ -135,13 +135,21 @@ pub async fn run(options: SweepOptions) -> Result<i32, SweepError> {
             repeat,
         } => {
             let (parent, mut index, loaded) = new_index(&options.run, config_file, grid, *repeat)?;
-            let points = points(&loaded, &index, &options.run)?;
+            // Checked before the folder is made, as they will run once it has its name.
+            points(&loaded, &index, &options.run, NEW_SWEEP)?;
             let dir = create(&parent, &mut index, &loaded)?;
+            let points = index
+                .points
+                .iter()
+                .map(|entry| {
+                    config::with_overrides(&loaded, &entry.name, &folder_name(&dir), &entry.settings)
+                })
+                .collect::<Result<Vec<_>, _>>()?;
             (dir, index, points)
         }
         SweepSource::Resume(dir) => {
             let (index, loaded) = resume(dir)?;
-            let points = points(&loaded, &index, &options.run)?;
+            let points = points(&loaded, &index, &options.run, &folder_name(dir))?;
             (dir.clone(), index, points)
         }
     };
@@ -354,12 +362,24 @@ fn grid_error(loaded: &Loaded, grid: &[(String, Vec<String>)], source: GridError
 
 /// Every point's experiment file, each parsed and planned, so a bad point stops the sweep before
 /// anything runs.
-fn points(loaded: &Loaded, index: &Index, options: &Options) -> Result<Vec<Loaded>, SweepError> {
+/// The name a new sweep's points are checked under before its folder has one (it is part of
+/// their checkpoint folders, which only a runtime's resume reads).
+const NEW_SWEEP: &str = "new-sweep";
+
+/// A sweep folder's name, which its points' checkpoint folders are under.
+fn folder_name(dir: &Path) -> String {
+    dir.file_name()
+        .map_or_else(|| NEW_SWEEP.to_string(), |n| n.to_string_lossy().into_owned())
+}
+
+/// Every point's experiment file (`sweep`: the sweep folder's name), each resolved and its
+/// request checked; an error names the first point refused.
+fn points(loaded: &Loaded, index: &Index, options: &Options, sweep: &str) -> Result<Vec<Loaded>, SweepError> {
     let resolved = index
         .points
         .iter()
         .map(|entry| {
-            config::with_overrides(loaded, &entry.name, &entry.settings)
+            config::with_overrides(loaded, &entry.name, sweep, &entry.settings)
                 .and_then(|p| crate::experiment::resolve(&p, options, 0).map(|plan| (p, plan)))
                 .map_err(|e| SweepError::Point {
                     label: index::label(&entry.settings, entry.repeat),
