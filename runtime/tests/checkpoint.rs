@@ -822,3 +822,38 @@ fn a_run_that_fails_to_start_loses_no_checkpoint_and_an_unwritable_folder_fails_
         }
     }
 }
+
+/// A run started afresh where the folder holds another run's checkpoint (another optimizer, here) is
+/// refused, by `--check` too, and the checkpoint stays whole: setting it aside would have removed
+/// it at this run's first checkpoint. The same run started again afresh still replaces its own.
+#[test]
+fn starting_afresh_over_another_runs_checkpoint_is_refused_and_it_stays() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = tmp.path().join("ckpt");
+    let c = ckpt.to_str().unwrap();
+    let whole = run_ok(&strs(&mlp("4", &[])));
+    run_ok(&strs(&mlp("2", &["--checkpoint-dir", c])));
+    for check in [&[][..], &["--check"]] {
+        let other = run(&strs(&mlp(
+            "3",
+            &[&["--checkpoint-dir", c, "--optimizer", "adam"][..], check].concat(),
+        )));
+        let stderr = other.stderr();
+        assert_eq!(other.output.status.code(), Some(2), "{check:?}: {stderr}");
+        assert!(other.events.is_empty(), "{check:?}: trained first: {stderr}");
+        assert!(
+            stderr.contains(&format!(
+                "--checkpoint-dir: {c} holds the checkpoint of iteration 2 of another run (optimizer is \"sgd\" there, \"adam\" here)"
+            )),
+            "{stderr}"
+        );
+    }
+    assert_eq!(held(&ckpt, 0), [2], "the other run's checkpoint stays");
+    let resumed = run_ok(&strs(&mlp("4", &["--checkpoint-dir", c, "--resume"])));
+    assert_eq!(resumed.losses(), whole.losses()[2..], "went on from iteration 2");
+
+    // The same run again, afresh: its own checkpoint is set aside, as before.
+    let again = run_ok(&strs(&mlp("3", &["--checkpoint-dir", c])));
+    assert!(again.stderr().contains("is set aside"), "{}", again.stderr());
+    assert_eq!(held(&ckpt, 0), [3]);
+}

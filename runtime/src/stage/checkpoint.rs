@@ -288,6 +288,32 @@ pub fn set_aside(dir: &Path, rank: usize) -> Result<Option<String>, String> {
     Ok(Some(what))
 }
 
+/// Refuses a run that starts afresh where `dir` holds this rank's checkpoint of another run (a
+/// `difference` in [`Identity`]: another model, size, seed, world...): setting it aside would
+/// remove it at this run's first checkpoint, and it is not this run's to remove. The same run's
+/// (started again without `--resume`) is, as is a `latest` that names no checkpoint.
+pub fn check_afresh(dir: &Path, identity: &Identity) -> Result<(), String> {
+    let path = rank_dir(dir, identity.rank).join("latest");
+    let Ok(text) = std::fs::read_to_string(&path) else {
+        return Ok(());
+    };
+    let Ok(latest) = serde_json::from_str::<Latest>(&text) else {
+        return Ok(());
+    };
+    match latest.identity.difference(identity) {
+        None => Ok(()),
+        Some(difference) => Err(format!(
+            "--checkpoint-dir: {} holds the checkpoint of iteration {} of another run ({difference}), \
+             which this run would remove at its first checkpoint; give this run a folder of its own, \
+             resume that run with the arguments it was written with, or remove its checkpoints \
+             ({}) to reuse the folder",
+            dir.display(),
+            latest.iterations_done,
+            rank_dir(dir, identity.rank).display()
+        )),
+    }
+}
+
 /// The checkpoint of this rank after `done` iterations, the one before `latest` (its description
 /// inside its folder), after checking it belongs to this run.
 pub fn read_held(dir: &Path, identity: &Identity, done: u64) -> Result<Latest, String> {

@@ -606,6 +606,10 @@ fn check_plan(config: &TrainConfig) -> anyhow::Result<Checked> {
         }
     }
     let resume = match &config.checkpoint {
+        Some(c) if c.resume == Resume::No => {
+            checkpoint::check_afresh(&c.dir, &identity).map_err(anyhow::Error::msg)?;
+            None
+        }
         Some(c) if c.resume == Resume::Required => {
             Some(checkpoint::read_latest(&c.dir, &identity).map_err(anyhow::Error::msg)?)
         }
