@@ -40,6 +40,7 @@ mod signals;
 mod stage;
 mod train;
 
+use std::io::Write;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -106,7 +107,8 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) if e.downcast_ref::<signals::Stopped>().is_some() => {
-            eprintln!("runtime: {e}");
+            // Not eprintln!, which panics where the reader is gone (the driver killed outright).
+            let _ = writeln!(std::io::stderr(), "runtime: {e}");
             ExitCode::from(EXIT_TERMINATED)
         }
         // The driver's preflight tells a name no host resolves from a port it cannot reach.

@@ -9,16 +9,30 @@ use stagehand_contract::Event;
 /// Writes events, one line each, to stdout (or any writer in tests).
 pub struct Emitter<W: Write> {
     out: W,
+    /// Whether the reader went away and the run goes on to its checkpoint without it.
+    gone: bool,
 }
 
 impl<W: Write> Emitter<W> {
     pub fn new(out: W) -> Self {
-        Emitter { out }
+        Emitter { out, gone: false }
     }
 
+    /// Writes `event`'s line. A reader gone (a broken pipe) in a run that checkpoints stops the
+    /// run at the end of the iteration it is in, after its checkpoint, as SIGTERM does
+    /// ([`crate::signals::output_gone`]); lines after that go nowhere.
     pub fn emit(&mut self, event: &Event) -> io::Result<()> {
-        writeln!(self.out, "{}", event.to_line())?;
-        self.out.flush()
+        if self.gone {
+            return Ok(());
+        }
+        let written = writeln!(self.out, "{}", event.to_line()).and_then(|()| self.out.flush());
+        match written {
+            Err(e) if e.kind() == io::ErrorKind::BrokenPipe && crate::signals::output_gone() => {
+                self.gone = true;
+                Ok(())
+            }
+            other => other,
+        }
     }
 }
 

@@ -5,6 +5,11 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 
 static TERM: AtomicBool = AtomicBool::new(false);
+/// Whether [`catch_term`] ran: the run stops after a checkpoint when asked to.
+static CAUGHT: AtomicBool = AtomicBool::new(false);
+/// Whether the metrics' reader went away (the driver gone), which a run that checkpoints takes
+/// as SIGTERM.
+static OUTPUT_GONE: AtomicBool = AtomicBool::new(false);
 
 extern "C" fn note_term(_: libc::c_int) {
     // Only an atomic store: async-signal-safe.
@@ -22,12 +27,24 @@ pub fn catch_term() -> Result<(), String> {
             std::io::Error::last_os_error()
         ));
     }
+    CAUGHT.store(true, Ordering::SeqCst);
     Ok(())
 }
 
-/// Whether SIGTERM arrived since [`catch_term`].
+/// Whether SIGTERM arrived since [`catch_term`], or the metrics' reader went away since.
 pub fn term_requested() -> bool {
-    TERM.load(Ordering::SeqCst)
+    TERM.load(Ordering::SeqCst) || OUTPUT_GONE.load(Ordering::SeqCst)
+}
+
+/// Takes the metrics' reader going away (a broken pipe: the driver killed outright, whose ranks
+/// the kernel also sends SIGTERM) as SIGTERM, where the run stops after a checkpoint; returns
+/// whether it does, else the broken pipe ends the run as any failure to write does.
+pub fn output_gone() -> bool {
+    let caught = CAUGHT.load(Ordering::SeqCst);
+    if caught {
+        OUTPUT_GONE.store(true, Ordering::SeqCst);
+    }
+    caught
 }
 
 /// A run ended early by SIGTERM, after its checkpoint of `iterations_done` was written

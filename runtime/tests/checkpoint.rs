@@ -857,3 +857,48 @@ fn starting_afresh_over_another_runs_checkpoint_is_refused_and_it_stays() {
     assert!(again.stderr().contains("is set aside"), "{}", again.stderr());
     assert_eq!(held(&ckpt, 0), [3]);
 }
+
+/// A rank whose reader went away (its driver killed outright: the kernel closes its pipes) takes
+/// it as SIGTERM where it checkpoints: it stops after the checkpoint of the iteration it is in,
+/// exit 143, rather than fail on the broken pipe and lose the iterations since the last one.
+#[test]
+fn a_rank_whose_output_went_away_stops_after_its_checkpoint() {
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = tmp.path().join("ckpt");
+    let c = ckpt.to_str().unwrap();
+    let mut child = crate::util::runtime()
+        .args(mlp(
+            "1000000",
+            &["--checkpoint-dir", c, "--checkpoint-every", "1000000"],
+        ))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Once it has trained, both its pipes' readers go, as a dead driver's do.
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let trained = lines
+        .by_ref()
+        .map_while(Result::ok)
+        .any(|l| l.contains("\"event\":\"iteration\""));
+    assert!(trained, "no iteration line");
+    drop(lines);
+    drop(child.stderr.take());
+    let start = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if start.elapsed() > std::time::Duration::from_secs(60) {
+            let _ = child.kill();
+            panic!("still running 60 s after its output went away");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    assert_eq!(status.code(), Some(143), "{status:?}");
+    let latest: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(ckpt.join("rank-0/latest")).unwrap()).unwrap();
+    assert!(latest["iterations_done"].as_u64().unwrap() >= 1, "{latest}");
+}
