@@ -588,7 +588,7 @@ async fn run_with_restarts(
                     }
                 }
                 restarts += 1;
-                previous = Some(restart::Failure::new(&cause, &ranks.progress));
+                previous = Some(restart::Failure::new(&cause, &ranks.progress, runs_runtime));
                 // Only the runtime's ranks are told to resume; a `command:` starts as it did.
                 let resume_from = resume_from.filter(|_| runs_runtime);
                 reporters.report(&Event::Restarting {

@@ -57,23 +57,32 @@ impl Progress {
     pub fn furthest(&self, rank: usize) -> u64 {
         self.furthest.get(&rank).copied().unwrap_or(0)
     }
+
+    /// Whether any rank reported an iteration in this run.
+    pub fn reported(&self) -> bool {
+        !self.furthest.is_empty()
+    }
 }
 
 /// A rank's failure the ranks were started again after, as [`decide`] compares the next with it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Failure {
     pub cause: StopCause,
-    /// [`Progress::furthest`] of the rank that failed, when it failed.
-    pub furthest: u64,
+    /// [`Progress::furthest`] of the rank that failed, when it failed; `None` where progress is
+    /// not measured (a `command:` that prints no iteration lines), so a failure that looks the
+    /// same is not taken for one at the same place.
+    pub furthest: Option<u64>,
 }
 
 impl Failure {
-    /// The failure `cause`, with how far its rank had got.
-    pub fn new(cause: &StopCause, progress: &Progress) -> Failure {
+    /// The failure `cause`, with how far its rank had got; `measured`: whether the ranks report
+    /// their iterations (they run the runtime, or some rank reported one).
+    pub fn new(cause: &StopCause, progress: &Progress, measured: bool) -> Failure {
         let furthest = match cause {
             StopCause::RankFailed { rank, .. } => progress.furthest(*rank),
             _ => 0,
         };
+        let furthest = (measured || progress.reported()).then_some(furthest);
         Failure {
             cause: cause.clone(),
             furthest,
@@ -120,7 +129,9 @@ pub fn decide(
             ..
         } => not("the rank refused its request (exit code 2), which it would refuse again".into()),
         StopCause::RankFailed { rank, host, .. }
-            if previous.is_some_and(|p| p.cause == *cause && p.furthest >= progress.furthest(*rank)) =>
+            if previous.is_some_and(|p| {
+                p.cause == *cause && p.furthest.is_some_and(|f| f >= progress.furthest(*rank))
+            }) =>
         {
             not(format!(
                 "rank {rank} on {host} failed as it did before the last restart, having got no \
@@ -269,8 +280,8 @@ mod tests {
     fn the_same_failure_with_no_progress_since_is_not_restarted_again() {
         let mut seen = Progress::default();
         seen.saw(&iteration(1, 4, false));
-        let before = Failure::new(&failed(Some(1)), &seen);
-        assert_eq!(before.furthest, 5);
+        let before = Failure::new(&failed(Some(1)), &seen, false);
+        assert_eq!(before.furthest, Some(5));
         // Started again from the beginning, it failed as before, at the same place; another rank
         // getting further does not count.
         seen.saw(&iteration(1, 2, false));
@@ -296,10 +307,31 @@ mod tests {
             host: "th1".into(),
             reason: "gone".into(),
         };
-        let before = Failure::new(&lost, &seen);
+        let before = Failure::new(&lost, &seen, false);
         assert!(matches!(
             decide(&lost, (1, 3), 2, &seen, Some(&before)),
             Decision::Restart { .. }
+        ));
+    }
+
+    /// A `command:` that prints no iteration lines says nothing of how far it got: failing the
+    /// same way again is no sign it fails at the same place, so it gets every restart allowed.
+    /// The runtime's ranks are measured from their start, so one failing before its first
+    /// iteration twice is not started a third time.
+    #[test]
+    fn a_failure_repeated_where_progress_is_not_measured_is_restarted_as_allowed() {
+        let silent = Progress::default();
+        let before = Failure::new(&failed(Some(3)), &silent, false);
+        assert_eq!(before.furthest, None);
+        assert!(matches!(
+            decide(&failed(Some(3)), (1, 3), 2, &silent, Some(&before)),
+            Decision::Restart { .. }
+        ));
+        let before = Failure::new(&failed(Some(3)), &silent, true);
+        assert_eq!(before.furthest, Some(0));
+        assert!(matches!(
+            decide(&failed(Some(3)), (1, 3), 2, &silent, Some(&before)),
+            Decision::Stop { why: Some(_) }
         ));
     }
 }
