@@ -374,6 +374,13 @@ planner:
     );
     let e = err("machines: [a]\nconfig_file: auto\nplanner: {bandwith: 3}\n");
     assert!(e.contains("unknown field `bandwith`"), "{e}");
+    // A short list of keys is given whole; the top level's 80, without a close one, is not.
+    assert!(e.contains(", expected one of `"), "{e}");
+    let e = err("machines: [a]\nzzzqqq: 1\n");
+    assert!(
+        e.ends_with("unknown field `zzzqqq`, not an experiment key (driver/README.md lists them all)"),
+        "{e}"
+    );
     let e = err("machines: [a]\nprecision: fp8\n");
     assert!(
         e.contains("exp.yml:2:") && e.contains("`fp32`, `bf16`, `fp16`"),

@@ -318,10 +318,23 @@ fn describe(message: &str, text: &str, location: Option<Location>) -> String {
     {
         message.push_str("; check this line's indentation against the lines above it");
     } else if let Some(hint) = did_you_mean(&message) {
+        // The closest key says what to write; the whole list (some 80 keys at the top level)
+        // would bury it.
+        if let Some((unknown, _)) = message.split_once(", expected one of ") {
+            message = unknown.to_string();
+        }
         message.push_str(&hint);
+    } else if let Some((unknown, list)) = message.split_once(", expected one of ") {
+        if list.matches('`').count() / 2 > LISTED_KEYS {
+            message = format!("{unknown}, not an experiment key (driver/README.md lists them all)");
+        }
     }
     message
 }
+
+/// How many expected keys an unknown key's error lists at most; past that it points at the
+/// README's list.
+const LISTED_KEYS: usize = 12;
 
 /// Removes ` at line N column M` wherever the crate put it.
 fn strip_position(message: &str) -> String {
