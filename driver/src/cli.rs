@@ -563,6 +563,15 @@ impl PlanArgs {
         if let Some(last) = levels.last_mut() {
             last.0 = workers;
         }
+        // Groups nest: each level's groups are whole groups of the level inside it.
+        if let Some(pair) = levels.windows(2).find(|pair| pair[1].0 % pair[0].0 != 0) {
+            let (inner, outer) = (pair[0].0, pair[1].0);
+            return Err(invalid(format!(
+                "--level {inner}:..: groups of {inner} workers do not divide {outer}, the workers \
+                 of the level around them{}; give group sizes that divide each other and --workers",
+                if outer == workers { " (--workers)" } else { "" }
+            )));
+        }
         Ok(PartitionOptions {
             profile: self.profile,
             request: PlanRequest {
@@ -877,6 +886,18 @@ mod tests {
         for bad in [
             &["--workers", "4", "--level", "8:100"][..],
             &["--workers", "16", "--level", "8:100", "--level", "4:10"],
+            // Groups of 3 in 4 workers, and of 2 in groups of 3, do not nest.
+            &["--workers", "4", "--level", "3:100", "--bandwidth", "1"],
+            &[
+                "--workers",
+                "12",
+                "--level",
+                "2:100",
+                "--level",
+                "3:10",
+                "--bandwidth",
+                "1",
+            ],
         ] {
             let mut all = vec!["plan", "--profile", "p.json"];
             all.extend_from_slice(bad);
