@@ -50,7 +50,12 @@ fn mistakes_on_the_command_line_exit_2_with_what_to_change() {
     let h = Harness::new("res-bad");
     let dir = fixtures();
     let missing = h.dir.path().join("nope");
-    let cases: [(Vec<&OsStr>, &str); 3] = [
+    let (one, other) = (
+        dir.join("20261122T090000Z_vgg16-2pipe"),
+        dir.join("20261122T094000Z_mlp-auto"),
+    );
+    let svg = h.dir.path().join("x.svg");
+    let cases: [(Vec<&OsStr>, &str); 5] = [
         (
             vec![OsStr::new("results"), missing.as_os_str()],
             "is not a folder",
@@ -73,12 +78,37 @@ fn mistakes_on_the_command_line_exit_2_with_what_to_change() {
             ],
             "no row matches --baseline model=gpt",
         ),
+        // Two records of no sweep have no grid key to plot against.
+        (
+            vec![
+                OsStr::new("results"),
+                one.as_os_str(),
+                other.as_os_str(),
+                OsStr::new("--plot"),
+                svg.as_os_str(),
+            ],
+            "no x axis: give --plot-x KEY",
+        ),
+        (
+            vec![
+                OsStr::new("results"),
+                dir.as_os_str(),
+                OsStr::new("--plot"),
+                svg.as_os_str(),
+                OsStr::new("--plot-x"),
+                OsStr::new("bogus"),
+            ],
+            "unknown key `bogus`",
+        ),
     ];
     for (args, expected) in cases {
         let run = h.driver(&args, Duration::from_secs(30));
         assert_eq!(run.code(), 2, "{args:?}: {}", run.stderr());
         assert!(run.stderr().contains(expected), "{args:?}: {}", run.stderr());
+        // Said before any table is printed.
+        assert!(run.stdout().is_empty(), "{args:?}: {}", run.stdout());
     }
+    assert!(!svg.exists());
     h.assert_no_processes();
 }
 

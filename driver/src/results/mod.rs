@@ -115,7 +115,8 @@ impl ResultsError {
             | ResultsError::UnknownKey { .. }
             | ResultsError::Baseline { .. }
             | ResultsError::SortDirection { .. }
-            | ResultsError::NotSvg { .. } => crate::exit_codes::INVALID_CONFIG,
+            | ResultsError::NotSvg { .. }
+            | ResultsError::Plot(PlotError::NoAxis) => crate::exit_codes::INVALID_CONFIG,
             ResultsError::Plot(_) => crate::exit_codes::RECORD_FAILED,
         }
     }
@@ -172,6 +173,14 @@ pub fn run(options: &ResultsOptions) -> Result<(), ResultsError> {
         }
     }
     let groups = select(options)?;
+    let rows: Vec<&read::Row> = groups.iter().flat_map(|(_, r)| r).collect();
+    // What the command line gets wrong is said before the table, not after it.
+    if let Some(x) = &options.plot_x {
+        select::check_key(&rows, x)?;
+    }
+    if options.plot.is_some() && !matches!(rows.as_slice(), [one] if one.point.is_none()) {
+        plot::x_axis(&rows, options.plot_x.as_deref())?;
+    }
     stdout_text!("{}", rendered(options, &groups));
     let rows: Vec<read::Row> = groups.into_iter().flat_map(|(_, r)| r).collect();
     if rows.is_empty() {
@@ -183,9 +192,6 @@ pub fn run(options: &ResultsOptions) -> Result<(), ResultsError> {
                 stderr_line!("driver: no record matches {}", filters.join(" "));
             }
         }
-    }
-    if let Some(x) = &options.plot_x {
-        select::check_key(&rows, x)?;
     }
     if let Some(path) = &options.plot {
         match rows.as_slice() {

@@ -50,6 +50,22 @@ fn draw_error(path: &Path) -> impl Fn(String) -> PlotError + '_ {
     }
 }
 
+/// The grid keys of the first of `rows` that is a sweep's point (none where none is).
+fn sweep_axes(rows: &[&Row]) -> Vec<String> {
+    rows.iter()
+        .find_map(|r| r.point.as_ref().map(|p| p.axes.clone()))
+        .unwrap_or_default()
+}
+
+/// The throughput plot's x axis: `x`, else the first grid key of the rows' sweep;
+/// [`PlotError::NoAxis`] where there is neither (records that are no sweep's points).
+pub fn x_axis(rows: &[&Row], x: Option<&str>) -> Result<String, PlotError> {
+    match x {
+        Some(k) => Ok(k.to_string()),
+        None => sweep_axes(rows).first().cloned().ok_or(PlotError::NoAxis),
+    }
+}
+
 /// Throughput against `x` (default: the first axis of the rows' sweep), a line per combination
 /// of the sweep's other keys; repetitions of a point are averaged.
 pub fn throughput(rows: &[Row], x: Option<&str>, path: &Path) -> Result<(), PlotError> {
@@ -57,14 +73,8 @@ pub fn throughput(rows: &[Row], x: Option<&str>, path: &Path) -> Result<(), Plot
     if measured.is_empty() {
         return Err(PlotError::NoThroughput);
     }
-    let axes: Vec<String> = measured
-        .iter()
-        .find_map(|r| r.point.as_ref().map(|p| p.axes.clone()))
-        .unwrap_or_default();
-    let x_key = match x {
-        Some(k) => k.to_string(),
-        None => axes.first().cloned().ok_or(PlotError::NoAxis)?,
-    };
+    let axes = sweep_axes(&measured);
+    let x_key = x_axis(&measured, x)?;
     let others: Vec<&String> = axes
         .iter()
         .filter(|k| crate::config::canonical_key(k) != crate::config::canonical_key(&x_key))

@@ -97,13 +97,14 @@ pub fn value(row: &Row, key: &str) -> Option<String> {
 }
 
 /// Whether any row knows the key (so a typo is an error, not an empty table).
-fn known(rows: &[Row], key: &str) -> bool {
+fn known<R: std::borrow::Borrow<Row>>(rows: &[R], key: &str) -> bool {
     COLUMN_KEYS.contains(&canonical(key))
         || ["name", "id", "sweep", "skipped_steps", "restarts"].contains(&key)
-        || rows.iter().any(|r| value(r, key).is_some())
+        || rows.iter().any(|r| value(r.borrow(), key).is_some())
 }
 
-pub fn check_key(rows: &[Row], key: &str) -> Result<(), ResultsError> {
+/// Refuses a `key` that is neither a column nor a setting any of `rows` has.
+pub fn check_key<R: std::borrow::Borrow<Row>>(rows: &[R], key: &str) -> Result<(), ResultsError> {
     if rows.is_empty() || known(rows, key) {
         Ok(())
     } else {
