@@ -209,6 +209,17 @@ pub struct ExperimentFile {
     /// L2 weight decay of the optimizer (`--weight-decay`; PipeDream's `weight_decay`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub weight_decay: Option<f64>,
+    /// SGD's momentum (`--momentum`; the runtime's default is 0.9).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub momentum: Option<f64>,
+    /// SGD with Nesterov momentum (`--nesterov`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nesterov: Option<bool>,
+    /// Seconds a rank waits in a rendezvous or a communication before it gives up
+    /// (`--comm-timeout`; the runtime's default is 60): longer for a slow first stage, shorter to
+    /// hear of a hung peer sooner.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub comm_timeout: Option<f64>,
     /// PipeDream's kind of model; only `image_classification` (what PipeDream's image models and
     /// this runtime's are) is accepted.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -125,6 +125,12 @@ fn runtime_command(
     if let Some(w) = f.weight_decay {
         flag("weight-decay", w.to_string());
     }
+    if let Some(m) = f.momentum {
+        flag("momentum", m.to_string());
+    }
+    if let Some(t) = f.comm_timeout {
+        flag("comm-timeout", t.to_string());
+    }
     if let Some(d) = data_arg(ctx) {
         flag("data", d);
     }
@@ -208,6 +214,9 @@ fn runtime_command(
     }
     if f.fused_kernels == Some(true) {
         argv.push("--fused-kernels".into());
+    }
+    if f.nesterov == Some(true) {
+        argv.push("--nesterov".into());
     }
     if let Some(dir) = ctx.trace_dir {
         argv.push(PROFILER_TRACE_FLAG.into());

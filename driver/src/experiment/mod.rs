@@ -1069,6 +1069,9 @@ fn check_pipedream_keys(loaded: &Loaded) -> Result<(), ConfigError> {
         ("cudnn_benchmark", f.cudnn_benchmark == Some(true)),
         ("fused_kernels", f.fused_kernels == Some(true)),
         ("profiler_trace", f.profiler_trace == Some(true)),
+        ("momentum", f.momentum.is_some()),
+        ("nesterov", f.nesterov == Some(true)),
+        ("comm_timeout", f.comm_timeout.is_some()),
     ];
     if let (Some(_), Some((key, _))) = (&f.command, runtime_keys.iter().find(|(_, given)| *given)) {
         return Err(loaded.error_at(

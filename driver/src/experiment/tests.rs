@@ -746,6 +746,34 @@ fn pipedreams_weight_decay_and_model_type_are_honoured() {
     );
 }
 
+/// SGD's momentum, Nesterov's and the communication timeout reach the runtime as its flags; a
+/// `command:` never sees them, so they are refused with one.
+#[test]
+fn momentum_nesterov_and_the_comm_timeout_reach_the_runtime() {
+    let o = options(None, ContainerMode::PerRank);
+    let plan = resolve_text(
+        "machines: [localhost]\nmodule: mlp\nmomentum: 0.5\nnesterov: true\ncomm_timeout: 300\n",
+        &o,
+    )
+    .unwrap();
+    let argv = &plan.ranks[0].argv;
+    assert_eq!(flag(argv, "--momentum"), Some("0.5"));
+    assert_eq!(flag(argv, "--comm-timeout"), Some("300"));
+    assert!(argv.iter().any(|a| a == "--nesterov"), "{argv:?}");
+    let plan = resolve_text("machines: [localhost]\nmodule: mlp\nnesterov: false\n", &o).unwrap();
+    assert!(!plan.ranks[0]
+        .argv
+        .iter()
+        .any(|a| a == "--nesterov" || a == "--momentum"));
+    let e = resolve_text(
+        "machines: [localhost]\ncommand: [/bin/true]\ncomm_timeout: 5\n",
+        &o,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("`comm_timeout` is the runtime's"), "{e}");
+}
+
 #[test]
 fn pipedreams_epochs_learning_rate_policy_and_synthetic_data_reach_the_runtime() {
     let o = options(None, ContainerMode::PerRank);
