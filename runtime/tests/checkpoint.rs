@@ -778,6 +778,26 @@ fn pipedreams_pipeline_checkpoints_between_drained_segments_and_resumes_exactly(
         );
         assert_eq!(last(&second), never_stopped[3..], "{name}");
         assert_same_params(&whole, &resumed, "resumed");
+        let segment = "PipeDream's segment";
+        assert!(second.iter().all(|r| !r.stderr().contains(segment)), "{name}");
+        // Segments of another length step otherwise from here on: the resume says so.
+        let pipeline = [&pipeline[..6], &["--checkpoint-every", "2"]].concat();
+        let third = run_ranks(
+            world,
+            &strs(&mlp(
+                "8",
+                &[&pipeline[..], &["--checkpoint-dir", b, "--resume"]].concat(),
+            )),
+            LIMIT,
+        );
+        last(&third);
+        let said = "resuming with PipeDream's segment (from --checkpoint-every and --validate-every) 2, \
+                    where the checkpoint was written with 3";
+        assert!(
+            third.iter().any(|r| r.stderr().contains(said)),
+            "{name}: {}",
+            third[0].stderr()
+        );
     }
 }
 

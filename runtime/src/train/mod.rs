@@ -754,8 +754,16 @@ fn step_settings(config: &TrainConfig) -> BTreeMap<String, serde_json::Value> {
             set("--weight-decay", weight_decay.into());
         }
     }
+    // PipeDream's stream drains at each segment's end, so other segments step otherwise.
+    if config.dist.schedule == Schedule::PipeDream {
+        set(PIPEDREAM_SEGMENT, serde_json::json!(segment(config)));
+    }
     settings
 }
+
+/// How a checkpoint names PipeDream's segment among its settings ([`segment`]; `null`: the
+/// whole run).
+const PIPEDREAM_SEGMENT: &str = "PipeDream's segment (from --checkpoint-every and --validate-every)";
 
 /// The rows of each minibatch a replica of the first stage runs (its microbatches, taken
 /// round-robin within each iteration); `None` where it runs them all.
