@@ -345,9 +345,24 @@ fn the_ranks_of_a_driver_killed_outright_end_with_it() {
             Duration::from_secs(20),
         );
     }
+    // Its record names it while it runs, so `driver results` can tell it gone afterwards.
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(record.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["driver"]["pid"], child.id(), "{summary}");
+    let results = |h: &Harness| h.driver(&["results".as_ref(), record.as_os_str()], Duration::from_secs(30));
+    let running = results(&h);
+    assert!(!running.stdout().contains("is gone"), "{}", running.stdout());
     child.kill().unwrap();
     child.wait().unwrap();
     h.assert_no_processes();
+    let left = results(&h);
+    assert_eq!(left.code(), 0, "{}", left.stderr());
+    assert!(
+        left.stdout()
+            .contains(&format!("its driver (pid {} on", child.id())),
+        "{}",
+        left.stdout()
+    );
 }
 
 #[test]

@@ -187,6 +187,51 @@ pub struct Summary {
     /// record, the ranks whose trace it holds, and why each other rank's is missing.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub traces: Option<TracesFacts>,
+    /// The driver writing the record: a record still `running` whose driver is gone was left so
+    /// by a driver killed outright (absent in records of drivers before it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub driver: Option<DriverProcess>,
+}
+
+/// A driver process: its machine, process ID and start time, which together name it even once
+/// its ID is another process's.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DriverProcess {
+    pub host: String,
+    pub pid: u32,
+    /// When it started, in clock ticks since the machine booted (`/proc/PID/stat`'s 22nd field).
+    pub started: u64,
+}
+
+impl DriverProcess {
+    /// This process; `None` where `/proc` cannot say when it started.
+    pub fn this() -> Option<DriverProcess> {
+        let pid = std::process::id();
+        Some(DriverProcess {
+            host: host_name()?,
+            pid,
+            started: start_time(pid)?,
+        })
+    }
+
+    /// Whether it is known to have ended: it ran on this machine, and no process of its ID and
+    /// start time is there now. `false` where that cannot be told (another machine).
+    pub fn gone(&self) -> bool {
+        host_name().as_deref() == Some(self.host.as_str()) && start_time(self.pid) != Some(self.started)
+    }
+}
+
+/// This machine's name.
+fn host_name() -> Option<String> {
+    nix::unistd::gethostname().ok()?.into_string().ok()
+}
+
+/// When process `pid` started, in clock ticks since boot; `None` where there is no such process.
+fn start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The name (field 2) is in parentheses and may hold spaces; field 22 is the 20th after it.
+    let (_, after) = stat.rsplit_once(')')?;
+    after.split_whitespace().nth(19)?.parse().ok()
 }
 
 /// Reads a record's summary, refusing another format version with a message saying so.
@@ -207,4 +252,33 @@ pub fn read_summary(dir: &std::path::Path) -> Result<Summary, String> {
         }
         VersionedError::Parse(e) => format!("summary.json: {e}"),
     })
+}
+
+#[cfg(test)]
+mod driver_tests {
+    use super::DriverProcess;
+
+    /// This process is named by its ID and start time: itself is not gone; the same ID with
+    /// another start time (the ID taken by another process since) is, and so is an ID of no
+    /// process; another machine's is never said to be.
+    #[test]
+    fn a_driver_is_gone_once_no_process_of_its_id_and_start_time_is_here() {
+        let this = DriverProcess::this().expect("/proc says when this process started");
+        assert!(!this.gone());
+        let reused = DriverProcess {
+            started: this.started + 1,
+            ..this.clone()
+        };
+        assert!(reused.gone());
+        let ended = DriverProcess {
+            pid: u32::MAX,
+            ..this.clone()
+        };
+        assert!(ended.gone());
+        let elsewhere = DriverProcess {
+            host: format!("{}-elsewhere", this.host),
+            ..ended
+        };
+        assert!(!elsewhere.gone());
+    }
 }

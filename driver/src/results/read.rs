@@ -352,7 +352,19 @@ fn note(summary: &Summary) -> Option<String> {
              iterations {first} to {last}"
         )
     });
-    let notes: Vec<String> = [resumed, failure, restarts, skipped]
+    // Still `running`, with its driver gone: nobody will close the record.
+    let abandoned = summary
+        .driver
+        .as_ref()
+        .filter(|d| summary.status == Status::Running && d.gone())
+        .map(|d| {
+            format!(
+                "its driver (pid {} on {}) is gone: the run ended without closing its record (the \
+                 driver killed outright?); the figures are what it wrote until then",
+                d.pid, d.host
+            )
+        });
+    let notes: Vec<String> = [abandoned, resumed, failure, restarts, skipped]
         .into_iter()
         .flatten()
         .collect();

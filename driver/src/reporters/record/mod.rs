@@ -15,7 +15,7 @@ use crate::events::{ended_by_stop, Event, HostFacts, SlurmEvent, SlurmJob, Statu
 use crate::experiment::Experiment;
 use crate::records::stats::Stats;
 use crate::records::summary::{
-    Failure, LastValidation, RankOutcome, RankState, Restart, Summary, FORMAT_VERSION,
+    DriverProcess, Failure, LastValidation, RankOutcome, RankState, Restart, Summary, FORMAT_VERSION,
 };
 use crate::records::{files, Record, RecordError};
 
@@ -74,6 +74,7 @@ impl RecordReporter {
             plan: None,
             slurm_job: None,
             traces: None,
+            driver: DriverProcess::this(),
         };
         let mut reporter = RecordReporter {
             record,
