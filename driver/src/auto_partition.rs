@@ -85,6 +85,58 @@ pub struct FirstHost<'a> {
     pub cache: &'a ProfileCache,
 }
 
+/// Whether `profile` (taken `profiled_on`) measured what the run plans for: its batch (a
+/// microbatch's), model, arithmetic and sizes (as rank 0's `argv` gives them), and, where
+/// activations are sent compressed, whether they can be; `Err` says what differs and what to do.
+/// `driver check` and preflight ask it of a given profile (`planner: {profile: FILE}`) before
+/// anything starts.
+pub fn profile_fits(
+    profile: &Profile,
+    profiled_on: &str,
+    auto: &AutoPartition,
+    argv: &[String],
+) -> Result<(), String> {
+    if profile.batch_size != auto.micro_batch_size as usize {
+        return Err(format!(
+            "the profile {profiled_on} was taken at batch {} but the run's microbatches have {} \
+             samples; profile at batch_size / microbatches",
+            profile.batch_size, auto.micro_batch_size
+        ));
+    }
+    if profile.model != auto.model {
+        return Err(format!(
+            "the profile {profiled_on} is of {} but the run trains {}; profile {} with `runtime profile`",
+            profile.model, auto.model, auto.model
+        ));
+    }
+    if profile.arithmetic() != auto.arithmetic {
+        return Err(format!(
+            "the profile {profiled_on} was measured in {} but the run computes in {} (its \
+             kernels' times and activations' bytes differ); profile with the run's \
+             --precision and --channels-last",
+            profile.arithmetic(),
+            auto.arithmetic
+        ));
+    }
+    let differ = other_sizes(profile, argv);
+    if !differ.is_empty() {
+        let list = |side: fn(&(String, String, String)) -> String| {
+            differ.iter().map(side).collect::<Vec<_>>().join(", ")
+        };
+        return Err(format!(
+            "the profile {profiled_on} was measured with {} but the run trains with {}; profile \
+             the model the run trains (`runtime profile` with its sizes), or leave `profile:` \
+             out for the driver to",
+            list(|(flag, _, measured)| format!("{flag} {measured}")),
+            list(|(flag, given, _)| format!("{flag} {given}")),
+        ));
+    }
+    if auto.compress_activations {
+        partition::compressible(profile).map_err(|reason| format!("the profile {profiled_on}: {reason}"))?;
+    }
+    Ok(())
+}
+
 /// Profiles (or reads the given profile), plans and writes `profile.json`, `plan.json` and
 /// `stage_config.json` into the record. Returns what the ranks run with.
 pub async fn profile_and_plan(
@@ -127,60 +179,8 @@ pub async fn profile_and_plan(
         }
         (None, None) => unreachable!("auto plans either profile or read a profile"),
     };
-    if profile.batch_size != auto.micro_batch_size as usize {
-        return Err(plan_failed(
-            reporters,
-            format!(
-                "the profile {profiled_on} was taken at batch {} but the run's microbatches have {} \
-                 samples; profile at batch_size / microbatches",
-                profile.batch_size, auto.micro_batch_size
-            ),
-        ));
-    }
-    if profile.model != auto.model {
-        return Err(plan_failed(
-            reporters,
-            format!(
-                "the profile {profiled_on} is of {} but the run trains {}; profile {} with `runtime profile`",
-                profile.model, auto.model, auto.model
-            ),
-        ));
-    }
-    if profile.arithmetic() != auto.arithmetic {
-        return Err(plan_failed(
-            reporters,
-            format!(
-                "the profile {profiled_on} was measured in {} but the run computes in {} (its \
-                 kernels' times and activations' bytes differ); profile with the run's \
-                 --precision and --channels-last",
-                profile.arithmetic(),
-                auto.arithmetic
-            ),
-        ));
-    }
-    let differ = other_sizes(&profile, &plan.ranks[0].argv);
-    if !differ.is_empty() {
-        let list = |side: fn(&(String, String, String)) -> String| {
-            differ.iter().map(side).collect::<Vec<_>>().join(", ")
-        };
-        return Err(plan_failed(
-            reporters,
-            format!(
-                "the profile {profiled_on} was measured with {} but the run trains with {}; profile \
-                 the model the run trains (`runtime profile` with its sizes), or leave `profile:` \
-                 out for the driver to",
-                list(|(flag, _, measured)| format!("{flag} {measured}")),
-                list(|(flag, given, _)| format!("{flag} {given}")),
-            ),
-        ));
-    }
-    if auto.compress_activations {
-        if let Err(reason) = partition::compressible(&profile) {
-            return Err(plan_failed(
-                reporters,
-                format!("the profile {profiled_on}: {reason}"),
-            ));
-        }
+    if let Err(reason) = profile_fits(&profile, &profiled_on, auto, &plan.ranks[0].argv) {
+        return Err(plan_failed(reporters, reason));
     }
     write(record, "profile.json", &profile)?;
 

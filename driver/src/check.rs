@@ -28,6 +28,8 @@ pub enum CheckError {
         /// or nothing.
         at: String,
     },
+    #[error("{reason}; change the experiment file")]
+    Profile { reason: String },
     #[error("cannot run the runtime's check with {}", runtime.display())]
     Runtime {
         runtime: PathBuf,
@@ -40,7 +42,9 @@ impl CheckError {
     /// The documented exit code: every refusal is the experiment file's to fix.
     pub fn exit_code(&self) -> i32 {
         match self {
-            CheckError::Config(_) | CheckError::Refused { .. } => exit_codes::INVALID_CONFIG,
+            CheckError::Config(_) | CheckError::Refused { .. } | CheckError::Profile { .. } => {
+                exit_codes::INVALID_CONFIG
+            }
             CheckError::Runtime { .. } => exit_codes::PREFLIGHT_FAILED,
         }
     }
@@ -95,6 +99,20 @@ pub fn runtime_check(
         return Ok(RuntimeCheck::Skipped(
             "the ranks run `command:`, not the runtime".into(),
         ));
+    }
+    // A profile given to plan with is checked against the run now, not at launch.
+    if let Some(path) = plan
+        .auto
+        .as_ref()
+        .and_then(|a| a.profile_file.as_ref().map(|p| (a, p)))
+    {
+        let (auto, path) = path;
+        let profile = crate::partition::read_profile(path).map_err(|e| CheckError::Profile {
+            reason: error_chain(&e),
+        })?;
+        let on = path.display().to_string();
+        crate::auto_partition::profile_fits(&profile, &on, auto, &plan.ranks[0].argv)
+            .map_err(|reason| CheckError::Profile { reason })?;
     }
     if loaded.file.config_file == Some(StageConfigRef::Auto) {
         return Ok(RuntimeCheck::Skipped(

@@ -54,7 +54,8 @@ impl RunError {
     /// The documented exit code for this failure.
     pub fn exit_code(&self) -> i32 {
         match self {
-            RunError::Config(_) | RunError::Preflight(LaunchError::RequestRefused { .. }) => {
+            RunError::Config(_)
+            | RunError::Preflight(LaunchError::RequestRefused { .. } | LaunchError::ProfileUnfit { .. }) => {
                 exit_codes::INVALID_CONFIG
             }
             RunError::Port(_) | RunError::Preflight(_) | RunError::Signals(_) => exit_codes::PREFLIGHT_FAILED,
@@ -160,7 +161,16 @@ async fn port_and_reach(
 struct LocalCheck {
     /// `None` until the check has spoken; then `Some` of its refusal, `Some(None)` when it
     /// accepted (or could not judge: no runtime here, which the image's runtime then does).
-    verdict: tokio::sync::watch::Receiver<Option<Option<String>>>,
+    verdict: tokio::sync::watch::Receiver<Option<Option<Refusal>>>,
+}
+
+/// What the local check refused.
+#[derive(Debug, Clone)]
+enum Refusal {
+    /// The training request, as the runtime (or the experiment file) says.
+    Request(String),
+    /// The profile given to plan with, which does not fit the run.
+    Profile(String),
 }
 
 impl LocalCheck {
@@ -169,8 +179,11 @@ impl LocalCheck {
         let (loaded, plan, options) = (loaded.clone(), plan.clone(), options.clone());
         tokio::task::spawn_blocking(move || {
             let refusal = match check::runtime_check(&loaded, &plan, &options, false) {
-                Err(CheckError::Refused { reason, at, .. }) => Some(format!("{reason}{at}")),
-                Err(CheckError::Config(e)) => Some(crate::error::error_chain(&e)),
+                Err(CheckError::Refused { reason, at, .. }) => {
+                    Some(Refusal::Request(format!("{reason}{at}")))
+                }
+                Err(CheckError::Config(e)) => Some(Refusal::Request(crate::error::error_chain(&e))),
+                Err(CheckError::Profile { reason }) => Some(Refusal::Profile(reason)),
                 // No runtime here to ask, or it could not run: the image's runtime checks it.
                 Ok(_) | Err(CheckError::Runtime { .. }) => None,
             };
@@ -180,7 +193,7 @@ impl LocalCheck {
     }
 
     /// The refusal, once the check has spoken; `None` when it accepted.
-    async fn spoken(&self) -> Option<String> {
+    async fn spoken(&self) -> Option<Refusal> {
         let mut verdict = self.verdict.clone();
         let said = match verdict.wait_for(Option::is_some).await {
             Ok(said) => said.clone().flatten(),
@@ -194,7 +207,10 @@ impl LocalCheck {
     async fn verdict(&self) -> Result<(), RunError> {
         match self.spoken().await {
             None => Ok(()),
-            Some(reason) => Err(RunError::Preflight(LaunchError::RequestRefused { reason })),
+            Some(Refusal::Request(reason)) => {
+                Err(RunError::Preflight(LaunchError::RequestRefused { reason }))
+            }
+            Some(Refusal::Profile(reason)) => Err(RunError::Preflight(LaunchError::ProfileUnfit { reason })),
         }
     }
 

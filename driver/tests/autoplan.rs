@@ -97,11 +97,23 @@ fn a_given_profile_that_does_not_fit_the_run_is_refused_with_what_to_do() {
             .unwrap();
         assert!(status.success(), "{name}: runtime profile failed");
         let config = auto_mlp(&h, "process", "planner: {profile: given.profile.json}\n");
+        // Refused before anything starts (exit 2, no record), and by `driver check` as well.
         let run = h.run(&config, &["--runtime", runtime().to_str().unwrap()]);
-        assert_eq!(run.code(), 1, "{name}: {}", run.stderr());
+        assert_eq!(run.code(), 2, "{name}: {}", run.stderr());
         assert!(run.stderr().contains(refusal), "{name}: {}", run.stderr());
-        let (_, summary) = h.summary();
-        assert_eq!(summary["failure"]["cause"]["kind"], "plan_failed", "{name}");
+        assert!(!h.records().exists(), "{name}: no record when nothing started");
+        let check = h.driver(
+            &[
+                "check".as_ref(),
+                "--config-file".as_ref(),
+                config.as_os_str(),
+                "--runtime".as_ref(),
+                runtime().as_os_str(),
+            ],
+            std::time::Duration::from_secs(60),
+        );
+        assert_eq!(check.code(), 2, "{name}: {}", check.stderr());
+        assert!(check.stderr().contains(refusal), "{name}: {}", check.stderr());
         h.assert_no_processes();
     }
 }

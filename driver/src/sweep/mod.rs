@@ -494,6 +494,7 @@ fn first_refused(points: &[(Loaded, Experiment)], options: &Options) -> Option<(
                             format!("the runtime refuses its training request: {reason}{at}")
                         }
                         Err(CheckError::Config(e)) => crate::error::error_chain(&e),
+                        Err(CheckError::Profile { reason }) => reason,
                         Ok(check::RuntimeCheck::NoRuntime) => {
                             // Said once, by the first worker to find it.
                             if !unchecked.swap(true, Ordering::SeqCst)
