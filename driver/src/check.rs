@@ -101,12 +101,11 @@ pub fn runtime_check(
         ));
     }
     // A profile given to plan with is checked against the run now, not at launch.
-    if let Some(path) = plan
+    let given = plan
         .auto
         .as_ref()
-        .and_then(|a| a.profile_file.as_ref().map(|p| (a, p)))
-    {
-        let (auto, path) = path;
+        .and_then(|a| Some((a, a.profile_file.as_ref()?)));
+    if let Some((auto, path)) = given {
         let profile = crate::partition::read_profile(path).map_err(|e| CheckError::Profile {
             reason: error_chain(&e),
         })?;

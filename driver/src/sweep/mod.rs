@@ -360,8 +360,6 @@ fn grid_error(loaded: &Loaded, grid: &[(String, Vec<String>)], source: GridError
     SweepError::Grid { at, source }
 }
 
-/// Every point's experiment file, each parsed and planned, so a bad point stops the sweep before
-/// anything runs.
 /// The name a new sweep's points are checked under before its folder has one (it is part of
 /// their checkpoint folders, which only a runtime's resume reads).
 const NEW_SWEEP: &str = "new-sweep";
@@ -372,8 +370,9 @@ fn folder_name(dir: &Path) -> String {
         .map_or_else(|| NEW_SWEEP.to_string(), |n| n.to_string_lossy().into_owned())
 }
 
-/// Every point's experiment file (`sweep`: the sweep folder's name), each resolved and its
-/// request checked; an error names the first point refused.
+/// Every point's experiment file (`sweep`: the sweep folder's name), each parsed, planned and its
+/// request checked, so a bad point stops the sweep before anything runs; an error names the first
+/// point refused.
 fn points(loaded: &Loaded, index: &Index, options: &Options, sweep: &str) -> Result<Vec<Loaded>, SweepError> {
     let resolved = index
         .points
