@@ -55,6 +55,13 @@ fn iteration(i: u64, rank: usize) -> Event {
     ))
 }
 
+/// A reporter of a new record of `plan` under `parent`, and the record's folder.
+fn reporter(parent: &Path, plan: &Experiment) -> (RecordReporter, std::path::PathBuf) {
+    let record = Record::create(parent, &plan.name).unwrap();
+    let dir = record.dir.clone();
+    (RecordReporter::new(record, plan).unwrap(), dir)
+}
+
 fn summary(dir: &Path) -> Value {
     serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap()).unwrap()
 }
@@ -193,9 +200,7 @@ fn a_failed_run_is_recorded_as_it_goes() {
 fn a_rank_on_a_lost_host_is_never_recorded_as_exited_and_its_container_is_named() {
     let tmp = tempfile::tempdir().unwrap();
     let (_, plan) = plan(tmp.path());
-    let record = Record::create(&tmp.path().join("records"), &plan.name).unwrap();
-    let dir = record.dir.clone();
-    let mut r = RecordReporter::new(record, &plan).unwrap();
+    let (mut r, dir) = reporter(&tmp.path().join("records"), &plan);
     assert_eq!(summary(&dir)["ranks"][1]["state"], "pending");
     for rank in 0..2 {
         r.report(&Event::RankStarted {
@@ -271,9 +276,7 @@ fn a_summary_without_rank_states_or_left_containers_still_reads() {
 fn ranks_the_driver_stops_are_recorded_as_stopped_not_as_failures_of_their_own() {
     let tmp = tempfile::tempdir().unwrap();
     let (_, plan) = plan(tmp.path());
-    let record = Record::create(&tmp.path().join("records"), &plan.name).unwrap();
-    let dir = record.dir.clone();
-    let mut r = RecordReporter::new(record, &plan).unwrap();
+    let (mut r, dir) = reporter(&tmp.path().join("records"), &plan);
     let start = |r: &mut RecordReporter| {
         for rank in 0..2 {
             r.report(&Event::RankStarted {
@@ -332,9 +335,7 @@ fn ranks_the_driver_stops_are_recorded_as_stopped_not_as_failures_of_their_own()
     // not the stop's doing.
     r.report(&exit(1, Some(137), true)).unwrap();
     assert_eq!(state(1), "exited");
-    let record = Record::create(&tmp.path().join("records2"), &plan.name).unwrap();
-    let dir2 = record.dir.clone();
-    let mut r2 = RecordReporter::new(record, &plan).unwrap();
+    let (mut r2, dir2) = reporter(&tmp.path().join("records2"), &plan);
     start(&mut r2);
     r2.report(&Event::Stopping(StopCause::Interrupted)).unwrap();
     r2.report(&exit(0, Some(1), false)).unwrap();
