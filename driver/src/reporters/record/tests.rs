@@ -62,6 +62,18 @@ fn reporter(parent: &Path, plan: &Experiment) -> (RecordReporter, std::path::Pat
     (RecordReporter::new(record, plan).unwrap(), dir)
 }
 
+/// Both ranks of the plan started, on localhost.
+fn start_both(r: &mut RecordReporter) {
+    for rank in 0..2 {
+        r.report(&Event::RankStarted {
+            rank,
+            host: "localhost".into(),
+            handle: format!("c{rank}"),
+        })
+        .unwrap();
+    }
+}
+
 fn summary(dir: &Path) -> Value {
     serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap()).unwrap()
 }
@@ -202,14 +214,7 @@ fn a_rank_on_a_lost_host_is_never_recorded_as_exited_and_its_container_is_named(
     let (_, plan) = plan(tmp.path());
     let (mut r, dir) = reporter(&tmp.path().join("records"), &plan);
     assert_eq!(summary(&dir)["ranks"][1]["state"], "pending");
-    for rank in 0..2 {
-        r.report(&Event::RankStarted {
-            rank,
-            host: "localhost".into(),
-            handle: format!("c{rank}"),
-        })
-        .unwrap();
-    }
+    start_both(&mut r);
     assert_eq!(summary(&dir)["ranks"][1]["state"], "running");
     let reason = "connection reset".to_string();
     r.report(&Event::HostLost {
@@ -277,16 +282,6 @@ fn ranks_the_driver_stops_are_recorded_as_stopped_not_as_failures_of_their_own()
     let tmp = tempfile::tempdir().unwrap();
     let (_, plan) = plan(tmp.path());
     let (mut r, dir) = reporter(&tmp.path().join("records"), &plan);
-    let start = |r: &mut RecordReporter| {
-        for rank in 0..2 {
-            r.report(&Event::RankStarted {
-                rank,
-                host: "localhost".into(),
-                handle: format!("c{rank}"),
-            })
-            .unwrap();
-        }
-    };
     let exit = |rank, exit_code, out_of_memory| Event::RankExited {
         rank,
         exit_code,
@@ -298,7 +293,7 @@ fn ranks_the_driver_stops_are_recorded_as_stopped_not_as_failures_of_their_own()
             .unwrap()
             .to_string()
     };
-    start(&mut r);
+    start_both(&mut r);
     // Before the driver stops anything, a SIGKILL's code is the rank's own failure.
     r.report(&exit(1, Some(137), false)).unwrap();
     assert_eq!(state(1), "exited");
@@ -327,7 +322,7 @@ fn ranks_the_driver_stops_are_recorded_as_stopped_not_as_failures_of_their_own()
         resume_from: None,
     })
     .unwrap();
-    start(&mut r);
+    start_both(&mut r);
     r.report(&exit(0, None, false)).unwrap();
     assert_eq!(state(0), "exited");
     r.report(&Event::Stopping(StopCause::Interrupted)).unwrap();
@@ -336,7 +331,7 @@ fn ranks_the_driver_stops_are_recorded_as_stopped_not_as_failures_of_their_own()
     r.report(&exit(1, Some(137), true)).unwrap();
     assert_eq!(state(1), "exited");
     let (mut r2, dir2) = reporter(&tmp.path().join("records2"), &plan);
-    start(&mut r2);
+    start_both(&mut r2);
     r2.report(&Event::Stopping(StopCause::Interrupted)).unwrap();
     r2.report(&exit(0, Some(1), false)).unwrap();
     r2.report(&exit(1, None, false)).unwrap();
