@@ -791,9 +791,29 @@ fn check_visible_devices(
     }
 }
 
+/// What the driver gives each rank itself (torchrun's names), which `env:` would not change.
+const DRIVER_ENV: [&str; 6] = [
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+];
+
 /// Every `env:` name must be one a process can be given: not empty, no `=` (Docker's `-e A=B=1`
-/// sets `A` to `B=1`), no space or control character.
+/// sets `A` to `B=1`), no space or control character; and not one the driver sets itself.
 fn check_env_names(loaded: &Loaded) -> Result<(), ConfigError> {
+    if let Some(name) = DRIVER_ENV.iter().find(|n| loaded.file.env.contains_key(**n)) {
+        return Err(loaded.error_at(
+            "env",
+            format!(
+                "env sets {name}, which the driver gives each rank itself (RANK, WORLD_SIZE, \
+                 LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT); drop it (`master_addr:` \
+                 and --master-port set the master's)"
+            ),
+        ));
+    }
     let bad =
         loaded.file.env.keys().find(|k| {
             k.is_empty() || k.contains('=') || k.chars().any(|c| c.is_whitespace() || c.is_control())

@@ -1533,6 +1533,18 @@ fn a_bom_bad_env_names_shared_gpus_and_negative_values_are_handled() {
             "{name:?}: {e}"
         );
     }
+    // What the driver gives each rank itself is not the file's to set: it would be overridden.
+    for name in ["RANK", "MASTER_PORT"] {
+        let text = format!("machines: [localhost]\nmodule: mlp\nenv: {{{name}: '1'}}\n");
+        let e = refusal(&text);
+        assert!(
+            e.contains("exp.yml:3:1")
+                && e.contains(&format!(
+                    "env sets {name}, which the driver gives each rank itself"
+                )),
+            "{name}: {e}"
+        );
+    }
 
     let shared = "machines: ['node1:0', 'node1:1', 'node1:0']\nmodule: mlp\n";
     let e = refusal(shared);
