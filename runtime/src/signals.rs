@@ -7,9 +7,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 static TERM: AtomicBool = AtomicBool::new(false);
 /// Whether [`catch_term`] ran: the run stops after a checkpoint when asked to.
 static CAUGHT: AtomicBool = AtomicBool::new(false);
-/// Whether the metrics' reader went away (the driver gone), which a run that checkpoints takes
-/// as SIGTERM.
-static OUTPUT_GONE: AtomicBool = AtomicBool::new(false);
 
 extern "C" fn note_term(_: libc::c_int) {
     // Only an atomic store: async-signal-safe.
@@ -31,9 +28,10 @@ pub fn catch_term() -> Result<(), String> {
     Ok(())
 }
 
-/// Whether SIGTERM arrived since [`catch_term`], or the metrics' reader went away since.
+/// Whether SIGTERM arrived since [`catch_term`], or the metrics' reader went away since
+/// ([`output_gone`]).
 pub fn term_requested() -> bool {
-    TERM.load(Ordering::SeqCst) || OUTPUT_GONE.load(Ordering::SeqCst)
+    TERM.load(Ordering::SeqCst)
 }
 
 /// Takes the metrics' reader going away (a broken pipe: the driver killed outright, whose ranks
@@ -42,7 +40,7 @@ pub fn term_requested() -> bool {
 pub fn output_gone() -> bool {
     let caught = CAUGHT.load(Ordering::SeqCst);
     if caught {
-        OUTPUT_GONE.store(true, Ordering::SeqCst);
+        TERM.store(true, Ordering::SeqCst);
     }
     caught
 }

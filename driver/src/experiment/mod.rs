@@ -808,9 +808,9 @@ fn check_env_names(loaded: &Loaded) -> Result<(), ConfigError> {
         return Err(loaded.error_at(
             "env",
             format!(
-                "env sets {name}, which the driver gives each rank itself (RANK, WORLD_SIZE, \
-                 LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT); drop it (`master_addr:` \
-                 and --master-port set the master's)"
+                "env sets {name}, which the driver gives each rank itself ({}); drop it \
+                 (`master_addr:` and --master-port set the master's)",
+                DRIVER_ENV.join(", ")
             ),
         ));
     }
@@ -1531,11 +1531,14 @@ pub fn absolute(path: &Path) -> PathBuf {
 
 /// This machine's name as other machines would resolve it.
 fn this_host_name() -> String {
-    nix::unistd::gethostname()
-        .ok()
-        .and_then(|h| h.into_string().ok())
+    host_name()
         .filter(|h| !h.is_empty())
         .unwrap_or_else(|| "localhost".to_string())
+}
+
+/// This machine's name (`gethostname`), where the system gives one.
+pub fn host_name() -> Option<String> {
+    nix::unistd::gethostname().ok()?.into_string().ok()
 }
 
 /// A free TCP port on this machine, from the kernel's ephemeral range: for a listener of the

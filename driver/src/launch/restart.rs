@@ -114,16 +114,15 @@ pub fn decide(
     previous: Option<&Failure>,
 ) -> Decision {
     let not = |why: String| Decision::Stop { why: Some(why) };
-    if max == 0 || matches!(cause, StopCause::Interrupted) {
+    if max == 0 {
         return Decision::Stop { why: None };
     }
-    if done >= max {
-        return not(format!(
+    match cause {
+        StopCause::Interrupted => Decision::Stop { why: None },
+        _ if done >= max => not(format!(
             "the {max} restart(s) allowed (max_restarts: {max}) are used up; raise max_restarts, or \
              --max-restarts, for more"
-        ));
-    }
-    match cause {
+        )),
         StopCause::RankFailed {
             exit_code: Some(REFUSED),
             ..
@@ -152,7 +151,6 @@ pub fn decide(
                 resume_from: progress.resume_from(world_size),
             }
         }
-        StopCause::Interrupted => Decision::Stop { why: None },
         StopCause::ProfileFailed { .. } | StopCause::PlanFailed { .. } | StopCause::LaunchFailed { .. } => {
             not("the ranks never started".into())
         }

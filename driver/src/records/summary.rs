@@ -208,7 +208,7 @@ impl DriverProcess {
     pub fn this() -> Option<DriverProcess> {
         let pid = std::process::id();
         Some(DriverProcess {
-            host: host_name()?,
+            host: crate::experiment::host_name()?,
             pid,
             started: start_time(pid)?,
         })
@@ -217,13 +217,9 @@ impl DriverProcess {
     /// Whether it is known to have ended: it ran on this machine, and no process of its ID and
     /// start time is there now. `false` where that cannot be told (another machine).
     pub fn gone(&self) -> bool {
-        host_name().as_deref() == Some(self.host.as_str()) && start_time(self.pid) != Some(self.started)
+        crate::experiment::host_name().as_deref() == Some(self.host.as_str())
+            && start_time(self.pid) != Some(self.started)
     }
-}
-
-/// This machine's name.
-fn host_name() -> Option<String> {
-    nix::unistd::gethostname().ok()?.into_string().ok()
 }
 
 /// When process `pid` started, in clock ticks since boot; `None` where there is no such process.
