@@ -42,6 +42,13 @@ pub struct StageConfig {
 pub enum StageConfigError {
     #[error("stage config is not valid JSON of PipeDream's format: {0}")]
     Json(String),
+    /// A layer profile given where a stage config goes.
+    #[error(
+        "this is a layer profile (what `runtime profile` writes), not a stage config: plan one from \
+         it with `driver plan --profile FILE`, or give it to an experiment as `config_file: auto` \
+         with `planner: {{profile: FILE}}`"
+    )]
+    IsAProfile,
     #[error(
         "module_to_stage_map has {got} entries but the model has {expected} modules (the loss included); \
          `runtime modules --model NAME` lists them"
@@ -150,7 +157,17 @@ pub struct StagePlan {
 impl StageConfig {
     /// Parses PipeDream's JSON.
     pub fn from_json(text: &str) -> Result<StageConfig, StageConfigError> {
-        serde_json::from_str(text).map_err(|e| StageConfigError::Json(e.to_string()))
+        serde_json::from_str(text).map_err(|e| {
+            // A layer profile given where a stage config goes: say what it is and where it goes.
+            let value = serde_json::from_str::<serde_json::Value>(text).ok();
+            let profile = value
+                .as_ref()
+                .is_some_and(|v| v.get("format_version").is_some() && v.get("modules").is_some());
+            match profile {
+                true => StageConfigError::IsAProfile,
+                false => StageConfigError::Json(e.to_string()),
+            }
+        })
     }
 
     /// Checks the config against the model's module count and the world size.
@@ -635,6 +652,11 @@ mod tests {
             StageConfig::from_json("[1,2]"),
             Err(StageConfigError::Json(_))
         ));
+        // A layer profile is named as one, with where it goes.
+        let profile = r#"{"format_version": 1, "model": "mlp", "batch_size": 8, "modules": []}"#;
+        let err = StageConfig::from_json(profile).unwrap_err();
+        assert!(matches!(err, StageConfigError::IsAProfile), "{err}");
+        assert!(err.to_string().contains("driver plan --profile"), "{err}");
     }
 
     #[test]

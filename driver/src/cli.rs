@@ -117,7 +117,7 @@ struct SweepArgs {
 ))]
 struct ResultsArgs {
     /// Record folders, sweep folders or folders of them (default `experiments/`), and `KEY=VALUE`
-    /// filters (e.g. `schedule=1f1b`).
+    /// filters (e.g. `schedule=1f1b`; a key given twice keeps the rows with either value).
     #[arg(value_name = "PATH|KEY=VALUE")]
     inputs: Vec<String>,
 
@@ -134,7 +134,7 @@ struct ResultsArgs {
     group_by: Option<String>,
 
     /// The row speedups are measured against: `KEY=VALUE[,KEY=VALUE]` (the first matching row) or
-    /// a row's name or record id. Default: the first row.
+    /// a row's name or record id. Default: the first row, in the records' order (before --sort).
     #[arg(long, value_name = "ROW")]
     baseline: Option<String>,
 
@@ -210,20 +210,20 @@ struct PlanArgs {
     profile: PathBuf,
 
     /// Workers (GPUs or CPU ranks) to plan for.
-    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, value_name = "N", allow_negative_numbers = true, value_parser = clap::value_parser!(u64).range(1..))]
     workers: u64,
 
     /// Network bandwidth between all workers in GB/s (default 10, when no --level is given).
-    #[arg(long, value_name = "GBPS", value_parser = parse_gbps)]
+    #[arg(long, value_name = "GBPS", allow_negative_numbers = true, value_parser = parse_gbps)]
     bandwidth: Option<f64>,
 
     /// A network level, innermost first: groups of WORKERS at GBPS GB/s (e.g. `4:100` for four
     /// GPUs on NVLink). The last level's group is widened to all workers.
-    #[arg(long, value_name = "WORKERS:GBPS", value_parser = parse_level)]
+    #[arg(long, value_name = "WORKERS:GBPS", allow_hyphen_values = true, value_parser = parse_level)]
     level: Vec<(usize, f64)>,
 
     /// Memory per worker in GiB (default: no limit).
-    #[arg(long, value_name = "GIB", value_parser = parse_gib)]
+    #[arg(long, value_name = "GIB", allow_negative_numbers = true, value_parser = parse_gib)]
     memory: Option<f64>,
 
     /// No replication: one worker per stage.
@@ -234,7 +234,7 @@ struct PlanArgs {
     /// minibatch (M x the profile's batch) the plan is for: forward, backward and transfers
     /// happen M times per minibatch, the all-reduce and optimizer step once. It changes the
     /// plan (more microbatches make replication cheaper) and GPipe/1F1B's fill-and-drain.
-    #[arg(long, value_name = "M", default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, value_name = "M", default_value_t = 4, allow_negative_numbers = true, value_parser = clap::value_parser!(u64).range(1..))]
     microbatches: u64,
 
     /// Also print why: each stage's compute, optimizer, all-reduce and transfer per minibatch
@@ -941,12 +941,18 @@ mod tests {
                 "`1e300` is not GiB per worker above 0 and at most 1048576 (a pebibyte)",
             ),
             (&["--memory", "0"], "`0` is not GiB per worker"),
+            // Negative numbers are values, refused as such, not taken for flags.
+            (&["--bandwidth", "-1"], "`-1` is not a bandwidth in GB/s"),
+            (&["--memory", "-2"], "`-2` is not GiB per worker"),
+            (&["--level", "-2:10"], "--level"),
+            (&["--microbatches", "-3"], "--microbatches"),
         ] {
             let mut all = vec!["plan", "--profile", "p.json", "--workers", "4"];
             all.extend_from_slice(bad);
             let e = try_task(&all).expect_err(expected);
             assert_eq!(e.exit_code(), 2, "{e}");
             assert!(e.to_string().contains(expected), "{e}");
+            assert!(!e.to_string().contains("unexpected argument"), "{e}");
         }
         let p = plan(&[
             "--workers",

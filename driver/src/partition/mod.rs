@@ -209,6 +209,14 @@ impl Source {
             check_profile(&profile).map_err(invalid)?;
             return Ok(Source::Runtime(profile));
         }
+        // Neither form: say so, rather than what a graph.txt line lacks.
+        if !text.lines().any(|l| l.contains(" -- ")) {
+            return Err(invalid(
+                "it is neither a profile `runtime profile` writes (JSON, starting with `{`) nor \
+                 PipeDream's graph.txt (lines `<id> -- <description> -- <measurements>`)"
+                    .into(),
+            ));
+        }
         let read = |e: stagehand_planner::GraphError| invalid(format!("as PipeDream's graph.txt: {e}"));
         let graph = Graph::parse(&text).map_err(read)?;
         let chain = graph.chain().map_err(read)?;
@@ -300,6 +308,9 @@ impl Source {
 /// position), and some time to balance. The reason names the module and the field, and says
 /// what is allowed.
 pub fn check_profile(profile: &Profile) -> Result<(), String> {
+    if profile.modules.is_empty() {
+        return Err("it lists no modules; `runtime profile` writes one entry per module of the model".into());
+    }
     for (i, module) in profile.modules.iter().enumerate() {
         let at = format!("modules[{i}] (`{}`)", module.name);
         if module.index != i {

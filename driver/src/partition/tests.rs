@@ -429,6 +429,16 @@ fn nonsense_profiles_are_refused_naming_the_entry_and_what_is_allowed() {
              backward take time"
                 .into(),
         ),
+        (
+            with(&|p| p.modules.clear()),
+            "profile.json: it lists no modules; `runtime profile` writes one entry per module".into(),
+        ),
+        (
+            "model,forward_s\nmlp,0.1\n".into(),
+            "profile.json: it is neither a profile `runtime profile` writes (JSON, starting with `{`) nor \
+             PipeDream's graph.txt"
+                .into(),
+        ),
     ];
     for (text, expected) in cases {
         let message = refusal(&opts, &text);
