@@ -38,9 +38,10 @@ pub struct ResultsOptions {
     pub sort: Option<String>,
     /// One table per value of this key.
     pub group_by: Option<String>,
-    /// `KEY=VALUE` filters, all of which a row must match.
+    /// `KEY=VALUE` filters: a row must match one value of each key given.
     pub filters: Vec<(String, String)>,
-    /// Selects the baseline row for speedups (default: the first row with a throughput).
+    /// Selects the baseline row for speedups (default: the first row with a throughput, in the
+    /// records' order, before any sort).
     pub baseline: Option<String>,
     /// Where to write an SVG plot, if anywhere.
     pub plot: Option<PathBuf>,
@@ -99,6 +100,8 @@ pub enum ResultsError {
     Baseline { selector: String },
     #[error("--sort {spec}: `{direction}` is not a direction; give KEY, KEY:asc or KEY:desc")]
     SortDirection { spec: String, direction: String },
+    #[error("{key}: the time to a target needs the target; add --time-to METRIC=TARGET (e.g. accuracy=90%)")]
+    TimeToWithoutTarget { key: String },
     #[error("{flag} {}: plots are written as SVG; give a file ending in .svg", path.display())]
     NotSvg { flag: &'static str, path: PathBuf },
     #[error("cannot write the plot")]
@@ -115,6 +118,7 @@ impl ResultsError {
             | ResultsError::UnknownKey { .. }
             | ResultsError::Baseline { .. }
             | ResultsError::SortDirection { .. }
+            | ResultsError::TimeToWithoutTarget { .. }
             | ResultsError::NotSvg { .. }
             | ResultsError::Plot(PlotError::NoAxis) => crate::exit_codes::INVALID_CONFIG,
             ResultsError::Plot(_) => crate::exit_codes::RECORD_FAILED,
@@ -136,10 +140,19 @@ fn select(options: &ResultsOptions) -> Result<Vec<(String, Vec<read::Row>)>, Res
             row.time_to = curves::time_to(&row.dir, target, options.smoothing);
         }
     }
+    // `time_to` has values only with the target they are times to.
+    let needs_target = [options.sort.as_deref(), options.group_by.as_deref()]
+        .into_iter()
+        .flatten()
+        .find(|key| select::is_time_to(key));
+    if let (Some(key), None) = (needs_target, options.time_to) {
+        return Err(ResultsError::TimeToWithoutTarget { key: key.to_string() });
+    }
+    // The baseline is chosen in the records' order, so that sorting does not move it.
+    select::speedups(&mut rows, options.baseline.as_deref())?;
     if let Some(key) = &options.sort {
         select::sort(&mut rows, key)?;
     }
-    select::speedups(&mut rows, options.baseline.as_deref())?;
     match &options.group_by {
         Some(key) => select::group(rows, key),
         None => Ok(vec![(String::new(), rows)]),

@@ -328,7 +328,12 @@ fn note(summary: &Summary) -> Option<String> {
             summary.iterations_done
         )
     });
-    let failure = summary.failure.as_ref().map(|f| cause_text(&f.cause));
+    // An interrupt is the status column's already.
+    let failure = summary
+        .failure
+        .as_ref()
+        .filter(|f| !matches!(f.cause, StopCause::Interrupted))
+        .map(|f| cause_text(&f.cause));
     // A run that failed in the end says how often it was started again; one that went on to
     // succeed, after what.
     let restarts = match (summary.restarts.as_slice(), &failure) {

@@ -30,6 +30,11 @@ pub const COLUMN_KEYS: [&str; 20] = [
     "note",
 ];
 
+/// Whether a `--sort` or `--group-by` key (`KEY` or `KEY:desc`) is the time to a target.
+pub fn is_time_to(spec: &str) -> bool {
+    canonical(spec.split(':').next().unwrap_or(spec)) == "time_to"
+}
+
 /// Other names a key goes by.
 fn canonical(key: &str) -> &str {
     match key {
@@ -112,19 +117,21 @@ pub fn check_key<R: std::borrow::Borrow<Row>>(rows: &[R], key: &str) -> Result<(
     }
 }
 
-/// Keeps the rows whose value for each key equals the filter's.
+/// Keeps the rows that match every key filtered on: a key given more than once (`model=mlp
+/// model=vgg16`) keeps the rows with any of its values.
 pub fn filter(rows: Vec<Row>, filters: &[(String, String)]) -> Result<Vec<Row>, ResultsError> {
     for (key, _) in filters {
         check_key(&rows, key)?;
     }
-    Ok(rows
-        .into_iter()
-        .filter(|row| {
+    let matches = |row: &Row| {
+        filters.iter().all(|(key, _)| {
             filters
                 .iter()
-                .all(|(k, v)| value(row, k).as_deref() == Some(v.as_str()))
+                .filter(|(k, _)| canonical(k) == canonical(key))
+                .any(|(k, v)| value(row, k).as_deref() == Some(v.as_str()))
         })
-        .collect())
+    };
+    Ok(rows.into_iter().filter(|row| matches(row)).collect())
 }
 
 /// Numbers compare as numbers, text as text, a missing value last.

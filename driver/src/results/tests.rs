@@ -71,6 +71,42 @@ fn filters_sort_group_and_baseline() {
     insta::assert_snapshot!("results_grouped", out);
 }
 
+/// A key filtered on twice keeps the rows with either value (keys still all apply), and the
+/// default baseline is the first row with a throughput in the records' order, however sorted.
+#[test]
+fn filters_on_one_key_widen_and_sorting_keeps_the_baseline() {
+    let rows = |o: &ResultsOptions| -> Vec<read::Row> {
+        select(o).unwrap().into_iter().flat_map(|(_, r)| r).collect()
+    };
+    let mut o = options(Format::Table);
+    let all = rows(&o);
+    let with = |s: &str| all.iter().filter(|r| r.schedule.as_deref() == Some(s)).count();
+    assert!(with("gpipe") > 0 && with("1f1b") > 0, "the fixtures have both");
+    o.filters = vec![
+        ("schedule".into(), "gpipe".into()),
+        ("schedule".into(), "1f1b".into()),
+    ];
+    assert_eq!(rows(&o).len(), with("gpipe") + with("1f1b"));
+    o.filters.push(("microbatches".into(), "4".into()));
+    let both = rows(&o);
+    assert!(!both.is_empty() && both.len() < with("gpipe") + with("1f1b"));
+    assert!(both.iter().all(|r| r.microbatches == Some(4)));
+
+    let measured: Vec<&read::Row> = all.iter().filter(|r| r.throughput.is_some()).collect();
+    assert!(measured.len() >= 2, "the fixtures have rows to sort");
+    let base = measured[0].throughput.as_ref().unwrap().samples_per_sec_mean;
+    for spec in ["samples_per_sec:desc", "samples_per_sec"] {
+        let mut o = options(Format::Table);
+        o.sort = Some(spec.into());
+        let sorted = rows(&o);
+        assert_eq!(sorted.len(), all.len());
+        for row in sorted.iter().filter(|r| r.throughput.is_some()) {
+            let t = row.throughput.as_ref().unwrap().samples_per_sec_mean;
+            assert_eq!(row.speedup, Some(t / base), "{spec}: {}", row.name);
+        }
+    }
+}
+
 #[test]
 fn unknown_keys_and_baselines_are_errors() {
     let mut o = options(Format::Table);
@@ -94,6 +130,20 @@ fn unknown_keys_and_baselines_are_errors() {
         let e = render(&o).unwrap_err();
         assert!(matches!(e, ResultsError::SortDirection { .. }), "{spec}: {e}");
         assert!(e.to_string().contains("give KEY, KEY:asc or KEY:desc"), "{e}");
+    }
+    // The time to a target, without the target, has nothing to sort or group by.
+    for (sort, group) in [
+        (Some("time_to"), None),
+        (Some("time_to:desc"), None),
+        (None, Some("time_to")),
+    ] {
+        let mut o = options(Format::Table);
+        o.sort = sort.map(Into::into);
+        o.group_by = group.map(Into::into);
+        let e = render(&o).unwrap_err();
+        assert!(matches!(e, ResultsError::TimeToWithoutTarget { .. }), "{e}");
+        assert!(e.to_string().contains("add --time-to METRIC=TARGET"), "{e}");
+        assert_eq!(e.exit_code(), crate::exit_codes::INVALID_CONFIG);
     }
     // A plot's x axis is a key the rows know.
     let dir = tempfile::tempdir().unwrap();
