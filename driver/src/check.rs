@@ -30,6 +30,12 @@ pub enum CheckError {
     },
     #[error("{reason}; change the experiment file")]
     Profile { reason: String },
+    #[error("checkpoint_dir: {reason}{at}; choose a folder the ranks can write in")]
+    CheckpointDir {
+        reason: String,
+        /// Where `checkpoint_dir` is written (` (`checkpoint_dir` at FILE:LINE)`), or nothing.
+        at: String,
+    },
     #[error("cannot run the runtime's check with {}", runtime.display())]
     Runtime {
         runtime: PathBuf,
@@ -42,9 +48,10 @@ impl CheckError {
     /// The documented exit code: every refusal is the experiment file's to fix.
     pub fn exit_code(&self) -> i32 {
         match self {
-            CheckError::Config(_) | CheckError::Refused { .. } | CheckError::Profile { .. } => {
-                exit_codes::INVALID_CONFIG
-            }
+            CheckError::Config(_)
+            | CheckError::Refused { .. }
+            | CheckError::Profile { .. }
+            | CheckError::CheckpointDir { .. } => exit_codes::INVALID_CONFIG,
             CheckError::Runtime { .. } => exit_codes::PREFLIGHT_FAILED,
         }
     }
@@ -58,8 +65,13 @@ pub const NO_RUNTIME: &str =
 #[derive(Debug, PartialEq, Eq)]
 pub enum RuntimeCheck {
     /// Every rank's request was accepted by this runtime, which warned of what the `warnings`
-    /// say (each once, with where its key is written).
-    Accepted { runtime: PathBuf, warnings: Vec<String> },
+    /// say (each once, with where its key is written); with `resume`, the iterations done of the
+    /// checkpoints the ranks checked here would resume from (0: none yet, they start afresh).
+    Accepted {
+        runtime: PathBuf,
+        warnings: Vec<String>,
+        resumes_after: Option<u64>,
+    },
     /// Not checked, and why.
     Skipped(String),
     /// Not checked: there is no runtime on this machine to check with.
@@ -73,6 +85,9 @@ pub fn run(options: &Options) -> Result<(), CheckError> {
     let port = options.master_port.unwrap_or(29500);
     let plan = experiment::resolve(&loaded, options, port)?;
     let verdict = runtime_check(&loaded, &plan, options, true)?;
+    if let Some(warning) = unused_gpus(&loaded, &plan) {
+        stderr_line!("warning: {warning}");
+    }
     stdout_text!(
         "{}",
         render(
@@ -114,11 +129,13 @@ pub fn runtime_check(
             .map_err(|reason| CheckError::Profile { reason })?;
     }
     if loaded.file.config_file == Some(StageConfigRef::Auto) {
+        checkpoints_writable(loaded, plan)?;
         return Ok(RuntimeCheck::Skipped(
             "config_file: auto; the stage config is planned at launch and checked there".into(),
         ));
     }
     let Some(runtime) = local_runtime(plan, options) else {
+        checkpoints_writable(loaded, plan)?;
         return Ok(RuntimeCheck::NoRuntime);
     };
     let ranks = if every_rank {
@@ -127,6 +144,7 @@ pub fn runtime_check(
         &plan.ranks[..1]
     };
     let mut warnings = Vec::new();
+    let mut resumes_after: Option<u64> = None;
     for rank in ranks {
         // A rank on another host resumes from checkpoints on that host's disk, not this one's:
         // its image's runtime checks them at preflight, where they are.
@@ -152,6 +170,11 @@ pub fn runtime_check(
                 reason,
             });
         }
+        // The ranks go on from the newest checkpoint every one of them holds.
+        let said = serde_json::from_slice::<serde_json::Value>(out.stdout.trim_ascii()).ok();
+        if let Some(after) = said.as_ref().and_then(|s| s.get("resumes_after")?.as_u64()) {
+            resumes_after = Some(resumes_after.map_or(after, |r| r.min(after)));
+        }
         for warning in runtime_warnings(&String::from_utf8_lossy(&out.stderr)) {
             let warning = format!("{warning}{}", written_at(loaded, &warning));
             if !warnings.contains(&warning) {
@@ -159,7 +182,101 @@ pub fn runtime_check(
             }
         }
     }
-    Ok(RuntimeCheck::Accepted { runtime, warnings })
+    // After the runtime's refusals, which say more (a resume with no checkpoint, say).
+    checkpoints_writable(loaded, plan)?;
+    Ok(RuntimeCheck::Accepted {
+        runtime,
+        warnings,
+        resumes_after,
+    })
+}
+
+/// `device: cpu` where `machines` names GPUs: the ranks train on the CPU, and the GPUs named
+/// (which the containers are still given) go unused; said, with where the key is written.
+pub fn unused_gpus(loaded: &Loaded, plan: &Experiment) -> Option<String> {
+    if loaded.file.device != Some(config::Device::Cpu) {
+        return None;
+    }
+    let named: Vec<String> = plan
+        .hosts
+        .iter()
+        .filter(|h| !h.gpus.is_empty())
+        .map(|h| format!("{} GPUs {}", h.name, join(&h.gpus)))
+        .collect();
+    if named.is_empty() {
+        return None;
+    }
+    let at = loaded
+        .written("device")
+        .map(|w| format!(" ({w})"))
+        .unwrap_or_default();
+    Some(format!(
+        "`device: cpu`{at}: the ranks train on the CPU, and the GPUs `machines` names go unused \
+         ({}); remove `device: cpu` to train on them, or name the machines without GPUs",
+        named.join(", ")
+    ))
+}
+
+/// Refuses a checkpoint folder on this machine that cannot be made or written in, which would
+/// fail the run at its start.
+fn checkpoints_writable(loaded: &Loaded, plan: &Experiment) -> Result<(), CheckError> {
+    for dir in local_checkpoint_dirs(plan) {
+        can_write(&dir).map_err(|reason| CheckError::CheckpointDir {
+            reason,
+            at: loaded
+                .written("checkpoint_dir")
+                .map(|w| format!(" ({w})"))
+                .unwrap_or_default(),
+        })?;
+    }
+    Ok(())
+}
+
+/// The checkpoint folders of the ranks on this machine (`--checkpoint-dir`), each once; those
+/// of other hosts are on their disks, which preflight creates.
+fn local_checkpoint_dirs(plan: &Experiment) -> Vec<PathBuf> {
+    let mut dirs: Vec<PathBuf> = Vec::new();
+    for rank in plan
+        .ranks
+        .iter()
+        .filter(|r| plan.hosts[r.host].machine.is_local())
+    {
+        let dir = rank
+            .argv
+            .windows(2)
+            .find(|w| w[0] == "--checkpoint-dir")
+            .map(|w| PathBuf::from(&w[1]));
+        if let Some(dir) = dir.filter(|d| !dirs.contains(d)) {
+            dirs.push(dir);
+        }
+    }
+    dirs
+}
+
+/// Whether folder `dir` can be made (with its parents) and written in, as a rank does at its
+/// start, tried for real and undone: what this made is removed again, so a check leaves nothing.
+fn can_write(dir: &Path) -> Result<(), String> {
+    // The folders this would make, innermost first, and the one that is there.
+    let mut missing = Vec::new();
+    let mut there = Some(dir);
+    while let Some(at) = there.filter(|at| !at.as_os_str().is_empty() && std::fs::metadata(at).is_err()) {
+        missing.push(at.to_path_buf());
+        there = at.parent();
+    }
+    if let Some(at) = there.filter(|at| !at.as_os_str().is_empty() && !at.is_dir()) {
+        return Err(format!("{} is not a folder", at.display()));
+    }
+    let probe = dir.join(format!(".stagehand-check-{}", std::process::id()));
+    let tried = std::fs::create_dir_all(dir)
+        .map_err(|e| format!("cannot create {}: {e}", dir.display()))
+        .and_then(|()| {
+            std::fs::write(&probe, b"").map_err(|e| format!("cannot write in {}: {e}", dir.display()))
+        });
+    let _ = std::fs::remove_file(&probe);
+    for made in &missing {
+        let _ = std::fs::remove_dir(made);
+    }
+    tried
 }
 
 /// The warnings in a runtime's stderr: lines `runtime: warning: WHAT` as `WHAT`, and `runtime:
@@ -330,12 +447,30 @@ pub fn render(
         );
     }
     let _ = match verdict {
-        RuntimeCheck::Accepted { runtime, warnings } => {
+        RuntimeCheck::Accepted {
+            runtime,
+            warnings,
+            resumes_after,
+        } => {
             let _ = writeln!(
                 out,
                 "runtime check: every rank's request accepted ({} --check)",
                 runtime.display()
             );
+            let remote = plan.hosts.iter().any(|h| !h.machine.is_local());
+            let elsewhere = match remote {
+                true => " (ranks on other hosts: checked there at preflight)",
+                false => "",
+            };
+            let _ = match resumes_after {
+                Some(0) => writeln!(out, "resume: no checkpoint yet; the run starts afresh{elsewhere}"),
+                Some(n) => writeln!(
+                    out,
+                    "resume: from the checkpoints of {n} iterations done; training goes on at \
+                     iteration {n}{elsewhere}"
+                ),
+                None => Ok(()),
+            };
             warnings
                 .iter()
                 .try_for_each(|warning| writeln!(out, "runtime warning: {warning}"))

@@ -55,7 +55,7 @@ impl RunError {
     pub fn exit_code(&self) -> i32 {
         match self {
             RunError::Config(_)
-            | RunError::Preflight(LaunchError::RequestRefused { .. } | LaunchError::ProfileUnfit { .. }) => {
+            | RunError::Preflight(LaunchError::RequestRefused { .. } | LaunchError::SettingRefused { .. }) => {
                 exit_codes::INVALID_CONFIG
             }
             RunError::Port(_) | RunError::Preflight(_) | RunError::Signals(_) => exit_codes::PREFLIGHT_FAILED,
@@ -169,8 +169,9 @@ struct LocalCheck {
 enum Refusal {
     /// The training request, as the runtime (or the experiment file) says.
     Request(String),
-    /// The profile given to plan with, which does not fit the run.
-    Profile(String),
+    /// A setting the runtime does not see: the profile given to plan with, which does not fit
+    /// the run, or a checkpoint folder here that cannot be written.
+    Setting(String),
 }
 
 impl LocalCheck {
@@ -183,7 +184,8 @@ impl LocalCheck {
                     Some(Refusal::Request(format!("{reason}{at}")))
                 }
                 Err(CheckError::Config(e)) => Some(Refusal::Request(crate::error::error_chain(&e))),
-                Err(CheckError::Profile { reason }) => Some(Refusal::Profile(reason)),
+                Err(CheckError::Profile { reason }) => Some(Refusal::Setting(reason)),
+                Err(e @ CheckError::CheckpointDir { .. }) => Some(Refusal::Setting(e.to_string())),
                 // No runtime here to ask, or it could not run: the image's runtime checks it.
                 Ok(_) | Err(CheckError::Runtime { .. }) => None,
             };
@@ -210,7 +212,9 @@ impl LocalCheck {
             Some(Refusal::Request(reason)) => {
                 Err(RunError::Preflight(LaunchError::RequestRefused { reason }))
             }
-            Some(Refusal::Profile(reason)) => Err(RunError::Preflight(LaunchError::ProfileUnfit { reason })),
+            Some(Refusal::Setting(reason)) => {
+                Err(RunError::Preflight(LaunchError::SettingRefused { reason }))
+            }
         }
     }
 
@@ -272,6 +276,9 @@ pub async fn run_loaded(
                 _ => "process",
             }
         );
+    }
+    if let Some(warning) = check::unused_gpus(&loaded, &plan) {
+        stderr_line!("warning: {warning}");
     }
     let ssh = hosts::SshOptions {
         config_file: options.ssh_config.clone(),

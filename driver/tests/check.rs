@@ -214,6 +214,44 @@ fn a_resume_is_checked_where_the_checkpoints_are() {
     h.assert_no_processes();
 }
 
+/// With `resume`, the check says where the run would go on: from the checkpoints the ranks here
+/// hold, or afresh where there are none yet (`resume: auto`).
+#[test]
+fn a_resume_is_said_to_go_on_where_the_checkpoints_are() {
+    let h = Harness::new("check-resume-at");
+    let body = |resume: &str, iterations: u32| {
+        format!(
+            "backend: process\nmachines: [localhost, localhost]\nmodule: mlp\nbatch_size: 8\n\
+             iterations: {iterations}\nthreads: 1\ncheckpoint_dir: ckpt\n{resume}"
+        )
+    };
+    let run = check(&h, &h.config(&body("resume: auto\n", 3)));
+    assert_eq!(run.code(), 0, "{}", run.stderr());
+    assert!(
+        run.stdout()
+            .contains("resume: no checkpoint yet; the run starts afresh\n"),
+        "{}",
+        run.stdout()
+    );
+    let trained = h.run(&h.config(&body("", 3)), &[]);
+    assert_eq!(trained.code(), 0, "{}", trained.stderr());
+    for resume in ["resume: true\n", "resume: auto\n"] {
+        let run = check(&h, &h.config(&body(resume, 6)));
+        assert_eq!(run.code(), 0, "{resume}{}", run.stderr());
+        assert!(
+            run.stdout().contains(
+                "resume: from the checkpoints of 3 iterations done; training goes on at iteration 3\n"
+            ),
+            "{resume}{}",
+            run.stdout()
+        );
+    }
+    // Without `resume`, nothing is said of it.
+    let run = check(&h, &h.config(&body("", 6)));
+    assert!(!run.stdout().contains("resume:"), "{}", run.stdout());
+    h.assert_no_processes();
+}
+
 /// Keys the runtime accepts but would do nothing with in this experiment pass, each named once
 /// (every rank's check warns of it) with why and where it is written.
 #[test]
@@ -369,6 +407,64 @@ fn settings_a_run_would_trip_on_late_are_refused_where_they_are_written() {
     ));
     let run = check(&h, &config);
     assert_eq!(run.code(), 0, "{}", run.stderr());
+}
+
+/// `device: cpu` with GPUs named in `machines` passes, warned of: the GPUs would go unused.
+#[test]
+fn gpus_named_for_a_cpu_run_are_warned_of() {
+    let h = Harness::new("check-cpu-gpus");
+    let config =
+        h.config("machines: ['th1:0', 'th2:1', th3, th3]\nmodule: mlp\nbatch_size: 8\ndevice: cpu\n");
+    let run = check(&h, &config);
+    assert_eq!(run.code(), 0, "{}", run.stderr());
+    let stderr = run.stderr();
+    assert!(
+        stderr.contains(&format!(
+            "warning: `device: cpu` (`device` at {}:5): the ranks train on the CPU, and the GPUs \
+             `machines` names go unused (th1 GPUs 0, th2 GPUs 1)",
+            config.display()
+        )),
+        "{stderr}"
+    );
+    let run = check(&h, &h.config("machines: ['th1:0']\nmodule: mlp\nbatch_size: 8\n"));
+    assert_eq!(run.code(), 0, "{}", run.stderr());
+    assert!(!run.stderr().contains("go unused"), "{}", run.stderr());
+}
+
+/// A checkpoint folder on this machine that cannot be made or written in is refused where it
+/// is written, not found by the ranks at their start; one that can passes, and the check leaves
+/// no folder behind.
+#[test]
+fn a_checkpoint_folder_that_cannot_be_written_is_refused_and_the_check_leaves_none() {
+    let h = Harness::new("check-ckpt-dir");
+    std::fs::write(h.dir.path().join("a-file"), "").unwrap();
+    let body = |dir: &str| {
+        format!(
+            "backend: process\nmachines: [localhost]\nmodule: mlp\nbatch_size: 8\niterations: 3\n\
+             checkpoint_dir: {dir}\n"
+        )
+    };
+    for (dir, expected) in [
+        ("a-file/ckpt", "a-file is a file, not a folder"),
+        ("/proc/stagehand-nope", "cannot create /proc/stagehand-nope"),
+    ] {
+        let config = h.config(&body(dir));
+        let run = check(&h, &config);
+        let stderr = run.stderr();
+        assert_eq!(run.code(), 2, "{dir}: {stderr}");
+        assert!(stderr.contains(expected), "{dir}: {stderr}");
+        assert!(
+            stderr.contains(&format!("`checkpoint_dir` at {}:7", config.display())),
+            "{dir}: {stderr}"
+        );
+    }
+    let run = check(&h, &h.config(&body("new/deeper")));
+    assert_eq!(run.code(), 0, "{}", run.stderr());
+    assert!(
+        !h.dir.path().join("new").exists(),
+        "the check made a folder it left"
+    );
+    h.assert_no_processes();
 }
 
 #[test]

@@ -48,8 +48,17 @@ pub fn output_gone() -> bool {
 /// A run ended early by SIGTERM, after its checkpoint of `iterations_done` was written
 /// (the process exits 143, as if the signal had ended it).
 #[derive(Debug, thiserror::Error)]
-#[error("stopped by SIGTERM after iteration {iterations_done}; its checkpoint is in {}", dir.display())]
+#[error("stopped by SIGTERM after {}; its checkpoint is in {}", done(*.iterations_done), dir.display())]
 pub struct Stopped {
     pub iterations_done: u64,
     pub dir: std::path::PathBuf,
+}
+
+/// `n` iterations done, numbered as the iteration lines number them (from 0).
+fn done(n: u64) -> String {
+    match n {
+        0 => "no iteration".into(),
+        1 => "iteration 0".into(),
+        n => format!("iterations 0 to {}", n - 1),
+    }
 }

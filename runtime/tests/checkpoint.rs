@@ -527,7 +527,7 @@ fn a_checkpoint_of_another_run_or_none_is_refused_with_what_to_do() {
     );
     refused(
         &mlp("1", &["--checkpoint-dir", c, "--resume"]),
-        "more than --iterations 1",
+        "--iterations 1 is fewer than the 2 iterations the checkpoint resumed from has done already",
     );
     refused(&mlp("3", &["--resume"]), "--checkpoint-dir");
     // Another size is another model: refused naming the size, as a bad argument (exit 2), where
@@ -684,11 +684,22 @@ fn sigterm_to_one_rank_checkpoints_every_rank_at_one_iteration_and_resumes_exact
     for (rank, (code, stderr)) in ends.iter().enumerate() {
         assert_eq!(*code, Some(143), "rank {rank}: {stderr}");
         assert!(
-            stderr.contains("stopped by SIGTERM after iteration"),
+            stderr.contains("stopped by SIGTERM after "),
             "rank {rank}: {stderr}"
         );
     }
     let done = latest_iteration(&ckpt, 0);
+    // Numbered as the iteration lines are, from 0.
+    let said = match done {
+        1 => "iteration 0".to_string(),
+        n => format!("iterations 0 to {}", n - 1),
+    };
+    for (rank, (_, stderr)) in ends.iter().enumerate() {
+        assert!(
+            stderr.contains(&format!("stopped by SIGTERM after {said}; its checkpoint is in")),
+            "rank {rank}: {stderr}"
+        );
+    }
     assert_eq!(
         latest_iteration(&ckpt, 1),
         done,

@@ -103,7 +103,7 @@ pub enum LaunchError {
     #[error("the runtime refuses the experiment's training request: {reason}; change the experiment file (`runtime --check` with a rank's arguments says the same)")]
     RequestRefused { reason: String },
     #[error("{reason}; change the experiment file")]
-    ProfileUnfit { reason: String },
+    SettingRefused { reason: String },
     #[error("the engine on {host} cannot give a container GPUs {gpus:?}: {message}; check that these GPU indices exist there (`nvidia-smi -L`) and that the NVIDIA container toolkit is installed")]
     GpusUnavailable {
         host: String,

@@ -494,6 +494,7 @@ fn first_refused(points: &[(Loaded, Experiment)], options: &Options) -> Option<(
                         }
                         Err(CheckError::Config(e)) => crate::error::error_chain(&e),
                         Err(CheckError::Profile { reason }) => reason,
+                        Err(e @ CheckError::CheckpointDir { .. }) => e.to_string(),
                         Ok(check::RuntimeCheck::NoRuntime) => {
                             // Said once, by the first worker to find it.
                             if !unchecked.swap(true, Ordering::SeqCst)
@@ -544,8 +545,10 @@ fn resume(dir: &Path) -> Result<(Index, Loaded), SweepError> {
     let given = std::fs::read_to_string(dir.join("config.given.yml")).unwrap_or_default();
     if given != loaded.text {
         stderr_line!(
-            "warning: {} changed since the sweep started; the points left run with it as it is now \
-             (the sweep's config.given.yml has the text it started with)",
+            "warning: {} changed since the sweep started; the points left run with its settings as \
+             they are now, over the points the sweep started with (its sweep.json: a changed grid \
+             is a new sweep, run without --resume); the sweep's config.given.yml has the text it \
+             started with",
             index.config_file.display()
         );
     }

@@ -79,9 +79,28 @@ impl Identity {
             serde_json::to_value(other).ok()?,
         );
         let (a, b) = (a.as_object()?, b.as_object()?);
-        a.iter()
-            .filter(|(k, _)| !["sizes", "settings"].contains(&k.as_str()))
-            .find_map(|(k, v)| said(k, v, b.get(k)))
+        // What a user sets before what follows from it: another world size also changes the
+        // microbatches derived from the replicas, and the modules of a rank's stage.
+        const ORDER: [&str; 11] = [
+            "model",
+            "world_size",
+            "rank",
+            "optimizer",
+            "batch_size",
+            "schedule",
+            "seed",
+            "data",
+            "microbatches",
+            "first_module",
+            "end_module",
+        ];
+        let rest = a.keys().filter(|k| !ORDER.contains(&k.as_str()));
+        ORDER
+            .iter()
+            .copied()
+            .chain(rest.map(String::as_str))
+            .filter(|k| !["sizes", "settings"].contains(k))
+            .find_map(|k| said(k, a.get(k)?, b.get(k)))
     }
 
     /// Each setting `here` takes its steps with that differs from this checkpoint's, as a
@@ -531,6 +550,17 @@ mod tests {
         assert_eq!(
             ours.difference(&theirs).as_deref(),
             Some("--layers is 4 there, 3 here")
+        );
+        // Another world size is named, not the microbatches and modules that follow from it.
+        let theirs = Identity {
+            world_size: 4,
+            microbatches: 2,
+            first_module: 2,
+            ..identity()
+        };
+        assert_eq!(
+            ours.difference(&theirs).as_deref(),
+            Some("world_size is 2 there, 4 here")
         );
         // A checkpoint written before sizes were recorded is not checked against them; the
         // settings are never part of what must agree.

@@ -630,7 +630,8 @@ fn check_plan(config: &TrainConfig) -> anyhow::Result<Checked> {
     let first = resume.as_ref().map_or(0, |latest| latest.iterations_done);
     if first > config.iterations {
         bail!(
-            "--resume: the checkpoint has done {first} iterations, more than --iterations {}",
+            "--iterations {} is fewer than the {first} iterations the checkpoint resumed from has \
+             done already; give at least {first} (the run's whole length, not the iterations to add)",
             config.iterations
         );
     }
@@ -819,7 +820,7 @@ pub fn check<W: Write>(config: &TrainConfig, out: &mut W) -> anyhow::Result<()> 
         bail!("{damage}");
     }
     say_warnings(config, &checked);
-    let line = serde_json::json!({
+    let mut line = serde_json::json!({
         "check": "ok",
         "model": config.model.name,
         "modules": checked.model.num_modules(),
@@ -828,6 +829,11 @@ pub fn check<W: Write>(config: &TrainConfig, out: &mut W) -> anyhow::Result<()> 
         "schedule": config.dist.schedule.to_string(),
         "microbatches": checked.microbatches,
     });
+    // Where this rank would resume (`--resume`): the iterations its checkpoint has done, or 0
+    // where it starts afresh (`--resume=auto` with no checkpoint).
+    if config.checkpoint.as_ref().is_some_and(|c| c.resume != Resume::No) {
+        line["resumes_after"] = checked.resume.as_ref().map_or(0, |l| l.iterations_done).into();
+    }
     writeln!(out, "{line}")?;
     Ok(())
 }
