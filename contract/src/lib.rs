@@ -12,8 +12,8 @@ pub mod slurm;
 pub mod stage_config;
 
 pub use metrics::{
-    Channel, Event, Iteration, P2p, P2pOp, P2pTensor, PartialGroup, ReduceMetrics, RunConfig, Start, Summary,
-    Trace, ValidationFigures, SCHEMA_VERSION,
+    Channel, Event, Iteration, P2p, P2pOp, P2pTensor, PartialGroup, PeerSilent, ReduceMetrics, RunConfig,
+    Start, Summary, Trace, ValidationFigures, SCHEMA_VERSION,
 };
 pub use profile::{ModuleProfile, Profile, PROFILE_VERSION};
 pub use stage_config::{Stage, StageConfig, StageConfigError, StagePlan};

@@ -31,6 +31,9 @@ pub enum Event {
     Trace(Trace),
     /// With `--trace`: one point-to-point operation a rank issued, in issue order.
     P2p(P2p),
+    /// Printed as a rank fails because the peer of a point-to-point operation did not answer
+    /// within `--comm-timeout`.
+    PeerSilent(PeerSilent),
 }
 
 impl Event {
@@ -493,6 +496,22 @@ pub struct P2p {
     /// `validation` line's); absent for training's. A pass numbers its microbatches from 0.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub validation: Option<u64>,
+}
+
+/// The `peer_silent` event: the last line of a rank that fails because a point-to-point
+/// operation's peer did not answer within `--comm-timeout` (not one whose peer closed the
+/// connection, which is that peer's failure to tell). The peer may be stuck, or itself waiting on
+/// another rank; the driver names it where it is still running.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PeerSilent {
+    /// This process's rank.
+    pub rank: usize,
+    /// The rank that did not answer.
+    pub peer: usize,
+    /// The operation that waited: `send` or `recv`.
+    pub op: P2pOp,
+    /// How long it waited: the run's `--comm-timeout`, in seconds.
+    pub timeout_s: f64,
 }
 
 /// Which way a point-to-point operation goes.

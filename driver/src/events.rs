@@ -88,6 +88,34 @@ pub enum StopNow {
     HostLost { host: String },
 }
 
+/// A rank that did not answer a point-to-point operation of another within the run's
+/// `comm_timeout`, though still running: stuck, or itself waiting on yet another rank.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SilentPeer {
+    pub rank: usize,
+    pub host: String,
+    /// The operation that waited for it: `send` or `recv`.
+    pub op: stagehand_contract::P2pOp,
+    /// How long it waited, in seconds.
+    pub timeout_s: f64,
+}
+
+impl SilentPeer {
+    /// `rank 1 on HOST did not answer rank 0's recv for 8 s (comm_timeout), though still running:
+    /// stuck, or itself waiting on another rank`.
+    pub fn describe(&self, waiting: usize) -> String {
+        let op = match self.op {
+            stagehand_contract::P2pOp::Send => "send",
+            stagehand_contract::P2pOp::Recv => "recv",
+        };
+        format!(
+            "rank {} on {} did not answer rank {waiting}'s {op} for {} s (comm_timeout), though still \
+             running: stuck, or itself waiting on another rank",
+            self.rank, self.host, self.timeout_s
+        )
+    }
+}
+
 /// Why the driver stopped the ranks early.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", tag = "kind")]
@@ -100,6 +128,10 @@ pub enum StopCause {
         /// The kernel is known to have killed it for memory ([`Event::RankExited`]).
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         out_of_memory: bool,
+        /// The peer it failed waiting for (its `peer_silent` line), still running then: the
+        /// rank to look at.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        silent_peer: Option<SilentPeer>,
     },
     /// A host's engine or connection stopped answering.
     HostLost { host: String, reason: String },

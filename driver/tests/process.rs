@@ -365,6 +365,58 @@ fn the_ranks_of_a_driver_killed_outright_end_with_it() {
     );
 }
 
+/// A rank that stops answering (stopped with SIGSTOP, as a rank stuck in a kernel or on a dead
+/// mount would be) is named as the one to look at, not the healthy rank whose receive timed out
+/// waiting for it: on the terminal, in the record and in `driver results`.
+#[test]
+fn a_rank_that_stops_answering_is_named_not_the_rank_that_waited_for_it() {
+    let runtime = runtime();
+    let h = Harness::new("proc-silent");
+    std::fs::write(
+        h.dir.path().join("two.json"),
+        r#"{"module_to_stage_map": [0,0,0,1,1,1], "stage_to_rank_map": {"0": [0], "1": [1]}}"#,
+    )
+    .unwrap();
+    let config = h.config(
+        "backend: process\nmachines: [localhost, localhost]\nmodule: mlp\nconfig_file: two.json\n\
+         schedule: 1f1b\nbatch_size: 8\niterations: 1000000\nthreads: 1\ncomm_timeout: 3\n",
+    );
+    let child = h.spawn(&config, &["--runtime", runtime.to_str().unwrap()]);
+    let record = wait_for_record(&h.records(), Duration::from_secs(30));
+    wait_for_text(
+        &record.join("metrics.jsonl"),
+        r#""rank":1,"#,
+        Duration::from_secs(60),
+    );
+    let rank_1 = h
+        .processes()
+        .into_iter()
+        .find(|(_, cmdline)| cmdline.contains(" --rank 1 "))
+        .unwrap_or_else(|| panic!("no rank 1 among {:?}", h.processes()));
+    let stopped = std::process::Command::new("kill")
+        .args(["-STOP", &rank_1.0.to_string()])
+        .status()
+        .unwrap();
+    assert!(stopped.success());
+    let run = wait_with_deadline(child, Duration::from_secs(60));
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert_ne!(run.status.code(), Some(0), "{stderr}");
+    let blamed = "rank 1 on localhost did not answer rank 0's ";
+    assert!(
+        stderr.contains(blamed) && stderr.contains(" for 3 s (comm_timeout), though still running"),
+        "{stderr}"
+    );
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(record.join("summary.json")).unwrap()).unwrap();
+    let cause = &summary["failure"]["cause"];
+    assert_eq!(cause["rank"], 0, "{summary}");
+    assert_eq!(cause["silent_peer"]["rank"], 1, "{summary}");
+    assert_eq!(cause["silent_peer"]["timeout_s"], 3.0, "{summary}");
+    let results = h.driver(&["results".as_ref(), record.as_os_str()], Duration::from_secs(30));
+    assert!(results.stdout().contains(blamed), "{}", results.stdout());
+    h.assert_no_processes();
+}
+
 #[test]
 fn the_real_runtime_trains_as_a_process() {
     let runtime = runtime();

@@ -46,6 +46,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::config::{Command, DeviceSpec};
 
+use stagehand_contract::{Event, P2pOp, PeerSilent};
+
 use stagehand_contract::exit_codes::{
     FAILED as EXIT_FAILED, REFUSED as EXIT_USAGE, TERMINATED as EXIT_TERMINATED,
     UNRESOLVED as EXIT_UNRESOLVED,
@@ -84,6 +86,11 @@ fn main() -> ExitCode {
             return ExitCode::from(EXIT_USAGE);
         }
     }
+    // A run that fails waiting for a peer says which, for the driver to name it.
+    let waits = match &command {
+        Command::Train(config) => Some((config.dist.rank, config.dist.comm_timeout)),
+        _ => None,
+    };
     let run = || match command {
         // A request that would not start is a bad argument.
         Command::Check(config) => {
@@ -122,10 +129,32 @@ fn main() -> ExitCode {
             ExitCode::from(EXIT_USAGE)
         }
         Err(e) => {
+            if let Some(silent) = waits.and_then(|(rank, timeout)| peer_silent(&e, rank, timeout)) {
+                // Not println!, which panics where the reader is gone.
+                let _ = writeln!(std::io::stdout(), "{}", silent.to_line());
+            }
             eprintln!("runtime: error: {e:#}");
             ExitCode::from(EXIT_FAILED)
         }
     }
+}
+
+/// The `peer_silent` event of rank `rank`'s run that failed with `e`, where that is a
+/// point-to-point operation whose peer did not answer within `timeout`.
+fn peer_silent(e: &anyhow::Error, rank: usize, timeout: std::time::Duration) -> Option<Event> {
+    let (peer, op) = e
+        .chain()
+        .find_map(|cause| cause.downcast_ref::<comm::CommError>())?
+        .silent_peer()?;
+    Some(Event::PeerSilent(PeerSilent {
+        rank,
+        peer,
+        op: match op {
+            "send" => P2pOp::Send,
+            _ => P2pOp::Recv,
+        },
+        timeout_s: timeout.as_secs_f64(),
+    }))
 }
 
 /// A panic (as a rule libtorch refusing an allocation inside tch, whose error carries a C++

@@ -328,6 +328,7 @@ pub trait Watch {
             host,
             exit_code,
             out_of_memory,
+            silent_peer: None,
         }
     }
 }
@@ -488,6 +489,11 @@ async fn supervise(
             .cloned()
             .unwrap_or_else(|| plan.host_of(rank).name.clone())
     };
+    // Each rank's `peer_silent` line, and the ranks seen to end: a rank that fails waiting for a
+    // peer still running names that peer.
+    let mut silent: std::collections::BTreeMap<usize, stagehand_contract::PeerSilent> =
+        std::collections::BTreeMap::new();
+    let mut gone: std::collections::BTreeSet<usize> = std::collections::BTreeSet::new();
     loop {
         let until_deadline = async {
             match deadline {
@@ -524,6 +530,14 @@ async fn supervise(
             }
             _ = until_deadline => break,
         };
+        if let Event::Metrics {
+            rank, event: line, ..
+        } = &event
+        {
+            if let stagehand_contract::Event::PeerSilent(said) = line.as_ref() {
+                silent.insert(*rank, said.clone());
+            }
+        }
         let stop = match &event {
             Event::RankExited {
                 rank,
@@ -531,12 +545,14 @@ async fn supervise(
                 out_of_memory,
             } => {
                 ended += 1;
+                gone.insert(*rank);
                 (*exit_code != Some(0))
                     .then(|| watch.failed(*rank, host_of(&started_on, *rank), *exit_code, *out_of_memory))
             }
             // Removed by the driver while stopping, or by someone else: then the rank failed.
             Event::RankRemoved { rank } => {
                 ended += 1;
+                gone.insert(*rank);
                 Some(watch.failed(*rank, host_of(&started_on, *rank), None, false))
             }
             Event::RankStarted { rank, host, .. } => {
@@ -553,8 +569,9 @@ async fn supervise(
                 never_started: *never_started,
             }),
             Event::HostLost { host, reason } | Event::RankLost { host, reason, .. } => {
-                if matches!(&event, Event::RankLost { .. }) {
+                if let Event::RankLost { rank, .. } = &event {
                     ended += 1;
+                    gone.insert(*rank);
                 }
                 Some(StopCause::HostLost {
                     host: host.clone(),
@@ -576,6 +593,7 @@ async fn supervise(
             | Event::TracesGathered(_)
             | Event::Finished { .. } => None,
         };
+        let stop = stop.map(|cause| blame_silent(cause, &silent, &gone, |rank| host_of(&started_on, rank)));
         if let Some(shown) = watch.show(event) {
             reporters.report(&shown);
         }
@@ -595,6 +613,43 @@ async fn supervise(
         }
     }
     cause
+}
+
+/// A rank failed waiting for a peer (its `peer_silent` line) that has not ended: the cause
+/// names that peer, the rank to look at. A peer that ended failed itself, and says so.
+fn blame_silent(
+    cause: StopCause,
+    silent: &std::collections::BTreeMap<usize, stagehand_contract::PeerSilent>,
+    gone: &std::collections::BTreeSet<usize>,
+    host_of: impl Fn(usize) -> String,
+) -> StopCause {
+    match cause {
+        StopCause::RankFailed {
+            rank,
+            host,
+            exit_code,
+            out_of_memory,
+            silent_peer: None,
+        } => {
+            let silent_peer = silent
+                .get(&rank)
+                .filter(|said| !gone.contains(&said.peer))
+                .map(|said| crate::events::SilentPeer {
+                    rank: said.peer,
+                    host: host_of(said.peer),
+                    op: said.op,
+                    timeout_s: said.timeout_s,
+                });
+            StopCause::RankFailed {
+                rank,
+                host,
+                exit_code,
+                out_of_memory,
+                silent_peer,
+            }
+        }
+        other => other,
+    }
 }
 
 /// Stops ranks that were given the time to checkpoint without waiting for it any longer, saying
@@ -697,6 +752,47 @@ mod tests {
         let elapsed = start.elapsed();
         let reported = kept.lock().unwrap().clone();
         (cause, noted.0.into_inner().unwrap(), reported, elapsed)
+    }
+
+    /// A rank that failed waiting for a peer names the peer while it runs; not one that ended
+    /// (it failed itself), nor a rank that said nothing of a peer.
+    #[test]
+    fn a_failure_waiting_for_a_running_peer_names_the_peer() {
+        let failed = |rank| StopCause::RankFailed {
+            rank,
+            host: "a".into(),
+            exit_code: Some(1),
+            out_of_memory: false,
+            silent_peer: None,
+        };
+        let said = stagehand_contract::PeerSilent {
+            rank: 0,
+            peer: 2,
+            op: stagehand_contract::P2pOp::Send,
+            timeout_s: 60.0,
+        };
+        let silent = [(0, said)].into_iter().collect();
+        let host_of = |rank: usize| format!("h{rank}");
+        let blamed = blame_silent(failed(0), &silent, &Default::default(), host_of);
+        let StopCause::RankFailed {
+            silent_peer: Some(peer),
+            ..
+        } = &blamed
+        else {
+            panic!("{blamed:?}");
+        };
+        assert_eq!((peer.rank, peer.host.as_str(), peer.timeout_s), (2, "h2", 60.0));
+        assert_eq!(
+            peer.describe(0),
+            "rank 2 on h2 did not answer rank 0's send for 60 s (comm_timeout), though still running: \
+             stuck, or itself waiting on another rank"
+        );
+        let gone = [2].into_iter().collect();
+        assert_eq!(blame_silent(failed(0), &silent, &gone, host_of), failed(0));
+        assert_eq!(
+            blame_silent(failed(1), &silent, &Default::default(), host_of),
+            failed(1)
+        );
     }
 
     fn lost(host: &str, rank: usize) -> [Event; 2] {

@@ -183,6 +183,7 @@ mod tests {
             host: "localhost".into(),
             exit_code,
             out_of_memory: false,
+            silent_peer: None,
         }
     }
 

@@ -147,8 +147,9 @@ impl Stats {
             Metrics::Validation(v) => {
                 self.validation.entry(v.iteration).or_insert(v.figures);
             }
-            // Per-microbatch tracing (`--trace`) says nothing about throughput or time shares.
-            Metrics::Summary(_) | Metrics::Trace(_) | Metrics::P2p(_) => {}
+            // Per-microbatch tracing (`--trace`) says nothing about throughput or time shares,
+            // nor a failure's last line.
+            Metrics::Summary(_) | Metrics::Trace(_) | Metrics::P2p(_) | Metrics::PeerSilent(_) => {}
         }
     }
 

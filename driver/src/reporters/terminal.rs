@@ -206,13 +206,19 @@ impl TerminalReporter {
                         host,
                         exit_code,
                         out_of_memory,
+                        silent_peer,
                     } => {
                         let code = exit_code.map_or("no exit code".to_string(), |c| format!("exit code {c}"));
                         let oom = match out_of_memory {
                             true => " (killed for lack of memory)",
                             false => "",
                         };
-                        format!("rank {rank} on {host} failed with {code}{oom}")
+                        let failed = format!("rank {rank} on {host} failed with {code}{oom}");
+                        match silent_peer {
+                            // The rank to look at first.
+                            Some(peer) => format!("{}; {failed}", peer.describe(*rank)),
+                            None => failed,
+                        }
                     }
                     StopCause::HostLost { host, .. } => format!("host {host} was lost"),
                     StopCause::Interrupted => "interrupted".to_string(),
@@ -446,6 +452,7 @@ mod tests {
                 host: "node1".into(),
                 exit_code: Some(137),
                 out_of_memory: true,
+                silent_peer: None,
             }),
             Event::Stopping(StopCause::Interrupted),
             Event::StoppingNow(StopNow::HostLost { host: "node1".into() }),

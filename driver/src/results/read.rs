@@ -383,6 +383,21 @@ pub(super) fn cause_text(cause: &StopCause) -> String {
             host,
             exit_code,
             out_of_memory,
+            silent_peer: Some(peer),
+        } => format!(
+            "{}; rank {rank} on {host} {}",
+            peer.describe(*rank),
+            match exit_code {
+                Some(code) => format!("exited with code {code}{}", memory_note(*out_of_memory)),
+                None => "was killed".into(),
+            }
+        ),
+        StopCause::RankFailed {
+            rank,
+            host,
+            exit_code,
+            out_of_memory,
+            silent_peer: None,
         } => match exit_code {
             Some(code) => format!(
                 "rank {rank} on {host} exited with code {code}{}{}",

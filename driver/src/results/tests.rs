@@ -301,6 +301,7 @@ fn a_failures_note_says_what_its_exit_code_means() {
         host: "node1".into(),
         exit_code: Some(code),
         out_of_memory: false,
+        silent_peer: None,
     };
     assert_eq!(
         read::cause_text(&rank_failed(1)),

@@ -61,6 +61,21 @@ pub enum CommError {
     Invalid(String),
 }
 
+impl CommError {
+    /// The peer a point-to-point operation waited for until its timeout ran out, and which way
+    /// it went (`"send"` or `"recv"`); not a peer that closed the connection, which failed itself.
+    pub fn silent_peer(&self) -> Option<(usize, &'static str)> {
+        match self {
+            CommError::Op {
+                op: op @ ("send" | "recv"),
+                peer: Some(peer),
+                reason,
+            } if reason.to_lowercase().contains("timed out") => Some((*peer, *op)),
+            _ => None,
+        }
+    }
+}
+
 fn describe_peer(peer: Option<usize>) -> String {
     match peer {
         Some(rank) => format!(" with rank {rank}"),

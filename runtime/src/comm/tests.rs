@@ -290,9 +290,12 @@ fn a_watched_operation_keeps_the_timeout_from_its_wait_and_leaves_the_group_usab
             let watched = Watched::new(pg.recv(&mut never, 0, 2).unwrap()).unwrap();
             thread::sleep(timeout / 2);
             let started = Instant::now();
-            let err = watched.wait().unwrap_err().to_string();
+            let err = watched.wait().unwrap_err();
+            let silent = err.silent_peer();
+            let err = err.to_string();
             let waited = started.elapsed();
             assert!(err.contains("timed out") && err.contains("rank 0"), "{err}");
+            assert_eq!(silent, Some((0, "recv")), "{err}");
             assert!(waited >= timeout * 9 / 10 && waited < timeout * 3, "{waited:?}");
             // Dropped unwaited: aborted, not waited out.
             let mut dropped = sent.zeros_like();
@@ -491,6 +494,8 @@ fn recv_from_a_rank_that_dropped_its_group_fails_within_the_timeout() {
         );
         assert!(matches!(err, CommError::Op { peer: Some(1), .. }), "{err}");
         assert!(err.to_string().contains("rank 1"), "{err}");
+        // A peer gone is not a silent one: it failed itself.
+        assert_eq!(err.silent_peer(), None, "{err}");
     });
 }
 
@@ -507,6 +512,7 @@ fn recv_from_a_silent_rank_times_out() {
             assert!(elapsed >= Duration::from_millis(900), "{elapsed:?} {err}");
             assert!(elapsed < Duration::from_secs(4), "{elapsed:?} {err}");
             assert!(err.to_string().contains("rank 1"), "{err}");
+            assert_eq!(err.silent_peer(), Some((1, "recv")), "{err}");
         }
         // Keep rank 1's group alive (and silent) until rank 0 has seen the timeout.
         store.set(&format!("silent/{rank}"), b"done").unwrap();

@@ -143,6 +143,7 @@ fn a_failed_run_is_recorded_as_it_goes() {
         host: "localhost".into(),
         exit_code: Some(9),
         out_of_memory: true,
+        silent_peer: None,
     };
     r.report(&Event::Stopping(cause)).unwrap();
     r.report(&Event::RankExited {
@@ -302,6 +303,7 @@ fn ranks_the_driver_stops_are_recorded_as_stopped_not_as_failures_of_their_own()
         host: "localhost".into(),
         exit_code: Some(137),
         out_of_memory: false,
+        silent_peer: None,
     };
     r.report(&Event::Stopping(cause.clone())).unwrap();
     r.report(&exit(0, Some(143), false)).unwrap();
