@@ -213,6 +213,46 @@ fn an_interrupted_sweep_resumed_runs_only_the_missing_points() {
     h.assert_no_processes();
 }
 
+/// A sweep whose driver was killed outright (SIGKILL: no chance to write its index) leaves its
+/// running point's record in the sweep folder; `sweep --resume` lists it among that point's
+/// earlier records, beside the record of the point's new run.
+#[test]
+fn a_point_record_left_by_a_killed_sweep_is_kept_among_its_earlier_records() {
+    let h = Harness::new("sw-killed");
+    let marker = h.dir.path().join("started");
+    // Hangs the first time, succeeds once the marker is there.
+    let config = h.config(&format!(
+        "backend: process\nmachines: [localhost]\ncommand: [sh, -c, 'test -e {0} || {{ touch {0}; exec sleep 600; }}']\n",
+        marker.display()
+    ));
+    let mut child = h.spawn_driver(&os(&sweep_args(&h, &config, &["--grid", "seed=1", "-q"])));
+    let records = h.records();
+    let orphan = crate::util::experiments::wait_until(Duration::from_secs(60), || {
+        let dir = std::fs::read_dir(&records).ok()?.next()?.ok()?.path();
+        let record = point_records(&dir).into_iter().next()?;
+        (marker.exists() && record.join("summary.json").exists()).then_some((dir, record))
+    });
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let (dir, orphan) = orphan;
+    assert_eq!(
+        point_statuses(&dir),
+        ["running"],
+        "the index as the driver left it"
+    );
+    let resumed = h.driver(
+        &args(&["sweep", "--resume", dir.to_str().unwrap(), "--no-progress"]),
+        Duration::from_secs(120),
+    );
+    assert_eq!(resumed.code(), 0, "{}", resumed.stderr());
+    let point = &sweep_index(&dir)["points"][0];
+    let name = orphan.file_name().unwrap().to_str().unwrap();
+    assert_eq!(point["status"], "succeeded", "{point}");
+    assert_eq!(point["earlier_records"], serde_json::json!([name]), "{point}");
+    assert_ne!(point["record"], name, "{point}");
+    h.assert_no_processes();
+}
+
 #[test]
 fn a_bad_grid_is_refused_before_anything_runs() {
     let h = Harness::new("sw-bad");

@@ -531,9 +531,40 @@ fn create(parent: &Path, index: &mut Index, loaded: &Loaded) -> Result<PathBuf, 
     Ok(folder.dir)
 }
 
+/// Record folders in the sweep folder that its index does not list, each added to its point's
+/// `earlier_records` (oldest first): a point whose driver was killed outright never got its record
+/// into the index, but the record is there, with what it ran.
+fn adopt_unlisted(dir: &Path, index: &mut Index) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    let mut folders: Vec<String> = entries
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .collect();
+    folders.sort();
+    for folder in folders {
+        let listed = index
+            .points
+            .iter()
+            .any(|p| p.record.as_deref() == Some(folder.as_str()) || p.earlier_records.contains(&folder));
+        if listed {
+            continue;
+        }
+        let Ok(summary) = crate::records::summary::read_summary(&dir.join(&folder)) else {
+            continue;
+        };
+        if let Some(point) = index.points.iter_mut().find(|p| p.name == summary.name) {
+            point.earlier_records.push(folder);
+            // Record folders start with their UTC start time: by name is oldest first.
+            point.earlier_records.sort();
+        }
+    }
+}
+
 /// Reads a sweep folder's index and its experiment file again.
 fn resume(dir: &Path) -> Result<(Index, Loaded), SweepError> {
-    let index = Index::read(dir)?;
+    let mut index = Index::read(dir)?;
+    adopt_unlisted(dir, &mut index);
     let loaded = config::load(&index.config_file).map_err(|e| match e {
         ConfigError::Read { .. } => SweepError::Moved {
             file: index.config_file.clone(),
