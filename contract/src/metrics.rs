@@ -224,8 +224,17 @@ pub struct Start {
     pub end_module: usize,
     /// Parameters held by this rank.
     pub stage_params: u64,
+    /// The iteration training starts at: the iterations done of the checkpoint the rank resumed
+    /// from (`--resume`), 0 when it starts afresh (absent then). Equal to `config.iterations`
+    /// where the checkpoint had done them all and nothing is left to run.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub first_iteration: u64,
     /// The resolved configuration.
     pub config: RunConfig,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// The `iteration` event: what one rank did during one optimizer step.

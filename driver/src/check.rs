@@ -406,6 +406,20 @@ pub fn render(
     );
     let _ = writeln!(out, "image: {image}");
     let _ = writeln!(out, "master: {}", master(plan, addr_given, port_picked));
+    // What the launch finds is shown as such in the command lines, not as a value they will not
+    // have.
+    let addr_found =
+        !addr_given && plan.backend != Backend::Slurm && plan.hosts.iter().any(|h| !h.machine.is_local());
+    let later: Vec<(&str, &str)> = [
+        (addr_found, ("--master-addr", "<master address>")),
+        (
+            port_picked && plan.backend != Backend::Slurm,
+            ("--master-port", "<master port>"),
+        ),
+    ]
+    .into_iter()
+    .filter_map(|(found, pair)| found.then_some(pair))
+    .collect();
     let record = crate::experiment::record_to_come(&plan.log_directory, &plan.name);
     let _ = writeln!(out, "record: {}", record.display());
     if plan.max_restarts > 0 {
@@ -433,7 +447,12 @@ pub fn render(
             } else {
                 format!("gpu {}", join(&rank.gpus))
             };
-            let _ = writeln!(out, "  rank {}{stage} ({gpus}): {}", rank.rank, shown(&rank.argv));
+            let _ = writeln!(
+                out,
+                "  rank {}{stage} ({gpus}): {}",
+                rank.rank,
+                shown_planned(&rank.argv, &later)
+            );
         }
     }
     if let Some(slurm) = &plan.slurm {
@@ -514,6 +533,24 @@ fn join<T: ToString>(items: &[T]) -> String {
     items.iter().map(T::to_string).collect::<Vec<_>>().join(",")
 }
 
+/// [`shown`], with the value after each of `later`'s flags replaced by its placeholder (shown
+/// unquoted): what the launch finds.
+fn shown_planned(argv: &[String], later: &[(&str, &str)]) -> String {
+    let mut words = Vec::new();
+    let mut placeholder = None;
+    for (i, arg) in argv.iter().enumerate() {
+        match placeholder.take() {
+            Some(shown) => words.push(String::from(shown)),
+            None => words.push(shown(&argv[i..=i])),
+        }
+        placeholder = later
+            .iter()
+            .find(|(flag, _)| flag == arg)
+            .map(|(_, shown)| *shown);
+    }
+    words.join(" ")
+}
+
 /// A command line to read (never run): words with anything but plain characters single-quoted.
 fn shown(argv: &[String]) -> String {
     let word = |w: &String| {
@@ -574,6 +611,21 @@ mod tests {
     fn words_people_would_misread_are_quoted() {
         let argv = ["runtime", "--data", "a b", "it's", "--lr", "0.1"].map(String::from);
         assert_eq!(shown(&argv), r"runtime --data 'a b' 'it'\''s' --lr 0.1");
+        let argv: Vec<String> = [
+            "runtime",
+            "--master-port",
+            "29500",
+            "--master-addr",
+            "n1",
+            "--lr",
+            "0.1",
+        ]
+        .map(String::from)
+        .to_vec();
+        assert_eq!(
+            shown_planned(&argv, &[("--master-port", "<master port>")]),
+            "runtime --master-port <master port> --master-addr n1 --lr 0.1"
+        );
     }
 
     #[test]

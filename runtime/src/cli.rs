@@ -92,7 +92,8 @@ enum ReachSub {
 struct ProfileArgs {
     #[command(flatten)]
     model: ModelArgs,
-    /// Samples per measured batch (the minibatch the plan is for).
+    /// Samples per measured batch: one microbatch of the runs the plan is for (`driver plan`
+    /// plans minibatches of --microbatches times this; profile at the microbatch size).
     #[arg(long, default_value_t = stagehand_contract::defaults::BATCH_SIZE)]
     batch_size: usize,
     /// Device: cpu, cuda or cuda:N.

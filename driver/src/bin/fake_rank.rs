@@ -76,6 +76,7 @@ fn main() {
         first_module: 0,
         end_module: 3,
         stage_params: 100,
+        first_iteration: 0,
         config: RunConfig {
             model: "fake".into(),
             batch_size: batch_size as usize,

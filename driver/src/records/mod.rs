@@ -46,6 +46,9 @@ pub struct ResolvedRanks {
 pub struct ResolvedRank {
     /// The rank's stage; `None` without a stage config.
     pub stage: Option<usize>,
+    /// The rank's command line.
+    #[serde(default)]
+    pub argv: Vec<String>,
 }
 
 /// Reads a record's `config.resolved.json`.

@@ -104,6 +104,8 @@ pub struct Stats {
     restarts_at: BTreeSet<u64>,
     /// The ranks were started again and no iteration of theirs has arrived yet.
     restarting: bool,
+    /// The first iteration the ranks' `start` lines name, where they resumed (the earliest).
+    first_iteration: Option<u64>,
     /// Validation passes (`validate_every`), by the iteration they followed: every rank of the
     /// last stage reports the whole pass's figures, so the first report of a pass is kept.
     validation: BTreeMap<u64, ValidationFigures>,
@@ -116,6 +118,10 @@ impl Stats {
             Metrics::Start(s) => {
                 self.stage_of.insert(s.rank, s.stage);
                 self.num_stages = Some(s.num_stages);
+                if s.first_iteration > 0 {
+                    let first = self.first_iteration.get_or_insert(s.first_iteration);
+                    *first = (*first).min(s.first_iteration);
+                }
             }
             Metrics::Iteration(it) => {
                 if std::mem::take(&mut self.restarting) {
@@ -192,11 +198,13 @@ impl Stats {
     }
 
     /// The first iteration the last stage reported, where it is not the first of training: the
-    /// ranks resumed there from a checkpoint written before this run.
+    /// ranks resumed there from a checkpoint written before this run. Where no iteration came,
+    /// what the ranks' `start` lines said (a checkpoint that had done every iteration).
     pub fn resumed_at(&self) -> Option<u64> {
         self.per_iteration
             .first_key_value()
             .map(|(&i, _)| i)
+            .or(self.first_iteration)
             .filter(|&i| i > 0)
     }
 
@@ -436,6 +444,16 @@ mod tests {
             s.record(&it(i, 0, 0, 10.0));
         }
         assert_eq!(s.resumed_at(), None);
+        // Resumed where the run ends: no iteration, but the ranks' start lines say where.
+        let mut s = Stats::default();
+        for rank in 0..2 {
+            let line = format!(
+                r#"{{"event":"start","schema_version":1,"rank":{rank},"world_size":2,"stage":0,"num_stages":1,"num_modules":6,"num_params":10,"first_module":0,"end_module":6,"stage_params":10,"first_iteration":20,"config":{{"model":"mlp","batch_size":8,"iterations":20,"lr":0.1,"optimizer":"sgd","seed":0,"data":"synthetic","device":"cpu","threads":1}}}}"#
+            );
+            s.record(&Metrics::parse_line(&line).unwrap());
+        }
+        assert_eq!(s.resumed_at(), Some(20));
+        assert_eq!(s.iterations_done(), 0);
     }
 
     /// Iterations a rank said the profiler slowed are left out of the throughput while others

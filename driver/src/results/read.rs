@@ -287,7 +287,10 @@ pub fn record(dir: &Path) -> Row {
         stages: Some(stages),
         replicas,
         schedule: file.schedule.map(|s| s.as_arg().to_string()),
-        microbatches: file.microbatches.or(plan.map(|p| p.microbatches)),
+        microbatches: file
+            .microbatches
+            .or(plan.map(|p| p.microbatches))
+            .or_else(|| microbatches_run(&resolved.plan.ranks, file.command.is_some())),
         batch,
         throughput: summary.throughput.clone(),
         predicted: plan
@@ -304,9 +307,37 @@ pub fn record(dir: &Path) -> Row {
         skipped_steps: summary.skipped_steps,
         restarts: Some(summary.restarts.len() as u64),
         status,
-        note: note(&summary),
+        note: note(&summary, checkpoint_dir(&resolved.plan.ranks)),
         experiment,
     }
+}
+
+/// The folder the runtime's ranks checkpoint in (`--checkpoint-dir`), if they do.
+fn checkpoint_dir(ranks: &[ResolvedRank]) -> Option<&str> {
+    ranks
+        .first()?
+        .argv
+        .windows(2)
+        .find(|w| w[0] == "--checkpoint-dir")
+        .map(|w| w[1].as_str())
+}
+
+/// The microbatches the runtime's ranks split each minibatch into where the file left them to
+/// the driver or the runtime: the ranks' `--microbatches`, else the runtime's default, as many
+/// as the stages or the replicas of the widest stage, whichever is more. None for a `command:`.
+fn microbatches_run(ranks: &[ResolvedRank], command: bool) -> Option<u32> {
+    if command || ranks.is_empty() {
+        return None;
+    }
+    let given = ranks[0]
+        .argv
+        .windows(2)
+        .find(|w| w[0] == "--microbatches")
+        .and_then(|w| w[1].parse().ok());
+    given.or_else(|| {
+        let (stages, replicas) = layout(ranks);
+        u32::try_from(stages.max(replicas.into_iter().max().unwrap_or(1))).ok()
+    })
 }
 
 /// Stages and ranks per stage; without a stage config, one stage replicated on every rank.
@@ -321,19 +352,28 @@ fn layout(ranks: &[ResolvedRank]) -> (usize, Vec<usize>) {
 /// Why the run failed, how often its ranks were started again and after what, and how many of
 /// its steps fp16's gradient scaler skipped (a run whose steps were mostly skipped trained
 /// little, however fast it went).
-fn note(summary: &Summary) -> Option<String> {
+fn note(summary: &Summary, checkpoints: Option<&str>) -> Option<String> {
     let skipped = summary.skipped_steps.filter(|&n| n > 0).map(|n| {
         format!(
             "fp16 skipped {n} of {} steps (inf/nan gradients)",
             summary.iterations_done
         )
     });
-    // An interrupt is the status column's already.
-    let failure = summary
-        .failure
-        .as_ref()
-        .filter(|f| !matches!(f.cause, StopCause::Interrupted))
-        .map(|f| cause_text(&f.cause));
+    // The status column says it was interrupted; the note, how far it got and how to go on.
+    let failure = summary.failure.as_ref().map(|f| match f.cause {
+        StopCause::Interrupted => {
+            let n = summary.iterations_done;
+            let how_far = match n {
+                1 => "after 1 iteration".to_string(),
+                n => format!("after {n} iterations"),
+            };
+            match checkpoints {
+                Some(dir) => format!("{how_far}; `resume: true` goes on from its checkpoints in {dir}"),
+                None => how_far,
+            }
+        }
+        _ => cause_text(&f.cause),
+    });
     // A run that failed in the end says how often it was started again; one that went on to
     // succeed, after what.
     let restarts = match (summary.restarts.as_slice(), &failure) {
@@ -350,12 +390,16 @@ fn note(summary: &Summary) -> Option<String> {
             cause_text(&last.failure.cause)
         )),
     };
-    let resumed = summary.resumed_at.map(|first| {
-        let last = first + summary.iterations_done.saturating_sub(1);
-        format!(
+    let resumed = summary.resumed_at.map(|first| match summary.iterations_done {
+        0 => format!(
+            "resumed at iteration {first} from an earlier run's checkpoint, where the run ends: \
+             nothing was left to run"
+        ),
+        done => format!(
             "resumed at iteration {first} from an earlier run's checkpoint: its figures cover \
-             iterations {first} to {last}"
-        )
+             iterations {first} to {}",
+            first + done - 1
+        ),
     });
     // Still `running`, with its driver gone: nobody will close the record.
     let abandoned = summary
@@ -516,4 +560,81 @@ fn point_row(
         repeat: entry.repeat,
     });
     row
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rank(stage: Option<usize>, argv: &[&str]) -> ResolvedRank {
+        ResolvedRank {
+            stage,
+            argv: argv.iter().map(|a| a.to_string()).collect(),
+        }
+    }
+
+    /// A data-parallel run whose file gives no microbatches shows what its ranks ran: the
+    /// driver's `--microbatches`, else the runtime's default (the stages or the widest stage's
+    /// replicas); a `command:` shows none.
+    #[test]
+    fn microbatches_are_what_the_ranks_ran() {
+        let replicas = [rank(None, &["runtime"]), rank(None, &["runtime"])];
+        assert_eq!(microbatches_run(&replicas, false), Some(2));
+        let pipeline = [rank(Some(0), &[]), rank(Some(1), &[]), rank(Some(2), &[])];
+        assert_eq!(microbatches_run(&pipeline, false), Some(3));
+        let given = [
+            rank(Some(0), &["runtime", "--microbatches", "8"]),
+            rank(Some(1), &[]),
+        ];
+        assert_eq!(microbatches_run(&given, false), Some(8));
+        assert_eq!(microbatches_run(&replicas, true), None);
+    }
+
+    fn summary(status: &str, iterations_done: u64, extra: serde_json::Value) -> Summary {
+        let mut value = serde_json::json!({
+            "format_version": crate::records::summary::FORMAT_VERSION,
+            "id": "20261207T000000Z_x",
+            "name": "x",
+            "status": status,
+            "started_at": "2026-12-07T00:00:00Z",
+            "ended_at": null,
+            "duration_s": 1.0,
+            "backend": "process",
+            "world_size": 2,
+            "iterations_done": iterations_done,
+            "stages": [],
+            "ranks": [],
+        });
+        value
+            .as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        serde_json::from_value(value).unwrap()
+    }
+
+    /// An interrupted record says how far it got and, where it checkpoints, how to go on; a run
+    /// resumed where it ends says nothing was left to run.
+    #[test]
+    fn interrupted_and_finished_resumes_say_where_they_stand() {
+        let interrupted = summary(
+            "interrupted",
+            7,
+            serde_json::json!({"failure": {"cause": {"kind": "interrupted"}, "last_lines": []}}),
+        );
+        assert_eq!(note(&interrupted, None).as_deref(), Some("after 7 iterations"));
+        assert_eq!(
+            note(&interrupted, Some("/ck")).as_deref(),
+            Some("after 7 iterations; `resume: true` goes on from its checkpoints in /ck")
+        );
+        let nothing = summary("succeeded", 0, serde_json::json!({"resumed_at": 20}));
+        assert_eq!(
+            note(&nothing, None).as_deref(),
+            Some(
+                "resumed at iteration 20 from an earlier run's checkpoint, where the run ends: \
+                 nothing was left to run"
+            )
+        );
+        let some = summary("succeeded", 5, serde_json::json!({"resumed_at": 20}));
+        assert!(note(&some, None).unwrap().ends_with("iterations 20 to 24"));
+    }
 }

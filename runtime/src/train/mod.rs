@@ -826,7 +826,11 @@ pub fn check<W: Write>(config: &TrainConfig, out: &mut W) -> anyhow::Result<()> 
         "modules": checked.model.num_modules(),
         "world_size": config.dist.world_size,
         "stages": checked.plan.stages.iter().map(|s| s.ranks.len()).collect::<Vec<_>>(),
-        "schedule": config.dist.schedule.to_string(),
+        // As the run's `start` line says it: none where there is one stage.
+        "schedule": match checked.plan.stages.len() {
+            1 => "none".to_string(),
+            _ => config.dist.schedule.to_string(),
+        },
         "microbatches": checked.microbatches,
     });
     // Where this rank would resume (`--resume`): the iterations its checkpoint has done, or 0
@@ -1091,6 +1095,7 @@ pub fn run<W: Write>(config: &TrainConfig, out: &mut Emitter<W>) -> anyhow::Resu
         first_module: my_stage.modules.start,
         end_module: my_stage.modules.end,
         stage_params: executor.stage.num_params(),
+        first_iteration: first,
         config: RunConfig {
             validation_batches,
             ..config.to_run_config(
