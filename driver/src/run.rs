@@ -20,6 +20,17 @@ use crate::reporters::terminal::{Intervals, TerminalReporter};
 use crate::reporters::{Reporter, Reporters};
 use crate::signals::StopSignals;
 
+/// What a preflight error says first: a refusal of the file's request is the file's to change
+/// (exit 2), a failed check of the hosts the hosts' (exit 3).
+fn preflight_heading(e: &LaunchError) -> &'static str {
+    match e {
+        LaunchError::RequestRefused { .. } | LaunchError::SettingRefused { .. } => {
+            "the experiment was refused before anything started"
+        }
+        _ => "preflight failed; nothing was started",
+    }
+}
+
 /// Why a run did not succeed.
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
@@ -27,7 +38,7 @@ pub enum RunError {
     Config(#[from] ConfigError),
     #[error("cannot pick a free master port on this machine")]
     Port(#[source] std::io::Error),
-    #[error("preflight failed; nothing was started")]
+    #[error("{}", preflight_heading(.0))]
     Preflight(#[source] LaunchError),
     #[error("cannot start the ranks; every rank started so far was stopped")]
     Launch(#[source] LaunchError),

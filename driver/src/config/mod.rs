@@ -70,6 +70,18 @@ pub struct ExperimentFile {
     /// Hidden width of the MLP, hidden size of the transformer (`--hidden`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hidden: Option<u32>,
+    /// Attention heads of the transformer (`--heads`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub heads: Option<u32>,
+    /// Tokens per sample of the transformer (`--seq-len`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seq_len: Option<u32>,
+    /// Vocabulary of the transformer (`--vocab-size`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vocab_size: Option<u32>,
+    /// Dropout of the transformer, a probability (`--dropout`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dropout: Option<f64>,
     /// Hidden units each layer of `sparse_mlp` keeps per sample, handed on as sparse COO tensors
     /// (`--active-units`).
     #[serde(default, skip_serializing_if = "Option::is_none")]

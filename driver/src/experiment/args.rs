@@ -312,6 +312,10 @@ fn model_flags(ctx: &ArgsContext, argv: &mut Vec<String>) {
     flag("layers", f.layers.map(|v| v.to_string()));
     flag("hidden", f.hidden.map(|v| v.to_string()));
     flag("active-units", f.active_units.map(|v| v.to_string()));
+    flag("heads", f.heads.map(|v| v.to_string()));
+    flag("seq-len", f.seq_len.map(|v| v.to_string()));
+    flag("vocab-size", f.vocab_size.map(|v| v.to_string()));
+    flag("dropout", f.dropout.map(|v| v.to_string()));
 }
 
 /// The `--data` value: `synthetic`, or the folder made absolute (the same path on every host,

@@ -1092,6 +1092,10 @@ fn check_pipedream_keys(loaded: &Loaded) -> Result<(), ConfigError> {
         ("momentum", f.momentum.is_some()),
         ("nesterov", f.nesterov == Some(true)),
         ("comm_timeout", f.comm_timeout.is_some()),
+        ("heads", f.heads.is_some()),
+        ("seq_len", f.seq_len.is_some()),
+        ("vocab_size", f.vocab_size.is_some()),
+        ("dropout", f.dropout.is_some()),
     ];
     if let (Some(_), Some((key, _))) = (&f.command, runtime_keys.iter().find(|(_, given)| *given)) {
         return Err(loaded.error_at(

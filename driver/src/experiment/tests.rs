@@ -123,6 +123,20 @@ fn sparse_mlps_active_units_reach_every_rank() {
     }
 }
 
+/// The transformer's sizes are experiment keys, handed on as the runtime's flags.
+#[test]
+fn the_transformers_sizes_reach_every_rank() {
+    let plan = plan_per_rank(
+        "machines: [localhost, localhost]\nmodule: transformer\nheads: 4\nseq_len: 64\nvocab_size: 1000\ndropout: 0.1\n",
+    );
+    for rank in &plan.ranks {
+        assert_eq!(flag(&rank.argv, "--heads"), Some("4"));
+        assert_eq!(flag(&rank.argv, "--seq-len"), Some("64"));
+        assert_eq!(flag(&rank.argv, "--vocab-size"), Some("1000"));
+        assert_eq!(flag(&rank.argv, "--dropout"), Some("0.1"));
+    }
+}
+
 #[test]
 fn precision_and_channels_last_reach_every_rank() {
     let plan = plan_per_rank(
