@@ -31,12 +31,17 @@ type Pairs = BTreeMap<(Channel, usize, usize), (Vec<Content>, Vec<Content>)>;
 fn lanes(what: &str, runs: &[Run]) -> BTreeMap<(Channel, usize, usize), Lane> {
     let mut lanes: BTreeMap<(Channel, usize, usize), Lane> = BTreeMap::new();
     let mut next_seq: BTreeMap<(usize, Channel, P2pOp, usize), u64> = BTreeMap::new();
+    // A failure shows every rank's end: the rank that failed first may only say another never
+    // came (a rendezvous timed out).
+    if runs.iter().any(|run| !run.output.status.success()) {
+        let ends: Vec<String> = runs
+            .iter()
+            .enumerate()
+            .map(|(rank, run)| format!("rank {rank} ({}):\n{}", run.output.status, run.stderr()))
+            .collect();
+        panic!("{what}: a rank failed:\n{}", ends.join("\n"));
+    }
     for (rank, run) in runs.iter().enumerate() {
-        assert!(
-            run.output.status.success(),
-            "{what}: rank {rank} failed:\n{}",
-            run.stderr()
-        );
         for event in &run.events {
             let Event::P2p(P2p {
                 rank: from,

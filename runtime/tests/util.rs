@@ -161,6 +161,18 @@ pub fn two_stages(dir: &Path) -> String {
 
 /// A loopback port nobody listens on right now.
 pub fn free_port() -> u16 {
+    // Drawn below the kernel's ephemeral range (32768 and up here), as the driver draws its
+    // master ports: a port the kernel handed out for `:0` is free again once released, for any
+    // of the tests' many outgoing connections to take as its own while the ranks start. Under
+    // the driver's range (30000 up), so that its tests do not draw the same, and under 29000,
+    // clear of the default master port (29500).
+    let draw = std::collections::hash_map::RandomState::new();
+    for n in 0..64u64 {
+        let port = 20_000 + (std::hash::BuildHasher::hash_one(&draw, n) % 9_000) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -229,12 +241,14 @@ pub fn run_ranks_each(
 /// [`run_ranks`], asserting every rank succeeded (`what` says which run failed).
 pub fn run_ranks_ok(world: usize, args: &[&str], limit: std::time::Duration, what: &str) -> Vec<Run> {
     let runs = run_ranks(world, args, limit);
-    for (rank, run) in runs.iter().enumerate() {
-        assert!(
-            run.output.status.success(),
-            "{what}: rank {rank} failed:\n{}",
-            run.stderr()
-        );
+    // Every rank's end: the rank that failed first may only say another never came.
+    if runs.iter().any(|run| !run.output.status.success()) {
+        let ends: Vec<String> = runs
+            .iter()
+            .enumerate()
+            .map(|(rank, run)| format!("rank {rank} ({}):\n{}", run.output.status, run.stderr()))
+            .collect();
+        panic!("{what}: a rank failed:\n{}", ends.join("\n"));
     }
     runs
 }

@@ -427,29 +427,22 @@ pub(super) fn cause_text(cause: &StopCause) -> String {
             host,
             exit_code,
             out_of_memory,
-            silent_peer: Some(peer),
-        } => format!(
-            "{}; rank {rank} on {host} {}",
-            peer.describe(*rank),
-            match exit_code {
-                Some(code) => format!("exited with code {code}{}", memory_note(*out_of_memory)),
+            silent_peer,
+        } => {
+            let ended = match exit_code {
+                Some(code) => format!(
+                    "exited with code {code}{}{}",
+                    memory_note(*out_of_memory),
+                    command_note(*exit_code)
+                ),
                 None => "was killed".into(),
+            };
+            match silent_peer {
+                // The rank to look at first.
+                Some(peer) => format!("{}; rank {rank} on {host} {ended}", peer.describe(*rank)),
+                None => format!("rank {rank} on {host} {ended}"),
             }
-        ),
-        StopCause::RankFailed {
-            rank,
-            host,
-            exit_code,
-            out_of_memory,
-            silent_peer: None,
-        } => match exit_code {
-            Some(code) => format!(
-                "rank {rank} on {host} exited with code {code}{}{}",
-                memory_note(*out_of_memory),
-                command_note(*exit_code)
-            ),
-            None => format!("rank {rank} on {host} was killed"),
-        },
+        }
         StopCause::HostLost { host, reason } => format!("host {host} was lost: {reason}"),
         StopCause::Interrupted => "interrupted".into(),
         StopCause::ProfileFailed {
