@@ -786,6 +786,24 @@ fn momentum_nesterov_and_the_comm_timeout_reach_the_runtime() {
     .unwrap_err()
     .to_string();
     assert!(e.contains("`comm_timeout` is the runtime's"), "{e}");
+    // The model's sizes too: a `command:` never sees them.
+    for key in [
+        "layers: 2",
+        "hidden: 64",
+        "image_size: 32",
+        "num_classes: 10",
+        "heads: 4",
+        "dropout: 0.1",
+    ] {
+        let e = resolve_text(
+            &format!("machines: [localhost]\ncommand: [/bin/true]\n{key}\n"),
+            &o,
+        )
+        .unwrap_err()
+        .to_string();
+        let name = key.split(':').next().unwrap();
+        assert!(e.contains(&format!("`{name}` is the runtime's")), "{key}: {e}");
+    }
 }
 
 #[test]
