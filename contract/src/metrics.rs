@@ -531,6 +531,16 @@ pub enum P2pOp {
     Recv,
 }
 
+impl P2pOp {
+    /// `send` or `recv`, as the lines spell it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            P2pOp::Send => "send",
+            P2pOp::Recv => "recv",
+        }
+    }
+}
+
 /// The process group a point-to-point operation runs on: one per direction of the pipeline.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

@@ -241,11 +241,7 @@ fn local_checkpoint_dirs(plan: &Experiment) -> Vec<PathBuf> {
         .iter()
         .filter(|r| plan.hosts[r.host].machine.is_local())
     {
-        let dir = rank
-            .argv
-            .windows(2)
-            .find(|w| w[0] == "--checkpoint-dir")
-            .map(|w| PathBuf::from(&w[1]));
+        let dir = experiment::flag_value(&rank.argv, "--checkpoint-dir").map(PathBuf::from);
         if let Some(dir) = dir.filter(|d| !dirs.contains(d)) {
             dirs.push(dir);
         }

@@ -104,14 +104,13 @@ impl SilentPeer {
     /// `rank 1 on HOST did not answer rank 0's recv for 8 s (comm_timeout), though still running:
     /// stuck, or itself waiting on another rank`.
     pub fn describe(&self, waiting: usize) -> String {
-        let op = match self.op {
-            stagehand_contract::P2pOp::Send => "send",
-            stagehand_contract::P2pOp::Recv => "recv",
-        };
         format!(
-            "rank {} on {} did not answer rank {waiting}'s {op} for {} s (comm_timeout), though still \
+            "rank {} on {} did not answer rank {waiting}'s {} for {} s (comm_timeout), though still \
              running: stuck, or itself waiting on another rank",
-            self.rank, self.host, self.timeout_s
+            self.rank,
+            self.host,
+            self.op.as_str(),
+            self.timeout_s
         )
     }
 }

@@ -480,6 +480,15 @@ impl TrainConfig {
         matches!(self.data, DataSpec::ImageFolder(_))
     }
 
+    /// The schedule as the `start` event and `--check` report it: `none` over one stage.
+    pub fn schedule_reported(&self, stages: usize) -> String {
+        if stages > 1 {
+            self.dist.schedule.to_string()
+        } else {
+            "none".into()
+        }
+    }
+
     /// The configuration as the `start` event reports it.
     pub fn to_run_config(
         &self,
@@ -500,11 +509,7 @@ impl TrainConfig {
             data_workers: self.image_folder().then_some(self.data_workers),
             device: self.device.to_string(),
             threads,
-            schedule: if stages > 1 {
-                self.dist.schedule.to_string()
-            } else {
-                "none".into()
-            },
+            schedule: self.schedule_reported(stages),
             microbatches,
             precision: self.precision.to_string(),
             fp16_init_scale: (self.precision == Precision::Fp16).then_some(self.fp16_init_scale),

@@ -46,7 +46,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::config::{Command, DeviceSpec};
 
-use stagehand_contract::{Event, P2pOp, PeerSilent};
+use stagehand_contract::{Event, PeerSilent};
 
 use stagehand_contract::exit_codes::{
     FAILED as EXIT_FAILED, REFUSED as EXIT_USAGE, TERMINATED as EXIT_TERMINATED,
@@ -149,10 +149,7 @@ fn peer_silent(e: &anyhow::Error, rank: usize, timeout: std::time::Duration) -> 
     Some(Event::PeerSilent(PeerSilent {
         rank,
         peer,
-        op: match op {
-            "send" => P2pOp::Send,
-            _ => P2pOp::Recv,
-        },
+        op,
         timeout_s: timeout.as_secs_f64(),
     }))
 }

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use stagehand_contract::{Channel, Event, P2p, P2pOp, P2pTensor, StageConfig};
 
-use crate::util::{run_ranks, Run};
+use crate::util::{assert_every_rank_succeeded, run_ranks, Run};
 
 const LIMIT: Duration = Duration::from_secs(120);
 
@@ -31,16 +31,7 @@ type Pairs = BTreeMap<(Channel, usize, usize), (Vec<Content>, Vec<Content>)>;
 fn lanes(what: &str, runs: &[Run]) -> BTreeMap<(Channel, usize, usize), Lane> {
     let mut lanes: BTreeMap<(Channel, usize, usize), Lane> = BTreeMap::new();
     let mut next_seq: BTreeMap<(usize, Channel, P2pOp, usize), u64> = BTreeMap::new();
-    // A failure shows every rank's end: the rank that failed first may only say another never
-    // came (a rendezvous timed out).
-    if runs.iter().any(|run| !run.output.status.success()) {
-        let ends: Vec<String> = runs
-            .iter()
-            .enumerate()
-            .map(|(rank, run)| format!("rank {rank} ({}):\n{}", run.output.status, run.stderr()))
-            .collect();
-        panic!("{what}: a rank failed:\n{}", ends.join("\n"));
-    }
+    assert_every_rank_succeeded(what, runs);
     for (rank, run) in runs.iter().enumerate() {
         for event in &run.events {
             let Event::P2p(P2p {

@@ -241,7 +241,13 @@ pub fn run_ranks_each(
 /// [`run_ranks`], asserting every rank succeeded (`what` says which run failed).
 pub fn run_ranks_ok(world: usize, args: &[&str], limit: std::time::Duration, what: &str) -> Vec<Run> {
     let runs = run_ranks(world, args, limit);
-    // Every rank's end: the rank that failed first may only say another never came.
+    assert_every_rank_succeeded(what, &runs);
+    runs
+}
+
+/// Asserts that every rank of `runs` succeeded; where one did not, shows every rank's end (the
+/// rank that failed first may only say another never came).
+pub fn assert_every_rank_succeeded(what: &str, runs: &[Run]) {
     if runs.iter().any(|run| !run.output.status.success()) {
         let ends: Vec<String> = runs
             .iter()
@@ -250,7 +256,6 @@ pub fn run_ranks_ok(world: usize, args: &[&str], limit: std::time::Duration, wha
             .collect();
         panic!("{what}: a rank failed:\n{}", ends.join("\n"));
     }
-    runs
 }
 
 /// Runs the runtime with `args`, which must fail; returns its stdout and stderr together.

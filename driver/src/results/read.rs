@@ -290,7 +290,7 @@ pub fn record(dir: &Path) -> Row {
         microbatches: file
             .microbatches
             .or(plan.map(|p| p.microbatches))
-            .or_else(|| microbatches_run(&resolved.plan.ranks, file.command.is_some())),
+            .or_else(|| microbatches_run(dir)),
         batch,
         throughput: summary.throughput.clone(),
         predicted: plan
@@ -314,30 +314,20 @@ pub fn record(dir: &Path) -> Row {
 
 /// The folder the runtime's ranks checkpoint in (`--checkpoint-dir`), if they do.
 fn checkpoint_dir(ranks: &[ResolvedRank]) -> Option<&str> {
-    ranks
-        .first()?
-        .argv
-        .windows(2)
-        .find(|w| w[0] == "--checkpoint-dir")
-        .map(|w| w[1].as_str())
+    crate::experiment::flag_value(&ranks.first()?.argv, "--checkpoint-dir")
 }
 
-/// The microbatches the runtime's ranks split each minibatch into where the file left them to
-/// the driver or the runtime: the ranks' `--microbatches`, else the runtime's default, as many
-/// as the stages or the replicas of the widest stage, whichever is more. None for a `command:`.
-fn microbatches_run(ranks: &[ResolvedRank], command: bool) -> Option<u32> {
-    if command || ranks.is_empty() {
-        return None;
+/// The microbatches the ranks split each minibatch into where the file left them to the driver
+/// or the runtime, as the first line of the record's `metrics.jsonl` (a rank's `start`) says;
+/// none where no runtime rank started (a `command:` prints no `start`).
+fn microbatches_run(dir: &Path) -> Option<u32> {
+    let file = std::fs::File::open(dir.join("metrics.jsonl")).ok()?;
+    let mut first = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(file), &mut first).ok()?;
+    match stagehand_contract::Event::parse_line(&first)? {
+        stagehand_contract::Event::Start(start) => u32::try_from(start.config.microbatches).ok(),
+        _ => None,
     }
-    let given = ranks[0]
-        .argv
-        .windows(2)
-        .find(|w| w[0] == "--microbatches")
-        .and_then(|w| w[1].parse().ok());
-    given.or_else(|| {
-        let (stages, replicas) = layout(ranks);
-        u32::try_from(stages.max(replicas.into_iter().max().unwrap_or(1))).ok()
-    })
 }
 
 /// Stages and ranks per stage; without a stage config, one stage replicated on every rank.
@@ -559,28 +549,23 @@ fn point_row(
 mod tests {
     use super::*;
 
-    fn rank(stage: Option<usize>, argv: &[&str]) -> ResolvedRank {
-        ResolvedRank {
-            stage,
-            argv: argv.iter().map(|a| a.to_string()).collect(),
-        }
-    }
-
-    /// A data-parallel run whose file gives no microbatches shows what its ranks ran: the
-    /// driver's `--microbatches`, else the runtime's default (the stages or the widest stage's
-    /// replicas); a `command:` shows none.
+    /// A run whose file gives no microbatches shows what its ranks ran, as their `start` line
+    /// says; a record with no `start` first (a `command:`'s, or none written) shows none.
     #[test]
     fn microbatches_are_what_the_ranks_ran() {
-        let replicas = [rank(None, &["runtime"]), rank(None, &["runtime"])];
-        assert_eq!(microbatches_run(&replicas, false), Some(2));
-        let pipeline = [rank(Some(0), &[]), rank(Some(1), &[]), rank(Some(2), &[])];
-        assert_eq!(microbatches_run(&pipeline, false), Some(3));
-        let given = [
-            rank(Some(0), &["runtime", "--microbatches", "8"]),
-            rank(Some(1), &[]),
-        ];
-        assert_eq!(microbatches_run(&given, false), Some(8));
-        assert_eq!(microbatches_run(&replicas, true), None);
+        let dir = tempfile::tempdir().unwrap();
+        assert_eq!(microbatches_run(dir.path()), None, "no metrics.jsonl");
+        let start = |microbatches: usize| {
+            format!(
+                r#"{{"event":"start","schema_version":1,"rank":0,"world_size":2,"stage":0,"num_stages":1,"num_modules":6,"num_params":10,"first_module":0,"end_module":6,"stage_params":10,"config":{{"model":"mlp","batch_size":8,"iterations":2,"lr":0.1,"optimizer":"sgd","seed":0,"data":"synthetic","device":"cpu","threads":1,"microbatches":{microbatches}}}}}"#
+            )
+        };
+        for microbatches in [2, 3, 8] {
+            std::fs::write(dir.path().join("metrics.jsonl"), start(microbatches) + "\n").unwrap();
+            assert_eq!(microbatches_run(dir.path()), Some(microbatches as u32));
+        }
+        std::fs::write(dir.path().join("metrics.jsonl"), "step 1 loss 0.5\n").unwrap();
+        assert_eq!(microbatches_run(dir.path()), None, "a command's own lines");
     }
 
     fn summary(status: &str, iterations_done: u64, extra: serde_json::Value) -> Summary {

@@ -33,6 +33,8 @@ mod watch;
 
 use std::time::Duration;
 
+use stagehand_contract::P2pOp;
+
 use crate::ffi;
 
 pub use group::{ProcessGroup, Work};
@@ -63,16 +65,22 @@ pub enum CommError {
 
 impl CommError {
     /// The peer a point-to-point operation waited for until its timeout ran out, and which way
-    /// it went (`"send"` or `"recv"`); not a peer that closed the connection, which failed itself.
-    pub fn silent_peer(&self) -> Option<(usize, &'static str)> {
-        match self {
-            CommError::Op {
-                op: op @ ("send" | "recv"),
-                peer: Some(peer),
-                reason,
-            } if reason.to_lowercase().contains("timed out") => Some((*peer, *op)),
-            _ => None,
-        }
+    /// it went; not a peer that closed the connection, which failed itself.
+    pub fn silent_peer(&self) -> Option<(usize, P2pOp)> {
+        let CommError::Op {
+            op,
+            peer: Some(peer),
+            reason,
+        } = self
+        else {
+            return None;
+        };
+        let op = match *op {
+            "send" => P2pOp::Send,
+            "recv" => P2pOp::Recv,
+            _ => return None,
+        };
+        reason.to_lowercase().contains("timed out").then_some((*peer, op))
     }
 }
 

@@ -6,6 +6,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use stagehand_contract::P2pOp;
 use tch::{Kind, Tensor};
 
 use super::{CommError, ProcessGroup, Store, Watched};
@@ -295,7 +296,7 @@ fn a_watched_operation_keeps_the_timeout_from_its_wait_and_leaves_the_group_usab
             let err = err.to_string();
             let waited = started.elapsed();
             assert!(err.contains("timed out") && err.contains("rank 0"), "{err}");
-            assert_eq!(silent, Some((0, "recv")), "{err}");
+            assert_eq!(silent, Some((0, P2pOp::Recv)), "{err}");
             assert!(waited >= timeout * 9 / 10 && waited < timeout * 3, "{waited:?}");
             // Dropped unwaited: aborted, not waited out.
             let mut dropped = sent.zeros_like();
@@ -512,7 +513,7 @@ fn recv_from_a_silent_rank_times_out() {
             assert!(elapsed >= Duration::from_millis(900), "{elapsed:?} {err}");
             assert!(elapsed < Duration::from_secs(4), "{elapsed:?} {err}");
             assert!(err.to_string().contains("rank 1"), "{err}");
-            assert_eq!(err.silent_peer(), Some((1, "recv")), "{err}");
+            assert_eq!(err.silent_peer(), Some((1, P2pOp::Recv)), "{err}");
         }
         // Keep rank 1's group alive (and silent) until rank 0 has seen the timeout.
         store.set(&format!("silent/{rank}"), b"done").unwrap();

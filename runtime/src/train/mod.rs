@@ -826,11 +826,7 @@ pub fn check<W: Write>(config: &TrainConfig, out: &mut W) -> anyhow::Result<()> 
         "modules": checked.model.num_modules(),
         "world_size": config.dist.world_size,
         "stages": checked.plan.stages.iter().map(|s| s.ranks.len()).collect::<Vec<_>>(),
-        // As the run's `start` line says it: none where there is one stage.
-        "schedule": match checked.plan.stages.len() {
-            1 => "none".to_string(),
-            _ => config.dist.schedule.to_string(),
-        },
+        "schedule": config.schedule_reported(checked.plan.stages.len()),
         "microbatches": checked.microbatches,
     });
     // Where this rank would resume (`--resume`): the iterations its checkpoint has done, or 0
