@@ -23,11 +23,25 @@ use crate::util::{
     wait_with_deadline, workspace, Harness,
 };
 
-/// SLURM_CONF of the test cluster, started (idempotently) on first use.
+/// Stops the test cluster as this test binary exits: registered where [`slurm_conf`] started
+/// it. Under `scripts/test`, which starts the cluster before the tests and stops it after them,
+/// it is already up and left to the script.
+extern "C" fn stop_the_cluster_started_here() {
+    let _ = Command::new(workspace().join("scripts/slurm-cluster"))
+        .arg("down")
+        .output();
+}
+
+/// SLURM_CONF of the test cluster, started (idempotently) on first use; a cluster started here
+/// is stopped when the tests are done.
 fn slurm_conf() -> &'static str {
     static CONF: OnceLock<String> = OnceLock::new();
     CONF.get_or_init(|| {
         let script = workspace().join("scripts/slurm-cluster");
+        let was_up = Command::new(&script)
+            .arg("status")
+            .output()
+            .is_ok_and(|out| out.status.success());
         let up = Command::new(&script)
             .arg("up")
             .output()
@@ -38,6 +52,10 @@ fn slurm_conf() -> &'static str {
              failed (it needs root and Debian's slurm-wlm and munge):\n{}",
             String::from_utf8_lossy(&up.stderr)
         );
+        if !was_up {
+            // SAFETY: registers a plain function to run at exit; it touches no state of ours.
+            unsafe { nix::libc::atexit(stop_the_cluster_started_here) };
+        }
         let env = Command::new(&script)
             .arg("env")
             .output()
